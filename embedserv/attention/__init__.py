@@ -1,0 +1,1 @@
+"""Attention: one layer that reads the forward context, and interchangeable backends behind it."""

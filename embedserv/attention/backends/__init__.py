@@ -1,0 +1,1 @@
+"""Attention backends. Each computes the same function; `naive` is the oracle the others are tested against."""

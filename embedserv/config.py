@@ -1,0 +1,87 @@
+"""Typed configuration, parsed once at the edge (cli.py) and validated here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from embedserv.errors import ConfigError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+POOLING_MODES = ("cls", "mean", "lasttoken", "max")
+
+
+def _check_device(device: str) -> None:
+    if device == "cpu" or device == "cuda":
+        return
+    if device.startswith("cuda:") and device[5:].isdigit():
+        return
+    raise ConfigError(f"--device must be cpu, cuda or cuda:N, not {device!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One served model: where its files are and how to run it."""
+
+    path: str
+    served_name: str
+    device: str = "cpu"
+    dtype: str = "auto"
+    # None lets the selector pick the fastest backend that can run here.
+    attention_backend: str | None = None
+    # None reads the pooling from the model's sentence-transformers files.
+    pooling: str | None = None
+    max_batch_tokens: int = 16384
+    max_batch_requests: int = 512
+
+    def __post_init__(self) -> None:
+        if not self.served_name:
+            raise ConfigError(f"model {self.path!r} needs a non-empty served name")
+        _check_device(self.device)
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.pooling is not None and self.pooling not in POOLING_MODES:
+            raise ConfigError(f"--pooling must be one of {', '.join(POOLING_MODES)}, not {self.pooling!r}")
+        if self.max_batch_tokens < 1:
+            raise ConfigError(f"--max-batch-tokens must be at least 1, not {self.max_batch_tokens}")
+        if self.max_batch_requests < 1:
+            raise ConfigError(f"--max-batch-requests must be at least 1, not {self.max_batch_requests}")
+
+    @property
+    def torch_dtype_name(self) -> str:
+        """The dtype `auto` resolves to: float32 on CPU, bfloat16 on CUDA."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.device == "cpu" else "bfloat16"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The gRPC server and its limits; models are served in the order given."""
+
+    models: tuple[ModelConfig, ...]
+    host: str = "127.0.0.1"
+    port: int = 50051
+    # Inputs (not calls) in flight across all models; past it calls fail with RESOURCE_EXHAUSTED.
+    max_concurrent_requests: int = 512
+    # Inputs one call may carry.
+    max_client_batch_size: int = 256
+    tokenizer_threads: int = 1
+    log_level: str = "info"
+    models_by_name: dict[str, ModelConfig] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ConfigError("at least one --model is needed")
+        names = [m.served_name for m in self.models]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ConfigError(f"served model names must be unique; repeated: {', '.join(duplicates)}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be in 0..65535, not {self.port}")
+        if self.max_concurrent_requests < 1:
+            raise ConfigError("--max-concurrent-requests must be at least 1")
+        if self.max_client_batch_size < 1:
+            raise ConfigError("--max-client-batch-size must be at least 1")
+        if self.tokenizer_threads < 1:
+            raise ConfigError("--tokenizer-threads must be at least 1")
+        object.__setattr__(self, "models_by_name", {m.served_name: m for m in self.models})

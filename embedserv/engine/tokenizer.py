@@ -1,0 +1,120 @@
+"""Tokenization exactly as the reference libraries do it, with our own truncation and limit checks.
+
+The tokenizer is built by transformers' AutoTokenizer (so model types whose tokenizer class transformers
+forces come out the same), and its Rust backend does the work. Texts are encoded without special tokens,
+truncated here (per request, either side), then post-processed to add the special tokens: the same steps
+the backend takes when it truncates itself, without sharing mutable truncation state between requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import tokenizers
+from transformers import AutoTokenizer
+
+from embedserv.engine.types import TokenizedText
+from embedserv.errors import InvalidInput
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One text ready for the scheduler."""
+
+    ids: list[int]
+    # Tokens at the start that pooling skips (the prompt, when the model excludes it).
+    pool_start: int
+
+
+class TextTokenizer:
+    def __init__(
+        self,
+        model_dir: Path,
+        max_input_tokens: int,
+        do_lower_case: bool = False,
+        prompts: dict[str, str] | None = None,
+        default_prompt_name: str | None = None,
+        include_prompt: bool = True,
+    ) -> None:
+        hf_tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        if not hf_tokenizer.is_fast:
+            raise ValueError(f"{model_dir}: a fast (tokenizer.json) tokenizer is required")
+        # A private copy: padding and truncation are mutable settings of the Rust object.
+        self._backend = tokenizers.Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str())
+        self._backend.no_padding()
+        self._backend.no_truncation()
+        self._special_ids = set(hf_tokenizer.all_special_ids)
+        self._num_special = self._backend.num_special_tokens_to_add(False)
+        self.max_input_tokens = max_input_tokens
+        self.do_lower_case = do_lower_case
+        self.prompts = dict(prompts or {})
+        self.default_prompt_name = default_prompt_name
+        self.include_prompt = include_prompt
+        self._prompt_lengths: dict[str, int] = {}
+
+    def resolve_prompt(self, prompt_name: str | None) -> str:
+        """The prompt text for a name; None means the model's default prompt (if any)."""
+        name = prompt_name or self.default_prompt_name
+        if not name:
+            return ""
+        if name not in self.prompts:
+            known = ", ".join(sorted(self.prompts)) if self.prompts else "none: this model defines no prompts"
+            raise InvalidInput(f"unknown prompt_name {name!r}; known prompt names: {known}")
+        return self.prompts[name]
+
+    def _prompt_pool_start(self, prompt: str) -> int:
+        """Prompt tokens to skip in pooling; like sentence-transformers, a trailing special token is not one."""
+        if not prompt or self.include_prompt:
+            return 0
+        if prompt not in self._prompt_lengths:
+            ids = self._backend.encode(self._prepare(prompt), add_special_tokens=True).ids
+            length = len(ids) - (1 if ids and ids[-1] in self._special_ids else 0)
+            self._prompt_lengths[prompt] = length
+        return self._prompt_lengths[prompt]
+
+    def _prepare(self, text: str) -> str:
+        return text.lower() if self.do_lower_case else text
+
+    def encode_batch(
+        self,
+        texts: list[str],
+        truncate: bool,
+        direction: str = "right",
+        prompt_name: str | None = None,
+    ) -> list[Encoded]:
+        """Token ids with special tokens; too-long texts are cut (truncate) or refused."""
+        prompt = self.resolve_prompt(prompt_name)
+        pool_start = self._prompt_pool_start(prompt)
+        encodings = self._backend.encode_batch([self._prepare(prompt + t) for t in texts], add_special_tokens=False)
+        room = self.max_input_tokens - self._num_special
+        out = []
+        for index, encoding in enumerate(encodings):
+            if len(encoding.ids) > room:
+                if not truncate:
+                    raise InvalidInput(
+                        f"input {index} has {len(encoding.ids) + self._num_special} tokens, more than the "
+                        f"model's limit of {self.max_input_tokens}; shorten it or set truncate"
+                    )
+                encoding.truncate(room, direction=direction)
+            ids = self._backend.post_process(encoding, None, True).ids
+            out.append(Encoded(ids=ids, pool_start=pool_start))
+        return out
+
+    def tokenize(
+        self, texts: list[str], add_special_tokens: bool = True, prompt_name: str | None = None
+    ) -> list[TokenizedText]:
+        """Tokens with their text and character offsets, for the Tokenize RPC (no truncation)."""
+        prompt = self.resolve_prompt(prompt_name)
+        encodings = self._backend.encode_batch(
+            [self._prepare(prompt + t) for t in texts], add_special_tokens=add_special_tokens
+        )
+        return [
+            TokenizedText(
+                ids=list(e.ids),
+                tokens=list(e.tokens),
+                offsets=[tuple(o) for o in e.offsets],
+                special=[bool(m) for m in e.special_tokens_mask],
+            )
+            for e in encodings
+        ]

@@ -1,0 +1,29 @@
+"""Errors a request can end with. The server maps each to its gRPC status code."""
+
+
+class EmbedservError(Exception):
+    """Base class: the message is shown to the client as is, so it says what to change."""
+
+
+class InvalidInput(EmbedservError):
+    """The request itself is wrong (INVALID_ARGUMENT)."""
+
+
+class ModelNotFound(EmbedservError):
+    """The request names a model this server does not serve (NOT_FOUND)."""
+
+
+class Overloaded(EmbedservError):
+    """Too much work in flight; retry later (RESOURCE_EXHAUSTED)."""
+
+
+class NotReady(EmbedservError):
+    """The model is loading, or the engine has stopped (UNAVAILABLE)."""
+
+
+class Unsupported(EmbedservError):
+    """The served model or build cannot do this (UNIMPLEMENTED)."""
+
+
+class ConfigError(EmbedservError):
+    """Start-up configuration that cannot work; the server refuses to start."""

@@ -82,6 +82,11 @@ class ServerConfig:
             raise ConfigError("--max-concurrent-requests must be at least 1")
         if self.max_client_batch_size < 1:
             raise ConfigError("--max-client-batch-size must be at least 1")
+        if self.max_client_batch_size > self.max_concurrent_requests:
+            raise ConfigError(
+                f"--max-client-batch-size {self.max_client_batch_size} exceeds --max-concurrent-requests "
+                f"{self.max_concurrent_requests}: a full call could never be admitted"
+            )
         if self.tokenizer_threads < 1:
             raise ConfigError("--tokenizer-threads must be at least 1")
         object.__setattr__(self, "models_by_name", {m.served_name: m for m in self.models})

@@ -1,0 +1,5 @@
+import sys
+
+from embedserv.cli import main
+
+sys.exit(main())

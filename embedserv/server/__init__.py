@@ -1,0 +1,1 @@
+"""The gRPC surface: servicers, error mapping, health and reflection."""

@@ -1,0 +1,54 @@
+"""Which engines answer which model names, and how much work the server admits at once."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+from embedserv.engine.engine import Engine
+from embedserv.errors import ModelNotFound, NotReady, Overloaded
+
+
+class ServedModels:
+    """Model names in --model order; an empty name in a request means the first."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = list(names)
+        self._engines: dict[str, Engine] = {}
+
+    def add(self, engine: Engine) -> None:
+        self._engines[engine.info.name] = engine
+
+    @property
+    def engines(self) -> list[Engine]:
+        return [self._engines[n] for n in self.names if n in self._engines]
+
+    def get(self, name: str) -> Engine:
+        name = name or self.names[0]
+        if name not in self.names:
+            raise ModelNotFound(f"model {name!r} is not served here; served models: {', '.join(self.names)}")
+        engine = self._engines.get(name)
+        if engine is None or not engine.is_running:
+            raise NotReady(f"model {name!r} is still loading; retry when health reports SERVING")
+        return engine
+
+
+class InflightLimiter:
+    """Counts inputs (not calls) in flight; refuses at once past the limit rather than queue without bound."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_flight = 0
+
+    @contextmanager
+    def hold(self, count: int) -> Iterator[None]:
+        if self.in_flight + count > self.limit:
+            raise Overloaded(
+                f"server is at its limit of {self.limit} inputs in flight ({self.in_flight} now); "
+                "retry with backoff or send fewer inputs per call"
+            )
+        self.in_flight += count
+        try:
+            yield
+        finally:
+            self.in_flight -= count

@@ -1,0 +1,182 @@
+"""The embedserv.v1.Inference servicer: request validation, engine calls, response building."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from embedserv.config import ServerConfig
+from embedserv.engine.outputs import to_little_endian_bytes
+from embedserv.engine.types import EmbedParams, EmbedResult, ModelInfo, Task
+from embedserv.errors import InvalidInput, Unsupported
+from embedserv.server.errors import stream_errors, unary_errors
+from embedserv.server.registry import InflightLimiter, ServedModels
+from embedserv.v1 import embedserv_pb2 as pb
+from embedserv.v1 import embedserv_pb2_grpc as pb_grpc
+
+_DIRECTIONS = {pb.TRUNCATION_DIRECTION_RIGHT: "right", pb.TRUNCATION_DIRECTION_LEFT: "left"}
+_TASKS = {
+    Task.EMBED: pb.TASK_EMBED,
+    Task.RERANK: pb.TASK_RERANK,
+    Task.CLASSIFY: pb.TASK_CLASSIFY,
+    Task.GENERATE: pb.TASK_GENERATE,
+}
+# EmbedStream answers in order; this many requests of one stream may be in the engine at once.
+_STREAM_WINDOW = 16
+
+
+def embed_params(request: pb.EmbedRequest) -> EmbedParams:
+    if request.truncation_direction not in _DIRECTIONS:
+        raise InvalidInput(f"unknown truncation_direction {request.truncation_direction}; use RIGHT or LEFT")
+    if request.encoding not in (pb.ENCODING_FLOAT, pb.ENCODING_BYTES):
+        raise InvalidInput(f"unknown encoding {request.encoding}; use ENCODING_FLOAT or ENCODING_BYTES")
+    return EmbedParams(
+        normalize=request.normalize if request.HasField("normalize") else True,
+        truncate=request.truncate,
+        truncation_direction=_DIRECTIONS[request.truncation_direction],
+        dimensions=request.dimensions if request.HasField("dimensions") else None,
+        prompt_name=request.prompt_name or None,
+    )
+
+
+def embed_response(result: EmbedResult, encoding: int, model: str, received: float) -> pb.EmbedResponse:
+    if encoding == pb.ENCODING_BYTES:
+        embeddings = [pb.Embedding(raw=to_little_endian_bytes(row)) for row in result.embeddings]
+    else:
+        embeddings = [pb.Embedding(values=row) for row in result.embeddings.tolist()]
+    timing = result.timing
+    return pb.EmbedResponse(
+        embeddings=embeddings,
+        usage=pb.Usage(prompt_tokens=result.prompt_tokens),
+        model=model,
+        timing=pb.Timing(
+            queue_us=timing.queue_us,
+            tokenization_us=timing.tokenization_us,
+            inference_us=timing.inference_us,
+            total_us=int((time.perf_counter() - received) * 1e6),
+        ),
+    )
+
+
+def model_info(info: ModelInfo) -> pb.ModelInfo:
+    return pb.ModelInfo(
+        name=info.name,
+        tasks=[_TASKS[t] for t in info.tasks],
+        architecture=info.architecture,
+        attention=pb.ATTENTION_KIND_CAUSAL if info.is_causal else pb.ATTENTION_KIND_BIDIRECTIONAL,
+        pooling=info.pooling,
+        dimension=info.dimension,
+        max_input_tokens=info.max_input_tokens,
+        prompt_names=list(info.prompt_names),
+        dtype=info.dtype,
+        device=info.device,
+        attention_backend=info.attention_backend,
+    )
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    def __init__(self, models: ServedModels, config: ServerConfig) -> None:
+        self.models = models
+        self.config = config
+        self.limiter = InflightLimiter(config.max_concurrent_requests)
+
+    def _check_inputs(self, inputs) -> list[str]:
+        texts = list(inputs)
+        if not texts:
+            raise InvalidInput("inputs is empty; send at least one text")
+        if len(texts) > self.config.max_client_batch_size:
+            raise InvalidInput(
+                f"{len(texts)} inputs is more than --max-client-batch-size {self.config.max_client_batch_size}; "
+                "split the call"
+            )
+        return texts
+
+    async def _embed(self, request: pb.EmbedRequest) -> pb.EmbedResponse:
+        received = time.perf_counter()
+        engine = self.models.get(request.model)
+        texts = self._check_inputs(request.inputs)
+        params = embed_params(request)
+        with self.limiter.hold(len(texts)):
+            result = await engine.embed(texts, params)
+        return embed_response(result, request.encoding, engine.info.name, received)
+
+    @unary_errors
+    async def Embed(self, request, context):
+        return await self._embed(request)
+
+    @stream_errors
+    async def EmbedStream(self, request_iterator, context):
+        window: asyncio.Queue = asyncio.Queue(maxsize=_STREAM_WINDOW)
+
+        async def read_requests() -> None:
+            async for request in request_iterator:
+                await window.put(asyncio.ensure_future(self._embed(request)))
+            await window.put(None)
+
+        reader = asyncio.ensure_future(read_requests())
+        try:
+            while True:
+                next_item = asyncio.ensure_future(window.get())
+                await asyncio.wait({next_item, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if not next_item.done():
+                    next_item.cancel()
+                    reader.result()  # the request stream failed: raise its error
+                    continue
+                task = next_item.result()
+                if task is None:
+                    return
+                yield await task
+        finally:
+            reader.cancel()
+            while not window.empty():
+                leftover = window.get_nowait()
+                if leftover is not None:
+                    leftover.cancel()
+
+    @unary_errors
+    async def Tokenize(self, request, context):
+        engine = self.models.get(request.model)
+        texts = self._check_inputs(request.inputs)
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        tokenized = await engine.tokenize(texts, add_special, request.prompt_name or None)
+        inputs = [
+            pb.TokenizedInput(
+                tokens=[
+                    pb.Token(id=i, text=t, start=o[0], end=o[1], special=s)
+                    for i, t, o, s in zip(x.ids, x.tokens, x.offsets, x.special)
+                ]
+            )
+            for x in tokenized
+        ]
+        return pb.TokenizeResponse(inputs=inputs, model=engine.info.name)
+
+    @unary_errors
+    async def ListModels(self, request, context):
+        return pb.ListModelsResponse(models=[model_info(e.info) for e in self.models.engines])
+
+    def _not_yet(self, rpc: str, model_name: str) -> Unsupported:
+        engine = self.models.get(model_name)
+        tasks = ", ".join(t.value for t in engine.info.tasks)
+        return Unsupported(
+            f"{rpc} is not implemented in this version of embedserv; model {engine.info.name!r} serves: {tasks}"
+        )
+
+    @unary_errors
+    async def Rerank(self, request, context):
+        raise self._not_yet("Rerank", request.model)
+
+    @unary_errors
+    async def Classify(self, request, context):
+        raise self._not_yet("Classify", request.model)
+
+    @unary_errors
+    async def Generate(self, request, context):
+        # A coroutine may answer a server-streaming RPC; this one only ever aborts.
+        raise self._not_yet("Generate", request.model)
+
+
+def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> str:
+    pb_grpc.add_InferenceServicer_to_server(servicer, server)
+    return pb.DESCRIPTOR.services_by_name["Inference"].full_name

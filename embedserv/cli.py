@@ -36,8 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     serve.add_argument("--dtype", default="auto", choices=DTYPES,
                        help="auto is float32 on CPU and bfloat16 on CUDA")
-    serve.add_argument("--max-batch-tokens", type=int, default=16384,
-                       help="token budget of one forward pass")
+    serve.add_argument("--max-batch-tokens", type=int, default=None,
+                       help="token budget of one forward pass (default: 4096 on CPU, 16384 on CUDA)")
     serve.add_argument("--max-batch-requests", type=int, default=512,
                        help="sequences in one forward pass at most")
     serve.add_argument("--max-concurrent-requests", type=int, default=512,

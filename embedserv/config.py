@@ -8,6 +8,10 @@ from embedserv.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POOLING_MODES = ("cls", "mean", "lasttoken", "max")
+# Default token budgets of one forward pass. On CPU, batches past ~4k tokens spill the activations out
+# of cache and run slower per token (docs/PERFORMANCE.md).
+CPU_BATCH_TOKENS = 4096
+CUDA_BATCH_TOKENS = 16384
 
 
 def _check_device(device: str) -> None:
@@ -30,7 +34,8 @@ class ModelConfig:
     attention_backend: str | None = None
     # None reads the pooling from the model's sentence-transformers files.
     pooling: str | None = None
-    max_batch_tokens: int = 16384
+    # None picks per device: small batches stay in the CPU caches, a GPU wants big ones.
+    max_batch_tokens: int | None = None
     max_batch_requests: int = 512
 
     def __post_init__(self) -> None:
@@ -41,10 +46,16 @@ class ModelConfig:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.pooling is not None and self.pooling not in POOLING_MODES:
             raise ConfigError(f"--pooling must be one of {', '.join(POOLING_MODES)}, not {self.pooling!r}")
-        if self.max_batch_tokens < 1:
+        if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
             raise ConfigError(f"--max-batch-tokens must be at least 1, not {self.max_batch_tokens}")
         if self.max_batch_requests < 1:
             raise ConfigError(f"--max-batch-requests must be at least 1, not {self.max_batch_requests}")
+
+    @property
+    def batch_token_budget(self) -> int:
+        if self.max_batch_tokens is not None:
+            return self.max_batch_tokens
+        return CPU_BATCH_TOKENS if self.device == "cpu" else CUDA_BATCH_TOKENS
 
     @property
     def torch_dtype_name(self) -> str:

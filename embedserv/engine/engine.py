@@ -35,7 +35,7 @@ class Engine:
         self.info: ModelInfo = loaded.info
         self.tokenizer = loaded.tokenizer
         self._runner = loaded.runner
-        self._scheduler = PrefillOnlyScheduler(config.max_batch_tokens, config.max_batch_requests)
+        self._scheduler = PrefillOnlyScheduler(config.batch_token_budget, config.max_batch_requests)
         self._futures: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
         self._tokenizer_pool = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix=f"tokenize-{self.info.name}")

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from embedserv.attention.layer import Attention
-from embedserv.models.layers import get_activation
+from embedserv.models.layers import Linear
 
 # RoBERTa-style model types, whose positions start after the padding index.
 ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
@@ -43,19 +43,18 @@ class BertLayer(nn.Module):
         num_heads = config.num_attention_heads
         self.hidden_size = hidden
         # Query, key and value in one matmul; the loader concatenates their weights.
-        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.qkv = Linear(hidden, 3 * hidden)
         self.attn = Attention(num_heads, hidden // num_heads, layer_index=layer_index)
-        self.attn_out = nn.Linear(hidden, hidden)
+        self.attn_out = Linear(hidden, hidden)
         self.attn_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
-        self.ffn_in = nn.Linear(hidden, config.intermediate_size)
-        self.act = get_activation(config.hidden_act)
-        self.ffn_out = nn.Linear(config.intermediate_size, hidden)
+        self.ffn_in = Linear(hidden, config.intermediate_size, activation=config.hidden_act)
+        self.ffn_out = Linear(config.intermediate_size, hidden)
         self.ffn_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(hidden).split(self.hidden_size, dim=-1)
-        hidden = self.attn_norm(hidden + self.attn_out(self.attn(q, k, v)))
-        return self.ffn_norm(hidden + self.ffn_out(self.act(self.ffn_in(hidden))))
+        hidden = self.attn_norm(self.attn_out(self.attn(q, k, v), residual=hidden))
+        return self.ffn_norm(self.ffn_out(self.ffn_in(hidden), residual=hidden))
 
 
 # Hugging Face parameter names -> ours (after the model prefix is stripped); q/k/v are fused separately.

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from torch import nn
 
 from embedserv.errors import ConfigError
+from embedserv.models.layers import pack_linears
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -50,7 +51,9 @@ def build_model(model_class: type[nn.Module], hf_config, files: list[Path], devi
         model = model_class(hf_config)
     model = model.to_empty(device=device).to(dtype)
     load_into(model, files)
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    pack_linears(model)
+    return model
 
 
 def load_dense_weights(dense: nn.Module, directory: Path) -> None:

@@ -1,6 +1,7 @@
 """Turns a SchedulerOutput into flat device tensors with one host-to-device copy.
 
-Layout: every sequence's tokens one after another, `[num_tokens]`, with `cu_seqlens` marking the starts.
+Layout: every sequence's tokens one after another (longest first), `[num_tokens]`, with `cu_seqlens`
+marking the starts.
 All integers of a batch go into one int64 host buffer (pinned on CUDA), cross in one non-blocking copy,
 and are sliced apart on the device.
 """
@@ -15,7 +16,7 @@ import torch
 
 from embedserv.attention.metadata import CommonAttentionMetadata, build_common_metadata, cumulative_offsets
 from embedserv.models.heads import PoolingInputs
-from embedserv.scheduler.outputs import SchedulerOutput
+from embedserv.scheduler.outputs import ScheduledSequence, SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -40,20 +41,25 @@ class InputBuilder:
         seqs = batch.sequences
         seq_lens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=len(seqs))
         num_tokens = int(seq_lens.sum())
-        cu = cumulative_offsets(seq_lens)
-        starts = cu[:-1]
+        # Longest first, so equal lengths sit side by side: backends that pad or split by length
+        # (sdpa) then work on contiguous runs. Outputs stay in scheduler order through the pool indices.
+        order = np.argsort(-seq_lens, kind="stable")
+        packed_lens = seq_lens[order]
+        cu = cumulative_offsets(packed_lens)
+        packed_start = np.empty(len(seqs), dtype=np.int64)
+        packed_start[order] = cu[:-1]
         pool_start = np.fromiter((min(s.pool_start, len(s.token_ids) - 1) for s in seqs), dtype=np.int64)
         has_types = any(s.token_type_ids is not None for s in seqs)
         skips_prompt = bool(pool_start.any())
 
-        seq_of_token = np.repeat(np.arange(len(seqs), dtype=np.int64), seq_lens)
-        pos_in_seq = np.arange(num_tokens, dtype=np.int64) - starts[seq_of_token]
+        seq_of_token = np.repeat(order, packed_lens)
+        pos_in_seq = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu[:-1], packed_lens)
         parts = [
-            np.fromiter(chain.from_iterable(s.token_ids for s in seqs), dtype=np.int64, count=num_tokens),
+            np.fromiter(chain.from_iterable(seqs[i].token_ids for i in order), dtype=np.int64, count=num_tokens),
             pos_in_seq + self.position_offset,
             cu,
-            starts + pool_start,
-            cu[1:] - 1,
+            packed_start + pool_start,
+            packed_start + seq_lens - 1,
             seq_lens - pool_start,
         ]
         if skips_prompt:
@@ -62,7 +68,7 @@ class InputBuilder:
         else:
             parts.append(seq_of_token)
         if has_types:
-            parts.append(self._token_types(batch, num_tokens))
+            parts.append(self._token_types([seqs[i] for i in order], num_tokens))
         device_parts = self._to_device(parts)
 
         input_ids, positions, cu_t, first, last, counts = device_parts[:6]
@@ -74,7 +80,7 @@ class InputBuilder:
             input_ids=input_ids,
             positions=positions,
             token_type_ids=token_type_ids,
-            attention=build_common_metadata(seq_lens, self.is_causal, cu_seqlens=cu_t),
+            attention=build_common_metadata(packed_lens, self.is_causal, cu_seqlens=cu_t),
             pooling=PoolingInputs(
                 first_index=first,
                 last_index=last,
@@ -85,9 +91,9 @@ class InputBuilder:
         )
 
     @staticmethod
-    def _token_types(batch: SchedulerOutput, num_tokens: int) -> np.ndarray:
+    def _token_types(seqs: list[ScheduledSequence], num_tokens: int) -> np.ndarray:
         types = chain.from_iterable(
-            s.token_type_ids if s.token_type_ids is not None else [0] * len(s.token_ids) for s in batch.sequences
+            s.token_type_ids if s.token_type_ids is not None else [0] * len(s.token_ids) for s in seqs
         )
         return np.fromiter(types, dtype=np.int64, count=num_tokens)
 

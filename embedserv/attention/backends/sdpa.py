@@ -1,8 +1,10 @@
-"""torch's scaled_dot_product_attention over a packed batch.
+"""torch's scaled_dot_product_attention over a packed batch, without padding.
 
-SDPA wants [batch, heads, length, head_size], so this backend pads, and only here. To keep padding cheap
-it sorts the sequences by length into a few buckets of similar lengths (one SDPA call each) and lays all
-buckets out in one padded buffer: each layer scatters q/k/v into it once and gathers the output once.
+SDPA wants [batch, heads, length, head_size]. Sequences of equal length that sit side by side in the
+packed batch already are that shape as a view, so this backend makes one SDPA call per run of equal
+lengths: no padding, no masks, no scatter. The input builder packs longest first, so a batch has at
+most as many runs as distinct lengths, and the long truncated inputs that dominate the cost share one.
+On CPU in bfloat16, long runs use two batched matmuls instead of the flash kernel (faster there).
 """
 
 from __future__ import annotations
@@ -15,48 +17,42 @@ import torch.nn.functional as F
 
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
 
-# A sequence joins the current bucket while its length is at least 1/_BUCKET_RATIO of the bucket's longest.
-_BUCKET_RATIO = 1.5
-# Below this length padding costs less than another SDPA call, so short sequences share one bucket.
-_SMALL_LENGTH = 64
+
+# On CPU in bfloat16 the flash kernel is slower than two batched matmuls (AMX) for longer sequences;
+# below this length it wins. Measured with benchmarks/attention_backends.py.
+_CPU_BF16_MATMUL_MIN_LENGTH = 128
 
 
 @dataclass(frozen=True)
-class _Bucket:
-    # First row of this bucket in the padded buffer; it spans num_seqs * max_len rows.
-    row_start: int
+class _Run:
+    """Consecutive sequences of one length: rows [token_start, token_start + num_seqs * length)."""
+
+    token_start: int
     num_seqs: int
-    max_len: int
-    # [num_seqs, 1, 1, max_len] bool, True where a key is real; None when no key is padding.
-    key_mask: torch.Tensor | None
+    length: int
 
     @property
     def rows(self) -> slice:
-        return slice(self.row_start, self.row_start + self.num_seqs * self.max_len)
+        return slice(self.token_start, self.token_start + self.num_seqs * self.length)
 
 
 @dataclass(frozen=True)
 class SdpaMetadata(AttentionMetadata):
-    # [num_tokens] int64: the padded-buffer row of each packed token.
-    scatter_index: torch.Tensor | None
-    # Rows of the padded buffer; equals num_tokens when nothing is padded.
-    padded_rows: int
-    buckets: tuple[_Bucket, ...]
+    runs: tuple[_Run, ...]
 
 
-def plan_buckets(seq_lens: np.ndarray) -> list[np.ndarray]:
-    """Groups sequence indices (longest first) so each group pads little."""
-    order = np.argsort(-seq_lens, kind="stable")
-    groups: list[np.ndarray] = []
-    i = 0
-    while i < len(order):
-        longest = seq_lens[order[i]]
-        j = i + 1
-        while j < len(order) and (longest <= _SMALL_LENGTH or seq_lens[order[j]] * _BUCKET_RATIO >= longest):
-            j += 1
-        groups.append(order[i:j])
-        i = j
-    return groups
+def plan_runs(seq_lens: np.ndarray) -> tuple[_Run, ...]:
+    """Splits the packed batch where the sequence length changes."""
+    if len(seq_lens) == 0:
+        return ()
+    breaks = np.flatnonzero(np.diff(seq_lens)) + 1
+    firsts = np.concatenate(([0], breaks))
+    counts = np.diff(np.concatenate((firsts, [len(seq_lens)])))
+    token_starts = np.concatenate(([0], np.cumsum(seq_lens)))[firsts]
+    return tuple(
+        _Run(int(start), int(count), int(seq_lens[first]))
+        for start, count, first in zip(token_starts, counts, firsts)
+    )
 
 
 class SdpaBackend:
@@ -67,61 +63,37 @@ class SdpaBackend:
         return None
 
     def build_metadata(self, common: CommonAttentionMetadata) -> SdpaMetadata:
-        seq_lens = common.seq_lens_q_cpu
-        device = common.cu_seqlens_q.device
-        if len(seq_lens) == 1 or bool((seq_lens == seq_lens[0]).all()):
-            # Equal lengths: the packed batch is already [num_seqs, length]; no scatter, no mask.
-            bucket = _Bucket(0, len(seq_lens), int(seq_lens[0]), None)
-            return SdpaMetadata(common, None, int(seq_lens.sum()), (bucket,))
-        starts = np.zeros(len(seq_lens), dtype=np.int64)
-        np.cumsum(seq_lens[:-1], out=starts[1:])
-        base_row = np.empty(len(seq_lens), dtype=np.int64)
-        buckets = []
-        row = 0
-        for group in plan_buckets(seq_lens):
-            lens = seq_lens[group]
-            max_len = int(lens[0])
-            base_row[group] = row + np.arange(len(group)) * max_len
-            mask = None
-            if not common.is_causal and lens[-1] != max_len:
-                # Right padding needs no mask under causal attention: real queries never see later keys.
-                mask_np = np.arange(max_len)[None, :] < lens[:, None]
-                mask = torch.from_numpy(mask_np[:, None, None, :]).to(device, non_blocking=True)
-            buckets.append(_Bucket(row, len(group), max_len, mask))
-            row += len(group) * max_len
-        scatter = np.repeat(base_row - starts, seq_lens) + np.arange(int(seq_lens.sum()))
-        scatter_t = torch.from_numpy(scatter).to(device, non_blocking=True)
-        return SdpaMetadata(common, scatter_t, row, tuple(buckets))
+        return SdpaMetadata(common=common, runs=plan_runs(common.seq_lens_q_cpu))
 
     def forward(self, layer, q, k, v, kv_cache, meta: SdpaMetadata) -> torch.Tensor:
         if kv_cache is not None:
             raise NotImplementedError("the sdpa backend has no KV cache support yet")
         gqa = q.shape[1] != k.shape[1]
-        if meta.scatter_index is None:
-            (bucket,) = meta.buckets
-            out = self._attend(layer, q, k, v, bucket, meta.is_causal, gqa)
-            return out.transpose(1, 2).reshape(q.shape)
-        qp, kp, vp = (self._scatter(x, meta) for x in (q, k, v))
-        out = torch.empty_like(qp)
-        for bucket in meta.buckets:
-            rows = bucket.rows
-            attended = self._attend(layer, qp[rows], kp[rows], vp[rows], bucket, meta.is_causal, gqa)
-            out[rows].view(bucket.num_seqs, bucket.max_len, *q.shape[1:]).copy_(attended.transpose(1, 2))
-        return out.index_select(0, meta.scatter_index)
+        outs = [self._attend(layer, q[r.rows], k[r.rows], v[r.rows], r, meta.is_causal, gqa) for r in meta.runs]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     @staticmethod
-    def _scatter(x: torch.Tensor, meta: SdpaMetadata) -> torch.Tensor:
-        # Zeros, not garbage: a padded value row multiplies a zero weight, and 0 * NaN would leak.
-        padded = x.new_zeros(meta.padded_rows, *x.shape[1:])
-        return padded.index_copy_(0, meta.scatter_index, x)
-
-    @staticmethod
-    def _attend(layer, q, k, v, bucket: _Bucket, is_causal: bool, gqa: bool) -> torch.Tensor:
-        """q/k/v rows of one bucket -> [num_seqs, heads, max_len, head_size]."""
-        shape = (bucket.num_seqs, bucket.max_len)
+    def _attend(layer, q, k, v, run: _Run, is_causal: bool, gqa: bool) -> torch.Tensor:
+        """Rows of one run -> [rows, heads, head_size]."""
+        shape = (run.num_seqs, run.length)
         qb = q.view(*shape, *q.shape[1:]).transpose(1, 2)
         kb = k.view(*shape, *k.shape[1:]).transpose(1, 2)
         vb = v.view(*shape, *v.shape[1:]).transpose(1, 2)
-        return F.scaled_dot_product_attention(
-            qb, kb, vb, attn_mask=bucket.key_mask, is_causal=is_causal, scale=layer.scale, enable_gqa=gqa
-        )
+        if q.device.type == "cpu" and q.dtype == torch.bfloat16 and run.length >= _CPU_BF16_MATMUL_MIN_LENGTH:
+            out = _attend_with_matmuls(qb, kb, vb, layer.scale, is_causal)
+        else:
+            out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=is_causal, scale=layer.scale, enable_gqa=gqa)
+        return out.transpose(1, 2).reshape(-1, *q.shape[1:])
+
+
+def _attend_with_matmuls(q, k, v, scale: float, is_causal: bool) -> torch.Tensor:
+    """[n, heads, L, d] attention as two batched matmuls: the same function, materialized scores."""
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    if is_causal:
+        length = q.shape[2]
+        future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu_(1)
+        scores.masked_fill_(future, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1), v)

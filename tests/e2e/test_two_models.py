@@ -1,0 +1,97 @@
+"""One server, two `--model`s: each request reaches the model it names, each matches its reference."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from benchmarks.corpus import stdlib_texts
+from tests.helpers.client import RPC_TIMEOUT_S, embed_request, inference_stub, response_matrix
+from tests.helpers.compare import assert_cosine_at_least, assert_unit_norm
+from tests.helpers.models import reference_token_counts
+from tests.helpers.server import health_status, running_server
+
+FIRST, SECOND = "minilm", "tiny-bert-cls"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_encoder):
+    return tiny_encoder("bert", "cls", max_seq_length=128)
+
+
+@pytest.fixture(scope="module")
+def server(bundled_dir, tiny_dir):
+    args = [
+        "--model", str(bundled_dir), "--served-model-name", FIRST,
+        "--model", str(tiny_dir), "--served-model-name", SECOND,
+        "--dtype", "float32", "--device", "cpu",
+    ]  # fmt: skip
+    with running_server(args) as (target, proc):
+        yield target, proc
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    target, _ = server
+    with grpc.insecure_channel(target) as channel:
+        yield inference_stub(channel)
+
+
+@pytest.fixture(scope="module")
+def texts() -> list[str]:
+    return stdlib_texts(12, seed=5)
+
+
+@pytest.mark.parametrize(("name", "dimension"), [(FIRST, 384), (SECOND, 64)])
+def test_each_model_matches_its_reference(name, dimension, stub, texts, bundled_dir, tiny_dir, reference):
+    st = reference(bundled_dir if name == FIRST else tiny_dir)
+
+    response = stub.Embed(embed_request(texts, model=name, truncate=True), timeout=RPC_TIMEOUT_S)
+
+    assert response.model == name
+    got = response_matrix(response)
+    assert got.shape == (len(texts), dimension)
+    assert_cosine_at_least(got, st.encode(texts, convert_to_numpy=True), 0.9999, texts, what=f"{name}: ")
+    assert_unit_norm(got)
+    assert response.usage.prompt_tokens == sum(reference_token_counts(st, texts))
+
+
+def test_empty_model_field_goes_to_the_first_model(stub):
+    response = stub.Embed(embed_request(["hello there"]), timeout=RPC_TIMEOUT_S)
+    assert response.model == FIRST
+    assert response_matrix(response).shape == (1, 384)
+
+
+def test_list_models_in_order(stub):
+    from embedserv.v1 import embedserv_pb2 as pb
+
+    models = stub.ListModels(pb.ListModelsRequest(), timeout=30).models
+    assert [(m.name, m.dimension, m.pooling, m.max_input_tokens) for m in models] == [
+        (FIRST, 384, "mean", 256),
+        (SECOND, 64, "cls", 128),
+    ]
+
+
+def test_unknown_model_lists_both_names(stub):
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Embed(embed_request(["x"], model="other"), timeout=30)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert FIRST in err.value.details() and SECOND in err.value.details() and "other" in err.value.details()
+
+
+def test_health_per_model(server):
+    target, _ = server
+    assert [health_status(target, s) for s in ("", FIRST, SECOND)] == ["SERVING"] * 3
+
+
+def test_models_do_not_mix_in_concurrent_calls(stub, texts):
+    """Calls to both models in flight at once: each answer still comes from the model it named."""
+    futures = [
+        stub.Embed.future(embed_request(texts, model=name, truncate=True), timeout=RPC_TIMEOUT_S)
+        for name in (FIRST, SECOND, FIRST, SECOND)
+    ]
+    results = [response_matrix(f.result()) for f in futures]
+    assert [r.shape[1] for r in results] == [384, 64, 384, 64]
+    np.testing.assert_allclose(results[0], results[2], atol=1e-5)
+    np.testing.assert_allclose(results[1], results[3], atol=1e-5)

@@ -1,0 +1,121 @@
+"""Start a real `embedserv serve` on 127.0.0.1 for a test, wait until it is SERVING, always stop it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STOP_GRACE_S = 10.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def server_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_HUB_DISABLE_PROGRESS_BARS="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def health_status(target: str, service: str = "", timeout: float = 2.0) -> str:
+    """The health Check answer's status name (SERVING, NOT_SERVING, ...), or the RPC error's code name."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError as err:
+            return err.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def log_tail(log_path: Path, max_chars: int = 6000) -> str:
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError as err:
+        return f"<no log: {err}>"
+    return text[-max_chars:]
+
+
+def wait_until_serving(
+    target: str, is_alive: Callable[[], bool], log_path: Path, timeout: float, what: str = "server"
+) -> None:
+    """Poll health Check on service "" until SERVING; raise with the log's tail on exit or timeout."""
+    deadline = time.monotonic() + timeout
+    last = "no answer yet"
+    while time.monotonic() < deadline:
+        if not is_alive():
+            raise RuntimeError(f"{what} exited before SERVING (last health: {last}); log tail:\n{log_tail(log_path)}")
+        last = health_status(target, timeout=1.0)
+        if last == "SERVING":
+            return
+        time.sleep(0.25)
+    raise TimeoutError(
+        f"{what} not SERVING after {timeout:.0f}s (last health: {last}); log tail:\n{log_tail(log_path)}"
+    )
+
+
+def stop_process(proc: subprocess.Popen, group: bool = False) -> None:
+    """SIGTERM, then SIGKILL after STOP_GRACE_S; with group=True the whole process group is signalled."""
+    if proc.poll() is not None:
+        return
+
+    def send(sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            if group:
+                os.killpg(proc.pid, sig)
+            else:
+                proc.send_signal(sig)
+
+    send(signal.SIGTERM)
+    try:
+        proc.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        send(signal.SIGKILL)
+        proc.wait(timeout=STOP_GRACE_S)
+    if group:
+        # Children of the group leader (make's child, for one) may outlive it.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def running_server(args: list[str], timeout: float = 180) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Run `python -m embedserv serve --host 127.0.0.1 --port P *args`; yield ("127.0.0.1:P", process)."""
+    port = free_port()
+    target = f"127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "embedserv", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    log_dir = Path(tempfile.mkdtemp(prefix="embedserv-test-"))
+    log_path = log_dir / "server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env=server_env(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+    try:
+        wait_until_serving(target, lambda: proc.poll() is None, log_path, timeout, what=" ".join(cmd))
+        proc.log_path = log_path  # type: ignore[attr-defined]
+        yield target, proc
+    finally:
+        stop_process(proc)

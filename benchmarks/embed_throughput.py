@@ -98,7 +98,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="texts per call (and ST batch size)")
     parser.add_argument("--concurrency", type=int, default=4, help="gRPC calls in flight")
     parser.add_argument("--model", default=str(bundled_model_path()))
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs per system; the fastest counts")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per system; the fastest counts")
     parser.add_argument("--skip-grpc", action="store_true")
     args = parser.parse_args()
 

@@ -59,8 +59,8 @@ def served_names(paths: list[str], names: list[str] | None) -> list[str]:
         )
     if names:
         return names
-    bundled = _bundled_model_path()
-    return [BUNDLED_MODEL_NAME if p == bundled else Path(p).resolve().name for p in paths]
+    bundled = Path(_bundled_model_path()).resolve()
+    return [BUNDLED_MODEL_NAME if Path(p).resolve() == bundled else Path(p).resolve().name for p in paths]
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

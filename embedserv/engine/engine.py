@@ -167,7 +167,7 @@ class Engine:
                 continue
             started = time.perf_counter()
             try:
-                rows = await loop.run_in_executor(self._model_thread, self._runner.execute, batch)
+                output = await loop.run_in_executor(self._model_thread, self._runner.execute, batch)
             except Exception as exc:
                 logger.exception("batch of %d sequences failed on %s", batch.num_sequences, self.info.name)
                 for seq in batch.sequences:
@@ -180,7 +180,7 @@ class Engine:
                 "%s: batch of %d sequences, %d tokens in %.1f ms",
                 self.info.name, batch.num_sequences, batch.num_tokens, (finished - started) * 1e3,
             )
-            for index, seq in enumerate(batch.sequences):
-                future = self._futures.pop(seq.request_id, None)
+            for request_id, row in zip(output.request_ids, output.pooled):
+                future = self._futures.pop(request_id, None)
                 if future is not None and not future.done():
-                    future.set_result((rows[index], started, finished))
+                    future.set_result((row, started, finished))

@@ -42,7 +42,6 @@ class SentenceTransformerFiles:
     # False excludes prompt tokens from pooling.
     include_prompt: bool = True
     dense: tuple[DenseSpec, ...] = ()
-    normalize: bool = False
     # From sentence_bert_config.json (older files); None defers to the tokenizer's limit.
     max_seq_length: int | None = None
     do_lower_case: bool = False
@@ -95,7 +94,7 @@ def read_sentence_transformers(model_dir: Path) -> SentenceTransformerFiles:
     modules_path = model_dir / "modules.json"
     if not modules_path.exists():
         return SentenceTransformerFiles()
-    pooling, include_prompt, normalize = None, True, False
+    pooling, include_prompt = None, True
     dense: list[DenseSpec] = []
     for module in _read_json(modules_path):
         kind = _module_kind(module["type"])
@@ -107,9 +106,7 @@ def read_sentence_transformers(model_dir: Path) -> SentenceTransformerFiles:
             pooling, include_prompt = read_pooling(_read_json(directory / "config.json"), directory)
         elif kind == "Dense":
             dense.append(read_dense(directory))
-        elif kind == "Normalize":
-            normalize = True
-        else:
+        elif kind != "Normalize":  # Normalize needs nothing: requests normalize by default
             raise ConfigError(f"{modules_path}: module {module['type']} is not supported")
     bert_config = model_dir / "sentence_bert_config.json"
     st_config = _read_json(bert_config) if bert_config.exists() else {}
@@ -119,7 +116,6 @@ def read_sentence_transformers(model_dir: Path) -> SentenceTransformerFiles:
         pooling=pooling,
         include_prompt=include_prompt,
         dense=tuple(dense),
-        normalize=normalize,
         max_seq_length=st_config.get("max_seq_length"),
         do_lower_case=bool(st_config.get("do_lower_case", False)),
         prompts=dict(prompts_config.get("prompts") or {}),

@@ -33,6 +33,8 @@ class EmbedServer:
             options=[
                 ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+                # gRPC shares ports by default: a second server on a busy port would start silently.
+                ("grpc.so_reuseport", 0),
             ]
         )
         service = add_to_server(InferenceServicer(self.models, config), self.server)
@@ -50,9 +52,10 @@ class EmbedServer:
     async def start(self) -> None:
         await self._set_health(_NOT_SERVING)
         address = f"{self.config.host}:{self.config.port}"
-        self.port = self.server.add_insecure_port(address)
-        if not self.port:
-            raise ConfigError(f"cannot listen on {address}; is the port in use?")
+        try:
+            self.port = self.server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise ConfigError(f"cannot listen on {address} ({exc}); is the port in use? pick another --port") from exc
         await self.server.start()
         logger.info("listening on %s:%d (NOT_SERVING until the models are warm)", self.config.host, self.port)
         loop = asyncio.get_running_loop()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from torch import nn
@@ -10,6 +12,15 @@ from embedserv.attention.backends.base import AttentionBackend
 from embedserv.forward_context import ForwardContext, set_forward_context
 from embedserv.scheduler.outputs import ScheduledSequence, SchedulerOutput
 from embedserv.worker.input_builder import InputBuilder
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """One step's results on the host, one row per scheduled sequence, in scheduler order."""
+
+    request_ids: tuple[int, ...]
+    # [num_seqs, dim] float32
+    pooled: np.ndarray
 
 
 class EmbeddingModelRunner:
@@ -30,15 +41,14 @@ class EmbeddingModelRunner:
         self.input_builder = InputBuilder(device, model.position_offset, is_causal)
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> np.ndarray:
-        """Returns [num_seqs, dim] float32 on the host, one row per scheduled sequence, in order."""
+    def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
         inputs = self.input_builder.build(batch)
         context = ForwardContext(attn_metadata=self.backend.build_metadata(inputs.attention), attn_backend=self.backend)
         with set_forward_context(context):
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.token_type_ids)
         pooled = self.pooler(hidden, inputs.pooling)
         # The one device-to-host copy of the step.
-        return pooled.cpu().numpy()
+        return ModelRunnerOutput(request_ids=tuple(s.request_id for s in batch.sequences), pooled=pooled.cpu().numpy())
 
     def warm_up(self, max_tokens: int) -> None:
         """Runs a short and a longest-allowed sequence so first requests do not pay one-time costs."""

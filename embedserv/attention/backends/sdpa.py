@@ -19,7 +19,7 @@ from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetad
 
 
 # On CPU in bfloat16 the flash kernel is slower than two batched matmuls (AMX) for longer sequences;
-# below this length it wins. Measured with benchmarks/attention_backends.py.
+# below this length it wins. Measured with benchmarks/attention_kernels.py.
 _CPU_BF16_MATMUL_MIN_LENGTH = 128
 
 

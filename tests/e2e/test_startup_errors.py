@@ -1,0 +1,44 @@
+"""Start-up mistakes end the process with exit code 2 and a message saying what to change."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+from tests.helpers.server import REPO_ROOT, free_port, server_env
+
+
+def _serve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "embedserv", "serve", "--host", "127.0.0.1", *args]
+    return subprocess.run(cmd, cwd=REPO_ROOT, env=server_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def test_busy_port_is_refused_not_shared():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = _serve("--port", str(port))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "--port" in result.stderr
+
+
+def test_name_count_must_match_model_count():
+    result = _serve("--port", str(free_port()), "--served-model-name", "a", "--served-model-name", "b")
+    assert result.returncode == 2
+    assert "2 --served-model-name for 1 --model" in result.stderr
+
+
+def test_unknown_attention_backend_lists_the_choices():
+    result = _serve("--port", str(free_port()), "--attention-backend", "nope")
+    assert result.returncode == 2
+    assert "unknown --attention-backend 'nope'" in result.stderr
+    assert "sdpa" in result.stderr and "naive" in result.stderr
+
+
+def test_missing_model_directory():
+    result = _serve("--port", str(free_port()), "--model", "/nonexistent/model")
+    assert result.returncode == 2
+    assert "no config.json" in result.stderr

@@ -18,9 +18,11 @@ import torch.nn.functional as F
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
 
 
-# On CPU in bfloat16 the flash kernel is slower than two batched matmuls (AMX) for longer sequences;
-# below this length it wins. Measured with benchmarks/attention_kernels.py.
-_CPU_BF16_MATMUL_MIN_LENGTH = 128
+# On CPU in bfloat16 two batched matmuls beat the flash kernel from this length on, as long as the
+# materialized scores stay in cache: runs are cut into chunks of at most _SCORES_BYTES of scores.
+# Measured with benchmarks/attention_kernels.py.
+_CPU_BF16_MATMUL_MIN_LENGTH = 64
+_SCORES_BYTES = 2_500_000
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,13 @@ class SdpaBackend:
         kb = k.view(*shape, *k.shape[1:]).transpose(1, 2)
         vb = v.view(*shape, *v.shape[1:]).transpose(1, 2)
         if q.device.type == "cpu" and q.dtype == torch.bfloat16 and run.length >= _CPU_BF16_MATMUL_MIN_LENGTH:
-            out = _attend_with_matmuls(qb, kb, vb, layer.scale, is_causal)
+            per_chunk = max(1, _SCORES_BYTES // (q.shape[1] * run.length**2 * q.element_size()))
+            chunks = [
+                _attend_with_matmuls(qb[i : i + per_chunk], kb[i : i + per_chunk], vb[i : i + per_chunk],
+                                     layer.scale, is_causal)
+                for i in range(0, run.num_seqs, per_chunk)
+            ]
+            out = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
         else:
             out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=is_causal, scale=layer.scale, enable_gqa=gqa)
         return out.transpose(1, 2).reshape(-1, *q.shape[1:])

@@ -69,15 +69,26 @@ class Engine:
     async def start(self) -> None:
         self._wakeup = asyncio.Event()
         self._loop_task = asyncio.create_task(self._run(), name=f"engine-{self.info.name}")
+        self._loop_task.add_done_callback(self._on_loop_exit)
+
+    def _on_loop_exit(self, task: asyncio.Task) -> None:
+        """A crashed loop must not leave callers waiting forever: fail what is pending."""
+        if task.cancelled() or task.exception() is None:
+            return
+        logger.error("engine loop of %s died", self.info.name, exc_info=task.exception())
+        self._fail_pending(NotReady(f"model {self.info.name} stopped after an internal error; retry later"))
+
+    def _fail_pending(self, error: Exception) -> None:
+        for future in self._futures.values():
+            if not future.done():
+                future.set_exception(error)
+        self._futures.clear()
 
     async def stop(self) -> None:
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
-        for future in self._futures.values():
-            if not future.done():
-                future.set_exception(NotReady(f"model {self.info.name} is shutting down; retry on another replica"))
-        self._futures.clear()
+        self._fail_pending(NotReady(f"model {self.info.name} is shutting down; retry on another replica"))
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         self._model_thread.shutdown(wait=True)
 

@@ -5,7 +5,7 @@
 
 Every system embeds the same real texts (stdlib docstrings, 20% short, 15% over the 256-token limit and
 truncated). Tokens are counted after truncation, special tokens included (the server's usage). Each
-system gets one warm-up pass on a slice first, then --repeats timed passes of which the fastest counts.
+system gets one untimed warm-up pass over all texts, then --repeats timed passes; the fastest counts.
 Prints a markdown table for docs/PERFORMANCE.md.
 """
 
@@ -41,7 +41,9 @@ def chunked(texts: list[str], size: int) -> list[list[str]]:
 
 
 def best_of(repeats: int, run) -> tuple[float, object]:
-    """Fastest of `repeats` timed runs (this machine's speed drifts run to run) and the last result."""
+    """One untimed warm-up pass (allocator and oneDNN kernels for each batch shape), then the fastest of
+    `repeats` timed passes (this machine's speed drifts run to run) and the last result."""
+    run()
     best, result = float("inf"), None
     for _ in range(repeats):
         start = time.perf_counter()
@@ -54,7 +56,6 @@ def bench_sentence_transformers(model: str, texts: list[str], dtype: str, batch_
     from sentence_transformers import SentenceTransformer
 
     st = SentenceTransformer(model, device="cpu", model_kwargs={"dtype": getattr(torch, dtype)})
-    st.encode(texts[: batch_size * 2], batch_size=batch_size)
     return best_of(repeats, lambda: st.encode(texts, batch_size=batch_size))[0]
 
 
@@ -62,7 +63,6 @@ def bench_engine(model: str, texts: list[str], dtype: str, batch_size: int, repe
     params = EmbedParams(truncate=True)
     calls = chunked(texts, batch_size)
     with SyncEngine(ModelConfig(path=model, served_name="bench", dtype=dtype)) as engine:
-        engine.embed_concurrently(calls[:4], params)
         seconds, results = best_of(repeats, lambda: engine.embed_concurrently(calls, params))
     return seconds, sum(r.prompt_tokens for r in results)
 
@@ -87,7 +87,6 @@ def bench_grpc(
     args = ["--model", model, "--served-model-name", "bench", "--dtype", dtype,
             "--max-client-batch-size", str(batch_size)]
     with running_server(args) as (target, _):
-        asyncio.run(_grpc_run(target, calls[:4], concurrency))
         return best_of(repeats, lambda: asyncio.run(_grpc_run(target, calls, concurrency)))
 
 

@@ -6,13 +6,14 @@
 Every system embeds the same real texts (stdlib docstrings, 20% short, 15% over the 256-token limit and
 truncated). Tokens are counted after truncation, special tokens included (the server's usage). Each
 system gets one untimed warm-up pass over all texts, then --repeats timed passes; the fastest counts.
-Prints a markdown table for docs/PERFORMANCE.md.
+Each system runs in a process of its own. Prints a markdown table for docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
 import platform
 import sys
@@ -22,6 +23,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from concurrent.futures import ProcessPoolExecutor  # noqa: E402
 
 import grpc  # noqa: E402
 import torch  # noqa: E402
@@ -50,6 +53,12 @@ def best_of(repeats: int, run) -> tuple[float, object]:
         result = run()
         best = min(best, time.perf_counter() - start)
     return best, result
+
+
+def isolated(fn, *args):
+    """Runs fn in a fresh process: OpenMP thread teams left by one system would slow the next."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def bench_sentence_transformers(model: str, texts: list[str], dtype: str, batch_size: int, repeats: int) -> float:
@@ -106,8 +115,8 @@ def main() -> None:
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
     rows = []
     for dtype in args.dtypes.split(","):
-        engine_s, tokens = bench_engine(args.model, texts, dtype, args.batch_size, args.repeats)
-        st_s = bench_sentence_transformers(args.model, texts, dtype, args.batch_size, args.repeats)
+        engine_s, tokens = isolated(bench_engine, args.model, texts, dtype, args.batch_size, args.repeats)
+        st_s = isolated(bench_sentence_transformers, args.model, texts, dtype, args.batch_size, args.repeats)
         rows.append((dtype, "sentence-transformers", st_s, tokens, st_s))
         rows.append((dtype, "embedserv engine (in process)", engine_s, tokens, st_s))
         if not args.skip_grpc:

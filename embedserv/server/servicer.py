@@ -108,26 +108,21 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     @stream_errors
     async def EmbedStream(self, request_iterator, context):
+        # Requests start as they arrive (up to the window) and are answered in arrival order.
         window: asyncio.Queue = asyncio.Queue(maxsize=_STREAM_WINDOW)
 
         async def read_requests() -> None:
-            async for request in request_iterator:
-                await window.put(asyncio.ensure_future(self._embed(request)))
-            await window.put(None)
+            try:
+                async for request in request_iterator:
+                    await window.put(asyncio.ensure_future(self._embed(request)))
+            finally:
+                await window.put(None)
 
         reader = asyncio.ensure_future(read_requests())
         try:
-            while True:
-                next_item = asyncio.ensure_future(window.get())
-                await asyncio.wait({next_item, reader}, return_when=asyncio.FIRST_COMPLETED)
-                if not next_item.done():
-                    next_item.cancel()
-                    reader.result()  # the request stream failed: raise its error
-                    continue
-                task = next_item.result()
-                if task is None:
-                    return
+            while (task := await window.get()) is not None:
                 yield await task
+            await reader  # raises if reading the request stream failed
         finally:
             reader.cancel()
             while not window.empty():

@@ -318,6 +318,17 @@ def test_embed_stream_answers_each_request_in_order(stub, served, texts):
         np.testing.assert_allclose(got, served[0][s : s + n], atol=1e-5)
 
 
+def test_embed_stream_ends_with_the_status_of_a_bad_request(stub, pb, texts):
+    requests = [embed_request(texts[:2], truncate=True), embed_request([]), embed_request(texts[2:4], truncate=True)]
+    received = []
+    with pytest.raises(grpc.RpcError) as info:
+        for response in stub.EmbedStream(iter(requests), timeout=RPC_TIMEOUT_S):
+            received.append(response)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "inputs is empty" in info.value.details()
+    assert len(received) == 1, "the request before the bad one is answered"
+
+
 def test_health_is_serving_for_the_server_and_the_model(server):
     target, _ = server
     assert health_status(target, "") == "SERVING"

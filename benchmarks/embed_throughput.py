@@ -30,8 +30,7 @@ import grpc  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.corpus import stdlib_texts  # noqa: E402
-from embedserv.config import ModelConfig  # noqa: E402
-from embedserv.engine.loading import bundled_model_path  # noqa: E402
+from embedserv.config import ModelConfig, bundled_model_path  # noqa: E402
 from embedserv.engine.sync import SyncEngine  # noqa: E402
 from embedserv.engine.types import EmbedParams  # noqa: E402
 from embedserv.v1 import embedserv_pb2 as pb  # noqa: E402

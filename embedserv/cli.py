@@ -9,7 +9,15 @@ import os
 import sys
 from pathlib import Path
 
-from embedserv.config import DTYPES, POOLING_MODES, ModelConfig, ServerConfig, bundled_model_path
+from embedserv.config import (
+    ATTENTION_BACKENDS,
+    ATTENTION_KINDS,
+    DTYPES,
+    POOLING_MODES,
+    ModelConfig,
+    ServerConfig,
+    bundled_model_path,
+)
 from embedserv.errors import ConfigError
 
 # The bundled model's directory is called `model`; serve it under its real name.
@@ -37,8 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-concurrent-requests", type=int, default=512,
                        help="inputs in flight across all calls; past it calls get RESOURCE_EXHAUSTED")
     serve.add_argument("--max-client-batch-size", type=int, default=256, help="inputs one call may carry")
-    serve.add_argument("--attention-backend", default=None,
-                       help="force an attention backend (sdpa, naive); default: the fastest that runs here")
+    serve.add_argument("--attention-backend", default=None, metavar="NAME",
+                       help=f"force an attention backend ({', '.join(ATTENTION_BACKENDS)}); "
+                            "default: the fastest that runs on the device")
+    serve.add_argument("--attention", default=None, choices=ATTENTION_KINDS,
+                       help="override the causality read from the model config (decoders causal unless "
+                            "is_causal: false; encoders bidirectional)")
     serve.add_argument("--pooling", default=None, choices=POOLING_MODES,
                        help="override the pooling read from the model's sentence-transformers files")
     serve.add_argument("--tokenizer-threads", type=int, default=1, help="tokenizer threads per model")
@@ -66,6 +78,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             device=args.device,
             dtype=args.dtype,
             attention_backend=args.attention_backend,
+            attention=args.attention,
             pooling=args.pooling,
             max_batch_tokens=args.max_batch_tokens,
             max_batch_requests=args.max_batch_requests,

@@ -9,6 +9,9 @@ from embedserv.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POOLING_MODES = ("cls", "mean", "lasttoken", "max")
+ATTENTION_KINDS = ("causal", "bidirectional")
+# Every attention backend embedserv has; attention/selector.py says where each runs.
+ATTENTION_BACKENDS = ("flash_attn", "varlen", "sdpa", "flex", "naive")
 # Default token budgets of one forward pass. On CPU, batches past ~4k tokens spill the activations out
 # of cache and run slower per token (docs/PERFORMANCE.md).
 CPU_BATCH_TOKENS = 4096
@@ -40,6 +43,8 @@ class ModelConfig:
     dtype: str = "auto"
     # None lets the selector pick the fastest backend that can run here.
     attention_backend: str | None = None
+    # None takes causality from the model's config; "causal" or "bidirectional" overrides it.
+    attention: str | None = None
     # None reads the pooling from the model's sentence-transformers files.
     pooling: str | None = None
     # None picks per device: small batches stay in the CPU caches, a GPU wants big ones.
@@ -52,6 +57,13 @@ class ModelConfig:
         _check_device(self.device)
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"unknown --attention-backend {self.attention_backend!r}; "
+                f"choose one of {', '.join(ATTENTION_BACKENDS)}"
+            )
+        if self.attention is not None and self.attention not in ATTENTION_KINDS:
+            raise ConfigError(f"--attention must be one of {', '.join(ATTENTION_KINDS)}, not {self.attention!r}")
         if self.pooling is not None and self.pooling not in POOLING_MODES:
             raise ConfigError(f"--pooling must be one of {', '.join(POOLING_MODES)}, not {self.pooling!r}")
         if self.max_batch_tokens is not None and self.max_batch_tokens < 1:

@@ -14,7 +14,12 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from tests.helpers.models import build_tiny_encoder, bundled_model_dir, load_reference  # noqa: E402
+from tests.helpers.models import (  # noqa: E402
+    build_tiny_decoder,
+    build_tiny_encoder,
+    bundled_model_dir,
+    load_reference,
+)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -36,19 +41,28 @@ def bundled_dir() -> Path:
     return bundled_model_dir()
 
 
-@pytest.fixture(scope="session")
-def tiny_encoder(tmp_path_factory: pytest.TempPathFactory):
-    """Factory: tiny_encoder(arch, pooling, **kwargs) -> model dir; each distinct model is built once a session."""
-    root = tmp_path_factory.mktemp("tiny-models")
+def _cached_builder(root: Path, builder):
     cache: dict[tuple, Path] = {}
 
     def build(arch: str, pooling: str, **kwargs) -> Path:
         key = (arch, pooling, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
         if key not in cache:
-            cache[key] = build_tiny_encoder(root, arch, pooling, **kwargs)
+            cache[key] = builder(root, arch, pooling, **kwargs)
         return cache[key]
 
     return build
+
+
+@pytest.fixture(scope="session")
+def tiny_encoder(tmp_path_factory: pytest.TempPathFactory):
+    """Factory: tiny_encoder(arch, pooling, **kwargs) -> model dir; each distinct model is built once a session."""
+    return _cached_builder(tmp_path_factory.mktemp("tiny-models"), build_tiny_encoder)
+
+
+@pytest.fixture(scope="session")
+def tiny_decoder(tmp_path_factory: pytest.TempPathFactory):
+    """Factory: tiny_decoder(arch, pooling, **kwargs) -> model dir (see build_tiny_decoder); built once a session."""
+    return _cached_builder(tmp_path_factory.mktemp("tiny-decoders"), build_tiny_decoder)
 
 
 @pytest.fixture(scope="session")

@@ -1,35 +1,134 @@
-"""Picks the attention backend for a device, dtype and head size; a forced name must be able to run."""
+"""Picks the attention backend for a model on a device; a forced name must be able to run there.
+
+Capability checks live here, not in the backends: each backend computes one function, and this file
+says where each can compute it. The order of PREFERENCE is the speed order measured in
+benchmarks/attention_backends.py (docs/PERFORMANCE.md); the selector takes the first that can run.
+"""
 
 from __future__ import annotations
+
+import importlib.util
+import shutil
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from embedserv.attention.backends.base import AttentionBackend
-from embedserv.attention.backends.naive import NaiveBackend
-from embedserv.attention.backends.sdpa import SdpaBackend
 from embedserv.errors import ConfigError
 
-# Fastest first: the selector takes the first that can run.
-BACKENDS: dict[str, type[AttentionBackend]] = {
-    SdpaBackend.name: SdpaBackend,
-    NaiveBackend.name: NaiveBackend,
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What a model needs from attention on one device."""
+
+    device: torch.device
+    dtype: torch.dtype
+    head_size: int
+    num_heads: int
+    num_kv_heads: int
+    is_causal: bool
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a parent package that is missing
+        return False
+
+
+def _flash_kernel_reason(spec: AttentionSpec, what: str) -> str | None:
+    """The limits the flash-attention 2 kernels share (torch's varlen and the flash-attn package)."""
+    if spec.device.type != "cuda":
+        return f"{what} runs on CUDA only (device is {spec.device})"
+    if spec.dtype not in (torch.float16, torch.bfloat16):
+        return f"{what} needs float16 or bfloat16, not {str(spec.dtype).removeprefix('torch.')}"
+    if spec.head_size > 256 or spec.head_size % 8:
+        return f"{what} needs a head size that is a multiple of 8 up to 256, not {spec.head_size}"
+    major, _ = torch.cuda.get_device_capability(spec.device)
+    if major < 8:
+        return f"{what} needs an Ampere or newer GPU (compute capability 8.0+)"
+    return None
+
+
+def _naive_reason(spec: AttentionSpec) -> str | None:
+    return None
+
+
+def _sdpa_reason(spec: AttentionSpec) -> str | None:
+    return None
+
+
+def _flex_reason(spec: AttentionSpec) -> str | None:
+    if not _has_module("torch.nn.attention.flex_attention"):
+        return f"torch {torch.__version__} has no FlexAttention"
+    if spec.head_size < 16 or spec.head_size & (spec.head_size - 1):
+        return f"FlexAttention's compiled kernels need a power-of-two head size of 16 or more, not {spec.head_size}"
+    if spec.device.type == "cpu":
+        if spec.dtype == torch.float16:
+            return "FlexAttention on CPU runs float32 and bfloat16, not float16"
+        if not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
+            return "FlexAttention on CPU is compiled to C++ and no C++ compiler is on PATH"
+    elif spec.device.type == "cuda":
+        if not _has_module("triton"):
+            return "FlexAttention on CUDA is compiled with Triton, which is not installed"
+    else:
+        return f"FlexAttention runs on CPU and CUDA, not {spec.device.type}"
+    return None
+
+
+def _varlen_reason(spec: AttentionSpec) -> str | None:
+    if not _has_module("torch.nn.attention.varlen"):
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen (2.10+)"
+    return _flash_kernel_reason(spec, "torch.nn.attention.varlen")
+
+
+def _flash_attn_reason(spec: AttentionSpec) -> str | None:
+    if not _has_module("flash_attn"):
+        return "the flash-attn package is not installed (pip install 'embedserv[flash]')"
+    return _flash_kernel_reason(spec, "flash-attn")
+
+
+# name -> (module that defines the backend class, class name, capability check). Backends import lazily:
+# flash-attn and FlexAttention cost seconds to import and may be missing.
+_REGISTRY: dict[str, tuple[str, str, Callable[[AttentionSpec], str | None]]] = {
+    "flash_attn": ("embedserv.attention.backends.flash_attn", "FlashAttnBackend", _flash_attn_reason),
+    "varlen": ("embedserv.attention.backends.varlen", "VarlenBackend", _varlen_reason),
+    "sdpa": ("embedserv.attention.backends.sdpa", "SdpaBackend", _sdpa_reason),
+    "flex": ("embedserv.attention.backends.flex", "FlexBackend", _flex_reason),
+    "naive": ("embedserv.attention.backends.naive", "NaiveBackend", _naive_reason),
+}
+
+# Fastest first, per device type. On CPU the per-length SDPA calls beat compiled FlexAttention on every
+# mix measured; on CUDA the flash kernels take the packed batch in one launch.
+PREFERENCE = {
+    "cuda": ("flash_attn", "varlen", "sdpa", "flex", "naive"),
+    "cpu": ("sdpa", "flex", "naive"),
 }
 
 
-def select_backend(
-    requested: str | None, device: torch.device, dtype: torch.dtype, head_size: int
-) -> AttentionBackend:
+def unsupported_reason(name: str, spec: AttentionSpec) -> str | None:
+    """None when backend `name` can run `spec`, else why not."""
+    return _REGISTRY[name][2](spec)
+
+
+def backend_class(name: str) -> type[AttentionBackend]:
+    module, class_name, _ = _REGISTRY[name]
+    return getattr(importlib.import_module(module), class_name)
+
+
+def select_backend(requested: str | None, spec: AttentionSpec) -> AttentionBackend:
     if requested is not None:
-        backend_cls = BACKENDS.get(requested)
-        if backend_cls is None:
-            raise ConfigError(
-                f"unknown --attention-backend {requested!r}; choose one of {', '.join(BACKENDS)}"
-            )
-        reason = backend_cls.unsupported_reason(device, dtype, head_size)
+        if requested not in _REGISTRY:
+            raise ConfigError(f"unknown --attention-backend {requested!r}; choose one of {', '.join(_REGISTRY)}")
+        reason = unsupported_reason(requested, spec)
         if reason is not None:
             raise ConfigError(f"--attention-backend {requested} cannot run here: {reason}")
-        return backend_cls()
-    for backend_cls in BACKENDS.values():
-        if backend_cls.unsupported_reason(device, dtype, head_size) is None:
-            return backend_cls()
-    raise ConfigError(f"no attention backend runs on {device} with {dtype} and head size {head_size}")
+        return backend_class(requested)()
+    reasons = []
+    for name in PREFERENCE.get(spec.device.type, ("sdpa", "naive")):
+        reason = unsupported_reason(name, spec)
+        if reason is None:
+            return backend_class(name)()
+        reasons.append(f"{name}: {reason}")
+    raise ConfigError(f"no attention backend runs here: {'; '.join(reasons)}")

@@ -56,7 +56,9 @@ class Engine:
         try:
             loaded = model_thread.submit(load_model, config).result()
             if warm_up:
-                model_thread.submit(loaded.runner.warm_up, loaded.info.max_input_tokens).result()
+                model_thread.submit(
+                    loaded.runner.warm_up, loaded.info.max_input_tokens, config.batch_token_budget
+                ).result()
         except BaseException:
             model_thread.shutdown(wait=False)
             raise

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from embedserv.attention.selector import select_backend
+from embedserv.attention.selector import AttentionSpec, select_backend
 from embedserv.config import ModelConfig
 from embedserv.engine.tokenizer import TextTokenizer
 from embedserv.engine.types import ModelInfo, Task
@@ -56,6 +56,19 @@ def _device(name: str) -> torch.device:
     return device
 
 
+def _attention_spec(hf_config, device: torch.device, dtype: torch.dtype, is_causal: bool) -> AttentionSpec:
+    num_heads = hf_config.num_attention_heads
+    return AttentionSpec(
+        device=device,
+        dtype=dtype,
+        # Some decoders (Qwen3) set head_dim apart from hidden_size / heads.
+        head_size=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
+        num_heads=num_heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+        is_causal=is_causal,
+    )
+
+
 def load_model(config: ModelConfig) -> LoadedModel:
     model_dir = Path(config.path).expanduser()
     if not (model_dir / "config.json").exists():
@@ -65,9 +78,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
     st = read_sentence_transformers(model_dir)
     device = _device(config.device)
     dtype = _DTYPES[config.torch_dtype_name]
-    head_size = hf_config.hidden_size // hf_config.num_attention_heads
-    backend = select_backend(config.attention_backend, device, dtype, head_size)
-    is_causal = registry.is_causal(hf_config, entry)
+    is_causal = registry.is_causal(hf_config, entry, config.attention)
+    backend = select_backend(config.attention_backend, _attention_spec(hf_config, device, dtype, is_causal))
 
     model = build_model(entry.model_class, hf_config, safetensors_files(model_dir), device, dtype)
     dense = []
@@ -102,8 +114,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
         attention_backend=backend.name,
     )
     logger.info(
-        "loaded %s from %s: %s, %s attention via %s, %s pooling, dim %d, max %d tokens, %s on %s",
+        "loaded %s from %s: %s, %s attention (%s) via %s, %s pooling, dim %d, max %d tokens, %s on %s",
         info.name, model_dir, info.architecture, "causal" if is_causal else "bidirectional",
-        backend.name, pooling, info.dimension, max_tokens, info.dtype, info.device,
+        "from --attention" if config.attention else "from the model config", backend.name,
+        pooling, info.dimension, max_tokens, info.dtype, info.device,
     )
     return LoadedModel(info=info, tokenizer=tokenizer, runner=runner)

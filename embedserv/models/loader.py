@@ -47,10 +47,15 @@ def load_into(model: nn.Module, files: list[Path]) -> None:
 
 def build_model(model_class: type[nn.Module], hf_config, files: list[Path], device: torch.device, dtype) -> nn.Module:
     """Constructs without initializing (meta device), then allocates on `device` and loads weights."""
-    with torch.device("meta"):
-        model = model_class(hf_config)
-    model = model.to_empty(device=device).to(dtype)
-    load_into(model, files)
+    try:
+        with torch.device("meta"):
+            model = model_class(hf_config)
+        model = model.to_empty(device=device).to(dtype)
+        load_into(model, files)
+    except ValueError as exc:
+        # What the model classes refuse (an unsupported rope type, a tensor the config does not fit) is a
+        # start-up error about this model, not a crash.
+        raise ConfigError(f"{files[0].parent}: {exc}") from exc
     model.eval().requires_grad_(False)
     pack_linears(model)
     return model

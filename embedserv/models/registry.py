@@ -8,6 +8,7 @@ from torch import nn
 
 from embedserv.errors import ConfigError
 from embedserv.models.bert import BertModel
+from embedserv.models.llama import LlamaModel
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,10 @@ _MODELS: dict[str, ModelEntry] = {
     "roberta": ModelEntry(BertModel, is_encoder=True),
     "xlm-roberta": ModelEntry(BertModel, is_encoder=True),
     "camembert": ModelEntry(BertModel, is_encoder=True),
+    "llama": ModelEntry(LlamaModel, is_encoder=False),
+    "mistral": ModelEntry(LlamaModel, is_encoder=False),
+    "qwen2": ModelEntry(LlamaModel, is_encoder=False),
+    "qwen3": ModelEntry(LlamaModel, is_encoder=False),
 }
 
 
@@ -34,8 +39,13 @@ def lookup(model_type: str) -> ModelEntry:
     return entry
 
 
-def is_causal(hf_config, entry: ModelEntry) -> bool:
-    """Causality from the config: encoders are bidirectional; decoders causal unless `is_causal: false`."""
+def is_causal(hf_config, entry: ModelEntry, override: str | None = None) -> bool:
+    """Causality from the config: encoders are bidirectional; decoders causal unless `is_causal: false`.
+
+    `override` ("causal" or "bidirectional", from --attention) wins over both.
+    """
+    if override is not None:
+        return override == "causal"
     if entry.is_encoder:
         return False
     return bool(getattr(hf_config, "is_causal", True))

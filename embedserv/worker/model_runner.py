@@ -50,12 +50,25 @@ class EmbeddingModelRunner:
         # The one device-to-host copy of the step.
         return ModelRunnerOutput(request_ids=tuple(s.request_id for s in batch.sequences), pooled=pooled.cpu().numpy())
 
-    def warm_up(self, max_tokens: int) -> None:
-        """Runs a short and a longest-allowed sequence so first requests do not pay one-time costs."""
-        batch = SchedulerOutput(
-            sequences=(
-                ScheduledSequence(request_id=-1, token_ids=[0] * 8),
-                ScheduledSequence(request_id=-2, token_ids=[0] * max_tokens),
+    def warm_up(self, max_tokens: int, max_batch_tokens: int) -> None:
+        """Runs one batch per power-of-two size up to the token budget, so first requests pay no one-time
+        costs (oneDNN primitives per shape; the flex backend compiles a kernel per size class)."""
+        for size in warm_up_sizes(max_batch_tokens):
+            full, rest = divmod(size, max_tokens)
+            lengths = [max_tokens] * full + ([rest] if rest else [])
+            batch = SchedulerOutput(
+                sequences=tuple(ScheduledSequence(request_id=-1 - i, token_ids=[0] * n) for i, n in enumerate(lengths))
             )
-        )
-        self.execute(batch)
+            self.execute(batch)
+
+
+def warm_up_sizes(max_batch_tokens: int) -> list[int]:
+    """8, 128, 256, ... up to and including the budget."""
+    sizes = [min(8, max_batch_tokens)]
+    size = 128
+    while size < max_batch_tokens:
+        sizes.append(size)
+        size *= 2
+    if max_batch_tokens > sizes[-1]:
+        sizes.append(max_batch_tokens)
+    return sizes

@@ -1,16 +1,24 @@
-"""Every attention backend computes the function the naive oracle does, on random packed batches."""
+"""Every attention backend computes the function the naive oracle does, on random packed batches.
+
+Backends that cannot run on a device (CUDA-only kernels on CPU, flash-attn not installed) skip with the
+selector's reason; on a GPU machine the same tests run on CUDA.
+"""
 
 import numpy as np
 import pytest
 import torch
 
+from embedserv.attention.backends.flex import FlexBackend
 from embedserv.attention.backends.naive import NaiveBackend
 from embedserv.attention.backends.sdpa import SdpaBackend, plan_runs
 from embedserv.attention.layer import Attention
 from embedserv.attention.metadata import build_common_metadata
+from embedserv.attention.selector import AttentionSpec, backend_class, unsupported_reason
 from embedserv.forward_context import ForwardContext, set_forward_context
 
-BACKENDS = [SdpaBackend]
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# flex-eager: FlexAttention uncompiled, the same mask logic without a compile per shape (fast to test).
+BACKENDS = ["sdpa", "flex-eager", "varlen", "flash_attn"]
 # Lengths chosen to exercise: single tokens, equal lengths, one long among short, many buckets.
 LENGTH_MIXES = [
     [1],
@@ -22,52 +30,106 @@ LENGTH_MIXES = [
     # Long runs of equal lengths: the CPU bfloat16 path cuts these into chunks.
     [256, 256, 256, 130, 130, 130, 130, 130, 1],
 ]
-TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+HEADS = [(4, 4), (8, 2)]
+HEAD_IDS = ["mha", "gqa"]
 
 
-def _run(backend, lens, heads, kv_heads, head_size, causal, dtype, seed=0):
+def make_backend(name: str, device: str, dtype, head_size: int, heads: int, kv_heads: int, causal: bool):
+    """The backend, or a skip that says why it cannot run here."""
+    base = name.removesuffix("-eager")
+    spec = AttentionSpec(torch.device(device), dtype, head_size, heads, kv_heads, causal)
+    reason = unsupported_reason(base, spec)
+    if reason is not None:
+        pytest.skip(reason)
+    if name == "flex-eager":
+        return FlexBackend(compile=False)
+    return backend_class(base)()
+
+
+def attend(backend, lens, heads, kv_heads, head_size, causal, dtype, device="cpu", seed=0):
     gen = torch.Generator().manual_seed(seed)
     num_tokens = sum(lens)
-    q = torch.randn(num_tokens, heads * head_size, generator=gen).to(dtype)
-    k = torch.randn(num_tokens, kv_heads * head_size, generator=gen).to(dtype)
-    v = torch.randn(num_tokens, kv_heads * head_size, generator=gen).to(dtype)
+    q = torch.randn(num_tokens, heads * head_size, generator=gen).to(device, dtype)
+    k = torch.randn(num_tokens, kv_heads * head_size, generator=gen).to(device, dtype)
+    v = torch.randn(num_tokens, kv_heads * head_size, generator=gen).to(device, dtype)
     layer = Attention(heads, head_size, num_kv_heads=kv_heads)
-    common = build_common_metadata(np.array(lens), is_causal=causal)
+    cu = torch.from_numpy(np.concatenate(([0], np.cumsum(lens)))).to(device)
+    common = build_common_metadata(np.array(lens), is_causal=causal, cu_seqlens=cu)
     context = ForwardContext(attn_metadata=backend.build_metadata(common), attn_backend=backend)
     with set_forward_context(context):
-        return layer(q, k, v).float()
+        return layer(q, k, v).float().cpu()
 
 
-@pytest.mark.parametrize("backend_cls", BACKENDS, ids=lambda b: b.name)
-@pytest.mark.parametrize("lens", LENGTH_MIXES, ids=lambda l: f"{len(l)}seqs")
-@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
-@pytest.mark.parametrize("head_size", [32, 64, 128])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_backend_matches_naive(backend_cls, lens, causal, heads, kv_heads, head_size, dtype):
-    expected = _run(NaiveBackend(), lens, heads, kv_heads, head_size, causal, dtype)
-    actual = _run(backend_cls(), lens, heads, kv_heads, head_size, causal, dtype)
+def check_against_naive(name, device, lens, causal, heads, kv_heads, head_size, dtype):
+    backend = make_backend(name, device, dtype, head_size, heads, kv_heads, causal)
+    expected = attend(NaiveBackend(), lens, heads, kv_heads, head_size, causal, dtype, device)
+    actual = attend(backend, lens, heads, kv_heads, head_size, causal, dtype, device)
     torch.testing.assert_close(actual, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def every_shape(test):
+    """Parametrizes a test over the whole matrix: devices, length mixes, causality, GQA, head sizes, dtypes."""
+    marks = [
+        pytest.mark.parametrize("device", DEVICES),
+        pytest.mark.parametrize("lens", LENGTH_MIXES, ids=lambda lens: f"{len(lens)}seqs"),
+        pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"]),
+        pytest.mark.parametrize("heads,kv_heads", HEADS, ids=HEAD_IDS),
+        pytest.mark.parametrize("head_size", [32, 64, 128]),
+        pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"]),
+    ]
+    for mark in reversed(marks):
+        test = mark(test)
+    return test
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@every_shape
+def test_backend_matches_naive(name, device, lens, causal, heads, kv_heads, head_size, dtype):
+    check_against_naive(name, device, lens, causal, heads, kv_heads, head_size, dtype)
+
+
+# Compiled FlexAttention costs seconds per new (dtype, head size, heads, padded size) combination, so
+# the default run compiles a few; --run-slow compiles the whole matrix.
+_FLEX_FAST = [
+    # dtype, head size, heads, kv heads, lengths (two size classes), causal
+    (torch.float32, 64, 4, 4, LENGTH_MIXES[4], False),
+    (torch.float32, 64, 4, 4, [30, 20, 1], True),
+    (torch.bfloat16, 64, 8, 2, [30, 20, 1], False),
+    (torch.bfloat16, 64, 8, 2, LENGTH_MIXES[4], True),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,head_size,heads,kv_heads,lens,causal", _FLEX_FAST)
+def test_compiled_flex_matches_naive(device, dtype, head_size, heads, kv_heads, lens, causal):
+    check_against_naive("flex", device, lens, causal, heads, kv_heads, head_size, dtype)
+
+
+@pytest.mark.slow
+@every_shape
+def test_compiled_flex_matches_naive_everywhere(device, lens, causal, heads, kv_heads, head_size, dtype):
+    check_against_naive("flex", device, lens, causal, heads, kv_heads, head_size, dtype)
 
 
 def test_causal_differs_from_bidirectional():
     lens = [6, 3]
-    a = _run(SdpaBackend(), lens, 2, 2, 32, False, torch.float32)
-    b = _run(SdpaBackend(), lens, 2, 2, 32, True, torch.float32)
+    a = attend(SdpaBackend(), lens, 2, 2, 32, False, torch.float32)
+    b = attend(SdpaBackend(), lens, 2, 2, 32, True, torch.float32)
     # The last token of each sequence sees everything either way; earlier ones do not.
     assert not torch.allclose(a[0], b[0])
     torch.testing.assert_close(a[5], b[5])
 
 
-def test_sequences_do_not_attend_across_the_pack():
+@pytest.mark.parametrize("backend", [NaiveBackend(), SdpaBackend(), FlexBackend(compile=False)], ids=lambda b: b.name)
+def test_sequences_do_not_attend_across_the_pack(backend):
     lens = [4, 9]
-    packed = _run(SdpaBackend(), lens, 2, 2, 32, False, torch.float32)
+    packed = attend(backend, lens, 2, 2, 32, False, torch.float32)
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(13, 64, generator=gen)
     k = torch.randn(13, 64, generator=gen)
     v = torch.randn(13, 64, generator=gen)
     layer = Attention(2, 32)
-    backend = SdpaBackend()
     for start, n in ((0, 4), (4, 9)):
         meta = backend.build_metadata(build_common_metadata(np.array([n]), is_causal=False))
         with set_forward_context(ForwardContext(attn_metadata=meta, attn_backend=backend)):
@@ -79,3 +141,15 @@ def test_runs_split_where_length_changes():
     runs = plan_runs(np.array([5, 5, 3, 3, 3, 5, 1]))
     assert [(r.token_start, r.num_seqs, r.length) for r in runs] == [(0, 2, 5), (10, 3, 3), (19, 1, 5), (24, 1, 1)]
     assert plan_runs(np.array([], dtype=np.int64)) == ()
+
+
+@pytest.mark.slow
+def test_compiled_flex_stays_compiled_past_eight_kernels(caplog):
+    """torch stops compiling a function after 8 entries and silently runs eager FlexAttention (100-1000x
+    slower); a server compiles one entry per size class, dtype and head shape, so flex must raise the limit."""
+    combos = [(dtype, head_size, causal) for dtype in (torch.float32, torch.bfloat16)
+              for head_size in (16, 32, 64) for causal in (False, True)]
+    with caplog.at_level("WARNING"):
+        for dtype, head_size, causal in combos:
+            attend(FlexBackend(), [40, 30], 2, 2, head_size, causal, dtype)
+    assert not [r for r in caplog.records if "recompile_limit" in r.getMessage() or "cache_size_limit" in r.getMessage()]

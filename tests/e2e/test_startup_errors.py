@@ -6,6 +6,9 @@ import socket
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from tests.helpers.server import REPO_ROOT, free_port, server_env
 
 
@@ -36,6 +39,19 @@ def test_unknown_attention_backend_lists_the_choices():
     assert result.returncode == 2
     assert "unknown --attention-backend 'nope'" in result.stderr
     assert "sdpa" in result.stderr and "naive" in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="varlen can run on this machine")
+def test_backend_that_cannot_run_here_says_why():
+    result = _serve("--port", str(free_port()), "--attention-backend", "varlen")
+    assert result.returncode == 2
+    assert "--attention-backend varlen cannot run here: torch.nn.attention.varlen runs on CUDA only" in result.stderr
+
+
+def test_unknown_attention_kind_is_refused_by_the_parser():
+    result = _serve("--port", str(free_port()), "--attention", "sideways")
+    assert result.returncode == 2
+    assert "--attention" in result.stderr and "causal" in result.stderr
 
 
 def test_missing_model_directory():

@@ -1,4 +1,5 @@
-"""One server, two `--model`s: each request reaches the model it names, each matches its reference."""
+"""One server, an encoder and a decoder embedder: each request reaches the model it names and matches
+its reference; each model reports its own attention kind."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from tests.helpers.compare import assert_cosine_at_least, assert_unit_norm
 from tests.helpers.models import reference_token_counts
 from tests.helpers.server import health_status, running_server
 
-FIRST, SECOND = "minilm", "tiny-bert-cls"
+FIRST, SECOND = "minilm", "tiny-qwen3-last"
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tiny_encoder):
-    return tiny_encoder("bert", "cls", max_seq_length=128)
+def tiny_dir(tiny_decoder):
+    """A causal GQA decoder embedder with last-token pooling (the Qwen3-Embedding shape)."""
+    return tiny_decoder("qwen3", "lasttoken", max_seq_length=128)
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +69,12 @@ def test_list_models_in_order(stub):
     from embedserv.v1 import embedserv_pb2 as pb
 
     models = stub.ListModels(pb.ListModelsRequest(), timeout=30).models
-    assert [(m.name, m.dimension, m.pooling, m.max_input_tokens) for m in models] == [
-        (FIRST, 384, "mean", 256),
-        (SECOND, 64, "cls", 128),
+    assert [(m.name, m.dimension, m.pooling, m.max_input_tokens, m.attention) for m in models] == [
+        (FIRST, 384, "mean", 256, pb.ATTENTION_KIND_BIDIRECTIONAL),
+        (SECOND, 64, "lasttoken", 128, pb.ATTENTION_KIND_CAUSAL),
     ]
+    assert [m.architecture for m in models] == ["BertModel", "Qwen3Model"]
+    assert all(m.attention_backend == "sdpa" for m in models)
 
 
 def test_unknown_model_lists_both_names(stub):

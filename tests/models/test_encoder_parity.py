@@ -7,9 +7,7 @@ batch invariance. The oracle is sentence-transformers, float32 on CPU.
 
 from __future__ import annotations
 
-import contextlib
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,34 +17,7 @@ from tests.helpers.compare import assert_cosine_at_least, assert_unit_norm, cosi
 from tests.helpers.models import ARCHS, POOLINGS, reference_token_counts
 
 MAX_SEQ_LENGTH = 128
-NUM_TEXTS = 40
 MIN_COSINE = 0.9999
-
-
-@pytest.fixture(scope="module")
-def texts() -> list[str]:
-    return stdlib_texts(NUM_TEXTS, seed=1)
-
-
-@pytest.fixture(scope="module")
-def engine_for():
-    """Factory: engine_for(model_dir, **ModelConfig kwargs) -> a started SyncEngine, shared in the module."""
-    from embedserv.config import ModelConfig
-    from embedserv.engine.sync import SyncEngine
-
-    engines: dict[tuple, object] = {}
-    with contextlib.ExitStack() as stack:
-
-        def get(model_dir: Path, attention_backend: str = "sdpa", **kwargs):
-            key = (str(model_dir), attention_backend, tuple(sorted(kwargs.items())))
-            if key not in engines:
-                config = ModelConfig(
-                    path=str(model_dir), served_name="m", attention_backend=attention_backend, dtype="float32", **kwargs
-                )
-                engines[key] = stack.enter_context(SyncEngine(config))
-            return engines[key]
-
-        yield get
 
 
 def _params(**kwargs):
@@ -204,16 +175,20 @@ def test_batch_invariance_across_concurrent_calls(tiny_encoder, engine_for):
     np.testing.assert_allclose(singles, together, atol=1e-5, err_msg="51 calls of one input != one call of 51")
 
 
+@pytest.mark.parametrize("backend", ["naive", "flex"])
 @pytest.mark.parametrize("arch", ["roberta", "bert"])
-def test_naive_backend_equals_sdpa(arch, tiny_encoder, engine_for, texts):
+def test_other_backends_equal_sdpa(arch, backend, tiny_encoder, engine_for, texts):
     model_dir = tiny_encoder(arch, "mean", max_seq_length=MAX_SEQ_LENGTH)
     params = _params(truncate=True)
 
     sdpa = engine_for(model_dir, attention_backend="sdpa").embed(texts, params)
-    naive = engine_for(model_dir, attention_backend="naive").embed(texts, params)
+    # A small batch budget keeps flex's warm-up to two compiled size classes.
+    other = engine_for(model_dir, attention_backend=backend, max_batch_tokens=256)
+    result = other.embed(texts, params)
 
-    assert_cosine_at_least(naive.embeddings, sdpa.embeddings, 0.99999, texts, what="naive vs sdpa: ")
-    assert naive.prompt_tokens == sdpa.prompt_tokens
+    assert other.info.attention_backend == backend
+    assert_cosine_at_least(result.embeddings, sdpa.embeddings, 0.99999, texts, what=f"{backend} vs sdpa: ")
+    assert result.prompt_tokens == sdpa.prompt_tokens
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -1,4 +1,7 @@
-"""The narrow interface every attention backend implements."""
+"""The narrow interface every attention backend implements.
+
+Where each backend can run (device, dtype, head size) is decided in attention/selector.py, not here.
+"""
 
 from __future__ import annotations
 
@@ -14,10 +17,6 @@ if TYPE_CHECKING:
 
 class AttentionBackend(Protocol):
     name: ClassVar[str]
-
-    @classmethod
-    def unsupported_reason(cls, device: torch.device, dtype: torch.dtype, head_size: int) -> str | None:
-        """None when the backend can run here, else why not (shown in the start-up error)."""
 
     def build_metadata(self, common: CommonAttentionMetadata) -> AttentionMetadata:
         """Precomputes per-batch state once, before the forward pass."""

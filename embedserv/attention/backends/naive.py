@@ -12,10 +12,6 @@ from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetad
 class NaiveBackend:
     name = "naive"
 
-    @classmethod
-    def unsupported_reason(cls, device: torch.device, dtype: torch.dtype, head_size: int) -> str | None:
-        return None
-
     def build_metadata(self, common: CommonAttentionMetadata) -> AttentionMetadata:
         return AttentionMetadata(common=common)
 

@@ -60,10 +60,6 @@ def plan_runs(seq_lens: np.ndarray) -> tuple[_Run, ...]:
 class SdpaBackend:
     name = "sdpa"
 
-    @classmethod
-    def unsupported_reason(cls, device: torch.device, dtype: torch.dtype, head_size: int) -> str | None:
-        return None
-
     def build_metadata(self, common: CommonAttentionMetadata) -> SdpaMetadata:
         return SdpaMetadata(common=common, runs=plan_runs(common.seq_lens_q_cpu))
 

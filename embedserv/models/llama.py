@@ -1,0 +1,223 @@
+"""Llama-family decoders (Llama, Mistral, Qwen2, Qwen3) over a flat packed batch.
+
+One architecture: pre-norm blocks of RMSNorm -> attention with rotary positions and grouped KV heads
+-> RMSNorm -> gated MLP. The members differ only in small switches read from the config: which
+projections carry a bias, Qwen3's per-head RMSNorm on queries and keys, a head size set apart from
+hidden_size / heads, and Mistral's sliding window. Whether attention is causal is not the model's
+business: it comes from the forward context.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from embedserv.attention.layer import Attention
+from embedserv.models.layers import Linear, get_activation
+from embedserv.models.rotary import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    """As transformers' LlamaRMSNorm: normalize in float32, cast back, then scale by the weight."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def head_dim(config) -> int:
+    """Qwen3 (and some Mistrals) set head_dim apart from hidden_size / num_attention_heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _biases(config) -> tuple[bool, bool, bool]:
+    """(qkv, o_proj, mlp) biases, as each transformers class decides them.
+
+    Qwen2 always has q/k/v biases and never an output bias; Llama and Qwen3 follow `attention_bias`
+    (Llama also `mlp_bias`); Mistral has none. Flags a class ignores are ignored here too.
+    """
+    kind = config.model_type
+    if kind == "qwen2":
+        return True, False, False
+    if kind == "mistral":
+        return False, False, False
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    mlp_bias = kind == "llama" and bool(getattr(config, "mlp_bias", False))
+    return attention_bias, attention_bias, mlp_bias
+
+
+def sliding_window(config) -> int | None:
+    """The window some layers attend within, or None when no layer uses one.
+
+    Qwen2/Qwen3 configs null `sliding_window` unless `use_sliding_window`, and list per layer in
+    `layer_types` which layers slide; Mistral slides every layer when the window is set.
+    """
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_index: int) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        qkv_bias, o_bias, _ = _biases(config)
+        # Query, key and value in one matmul; the loader stacks their weights.
+        self.qkv = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        if config.model_type == "qwen3":
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.attn = Attention(self.num_heads, self.head_dim, num_kv_heads=self.num_kv_heads, layer_index=layer_index)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Attention of the normed `x`, plus `residual` (fused into the output projection)."""
+        qkv = self.qkv(x)
+        qk, v = qkv.split((self.q_size + self.kv_size, self.kv_size), dim=-1)
+        qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # Queries and keys sit side by side in the fused output: one rotation covers both.
+            qk = apply_rotary(qk, cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        else:
+            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+            q = apply_rotary(self.q_norm(q), cos, sin)
+            k = apply_rotary(self.k_norm(k), cos, sin)
+        return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v), residual=residual)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        _, _, bias = _biases(config)
+        # Gate and up projections in one matmul; the loader stacks their weights.
+        self.gate_up = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act = get_activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up, residual=residual)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_index: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_index)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        hidden = self.self_attn(self.input_layernorm(hidden), hidden, cos, sin)
+        return self.mlp(self.post_attention_layernorm(hidden), hidden)
+
+
+# Checkpoint names (after the `model.` prefix) of the tensors stacked into one of our parameters.
+_FUSED = re.compile(r"^layers\.(\d+)\.(self_attn\.(q|k|v)_proj|mlp\.(gate|up)_proj)\.(weight|bias)$")
+# Tensors an embedder does not use: the LM head (present when embeddings are untied; a later head
+# loads it) and rotary buffers some checkpoints carry.
+_IGNORED = re.compile(r"^(lm_head\.|(layers\.\d+\.self_attn\.)?rotary_emb\.)")
+_PREFIX = "model."
+
+
+def _copy(destination: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    # copy_ would broadcast a wrongly shaped tensor without a word (a config that does not fit the weights).
+    if destination.shape != tensor.shape:
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the config says {tuple(destination.shape)}"
+        )
+    destination.copy_(tensor)
+
+
+class LlamaModel(nn.Module):
+    """`forward(input_ids, positions[, token_type_ids]) -> [num_tokens, hidden]`, final norm applied."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.position_offset = 0
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config, head_dim(config), self.max_positions)
+
+    @property
+    def max_positions(self) -> int:
+        # Inputs no longer than the sliding window see every earlier token inside it, so windowed
+        # attention equals full attention: capping the length lets every backend run such models
+        # without a window mask.
+        window = sliding_window(self.config)
+        limit = self.config.max_position_embeddings
+        return min(limit, window) if window else limit
+
+    def forward(self, input_ids, positions, token_type_ids=None) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin)
+        return self.norm(hidden)
+
+    def _fused_target(self, name: str) -> tuple[str, str, slice] | None:
+        """(our parameter, shard label, rows) for a q/k/v or gate/up tensor; None for any other."""
+        match = _FUSED.match(name)
+        if match is None:
+            return None
+        layer, _, qkv_part, mlp_part, kind = match.groups()
+        if qkv_part:
+            attn = self.layers[0].self_attn  # every layer has the same sizes
+            start = {"q": 0, "k": attn.q_size, "v": attn.q_size + attn.kv_size}[qkv_part]
+            size = attn.q_size if qkv_part == "q" else attn.kv_size
+            return f"layers.{layer}.self_attn.qkv.{kind}", qkv_part, slice(start, start + size)
+        size = self.config.intermediate_size
+        start = 0 if mlp_part == "gate" else size
+        return f"layers.{layer}.mlp.gate_up.{kind}", mlp_part, slice(start, start + size)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copies checkpoint tensors in; returns the names of our parameters it filled.
+
+        Takes AutoModel / ForCausalLM names (`model.` prefix) and bare backbone names (what
+        sentence-transformers saves) alike.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        shards: dict[str, set[str]] = {}
+        for name, tensor in weights:
+            name = name.removeprefix(_PREFIX)
+            if _IGNORED.match(name):
+                continue
+            fused = self._fused_target(name)
+            if fused is not None:
+                target, shard, rows = fused
+                if target not in params:
+                    raise ValueError(f"unexpected checkpoint tensor {name!r}: this model has no {target}")
+                _copy(params[target].data[rows], tensor, name)
+                shards.setdefault(target, set()).add(shard)
+                continue
+            if name not in params:
+                raise ValueError(f"unexpected checkpoint tensor {name!r}")
+            _copy(params[name].data, tensor, name)
+            loaded.add(name)
+        # A fused parameter is filled only when every one of its shards was.
+        loaded.update(t for t, parts in shards.items() if parts in ({"q", "k", "v"}, {"gate", "up"}))
+        return loaded

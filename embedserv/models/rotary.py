@@ -1,0 +1,125 @@
+"""Rotary position embeddings computed from a Hugging Face config, as transformers computes them.
+
+transformers 5 keeps every RoPE setting in `config.rope_parameters` (`rope_type`, `rope_theta`,
+`factor`, ...) and converts older config.json files (`rope_scaling` plus a top-level `rope_theta`) into
+that dict when it loads them; configs built by older transformers still carry the two apart, so both
+are read. The inverse frequencies use transformers' float32 formulas op for op, so on CPU the cos/sin
+tables hold the same bits as the reference's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# transformers' RotaryEmbeddingConfigMixin.default_theta, for configs that name no base.
+DEFAULT_THETA = 10_000.0
+
+
+def rope_parameters(config) -> dict:
+    """The config's RoPE settings as one flat dict with `rope_type` and `rope_theta` filled in."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        params = dict(params)
+    else:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        theta = getattr(config, "rope_theta", None)
+        if theta is not None:
+            params.setdefault("rope_theta", theta)
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    params.setdefault("rope_theta", DEFAULT_THETA)
+    if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope type {params['rope_type']!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial_rotary_factor {params['partial_rotary_factor']} is not supported; only 1.0")
+    if params["rope_type"] == "llama3":
+        # What transformers assumes when a llama3 config leaves the pretraining length out.
+        params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    return params
+
+
+def _require(params: dict, key: str):
+    if params.get(key) is None:
+        raise ValueError(f"rope type {params['rope_type']!r} needs {key!r} in the config's rope parameters")
+    return params[key]
+
+
+def inverse_frequencies(params: dict, head_dim: int) -> torch.Tensor:
+    """[head_dim // 2] float32 on CPU, the `inv_freq` transformers' rotary embedding holds."""
+    base = params["rope_theta"]
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float) / head_dim
+    inv_freq = 1.0 / (base**exponents)
+    if params["rope_type"] == "linear":
+        # Dividing the frequencies by the factor is dividing the positions by it.
+        return inv_freq / _require(params, "factor")
+    if params["rope_type"] == "llama3":
+        return _llama3_scaling(params, inv_freq)
+    return inv_freq
+
+
+def _llama3_scaling(params: dict, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth blend between."""
+    factor = _require(params, "factor")
+    low_freq_factor = _require(params, "low_freq_factor")
+    high_freq_factor = _require(params, "high_freq_factor")
+    old_context_len = _require(params, "original_max_position_embeddings")
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth_factor) * scaled / factor + smooth_factor * scaled
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """cos/sin of every position up to `max_positions`, looked up by the flat `positions` tensor.
+
+    Not an nn.Module with buffers on purpose: models are built on the meta device and then `to_empty`,
+    which would leave a buffer made in __init__ uninitialized, and a model-wide `.to(bfloat16)` would
+    round it. The float32 table is made on first use on a device (and again only if the device changes).
+    """
+
+    def __init__(self, config, head_dim: int, max_positions: int) -> None:
+        if head_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head size, not {head_dim}")
+        self.params = rope_parameters(config)
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self._cos: torch.Tensor | None = None
+        self._sin: torch.Tensor | None = None
+
+    def _build(self, device: torch.device) -> None:
+        inv_freq = inverse_frequencies(self.params, self.head_dim)
+        positions = torch.arange(self.max_positions, dtype=torch.int64, device="cpu").float()
+        freqs = positions[:, None] * inv_freq[None, :]
+        self._cos = freqs.cos().to(device)
+        self._sin = freqs.sin().to(device)
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[num_tokens] -> cos, sin as [num_tokens, 1, head_dim // 2] float32 (broadcast over heads)."""
+        if self._cos is None or self._cos.device != positions.device:
+            self._build(positions.device)
+        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """[num_tokens, heads, head_dim] (any strides) rotated in float32 -> a new contiguous tensor in x's dtype.
+
+    transformers' convention: the two halves of each head form the (real, imaginary) pairs, i.e.
+    `x * cos + rotate_half(x) * sin` with `rotate_half(x) = cat(-x2, x1)`, written out per half.
+    Each half is written in place into one output (multiply, then fused multiply-add): on CPU about
+    5x faster than building the halves as temporaries and concatenating them.
+    """
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    out1, out2 = out.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=out1).addcmul_(x2, sin, value=-1)
+    torch.mul(x2, cos, out=out2).addcmul_(x1, sin)
+    return out.to(x.dtype)

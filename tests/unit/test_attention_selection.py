@@ -1,0 +1,75 @@
+"""Which attention backend and which causality a model gets, and the errors when a choice cannot run."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from embedserv.attention import selector
+from embedserv.attention.selector import AttentionSpec, select_backend, unsupported_reason
+from embedserv.config import ATTENTION_BACKENDS, ModelConfig
+from embedserv.errors import ConfigError
+from embedserv.models import registry
+
+CPU_FP32 = AttentionSpec(torch.device("cpu"), torch.float32, 64, 8, 2, is_causal=True)
+
+
+def test_every_configurable_backend_is_registered():
+    assert set(ATTENTION_BACKENDS) == set(selector._REGISTRY)
+    for order in selector.PREFERENCE.values():
+        assert set(order) <= set(ATTENTION_BACKENDS)
+
+
+def test_cpu_default_is_sdpa():
+    assert select_backend(None, CPU_FP32).name == "sdpa"
+
+
+@pytest.mark.parametrize("name", ATTENTION_BACKENDS)
+def test_forced_backend_runs_or_says_why_not(name):
+    reason = unsupported_reason(name, CPU_FP32)
+    if reason is None:
+        assert select_backend(name, CPU_FP32).name == name
+    else:
+        with pytest.raises(ConfigError, match=f"--attention-backend {name} cannot run here: "):
+            select_backend(name, CPU_FP32)
+
+
+@pytest.mark.parametrize("name", ["varlen", "flash_attn"])
+def test_cuda_only_backends_name_the_problem_on_cpu(name):
+    with pytest.raises(ConfigError) as err:
+        select_backend(name, CPU_FP32)
+    assert "CUDA" in str(err.value) or "not installed" in str(err.value)
+
+
+def test_flex_refuses_head_sizes_it_cannot_compile():
+    spec = AttentionSpec(torch.device("cpu"), torch.float32, 80, 8, 8, is_causal=False)
+    assert "power-of-two head size" in unsupported_reason("flex", spec)
+
+
+def test_unknown_backend_is_a_config_error_listing_the_choices():
+    with pytest.raises(ConfigError) as err:
+        ModelConfig(path="x", served_name="m", attention_backend="fast")
+    assert "unknown --attention-backend 'fast'" in str(err.value)
+    assert all(name in str(err.value) for name in ATTENTION_BACKENDS)
+
+
+def test_attention_kind_must_be_causal_or_bidirectional():
+    with pytest.raises(ConfigError, match="--attention must be one of causal, bidirectional"):
+        ModelConfig(path="x", served_name="m", attention="sideways")
+
+
+@pytest.mark.parametrize(
+    ("model_type", "config", "override", "expected"),
+    [
+        ("bert", {}, None, False),
+        ("llama", {}, None, True),
+        ("qwen2", {"is_causal": False}, None, False),
+        ("qwen2", {"is_causal": True}, None, True),
+        ("llama", {}, "bidirectional", False),
+        ("bert", {}, "causal", True),
+        ("qwen2", {"is_causal": False}, "causal", True),
+    ],
+)
+def test_causality_from_the_config_and_the_override(model_type, config, override, expected):
+    entry = registry.lookup(model_type)
+    assert registry.is_causal(SimpleNamespace(**config), entry, override) is expected

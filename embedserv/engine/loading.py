@@ -17,6 +17,7 @@ from embedserv.engine.types import ModelInfo, Task
 from embedserv.errors import ConfigError
 from embedserv.models import registry
 from embedserv.models.heads import Dense, EmbeddingPooler
+from embedserv.models.layers import head_dim, num_kv_heads
 from embedserv.models.loader import build_model, load_dense_weights, safetensors_files
 from embedserv.models.st_files import SentenceTransformerFiles, read_sentence_transformers
 from embedserv.worker.model_runner import EmbeddingModelRunner
@@ -57,14 +58,12 @@ def _device(name: str) -> torch.device:
 
 
 def _attention_spec(hf_config, device: torch.device, dtype: torch.dtype, is_causal: bool) -> AttentionSpec:
-    num_heads = hf_config.num_attention_heads
     return AttentionSpec(
         device=device,
         dtype=dtype,
-        # Some decoders (Qwen3) set head_dim apart from hidden_size / heads.
-        head_size=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
-        num_heads=num_heads,
-        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+        head_size=head_dim(hf_config),
+        num_heads=hf_config.num_attention_heads,
+        num_kv_heads=num_kv_heads(hf_config),
         is_causal=is_causal,
     )
 

@@ -48,6 +48,16 @@ def get_activation(name: str):
         raise ValueError(f"activation {name!r} is not supported; supported: {', '.join(ACTIVATIONS)}") from None
 
 
+def head_dim(config) -> int:
+    """Per-head width: Qwen3 (and some Mistrals) set head_dim apart from hidden_size / num_attention_heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def num_kv_heads(config) -> int:
+    """Key/value heads: fewer than the query heads under grouped-query attention; encoders have as many."""
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
 def _onednn_can_run(weight: torch.Tensor) -> bool:
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from embedserv.attention.layer import Attention
-from embedserv.models.layers import Linear, get_activation
+from embedserv.models.layers import Linear, get_activation, head_dim, num_kv_heads
 from embedserv.models.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -33,11 +33,6 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
-
-
-def head_dim(config) -> int:
-    """Qwen3 (and some Mistrals) set head_dim apart from hidden_size / num_attention_heads."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def _biases(config) -> tuple[bool, bool, bool]:
@@ -75,7 +70,7 @@ class LlamaAttention(nn.Module):
     def __init__(self, config, layer_index: int) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.num_kv_heads = num_kv_heads(config)
         self.head_dim = head_dim(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim

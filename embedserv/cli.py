@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "is_causal: false; encoders bidirectional)")
     serve.add_argument("--pooling", default=None, choices=POOLING_MODES,
                        help="override the pooling read from the model's sentence-transformers files")
+    serve.add_argument("--decoder-reranker", default=None, action=argparse.BooleanOptionalAction,
+                       help="serve causal-LM checkpoints as yes/no rerankers (Qwen3-Reranker template); "
+                            "default: when the model's path names a reranker")
     serve.add_argument("--tokenizer-threads", type=int, default=1, help="tokenizer threads per model")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return parser
@@ -80,6 +83,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             attention_backend=args.attention_backend,
             attention=args.attention,
             pooling=args.pooling,
+            decoder_reranker=args.decoder_reranker,
             max_batch_tokens=args.max_batch_tokens,
             max_batch_requests=args.max_batch_requests,
         )

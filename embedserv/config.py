@@ -47,6 +47,8 @@ class ModelConfig:
     attention: str | None = None
     # None reads the pooling from the model's sentence-transformers files.
     pooling: str | None = None
+    # Serve a causal LM as a yes/no reranker (True), never (False), or when its path names a reranker (None).
+    decoder_reranker: bool | None = None
     # None picks per device: small batches stay in the CPU caches, a GPU wants big ones.
     max_batch_tokens: int | None = None
     max_batch_requests: int = 512

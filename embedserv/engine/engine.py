@@ -17,8 +17,21 @@ import numpy as np
 
 from embedserv.config import ModelConfig
 from embedserv.engine.loading import LoadedModel, load_model
-from embedserv.engine.outputs import finish_embeddings
-from embedserv.engine.types import EmbedParams, EmbedResult, ModelInfo, Timing, TokenizedText
+from embedserv.engine.outputs import activate, cosine_to_first, finish_embeddings, rank
+from embedserv.engine.tokenizer import Encoded
+from embedserv.engine.types import (
+    ClassifyParams,
+    ClassifyResult,
+    EmbedParams,
+    EmbedResult,
+    ModelInfo,
+    RankedDocument,
+    RerankParams,
+    RerankResult,
+    Task,
+    Timing,
+    TokenizedText,
+)
 from embedserv.errors import InvalidInput, NotReady
 from embedserv.scheduler.prefill_only import PrefillOnlyScheduler, PrefillRequest
 
@@ -36,6 +49,7 @@ class Engine:
         self.config = config
         self.info: ModelInfo = loaded.info
         self.tokenizer = loaded.tokenizer
+        self.task = loaded.task
         self._runner = loaded.runner
         self._scheduler = PrefillOnlyScheduler(config.batch_token_budget, config.max_batch_requests)
         self._futures: dict[int, asyncio.Future] = {}
@@ -96,33 +110,100 @@ class Engine:
 
     async def embed(self, texts: list[str], params: EmbedParams) -> EmbedResult:
         received = time.perf_counter()
+        self._require(Task.EMBED, "Embed")
         self._check_params(texts, params)
-        loop = asyncio.get_running_loop()
-        encoded = await loop.run_in_executor(
-            self._tokenizer_pool,
-            self.tokenizer.encode_batch,
-            texts,
-            params.truncate,
-            params.truncation_direction,
-            params.prompt_name,
+        encoded = await self._tokenize_with(
+            self.tokenizer.encode_batch, texts, params.truncate, params.truncation_direction, params.prompt_name
         )
+        rows, prompt_tokens, timing = await self._infer(encoded, received)
+        return EmbedResult(
+            embeddings=finish_embeddings(rows, params.dimensions, params.normalize),
+            prompt_tokens=prompt_tokens,
+            timing=timing,
+        )
+
+    async def rerank(self, query: str, documents: list[str], params: RerankParams) -> RerankResult:
+        """Documents scored against the query, best first: by the model's score head (cross-encoders,
+        yes/no rerankers) or by cosine similarity of embeddings (embedders)."""
+        received = time.perf_counter()
+        self._require(Task.RERANK, "Rerank")
+        self._check_rerank(query, documents, params)
+        mode = self.task.rerank_mode
+        if mode == "embeddings":
+            encoded = await self._tokenize_with(self._encode_for_cosine, query, documents, params.truncate)
+        elif mode == "pair":
+            encoded = await self._tokenize_with(self.tokenizer.encode_pairs, query, documents, params.truncate)
+        else:
+            instruction = params.instruction or self.task.template.default_instruction
+            encoded = await self._tokenize_with(
+                self.tokenizer.encode_templated, self.task.template, instruction, query, documents, params.truncate
+            )
+        rows, prompt_tokens, timing = await self._infer(encoded, received)
+        if mode == "embeddings":
+            scores = cosine_to_first(rows)
+        else:
+            scores = rows[:, 0] if params.raw_scores else activate(rows, self.task.rerank_activation)[:, 0]
+        results = [RankedDocument(index, score) for index, score in rank(scores, params.top_n)]
+        return RerankResult(results=results, prompt_tokens=prompt_tokens, timing=timing)
+
+    async def classify(self, texts: list[str], params: ClassifyParams) -> ClassifyResult:
+        received = time.perf_counter()
+        self._require(Task.CLASSIFY, "Classify")
+        if not texts:
+            raise InvalidInput("inputs is empty; send at least one text")
+        self._check_direction(params.truncation_direction)
+        encoded = await self._tokenize_with(
+            self.tokenizer.encode_batch, texts, params.truncate, params.truncation_direction, None
+        )
+        logits, prompt_tokens, timing = await self._infer(encoded, received)
+        if not params.raw_scores:
+            single = logits.shape[1] == 1 or self.task.multi_label
+            logits = activate(logits, "sigmoid" if single else "softmax")
+        return ClassifyResult(scores=logits, labels=self.task.labels, prompt_tokens=prompt_tokens, timing=timing)
+
+    def _encode_for_cosine(self, query: str, documents: list[str], truncate: bool) -> list[Encoded]:
+        """The query (never cut) and the documents with the prompts sentence-transformers' encode_query /
+        encode_document pick: "query"; "document", "passage" or "corpus"; else the default prompt."""
+        prompts = self.tokenizer.prompts
+        query_prompt = "query" if "query" in prompts else None
+        document_prompt = next((n for n in ("document", "passage", "corpus") if n in prompts), None)
+        try:
+            encoded_query = self.tokenizer.encode_batch([query], False, "right", query_prompt)
+        except InvalidInput:
+            raise InvalidInput(
+                f"the query is longer than the model's limit of {self.tokenizer.max_input_tokens} tokens "
+                "(queries are never truncated); shorten the query"
+            ) from None
+        return encoded_query + self.tokenizer.encode_batch(documents, truncate, "right", document_prompt)
+
+    async def _tokenize_with(self, encode, *args) -> list[Encoded]:
+        """Runs a tokenizer method in the tokenizer pool (never on the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, encode, *args)
+
+    async def _infer(self, encoded: list[Encoded], received: float) -> tuple[np.ndarray, int, Timing]:
+        """Runs every sequence through the scheduler; rows in input order, tokens run, and the call's timing."""
         tokenized = time.perf_counter()
-        requests = [PrefillRequest(next(self._ids), e.ids, pool_start=e.pool_start) for e in encoded]
+        requests = [self._request(e) for e in encoded]
         outputs = await self._run_requests(requests)
-        rows = np.stack([row for row, _, _ in outputs])
         first_start = min(start for _, start, _ in outputs)
         last_end = max(end for _, _, end in outputs)
-        embeddings = finish_embeddings(rows, params.dimensions, params.normalize)
-        return EmbedResult(
-            embeddings=embeddings,
-            prompt_tokens=sum(len(e.ids) for e in encoded),
-            timing=Timing(
-                queue_us=_us(first_start - tokenized),
-                tokenization_us=_us(tokenized - received),
-                inference_us=_us(last_end - first_start),
-                total_us=_us(time.perf_counter() - received),
-            ),
+        timing = Timing(
+            queue_us=_us(first_start - tokenized),
+            tokenization_us=_us(tokenized - received),
+            inference_us=_us(last_end - first_start),
+            total_us=_us(time.perf_counter() - received),
         )
+        return np.stack([row for row, _, _ in outputs]), sum(r.num_tokens for r in requests), timing
+
+    def _request(self, encoded: Encoded) -> PrefillRequest:
+        ids, types = encoded.ids, encoded.token_type_ids
+        pad = self.task.strip_trailing_pad_id
+        if pad is not None:
+            end = len(ids)
+            while end > 1 and ids[end - 1] == pad:
+                end -= 1
+            ids, types = ids[:end], types[:end] if types is not None else None
+        return PrefillRequest(next(self._ids), ids, pool_start=encoded.pool_start, token_type_ids=types)
 
     async def tokenize(
         self, texts: list[str], add_special_tokens: bool, prompt_name: str | None
@@ -132,6 +213,16 @@ class Engine:
             self._tokenizer_pool, self.tokenizer.tokenize, texts, add_special_tokens, prompt_name
         )
 
+    def _require(self, task: Task, rpc: str) -> None:
+        if task not in self.info.tasks:
+            tasks = ", ".join(t.value for t in self.info.tasks)
+            raise InvalidInput(f"model {self.info.name!r} cannot serve {rpc}; it serves: {tasks}")
+
+    @staticmethod
+    def _check_direction(direction: str) -> None:
+        if direction not in ("right", "left"):
+            raise InvalidInput(f"truncation_direction must be right or left, not {direction!r}")
+
     def _check_params(self, texts: list[str], params: EmbedParams) -> None:
         if not texts:
             raise InvalidInput("inputs is empty; send at least one text")
@@ -140,10 +231,22 @@ class Engine:
                 f"dimensions must be between 1 and the model's dimension {self.info.dimension}, "
                 f"not {params.dimensions}"
             )
-        if params.truncation_direction not in ("right", "left"):
-            raise InvalidInput(f"truncation_direction must be right or left, not {params.truncation_direction!r}")
+        self._check_direction(params.truncation_direction)
         # Unknown prompt names fail before any tokenizing.
         self.tokenizer.resolve_prompt(params.prompt_name)
+
+    def _check_rerank(self, query: str, documents: list[str], params: RerankParams) -> None:
+        if not query:
+            raise InvalidInput("query is empty; send the text to rank documents against")
+        if not documents:
+            raise InvalidInput("documents is empty; send at least one document to rank")
+        if params.top_n is not None and params.top_n < 1:
+            raise InvalidInput(f"top_n must be at least 1 (or unset for all results), not {params.top_n}")
+        if params.instruction and self.task.template is None:
+            raise InvalidInput(
+                f"model {self.info.name!r} takes no instruction (only instruction-following rerankers do); "
+                "leave instruction empty"
+            )
 
     async def _run_requests(self, requests: list[PrefillRequest]) -> list[tuple]:
         if not self.is_running:
@@ -189,7 +292,7 @@ class Engine:
                 "%s: batch of %d sequences, %d tokens in %.1f ms",
                 self.info.name, batch.num_sequences, batch.num_tokens, (finished - started) * 1e3,
             )
-            for request_id, row in zip(output.request_ids, output.pooled):
+            for request_id, row in zip(output.request_ids, output.rows):
                 future = self._futures.pop(request_id, None)
                 if future is not None and not future.done():
                     future.set_result((row, started, finished))

@@ -20,3 +20,33 @@ def finish_embeddings(rows: np.ndarray, dimensions: int | None, normalize: bool)
 
 def to_little_endian_bytes(vector: np.ndarray) -> bytes:
     return np.asarray(vector, dtype="<f4").tobytes()
+
+
+def activate(logits: np.ndarray, activation: str) -> np.ndarray:
+    """[n, labels] float32 logits through sigmoid, softmax (per row), tanh or identity."""
+    logits = logits.astype(np.float32, copy=False)
+    if activation == "sigmoid":
+        # The tanh form of the logistic function: no overflow for large negative logits.
+        return (0.5 * (np.tanh(0.5 * logits) + 1.0)).astype(np.float32)
+    if activation == "softmax":
+        shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+        return (shifted / shifted.sum(axis=1, keepdims=True)).astype(np.float32)
+    if activation == "tanh":
+        return np.tanh(logits)
+    if activation == "identity":
+        return logits
+    raise ValueError(f"unknown activation {activation!r}")
+
+
+def cosine_to_first(rows: np.ndarray) -> np.ndarray:
+    """Cosine similarity of rows[0] (the query) with each later row (the documents)."""
+    unit = finish_embeddings(rows, None, normalize=True)
+    return unit[1:] @ unit[0]
+
+
+def rank(scores: np.ndarray, top_n: int | None) -> list[tuple[int, float]]:
+    """(index, score) best first; equal scores keep request order. top_n beyond the count keeps all."""
+    order = np.argsort(-scores, kind="stable")
+    if top_n is not None:
+        order = order[:top_n]
+    return [(int(i), float(scores[i])) for i in order]

@@ -7,7 +7,15 @@ import threading
 
 from embedserv.config import ModelConfig
 from embedserv.engine.engine import Engine
-from embedserv.engine.types import EmbedParams, EmbedResult, ModelInfo
+from embedserv.engine.types import (
+    ClassifyParams,
+    ClassifyResult,
+    EmbedParams,
+    EmbedResult,
+    ModelInfo,
+    RerankParams,
+    RerankResult,
+)
 
 
 class SyncEngine:
@@ -27,6 +35,12 @@ class SyncEngine:
 
     def embed(self, texts: list[str], params: EmbedParams | None = None) -> EmbedResult:
         return self._call(self.engine.embed(list(texts), params or EmbedParams()))
+
+    def rerank(self, query: str, documents: list[str], params: RerankParams | None = None) -> RerankResult:
+        return self._call(self.engine.rerank(query, list(documents), params or RerankParams()))
+
+    def classify(self, texts: list[str], params: ClassifyParams | None = None) -> ClassifyResult:
+        return self._call(self.engine.classify(list(texts), params or ClassifyParams()))
 
     async def _embed_many(self, calls: list[list[str]], params: EmbedParams) -> list[EmbedResult]:
         return await asyncio.gather(*(self.engine.embed(texts, params) for texts in calls))

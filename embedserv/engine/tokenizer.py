@@ -15,6 +15,7 @@ from pathlib import Path
 import tokenizers
 from transformers import AutoTokenizer
 
+from embedserv.engine.tasks import YesNoTemplate
 from embedserv.engine.types import TokenizedText
 from embedserv.errors import InvalidInput
 
@@ -29,7 +30,9 @@ class Encoded:
 
     ids: list[int]
     # Tokens at the start that pooling skips (the prompt, when the model excludes it).
-    pool_start: int
+    pool_start: int = 0
+    # Segment ids of a query/document pair, for models whose tokenizer feeds them; None means all zeros.
+    token_type_ids: list[int] | None = None
 
 
 class TextTokenizer:
@@ -51,6 +54,9 @@ class TextTokenizer:
         self._backend.no_truncation()
         self._special_ids = set(hf_tokenizer.all_special_ids)
         self._num_special = self._backend.num_special_tokens_to_add(False)
+        self._num_pair_special = self._backend.num_special_tokens_to_add(True)
+        # BERT feeds segment ids (0 query, 1 document); RoBERTa and XLM-R tokenizers do not.
+        self._feeds_token_types = "token_type_ids" in hf_tokenizer.model_input_names
         self.max_input_tokens = max_input_tokens
         self.do_lower_case = do_lower_case
         self.prompts = dict(prompts or {})
@@ -97,13 +103,66 @@ class TextTokenizer:
         for index, encoding in enumerate(encodings):
             if len(encoding.ids) > room:
                 if not truncate:
-                    raise InvalidInput(
-                        f"input {index} has {len(encoding.ids) + self._num_special} tokens, more than the "
-                        f"model's limit of {self.max_input_tokens}; shorten it or set truncate"
-                    )
+                    raise self._too_long(f"input {index}", len(encoding.ids) + self._num_special, self.max_input_tokens)
                 encoding.truncate(room, direction=direction)
             ids = self._backend.post_process(encoding, None, True).ids
             out.append(Encoded(ids=ids, pool_start=pool_start))
+        return out
+
+    def token_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def _too_long(self, what: str, tokens: int, limit: int) -> InvalidInput:
+        return InvalidInput(
+            f"{what} has {tokens} tokens, more than the model's limit of {limit}; shorten it or set truncate"
+        )
+
+    def encode_pairs(self, query: str, documents: list[str], truncate: bool) -> list[Encoded]:
+        """Query and document in one sequence each (cross-encoders); only documents are ever cut."""
+        query_encoding = self._backend.encode(self._prepare(query), add_special_tokens=False)
+        room = self.max_input_tokens - self._num_pair_special - len(query_encoding.ids)
+        if room < 1:
+            raise InvalidInput(
+                f"the query has {len(query_encoding.ids)} tokens, which leaves no room for a document within the "
+                f"model's limit of {self.max_input_tokens} tokens; shorten the query"
+            )
+        encodings = self._backend.encode_batch([self._prepare(d) for d in documents], add_special_tokens=False)
+        out = []
+        for index, document in enumerate(encodings):
+            if len(document.ids) > room:
+                if not truncate:
+                    total = len(document.ids) + len(query_encoding.ids) + self._num_pair_special
+                    raise self._too_long(f"the query with document {index}", total, self.max_input_tokens)
+                document.truncate(room, direction="right")
+            pair = self._backend.post_process(query_encoding, document, True)
+            types = list(pair.type_ids) if self._feeds_token_types else None
+            out.append(Encoded(ids=pair.ids, token_type_ids=types))
+        return out
+
+    def encode_templated(
+        self, template: YesNoTemplate, instruction: str, query: str, documents: list[str], truncate: bool
+    ) -> list[Encoded]:
+        """A yes/no reranker's prompt per document, as its model card builds it: prefix, then
+        instruction + query + document tokenized as one text (cut at the end of the document), then suffix."""
+        prefix = self._backend.encode(template.prefix, add_special_tokens=False).ids
+        suffix = self._backend.encode(template.suffix, add_special_tokens=False).ids
+        room = self.max_input_tokens - len(prefix) - len(suffix) - self._num_special
+        head = template.query_part(instruction, query)
+        head_tokens = len(self._backend.encode(head, add_special_tokens=False).ids)
+        if head_tokens >= room:
+            raise InvalidInput(
+                f"the instruction and query take {head_tokens} tokens of the {room} the model's limit of "
+                f"{self.max_input_tokens} leaves beside its prompt template; shorten the query"
+            )
+        encodings = self._backend.encode_batch([head + d for d in documents], add_special_tokens=False)
+        out = []
+        for index, encoding in enumerate(encodings):
+            if len(encoding.ids) > room:
+                if not truncate:
+                    total = len(encoding.ids) + len(prefix) + len(suffix) + self._num_special
+                    raise self._too_long(f"the prompt for document {index}", total, self.max_input_tokens)
+                encoding.truncate(room, direction="right")
+            out.append(Encoded(ids=prefix + self._backend.post_process(encoding, None, True).ids + suffix))
         return out
 
     def tokenize(

@@ -27,6 +27,26 @@ class EmbedParams:
     prompt_name: str | None = None
 
 
+@dataclass(frozen=True)
+class RerankParams:
+    # Keep only the best N results; None keeps all.
+    top_n: int | None = None
+    # Logits instead of the model's activation (cross-encoders and yes/no rerankers).
+    raw_scores: bool = False
+    # Cut documents that do not fit beside the query instead of refusing them.
+    truncate: bool = False
+    # The task instruction of instruction-following rerankers; None uses the model's default.
+    instruction: str | None = None
+
+
+@dataclass(frozen=True)
+class ClassifyParams:
+    truncate: bool = False
+    truncation_direction: str = "right"
+    # Logits instead of softmax (sigmoid for multi-label models) probabilities.
+    raw_scores: bool = False
+
+
 @dataclass
 class Timing:
     """Microseconds spent on one call; see proto Timing for what each covers."""
@@ -41,6 +61,30 @@ class Timing:
 class EmbedResult:
     # [num_inputs, dimension] float32, in input order.
     embeddings: np.ndarray
+    prompt_tokens: int
+    timing: Timing = field(default_factory=Timing)
+
+
+@dataclass(frozen=True)
+class RankedDocument:
+    # Position of the document in the request.
+    index: int
+    score: float
+
+
+@dataclass
+class RerankResult:
+    # Best first.
+    results: list[RankedDocument]
+    prompt_tokens: int
+    timing: Timing = field(default_factory=Timing)
+
+
+@dataclass
+class ClassifyResult:
+    # [num_inputs, num_labels] float32, in input order and the model's label order.
+    scores: np.ndarray
+    labels: tuple[str, ...]
     prompt_tokens: int
     timing: Timing = field(default_factory=Timing)
 
@@ -62,10 +106,14 @@ class ModelInfo:
     tasks: tuple[Task, ...]
     architecture: str
     is_causal: bool
+    # Embedding pooling, or the token a score head reads (cls / lasttoken).
     pooling: str
+    # Embedding dimension; 0 for models that do not embed.
     dimension: int
     max_input_tokens: int
     prompt_names: tuple[str, ...]
     dtype: str
     device: str
     attention_backend: str
+    # Classifier label names in the model's order; empty for other models.
+    labels: tuple[str, ...] = ()

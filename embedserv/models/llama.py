@@ -130,9 +130,9 @@ class LlamaDecoderLayer(nn.Module):
 
 # Checkpoint names (after the `model.` prefix) of the tensors stacked into one of our parameters.
 _FUSED = re.compile(r"^layers\.(\d+)\.(self_attn\.(q|k|v)_proj|mlp\.(gate|up)_proj)\.(weight|bias)$")
-# Tensors an embedder does not use: the LM head (present when embeddings are untied; a later head
-# loads it) and rotary buffers some checkpoints carry.
-_IGNORED = re.compile(r"^(lm_head\.|(layers\.\d+\.self_attn\.)?rotary_emb\.)")
+# Tensors the backbone does not hold: heads (the LM head, a classifier's `score`; score_head.py reads
+# what it needs) and rotary buffers some checkpoints carry.
+_IGNORED = re.compile(r"^(lm_head\.|score\.|(layers\.\d+\.self_attn\.)?rotary_emb\.)")
 _PREFIX = "model."
 
 

@@ -9,7 +9,7 @@ import grpc
 
 from embedserv.config import ServerConfig
 from embedserv.engine.outputs import to_little_endian_bytes
-from embedserv.engine.types import EmbedParams, EmbedResult, ModelInfo, Task
+from embedserv.engine.types import ClassifyParams, EmbedParams, EmbedResult, ModelInfo, RerankParams, Task, Timing
 from embedserv.errors import InvalidInput, Unsupported
 from embedserv.server.errors import stream_errors, unary_errors
 from embedserv.server.registry import InflightLimiter, ServedModels
@@ -28,17 +28,31 @@ _STREAM_WINDOW = 16
 
 
 def embed_params(request: pb.EmbedRequest) -> EmbedParams:
-    if request.truncation_direction not in _DIRECTIONS:
-        raise InvalidInput(f"unknown truncation_direction {request.truncation_direction}; use RIGHT or LEFT")
+    direction = _direction(request.truncation_direction)
     if request.encoding not in (pb.ENCODING_FLOAT, pb.ENCODING_BYTES):
         raise InvalidInput(f"unknown encoding {request.encoding}; use ENCODING_FLOAT or ENCODING_BYTES")
     return EmbedParams(
         normalize=request.normalize if request.HasField("normalize") else True,
         truncate=request.truncate,
-        truncation_direction=_DIRECTIONS[request.truncation_direction],
+        truncation_direction=direction,
         dimensions=request.dimensions if request.HasField("dimensions") else None,
         prompt_name=request.prompt_name or None,
     )
+
+
+def timing_message(timing: Timing, received: float) -> pb.Timing:
+    return pb.Timing(
+        queue_us=timing.queue_us,
+        tokenization_us=timing.tokenization_us,
+        inference_us=timing.inference_us,
+        total_us=int((time.perf_counter() - received) * 1e6),
+    )
+
+
+def _direction(value: int) -> str:
+    if value not in _DIRECTIONS:
+        raise InvalidInput(f"unknown truncation_direction {value}; use RIGHT or LEFT")
+    return _DIRECTIONS[value]
 
 
 def embed_response(result: EmbedResult, encoding: int, model: str, received: float) -> pb.EmbedResponse:
@@ -46,17 +60,11 @@ def embed_response(result: EmbedResult, encoding: int, model: str, received: flo
         embeddings = [pb.Embedding(raw=to_little_endian_bytes(row)) for row in result.embeddings]
     else:
         embeddings = [pb.Embedding(values=row) for row in result.embeddings.tolist()]
-    timing = result.timing
     return pb.EmbedResponse(
         embeddings=embeddings,
         usage=pb.Usage(prompt_tokens=result.prompt_tokens),
         model=model,
-        timing=pb.Timing(
-            queue_us=timing.queue_us,
-            tokenization_us=timing.tokenization_us,
-            inference_us=timing.inference_us,
-            total_us=int((time.perf_counter() - received) * 1e6),
-        ),
+        timing=timing_message(result.timing, received),
     )
 
 
@@ -73,6 +81,7 @@ def model_info(info: ModelInfo) -> pb.ModelInfo:
         dtype=info.dtype,
         device=info.device,
         attention_backend=info.attention_backend,
+        labels=list(info.labels),
     )
 
 
@@ -82,13 +91,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.config = config
         self.limiter = InflightLimiter(config.max_concurrent_requests)
 
-    def _check_inputs(self, inputs) -> list[str]:
+    def _check_inputs(self, inputs, what: str = "inputs") -> list[str]:
         texts = list(inputs)
         if not texts:
-            raise InvalidInput("inputs is empty; send at least one text")
+            raise InvalidInput(f"{what} is empty; send at least one text")
         if len(texts) > self.config.max_client_batch_size:
             raise InvalidInput(
-                f"{len(texts)} inputs is more than --max-client-batch-size {self.config.max_client_batch_size}; "
+                f"{len(texts)} {what} is more than --max-client-batch-size {self.config.max_client_batch_size}; "
                 "split the call"
             )
         return texts
@@ -160,11 +169,56 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     @unary_errors
     async def Rerank(self, request, context):
-        raise self._not_yet("Rerank", request.model)
+        received = time.perf_counter()
+        engine = self.models.get(request.model)
+        documents = self._check_inputs(request.documents, "documents")
+        params = RerankParams(
+            top_n=request.top_n if request.HasField("top_n") else None,
+            raw_scores=request.raw_scores,
+            truncate=request.truncate,
+            instruction=request.instruction or None,
+        )
+        with self.limiter.hold(len(documents)):
+            result = await engine.rerank(request.query, documents, params)
+        results = [
+            pb.RerankResult(index=r.index, score=r.score, document=documents[r.index] if request.return_documents else "")
+            for r in result.results
+        ]
+        return pb.RerankResponse(
+            results=results,
+            usage=pb.Usage(prompt_tokens=result.prompt_tokens),
+            model=engine.info.name,
+            timing=timing_message(result.timing, received),
+        )
 
     @unary_errors
     async def Classify(self, request, context):
-        raise self._not_yet("Classify", request.model)
+        received = time.perf_counter()
+        engine = self.models.get(request.model)
+        texts = self._check_inputs(request.inputs)
+        params = ClassifyParams(
+            truncate=request.truncate,
+            truncation_direction=_direction(request.truncation_direction),
+            raw_scores=request.raw_scores,
+        )
+        with self.limiter.hold(len(texts)):
+            result = await engine.classify(texts, params)
+        classifications = []
+        for row in result.scores.tolist():
+            best = max(range(len(row)), key=row.__getitem__)
+            classifications.append(
+                pb.Classification(
+                    scores=[pb.LabelScore(label=label, score=score) for label, score in zip(result.labels, row)],
+                    label=result.labels[best],
+                    score=row[best],
+                )
+            )
+        return pb.ClassifyResponse(
+            classifications=classifications,
+            usage=pb.Usage(prompt_tokens=result.prompt_tokens),
+            model=engine.info.name,
+            timing=timing_message(result.timing, received),
+        )
 
     @unary_errors
     async def Generate(self, request, context):

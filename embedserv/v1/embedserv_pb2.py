@@ -24,23 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x65mbedserv/v1/embedserv.proto\x12\x0c\x65mbedserv.v1\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"[\n\x06Timing\x12\x10\n\x08queue_us\x18\x01 \x01(\x04\x12\x17\n\x0ftokenization_us\x18\x02 \x01(\x04\x12\x14\n\x0cinference_us\x18\x03 \x01(\x04\x12\x10\n\x08total_us\x18\x04 \x01(\x04\"\x8d\x02\n\x0c\x45mbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06inputs\x18\x02 \x03(\t\x12\x16\n\tnormalize\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x10\n\x08truncate\x18\x04 \x01(\x08\x12?\n\x14truncation_direction\x18\x05 \x01(\x0e\x32!.embedserv.v1.TruncationDirection\x12\x17\n\ndimensions\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x13\n\x0bprompt_name\x18\x07 \x01(\t\x12(\n\x08\x65ncoding\x18\x08 \x01(\x0e\x32\x16.embedserv.v1.EncodingB\x0c\n\n_normalizeB\r\n\x0b_dimensions\"(\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\x12\x0b\n\x03raw\x18\x02 \x01(\x0c\"\x95\x01\n\rEmbedResponse\x12+\n\nembeddings\x18\x01 \x03(\x0b\x32\x17.embedserv.v1.Embedding\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.embedserv.v1.Usage\x12\r\n\x05model\x18\x03 \x01(\t\x12$\n\x06timing\x18\x04 \x01(\x0b\x32\x14.embedserv.v1.Timing\"\x9e\x01\n\rRerankRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05query\x18\x02 \x01(\t\x12\x11\n\tdocuments\x18\x03 \x03(\t\x12\x12\n\x05top_n\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10return_documents\x18\x05 \x01(\x08\x12\x12\n\nraw_scores\x18\x06 \x01(\x08\x12\x10\n\x08truncate\x18\x07 \x01(\x08\x42\x08\n\x06_top_n\">\n\x0cRerankResult\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05score\x18\x02 \x01(\x02\x12\x10\n\x08\x64ocument\x18\x03 \x01(\t\"\x96\x01\n\x0eRerankResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.embedserv.v1.RerankResult\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.embedserv.v1.Usage\x12\r\n\x05model\x18\x03 \x01(\t\x12$\n\x06timing\x18\x04 \x01(\x0b\x32\x14.embedserv.v1.Timing\"\x97\x01\n\x0f\x43lassifyRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06inputs\x18\x02 \x03(\t\x12\x10\n\x08truncate\x18\x03 \x01(\x08\x12?\n\x14truncation_direction\x18\x04 \x01(\x0e\x32!.embedserv.v1.TruncationDirection\x12\x12\n\nraw_scores\x18\x05 \x01(\x08\"*\n\nLabelScore\x12\r\n\x05label\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\"X\n\x0e\x43lassification\x12(\n\x06scores\x18\x01 \x03(\x0b\x32\x18.embedserv.v1.LabelScore\x12\r\n\x05label\x18\x02 \x01(\t\x12\r\n\x05score\x18\x03 \x01(\x02\"\xa2\x01\n\x10\x43lassifyResponse\x12\x35\n\x0f\x63lassifications\x18\x01 \x03(\x0b\x32\x1c.embedserv.v1.Classification\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.embedserv.v1.Usage\x12\r\n\x05model\x18\x03 \x01(\t\x12$\n\x06timing\x18\x04 \x01(\x0b\x32\x14.embedserv.v1.Timing\"\xb5\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\r\n\x05top_k\x18\x06 \x01(\r\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\x07\n\x05_seed\"\x8a\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.embedserv.v1.FinishReason\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.embedserv.v1.Usage\"}\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06inputs\x18\x02 \x03(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x13\n\x0bprompt_name\x18\x04 \x01(\tB\x15\n\x13_add_special_tokens\"N\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05start\x18\x03 \x01(\r\x12\x0b\n\x03\x65nd\x18\x04 \x01(\r\x12\x0f\n\x07special\x18\x05 \x01(\x08\"5\n\x0eTokenizedInput\x12#\n\x06tokens\x18\x01 \x03(\x0b\x32\x13.embedserv.v1.Token\"O\n\x10TokenizeResponse\x12,\n\x06inputs\x18\x01 \x03(\x0b\x32\x1c.embedserv.v1.TokenizedInput\x12\r\n\x05model\x18\x02 \x01(\t\"\x13\n\x11ListModelsRequest\"\x90\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x05tasks\x18\x02 \x03(\x0e\x32\x12.embedserv.v1.Task\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12.\n\tattention\x18\x04 \x01(\x0e\x32\x1b.embedserv.v1.AttentionKind\x12\x0f\n\x07pooling\x18\x05 \x01(\t\x12\x11\n\tdimension\x18\x06 \x01(\r\x12\x18\n\x10max_input_tokens\x18\x07 \x01(\r\x12\x14\n\x0cprompt_names\x18\x08 \x03(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x0b \x01(\t\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.embedserv.v1.ModelInfo*T\n\x13TruncationDirection\x12\x1e\n\x1aTRUNCATION_DIRECTION_RIGHT\x10\x00\x12\x1d\n\x19TRUNCATION_DIRECTION_LEFT\x10\x01*2\n\x08\x45ncoding\x12\x12\n\x0e\x45NCODING_FLOAT\x10\x00\x12\x12\n\x0e\x45NCODING_BYTES\x10\x01*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04*c\n\x04Task\x12\x14\n\x10TASK_UNSPECIFIED\x10\x00\x12\x0e\n\nTASK_EMBED\x10\x01\x12\x0f\n\x0bTASK_RERANK\x10\x02\x12\x11\n\rTASK_CLASSIFY\x10\x03\x12\x11\n\rTASK_GENERATE\x10\x04*l\n\rAttentionKind\x12\x1e\n\x1a\x41TTENTION_KIND_UNSPECIFIED\x10\x00\x12 \n\x1c\x41TTENTION_KIND_BIDIRECTIONAL\x10\x01\x12\x19\n\x15\x41TTENTION_KIND_CAUSAL\x10\x02\x32\x92\x04\n\tInference\x12@\n\x05\x45mbed\x12\x1a.embedserv.v1.EmbedRequest\x1a\x1b.embedserv.v1.EmbedResponse\x12J\n\x0b\x45mbedStream\x12\x1a.embedserv.v1.EmbedRequest\x1a\x1b.embedserv.v1.EmbedResponse(\x01\x30\x01\x12\x43\n\x06Rerank\x12\x1b.embedserv.v1.RerankRequest\x1a\x1c.embedserv.v1.RerankResponse\x12I\n\x08\x43lassify\x12\x1d.embedserv.v1.ClassifyRequest\x1a\x1e.embedserv.v1.ClassifyResponse\x12K\n\x08Generate\x12\x1d.embedserv.v1.GenerateRequest\x1a\x1e.embedserv.v1.GenerateResponse0\x01\x12I\n\x08Tokenize\x12\x1d.embedserv.v1.TokenizeRequest\x1a\x1e.embedserv.v1.TokenizeResponse\x12O\n\nListModels\x12\x1f.embedserv.v1.ListModelsRequest\x1a .embedserv.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x65mbedserv/v1/embedserv.proto\x12\x0c\x65mbedserv.v1\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"[\n\x06Timing\x12\x10\n\x08queue_us\x18\x01 \x01(\x04\x12\x17\n\x0ftokenization_us\x18\x02 \x01(\x04\x12\x14\n\x0cinference_us\x18\x03 \x01(\x04\x12\x10\n\x08total_us\x18\x04 \x01(\x04\"\x8d\x02\n\x0c\x45mbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06inputs\x18\x02 \x03(\t\x12\x16\n\tnormalize\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x10\n\x08truncate\x18\x04 \x01(\x08\x12?\n\x14truncation_direction\x18\x05 \x01(\x0e\x32!.embedserv.v1.TruncationDirection\x12\x17\n\ndimensions\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x13\n\x0bprompt_name\x18\x07 \x01(\t\x12(\n\x08\x65ncoding\x18\x08 \x01(\x0e\x32\x16.embedserv.v1.EncodingB\x0c\n\n_normalizeB\r\n\x0b_dimensions\"(\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\x12\x0b\n\x03raw\x18\x02 \x01(\x0c\"\x95\x01\n\rEmbedResponse\x12+\n\nembeddings\x18\x01 \x03(\x0b\x32\x17.embedserv.v1.Embedding\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.embedserv.v1.Usage\x12\r\n\x05model\x18\x03 \x01(\t\x12$\n\x06timing\x18\x04 \x01(\x0b\x32\x14.embedserv.v1.Timing\"\xb3\x01\n\rRerankRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05query\x18\x02 \x01(\t\x12\x11\n\tdocuments\x18\x03 \x03(\t\x12\x12\n\x05top_n\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10return_documents\x18\x05 \x01(\x08\x12\x12\n\nraw_scores\x18\x06 \x01(\x08\x12\x10\n\x08truncate\x18\x07 \x01(\x08\x12\x13\n\x0binstruction\x18\x08 \x01(\tB\x08\n\x06_top_n\">\n\x0cRerankResult\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05score\x18\x02 \x01(\x02\x12\x10\n\x08\x64ocument\x18\x03 \x01(\t\"\x96\x01\n\x0eRerankResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.embedserv.v1.RerankResult\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.embedserv.v1.Usage\x12\r\n\x05model\x18\x03 \x01(\t\x12$\n\x06timing\x18\x04 \x01(\x0b\x32\x14.embedserv.v1.Timing\"\x97\x01\n\x0f\x43lassifyRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06inputs\x18\x02 \x03(\t\x12\x10\n\x08truncate\x18\x03 \x01(\x08\x12?\n\x14truncation_direction\x18\x04 \x01(\x0e\x32!.embedserv.v1.TruncationDirection\x12\x12\n\nraw_scores\x18\x05 \x01(\x08\"*\n\nLabelScore\x12\r\n\x05label\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\"X\n\x0e\x43lassification\x12(\n\x06scores\x18\x01 \x03(\x0b\x32\x18.embedserv.v1.LabelScore\x12\r\n\x05label\x18\x02 \x01(\t\x12\r\n\x05score\x18\x03 \x01(\x02\"\xa2\x01\n\x10\x43lassifyResponse\x12\x35\n\x0f\x63lassifications\x18\x01 \x03(\x0b\x32\x1c.embedserv.v1.Classification\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.embedserv.v1.Usage\x12\r\n\x05model\x18\x03 \x01(\t\x12$\n\x06timing\x18\x04 \x01(\x0b\x32\x14.embedserv.v1.Timing\"\xb5\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\r\n\x05top_k\x18\x06 \x01(\r\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\x07\n\x05_seed\"\x8a\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.embedserv.v1.FinishReason\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.embedserv.v1.Usage\"}\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06inputs\x18\x02 \x03(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x13\n\x0bprompt_name\x18\x04 \x01(\tB\x15\n\x13_add_special_tokens\"N\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05start\x18\x03 \x01(\r\x12\x0b\n\x03\x65nd\x18\x04 \x01(\r\x12\x0f\n\x07special\x18\x05 \x01(\x08\"5\n\x0eTokenizedInput\x12#\n\x06tokens\x18\x01 \x03(\x0b\x32\x13.embedserv.v1.Token\"O\n\x10TokenizeResponse\x12,\n\x06inputs\x18\x01 \x03(\x0b\x32\x1c.embedserv.v1.TokenizedInput\x12\r\n\x05model\x18\x02 \x01(\t\"\x13\n\x11ListModelsRequest\"\xa0\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x05tasks\x18\x02 \x03(\x0e\x32\x12.embedserv.v1.Task\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12.\n\tattention\x18\x04 \x01(\x0e\x32\x1b.embedserv.v1.AttentionKind\x12\x0f\n\x07pooling\x18\x05 \x01(\t\x12\x11\n\tdimension\x18\x06 \x01(\r\x12\x18\n\x10max_input_tokens\x18\x07 \x01(\r\x12\x14\n\x0cprompt_names\x18\x08 \x03(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x0b \x01(\t\x12\x0e\n\x06labels\x18\x0c \x03(\t\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.embedserv.v1.ModelInfo*T\n\x13TruncationDirection\x12\x1e\n\x1aTRUNCATION_DIRECTION_RIGHT\x10\x00\x12\x1d\n\x19TRUNCATION_DIRECTION_LEFT\x10\x01*2\n\x08\x45ncoding\x12\x12\n\x0e\x45NCODING_FLOAT\x10\x00\x12\x12\n\x0e\x45NCODING_BYTES\x10\x01*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04*c\n\x04Task\x12\x14\n\x10TASK_UNSPECIFIED\x10\x00\x12\x0e\n\nTASK_EMBED\x10\x01\x12\x0f\n\x0bTASK_RERANK\x10\x02\x12\x11\n\rTASK_CLASSIFY\x10\x03\x12\x11\n\rTASK_GENERATE\x10\x04*l\n\rAttentionKind\x12\x1e\n\x1a\x41TTENTION_KIND_UNSPECIFIED\x10\x00\x12 \n\x1c\x41TTENTION_KIND_BIDIRECTIONAL\x10\x01\x12\x19\n\x15\x41TTENTION_KIND_CAUSAL\x10\x02\x32\x92\x04\n\tInference\x12@\n\x05\x45mbed\x12\x1a.embedserv.v1.EmbedRequest\x1a\x1b.embedserv.v1.EmbedResponse\x12J\n\x0b\x45mbedStream\x12\x1a.embedserv.v1.EmbedRequest\x1a\x1b.embedserv.v1.EmbedResponse(\x01\x30\x01\x12\x43\n\x06Rerank\x12\x1b.embedserv.v1.RerankRequest\x1a\x1c.embedserv.v1.RerankResponse\x12I\n\x08\x43lassify\x12\x1d.embedserv.v1.ClassifyRequest\x1a\x1e.embedserv.v1.ClassifyResponse\x12K\n\x08Generate\x12\x1d.embedserv.v1.GenerateRequest\x1a\x1e.embedserv.v1.GenerateResponse0\x01\x12I\n\x08Tokenize\x12\x1d.embedserv.v1.TokenizeRequest\x1a\x1e.embedserv.v1.TokenizeResponse\x12O\n\nListModels\x12\x1f.embedserv.v1.ListModelsRequest\x1a .embedserv.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'embedserv.v1.embedserv_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRUNCATIONDIRECTION']._serialized_start=2522
-  _globals['_TRUNCATIONDIRECTION']._serialized_end=2606
-  _globals['_ENCODING']._serialized_start=2608
-  _globals['_ENCODING']._serialized_end=2658
-  _globals['_FINISHREASON']._serialized_start=2661
-  _globals['_FINISHREASON']._serialized_end=2808
-  _globals['_TASK']._serialized_start=2810
-  _globals['_TASK']._serialized_end=2909
-  _globals['_ATTENTIONKIND']._serialized_start=2911
-  _globals['_ATTENTIONKIND']._serialized_end=3019
+  _globals['_TRUNCATIONDIRECTION']._serialized_start=2559
+  _globals['_TRUNCATIONDIRECTION']._serialized_end=2643
+  _globals['_ENCODING']._serialized_start=2645
+  _globals['_ENCODING']._serialized_end=2695
+  _globals['_FINISHREASON']._serialized_start=2698
+  _globals['_FINISHREASON']._serialized_end=2845
+  _globals['_TASK']._serialized_start=2847
+  _globals['_TASK']._serialized_end=2946
+  _globals['_ATTENTIONKIND']._serialized_start=2948
+  _globals['_ATTENTIONKIND']._serialized_end=3056
   _globals['_USAGE']._serialized_start=46
   _globals['_USAGE']._serialized_end=103
   _globals['_TIMING']._serialized_start=105
@@ -52,37 +52,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EMBEDRESPONSE']._serialized_start=513
   _globals['_EMBEDRESPONSE']._serialized_end=662
   _globals['_RERANKREQUEST']._serialized_start=665
-  _globals['_RERANKREQUEST']._serialized_end=823
-  _globals['_RERANKRESULT']._serialized_start=825
-  _globals['_RERANKRESULT']._serialized_end=887
-  _globals['_RERANKRESPONSE']._serialized_start=890
-  _globals['_RERANKRESPONSE']._serialized_end=1040
-  _globals['_CLASSIFYREQUEST']._serialized_start=1043
-  _globals['_CLASSIFYREQUEST']._serialized_end=1194
-  _globals['_LABELSCORE']._serialized_start=1196
-  _globals['_LABELSCORE']._serialized_end=1238
-  _globals['_CLASSIFICATION']._serialized_start=1240
-  _globals['_CLASSIFICATION']._serialized_end=1328
-  _globals['_CLASSIFYRESPONSE']._serialized_start=1331
-  _globals['_CLASSIFYRESPONSE']._serialized_end=1493
-  _globals['_GENERATEREQUEST']._serialized_start=1496
-  _globals['_GENERATEREQUEST']._serialized_end=1677
-  _globals['_GENERATERESPONSE']._serialized_start=1680
-  _globals['_GENERATERESPONSE']._serialized_end=1818
-  _globals['_TOKENIZEREQUEST']._serialized_start=1820
-  _globals['_TOKENIZEREQUEST']._serialized_end=1945
-  _globals['_TOKEN']._serialized_start=1947
-  _globals['_TOKEN']._serialized_end=2025
-  _globals['_TOKENIZEDINPUT']._serialized_start=2027
-  _globals['_TOKENIZEDINPUT']._serialized_end=2080
-  _globals['_TOKENIZERESPONSE']._serialized_start=2082
-  _globals['_TOKENIZERESPONSE']._serialized_end=2161
-  _globals['_LISTMODELSREQUEST']._serialized_start=2163
-  _globals['_LISTMODELSREQUEST']._serialized_end=2182
-  _globals['_MODELINFO']._serialized_start=2185
-  _globals['_MODELINFO']._serialized_end=2457
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2459
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2520
-  _globals['_INFERENCE']._serialized_start=3022
-  _globals['_INFERENCE']._serialized_end=3552
+  _globals['_RERANKREQUEST']._serialized_end=844
+  _globals['_RERANKRESULT']._serialized_start=846
+  _globals['_RERANKRESULT']._serialized_end=908
+  _globals['_RERANKRESPONSE']._serialized_start=911
+  _globals['_RERANKRESPONSE']._serialized_end=1061
+  _globals['_CLASSIFYREQUEST']._serialized_start=1064
+  _globals['_CLASSIFYREQUEST']._serialized_end=1215
+  _globals['_LABELSCORE']._serialized_start=1217
+  _globals['_LABELSCORE']._serialized_end=1259
+  _globals['_CLASSIFICATION']._serialized_start=1261
+  _globals['_CLASSIFICATION']._serialized_end=1349
+  _globals['_CLASSIFYRESPONSE']._serialized_start=1352
+  _globals['_CLASSIFYRESPONSE']._serialized_end=1514
+  _globals['_GENERATEREQUEST']._serialized_start=1517
+  _globals['_GENERATEREQUEST']._serialized_end=1698
+  _globals['_GENERATERESPONSE']._serialized_start=1701
+  _globals['_GENERATERESPONSE']._serialized_end=1839
+  _globals['_TOKENIZEREQUEST']._serialized_start=1841
+  _globals['_TOKENIZEREQUEST']._serialized_end=1966
+  _globals['_TOKEN']._serialized_start=1968
+  _globals['_TOKEN']._serialized_end=2046
+  _globals['_TOKENIZEDINPUT']._serialized_start=2048
+  _globals['_TOKENIZEDINPUT']._serialized_end=2101
+  _globals['_TOKENIZERESPONSE']._serialized_start=2103
+  _globals['_TOKENIZERESPONSE']._serialized_end=2182
+  _globals['_LISTMODELSREQUEST']._serialized_start=2184
+  _globals['_LISTMODELSREQUEST']._serialized_end=2203
+  _globals['_MODELINFO']._serialized_start=2206
+  _globals['_MODELINFO']._serialized_end=2494
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2496
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2557
+  _globals['_INFERENCE']._serialized_start=3059
+  _globals['_INFERENCE']._serialized_end=3589
 # @@protoc_insertion_point(module_scope)

@@ -117,7 +117,7 @@ class EmbedResponse(_message.Message):
     def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., model: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
 
 class RerankRequest(_message.Message):
-    __slots__ = ("model", "query", "documents", "top_n", "return_documents", "raw_scores", "truncate")
+    __slots__ = ("model", "query", "documents", "top_n", "return_documents", "raw_scores", "truncate", "instruction")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     QUERY_FIELD_NUMBER: _ClassVar[int]
     DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,7 @@ class RerankRequest(_message.Message):
     RETURN_DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
     RAW_SCORES_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
     model: str
     query: str
     documents: _containers.RepeatedScalarFieldContainer[str]
@@ -132,7 +133,8 @@ class RerankRequest(_message.Message):
     return_documents: bool
     raw_scores: bool
     truncate: bool
-    def __init__(self, model: _Optional[str] = ..., query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ..., top_n: _Optional[int] = ..., return_documents: _Optional[bool] = ..., raw_scores: _Optional[bool] = ..., truncate: _Optional[bool] = ...) -> None: ...
+    instruction: str
+    def __init__(self, model: _Optional[str] = ..., query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ..., top_n: _Optional[int] = ..., return_documents: _Optional[bool] = ..., raw_scores: _Optional[bool] = ..., truncate: _Optional[bool] = ..., instruction: _Optional[str] = ...) -> None: ...
 
 class RerankResult(_message.Message):
     __slots__ = ("index", "score", "document")
@@ -279,7 +281,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "tasks", "architecture", "attention", "pooling", "dimension", "max_input_tokens", "prompt_names", "dtype", "device", "attention_backend")
+    __slots__ = ("name", "tasks", "architecture", "attention", "pooling", "dimension", "max_input_tokens", "prompt_names", "dtype", "device", "attention_backend", "labels")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +293,7 @@ class ModelInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     name: str
     tasks: _containers.RepeatedScalarFieldContainer[Task]
     architecture: str
@@ -302,7 +305,8 @@ class ModelInfo(_message.Message):
     dtype: str
     device: str
     attention_backend: str
-    def __init__(self, name: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., architecture: _Optional[str] = ..., attention: _Optional[_Union[AttentionKind, str]] = ..., pooling: _Optional[str] = ..., dimension: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., prompt_names: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ...) -> None: ...
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., architecture: _Optional[str] = ..., attention: _Optional[_Union[AttentionKind, str]] = ..., pooling: _Optional[str] = ..., dimension: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., prompt_names: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

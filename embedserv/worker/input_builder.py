@@ -92,6 +92,10 @@ class InputBuilder:
 
     @staticmethod
     def _token_types(seqs: list[ScheduledSequence], num_tokens: int) -> np.ndarray:
+        for s in seqs:
+            # fromiter below would silently shift every later sequence's types.
+            if s.token_type_ids is not None and len(s.token_type_ids) != len(s.token_ids):
+                raise ValueError(f"{len(s.token_type_ids)} token type ids for {len(s.token_ids)} tokens")
         types = chain.from_iterable(
             s.token_type_ids if s.token_type_ids is not None else [0] * len(s.token_ids) for s in seqs
         )

@@ -19,23 +19,27 @@ class ModelRunnerOutput:
     """One step's results on the host, one row per scheduled sequence, in scheduler order."""
 
     request_ids: tuple[int, ...]
-    # [num_seqs, dim] float32
-    pooled: np.ndarray
+    # [num_seqs, dim] float32: pooled embeddings, or logits of a score head.
+    rows: np.ndarray
 
 
-class EmbeddingModelRunner:
-    """Owns the model, its head and its attention backend on one device."""
+class PrefillModelRunner:
+    """Owns the model, its head and its attention backend on one device (embed, rerank, classify).
+
+    The head maps `(hidden [num_tokens, hidden], PoolingInputs)` to one float32 row per sequence: an
+    EmbeddingPooler for embedders, a ScoreHead for cross-encoders, classifiers and yes/no rerankers.
+    """
 
     def __init__(
         self,
         model: nn.Module,
-        pooler: nn.Module,
+        head: nn.Module,
         backend: AttentionBackend,
         device: torch.device,
         is_causal: bool,
     ) -> None:
         self.model = model
-        self.pooler = pooler
+        self.head = head
         self.backend = backend
         self.device = device
         self.input_builder = InputBuilder(device, model.position_offset, is_causal)
@@ -46,9 +50,9 @@ class EmbeddingModelRunner:
         context = ForwardContext(attn_metadata=self.backend.build_metadata(inputs.attention), attn_backend=self.backend)
         with set_forward_context(context):
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.token_type_ids)
-        pooled = self.pooler(hidden, inputs.pooling)
+        rows = self.head(hidden, inputs.pooling)
         # The one device-to-host copy of the step.
-        return ModelRunnerOutput(request_ids=tuple(s.request_id for s in batch.sequences), pooled=pooled.cpu().numpy())
+        return ModelRunnerOutput(request_ids=tuple(s.request_id for s in batch.sequences), rows=rows.cpu().numpy())
 
     def warm_up(self, max_tokens: int, max_batch_tokens: int) -> None:
         """Runs one batch per power-of-two size up to the token budget, so first requests pay no one-time

@@ -256,11 +256,11 @@ def test_unknown_model_is_not_found_and_lists_served_names(stub):
     assert SERVED in message
 
 
-def test_later_tasks_are_unimplemented(stub, pb):
-    _expect_error(
-        lambda: stub.Rerank(pb.RerankRequest(query="q", documents=["d"]), timeout=30), grpc.StatusCode.UNIMPLEMENTED
+def test_tasks_the_embedder_cannot_do(stub, pb):
+    message = _expect_error(
+        lambda: stub.Classify(pb.ClassifyRequest(inputs=["x"]), timeout=30), grpc.StatusCode.INVALID_ARGUMENT
     )
-    _expect_error(lambda: stub.Classify(pb.ClassifyRequest(inputs=["x"]), timeout=30), grpc.StatusCode.UNIMPLEMENTED)
+    assert "it serves: embed, rerank" in message
     _expect_error(
         lambda: list(stub.Generate(pb.GenerateRequest(prompt="hi", max_tokens=4), timeout=30)),
         grpc.StatusCode.UNIMPLEMENTED,

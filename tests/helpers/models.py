@@ -92,7 +92,12 @@ def build_tiny_encoder(
     from transformers import AutoModel
 
     _check_pooling(pooling)
-    name = f"tiny-{arch}-{pooling}-s{seed}-L{max_seq_length}" + ("-prompts" if prompts else "")
+    import hashlib
+
+    name = f"tiny-{arch}-{pooling}-s{seed}-L{max_seq_length}"
+    if prompts:
+        # Different prompts are different models: each needs its own directory (and cached reference).
+        name += "-prompts-" + hashlib.sha1(repr(sorted(prompts.items())).encode()).hexdigest()[:8]
     name += "-st" if st_native_format else ""
     out = Path(tmp_dir) / name
     hf_dir = Path(tmp_dir) / f"{name}-hf"

@@ -1,0 +1,134 @@
+"""What a served model can do, read from its files: which tasks, and how Rerank and Classify finish scores.
+
+- A *ForSequenceClassification checkpoint classifies; with one label it also reranks (a cross-encoder).
+- A causal LM is a yes/no reranker (Qwen3-Reranker) when `--decoder-reranker` says so, or, without the
+  flag, when its path names a reranker (hub snapshots keep the repository name in the path);
+  `--no-decoder-reranker` turns that detection off.
+- Any other model embeds, and reranks by cosine similarity of query and document embeddings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from embedserv.engine.types import Task
+from embedserv.errors import ConfigError
+from embedserv.models.score_head import DECODER_CLASSIFIERS, SEQUENCE_CLASSIFIERS
+
+logger = logging.getLogger(__name__)
+
+# CrossEncoder activations by torch class name; sentence-transformers saves the dotted path.
+_ACTIVATIONS = {"Sigmoid": "sigmoid", "Identity": "identity", "Tanh": "tanh"}
+
+
+@dataclass(frozen=True)
+class YesNoTemplate:
+    """A reranking prompt around query and document, scored by the "yes" against "no" logit."""
+
+    prefix: str
+    suffix: str
+    default_instruction: str
+
+    def query_part(self, instruction: str, query: str) -> str:
+        """The text before the document; the document follows it directly."""
+        return f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: "
+
+
+# The template of the Qwen3-Reranker model card.
+QWEN3_RERANKER = YesNoTemplate(
+    prefix=(
+        "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
+        'Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
+    ),
+    suffix="<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+    default_instruction="Given a web search query, retrieve relevant passages that answer the query",
+)
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    tasks: tuple[Task, ...]
+    # How Rerank builds its inputs: "embeddings" (cosine of embeddings), "pair" (query and document in
+    # one sequence, a cross-encoder) or "template" (a yes/no reranker's prompt).
+    rerank_mode: str | None = None
+    # Label names in the model's order (classifiers).
+    labels: tuple[str, ...] = ()
+    # Classify applies a sigmoid per label instead of a softmax.
+    multi_label: bool = False
+    # sentence-transformers CrossEncoder's activation for rerank scores: sigmoid, identity or tanh.
+    rerank_activation: str = "sigmoid"
+    template: YesNoTemplate | None = None
+    # Decoder classifiers score the last token that is not padding (transformers' rule): trailing
+    # padding tokens are dropped before the model runs, which leaves earlier causal states unchanged.
+    strip_trailing_pad_id: int | None = None
+
+    @property
+    def is_classifier(self) -> bool:
+        return bool(self.labels)
+
+
+def architecture_of(hf_config) -> str:
+    return (getattr(hf_config, "architectures", None) or [""])[0]
+
+
+def is_decoder_reranker(model_dir: Path, architecture: str, flag: bool | None) -> bool:
+    """`--decoder-reranker` (True/False) decides for causal LMs; other models are never yes/no rerankers,
+    so one flag can serve a list of models of which only some are causal LMs."""
+    if not architecture.endswith("ForCausalLM"):
+        if flag:
+            logger.warning("%s is %s, not a causal LM: --decoder-reranker does not apply", model_dir, architecture)
+        return False
+    if flag is not None:
+        return flag
+    return "reranker" in str(model_dir).lower()
+
+
+def _activation_path(model_dir: Path, hf_config) -> str | None:
+    """Where CrossEncoder reads it: its own config file, then config.json (v4-5), then the pre-v4 key."""
+    st_config = model_dir / "config_sentence_transformers.json"
+    if st_config.exists():
+        path = json.loads(st_config.read_text()).get("activation_fn")
+        if path:
+            return path
+    saved = getattr(hf_config, "sentence_transformers", None)
+    if isinstance(saved, dict) and saved.get("activation_fn"):
+        return saved["activation_fn"]
+    return getattr(hf_config, "sbert_ce_default_activation_function", None)
+
+
+def rerank_activation(model_dir: Path, hf_config, num_labels: int) -> str:
+    default = "sigmoid" if num_labels == 1 else "identity"
+    path = _activation_path(model_dir, hf_config)
+    if path is None:
+        return default
+    if not path.startswith("torch."):
+        # CrossEncoder will not import a non-torch path without trust_remote_code; nor do we.
+        logger.warning("%s: ignoring activation_fn %s (not a torch class); using %s", model_dir, path, default)
+        return default
+    name = path.rsplit(".", 1)[-1]
+    if name not in _ACTIVATIONS:
+        raise ConfigError(f"{model_dir}: CrossEncoder activation {path} is not supported; supported: {', '.join(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]
+
+
+def read_task_spec(model_dir: Path, hf_config, is_causal: bool, decoder_reranker: bool | None) -> TaskSpec:
+    architecture = architecture_of(hf_config)
+    if is_decoder_reranker(model_dir, architecture, decoder_reranker):
+        return TaskSpec(tasks=(Task.RERANK,), rerank_mode="template", template=QWEN3_RERANKER)
+    if architecture not in SEQUENCE_CLASSIFIERS:
+        return TaskSpec(tasks=(Task.EMBED, Task.RERANK), rerank_mode="embeddings")
+    id2label = getattr(hf_config, "id2label", None) or {}
+    labels = tuple(str(id2label[i]) for i in sorted(id2label, key=int))
+    is_decoder = architecture in DECODER_CLASSIFIERS
+    single = len(labels) == 1
+    return TaskSpec(
+        tasks=(Task.RERANK, Task.CLASSIFY) if single else (Task.CLASSIFY,),
+        rerank_mode="pair" if single else None,
+        labels=labels,
+        multi_label=getattr(hf_config, "problem_type", None) == "multi_label_classification",
+        rerank_activation=rerank_activation(model_dir, hf_config, len(labels)),
+        strip_trailing_pad_id=getattr(hf_config, "pad_token_id", None) if is_decoder and is_causal else None,
+    )

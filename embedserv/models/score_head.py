@@ -1,0 +1,128 @@
+"""Score heads: per-sequence logits for rerank and classify, from one token's hidden state.
+
+Three checkpoint layouts, one head:
+- BERT-family ForSequenceClassification reads the first token through dense + tanh, then a linear
+  layer (BERT names them `pooler.dense` + `classifier`, RoBERTa/XLM-R `classifier.dense` +
+  `classifier.out_proj`: the same math).
+- Llama-family ForSequenceClassification reads the last token through a bias-free linear `score`.
+- Yes/no rerankers (Qwen3-Reranker) are causal LMs read at the last token as logit(yes) - logit(no).
+  That difference is h . w_yes - h . w_no = h . (w_yes - w_no), so the head is a one-row linear layer
+  holding the difference of two LM-head rows, not a vocabulary-sized matmul.
+
+The head runs in float32 on the few selected rows whatever the model's dtype, as sentence-transformers
+upcasts scores before its activation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from embedserv.errors import ConfigError
+from embedserv.models.heads import PoolingInputs
+
+_BERT_CLASSIFIERS = ("BertForSequenceClassification",)
+_ROBERTA_CLASSIFIERS = (
+    "RobertaForSequenceClassification",
+    "XLMRobertaForSequenceClassification",
+    "CamembertForSequenceClassification",
+)
+DECODER_CLASSIFIERS = (
+    "LlamaForSequenceClassification",
+    "MistralForSequenceClassification",
+    "Qwen2ForSequenceClassification",
+    "Qwen3ForSequenceClassification",
+)
+SEQUENCE_CLASSIFIERS = _BERT_CLASSIFIERS + _ROBERTA_CLASSIFIERS + DECODER_CLASSIFIERS
+
+
+@dataclass(frozen=True)
+class YesNoTokens:
+    yes_id: int
+    no_id: int
+
+
+class ScoreHead(nn.Module):
+    """`forward(hidden, pooling) -> [num_seqs, num_labels]` float32 logits."""
+
+    def __init__(self, hidden_size: int, num_labels: int, token: str, pooler: bool, bias: bool) -> None:
+        super().__init__()
+        if token not in ("first", "last"):
+            raise ValueError(f"token must be first or last, not {token!r}")
+        self.token = token
+        self.dense = nn.Linear(hidden_size, hidden_size) if pooler else None
+        self.out = nn.Linear(hidden_size, num_labels, bias=bias)
+
+    def forward(self, hidden: torch.Tensor, pooling: PoolingInputs) -> torch.Tensor:
+        index = pooling.first_index if self.token == "first" else pooling.last_index
+        rows = hidden.index_select(0, index).float()
+        if self.dense is not None:
+            rows = torch.tanh(self.dense(rows))
+        return self.out(rows)
+
+
+def _read(files: list[Path], name: str, rows: slice | None = None) -> torch.Tensor | None:
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            if name in f.keys():
+                return f.get_slice(name)[rows] if rows is not None else f.get_tensor(name)
+    return None
+
+
+def _read_first(files: list[Path], names: tuple[str, ...], rows: slice | None = None) -> torch.Tensor:
+    for name in names:
+        tensor = _read(files, name, rows)
+        if tensor is not None:
+            return tensor
+    raise ConfigError(f"checkpoint {files[0].parent} lacks the score head tensor {names[0]!r}")
+
+
+def _classifier_sources(architecture: str) -> dict[str, tuple[str, ...]]:
+    """Our head parameter -> checkpoint names to try, in order."""
+    if architecture in _BERT_CLASSIFIERS:
+        return {
+            "dense.weight": ("bert.pooler.dense.weight", "pooler.dense.weight"),
+            "dense.bias": ("bert.pooler.dense.bias", "pooler.dense.bias"),
+            "out.weight": ("classifier.weight",),
+            "out.bias": ("classifier.bias",),
+        }
+    if architecture in _ROBERTA_CLASSIFIERS:
+        return {
+            "dense.weight": ("classifier.dense.weight",),
+            "dense.bias": ("classifier.dense.bias",),
+            "out.weight": ("classifier.out_proj.weight",),
+            "out.bias": ("classifier.out_proj.bias",),
+        }
+    if architecture in DECODER_CLASSIFIERS:
+        return {"out.weight": ("score.weight",)}
+    raise ConfigError(f"architecture {architecture} has no score head; supported: {', '.join(SEQUENCE_CLASSIFIERS)}")
+
+
+def build_classifier_head(architecture: str, hidden_size: int, num_labels: int, files: list[Path]) -> ScoreHead:
+    """The head of a *ForSequenceClassification checkpoint, filled from its files."""
+    is_encoder = architecture not in DECODER_CLASSIFIERS
+    head = ScoreHead(hidden_size, num_labels, token="first" if is_encoder else "last", pooler=is_encoder, bias=is_encoder)
+    params = dict(head.named_parameters())
+    for ours, names in _classifier_sources(architecture).items():
+        tensor = _read_first(files, names)
+        if tensor.shape != params[ours].shape:
+            raise ConfigError(
+                f"checkpoint {files[0].parent}: {names[0]} has shape {tuple(tensor.shape)}, "
+                f"the config says {tuple(params[ours].shape)} (num_labels {num_labels})"
+            )
+        params[ours].data.copy_(tensor)
+    return head.eval().requires_grad_(False)
+
+
+def build_yes_no_head(hidden_size: int, tokens: YesNoTokens, tied: bool, files: list[Path]) -> ScoreHead:
+    """logit(yes) - logit(no) at the last token, from the LM head's rows (the embeddings when tied)."""
+    names = ("model.embed_tokens.weight", "embed_tokens.weight") if tied else ("lm_head.weight",)
+    yes = _read_first(files, names, slice(tokens.yes_id, tokens.yes_id + 1)).float()
+    no = _read_first(files, names, slice(tokens.no_id, tokens.no_id + 1)).float()
+    head = ScoreHead(hidden_size, 1, token="last", pooler=False, bias=False)
+    head.out.weight.data.copy_(yes - no)
+    return head.eval().requires_grad_(False)

@@ -10,26 +10,35 @@ from sentence_transformers import util
 
 from benchmarks.corpus import stdlib_texts
 from tests.helpers.client import RPC_TIMEOUT_S, inference_stub
-from tests.helpers.scorers import build_cross_encoder, classifier_reference
+from tests.helpers.scorers import (
+    build_cross_encoder,
+    build_decoder_reranker,
+    classifier_reference,
+    qwen3_reranker_reference,
+)
 from tests.helpers.server import running_server
 
-EMBEDDER, CROSS, CLASSIFIER = "minilm", "tiny-ce", "tiny-cls"
+EMBEDDER, CROSS, CLASSIFIER, YES_NO = "minilm", "tiny-ce", "tiny-cls", "tiny-yes-no"
 QUERY = "Check whether a file is a ZIP file"
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory, bundled_dir):
     root = tmp_path_factory.mktemp("e2e-scorers")
+    # A causal LM whose path does not name a reranker: only --decoder-reranker makes it one.
+    yes_no = build_decoder_reranker(root).rename(root / "tiny-qwen3-causal-lm")
     return {
         EMBEDDER: bundled_dir,
         CROSS: build_cross_encoder(root, "bert"),
         CLASSIFIER: build_cross_encoder(root, "xlm-roberta", num_labels=3),
+        YES_NO: yes_no,
     }
 
 
 @pytest.fixture(scope="module")
 def stub(model_dirs):
-    args = ["--dtype", "float32", "--device", "cpu", "--max-client-batch-size", "32"]
+    # --decoder-reranker applies to the causal LM; the encoders ignore it.
+    args = ["--dtype", "float32", "--device", "cpu", "--max-client-batch-size", "32", "--decoder-reranker"]
     for name, path in model_dirs.items():
         args += ["--model", str(path), "--served-model-name", name]
     with running_server(args) as (target, _):
@@ -80,6 +89,19 @@ def test_bi_encoder_rerank_without_documents_echo(stub, bundled_reference, docum
     assert all(r.document == "" for r in response.results)
 
 
+def test_decoder_reranker_by_flag_with_instruction(stub, model_dirs, documents):
+    instruction = "Given a Python question, find the docstring that answers it"
+    expected = qwen3_reranker_reference(model_dirs[YES_NO], QUERY, documents, instruction=instruction)
+    request = _pb().RerankRequest(
+        model=YES_NO, query=QUERY, documents=documents, truncate=True, instruction=instruction
+    )
+
+    response = stub.Rerank(request, timeout=RPC_TIMEOUT_S)
+
+    assert [r.index for r in response.results] == list(np.argsort(-expected, kind="stable"))
+    np.testing.assert_allclose([r.score for r in response.results], np.sort(expected)[::-1], atol=1e-4)
+
+
 def test_classify_labels_and_softmax(stub, model_dirs, documents):
     logits = classifier_reference(model_dirs[CLASSIFIER], documents)
     probabilities = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
@@ -100,6 +122,8 @@ def test_list_models_reports_tasks_and_labels(stub):
     assert list(models[EMBEDDER].tasks) == [pb.TASK_EMBED, pb.TASK_RERANK]
     assert list(models[CROSS].tasks) == [pb.TASK_RERANK, pb.TASK_CLASSIFY]
     assert list(models[CLASSIFIER].tasks) == [pb.TASK_CLASSIFY]
+    assert list(models[YES_NO].tasks) == [pb.TASK_RERANK]
+    assert (models[YES_NO].architecture, models[YES_NO].pooling) == ("Qwen3ForCausalLM", "lasttoken")
     assert list(models[CLASSIFIER].labels) == ["negative", "neutral", "positive"]
     assert models[CLASSIFIER].architecture == "XLMRobertaForSequenceClassification"
     assert (models[CROSS].dimension, models[CROSS].pooling) == (0, "cls")

@@ -234,3 +234,18 @@ def test_bi_encoder_rerank_uses_query_and_document_prompts(tiny_encoder, referen
     result = engine_for(model_dir).rerank(query, documents, _params(truncate=True))
 
     np.testing.assert_allclose(_scores_in_request_order(result, len(documents)), expected, atol=ATOL)
+
+
+@pytest.mark.parametrize("kind", ["cross", "reranker"])
+def test_bfloat16_scores_stay_close_to_float32(kind, scorer_dir, engine_for, documents):
+    """The score head runs in float32 on bfloat16 hidden states; scores move by rounding only."""
+    model_dir = scorer_dir("cross", "bert", max_seq_length=MAX_SEQ_LENGTH) if kind == "cross" else scorer_dir(
+        "reranker", seed=3
+    )
+    query = "read a gzip file"
+    exact = engine_for(model_dir).rerank(query, documents, _params(truncate=True))
+    rounded = engine_for(model_dir, dtype="bfloat16").rerank(query, documents, _params(truncate=True))
+
+    np.testing.assert_allclose(
+        _scores_in_request_order(rounded, len(documents)), _scores_in_request_order(exact, len(documents)), atol=0.03
+    )

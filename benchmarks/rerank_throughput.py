@@ -16,7 +16,6 @@ untimed pass, then --repeats timed passes; the fastest counts. Prints a markdown
 from __future__ import annotations
 
 import argparse
-import asyncio
 import platform
 import sys
 import tempfile
@@ -78,14 +77,11 @@ def bench_bi_encoder(model: str, queries, documents, dtype: str, repeats: int) -
 
 def bench_engine(model: str, queries, documents, dtype: str, repeats: int, concurrent: bool) -> float:
     params = RerankParams(truncate=True)
-    with SyncEngine(ModelConfig(path=model, served_name="bench", dtype=dtype)) as sync:
-
-        async def all_at_once():
-            return await asyncio.gather(*(sync.engine.rerank(q, documents, params) for q in queries))
-
+    with SyncEngine(ModelConfig(path=model, served_name="bench", dtype=dtype)) as engine:
         if concurrent:
-            return best_of(repeats, lambda: sync._call(all_at_once()))[0]
-        return best_of(repeats, lambda: [sync.rerank(q, documents, params) for q in queries])[0]
+            calls = [(q, documents) for q in queries]
+            return best_of(repeats, lambda: engine.rerank_concurrently(calls, params))[0]
+        return best_of(repeats, lambda: [engine.rerank(q, documents, params) for q in queries])[0]
 
 
 def main() -> None:

@@ -39,6 +39,16 @@ class SyncEngine:
     def rerank(self, query: str, documents: list[str], params: RerankParams | None = None) -> RerankResult:
         return self._call(self.engine.rerank(query, list(documents), params or RerankParams()))
 
+    def rerank_concurrently(
+        self, calls: list[tuple[str, list[str]]], params: RerankParams | None = None
+    ) -> list[RerankResult]:
+        """(query, documents) calls submitted at once, as concurrent clients would."""
+
+        async def run() -> list[RerankResult]:
+            return await asyncio.gather(*(self.engine.rerank(q, list(d), params or RerankParams()) for q, d in calls))
+
+        return self._call(run())
+
     def classify(self, texts: list[str], params: ClassifyParams | None = None) -> ClassifyResult:
         return self._call(self.engine.classify(list(texts), params or ClassifyParams()))
 

@@ -65,10 +65,6 @@ class TaskSpec:
     # padding tokens are dropped before the model runs, which leaves earlier causal states unchanged.
     strip_trailing_pad_id: int | None = None
 
-    @property
-    def is_classifier(self) -> bool:
-        return bool(self.labels)
-
 
 def architecture_of(hf_config) -> str:
     return (getattr(hf_config, "architectures", None) or [""])[0]

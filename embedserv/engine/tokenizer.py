@@ -63,6 +63,7 @@ class TextTokenizer:
         self.default_prompt_name = default_prompt_name
         self.include_prompt = include_prompt
         self._prompt_lengths: dict[str, int] = {}
+        self._template_cache: dict[YesNoTemplate, tuple[list[int], list[int]]] = {}
 
     def resolve_prompt(self, prompt_name: str | None) -> str:
         """The prompt text for a name; None means the model's default prompt (if any)."""
@@ -139,13 +140,22 @@ class TextTokenizer:
             out.append(Encoded(ids=pair.ids, token_type_ids=types))
         return out
 
+    def _template_ids(self, template: YesNoTemplate) -> tuple[list[int], list[int]]:
+        """The template's prefix and suffix tokens, tokenized once per tokenizer."""
+        if template not in self._template_cache:
+            encode = self._backend.encode
+            self._template_cache[template] = (
+                encode(template.prefix, add_special_tokens=False).ids,
+                encode(template.suffix, add_special_tokens=False).ids,
+            )
+        return self._template_cache[template]
+
     def encode_templated(
         self, template: YesNoTemplate, instruction: str, query: str, documents: list[str], truncate: bool
     ) -> list[Encoded]:
         """A yes/no reranker's prompt per document, as its model card builds it: prefix, then
         instruction + query + document tokenized as one text (cut at the end of the document), then suffix."""
-        prefix = self._backend.encode(template.prefix, add_special_tokens=False).ids
-        suffix = self._backend.encode(template.suffix, add_special_tokens=False).ids
+        prefix, suffix = self._template_ids(template)
         room = self.max_input_tokens - len(prefix) - len(suffix) - self._num_special
         head = template.query_part(instruction, query)
         head_tokens = len(self._backend.encode(head, add_special_tokens=False).ids)

@@ -55,17 +55,17 @@ def _direction(value: int) -> str:
     return _DIRECTIONS[value]
 
 
+def call_summary(prompt_tokens: int, timing: Timing, model: str, received: float) -> dict:
+    """The usage, model and timing fields every unary response carries."""
+    return dict(usage=pb.Usage(prompt_tokens=prompt_tokens), model=model, timing=timing_message(timing, received))
+
+
 def embed_response(result: EmbedResult, encoding: int, model: str, received: float) -> pb.EmbedResponse:
     if encoding == pb.ENCODING_BYTES:
         embeddings = [pb.Embedding(raw=to_little_endian_bytes(row)) for row in result.embeddings]
     else:
         embeddings = [pb.Embedding(values=row) for row in result.embeddings.tolist()]
-    return pb.EmbedResponse(
-        embeddings=embeddings,
-        usage=pb.Usage(prompt_tokens=result.prompt_tokens),
-        model=model,
-        timing=timing_message(result.timing, received),
-    )
+    return pb.EmbedResponse(embeddings=embeddings, **call_summary(result.prompt_tokens, result.timing, model, received))
 
 
 def model_info(info: ModelInfo) -> pb.ModelInfo:
@@ -184,12 +184,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             pb.RerankResult(index=r.index, score=r.score, document=documents[r.index] if request.return_documents else "")
             for r in result.results
         ]
-        return pb.RerankResponse(
-            results=results,
-            usage=pb.Usage(prompt_tokens=result.prompt_tokens),
-            model=engine.info.name,
-            timing=timing_message(result.timing, received),
-        )
+        summary = call_summary(result.prompt_tokens, result.timing, engine.info.name, received)
+        return pb.RerankResponse(results=results, **summary)
 
     @unary_errors
     async def Classify(self, request, context):
@@ -203,22 +199,16 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         )
         with self.limiter.hold(len(texts)):
             result = await engine.classify(texts, params)
-        classifications = []
-        for row in result.scores.tolist():
-            best = max(range(len(row)), key=row.__getitem__)
-            classifications.append(
-                pb.Classification(
-                    scores=[pb.LabelScore(label=label, score=score) for label, score in zip(result.labels, row)],
-                    label=result.labels[best],
-                    score=row[best],
-                )
+        classifications = [
+            pb.Classification(
+                scores=[pb.LabelScore(label=label, score=score) for label, score in zip(result.labels, row)],
+                label=result.labels[best],
+                score=row[best],
             )
-        return pb.ClassifyResponse(
-            classifications=classifications,
-            usage=pb.Usage(prompt_tokens=result.prompt_tokens),
-            model=engine.info.name,
-            timing=timing_message(result.timing, received),
-        )
+            for row, best in zip(result.scores.tolist(), result.scores.argmax(axis=1).tolist())
+        ]
+        summary = call_summary(result.prompt_tokens, result.timing, engine.info.name, received)
+        return pb.ClassifyResponse(classifications=classifications, **summary)
 
     @unary_errors
     async def Generate(self, request, context):

@@ -2,6 +2,12 @@
 
 Every tensor here describes the batch as the input builder packed it: `num_tokens` rows, sequences one
 after another, `cu_seqlens` marking where each starts. Backends extend it with what they precompute.
+
+On KV-free paths (embed, rerank, classify) each sequence's queries are its keys. In generation a
+sequence's queries are its new tokens (a prompt chunk, or one token when decoding) and its keys are all
+of its tokens so far, read from the paged KV cache: `slot_mapping` says where the new keys are written,
+`key_slots` where every key of the step is read, in `cu_seqlens_k` order. A query at position p of its
+sequence sees the keys at positions 0..p (causal, aligned at the end: the last query is the last key).
 """
 
 from __future__ import annotations
@@ -27,6 +33,16 @@ class CommonAttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     is_causal: bool
+    # [num_tokens] int64 on the device: the KV cache slot (block * block_size + offset) each new token's
+    # key and value are written to. None on KV-free paths.
+    slot_mapping: torch.Tensor | None = None
+    # [sum(seq_lens_k)] int64 on the device: the cache slot of every key each sequence attends to, packed
+    # like `cu_seqlens_k` (the block tables, expanded). None on KV-free paths.
+    key_slots: torch.Tensor | None = None
+
+    @property
+    def reads_kv_cache(self) -> bool:
+        return self.slot_mapping is not None
 
 
 @dataclass(frozen=True)
@@ -67,4 +83,26 @@ def build_common_metadata(
         max_seqlen_q=max_len,
         max_seqlen_k=max_len,
         is_causal=is_causal,
+    )
+
+
+def build_paged_metadata(
+    seq_lens_q: np.ndarray,
+    seq_lens_k: np.ndarray,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    key_slots: torch.Tensor,
+) -> CommonAttentionMetadata:
+    """Metadata for a generation step: causal queries over keys read from the paged KV cache."""
+    return CommonAttentionMetadata(
+        cu_seqlens_q=cu_seqlens_q.to(torch.int32),
+        cu_seqlens_k=cu_seqlens_k.to(torch.int32),
+        seq_lens_q_cpu=seq_lens_q,
+        seq_lens_k_cpu=seq_lens_k,
+        max_seqlen_q=int(seq_lens_q.max()),
+        max_seqlen_k=int(seq_lens_k.max()),
+        is_causal=True,
+        slot_mapping=slot_mapping,
+        key_slots=key_slots,
     )

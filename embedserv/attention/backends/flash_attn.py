@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from flash_attn import flash_attn_varlen_func
 
+from embedserv.attention.backends.base import write_and_gather
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
 
 
@@ -19,9 +20,10 @@ class FlashAttnBackend:
         return AttentionMetadata(common=common)
 
     def forward(self, layer, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        if kv_cache is not None:
-            raise NotImplementedError("the flash_attn backend has no KV cache support yet")
         common = meta.common
+        if kv_cache is not None:
+            # Queries are the last keys of their sequence: the kernel's causal mask aligns them at the end.
+            k, v = write_and_gather(k, v, kv_cache, common)
         return flash_attn_varlen_func(
             q, k, v,
             cu_seqlens_q=common.cu_seqlens_q,

@@ -9,6 +9,9 @@ The kernel is compiled, on CPU (C++) as on CUDA (Triton): eager FlexAttention ma
 power of two of at least one block, so a model compiles one kernel per size class (warm-up runs them).
 Dynamic-shape compilation would avoid the padding, but the CPU template fails to build for some sizes
 in torch 2.13.
+
+With a KV cache (generation) the keys are read from the cache through the block tables into their own
+packed batch, and the mask pairs each query with its sequence's keys up to its own position.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from embedserv.attention.backends.base import write_and_gather
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
 
 BLOCK_SIZE = 128
@@ -30,6 +34,8 @@ class FlexMetadata(AttentionMetadata):
     block_mask: BlockMask
     # Tokens the batch is padded to: a power of two, at least BLOCK_SIZE.
     padded_tokens: int
+    # Keys the batch is padded to; equal to padded_tokens on KV-free paths.
+    padded_keys: int
 
 
 # Every (dtype, heads, head size, mask kind, padded size) a process runs is one compiled entry of
@@ -107,26 +113,52 @@ class FlexBackend:
         self.compile = compile
 
     def build_metadata(self, common: CommonAttentionMetadata) -> FlexMetadata:
+        if common.reads_kv_cache:
+            return paged_metadata(common)
         size = padded_size(int(common.seq_lens_q_cpu.sum()))
-        cu = common.cu_seqlens_q
-        tokens = torch.arange(size, device=cu.device, dtype=cu.dtype)
-        # Padding rows fall past the last offset: they form one extra document of their own.
-        doc = torch.searchsorted(cu[1:].contiguous(), tokens, right=True)
+        doc = _documents(common.cu_seqlens_q, size)
         block_mask = document_block_mask(doc, len(common.seq_lens_q_cpu), common.is_causal)
-        return FlexMetadata(common=common, block_mask=block_mask, padded_tokens=size)
+        return FlexMetadata(common=common, block_mask=block_mask, padded_tokens=size, padded_keys=size)
 
     def forward(self, layer, q, k, v, kv_cache, meta: FlexMetadata) -> torch.Tensor:
         if kv_cache is not None:
-            raise NotImplementedError("the flex backend has no KV cache support yet")
+            k, v = write_and_gather(k, v, kv_cache, meta.common)
         attend = _compiled_flex() if self.compile else flex_attention
         num_tokens = q.shape[0]
-        pad = meta.padded_tokens - num_tokens
 
-        def batch(x):  # [num_tokens, heads, d] -> [1, heads, padded_tokens, d]
-            return F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1).unsqueeze(0)
+        def batch(x, size):  # [n, heads, d] -> [1, heads, size, d]
+            return F.pad(x, (0, 0, 0, 0, 0, size - x.shape[0])).transpose(0, 1).unsqueeze(0)
 
         out = attend(
-            batch(q), batch(k), batch(v),
+            batch(q, meta.padded_tokens), batch(k, meta.padded_keys), batch(v, meta.padded_keys),
             block_mask=meta.block_mask, scale=layer.scale, enable_gqa=q.shape[1] != k.shape[1],
         )
         return out[0, :, :num_tokens].transpose(0, 1)
+
+
+def _documents(cu: torch.Tensor, size: int) -> torch.Tensor:
+    """[size] the sequence of each packed row; padding rows past the last offset get num_seqs."""
+    rows = torch.arange(size, device=cu.device, dtype=cu.dtype)
+    return torch.searchsorted(cu[1:].contiguous(), rows, right=True)
+
+
+def paged_metadata(common: CommonAttentionMetadata) -> FlexMetadata:
+    """Queries over keys read from the cache: query i of a sequence with Lq queries and Lk keys sits at key
+    position Lk - Lq + i and sees that sequence's keys up to it."""
+    num_seqs = len(common.seq_lens_q_cpu)
+    q_size = padded_size(int(common.seq_lens_q_cpu.sum()))
+    k_size = padded_size(int(common.seq_lens_k_cpu.sum()))
+    cu_q, cu_k = common.cu_seqlens_q.long(), common.cu_seqlens_k.long()
+    q_doc, k_doc = _documents(cu_q, q_size), _documents(cu_k, k_size)
+    # Padding keys belong to no sequence; padding queries see nothing (their rows are discarded).
+    k_doc = torch.where(k_doc < num_seqs, k_doc, -1)
+    q_seq, k_seq = q_doc.clamp(max=num_seqs - 1), k_doc.clamp(min=0)
+    lens_q, lens_k = cu_q.diff(), cu_k.diff()
+    q_position = torch.arange(q_size, device=cu_q.device) - cu_q[q_seq] + (lens_k - lens_q)[q_seq]
+    k_position = torch.arange(k_size, device=cu_k.device) - cu_k[k_seq]
+
+    def paged_causal(b, h, q, kv):
+        return (q_doc[q] == k_doc[kv]) & (k_position[kv] <= q_position[q])
+
+    block_mask = create_block_mask(paged_causal, None, None, q_size, k_size, device=cu_q.device, BLOCK_SIZE=BLOCK_SIZE)
+    return FlexMetadata(common=common, block_mask=block_mask, padded_tokens=q_size, padded_keys=k_size)

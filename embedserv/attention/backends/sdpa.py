@@ -5,6 +5,9 @@ packed batch already are that shape as a view, so this backend makes one SDPA ca
 lengths: no padding, no masks, no scatter. The input builder packs longest first, so a batch has at
 most as many runs as distinct lengths, and the long truncated inputs that dominate the cost share one.
 On CPU in bfloat16, long runs use two batched matmuls instead of the flash kernel (faster there).
+
+With a KV cache (generation), decoding sequences (one query each) go in one padded call, keys read
+straight from the cache and a mask hiding the padding; prompt chunks run one call each on their keys.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from embedserv.attention.backends.base import gather_kv, write_kv
+from embedserv.attention.backends.naive import future_mask
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
 
 
@@ -39,8 +44,23 @@ class _Run:
 
 
 @dataclass(frozen=True)
+class _PagedPlan:
+    """How a generation step splits into SDPA calls."""
+
+    # [num_decodes] int64: the query row of each one-token sequence; None when there is none.
+    decode_rows: torch.Tensor | None
+    # [num_decodes, longest decode context] int64 cache slots (padding points at slot 0, masked out).
+    decode_slots: torch.Tensor | None
+    # [num_decodes, 1, 1, longest decode context] bool: True for real keys.
+    decode_mask: torch.Tensor | None
+    # (query rows, packed key rows, query length, key length) of every longer chunk.
+    chunks: tuple[tuple[slice, slice, int, int], ...]
+
+
+@dataclass(frozen=True)
 class SdpaMetadata(AttentionMetadata):
     runs: tuple[_Run, ...]
+    paged: _PagedPlan | None = None
 
 
 def plan_runs(seq_lens: np.ndarray) -> tuple[_Run, ...]:
@@ -61,11 +81,13 @@ class SdpaBackend:
     name = "sdpa"
 
     def build_metadata(self, common: CommonAttentionMetadata) -> SdpaMetadata:
+        if common.reads_kv_cache:
+            return SdpaMetadata(common=common, runs=(), paged=plan_paged(common))
         return SdpaMetadata(common=common, runs=plan_runs(common.seq_lens_q_cpu))
 
     def forward(self, layer, q, k, v, kv_cache, meta: SdpaMetadata) -> torch.Tensor:
         if kv_cache is not None:
-            raise NotImplementedError("the sdpa backend has no KV cache support yet")
+            return _forward_paged(layer, q, k, v, kv_cache, meta)
         gqa = q.shape[1] != k.shape[1]
         runs = meta.runs
         return _concat([self._attend(layer, q[r.rows], k[r.rows], v[r.rows], r, meta.is_causal, gqa) for r in runs])
@@ -105,3 +127,52 @@ def _attend_with_matmuls(q, k, v, scale: float, is_causal: bool) -> torch.Tensor
         future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu_(1)
         scores.masked_fill_(future, float("-inf"))
     return torch.matmul(scores.softmax(dim=-1), v)
+
+
+def plan_paged(common: CommonAttentionMetadata) -> _PagedPlan:
+    lens_q, lens_k = common.seq_lens_q_cpu, common.seq_lens_k_cpu
+    starts_q = np.concatenate(([0], np.cumsum(lens_q)[:-1]))
+    starts_k = np.concatenate(([0], np.cumsum(lens_k)[:-1]))
+    device = common.key_slots.device
+    decodes = np.flatnonzero(lens_q == 1)
+    rows = slots = mask = None
+    if len(decodes):
+        longest = int(lens_k[decodes].max())
+        offsets = np.arange(longest)
+        real = offsets[None, :] < lens_k[decodes, None]
+        index = np.where(real, starts_k[decodes, None] + offsets[None, :], 0)
+        rows = torch.from_numpy(starts_q[decodes]).to(device)
+        slots = common.key_slots[torch.from_numpy(index).to(device)].masked_fill_(
+            ~torch.from_numpy(real).to(device), 0
+        )
+        mask = torch.from_numpy(real).to(device)[:, None, None, :]
+    chunks = tuple(
+        (slice(int(starts_q[i]), int(starts_q[i] + lens_q[i])), slice(int(starts_k[i]), int(starts_k[i] + lens_k[i])),
+         int(lens_q[i]), int(lens_k[i]))
+        for i in np.flatnonzero(lens_q != 1)
+    )
+    return _PagedPlan(decode_rows=rows, decode_slots=slots, decode_mask=mask, chunks=chunks)
+
+
+def _forward_paged(layer, q, k, v, kv_cache, meta: SdpaMetadata) -> torch.Tensor:
+    write_kv(k, v, kv_cache, meta.common)
+    plan = meta.paged
+    gqa = q.shape[1] != k.shape[1]
+    out = torch.empty_like(q)
+    if plan.decode_rows is not None:
+        keys, values = gather_kv(kv_cache, plan.decode_slots)  # [n, longest, kv_heads, d]
+        attended = F.scaled_dot_product_attention(
+            q[plan.decode_rows].unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=plan.decode_mask, scale=layer.scale, enable_gqa=gqa,
+        )
+        out[plan.decode_rows] = attended.squeeze(2)
+    for rows, key_rows, len_q, len_k in plan.chunks:
+        keys, values = gather_kv(kv_cache, meta.common.key_slots[key_rows])
+        # A whole prompt (as many queries as keys) is plain causal; a later chunk sees all earlier keys.
+        mask = None if len_q == len_k else ~future_mask(len_q, len_k, q.device)
+        attended = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask, is_causal=mask is None, scale=layer.scale, enable_gqa=gqa,
+        )
+        out[rows] = attended[0].transpose(0, 1)
+    return out

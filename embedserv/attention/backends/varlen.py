@@ -12,6 +12,7 @@ import inspect
 import torch
 from torch.nn.attention.varlen import varlen_attn
 
+from embedserv.attention.backends.base import write_and_gather
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
 
 _PARAMS = frozenset(inspect.signature(varlen_attn).parameters)
@@ -28,9 +29,10 @@ class VarlenBackend:
         return AttentionMetadata(common=common)
 
     def forward(self, layer, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        if kv_cache is not None:
-            raise NotImplementedError("the varlen backend has no KV cache support yet")
         common = meta.common
+        if kv_cache is not None:
+            # Queries are the last keys of their sequence: the kernel's causal mask aligns them at the end.
+            k, v = write_and_gather(k, v, kv_cache, common)
         kwargs = {}
         if "window_size" in _PARAMS:
             kwargs["window_size"] = (-1, 0) if common.is_causal else (-1, -1)

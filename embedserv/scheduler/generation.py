@@ -1,0 +1,249 @@
+"""Continuous batching for generation: one token budget per step shared by decodes and chunked prefills.
+
+Running requests go first, in admission order; when the KV cache is full the latest admitted request
+is preempted and later recomputed from scratch (prompt + outputs so far). Waiting requests are admitted
+first-come first-served with whatever budget is left. No torch here.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+
+from embedserv.scheduler.block_manager import BlockManager
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class GenerationRequest:
+    request_id: int
+    prompt_token_ids: list[int]
+    max_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+    # Tokens whose KV is in the cache.
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request_id: int
+    # Request tokens [start_position, start_position + len(token_ids)) to compute this step.
+    token_ids: tuple[int, ...]
+    # num_computed_tokens before the step: the position of token_ids[0].
+    start_position: int
+    # The whole block table, covering start_position + len(token_ids) tokens.
+    block_ids: tuple[int, ...]
+    # The chunk reaches the request's last known token, so the runner samples the next one.
+    samples: bool
+
+
+@dataclass(frozen=True)
+class GenerationBatch:
+    chunks: tuple[ScheduledChunk, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(chunk.token_ids) for chunk in self.chunks)
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.chunks)
+
+
+class GenerationScheduler:
+    """Picks each step's chunks; update() records what the runner computed and sampled.
+
+    The engine decides when a request is done (max_tokens, stop tokens, cancel) and calls finish().
+    """
+
+    def __init__(self, block_manager: BlockManager, max_batch_tokens: int, max_num_seqs: int) -> None:
+        if max_batch_tokens < 1 or max_num_seqs < 1:
+            raise ValueError("max_batch_tokens and max_num_seqs must be at least 1")
+        self.block_manager = block_manager
+        self.max_batch_tokens = max_batch_tokens
+        self.max_num_seqs = max_num_seqs
+        self.num_preemptions = 0
+        self._waiting: deque[GenerationRequest] = deque()
+        # Admission order: the last one is the first to be preempted.
+        self._running: list[GenerationRequest] = []
+        self._requests: dict[int, GenerationRequest] = {}
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        return self.block_manager.blocks_needed(num_tokens) <= self.block_manager.num_blocks
+
+    def add(self, request: GenerationRequest) -> None:
+        if request.request_id in self._requests:
+            raise ValueError(f"request {request.request_id} is already scheduled")
+        if request.status is not RequestStatus.WAITING or request.block_ids or request.num_computed_tokens:
+            raise ValueError("only a fresh request can be added")
+        if not request.prompt_token_ids:
+            raise ValueError("a request needs at least one prompt token")
+        self._requests[request.request_id] = request
+        self._waiting.append(request)
+
+    def finish(self, request_id: int) -> None:
+        """Removes a finished or aborted request and frees its blocks. Unknown ids are ignored."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self._running.remove(request)
+        else:
+            self._waiting.remove(request)
+        self.block_manager.free(request.block_ids)
+        request.status = RequestStatus.FINISHED
+
+    def schedule(self) -> GenerationBatch | None:
+        """The next step's chunks, or None when nothing can run."""
+        chunks: list[ScheduledChunk] = []
+        preemptions_before = self.num_preemptions
+        budget = self._schedule_running(chunks)
+        # After a preemption the cache is short: admitting new work would only thrash it.
+        if self.num_preemptions == preemptions_before:
+            self._schedule_waiting(chunks, budget)
+        return GenerationBatch(chunks=tuple(chunks)) if chunks else None
+
+    def update(self, batch: GenerationBatch, sampled: Mapping[int, int]) -> None:
+        """Advances the requests `batch` computed and appends their sampled tokens.
+
+        Chunks of requests finished since schedule() are ignored.
+        """
+        block_manager = self.block_manager
+        for chunk in batch.chunks:
+            request = self._requests.get(chunk.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            if request.num_computed_tokens != chunk.start_position:
+                raise RuntimeError("update() must be called exactly once after each schedule()")
+            full_blocks_before = request.num_computed_tokens // block_manager.block_size
+            request.num_computed_tokens += len(chunk.token_ids)
+            token = sampled.get(chunk.request_id)
+            if token is not None:
+                if not chunk.samples:
+                    raise ValueError(f"request {chunk.request_id} was sampled mid-prefill")
+                request.output_token_ids.append(token)
+            # Hash only when a block boundary was crossed: all_token_ids() copies the sequence.
+            full_blocks = request.num_computed_tokens // block_manager.block_size
+            if block_manager.enable_prefix_caching and full_blocks > full_blocks_before:
+                block_manager.register_full_blocks(
+                    request.block_ids, request.all_token_ids(), request.num_computed_tokens
+                )
+
+    def _schedule_running(self, chunks: list[ScheduledChunk]) -> int:
+        """Schedules running requests in admission order; returns the budget left."""
+        budget = self.max_batch_tokens
+        index = 0
+        while index < len(self._running) and budget > 0 and len(chunks) < self.max_num_seqs:
+            request = self._running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            if not self._grow_or_preempt(request, request.num_computed_tokens + num_new):
+                break
+            chunks.append(self._make_chunk(request, num_new))
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _grow_or_preempt(self, request: GenerationRequest, num_tokens: int) -> bool:
+        """Grows the table to `num_tokens`, preempting the latest admitted requests until it fits.
+
+        False when `request` itself was the latest and got preempted.
+        """
+        # Requests before `request` are already in this step's batch; the victims all come after it.
+        while not self.block_manager.can_allocate(request.block_ids, num_tokens):
+            victim = self._running.pop()
+            self._preempt(victim)
+            if victim is request:
+                return False
+        self.block_manager.append_slot(request.block_ids, num_tokens)
+        return True
+
+    def _preempt(self, request: GenerationRequest) -> None:
+        # Recompute rather than swap: the KV is dropped and prompt + outputs run again later.
+        self.block_manager.free(request.block_ids)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        # Victims go latest-first, so pushing each to the front keeps the earliest admitted first.
+        self._waiting.appendleft(request)
+
+    def _schedule_waiting(self, chunks: list[ScheduledChunk], budget: int) -> None:
+        """Admits waiting requests first-come first-served while budget, sequences and blocks last."""
+        while self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
+            request = self._waiting[0]
+            num_new = self._admit(request, budget)
+            if num_new == 0:
+                return
+            self._waiting.popleft()
+            self._running.append(request)
+            chunks.append(self._make_chunk(request, num_new))
+            budget -= num_new
+
+    def _admit(self, request: GenerationRequest, budget: int) -> int:
+        """Gives a waiting request its cached prefix and blocks.
+
+        Returns the number of tokens to compute this step; 0 (and nothing held) when blocks are short.
+        """
+        block_manager = self.block_manager
+        num_cached = 0
+        if block_manager.enable_prefix_caching:
+            # Leave at least the last token to compute so the step samples; matching only blocks
+            # before it also means a shared cached block is never written again.
+            leading = request.token_ids_between(0, request.num_tokens - 1)
+            num_cached = block_manager.allocate_cached_prefix(request.block_ids, leading)
+        num_new = min(request.num_tokens - num_cached, budget)
+        if not block_manager.can_allocate(request.block_ids, num_cached + num_new):
+            block_manager.free(request.block_ids)
+            return 0
+        block_manager.allocate(request.block_ids, num_cached + num_new)
+        request.num_computed_tokens = num_cached
+        request.status = RequestStatus.RUNNING
+        return num_new
+
+    def _make_chunk(self, request: GenerationRequest, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        end = start + num_new
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=tuple(request.token_ids_between(start, end)),
+            start_position=start,
+            block_ids=tuple(request.block_ids),
+            samples=end == request.num_tokens,
+        )

@@ -17,6 +17,7 @@ from embedserv.config import (
     ModelConfig,
     ServerConfig,
     bundled_model_path,
+    parse_memory,
 )
 from embedserv.errors import ConfigError
 
@@ -25,7 +26,7 @@ BUNDLED_MODEL_NAME = "all-MiniLM-L6-v2"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="embedserv", description="gRPC inference server for embedding models")
+    parser = argparse.ArgumentParser(prog="embedserv", description="gRPC inference server for embedding, scoring and generation")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve models over gRPC")
     serve.add_argument("--model", action="append", default=None, metavar="PATH",
@@ -56,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--decoder-reranker", default=None, action=argparse.BooleanOptionalAction,
                        help="serve causal-LM checkpoints as yes/no rerankers (Qwen3-Reranker template); "
                             "default: when the model's path names a reranker")
+    serve.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+                       help="KV cache of generating models: bytes (2GiB, 512MiB, 1e9) or, on CUDA, a fraction "
+                            "of the memory free after loading (default: 1GiB on CPU, 0.5 on CUDA)")
+    serve.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV cache block")
+    serve.add_argument("--enable-prefix-caching", default=True, action=argparse.BooleanOptionalAction,
+                       help="reuse the cached KV of full blocks that requests share at the start of their prompts")
     serve.add_argument("--tokenizer-threads", type=int, default=1, help="tokenizer threads per model")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return parser
@@ -86,6 +93,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             decoder_reranker=args.decoder_reranker,
             max_batch_tokens=args.max_batch_tokens,
             max_batch_requests=args.max_batch_requests,
+            kv_cache_memory=parse_memory(args.kv_cache_memory) if args.kv_cache_memory else None,
+            kv_block_size=args.kv_block_size,
+            enable_prefix_caching=args.enable_prefix_caching,
         )
         for path, name in zip(paths, served_names(paths, args.served_model_name))
     )

@@ -16,6 +16,26 @@ ATTENTION_BACKENDS = ("flash_attn", "varlen", "sdpa", "flex", "naive")
 # of cache and run slower per token (docs/PERFORMANCE.md).
 CPU_BATCH_TOKENS = 4096
 CUDA_BATCH_TOKENS = 16384
+# KV cache of a generating model: bytes on CPU; on CUDA a fraction of the memory free after loading.
+CPU_KV_CACHE_BYTES = 2**30
+CUDA_KV_CACHE_FRACTION = 0.5
+_MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_memory(text: str) -> float:
+    """`2GiB`, `512MB`, `1e9` (bytes) or `0.5` (a fraction of device memory) -> a float."""
+    cleaned = text.strip().lower().replace(" ", "")
+    number = cleaned.rstrip("kmgib")
+    unit = cleaned[len(number):]
+    try:
+        value = float(number) * _MEMORY_UNITS[unit]
+    except (ValueError, KeyError):
+        raise ConfigError(
+            f"--kv-cache-memory {text!r} is not a size; give bytes (2GiB, 512MiB, 1e9) or a fraction (0.5)"
+        ) from None
+    if not value > 0:
+        raise ConfigError(f"--kv-cache-memory must be above 0, not {text!r}")
+    return value
 
 
 def bundled_model_path() -> Path:
@@ -52,6 +72,11 @@ class ModelConfig:
     # None picks per device: small batches stay in the CPU caches, a GPU wants big ones.
     max_batch_tokens: int | None = None
     max_batch_requests: int = 512
+    # Generating models only: KV cache size (None: the device's default), tokens per block, and whether
+    # requests share the cached KV of a common prompt prefix.
+    kv_cache_memory: float | None = None
+    kv_block_size: int = 16
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if not self.served_name:
@@ -72,12 +97,22 @@ class ModelConfig:
             raise ConfigError(f"--max-batch-tokens must be at least 1, not {self.max_batch_tokens}")
         if self.max_batch_requests < 1:
             raise ConfigError(f"--max-batch-requests must be at least 1, not {self.max_batch_requests}")
+        if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
+            raise ConfigError(f"--kv-cache-memory must be above 0, not {self.kv_cache_memory}")
+        if self.kv_block_size < 1:
+            raise ConfigError(f"--kv-block-size must be at least 1, not {self.kv_block_size}")
 
     @property
     def batch_token_budget(self) -> int:
         if self.max_batch_tokens is not None:
             return self.max_batch_tokens
         return CPU_BATCH_TOKENS if self.device == "cpu" else CUDA_BATCH_TOKENS
+
+    @property
+    def kv_cache_memory_or_default(self) -> float:
+        if self.kv_cache_memory is not None:
+            return self.kv_cache_memory
+        return CPU_KV_CACHE_BYTES if self.device == "cpu" else CUDA_KV_CACHE_FRACTION
 
     @property
     def torch_dtype_name(self) -> str:

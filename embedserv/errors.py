@@ -21,9 +21,5 @@ class NotReady(EmbedservError):
     """The model is loading, or the engine has stopped (UNAVAILABLE)."""
 
 
-class Unsupported(EmbedservError):
-    """The served model or build cannot do this (UNIMPLEMENTED)."""
-
-
 class ConfigError(EmbedservError):
     """Start-up configuration that cannot work; the server refuses to start."""

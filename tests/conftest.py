@@ -17,6 +17,7 @@ import pytest  # noqa: E402
 from tests.helpers.models import (  # noqa: E402
     build_tiny_decoder,
     build_tiny_encoder,
+    build_tiny_generator,
     bundled_model_dir,
     load_reference,
 )
@@ -63,6 +64,21 @@ def tiny_encoder(tmp_path_factory: pytest.TempPathFactory):
 def tiny_decoder(tmp_path_factory: pytest.TempPathFactory):
     """Factory: tiny_decoder(arch, pooling, **kwargs) -> model dir (see build_tiny_decoder); built once a session."""
     return _cached_builder(tmp_path_factory.mktemp("tiny-decoders"), build_tiny_decoder)
+
+
+@pytest.fixture(scope="session")
+def tiny_generator(tmp_path_factory: pytest.TempPathFactory):
+    """Factory: tiny_generator(arch, **kwargs) -> a causal LM dir (see build_tiny_generator); built once a session."""
+    root = tmp_path_factory.mktemp("tiny-generators")
+    cache: dict[tuple, Path] = {}
+
+    def build(arch: str, **kwargs) -> Path:
+        key = (arch, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+        if key not in cache:
+            cache[key] = build_tiny_generator(root, arch, **kwargs)
+        return cache[key]
+
+    return build
 
 
 @pytest.fixture(scope="session")

@@ -12,10 +12,12 @@ import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator
 
 import numpy as np
 
 from embedserv.config import ModelConfig
+from embedserv.engine.generation import GenerationLoop
 from embedserv.engine.loading import LoadedModel, load_model
 from embedserv.engine.outputs import activate, cosine_to_first, finish_embeddings, rank
 from embedserv.engine.tokenizer import Encoded
@@ -24,10 +26,13 @@ from embedserv.engine.types import (
     ClassifyResult,
     EmbedParams,
     EmbedResult,
+    GenerationDelta,
+    KvCacheUsage,
     ModelInfo,
     RankedDocument,
     RerankParams,
     RerankResult,
+    SamplingParams,
     Task,
     Timing,
     TokenizedText,
@@ -36,6 +41,10 @@ from embedserv.errors import InvalidInput, NotReady
 from embedserv.scheduler.prefill_only import PrefillOnlyScheduler, PrefillRequest
 
 logger = logging.getLogger(__name__)
+
+
+# Prompt length of the generation warm-up (one prefill, then a few decode steps).
+_GENERATION_WARM_UP_TOKENS = 64
 
 
 def _us(seconds: float) -> int:
@@ -58,6 +67,12 @@ class Engine:
         self._model_thread = model_thread
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
+        self._generation: GenerationLoop | None = None
+        if loaded.generation is not None:
+            self._generation = GenerationLoop(
+                self.info.name, loaded.generation, self.tokenizer, model_thread, self._tokenizer_pool,
+                config.batch_token_budget, config.max_batch_requests, config.enable_prefix_caching,
+            )
 
     @classmethod
     def load(cls, config: ModelConfig, tokenizer_threads: int = 1, warm_up: bool = True) -> Engine:
@@ -69,10 +84,12 @@ class Engine:
         model_thread = ThreadPoolExecutor(1, thread_name_prefix=f"model-{config.served_name}")
         try:
             loaded = model_thread.submit(load_model, config).result()
-            if warm_up:
+            if warm_up and loaded.runner is not None:
                 model_thread.submit(
                     loaded.runner.warm_up, loaded.info.max_input_tokens, config.batch_token_budget
                 ).result()
+            if warm_up and loaded.generation is not None:
+                model_thread.submit(loaded.generation.runner.warm_up, _GENERATION_WARM_UP_TOKENS).result()
         except BaseException:
             model_thread.shutdown(wait=False)
             raise
@@ -86,6 +103,8 @@ class Engine:
         self._wakeup = asyncio.Event()
         self._loop_task = asyncio.create_task(self._run(), name=f"engine-{self.info.name}")
         self._loop_task.add_done_callback(self._on_loop_exit)
+        if self._generation is not None:
+            self._generation.start()
 
     def _on_loop_exit(self, task: asyncio.Task) -> None:
         """A crashed loop must not leave callers waiting forever: fail what is pending."""
@@ -101,12 +120,23 @@ class Engine:
         self._futures.clear()
 
     async def stop(self) -> None:
+        if self._generation is not None:
+            await self._generation.stop()
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
         self._fail_pending(NotReady(f"model {self.info.name} is shutting down; retry on another replica"))
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         self._model_thread.shutdown(wait=True)
+
+    def generate(self, prompt: str, params: SamplingParams) -> AsyncIterator[GenerationDelta]:
+        """Streams the text the model appends to `prompt`; the last delta carries the finish reason."""
+        self._require(Task.GENERATE, "Generate")
+        return self._generation.generate(prompt, params)
+
+    def kv_cache_usage(self) -> KvCacheUsage | None:
+        """Blocks in use now (None for models that do not generate)."""
+        return self._generation.kv_cache_usage() if self._generation is not None else None
 
     async def embed(self, texts: list[str], params: EmbedParams) -> EmbedResult:
         received = time.perf_counter()

@@ -19,9 +19,12 @@ from embedserv.errors import ConfigError
 from embedserv.models import registry
 from embedserv.models.heads import Dense, EmbeddingPooler
 from embedserv.models.layers import head_dim, num_kv_heads
+from embedserv.models.lm_head import build_lm_head, has_lm_head
 from embedserv.models.loader import build_model, load_dense_weights, safetensors_files
 from embedserv.models.score_head import YesNoTokens, build_classifier_head, build_yes_no_head
 from embedserv.models.st_files import SentenceTransformerFiles, read_sentence_transformers
+from embedserv.worker.generation_runner import GenerationModelRunner
+from embedserv.worker.kv_cache import KvCacheSpec, allocate_kv_caches, num_kv_blocks
 from embedserv.worker.model_runner import PrefillModelRunner
 
 logger = logging.getLogger(__name__)
@@ -33,12 +36,27 @@ DEFAULT_POOLING = "mean"
 _NO_LIMIT = 1_000_000
 
 
+@dataclass(frozen=True)
+class GenerationParts:
+    """What a generating model adds: its runner (with the KV cache) and what the scheduler must know."""
+
+    runner: GenerationModelRunner
+    num_blocks: int
+    block_size: int
+    # Tokens that end a generation unless ignore_eos (generation_config.json, else config.json).
+    eos_token_ids: frozenset[int]
+    # Prompt plus generated tokens may not pass this (the model's positions).
+    max_model_len: int
+
+
 @dataclass
 class LoadedModel:
     info: ModelInfo
     tokenizer: TextTokenizer
-    runner: PrefillModelRunner
+    # None for a model that only generates.
+    runner: PrefillModelRunner | None
     task: TaskSpec
+    generation: GenerationParts | None = None
 
 
 def _max_input_tokens(model_dir: Path, st: SentenceTransformerFiles, max_positions: int) -> int:
@@ -106,10 +124,10 @@ def load_model(config: ModelConfig) -> LoadedModel:
     device = _device(config.device)
     dtype = _DTYPES[config.torch_dtype_name]
     is_causal = registry.is_causal(hf_config, entry, config.attention)
-    task = read_task_spec(model_dir, hf_config, is_causal, config.decoder_reranker)
     backend = select_backend(config.attention_backend, _attention_spec(hf_config, device, dtype, is_causal))
 
     files = safetensors_files(model_dir)
+    task = read_task_spec(model_dir, hf_config, is_causal, config.decoder_reranker, has_lm_head(hf_config, files))
     model = build_model(entry.model_class, hf_config, files, device, dtype)
     max_tokens = _max_input_tokens(model_dir, st, model.max_positions)
     tokenizer = TextTokenizer(
@@ -120,13 +138,18 @@ def load_model(config: ModelConfig) -> LoadedModel:
         default_prompt_name=st.default_prompt_name,
         include_prompt=st.include_prompt,
     )
+    runner, pooling, dimension = None, "", 0
     if Task.EMBED in task.tasks:
         head = _embedding_pooler(config, st, device, dtype)
         pooling, dimension = head.mode, st.dense[-1].out_features if st.dense else hf_config.hidden_size
-    else:
+        runner = PrefillModelRunner(model, head, backend, device, is_causal)
+    elif task.tasks != (Task.GENERATE,):
         head = _head(task, hf_config, files, tokenizer, model_dir).to(device)
-        pooling, dimension = ("cls" if head.token == "first" else "lasttoken"), 0
-    runner = PrefillModelRunner(model, head, backend, device, is_causal)
+        pooling = "cls" if head.token == "first" else "lasttoken"
+        runner = PrefillModelRunner(model, head, backend, device, is_causal)
+    generation = None
+    if Task.GENERATE in task.tasks:
+        generation = _generation_parts(config, hf_config, model, backend, files, model_dir, tokenizer)
     info = ModelInfo(
         name=config.served_name,
         tasks=task.tasks,
@@ -142,7 +165,50 @@ def load_model(config: ModelConfig) -> LoadedModel:
         labels=task.labels,
     )
     _log_loaded(info, model_dir, config, task)
-    return LoadedModel(info=info, tokenizer=tokenizer, runner=runner, task=task)
+    if generation is not None:
+        logger.info(
+            "%s: KV cache of %d blocks x %d tokens, %d tokens per request at most",
+            info.name, generation.num_blocks, generation.block_size, generation.max_model_len,
+        )
+    return LoadedModel(info=info, tokenizer=tokenizer, runner=runner, task=task, generation=generation)
+
+
+def eos_token_ids(model_dir: Path, hf_config, tokenizer: TextTokenizer) -> frozenset[int]:
+    """What transformers' generate stops at: generation_config.json's eos_token_id (an id or a list), else
+    config.json's, else the tokenizer's EOS token."""
+    value = None
+    generation_config = model_dir / "generation_config.json"
+    if generation_config.exists():
+        value = json.loads(generation_config.read_text()).get("eos_token_id")
+    if value is None:
+        value = getattr(hf_config, "eos_token_id", None)
+    if value is None:
+        value = tokenizer.eos_token_id
+    if value is None:
+        return frozenset()
+    return frozenset(value if isinstance(value, list) else [value])
+
+
+def _generation_parts(config: ModelConfig, hf_config, model, backend, files, model_dir, tokenizer) -> GenerationParts:
+    device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+    lm_head = build_lm_head(hf_config, files, device, dtype)
+    spec = KvCacheSpec(
+        num_layers=hf_config.num_hidden_layers,
+        num_kv_heads=num_kv_heads(hf_config),
+        head_size=head_dim(hf_config),
+        dtype=dtype,
+        block_size=config.kv_block_size,
+    )
+    num_blocks = num_kv_blocks(config.kv_cache_memory_or_default, spec, device)
+    caches = allocate_kv_caches(spec, num_blocks, device)
+    runner = GenerationModelRunner(model, lm_head, backend, device, caches, spec.block_size)
+    return GenerationParts(
+        runner=runner,
+        num_blocks=num_blocks,
+        block_size=spec.block_size,
+        eos_token_ids=eos_token_ids(model_dir, hf_config, tokenizer),
+        max_model_len=model.max_positions,
+    )
 
 
 def _log_loaded(info: ModelInfo, model_dir: Path, config: ModelConfig, task: TaskSpec) -> None:

@@ -12,9 +12,12 @@ from embedserv.engine.types import (
     ClassifyResult,
     EmbedParams,
     EmbedResult,
+    GenerationDelta,
+    KvCacheUsage,
     ModelInfo,
     RerankParams,
     RerankResult,
+    SamplingParams,
 )
 
 
@@ -58,6 +61,32 @@ class SyncEngine:
     def embed_concurrently(self, calls: list[list[str]], params: EmbedParams | None = None) -> list[EmbedResult]:
         """Submits all calls at once, as concurrent clients would, so the scheduler can pack them."""
         return self._call(self._embed_many(calls, params or EmbedParams()))
+
+    def generate(self, prompt: str, params: SamplingParams) -> list[GenerationDelta]:
+        """Every delta of one generation, the last one carrying the finish reason."""
+        return self.generate_concurrently([prompt], [params])[0]
+
+    def generate_concurrently(
+        self, prompts: list[str], params: list[SamplingParams], on_delta=None
+    ) -> list[list[GenerationDelta]]:
+        """Generations submitted at once, as concurrent streams would be. `on_delta(index, delta)` is called
+        (on the engine's loop) as each delta arrives, e.g. to time the first token."""
+
+        async def collect(index: int, prompt: str, p: SamplingParams) -> list[GenerationDelta]:
+            deltas = []
+            async for delta in self.engine.generate(prompt, p):
+                if on_delta is not None:
+                    on_delta(index, delta)
+                deltas.append(delta)
+            return deltas
+
+        async def run() -> list[list[GenerationDelta]]:
+            return await asyncio.gather(*(collect(i, prompt, p) for i, (prompt, p) in enumerate(zip(prompts, params))))
+
+        return self._call(run())
+
+    def kv_cache_usage(self) -> KvCacheUsage | None:
+        return self.engine.kv_cache_usage()
 
     def close(self) -> None:
         if self._thread.is_alive():

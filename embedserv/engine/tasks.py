@@ -4,6 +4,8 @@
 - A causal LM is a yes/no reranker (Qwen3-Reranker) when `--decoder-reranker` says so, or, without the
   flag, when its path names a reranker (hub snapshots keep the repository name in the path);
   `--no-decoder-reranker` turns that detection off.
+- A causal LM with an LM head generates. It also embeds (and reranks by cosine) when it comes as a
+  sentence-transformers model (modules.json), as decoder embedders do.
 - Any other model embeds, and reranks by cosine similarity of query and document embeddings.
 """
 
@@ -110,10 +112,16 @@ def rerank_activation(model_dir: Path, hf_config, num_labels: int) -> str:
     return _ACTIVATIONS[name]
 
 
-def read_task_spec(model_dir: Path, hf_config, is_causal: bool, decoder_reranker: bool | None) -> TaskSpec:
+def read_task_spec(
+    model_dir: Path, hf_config, is_causal: bool, decoder_reranker: bool | None, has_lm_head: bool = False
+) -> TaskSpec:
     architecture = architecture_of(hf_config)
     if is_decoder_reranker(model_dir, architecture, decoder_reranker):
         return TaskSpec(tasks=(Task.RERANK,), rerank_mode="template", template=QWEN3_RERANKER)
+    if architecture.endswith("ForCausalLM") and is_causal and has_lm_head:
+        if (model_dir / "modules.json").exists():
+            return TaskSpec(tasks=(Task.EMBED, Task.RERANK, Task.GENERATE), rerank_mode="embeddings")
+        return TaskSpec(tasks=(Task.GENERATE,))
     if architecture not in SEQUENCE_CLASSIFIERS:
         return TaskSpec(tasks=(Task.EMBED, Task.RERANK), rerank_mode="embeddings")
     id2label = getattr(hf_config, "id2label", None) or {}

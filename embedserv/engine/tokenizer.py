@@ -52,6 +52,9 @@ class TextTokenizer:
         self._backend = tokenizers.Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str())
         self._backend.no_padding()
         self._backend.no_truncation()
+        # Decoding generated text (engine/detokenizer.py) goes through transformers' own decode.
+        self.hf_tokenizer = hf_tokenizer
+        self.eos_token_id: int | None = hf_tokenizer.eos_token_id
         self._special_ids = set(hf_tokenizer.all_special_ids)
         self._num_special = self._backend.num_special_tokens_to_add(False)
         self._num_pair_special = self._backend.num_special_tokens_to_add(True)
@@ -112,6 +115,11 @@ class TextTokenizer:
 
     def token_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A generation prompt with the model's special tokens, as `tokenizer(text)` gives it; the engine
+        checks its length against the model's context."""
+        return self._backend.encode(text, add_special_tokens=True).ids
 
     def _too_long(self, what: str, tokens: int, limit: int) -> InvalidInput:
         return InvalidInput(

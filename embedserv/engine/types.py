@@ -47,6 +47,50 @@ class ClassifyParams:
     raw_scores: bool = False
 
 
+@dataclass(frozen=True)
+class SamplingParams:
+    """How Generate picks tokens and when it stops. Checked by the engine (Engine.generate)."""
+
+    max_tokens: int
+    # 0 is greedy (argmax); above 0 scales the logits before sampling.
+    temperature: float = 0.0
+    # Keep the smallest set of most likely tokens whose probability reaches top_p; in (0, 1].
+    top_p: float = 1.0
+    # Keep only the top_k most likely tokens; 0 keeps all.
+    top_k: int = 0
+    # Same seed, same prompt: same text. None draws from the server's generator.
+    seed: int | None = None
+    # The text ends just before the first of these that appears.
+    stop: tuple[str, ...] = ()
+    # Keep going past the model's end-of-sequence token.
+    ignore_eos: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class GenerationDelta:
+    """One streamed piece of a generation: the text and tokens since the previous one."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    # None until the last delta; then length, stop, eos or cancelled.
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class KvCacheUsage:
+    block_size: int
+    total_blocks: int
+    used_blocks: int
+    # Requests preempted (and later recomputed) since start-up because blocks ran out.
+    preemptions: int
+
+
 @dataclass
 class Timing:
     """Microseconds spent on one call; see proto Timing for what each covers."""

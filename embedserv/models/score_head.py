@@ -73,12 +73,12 @@ def _read(files: list[Path], name: str, rows: slice | None = None) -> torch.Tens
     return None
 
 
-def _read_first(files: list[Path], names: tuple[str, ...], rows: slice | None = None) -> torch.Tensor:
+def read_first_tensor(files: list[Path], names: tuple[str, ...], rows: slice | None = None) -> torch.Tensor:
     for name in names:
         tensor = _read(files, name, rows)
         if tensor is not None:
             return tensor
-    raise ConfigError(f"checkpoint {files[0].parent} lacks the score head tensor {names[0]!r}")
+    raise ConfigError(f"checkpoint {files[0].parent} lacks the head tensor {names[0]!r}")
 
 
 def _classifier_sources(architecture: str) -> dict[str, tuple[str, ...]]:
@@ -108,7 +108,7 @@ def build_classifier_head(architecture: str, hidden_size: int, num_labels: int, 
     head = ScoreHead(hidden_size, num_labels, token="first" if is_encoder else "last", pooler=is_encoder, bias=is_encoder)
     params = dict(head.named_parameters())
     for ours, names in _classifier_sources(architecture).items():
-        tensor = _read_first(files, names)
+        tensor = read_first_tensor(files, names)
         if tensor.shape != params[ours].shape:
             raise ConfigError(
                 f"checkpoint {files[0].parent}: {names[0]} has shape {tuple(tensor.shape)}, "
@@ -121,8 +121,8 @@ def build_classifier_head(architecture: str, hidden_size: int, num_labels: int, 
 def build_yes_no_head(hidden_size: int, tokens: YesNoTokens, tied: bool, files: list[Path]) -> ScoreHead:
     """logit(yes) - logit(no) at the last token, from the LM head's rows (the embeddings when tied)."""
     names = ("model.embed_tokens.weight", "embed_tokens.weight") if tied else ("lm_head.weight",)
-    yes = _read_first(files, names, slice(tokens.yes_id, tokens.yes_id + 1)).float()
-    no = _read_first(files, names, slice(tokens.no_id, tokens.no_id + 1)).float()
+    yes = read_first_tensor(files, names, slice(tokens.yes_id, tokens.yes_id + 1)).float()
+    no = read_first_tensor(files, names, slice(tokens.no_id, tokens.no_id + 1)).float()
     head = ScoreHead(hidden_size, 1, token="last", pooler=False, bias=False)
     head.out.weight.data.copy_(yes - no)
     return head.eval().requires_grad_(False)

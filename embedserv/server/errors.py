@@ -7,7 +7,7 @@ import logging
 
 import grpc
 
-from embedserv.errors import EmbedservError, InvalidInput, ModelNotFound, NotReady, Overloaded, Unsupported
+from embedserv.errors import EmbedservError, InvalidInput, ModelNotFound, NotReady, Overloaded
 
 logger = logging.getLogger(__name__)
 
@@ -16,7 +16,6 @@ _CODES: dict[type[EmbedservError], grpc.StatusCode] = {
     ModelNotFound: grpc.StatusCode.NOT_FOUND,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NotReady: grpc.StatusCode.UNAVAILABLE,
-    Unsupported: grpc.StatusCode.UNIMPLEMENTED,
 }
 
 

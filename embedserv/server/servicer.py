@@ -9,8 +9,19 @@ import grpc
 
 from embedserv.config import ServerConfig
 from embedserv.engine.outputs import to_little_endian_bytes
-from embedserv.engine.types import ClassifyParams, EmbedParams, EmbedResult, ModelInfo, RerankParams, Task, Timing
-from embedserv.errors import InvalidInput, Unsupported
+from embedserv.engine.types import (
+    ClassifyParams,
+    EmbedParams,
+    EmbedResult,
+    GenerationDelta,
+    KvCacheUsage,
+    ModelInfo,
+    RerankParams,
+    SamplingParams,
+    Task,
+    Timing,
+)
+from embedserv.errors import InvalidInput
 from embedserv.server.errors import stream_errors, unary_errors
 from embedserv.server.registry import InflightLimiter, ServedModels
 from embedserv.v1 import embedserv_pb2 as pb
@@ -22,6 +33,12 @@ _TASKS = {
     Task.RERANK: pb.TASK_RERANK,
     Task.CLASSIFY: pb.TASK_CLASSIFY,
     Task.GENERATE: pb.TASK_GENERATE,
+}
+_FINISH_REASONS = {
+    "length": pb.FINISH_REASON_LENGTH,
+    "stop": pb.FINISH_REASON_STOP,
+    "eos": pb.FINISH_REASON_EOS,
+    "cancelled": pb.FINISH_REASON_CANCELLED,
 }
 # EmbedStream answers in order; this many requests of one stream may be in the engine at once.
 _STREAM_WINDOW = 16
@@ -68,7 +85,31 @@ def embed_response(result: EmbedResult, encoding: int, model: str, received: flo
     return pb.EmbedResponse(embeddings=embeddings, **call_summary(result.prompt_tokens, result.timing, model, received))
 
 
-def model_info(info: ModelInfo) -> pb.ModelInfo:
+def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
+    # proto3 cannot tell an unset top_p from 0: 0 means 1, as the proto says.
+    return SamplingParams(
+        max_tokens=request.max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p if request.top_p != 0 else 1.0,
+        top_k=request.top_k,
+        seed=request.seed if request.HasField("seed") else None,
+        stop=tuple(request.stop),
+        ignore_eos=request.ignore_eos,
+    )
+
+
+def generate_response(delta: GenerationDelta) -> pb.GenerateResponse:
+    if delta.finish_reason is None:
+        return pb.GenerateResponse(text=delta.text, token_ids=delta.token_ids)
+    return pb.GenerateResponse(
+        text=delta.text,
+        token_ids=delta.token_ids,
+        finish_reason=_FINISH_REASONS[delta.finish_reason],
+        usage=pb.Usage(prompt_tokens=delta.prompt_tokens, completion_tokens=delta.completion_tokens),
+    )
+
+
+def model_info(info: ModelInfo, kv_cache: KvCacheUsage | None = None) -> pb.ModelInfo:
     return pb.ModelInfo(
         name=info.name,
         tasks=[_TASKS[t] for t in info.tasks],
@@ -82,6 +123,12 @@ def model_info(info: ModelInfo) -> pb.ModelInfo:
         device=info.device,
         attention_backend=info.attention_backend,
         labels=list(info.labels),
+        kv_cache=pb.KvCache(
+            block_size=kv_cache.block_size,
+            total_blocks=kv_cache.total_blocks,
+            used_blocks=kv_cache.used_blocks,
+            preemptions=kv_cache.preemptions,
+        ) if kv_cache is not None else None,
     )
 
 
@@ -158,14 +205,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     @unary_errors
     async def ListModels(self, request, context):
-        return pb.ListModelsResponse(models=[model_info(e.info) for e in self.models.engines])
-
-    def _not_yet(self, rpc: str, model_name: str) -> Unsupported:
-        engine = self.models.get(model_name)
-        tasks = ", ".join(t.value for t in engine.info.tasks)
-        return Unsupported(
-            f"{rpc} is not implemented in this version of embedserv; model {engine.info.name!r} serves: {tasks}"
-        )
+        return pb.ListModelsResponse(models=[model_info(e.info, e.kv_cache_usage()) for e in self.models.engines])
 
     @unary_errors
     async def Rerank(self, request, context):
@@ -210,10 +250,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         summary = call_summary(result.prompt_tokens, result.timing, engine.info.name, received)
         return pb.ClassifyResponse(classifications=classifications, **summary)
 
-    @unary_errors
+    @stream_errors
     async def Generate(self, request, context):
-        # A coroutine may answer a server-streaming RPC; this one only ever aborts.
-        raise self._not_yet("Generate", request.model)
+        engine = self.models.get(request.model)
+        params = sampling_params(request)
+        with self.limiter.hold(1):
+            async for delta in engine.generate(request.prompt, params):
+                yield generate_response(delta)
 
 
 def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> str:

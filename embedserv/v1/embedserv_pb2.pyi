@@ -281,7 +281,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "tasks", "architecture", "attention", "pooling", "dimension", "max_input_tokens", "prompt_names", "dtype", "device", "attention_backend", "labels")
+    __slots__ = ("name", "tasks", "architecture", "attention", "pooling", "dimension", "max_input_tokens", "prompt_names", "dtype", "device", "attention_backend", "labels", "kv_cache")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -294,6 +294,7 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     name: str
     tasks: _containers.RepeatedScalarFieldContainer[Task]
     architecture: str
@@ -306,7 +307,20 @@ class ModelInfo(_message.Message):
     device: str
     attention_backend: str
     labels: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., architecture: _Optional[str] = ..., attention: _Optional[_Union[AttentionKind, str]] = ..., pooling: _Optional[str] = ..., dimension: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., prompt_names: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
+    kv_cache: KvCache
+    def __init__(self, name: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., architecture: _Optional[str] = ..., attention: _Optional[_Union[AttentionKind, str]] = ..., pooling: _Optional[str] = ..., dimension: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., prompt_names: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., kv_cache: _Optional[_Union[KvCache, _Mapping]] = ...) -> None: ...
+
+class KvCache(_message.Message):
+    __slots__ = ("block_size", "total_blocks", "used_blocks", "preemptions")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    total_blocks: int
+    used_blocks: int
+    preemptions: int
+    def __init__(self, block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

@@ -69,7 +69,7 @@ class InputBuilder:
             parts.append(seq_of_token)
         if has_types:
             parts.append(self._token_types([seqs[i] for i in order], num_tokens))
-        device_parts = self._to_device(parts)
+        device_parts = to_device(parts, self.device)
 
         input_ids, positions, cu_t, first, last, counts = device_parts[:6]
         rest = device_parts[6:]
@@ -101,9 +101,11 @@ class InputBuilder:
         )
         return np.fromiter(types, dtype=np.int64, count=num_tokens)
 
-    def _to_device(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
-        sizes = [len(p) for p in parts]
-        host = torch.from_numpy(np.concatenate(parts))
-        if self.device.type != "cpu":
-            host = host.pin_memory().to(self.device, non_blocking=True)
-        return list(host.split(sizes))
+
+def to_device(parts: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """int64 host arrays -> device tensors, through one (pinned, non-blocking) copy."""
+    sizes = [len(p) for p in parts]
+    host = torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
+    if device.type != "cpu":
+        host = host.pin_memory().to(device, non_blocking=True)
+    return list(host.split(sizes))

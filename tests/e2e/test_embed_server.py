@@ -261,10 +261,11 @@ def test_tasks_the_embedder_cannot_do(stub, pb):
         lambda: stub.Classify(pb.ClassifyRequest(inputs=["x"]), timeout=30), grpc.StatusCode.INVALID_ARGUMENT
     )
     assert "it serves: embed, rerank" in message
-    _expect_error(
+    message = _expect_error(
         lambda: list(stub.Generate(pb.GenerateRequest(prompt="hi", max_tokens=4), timeout=30)),
-        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.INVALID_ARGUMENT,
     )
+    assert "cannot serve Generate; it serves: embed, rerank" in message
 
 
 # --- metadata, streaming, health, reflection -------------------------------------------------------

@@ -273,6 +273,46 @@ def build_tiny_decoder(
     return out
 
 
+def save_random_decoder(tmp_dir, name, arch, seed, max_seq_length, model_class, **config_kwargs) -> Path:
+    """Save the copied tokenizer and a random decoder of model_class as a plain Hugging Face directory."""
+    import torch
+    from transformers import AutoTokenizer
+
+    out = Path(tmp_dir) / name
+    tokenizer = _bundled_tokenizer(max_seq_length)
+    config = _decoder_config(arch, len(tokenizer), **config_kwargs)
+    tokenizer.save_pretrained(str(out))
+    config.save_pretrained(str(out))
+    # The tokenizer class transformers forces for the model type may add tokens (Qwen2Tokenizer does).
+    config.vocab_size = max(config.vocab_size, len(AutoTokenizer.from_pretrained(str(out))))
+
+    torch.manual_seed(seed)
+    model = model_class.from_config(config, attn_implementation="eager").eval()
+    _perturb_constant_parameters(model, seed)
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def build_tiny_generator(
+    tmp_dir: Path | str, arch: str, seed: int = 0, tie_word_embeddings: bool = False, **config_overrides
+) -> Path:
+    """A random-weight causal LM as transformers saves one (no sentence-transformers files): it only generates.
+
+    The bundled WordPiece tokenizer comes along; qwen2 gets the Qwen2Tokenizer transformers forces on it,
+    which both the engine and the reference load through AutoTokenizer.
+    """
+    import hashlib
+
+    from transformers import AutoModelForCausalLM
+
+    options = (tie_word_embeddings, sorted(config_overrides.items()))
+    digest = hashlib.sha1(repr(options).encode()).hexdigest()[:10]
+    return save_random_decoder(
+        tmp_dir, f"tiny-{arch}-lm-s{seed}-{digest}", arch, seed, 512, AutoModelForCausalLM,
+        num_kv_heads=2, tie_word_embeddings=tie_word_embeddings, **config_overrides,
+    )
+
+
 def _write_classic_st_files(out: Path, pooling: str, dimension: int, max_seq_length: int) -> None:
     """Rewrite the module files the way all-MiniLM-L6-v2 and most published models lay them out."""
     modules = [

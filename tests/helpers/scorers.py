@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from tests.helpers.models import _bundled_tokenizer, _config, _decoder_config, _perturb_constant_parameters
+from tests.helpers.models import _bundled_tokenizer, _config, _perturb_constant_parameters, save_random_decoder
 
 CROSS_ENCODER_ARCHS = ("bert", "roberta", "xlm-roberta")
 CLASSIFIER_DECODER_ARCHS = ("llama", "qwen2", "qwen3")
@@ -108,26 +108,6 @@ def build_cross_encoder(
     return out
 
 
-def _save_decoder(tmp_dir, name, arch, seed, max_seq_length, model_class, **config_kwargs) -> Path:
-    """Save the copied tokenizer and a random decoder of model_class as a plain Hugging Face directory."""
-    import torch
-    from transformers import AutoTokenizer
-
-    out = Path(tmp_dir) / name
-    tokenizer = _bundled_tokenizer(max_seq_length)
-    config = _decoder_config(arch, len(tokenizer), **config_kwargs)
-    tokenizer.save_pretrained(str(out))
-    config.save_pretrained(str(out))
-    # The tokenizer class transformers forces for the model type may add tokens (Qwen2Tokenizer does).
-    config.vocab_size = max(config.vocab_size, len(AutoTokenizer.from_pretrained(str(out))))
-
-    torch.manual_seed(seed)
-    model = model_class.from_config(config, attn_implementation="eager").eval()
-    _perturb_constant_parameters(model, seed)
-    model.save_pretrained(str(out), safe_serialization=True)
-    return out
-
-
 def build_decoder_classifier(
     tmp_dir: Path | str,
     arch: str,
@@ -149,7 +129,7 @@ def build_decoder_classifier(
     digest = hashlib.sha1(repr(sorted(config_overrides.items())).encode()).hexdigest()[:10]
     name = f"tiny-{arch}-cls-s{seed}-n{num_labels}-L{max_seq_length}-p{pad_token_id}-{digest}"
     config_overrides.update(_label_maps(num_labels))
-    return _save_decoder(
+    return save_random_decoder(
         tmp_dir, name, arch, seed, max_seq_length, AutoModelForSequenceClassification,
         num_kv_heads=2, pad_token_id=pad_token_id, num_labels=num_labels, **config_overrides,
     )
@@ -173,7 +153,7 @@ def build_decoder_reranker(
     if "reranker" not in name.lower():
         raise ValueError(f"name must contain 'reranker', not {name!r}")
     dir_name = f"{name}-{arch}-s{seed}-L{max_seq_length}" + ("-tied" if tie_word_embeddings else "")
-    return _save_decoder(
+    return save_random_decoder(
         tmp_dir, dir_name, arch, seed, max_seq_length, AutoModelForCausalLM,
         num_kv_heads=2, tie_word_embeddings=tie_word_embeddings,
     )

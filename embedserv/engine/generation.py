@@ -84,6 +84,7 @@ class GenerationLoop:
             total_blocks=self.block_manager.num_blocks,
             used_blocks=self.block_manager.num_used_blocks,
             preemptions=self.scheduler.num_preemptions,
+            cached_prompt_tokens=self.scheduler.num_cached_tokens,
         )
 
     def start(self) -> None:

@@ -89,6 +89,8 @@ class KvCacheUsage:
     used_blocks: int
     # Requests preempted (and later recomputed) since start-up because blocks ran out.
     preemptions: int
+    # Prompt tokens whose KV came from the prefix cache instead of being computed, since start-up.
+    cached_prompt_tokens: int = 0
 
 
 @dataclass

@@ -89,6 +89,8 @@ class GenerationScheduler:
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
         self.num_preemptions = 0
+        # Tokens admitted requests did not compute because their prompt's blocks were cached.
+        self.num_cached_tokens = 0
         self._waiting: deque[GenerationRequest] = deque()
         # Admission order: the last one is the first to be preempted.
         self._running: list[GenerationRequest] = []
@@ -234,6 +236,7 @@ class GenerationScheduler:
             return 0
         block_manager.allocate(request.block_ids, num_cached + num_new)
         request.num_computed_tokens = num_cached
+        self.num_cached_tokens += num_cached
         request.status = RequestStatus.RUNNING
         return num_new
 

@@ -128,6 +128,7 @@ def model_info(info: ModelInfo, kv_cache: KvCacheUsage | None = None) -> pb.Mode
             total_blocks=kv_cache.total_blocks,
             used_blocks=kv_cache.used_blocks,
             preemptions=kv_cache.preemptions,
+            cached_prompt_tokens=kv_cache.cached_prompt_tokens,
         ) if kv_cache is not None else None,
     )
 

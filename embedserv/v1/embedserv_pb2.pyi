@@ -311,16 +311,18 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., architecture: _Optional[str] = ..., attention: _Optional[_Union[AttentionKind, str]] = ..., pooling: _Optional[str] = ..., dimension: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., prompt_names: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., kv_cache: _Optional[_Union[KvCache, _Mapping]] = ...) -> None: ...
 
 class KvCache(_message.Message):
-    __slots__ = ("block_size", "total_blocks", "used_blocks", "preemptions")
+    __slots__ = ("block_size", "total_blocks", "used_blocks", "preemptions", "cached_prompt_tokens")
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     total_blocks: int
     used_blocks: int
     preemptions: int
-    def __init__(self, block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., preemptions: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

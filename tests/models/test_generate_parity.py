@@ -99,3 +99,19 @@ def test_greedy_matches_with_tied_embeddings_and_backends(tiny_generator, engine
         if backend == "flex":
             pytest.importorskip("torch.nn.attention.flex_attention")
         _check_greedy(engine_for(model_dir, attention_backend=backend), prompts[:6], expected)
+
+
+def test_greedy_matches_when_prompts_share_a_cached_prefix(tiny_generator, engine_for, hf_generations):
+    """Prompts that start with the same 60 words reuse each other's cached blocks; outputs do not change."""
+    model_dir = tiny_generator("llama", seed=1)
+    shared = " ".join(" ".join(stdlib_texts(8, seed=9)).split()[:60])
+    prompts = [f"{shared} {tail}" for tail in ("alpha", "beta gamma", "delta epsilon zeta", "eta")]
+    expected = hf_generations(model_dir, prompts)
+    engine = engine_for(model_dir, enable_prefix_caching=True)
+    before = engine.kv_cache_usage().cached_prompt_tokens
+    _check_greedy(engine, prompts[:1], expected[:1])
+    _check_greedy(engine, prompts, expected)
+    assert engine.kv_cache_usage().cached_prompt_tokens - before >= 4 * 16, "the shared blocks should be reused"
+    uncached = engine_for(model_dir, enable_prefix_caching=False)
+    _check_greedy(uncached, prompts, expected)
+    assert uncached.kv_cache_usage().cached_prompt_tokens == 0

@@ -26,7 +26,9 @@ BUNDLED_MODEL_NAME = "all-MiniLM-L6-v2"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="embedserv", description="gRPC inference server for embedding, scoring and generation")
+    parser = argparse.ArgumentParser(
+        prog="embedserv", description="gRPC inference server for embedding, reranking, classification and generation"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve models over gRPC")
     serve.add_argument("--model", action="append", default=None, metavar="PATH",

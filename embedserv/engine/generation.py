@@ -109,14 +109,12 @@ class GenerationLoop:
             raise InvalidInput("prompt is empty; send the text to continue")
         check_sampling(params)
         loop = asyncio.get_running_loop()
-        token_ids = await loop.run_in_executor(self._tokenizer_pool, self.tokenizer.encode_prompt, prompt)
-        if not token_ids:
-            raise InvalidInput("the prompt has no tokens for this model's tokenizer; send some text")
+        token_ids, detokenizer = await loop.run_in_executor(self._tokenizer_pool, self._prepare, prompt, params)
         self._check_fits(len(token_ids), params.max_tokens)
         if not self.is_running:
             raise NotReady(f"model {self.name} is not running; retry shortly")
         request = GenerationRequest(next(self._ids), token_ids, params.max_tokens)
-        stream = _Stream(request, params, IncrementalDetokenizer(self.tokenizer.hf_tokenizer, token_ids, params.stop))
+        stream = _Stream(request, params, detokenizer)
         self._streams[request.request_id] = stream
         self.scheduler.add(request)
         self._wakeup.set()
@@ -131,6 +129,13 @@ class GenerationLoop:
         finally:
             # Also when the caller stops listening (client cancel, deadline): the blocks go back now.
             self._forget(stream)
+
+    def _prepare(self, prompt: str, params: SamplingParams) -> tuple[list[int], IncrementalDetokenizer]:
+        """The prompt's ids and the request's detokenizer (tokenizer thread: both decode the prompt)."""
+        token_ids = self.tokenizer.encode_prompt(prompt)
+        if not token_ids:
+            raise InvalidInput("the prompt has no tokens for this model's tokenizer; send some text")
+        return token_ids, IncrementalDetokenizer(self.tokenizer.hf_tokenizer, token_ids, params.stop)
 
     def _check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         total = prompt_tokens + max_tokens

@@ -65,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV cache block")
     serve.add_argument("--enable-prefix-caching", default=True, action=argparse.BooleanOptionalAction,
                        help="reuse the cached KV of full blocks that requests share at the start of their prompts")
+    serve.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                       help="worker processes per model, each with its own replica (CPU: they share the cores)")
+    serve.add_argument("--replicas-per-device", type=int, default=1, metavar="N",
+                       help="with --device cuda: how many replicas may share one GPU")
+    serve.add_argument("--pipeline-depth", type=int, default=2, metavar="N",
+                       help="batches in flight per worker (1: no overlap of preparing and running)")
+    serve.add_argument("--worker-timeout", type=float, default=120.0, metavar="SECONDS",
+                       help="kill and restart a worker whose batch runs longer than this")
     serve.add_argument("--tokenizer-threads", type=int, default=1, help="tokenizer threads per model")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return parser
@@ -98,6 +106,10 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             kv_cache_memory=parse_memory(args.kv_cache_memory) if args.kv_cache_memory else None,
             kv_block_size=args.kv_block_size,
             enable_prefix_caching=args.enable_prefix_caching,
+            data_parallel_size=args.data_parallel_size,
+            replicas_per_device=args.replicas_per_device,
+            pipeline_depth=args.pipeline_depth,
+            worker_timeout=args.worker_timeout,
         )
         for path, name in zip(paths, served_names(paths, args.served_model_name))
     )

@@ -77,6 +77,16 @@ class ModelConfig:
     kv_cache_memory: float | None = None
     kv_block_size: int = 16
     enable_prefix_caching: bool = True
+    # Worker processes, each with its own replica of the model (the server always runs at least one).
+    data_parallel_size: int = 1
+    # How many replicas may share one GPU: --device cuda spreads data_parallel_size replicas over
+    # ceil(data_parallel_size / replicas_per_device) GPUs. Ignored on CPU.
+    replicas_per_device: int = 1
+    # Batches in flight per worker: 2 lets a worker prepare the next batch while the current one runs;
+    # 1 makes it wait for the engine after each batch.
+    pipeline_depth: int = 2
+    # A worker whose batch runs longer than this many seconds is killed and restarted.
+    worker_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         if not self.served_name:
@@ -101,6 +111,15 @@ class ModelConfig:
             raise ConfigError(f"--kv-cache-memory must be above 0, not {self.kv_cache_memory}")
         if self.kv_block_size < 1:
             raise ConfigError(f"--kv-block-size must be at least 1, not {self.kv_block_size}")
+        for flag, value in (
+            ("--data-parallel-size", self.data_parallel_size),
+            ("--replicas-per-device", self.replicas_per_device),
+            ("--pipeline-depth", self.pipeline_depth),
+        ):
+            if value < 1:
+                raise ConfigError(f"{flag} must be at least 1, not {value}")
+        if not self.worker_timeout > 0:
+            raise ConfigError(f"--worker-timeout must be above 0 seconds, not {self.worker_timeout}")
 
     @property
     def batch_token_budget(self) -> int:

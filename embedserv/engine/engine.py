@@ -1,24 +1,28 @@
 """The asyncio engine of one served model.
 
-Calls tokenize in a thread pool, split into one scheduler request per input, and wait on futures. A
-single loop task asks the scheduler for the next batch and runs it on the model thread; the event loop
-stays free meanwhile, so new calls are tokenized and queued while the device works.
+Calls tokenize in a thread pool, split into one scheduler request per input, and wait on futures. The
+prefill loop hands the scheduler's batches to the model's workers; each worker also has a generation
+loop when the model generates. Workers are processes (the server: `--data-parallel-size` of them, each
+with its own replica), or one model thread in this process (Engine.load: library use and tests). The
+event loop stays free meanwhile, so new calls are tokenized and queued while the devices work.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator
+from contextlib import aclosing
+from dataclasses import replace
+from typing import AsyncIterator, Callable
 
 import numpy as np
+import torch
 
 from embedserv.config import ModelConfig
-from embedserv.engine.generation import GenerationLoop
-from embedserv.engine.loading import LoadedModel, load_model
+from embedserv.engine.generation import GenerationLoop, prepare_prompt
+from embedserv.engine.loading import ModelSpec, load_model, log_spec, read_model_spec
 from embedserv.engine.outputs import activate, cosine_to_first, finish_embeddings, rank
 from embedserv.engine.tokenizer import Encoded
 from embedserv.engine.types import (
@@ -37,14 +41,15 @@ from embedserv.engine.types import (
     Timing,
     TokenizedText,
 )
-from embedserv.errors import InvalidInput, NotReady
-from embedserv.scheduler.prefill_only import PrefillOnlyScheduler, PrefillRequest
+from embedserv.engine.prefill import PrefillLoop
+from embedserv.errors import ConfigError, InvalidInput, NotReady
+from embedserv.executor.base import Worker, WorkerStats
+from embedserv.executor.local_worker import LocalWorker
+from embedserv.executor.placement import available_cores, place_workers
+from embedserv.executor.process_worker import ProcessWorker
+from embedserv.scheduler.prefill_only import PrefillRequest
 
 logger = logging.getLogger(__name__)
-
-
-# Prompt length of the generation warm-up (one prefill, then a few decode steps).
-_GENERATION_WARM_UP_TOKENS = 64
 
 
 def _us(seconds: float) -> int:
@@ -53,90 +58,156 @@ def _us(seconds: float) -> int:
 
 class Engine:
     def __init__(
-        self, config: ModelConfig, loaded: LoadedModel, model_thread: ThreadPoolExecutor, tokenizer_threads: int = 1
+        self, config: ModelConfig, spec: ModelSpec, workers: list[Worker], tokenizer_threads: int = 1,
+        pipeline_depth: int = 1,
     ) -> None:
         self.config = config
-        self.info: ModelInfo = loaded.info
-        self.tokenizer = loaded.tokenizer
-        self.task = loaded.task
-        self._runner = loaded.runner
-        self._scheduler = PrefillOnlyScheduler(config.batch_token_budget, config.max_batch_requests)
-        self._futures: dict[int, asyncio.Future] = {}
-        self._ids = itertools.count()
+        self.info: ModelInfo = spec.info
+        self.tokenizer = spec.tokenizer
+        self.task = spec.task
+        self.workers = workers
+        for worker in workers:
+            worker.on_change = self._workers_changed
         self._tokenizer_pool = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix=f"tokenize-{self.info.name}")
-        self._model_thread = model_thread
-        self._wakeup: asyncio.Event | None = None
-        self._loop_task: asyncio.Task | None = None
-        self._generation: GenerationLoop | None = None
-        if loaded.generation is not None:
-            self._generation = GenerationLoop(
-                self.info.name, loaded.generation, self.tokenizer, model_thread, self._tokenizer_pool,
-                config.batch_token_budget, config.max_batch_requests, config.enable_prefix_caching,
-            )
+        name, budget, max_seqs = self.info.name, config.batch_token_budget, config.max_batch_requests
+        self._prefill: PrefillLoop | None = None
+        if spec.task.tasks != (Task.GENERATE,):
+            self._prefill = PrefillLoop(name, workers, budget, max_seqs, pipeline_depth)
+        self._generation: list[GenerationLoop] = []
+        if Task.GENERATE in spec.task.tasks:
+            self._generation = [
+                GenerationLoop(
+                    name, spec, worker, self._tokenizer_pool, config.kv_block_size, budget, max_seqs,
+                    config.enable_prefix_caching,
+                )
+                for worker in workers
+            ]
+        self._started = False
+        self._serving = False
+        self._serving_listeners: list[Callable[[bool], None]] = []
 
     @classmethod
     def load(cls, config: ModelConfig, tokenizer_threads: int = 1, warm_up: bool = True) -> Engine:
-        """Loads weights and tokenizer (blocking; call it off the event loop) and warms the model up.
+        """The model in this process on one model thread (blocking; call it off the event loop).
 
         Every torch call of a model runs on its one model thread, loading included: OpenMP keeps a thread
         team per calling thread, and a second team's idle spinning slows the first by 15-30% on 2 cores.
         """
+        if config.data_parallel_size != 1:
+            raise ConfigError("an in-process engine runs one replica; use worker processes for --data-parallel-size")
         model_thread = ThreadPoolExecutor(1, thread_name_prefix=f"model-{config.served_name}")
         try:
             loaded = model_thread.submit(load_model, config).result()
-            if warm_up and loaded.runner is not None:
-                model_thread.submit(
-                    loaded.runner.warm_up, loaded.info.max_input_tokens, config.batch_token_budget
-                ).result()
-            if warm_up and loaded.generation is not None:
-                model_thread.submit(loaded.generation.runner.warm_up, _GENERATION_WARM_UP_TOKENS).result()
+            if warm_up:
+                info = loaded.spec.info
+                model_thread.submit(loaded.replica.warm_up, info.max_input_tokens, config.batch_token_budget).result()
         except BaseException:
             model_thread.shutdown(wait=False)
             raise
-        return cls(config, loaded, model_thread, tokenizer_threads)
+        return cls(config, loaded.spec, [LocalWorker(loaded.replica, model_thread)], tokenizer_threads)
+
+    @classmethod
+    def with_worker_processes(cls, config: ModelConfig, tokenizer_threads: int = 1) -> Engine:
+        """`config.data_parallel_size` worker processes, started (and waited for) by start(). Blocking: reads
+        the model's config and tokenizer, and places the workers."""
+        spec = read_model_spec(config)
+        log_spec(spec, config)
+        num_gpus = torch.cuda.device_count() if config.device != "cpu" else 0
+        placements = place_workers(config, num_gpus, available_cores())
+        workers = [
+            ProcessWorker(index, replace(config, device=placement.device), placement)
+            for index, placement in enumerate(placements)
+        ]
+        return cls(config, spec, workers, tokenizer_threads, config.pipeline_depth)
 
     @property
     def is_running(self) -> bool:
-        return self._loop_task is not None and not self._loop_task.done()
+        """Started, not stopped, and no loop crashed (workers may be restarting)."""
+        prefill_ok = self._prefill is None or self._prefill.is_running
+        return self._started and prefill_ok and all(loop.is_running for loop in self._generation)
+
+    @property
+    def is_serving(self) -> bool:
+        """Running with at least one worker ready: what health reports for this model."""
+        return self.is_running and any(worker.ready for worker in self.workers)
+
+    def add_serving_listener(self, listener: Callable[[bool], None]) -> None:
+        """`listener(is_serving)` is called on the event loop whenever is_serving flips."""
+        self._serving_listeners.append(listener)
+
+    def worker_stats(self) -> list[WorkerStats]:
+        return [worker.stats() for worker in self.workers]
 
     async def start(self) -> None:
-        self._wakeup = asyncio.Event()
-        self._loop_task = asyncio.create_task(self._run(), name=f"engine-{self.info.name}")
-        self._loop_task.add_done_callback(self._on_loop_exit)
-        if self._generation is not None:
-            self._generation.start()
+        """Starts every worker and waits until all are ready; if one cannot start, stops the rest and raises."""
+        starts = [asyncio.create_task(worker.start()) for worker in self.workers]
+        done, pending = await asyncio.wait(starts, return_when=asyncio.FIRST_EXCEPTION)
+        failed = next((t.exception() for t in done if t.exception() is not None), None)
+        if failed is not None:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            await asyncio.gather(*(worker.stop() for worker in self.workers), return_exceptions=True)
+            self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+            raise failed
+        self._started = True
+        if self._prefill is not None:
+            self._prefill.start()
+        for loop in self._generation:
+            loop.start()
+        self._workers_changed()
 
-    def _on_loop_exit(self, task: asyncio.Task) -> None:
-        """A crashed loop must not leave callers waiting forever: fail what is pending."""
-        if task.cancelled() or task.exception() is None:
-            return
-        logger.error("engine loop of %s died", self.info.name, exc_info=task.exception())
-        self._fail_pending(NotReady(f"model {self.info.name} stopped after an internal error; retry later"))
-
-    def _fail_pending(self, error: Exception) -> None:
-        for future in self._futures.values():
-            if not future.done():
-                future.set_exception(error)
-        self._futures.clear()
+    def _workers_changed(self) -> None:
+        if self._prefill is not None:
+            self._prefill.workers_changed()
+        for loop in self._generation:
+            loop.workers_changed()
+        serving = self.is_serving
+        if serving != self._serving and self._started:
+            self._serving = serving
+            logger.log(
+                logging.INFO if serving else logging.ERROR, "%s: %s", self.info.name,
+                "serving" if serving else "no worker is running; NOT_SERVING until one is back",
+            )
+            for listener in self._serving_listeners:
+                listener(serving)
 
     async def stop(self) -> None:
-        if self._generation is not None:
-            await self._generation.stop()
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
-        self._fail_pending(NotReady(f"model {self.info.name} is shutting down; retry on another replica"))
+        self._started = False
+        for loop in self._generation:
+            await loop.stop()
+        if self._prefill is not None:
+            await self._prefill.stop()
+        await asyncio.gather(*(worker.stop() for worker in self.workers))
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
-        self._model_thread.shutdown(wait=True)
 
-    def generate(self, prompt: str, params: SamplingParams) -> AsyncIterator[GenerationDelta]:
-        """Streams the text the model appends to `prompt`; the last delta carries the finish reason."""
+    async def generate(self, prompt: str, params: SamplingParams) -> AsyncIterator[GenerationDelta]:
+        """Streams the text the model appends to `prompt`; the last delta carries the finish reason.
+
+        The tokenized request goes to the ready worker with the fewest streams and stays there (its KV)."""
         self._require(Task.GENERATE, "Generate")
-        return self._generation.generate(prompt, params)
+        token_ids, detokenizer = await prepare_prompt(self.tokenizer, self._tokenizer_pool, prompt, params)
+        ready = [loop for loop in self._generation if loop.is_accepting]
+        if not ready:
+            raise NotReady(f"no worker of model {self.info.name} is running (restarting); retry shortly")
+        loop = min(ready, key=lambda loop: loop.num_streams)
+        # Closed at once when the caller stops early, so the stream's KV blocks go back now, not at GC.
+        async with aclosing(loop.stream(token_ids, detokenizer, params)) as deltas:
+            async for delta in deltas:
+                yield delta
 
     def kv_cache_usage(self) -> KvCacheUsage | None:
-        """Blocks in use now (None for models that do not generate)."""
-        return self._generation.kv_cache_usage() if self._generation is not None else None
+        """Blocks in use now, summed over the workers (None for models that do not generate)."""
+        if not self._generation:
+            return None
+        usages = [loop.kv_cache_usage() for loop in self._generation]
+        return KvCacheUsage(
+            block_size=self.config.kv_block_size,
+            total_blocks=sum(u.total_blocks for u in usages),
+            used_blocks=sum(u.used_blocks for u in usages),
+            preemptions=sum(u.preemptions for u in usages),
+            cached_prompt_tokens=sum(u.cached_prompt_tokens for u in usages),
+        )
 
     async def embed(self, texts: list[str], params: EmbedParams) -> EmbedResult:
         received = time.perf_counter()
@@ -214,7 +285,7 @@ class Engine:
         """Runs every sequence through the scheduler; rows in input order, tokens run, and the call's timing."""
         tokenized = time.perf_counter()
         requests = [self._request(e) for e in encoded]
-        outputs = await self._run_requests(requests)
+        outputs = await self._prefill.run(requests)
         first_start = min(start for _, start, _ in outputs)
         last_end = max(end for _, _, end in outputs)
         timing = Timing(
@@ -233,7 +304,7 @@ class Engine:
             while end > 1 and ids[end - 1] == pad:
                 end -= 1
             ids, types = ids[:end], types[:end] if types is not None else None
-        return PrefillRequest(next(self._ids), ids, pool_start=encoded.pool_start, token_type_ids=types)
+        return self._prefill.new_request(ids, pool_start=encoded.pool_start, token_type_ids=types)
 
     async def tokenize(
         self, texts: list[str], add_special_tokens: bool, prompt_name: str | None
@@ -277,52 +348,3 @@ class Engine:
                 f"model {self.info.name!r} takes no instruction (only instruction-following rerankers do); "
                 "leave instruction empty"
             )
-
-    async def _run_requests(self, requests: list[PrefillRequest]) -> list[tuple]:
-        if not self.is_running:
-            raise NotReady(f"model {self.info.name} is not running; retry shortly")
-        loop = asyncio.get_running_loop()
-        futures = []
-        for request in requests:
-            future = loop.create_future()
-            self._futures[request.request_id] = future
-            self._scheduler.add(request)
-            futures.append(future)
-        self._wakeup.set()
-        try:
-            return await asyncio.gather(*futures)
-        except BaseException:
-            # The caller went away (or a batch failed): drop what has not run yet.
-            for request, future in zip(requests, futures):
-                request.cancelled = True
-                self._futures.pop(request.request_id, None)
-                future.cancel()
-            raise
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            batch = self._scheduler.schedule()
-            if batch is None:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            started = time.perf_counter()
-            try:
-                output = await loop.run_in_executor(self._model_thread, self._runner.execute, batch)
-            except Exception as exc:
-                logger.exception("batch of %d sequences failed on %s", batch.num_sequences, self.info.name)
-                for seq in batch.sequences:
-                    future = self._futures.pop(seq.request_id, None)
-                    if future is not None and not future.done():
-                        future.set_exception(RuntimeError(f"inference failed: {exc}"))
-                continue
-            finished = time.perf_counter()
-            logger.debug(
-                "%s: batch of %d sequences, %d tokens in %.1f ms",
-                self.info.name, batch.num_sequences, batch.num_tokens, (finished - started) * 1e3,
-            )
-            for request_id, row in zip(output.request_ids, output.rows):
-                future = self._futures.pop(request_id, None)
-                if future is not None and not future.done():
-                    future.set_result((row, started, finished))

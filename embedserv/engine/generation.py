@@ -1,10 +1,14 @@
-"""The generation side of an Engine: continuous batching over the paged KV cache, streamed text.
+"""The generation side of an Engine, one loop per worker: continuous batching over that worker's paged KV
+cache, streamed text.
 
 `generate()` checks the request, tokenizes the prompt and queues it with the GenerationScheduler; one
-loop task runs step after step on the model thread (shared with the model's prefill-only work), then
-turns the sampled tokens into text deltas in the tokenizer pool and decides who is done (max_tokens, a
-stop string, EOS). A stream that ends for any reason, the client's cancel or deadline included,
-returns its KV blocks before the next step is scheduled.
+loop task runs step after step on the worker (shared with the model's prefill-only work), then turns
+the sampled tokens into text deltas in the tokenizer pool and decides who is done (max_tokens, a stop
+string, EOS). A stream that ends for any reason, the client's cancel or deadline included, returns its
+KV blocks before the next step is scheduled.
+
+A stream lives in its worker's KV cache, so when that worker dies its streams fail with NotReady
+(UNAVAILABLE); the loop starts over with an empty cache once the replacement is ready.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from embedserv.engine.detokenizer import IncrementalDetokenizer
-from embedserv.engine.loading import GenerationParts
+from embedserv.engine.loading import ModelSpec
 from embedserv.engine.tokenizer import TextTokenizer
 from embedserv.engine.types import GenerationDelta, KvCacheUsage, SamplingParams
 from embedserv.errors import InvalidInput, NotReady
+from embedserv.executor.base import Worker, WorkerDied
 from embedserv.scheduler.block_manager import BlockManager
 from embedserv.scheduler.generation import GenerationBatch, GenerationRequest, GenerationScheduler
 
@@ -50,24 +55,49 @@ def check_sampling(params: SamplingParams) -> None:
         raise InvalidInput("stop strings must not be empty")
 
 
+async def prepare_prompt(
+    tokenizer: TextTokenizer, pool: ThreadPoolExecutor, prompt: str, params: SamplingParams
+) -> tuple[list[int], IncrementalDetokenizer]:
+    """Checks a Generate request; its prompt's ids and detokenizer, made in the tokenizer pool (both decode)."""
+    if not prompt:
+        raise InvalidInput("prompt is empty; send the text to continue")
+    check_sampling(params)
+
+    def prepare() -> tuple[list[int], IncrementalDetokenizer]:
+        token_ids = tokenizer.encode_prompt(prompt)
+        if not token_ids:
+            raise InvalidInput("the prompt has no tokens for this model's tokenizer; send some text")
+        return token_ids, IncrementalDetokenizer(tokenizer.hf_tokenizer, token_ids, params.stop)
+
+    return await asyncio.get_running_loop().run_in_executor(pool, prepare)
+
+
 class GenerationLoop:
     def __init__(
         self,
         name: str,
-        parts: GenerationParts,
-        tokenizer: TextTokenizer,
-        model_thread: ThreadPoolExecutor,
+        spec: ModelSpec,
+        worker: Worker,
         tokenizer_pool: ThreadPoolExecutor,
+        block_size: int,
         max_batch_tokens: int,
         max_num_seqs: int,
         enable_prefix_caching: bool,
     ) -> None:
         self.name = name
-        self.parts = parts
-        self.tokenizer = tokenizer
-        self.block_manager = BlockManager(parts.num_blocks, parts.block_size, enable_prefix_caching)
-        self.scheduler = GenerationScheduler(self.block_manager, max_batch_tokens, max_num_seqs)
-        self._model_thread = model_thread
+        self.eos_token_ids = spec.eos_token_ids
+        self.max_model_len = spec.max_model_len
+        self.worker = worker
+        self.block_size = block_size
+        self._budgets = (max_batch_tokens, max_num_seqs)
+        self._enable_prefix_caching = enable_prefix_caching
+        # Built for each worker process once it is ready (its KV cache size), see _reset.
+        self.block_manager: BlockManager | None = None
+        self.scheduler: GenerationScheduler | None = None
+        self._incarnation = 0
+        # Counters of the schedulers of earlier worker processes.
+        self._past_preemptions = 0
+        self._past_cached_tokens = 0
         self._tokenizer_pool = tokenizer_pool
         self._streams: dict[int, _Stream] = {}
         self._ids = itertools.count()
@@ -78,16 +108,42 @@ class GenerationLoop:
     def is_running(self) -> bool:
         return self._task is not None and not self._task.done()
 
+    @property
+    def is_accepting(self) -> bool:
+        """Running on a ready worker whose KV cache this loop's block manager tracks."""
+        return self.is_running and self.worker.ready and self._incarnation == self.worker.incarnation
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
     def kv_cache_usage(self) -> KvCacheUsage:
+        manager, scheduler = self.block_manager, self.scheduler
         return KvCacheUsage(
-            block_size=self.block_manager.block_size,
-            total_blocks=self.block_manager.num_blocks,
-            used_blocks=self.block_manager.num_used_blocks,
-            preemptions=self.scheduler.num_preemptions,
-            cached_prompt_tokens=self.scheduler.num_cached_tokens,
+            block_size=self.block_size,
+            total_blocks=manager.num_blocks if manager is not None else 0,
+            used_blocks=manager.num_used_blocks if manager is not None else 0,
+            preemptions=self._past_preemptions + (scheduler.num_preemptions if scheduler is not None else 0),
+            cached_prompt_tokens=self._past_cached_tokens + (scheduler.num_cached_tokens if scheduler else 0),
         )
 
+    def _reset(self) -> None:
+        """A new, empty KV cache: fresh block manager and scheduler sized to the worker's cache."""
+        self._fail_all(NotReady(f"worker {self.worker.index} of model {self.name} restarted; retry the call"))
+        if self.scheduler is not None:
+            self._past_preemptions += self.scheduler.num_preemptions
+            self._past_cached_tokens += self.scheduler.num_cached_tokens
+        self.block_manager = BlockManager(self.worker.num_kv_blocks, self.block_size, self._enable_prefix_caching)
+        self.scheduler = GenerationScheduler(self.block_manager, *self._budgets)
+        self._incarnation = self.worker.incarnation
+
+    def workers_changed(self) -> None:
+        """Wakes the loop so it notices a dead or replaced worker at once."""
+        self._wakeup.set()
+
     def start(self) -> None:
+        if self.worker.ready:
+            self._reset()
         self._task = asyncio.create_task(self._run(), name=f"generate-{self.name}")
         self._task.add_done_callback(self._on_exit)
 
@@ -101,18 +157,15 @@ class GenerationLoop:
         if task.cancelled() or task.exception() is None:
             return
         logger.error("generation loop of %s died", self.name, exc_info=task.exception())
-        for stream in list(self._streams.values()):
-            self._close(stream, NotReady(f"model {self.name} stopped after an internal error; retry later"))
+        self._fail_all(NotReady(f"model {self.name} stopped after an internal error; retry later"))
 
-    async def generate(self, prompt: str, params: SamplingParams) -> AsyncIterator[GenerationDelta]:
-        if not prompt:
-            raise InvalidInput("prompt is empty; send the text to continue")
-        check_sampling(params)
-        loop = asyncio.get_running_loop()
-        token_ids, detokenizer = await loop.run_in_executor(self._tokenizer_pool, self._prepare, prompt, params)
+    async def stream(
+        self, token_ids: list[int], detokenizer: IncrementalDetokenizer, params: SamplingParams
+    ) -> AsyncIterator[GenerationDelta]:
+        """Runs a tokenized prompt (see prepare_prompt) on this loop's worker; yields its deltas."""
+        if not self.is_accepting:
+            raise NotReady(f"worker {self.worker.index} of model {self.name} is not running; retry shortly")
         self._check_fits(len(token_ids), params.max_tokens)
-        if not self.is_running:
-            raise NotReady(f"model {self.name} is not running; retry shortly")
         request = GenerationRequest(next(self._ids), token_ids, params.max_tokens)
         stream = _Stream(request, params, detokenizer)
         self._streams[request.request_id] = stream
@@ -130,16 +183,9 @@ class GenerationLoop:
             # Also when the caller stops listening (client cancel, deadline): the blocks go back now.
             self._forget(stream)
 
-    def _prepare(self, prompt: str, params: SamplingParams) -> tuple[list[int], IncrementalDetokenizer]:
-        """The prompt's ids and the request's detokenizer (tokenizer thread: both decode the prompt)."""
-        token_ids = self.tokenizer.encode_prompt(prompt)
-        if not token_ids:
-            raise InvalidInput("the prompt has no tokens for this model's tokenizer; send some text")
-        return token_ids, IncrementalDetokenizer(self.tokenizer.hf_tokenizer, token_ids, params.stop)
-
     def _check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         total = prompt_tokens + max_tokens
-        limit = self.parts.max_model_len
+        limit = self.max_model_len
         if total > limit:
             raise InvalidInput(
                 f"the prompt's {prompt_tokens} tokens plus max_tokens {max_tokens} make {total}, more than the "
@@ -154,7 +200,8 @@ class GenerationLoop:
 
     def _forget(self, stream: _Stream) -> None:
         self._streams.pop(stream.request.request_id, None)
-        self.scheduler.finish(stream.request.request_id)
+        if self.scheduler is not None:
+            self.scheduler.finish(stream.request.request_id)
         stream.finished = True
 
     def _close(self, stream: _Stream, item) -> None:
@@ -172,6 +219,9 @@ class GenerationLoop:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            if self._incarnation != self.worker.incarnation or not self.worker.ready:
+                await self.worker.wait_ready()
+                self._reset()
             batch = self.scheduler.schedule()
             if batch is None:
                 self._wakeup.clear()
@@ -179,9 +229,11 @@ class GenerationLoop:
                 continue
             sampling = {c.request_id: self._streams[c.request_id].params for c in batch.chunks if c.samples}
             try:
-                sampled = await loop.run_in_executor(
-                    self._model_thread, self.parts.runner.execute, batch, sampling
-                )
+                sampled = await self.worker.run_generation(batch, sampling)
+            except WorkerDied as died:
+                logger.error("%s: %s; failing its %d streams", self.name, died, len(self._streams))
+                self._fail_all(NotReady(f"{died}; the generation cannot go on elsewhere, retry the call"))
+                continue
             except Exception as exc:
                 logger.exception("generation step of %d sequences failed on %s", batch.num_sequences, self.name)
                 self._fail(batch, exc)
@@ -197,6 +249,10 @@ class GenerationLoop:
                     self._close(stream, delta)
                 else:
                     stream.queue.put_nowait(delta)
+
+    def _fail_all(self, error: Exception) -> None:
+        for stream in list(self._streams.values()):
+            self._close(stream, error)
 
     def _fail(self, batch: GenerationBatch, exc: Exception) -> None:
         for chunk in batch.chunks:
@@ -216,7 +272,7 @@ class GenerationLoop:
 
     def _next_delta(self, stream: _Stream, token: int) -> GenerationDelta:
         request, params, detokenizer = stream.request, stream.params, stream.detokenizer
-        is_eos = token in self.parts.eos_token_ids and not params.ignore_eos
+        is_eos = token in self.eos_token_ids and not params.ignore_eos
         text = "" if is_eos else detokenizer.add(token)
         if detokenizer.stopped:
             reason = "stop"

@@ -7,6 +7,7 @@ import threading
 
 from embedserv.config import ModelConfig
 from embedserv.engine.engine import Engine
+from embedserv.executor.base import WorkerStats
 from embedserv.engine.types import (
     ClassifyParams,
     ClassifyResult,
@@ -22,12 +23,23 @@ from embedserv.engine.types import (
 
 
 class SyncEngine:
-    def __init__(self, config: ModelConfig, tokenizer_threads: int = 1, warm_up: bool = True) -> None:
-        self.engine = Engine.load(config, tokenizer_threads=tokenizer_threads, warm_up=warm_up)
+    def __init__(
+        self, config: ModelConfig, tokenizer_threads: int = 1, warm_up: bool = True, worker_processes: bool = False
+    ) -> None:
+        """The model runs in this process, or with `worker_processes` in config.data_parallel_size worker
+        processes, as the server runs it (worker processes always warm up)."""
+        if worker_processes:
+            self.engine = Engine.with_worker_processes(config, tokenizer_threads=tokenizer_threads)
+        else:
+            self.engine = Engine.load(config, tokenizer_threads=tokenizer_threads, warm_up=warm_up)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sync-engine-loop", daemon=True)
         self._thread.start()
-        self._call(self.engine.start())
+        try:
+            self._call(self.engine.start())
+        except BaseException:
+            self._stop_loop()
+            raise
 
     @property
     def info(self) -> ModelInfo:
@@ -88,12 +100,18 @@ class SyncEngine:
     def kv_cache_usage(self) -> KvCacheUsage | None:
         return self.engine.kv_cache_usage()
 
+    def worker_stats(self) -> list[WorkerStats]:
+        return self.engine.worker_stats()
+
     def close(self) -> None:
         if self._thread.is_alive():
             self._call(self.engine.stop())
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
 
     def __enter__(self) -> SyncEngine:
         return self

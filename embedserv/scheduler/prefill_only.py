@@ -17,6 +17,8 @@ class PrefillRequest:
     pool_start: int = 0
     token_type_ids: list[int] | None = None
     cancelled: bool = field(default=False, compare=False)
+    # Batches this sequence was on whose worker died before answering.
+    attempts: int = field(default=0, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -38,6 +40,10 @@ class PrefillOnlyScheduler:
 
     def add(self, request: PrefillRequest) -> None:
         self._waiting.append(request)
+
+    def requeue(self, requests: list[PrefillRequest]) -> None:
+        """Puts sequences back at the front, in their order (their worker died under them)."""
+        self._waiting.extendleft(reversed(requests))
 
     @property
     def num_waiting(self) -> int:

@@ -44,10 +44,28 @@ class EmbedServer:
             self.server,
         )
         self.port: int | None = None
+        self._started = False
+        self._stopping = False
+        self._health_updates: set[asyncio.Task] = set()
 
     async def _set_health(self, status) -> None:
         for name in ("", *self.models.names):
             await self.health.set(name, status)
+
+    def _on_serving_change(self, serving: bool) -> None:
+        task = asyncio.create_task(self._update_health())
+        self._health_updates.add(task)
+        task.add_done_callback(self._health_updates.discard)
+
+    async def _update_health(self) -> None:
+        """A model is SERVING while one of its workers is; the server ("") once started and all models are."""
+        if self._stopping:
+            return
+        engines = self.models.engines
+        for engine in engines:
+            await self.health.set(engine.info.name, _SERVING if engine.is_serving else _NOT_SERVING)
+        everyone = self._started and all(engine.is_serving for engine in engines)
+        await self.health.set("", _SERVING if everyone else _NOT_SERVING)
 
     async def start(self) -> None:
         await self._set_health(_NOT_SERVING)
@@ -61,15 +79,18 @@ class EmbedServer:
         loop = asyncio.get_running_loop()
         for model_config in self.config.models:
             engine = await loop.run_in_executor(
-                None, lambda c=model_config: Engine.load(c, tokenizer_threads=self.config.tokenizer_threads)
+                None, Engine.with_worker_processes, model_config, self.config.tokenizer_threads
             )
             await engine.start()
             self.models.add(engine)
-            await self.health.set(engine.info.name, _SERVING)
-        await self.health.set("", _SERVING)
+            engine.add_serving_listener(self._on_serving_change)
+            await self._update_health()
+        self._started = True
+        await self._update_health()
         logger.info("serving %s", ", ".join(self.models.names))
 
     async def stop(self, grace: float = 5.0) -> None:
+        self._stopping = True
         await self._set_health(_NOT_SERVING)
         await self.server.stop(grace)
         for engine in self.models.engines:

@@ -11,7 +11,7 @@ from torch import nn
 from embedserv.attention.backends.base import AttentionBackend
 from embedserv.forward_context import ForwardContext, set_forward_context
 from embedserv.scheduler.outputs import ScheduledSequence, SchedulerOutput
-from embedserv.worker.input_builder import InputBuilder
+from embedserv.worker.input_builder import InputBuilder, ModelInputs
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,12 @@ class ModelRunnerOutput:
     request_ids: tuple[int, ...]
     # [num_seqs, dim] float32: pooled embeddings, or logits of a score head.
     rows: np.ndarray
+
+
+@dataclass(frozen=True)
+class PreparedBatch:
+    request_ids: tuple[int, ...]
+    inputs: ModelInputs
 
 
 class PrefillModelRunner:
@@ -44,15 +50,23 @@ class PrefillModelRunner:
         self.device = device
         self.input_builder = InputBuilder(device, model.position_offset, is_causal)
 
-    @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
-        inputs = self.input_builder.build(batch)
+        return self.run(self.prepare(batch))
+
+    @torch.inference_mode()
+    def prepare(self, batch: SchedulerOutput) -> PreparedBatch:
+        """The batch's inputs on the device. A worker calls this for batch k+1 while batch k runs."""
+        return PreparedBatch(tuple(s.request_id for s in batch.sequences), self.input_builder.build(batch))
+
+    @torch.inference_mode()
+    def run(self, prepared: PreparedBatch) -> ModelRunnerOutput:
+        inputs = prepared.inputs
         context = ForwardContext(attn_metadata=self.backend.build_metadata(inputs.attention), attn_backend=self.backend)
         with set_forward_context(context):
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.token_type_ids)
         rows = self.head(hidden, inputs.pooling)
         # The one device-to-host copy of the step.
-        return ModelRunnerOutput(request_ids=tuple(s.request_id for s in batch.sequences), rows=rows.cpu().numpy())
+        return ModelRunnerOutput(request_ids=prepared.request_ids, rows=rows.cpu().numpy())
 
     def warm_up(self, max_tokens: int, max_batch_tokens: int) -> None:
         """Runs one batch per power-of-two size up to the token budget, so first requests pay no one-time

@@ -17,8 +17,11 @@ def texts() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def engine_for():
-    """Factory: engine_for(model_dir, **ModelConfig kwargs) -> a started SyncEngine, shared in the module."""
+def engine_for(request):
+    """Factory: engine_for(model_dir, **ModelConfig kwargs) -> a started SyncEngine, shared in the module.
+
+    In this process, or with `--data-parallel-size N` in N worker processes as the server runs models."""
+    data_parallel_size = request.config.getoption("--data-parallel-size")
     from embedserv.config import ModelConfig
     from embedserv.engine.sync import SyncEngine
 
@@ -28,10 +31,12 @@ def engine_for():
         def get(model_dir: Path, attention_backend: str = "sdpa", dtype: str = "float32", **kwargs):
             key = (str(model_dir), attention_backend, dtype, tuple(sorted(kwargs.items())))
             if key not in engines:
+                if data_parallel_size:
+                    kwargs["data_parallel_size"] = data_parallel_size
                 config = ModelConfig(
                     path=str(model_dir), served_name="m", attention_backend=attention_backend, dtype=dtype, **kwargs
                 )
-                engines[key] = stack.enter_context(SyncEngine(config))
+                engines[key] = stack.enter_context(SyncEngine(config, worker_processes=data_parallel_size > 0))
             return engines[key]
 
         yield get

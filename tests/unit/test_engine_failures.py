@@ -17,7 +17,7 @@ def engine(bundled_dir):
 
 
 def test_failed_batch_fails_its_calls_and_the_engine_goes_on(engine):
-    runner = engine.engine._runner
+    runner = engine.engine.workers[0].replica.prefill
     execute = runner.execute
 
     def broken(batch):
@@ -34,7 +34,7 @@ def test_crashed_loop_fails_pending_calls_instead_of_hanging(engine):
     def broken():
         raise RuntimeError("scheduler bug")
 
-    engine.engine._scheduler.schedule = broken
+    engine.engine._prefill.scheduler.schedule = broken
     with pytest.raises(NotReady, match="stopped after an internal error"):
         engine.embed(["hello"], EmbedParams())
     # Later calls are refused at once (UNAVAILABLE), not queued forever.

@@ -1,0 +1,1 @@
+"""Worker processes, their IPC and data parallelism."""

@@ -1,0 +1,61 @@
+"""What the engine sees of a worker, wherever it runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Protocol
+
+from embedserv.engine.types import SamplingParams
+from embedserv.scheduler.generation import GenerationBatch
+from embedserv.scheduler.outputs import SchedulerOutput
+from embedserv.worker.model_runner import ModelRunnerOutput
+
+
+class WorkerDied(Exception):
+    """The worker process ended (exit, signal, or the watchdog) before the batch's result came back.
+
+    `sent` tells whether the batch reached the worker: one that never did has not been tried.
+    """
+
+    def __init__(self, message: str, sent: bool) -> None:
+        super().__init__(message)
+        self.sent = sent
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    index: int
+    pid: int
+    ready: bool
+    # Times this worker's process was replaced after dying.
+    restarts: int
+    batches: int
+    # Seconds the worker spent running batches (its current process; restarts begin again at 0).
+    busy_seconds: float
+
+
+class Worker(Protocol):
+    index: int
+    # Blocks in this worker's KV cache (0 for a model that does not generate); set once ready.
+    num_kv_blocks: int
+    # Bumped each time a new process takes over, so state tied to the old one (KV blocks) is dropped.
+    incarnation: int
+    # Called with no arguments whenever `ready` may have changed; set by the engine.
+    on_change: Callable[[], None]
+
+    @property
+    def ready(self) -> bool: ...
+
+    def stats(self) -> WorkerStats: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def wait_ready(self) -> None: ...
+
+    async def run_prefill(self, batch: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    async def run_generation(
+        self, batch: GenerationBatch, sampling: Mapping[int, SamplingParams]
+    ) -> dict[int, int]: ...

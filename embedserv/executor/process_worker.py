@@ -1,0 +1,230 @@
+"""One worker process seen from the engine: start it, send it batches, notice its death, replace it.
+
+Each process gets fresh zmq sockets (ipc, in a private temp directory): a PUSH inbox for batches and a
+PULL outbox for results. A message meant for a dead process can never reach its successor.
+
+A supervisor task polls the process. When it exits, is killed, or runs one batch past the watchdog limit
+(and is then killed), every batch on it fails with WorkerDied and a new process is started, after a pause
+that doubles while new processes die before becoming ready (0.5 s up to 30 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable, Mapping
+
+import zmq
+import zmq.asyncio
+
+from embedserv.config import ModelConfig
+from embedserv.engine.types import SamplingParams
+from embedserv.errors import ConfigError, NotReady
+from embedserv.executor import messages
+from embedserv.executor.base import WorkerDied, WorkerStats
+from embedserv.executor.placement import Placement
+from embedserv.executor.worker import WorkerArgs
+from embedserv.scheduler.generation import GenerationBatch
+from embedserv.scheduler.outputs import SchedulerOutput
+from embedserv.worker.model_runner import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.1
+_STOP_GRACE_S = 5.0
+_MAX_RESTART_DELAY_S = 30.0
+
+
+class ProcessWorker:
+    def __init__(self, index: int, config: ModelConfig, placement: Placement) -> None:
+        self.index = index
+        self.name = f"{config.served_name}/{index}"
+        self.config = config
+        self.placement = placement
+        self.num_kv_blocks = 0
+        self.incarnation = 0
+        self.restarts = 0
+        # Called with no arguments whenever `ready` may have changed (the engine sets it).
+        self.on_change: Callable[[], None] = lambda: None
+        self._context = zmq.asyncio.Context()
+        self._socket_dir = tempfile.mkdtemp(prefix="embedserv-")
+        self._proc: subprocess.Popen | None = None
+        self._inbox: zmq.asyncio.Socket | None = None
+        self._receiver: asyncio.Task | None = None
+        self._supervisor: asyncio.Task | None = None
+        self._ready = asyncio.Event()
+        self._failure: str | None = None
+        self._pending: dict[int, asyncio.Future] = {}
+        self._batch_ids = itertools.count()
+        self._last_progress = time.monotonic()
+        self._batches = 0
+        self._busy_seconds = 0.0
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid if self._proc is not None else 0
+
+    def stats(self) -> WorkerStats:
+        return WorkerStats(self.index, self.pid, self.ready, self.restarts, self._batches, self._busy_seconds)
+
+    async def wait_ready(self) -> None:
+        await self._ready.wait()
+
+    async def start(self) -> None:
+        """Starts the first process and returns once it is ready; one that cannot load raises ConfigError."""
+        self._launch()
+        while not self.ready:
+            if self._proc.poll() is not None:
+                await self._reap()
+                reason = self._failure or f"exit code {self._proc.returncode}"
+                raise ConfigError(f"worker {self.name} could not start: {reason}")
+            await asyncio.sleep(_POLL_S)
+        self._supervisor = asyncio.create_task(self._supervise(), name=f"supervise-{self.name}")
+
+    async def stop(self) -> None:
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            await asyncio.gather(self._supervisor, return_exceptions=True)
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            if not await self._wait_exit(_STOP_GRACE_S):
+                self._proc.kill()
+                await self._wait_exit(_STOP_GRACE_S)
+        await self._reap(NotReady(f"worker {self.name} is shutting down; retry on another replica"))
+        self._context.term()
+        shutil.rmtree(self._socket_dir, ignore_errors=True)
+
+    async def run_prefill(self, batch: SchedulerOutput) -> ModelRunnerOutput:
+        return await self._submit(messages.encode_prefill, batch)
+
+    async def run_generation(self, batch: GenerationBatch, sampling: Mapping[int, SamplingParams]) -> dict[int, int]:
+        return await self._submit(messages.encode_generation, batch, sampling)
+
+    async def _submit(self, encode, *args):
+        if not self.ready:
+            raise WorkerDied(f"worker {self.name} is restarting", sent=False)
+        batch_id = next(self._batch_ids)
+        future = asyncio.get_running_loop().create_future()
+        if not self._pending:
+            self._last_progress = time.monotonic()
+        self._pending[batch_id] = future
+        try:
+            await self._inbox.send_multipart(encode(batch_id, *args), copy=False)
+            message = await future
+        finally:
+            self._pending.pop(batch_id, None)
+        if message.kind == messages.ERROR:
+            raise RuntimeError(message.payload)
+        return message.payload
+
+    def _launch(self) -> None:
+        self.incarnation += 1
+        base = f"ipc://{self._socket_dir}/{self.incarnation}"
+        self._inbox = self._context.socket(zmq.PUSH)
+        self._inbox.bind(f"{base}-in")
+        outbox = self._context.socket(zmq.PULL)
+        outbox.bind(f"{base}-out")
+        args = WorkerArgs(
+            config=self.config,
+            placement=self.placement,
+            name=self.name,
+            inbox=f"{base}-in",
+            outbox=f"{base}-out",
+            parent_pid=os.getpid(),
+            log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+        )
+        threads = str(self.placement.threads)
+        env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false")
+        # Its own session: a terminal's Ctrl-C reaches only the server, which then stops the workers in order.
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "embedserv.executor.worker", args.to_json()], env=env, start_new_session=True
+        )
+        self._failure = None
+        self._receiver = asyncio.create_task(self._receive(outbox), name=f"receive-{self.name}")
+        logger.info("started worker %s (pid %d) on %s", self.name, self._proc.pid, self.placement.device)
+
+    async def _receive(self, outbox: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                message = messages.decode(await outbox.recv_multipart(copy=False))
+                if message.kind == messages.READY:
+                    self.num_kv_blocks = message.num_kv_blocks
+                    self._ready.set()
+                    self.on_change()
+                    continue
+                if message.kind == messages.FAILED:
+                    self._failure = message.payload
+                    continue
+                self._batches += 1
+                self._busy_seconds = message.busy_seconds
+                self._last_progress = time.monotonic()
+                future = self._pending.get(message.batch_id)
+                if future is not None and not future.done():
+                    future.set_result(message)
+        finally:
+            outbox.close(linger=0)
+
+    async def _supervise(self) -> None:
+        failures = 0
+        while True:
+            await self._watch()
+            was_ready = self.ready
+            code = self._proc.returncode
+            await self._reap()
+            failures = 0 if was_ready else failures + 1
+            delay = min(_MAX_RESTART_DELAY_S, 0.5 * 2**failures)
+            logger.error(
+                "worker %s (pid %d) died (exit code %s%s); starting a new one in %.1f s",
+                self.name, self._proc.pid, code, f": {self._failure}" if self._failure else "", delay,
+            )
+            await asyncio.sleep(delay)
+            self.restarts += 1
+            self._batches = 0
+            self._busy_seconds = 0.0
+            self._launch()
+
+    async def _watch(self) -> None:
+        """Returns once the process has exited; kills it first if a batch has run past the watchdog limit."""
+        while self._proc.poll() is None:
+            stalled = time.monotonic() - self._last_progress
+            if self._pending and stalled > self.config.worker_timeout:
+                logger.error(
+                    "worker %s (pid %d) made no progress for %.0f s (--worker-timeout); killing it",
+                    self.name, self._proc.pid, stalled,
+                )
+                self._proc.kill()
+            await asyncio.sleep(_POLL_S)
+
+    async def _reap(self, error: Exception | None = None) -> None:
+        """After the process has gone: not ready, its batches failed, its sockets closed."""
+        self._ready.clear()
+        self.on_change()
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(error or WorkerDied(f"worker {self.name} died while running the batch", True))
+        self._pending.clear()
+        if self._receiver is not None:
+            self._receiver.cancel()
+            await asyncio.gather(self._receiver, return_exceptions=True)
+        if self._inbox is not None:
+            self._inbox.close(linger=0)
+            self._inbox = None
+
+    async def _wait_exit(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self._proc.poll() is None:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True

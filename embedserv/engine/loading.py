@@ -270,7 +270,7 @@ def log_spec(spec: ModelSpec, config: ModelConfig) -> None:
     elif task.labels:
         what += f" ({len(task.labels)} labels{', multi-label' if task.multi_label else ''})"
     logger.info(
-        "loaded %s from %s: %s for %s, %s attention (%s) via %s, %s pooling, dim %d, max %d tokens, %s on %s",
+        "model %s at %s: %s for %s, %s attention (%s) via %s, %s pooling, dim %d, max %d tokens, %s on %s",
         info.name, spec.model_dir, info.architecture, what, "causal" if info.is_causal else "bidirectional",
         "from --attention" if config.attention else "from the model config", info.attention_backend,
         info.pooling, info.dimension, info.max_input_tokens, info.dtype, info.device,

@@ -8,6 +8,8 @@ once (ListModels' kv_cache); bad input is INVALID_ARGUMENT with a message.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 import grpc
@@ -16,6 +18,7 @@ import torch
 
 from tests.helpers.client import RPC_TIMEOUT_S, inference_stub
 from tests.helpers.models import build_tiny_generator
+from tests.helpers.processes import cmdline, wait_for, worker_pids
 from tests.helpers.server import running_server
 
 GEN, EMBEDDER = "tiny-llama", "minilm"
@@ -58,12 +61,18 @@ def generator_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(generator_dir, bundled_dir):
+def served(generator_dir, bundled_dir):
+    """(stub, server process)."""
     args = ["--dtype", "float32", "--model", str(generator_dir[0]), "--served-model-name", GEN,
             "--model", str(bundled_dir), "--served-model-name", EMBEDDER]
-    with running_server(args) as (target, _):
+    with running_server(args) as (target, proc):
         with grpc.insecure_channel(target) as channel:
-            yield inference_stub(channel)
+            yield inference_stub(channel), proc
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served[0]
 
 
 def _generate(stub, **fields):
@@ -196,3 +205,36 @@ def test_unknown_model_is_not_found(server):
     with pytest.raises(grpc.RpcError) as err:
         list(server.Generate(pb.GenerateRequest(model="nope", prompt=PROMPT, max_tokens=5), timeout=RPC_TIMEOUT_S))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def _generator_worker(server_pid: int) -> int | None:
+    found = [p for p in worker_pids(server_pid) if f'"name": "{GEN}/0"' in " ".join(cmdline(p))]
+    return found[0] if found else None
+
+
+def test_a_stream_whose_worker_dies_ends_unavailable_and_the_model_comes_back(served, generator_dir):
+    """Runs last: it kills the generator's worker. The stream fails UNAVAILABLE (its KV cache is gone), a
+    new worker replaces the old one, and Generate then answers as before."""
+    stub, proc = served
+    pb = _pb()
+    victim = _generator_worker(proc.pid)
+    assert victim is not None
+    request = pb.GenerateRequest(model=GEN, prompt=PROMPT, max_tokens=480, ignore_eos=True)
+    stream = stub.Generate(request, timeout=RPC_TIMEOUT_S)
+    next(stream)
+    os.kill(victim, signal.SIGKILL)
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in stream:
+            pass
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+    wait_for(lambda: _generator_worker(proc.pid) not in (None, victim), 30, what="a replacement worker")
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            responses = _generate(stub, max_tokens=6, ignore_eos=True)
+            break
+        except grpc.RpcError as again:
+            # UNAVAILABLE until the replacement has loaded the model.
+            assert again.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, again.details()
+            time.sleep(0.2)
+    assert _ids(responses) == generator_dir[2][:6]

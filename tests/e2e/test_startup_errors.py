@@ -58,3 +58,20 @@ def test_missing_model_directory():
     result = _serve("--port", str(free_port()), "--model", "/nonexistent/model")
     assert result.returncode == 2
     assert "no config.json" in result.stderr
+
+
+def test_weights_a_worker_cannot_load_stop_the_server_with_the_reason(bundled_dir, tmp_path):
+    """The weights load only in the worker processes: the worker reports why it failed, the server exits 2."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model_dir = tmp_path / "broken"
+    shutil.copytree(bundled_dir, model_dir)
+    weights = load_file(str(bundled_dir / "model.safetensors"))
+    missing = next(name for name in weights if name.endswith("attention.self.query.weight"))
+    del weights[missing]
+    save_file(weights, str(model_dir / "model.safetensors"))
+    result = _serve("--port", str(free_port()), "--model", str(model_dir), "--data-parallel-size", "2")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "could not start" in result.stderr and str(model_dir) in result.stderr, result.stderr[-2000:]

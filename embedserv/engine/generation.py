@@ -138,8 +138,15 @@ class GenerationLoop:
         self._incarnation = self.worker.incarnation
 
     def workers_changed(self) -> None:
-        """Wakes the loop so it notices a dead or replaced worker at once."""
+        """A dead worker's streams fail at once, even between steps; the loop wakes to wait for its successor."""
+        if not self.worker.ready:
+            self._fail_all(self._worker_gone())
         self._wakeup.set()
+
+    def _worker_gone(self) -> NotReady:
+        return NotReady(
+            f"worker {self.worker.index} of model {self.name} stopped; its streams cannot resume, retry the call"
+        )
 
     def start(self) -> None:
         if self.worker.ready:
@@ -220,6 +227,7 @@ class GenerationLoop:
         loop = asyncio.get_running_loop()
         while True:
             if self._incarnation != self.worker.incarnation or not self.worker.ready:
+                self._fail_all(self._worker_gone())
                 await self.worker.wait_ready()
                 self._reset()
             batch = self.scheduler.schedule()

@@ -171,7 +171,8 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
         pooling = config.pooling or st.pooling or DEFAULT_POOLING
         dimension = st.dense[-1].out_features if st.dense else hf_config.hidden_size
     elif task.tasks != (Task.GENERATE,):
-        pooling = "lasttoken" if task.template is not None or architecture_of(hf_config) in DECODER_CLASSIFIERS else "cls"
+        reads_last = task.template is not None or architecture_of(hf_config) in DECODER_CLASSIFIERS
+        pooling = "lasttoken" if reads_last else "cls"
     info = ModelInfo(
         name=config.served_name,
         tasks=task.tasks,

@@ -97,7 +97,8 @@ class PrefillLoop:
         self._fail_all(NotReady(f"model {self.name} stopped after an internal error; retry later"))
 
     def _fail_all(self, error: Exception) -> None:
-        for _, future in self._waiting.values():
+        for request, future in self._waiting.values():
+            request.cancelled = True
             if not future.done():
                 future.set_exception(error)
         self._waiting.clear()

@@ -60,10 +60,15 @@ class PrefillLoop:
         self._fail_all(NotReady(f"model {self.name} is shutting down; retry on another replica"))
 
     def workers_changed(self) -> None:
-        """A worker became ready or died: wake the dispatcher; with none alive, fail what waits."""
+        """A worker became ready or died: wake the dispatcher; with none alive, fail what is queued (what is
+        on a worker ends with its batch)."""
         self._changed.set()
         if not any(worker.ready for worker in self.workers):
-            self._fail_all(NotReady(f"no worker of model {self.name} is running (restarting); retry shortly"))
+            error = NotReady(f"no worker of model {self.name} is running (restarting); retry shortly")
+            for request in self.scheduler.drain():
+                _, future = self._waiting.pop(request.request_id, (None, None))
+                if future is not None and not future.done():
+                    future.set_exception(error)
 
     async def run(self, requests: list[PrefillRequest]) -> list[tuple]:
         """(row, started, finished) per request, in order."""

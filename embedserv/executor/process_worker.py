@@ -86,6 +86,7 @@ class ProcessWorker:
         self._launch()
         while not self.ready:
             if self._proc.poll() is not None:
+                await self._read_failure()
                 await self._reap()
                 reason = self._failure or f"exit code {self._proc.returncode}"
                 raise ConfigError(f"worker {self.name} could not start: {reason}")
@@ -102,7 +103,7 @@ class ProcessWorker:
                 self._proc.kill()
                 await self._wait_exit(_STOP_GRACE_S)
         await self._reap(NotReady(f"worker {self.name} is shutting down; retry on another replica"))
-        self._context.term()
+        self._context.destroy(linger=0)
         shutil.rmtree(self._socket_dir, ignore_errors=True)
 
     async def run_prefill(self, batch: SchedulerOutput) -> ModelRunnerOutput:
@@ -175,12 +176,21 @@ class ProcessWorker:
         finally:
             outbox.close(linger=0)
 
+    async def _read_failure(self) -> None:
+        """Gives the receiver a moment to read the reason a process that just exited sent before it went."""
+        for _ in range(20):
+            if self._failure is not None:
+                return
+            await asyncio.sleep(0.05)
+
     async def _supervise(self) -> None:
         failures = 0
         while True:
             await self._watch()
             was_ready = self.ready
             code = self._proc.returncode
+            if not was_ready:
+                await self._read_failure()
             await self._reap()
             failures = 0 if was_ready else failures + 1
             delay = min(_MAX_RESTART_DELAY_S, 0.5 * 2**failures)

@@ -87,6 +87,15 @@ def _load(args: WorkerArgs):
 
 def _receive(replica, inbox: zmq.Socket, prepared: queue.Queue) -> None:
     """Receiver thread: decode each message and pack a prefill batch's inputs ahead of its turn."""
+    try:
+        _receive_forever(replica, inbox, prepared)
+    except BaseException:
+        # The main thread would wait forever for work: exit, so the engine replaces this worker now.
+        logger.exception("the receiver thread failed")
+        os._exit(1)
+
+
+def _receive_forever(replica, inbox: zmq.Socket, prepared: queue.Queue) -> None:
     while True:
         message = messages.decode(inbox.recv_multipart(copy=False))
         if message.kind == messages.STOP:

@@ -45,6 +45,12 @@ class PrefillOnlyScheduler:
         """Puts sequences back at the front, in their order (their worker died under them)."""
         self._waiting.extendleft(reversed(requests))
 
+    def drain(self) -> list[PrefillRequest]:
+        """Removes and returns every waiting sequence."""
+        waiting = list(self._waiting)
+        self._waiting.clear()
+        return waiting
+
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)

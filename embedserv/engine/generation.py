@@ -128,8 +128,8 @@ class GenerationLoop:
         )
 
     def _reset(self) -> None:
-        """A new, empty KV cache: fresh block manager and scheduler sized to the worker's cache."""
-        self._fail_all(NotReady(f"worker {self.worker.index} of model {self.name} restarted; retry the call"))
+        """A new, empty KV cache: fresh block manager and scheduler sized to the worker's cache. No stream is
+        left: they failed when the worker went down, and none is accepted until this reset."""
         if self.scheduler is not None:
             self._past_preemptions += self.scheduler.num_preemptions
             self._past_cached_tokens += self.scheduler.num_cached_tokens

@@ -66,9 +66,7 @@ class PrefillLoop:
         if not any(worker.ready for worker in self.workers):
             error = NotReady(f"no worker of model {self.name} is running (restarting); retry shortly")
             for request in self.scheduler.drain():
-                _, future = self._waiting.pop(request.request_id, (None, None))
-                if future is not None and not future.done():
-                    future.set_exception(error)
+                self._fail_request(request.request_id, error)
 
     async def run(self, requests: list[PrefillRequest]) -> list[tuple]:
         """(row, started, finished) per request, in order."""
@@ -162,14 +160,16 @@ class PrefillLoop:
             if alive and request.attempts < MAX_ATTEMPTS:
                 retry.append(request)
             else:
-                self._waiting.pop(seq.request_id)
-                future.set_exception(NotReady(f"{died}; retry the call"))
+                self._fail_request(seq.request_id, NotReady(f"{died}; retry the call"))
         if retry:
             logger.warning("%s: retrying %d sequences after: %s", self.name, len(retry), died)
             self.scheduler.requeue(retry)
 
     def _fail(self, batch: SchedulerOutput, error: Exception) -> None:
         for seq in batch.sequences:
-            _, future = self._waiting.pop(seq.request_id, (None, None))
-            if future is not None and not future.done():
-                future.set_exception(error)
+            self._fail_request(seq.request_id, error)
+
+    def _fail_request(self, request_id: int, error: Exception) -> None:
+        _, future = self._waiting.pop(request_id, (None, None))
+        if future is not None and not future.done():
+            future.set_exception(error)

@@ -4,7 +4,6 @@ incarnation with a fresh KV cache, and the counters survive the reset."""
 from __future__ import annotations
 
 import asyncio
-import functools
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -14,18 +13,9 @@ from embedserv.engine.generation import GenerationLoop
 from embedserv.engine.types import SamplingParams
 from embedserv.errors import NotReady
 from embedserv.executor.base import WorkerDied, WorkerStats
+from tests.helpers.aio import run_async
 
 TIMEOUT = 5.0
-
-
-def run_async(test):
-    """Runs an async test function in a fresh event loop (no pytest-asyncio here)."""
-
-    @functools.wraps(test)
-    def wrapper(*args, **kwargs):
-        asyncio.run(test(*args, **kwargs))
-
-    return wrapper
 TOKEN = 5
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 
 import numpy as np
 import pytest
@@ -12,16 +11,9 @@ from embedserv.engine.prefill import MAX_ATTEMPTS, PrefillLoop
 from embedserv.errors import NotReady
 from embedserv.executor.base import WorkerDied, WorkerStats
 from embedserv.worker.model_runner import ModelRunnerOutput
+from tests.helpers.aio import run_async
 
 TIMEOUT = 5.0
-
-
-def run_async(test):
-    """Runs an async test function in a fresh event loop (no pytest-asyncio here)."""
-    @functools.wraps(test)
-    def wrapper(*args, **kwargs):
-        asyncio.run(test(*args, **kwargs))
-    return wrapper
 
 
 class FakeWorker:

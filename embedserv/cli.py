@@ -9,10 +9,12 @@ import os
 import sys
 from pathlib import Path
 
+from embedserv import logs
 from embedserv.config import (
     ATTENTION_BACKENDS,
     ATTENTION_KINDS,
     DTYPES,
+    LOG_FORMATS,
     POOLING_MODES,
     ModelConfig,
     ServerConfig,
@@ -48,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-concurrent-requests", type=int, default=512,
                        help="inputs in flight across all calls; past it calls get RESOURCE_EXHAUSTED")
     serve.add_argument("--max-client-batch-size", type=int, default=256, help="inputs one call may carry")
+    serve.add_argument("--max-input-chars", type=int, default=100_000, metavar="N",
+                       help="characters one input may have, checked before tokenizing (the gRPC message "
+                            "limit follows from this and --max-client-batch-size)")
     serve.add_argument("--attention-backend", default=None, metavar="NAME",
                        help=f"force an attention backend ({', '.join(ATTENTION_BACKENDS)}); "
                             "default: the fastest that runs on the device")
@@ -73,8 +78,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="batches in flight per worker (1: no overlap of preparing and running)")
     serve.add_argument("--worker-timeout", type=float, default=120.0, metavar="SECONDS",
                        help="kill and restart a worker whose batch runs longer than this")
+    serve.add_argument("--allow-pickle", action="store_true",
+                       help="load pytorch_model.bin (pickle) checkpoints when a model has no safetensors; "
+                            "pickles can run code, so only for checkpoints you trust")
     serve.add_argument("--tokenizer-threads", type=int, default=1, help="tokenizer threads per model")
+    serve.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="on SIGTERM/SIGINT, how long in-flight calls may take to finish")
+    serve.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                       help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
+    serve.add_argument("--api-key", default=None,
+                       help="require metadata 'authorization: Bearer KEY' on every RPC but health "
+                            "(default: env EMBEDSERV_API_KEY; neither: no auth)")
+    serve.add_argument("--tls-cert", default=None, metavar="PEM", help="TLS certificate chain (with --tls-key)")
+    serve.add_argument("--tls-key", default=None, metavar="PEM", help="TLS private key")
+    serve.add_argument("--tls-client-ca", default=None, metavar="PEM",
+                       help="mutual TLS: clients must present a certificate signed by this CA")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    serve.add_argument("--log-format", default="text", choices=LOG_FORMATS,
+                       help="json: one JSON object per line")
     return parser
 
 
@@ -110,6 +131,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             replicas_per_device=args.replicas_per_device,
             pipeline_depth=args.pipeline_depth,
             worker_timeout=args.worker_timeout,
+            allow_pickle=args.allow_pickle,
         )
         for path, name in zip(paths, served_names(paths, args.served_model_name))
     )
@@ -119,15 +141,21 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         port=args.port,
         max_concurrent_requests=args.max_concurrent_requests,
         max_client_batch_size=args.max_client_batch_size,
+        max_input_chars=args.max_input_chars,
         tokenizer_threads=args.tokenizer_threads,
+        drain_timeout=args.drain_timeout,
+        metrics_port=args.metrics_port,
+        # The environment keeps the key out of `ps`; the flag wins when both are given.
+        api_key=args.api_key if args.api_key is not None else os.environ.get("EMBEDSERV_API_KEY") or None,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    logs.configure(args.log_level, args.log_format)
     # Models are local directories; never reach for a hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from embedserv.server.app import run

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from embedserv.errors import ConfigError
 
+LOG_FORMATS = ("text", "json")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POOLING_MODES = ("cls", "mean", "lasttoken", "max")
 ATTENTION_KINDS = ("causal", "bidirectional")
@@ -87,6 +88,8 @@ class ModelConfig:
     pipeline_depth: int = 2
     # A worker whose batch runs longer than this many seconds is killed and restarted.
     worker_timeout: float = 120.0
+    # Load pickle checkpoints (pytorch_model.bin) when there is no safetensors file; off: pickles can run code.
+    allow_pickle: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_name:
@@ -152,7 +155,19 @@ class ServerConfig:
     max_concurrent_requests: int = 512
     # Inputs one call may carry.
     max_client_batch_size: int = 256
+    # Characters one input (text, document, query, prompt) may have; checked before tokenizing.
+    max_input_chars: int = 100_000
     tokenizer_threads: int = 1
+    # SIGTERM/SIGINT: seconds in-flight calls get to finish before they are cancelled.
+    drain_timeout: float = 30.0
+    # Prometheus /metrics over HTTP on this port (same host as gRPC); None: no metrics server.
+    metrics_port: int | None = None
+    # Every RPC but health needs `authorization: Bearer <api_key>` metadata when set.
+    api_key: str | None = field(default=None, repr=False)
+    # TLS: PEM certificate chain and key; with a client CA, clients must present a certificate it signed.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -174,3 +189,21 @@ class ServerConfig:
             )
         if self.tokenizer_threads < 1:
             raise ConfigError("--tokenizer-threads must be at least 1")
+        if self.max_input_chars < 1:
+            raise ConfigError("--max-input-chars must be at least 1")
+        if not self.drain_timeout >= 0:
+            raise ConfigError(f"--drain-timeout must be 0 seconds or more, not {self.drain_timeout}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port must be in 0..65535, not {self.metrics_port}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("the API key is empty; give a non-empty --api-key (or EMBEDSERV_API_KEY) or none")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("TLS needs both --tls-cert and --tls-key")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ConfigError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key too")
+
+    @property
+    def max_receive_message_bytes(self) -> int:
+        """The largest request a full call can be: every input (and a rerank query) at the character limit,
+        4 UTF-8 bytes a character, plus room for the other fields (gRPC takes at most 2 GiB - 1)."""
+        return min((self.max_client_batch_size + 1) * (self.max_input_chars * 4 + 16) + 64 * 1024, 2**31 - 1)

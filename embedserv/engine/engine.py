@@ -138,6 +138,17 @@ class Engine:
     def worker_stats(self) -> list[WorkerStats]:
         return [worker.stats() for worker in self.workers]
 
+    @property
+    def num_waiting(self) -> int:
+        """Sequences queued for a first batch (prefill) or a first step (generation)."""
+        waiting = self._prefill.num_waiting if self._prefill is not None else 0
+        return waiting + sum(loop.num_waiting for loop in self._generation)
+
+    @property
+    def num_dropped(self) -> int:
+        """Queued prefill sequences dropped without running because their call went away, since the start."""
+        return self._prefill.num_dropped if self._prefill is not None else 0
+
     async def start(self) -> None:
         """Starts every worker and waits until all are ready; if one cannot start, stops the rest and raises."""
         starts = [asyncio.create_task(worker.start()) for worker in self.workers]

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from embedserv import metrics
 from embedserv.engine.detokenizer import IncrementalDetokenizer
 from embedserv.engine.loading import ModelSpec
 from embedserv.engine.tokenizer import TextTokenizer
@@ -116,6 +117,11 @@ class GenerationLoop:
     @property
     def num_streams(self) -> int:
         return len(self._streams)
+
+    @property
+    def num_waiting(self) -> int:
+        """Streams not yet admitted to a step (none before the first worker is ready)."""
+        return self.scheduler.num_waiting if self.scheduler is not None else 0
 
     def kv_cache_usage(self) -> KvCacheUsage:
         manager, scheduler = self.block_manager, self.scheduler
@@ -246,6 +252,8 @@ class GenerationLoop:
                 logger.exception("generation step of %d sequences failed on %s", batch.num_sequences, self.name)
                 self._fail(batch, exc)
                 continue
+            metrics.BATCH_SEQUENCES.labels(self.name, "generate").observe(batch.num_sequences)
+            metrics.BATCH_TOKENS.labels(self.name, "generate").observe(batch.num_tokens)
             self.scheduler.update(batch, sampled)
             live = {rid: token for rid, token in sampled.items() if rid in self._streams}
             deltas = await loop.run_in_executor(self._tokenizer_pool, self._detokenize, live)

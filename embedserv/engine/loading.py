@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
 
 from embedserv.attention.backends.base import AttentionBackend
 from embedserv.attention.selector import AttentionSpec, select_backend
@@ -21,7 +20,7 @@ from embedserv.models import registry
 from embedserv.models.heads import Dense, EmbeddingPooler
 from embedserv.models.layers import head_dim, num_kv_heads
 from embedserv.models.lm_head import build_lm_head, has_lm_head
-from embedserv.models.loader import build_model, load_dense_weights, safetensors_files
+from embedserv.models.loader import build_model, checkpoint_files, load_dense_weights, read_hf_config
 from embedserv.models.score_head import DECODER_CLASSIFIERS, YesNoTokens, build_classifier_head, build_yes_no_head
 from embedserv.models.st_files import SentenceTransformerFiles, read_sentence_transformers
 from embedserv.worker.generation_runner import GenerationModelRunner
@@ -122,7 +121,7 @@ def _embedding_pooler(config: ModelConfig, st: SentenceTransformerFiles, device,
     dense = []
     for spec in st.dense:
         layer = Dense(spec)
-        load_dense_weights(layer, spec.directory)
+        load_dense_weights(layer, spec.directory, config.allow_pickle)
         dense.append(layer.to(device=device, dtype=dtype))
     pooling = config.pooling or st.pooling or DEFAULT_POOLING
     return EmbeddingPooler(pooling, dense).eval().requires_grad_(False)
@@ -147,14 +146,14 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
     model_dir = Path(config.path).expanduser()
     if not (model_dir / "config.json").exists():
         raise ConfigError(f"--model {config.path}: no config.json there; give a local Hugging Face model directory")
-    hf_config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False)
+    hf_config = read_hf_config(model_dir)
     entry = registry.lookup(hf_config.model_type)
     st = read_sentence_transformers(model_dir)
     device = _device(config.device)
     dtype = _DTYPES[config.torch_dtype_name]
     is_causal = registry.is_causal(hf_config, entry, config.attention)
     backend = select_backend(config.attention_backend, _attention_spec(hf_config, device, dtype, is_causal))
-    files = safetensors_files(model_dir)
+    files = checkpoint_files(model_dir, config.allow_pickle)
     task = read_task_spec(model_dir, hf_config, is_causal, config.decoder_reranker, has_lm_head(hf_config, files))
     max_positions = _max_positions(entry.model_class, hf_config, model_dir)
     max_tokens = _max_input_tokens(model_dir, st, max_positions)

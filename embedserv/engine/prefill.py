@@ -16,13 +16,17 @@ import itertools
 import logging
 import time
 
+from embedserv import metrics
 from embedserv.errors import NotReady
 from embedserv.executor.base import Worker, WorkerDied
+from embedserv.logs import REQUEST_ID
 from embedserv.scheduler.outputs import SchedulerOutput
 from embedserv.scheduler.prefill_only import PrefillOnlyScheduler, PrefillRequest
 
 logger = logging.getLogger(__name__)
 
+# A batch's log line names at most this many of the calls it carried.
+_LOGGED_CALLS = 8
 # A sequence runs at most this many times: its first try, and one retry after its worker died.
 MAX_ATTEMPTS = 2
 
@@ -46,7 +50,9 @@ class PrefillLoop:
         return self._dispatcher is not None and not self._dispatcher.done()
 
     def new_request(self, token_ids, pool_start: int = 0, token_type_ids=None) -> PrefillRequest:
-        return PrefillRequest(next(self._ids), token_ids, pool_start=pool_start, token_type_ids=token_type_ids)
+        return PrefillRequest(
+            next(self._ids), token_ids, pool_start=pool_start, token_type_ids=token_type_ids, call_id=REQUEST_ID.get()
+        )
 
     def start(self) -> None:
         self._dispatcher = asyncio.create_task(self._dispatch(), name=f"dispatch-{self.name}")
@@ -139,14 +145,31 @@ class PrefillLoop:
             self._in_flight[worker.index] -= 1
             self._changed.set()
         finished = time.perf_counter()
-        logger.debug(
-            "%s: batch of %d sequences, %d tokens on worker %d in %.1f ms",
-            self.name, batch.num_sequences, batch.num_tokens, worker.index, (finished - started) * 1e3,
-        )
+        self._observe(batch, worker, finished - started)
         for request_id, row in zip(output.request_ids, output.rows):
             _, future = self._waiting.pop(request_id, (None, None))
             if future is not None and not future.done():
                 future.set_result((row, started, finished))
+
+    def _observe(self, batch: SchedulerOutput, worker: Worker, seconds: float) -> None:
+        metrics.BATCH_SEQUENCES.labels(self.name, "prefill").observe(batch.num_sequences)
+        metrics.BATCH_TOKENS.labels(self.name, "prefill").observe(batch.num_tokens)
+        if logger.isEnabledFor(logging.INFO):
+            calls = {self._waiting[s.request_id][0].call_id for s in batch.sequences if s.request_id in self._waiting}
+            shown = sorted(calls)[:_LOGGED_CALLS]
+            more = f" +{len(calls) - len(shown)} more" if len(calls) > len(shown) else ""
+            logger.info(
+                "%s: batch of %d sequences, %d tokens on worker %d in %.1f ms; calls %s%s",
+                self.name, batch.num_sequences, batch.num_tokens, worker.index, seconds * 1e3, " ".join(shown), more,
+            )
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def num_dropped(self) -> int:
+        return self.scheduler.num_dropped
 
     def _retry_or_fail(self, batch: SchedulerOutput, died: WorkerDied) -> None:
         alive = any(worker.ready for worker in self.workers)

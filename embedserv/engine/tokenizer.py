@@ -45,7 +45,8 @@ class TextTokenizer:
         default_prompt_name: str | None = None,
         include_prompt: bool = True,
     ) -> None:
-        hf_tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        # Never the tokenizer code a model directory may ship (tokenizer_config.json's auto_map).
+        hf_tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
         if not hf_tokenizer.is_fast:
             raise ValueError(f"{model_dir}: a fast (tokenizer.json) tokenizer is required")
         # A private copy: padding and truncation are mutable settings of the Rust object.

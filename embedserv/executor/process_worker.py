@@ -24,6 +24,7 @@ from typing import Callable, Mapping
 import zmq
 import zmq.asyncio
 
+from embedserv import logs
 from embedserv.config import ModelConfig
 from embedserv.engine.types import SamplingParams
 from embedserv.errors import ConfigError, NotReady
@@ -144,6 +145,7 @@ class ProcessWorker:
             outbox=f"{base}-out",
             parent_pid=os.getpid(),
             log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+            log_format=logs.current_format(),
         )
         threads = str(self.placement.threads)
         env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false")

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 import zmq
 
+from embedserv import logs
 from embedserv.config import ModelConfig
 from embedserv.executor import messages
 from embedserv.executor.placement import Placement
@@ -43,6 +44,7 @@ class WorkerArgs:
     outbox: str
     parent_pid: int
     log_level: str = "INFO"
+    log_format: str = "text"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -146,10 +148,11 @@ def main(argv: list[str]) -> int:
     _die_with_parent(args.parent_pid)
     if args.placement.cores and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, args.placement.cores)
-    logging.basicConfig(
-        level=args.log_level,
-        format=f"%(asctime)s %(levelname)s %(name)s [worker {args.name} pid {os.getpid()}]: %(message)s",
-        stream=sys.stderr,
+    logs.configure(
+        args.log_level,
+        args.log_format,
+        text_format=f"%(asctime)s %(levelname)s %(name)s [worker {args.name} pid {os.getpid()}]: %(message)s",
+        extra={"worker": args.name, "pid": os.getpid()},
     )
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)

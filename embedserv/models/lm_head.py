@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from embedserv.errors import ConfigError
 from embedserv.models.layers import Linear
+from embedserv.models.loader import has_tensor
 from embedserv.models.score_head import read_first_tensor
 
 _EMBEDDINGS = ("model.embed_tokens.weight", "embed_tokens.weight")
@@ -16,13 +16,7 @@ _EMBEDDINGS = ("model.embed_tokens.weight", "embed_tokens.weight")
 
 def has_lm_head(hf_config, files: list[Path]) -> bool:
     """A checkpoint can generate when its head is the embedding matrix (tied) or is saved beside it."""
-    if is_tied(hf_config):
-        return True
-    for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            if "lm_head.weight" in f.keys():
-                return True
-    return False
+    return is_tied(hf_config) or has_tensor(files, "lm_head.weight")
 
 
 def is_tied(hf_config) -> bool:

@@ -1,39 +1,173 @@
-"""Builds a native model from a Hugging Face directory and fills it from safetensors files."""
+"""Builds a native model from a Hugging Face directory and fills it from its checkpoint files.
+
+Safetensors is the format: it holds only tensors. A pickle checkpoint (pytorch_model.bin) can run code
+when it is read, so it is loaded only with --allow-pickle, and even then through torch's weights-only
+unpickler, which refuses anything but tensors and plain containers. Code a model directory ships
+(config.json's auto_map) is never imported.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import pickle
+import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Iterator
 
 import torch
 from safetensors import safe_open
 from torch import nn
+from transformers import AutoConfig
 
 from embedserv.errors import ConfigError
+from embedserv.models import registry
 from embedserv.models.layers import pack_linears
 
+logger = logging.getLogger(__name__)
 
-def safetensors_files(model_dir: Path) -> list[Path]:
-    """The checkpoint's files: the index's shards when sharded, else model.safetensors."""
-    index = model_dir / "model.safetensors.index.json"
+_SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
+_PICKLE = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def read_hf_config(model_dir: Path):
+    """config.json through transformers' AutoConfig, never importing code the directory ships."""
+    try:
+        raw = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {model_dir / 'config.json'}: {exc}") from None
+    custom = raw.get("auto_map") if isinstance(raw, dict) else None
+    try:
+        hf_config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False)
+    except ValueError as exc:
+        if not custom:
+            raise ConfigError(f"{model_dir}/config.json: {exc}") from exc
+        try:
+            registry.lookup(str(raw.get("model_type")))
+        except ConfigError as unsupported:
+            raise ConfigError(
+                f"{model_dir}: {unsupported}. Its config.json points at custom code (auto_map), which embedserv "
+                "never runs"
+            ) from None
+        raise ConfigError(f"{model_dir}/config.json: {exc}") from exc
+    if custom:
+        # Such a config also names a transformers type; we run our own implementation of that type. A model
+        # whose custom code differs from it fails to load (unexpected tensors) or must be checked by its user.
+        logger.warning(
+            "%s: config.json names custom code (auto_map: %s); embedserv never runs it and serves the model as "
+            "model type %r with its own implementation", model_dir, ", ".join(sorted(custom)), hf_config.model_type,
+        )
+    return hf_config
+
+
+def _indexed_files(model_dir: Path, index_name: str, single_name: str) -> list[Path] | None:
+    """The index's shards when there is an index, else the single file, else None."""
+    index = model_dir / index_name
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / shard for shard in shards]
-    single = model_dir / "model.safetensors"
-    if single.exists():
-        return [single]
-    raise ConfigError(
-        f"{model_dir} has no model.safetensors; convert the checkpoint to safetensors "
-        "(pickle checkpoints are not loaded)"
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"cannot read the shard index {index}: {exc!r}") from None
+        files = [model_dir / shard for shard in shards]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ConfigError(f"{index} lists shards that are not there: {', '.join(missing[:5])}")
+        return files
+    single = model_dir / single_name
+    return [single] if single.exists() else None
+
+
+def checkpoint_files(model_dir: Path, allow_pickle: bool = False) -> list[Path]:
+    """The checkpoint's files: safetensors (sharded or single) when present, else with `allow_pickle` the
+    pytorch_model.bin files; refuses a pickle-only checkpoint without it."""
+    files = _indexed_files(model_dir, _SAFETENSORS[1], _SAFETENSORS[0])
+    if files is not None:
+        return files
+    pickles = _indexed_files(model_dir, _PICKLE[1], _PICKLE[0])
+    if pickles is None:
+        raise ConfigError(
+            f"{model_dir} has no weights: neither model.safetensors (or model.safetensors.index.json) nor "
+            "pytorch_model.bin; put the model's weights there"
+        )
+    if not allow_pickle:
+        raise ConfigError(
+            f"{model_dir} has only a pickle checkpoint ({pickles[0].name}), and loading a pickle can run code "
+            "hidden in it. Convert it to safetensors (e.g. transformers' save_pretrained(..., "
+            "safe_serialization=True) where you trust it), or pass --allow-pickle if you trust this checkpoint"
+        )
+    logger.warning(
+        "%s: loading the pickle checkpoint %s (--allow-pickle), tensors only; convert it to safetensors to "
+        "load faster and safer", model_dir, pickles[0].name,
     )
+    return pickles
+
+
+def _refusal_reason(exc: pickle.UnpicklingError) -> str:
+    """The weights-only unpickler's own reason ("Unsupported global: GLOBAL posix.system ..."), without
+    torch's advice to load the file unsafely."""
+    text = str(exc)
+    _, found, rest = text.partition("WeightsUnpickler error:")
+    if not found:
+        return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return rest.strip().split(". ")[0].split("\n")[0].strip()
+
+
+def _pickle_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """A pytorch_model.bin's tensors, read by torch's weights-only unpickler: code objects are refused, not run."""
+    try:
+        # mmap keeps a big checkpoint out of RAM; torch can map only the zip format (torch >= 1.6 saves).
+        state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except pickle.UnpicklingError as exc:
+        raise ConfigError(
+            f"{path} was refused, even with --allow-pickle: it holds more than tensors ({_refusal_reason(exc)}), "
+            "and unpickling it could run code. Convert a checkpoint you trust to safetensors"
+        ) from None
+    except Exception as exc:  # damaged input fails the unpickler in many ways (IndexError, KeyError, ...)
+        raise ConfigError(
+            f"cannot read the pickle checkpoint {path} ({type(exc).__name__}: {exc}); it may be damaged"
+        ) from None
+    if not isinstance(state, Mapping):
+        raise ConfigError(f"{path} holds a {type(state).__name__}, not a state dict of named tensors")
+    for name, tensor in state.items():
+        if isinstance(tensor, torch.Tensor):
+            yield str(name), tensor
 
 
 def iterate_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the checkpoint files, safetensors or (allowed) pickle."""
     for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        else:
+            yield from _pickle_tensors(path)
+
+
+def has_tensor(files: list[Path], name: str) -> bool:
+    for path in files:
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                if name in f.keys():
+                    return True
+        elif any(found == name for found, _ in _pickle_tensors(path)):
+            return True
+    return False
+
+
+def read_tensor(files: list[Path], name: str, rows: slice | None = None) -> torch.Tensor | None:
+    """One named tensor (or some of its rows) from the checkpoint files; None when none has it."""
+    for path in files:
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                if name in f.keys():
+                    return f.get_slice(name)[rows] if rows is not None else f.get_tensor(name)
+            continue
+        for found, tensor in _pickle_tensors(path):
+            if found == name:
+                return tensor[rows] if rows is not None else tensor
+    return None
 
 
 def load_into(model: nn.Module, files: list[Path]) -> None:
@@ -61,10 +195,8 @@ def build_model(model_class: type[nn.Module], hf_config, files: list[Path], devi
     return model
 
 
-def load_dense_weights(dense: nn.Module, directory: Path) -> None:
-    """sentence-transformers Dense: `linear.weight` / `linear.bias` in the module's own folder."""
-    path = directory / "model.safetensors"
-    if not path.exists():
-        raise ConfigError(f"{directory} has no model.safetensors for its Dense layer")
-    state = dict(iterate_weights([path]))
+def load_dense_weights(dense: nn.Module, directory: Path, allow_pickle: bool = False) -> None:
+    """sentence-transformers Dense: `linear.weight` / `linear.bias` in the module's own folder, under the
+    same checkpoint policy as the model."""
+    state = dict(iterate_weights(checkpoint_files(directory, allow_pickle)))
     dense.load_state_dict(state)

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from embedserv.errors import ConfigError
 from embedserv.models.heads import PoolingInputs
+from embedserv.models.loader import read_tensor
 
 _BERT_CLASSIFIERS = ("BertForSequenceClassification",)
 _ROBERTA_CLASSIFIERS = (
@@ -65,17 +65,9 @@ class ScoreHead(nn.Module):
         return self.out(rows)
 
 
-def _read(files: list[Path], name: str, rows: slice | None = None) -> torch.Tensor | None:
-    for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            if name in f.keys():
-                return f.get_slice(name)[rows] if rows is not None else f.get_tensor(name)
-    return None
-
-
 def read_first_tensor(files: list[Path], names: tuple[str, ...], rows: slice | None = None) -> torch.Tensor:
     for name in names:
-        tensor = _read(files, name, rows)
+        tensor = read_tensor(files, name, rows)
         if tensor is not None:
             return tensor
     raise ConfigError(f"checkpoint {files[0].parent} lacks the head tensor {names[0]!r}")

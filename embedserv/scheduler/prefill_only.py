@@ -19,6 +19,8 @@ class PrefillRequest:
     cancelled: bool = field(default=False, compare=False)
     # Batches this sequence was on whose worker died before answering.
     attempts: int = field(default=0, compare=False)
+    # The id of the call it belongs to, for the logs.
+    call_id: str = field(default="", compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -37,6 +39,8 @@ class PrefillOnlyScheduler:
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_requests = max_batch_requests
         self._waiting: deque[PrefillRequest] = deque()
+        # Cancelled sequences dropped from the queue without running, since the start.
+        self.num_dropped = 0
 
     def add(self, request: PrefillRequest) -> None:
         self._waiting.append(request)
@@ -63,6 +67,7 @@ class PrefillOnlyScheduler:
             request = self._waiting[0]
             if request.cancelled:
                 self._waiting.popleft()
+                self.num_dropped += 1
                 continue
             if picked and num_tokens + request.num_tokens > self.max_batch_tokens:
                 break

@@ -1,4 +1,9 @@
-"""Builds and runs the gRPC server: listen first (health NOT_SERVING), load and warm models, then SERVING."""
+"""Builds and runs the gRPC server: listen first (health NOT_SERVING), load and warm models, then SERVING.
+
+SIGTERM or SIGINT drains: health turns NOT_SERVING, new calls are refused, calls in flight get up to
+--drain-timeout to finish, then the workers stop and the process exits 0. A second signal cancels what
+is still running.
+"""
 
 from __future__ import annotations
 
@@ -13,13 +18,13 @@ from grpc_reflection.v1alpha import reflection
 from embedserv.config import ServerConfig
 from embedserv.engine.engine import Engine
 from embedserv.errors import ConfigError
-from embedserv.server.registry import ServedModels
+from embedserv.server.metrics import MetricsServer
+from embedserv.server.registry import InflightLimiter, ServedModels
+from embedserv.server.security import ApiKeyInterceptor, server_credentials
 from embedserv.server.servicer import InferenceServicer, add_to_server
 
 logger = logging.getLogger(__name__)
 
-# Generous until admission limits derive them (64 MiB): a full client batch of long texts fits.
-_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -28,22 +33,27 @@ class EmbedServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.models = ServedModels([m.served_name for m in config.models])
+        self.limiter = InflightLimiter(config.max_concurrent_requests)
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(
+            interceptors=[ApiKeyInterceptor(config.api_key)] if config.api_key else None,
             options=[
-                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+                # A request past this is refused (RESOURCE_EXHAUSTED) before it is parsed. Responses are
+                # bounded by the requests they answer; clients set their own receive limit.
+                ("grpc.max_receive_message_length", config.max_receive_message_bytes),
+                ("grpc.max_send_message_length", -1),
                 # gRPC shares ports by default: a second server on a busy port would start silently.
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
         )
-        service = add_to_server(InferenceServicer(self.models, config), self.server)
+        service = add_to_server(InferenceServicer(self.models, config, self.limiter), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server,
         )
         self.port: int | None = None
+        self.metrics: MetricsServer | None = None
         self._started = False
         self._stopping = False
         self._health_updates: set[asyncio.Task] = set()
@@ -69,13 +79,26 @@ class EmbedServer:
 
     async def start(self) -> None:
         await self._set_health(_NOT_SERVING)
-        address = f"{self.config.host}:{self.config.port}"
+        config = self.config
+        address = f"{config.host}:{config.port}"
         try:
-            self.port = self.server.add_insecure_port(address)
+            if config.tls_cert:
+                credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+                self.port = self.server.add_secure_port(address, credentials)
+            else:
+                self.port = self.server.add_insecure_port(address)
         except RuntimeError as exc:
             raise ConfigError(f"cannot listen on {address} ({exc}); is the port in use? pick another --port") from exc
+        if config.api_key and not config.tls_cert:
+            logger.warning("an API key without TLS travels in clear text; use --tls-cert/--tls-key off localhost")
+        if config.metrics_port is not None:
+            self.metrics = MetricsServer(config.host, config.metrics_port, self.models, self.limiter)
         await self.server.start()
-        logger.info("listening on %s:%d (NOT_SERVING until the models are warm)", self.config.host, self.port)
+        logger.info(
+            "listening on %s:%d%s%s (NOT_SERVING until the models are warm)", config.host, self.port,
+            " with TLS" + (" (clients must show a certificate)" if config.tls_client_ca else "") if config.tls_cert
+            else "", ", API key required" if config.api_key else "",
+        )
         loop = asyncio.get_running_loop()
         for model_config in self.config.models:
             engine = await loop.run_in_executor(
@@ -89,24 +112,42 @@ class EmbedServer:
         await self._update_health()
         logger.info("serving %s", ", ".join(self.models.names))
 
-    async def stop(self, grace: float = 5.0) -> None:
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """NOT_SERVING, refuse new calls, give those in flight `grace` seconds, then stop the engines."""
         self._stopping = True
         await self._set_health(_NOT_SERVING)
         await self.server.stop(grace)
         for engine in self.models.engines:
             await engine.stop()
+        if self.metrics is not None:
+            self.metrics.stop()
+
+    async def cancel_calls(self) -> None:
+        """Cancels every call still running (a second signal while draining)."""
+        await self.server.stop(None)
 
 
 async def run(config: ServerConfig) -> None:
-    """Serves until SIGTERM or SIGINT."""
+    """Serves until SIGTERM or SIGINT, then drains (a second signal cuts the drain short)."""
     server = EmbedServer(config)
-    stop = asyncio.Event()
+    signals = asyncio.Queue()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, signals.put_nowait, sig)
     try:
         await server.start()
-        await stop.wait()
-        logger.info("stopping")
+        sig = await signals.get()
+        logger.info(
+            "%s: draining; refusing new calls, up to %.0f s for those in flight (signal again to cancel them)",
+            signal.Signals(sig).name, config.drain_timeout,
+        )
     finally:
-        await server.stop()
+        drain = asyncio.create_task(server.stop(config.drain_timeout))
+        second = asyncio.create_task(signals.get())
+        await asyncio.wait((drain, second), return_when=asyncio.FIRST_COMPLETED)
+        if not drain.done():
+            logger.warning("second signal: cancelling the calls still running")
+            await server.cancel_calls()
+        second.cancel()
+        await drain
+    logger.info("stopped")

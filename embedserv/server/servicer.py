@@ -8,6 +8,7 @@ import time
 import grpc
 
 from embedserv.config import ServerConfig
+from embedserv.engine.engine import Engine
 from embedserv.engine.outputs import to_little_endian_bytes
 from embedserv.engine.types import (
     ClassifyParams,
@@ -22,7 +23,8 @@ from embedserv.engine.types import (
     Timing,
 )
 from embedserv.errors import InvalidInput
-from embedserv.server.errors import stream_errors, unary_errors
+from embedserv import metrics
+from embedserv.server.calls import Call, stream_call, unary_call
 from embedserv.server.registry import InflightLimiter, ServedModels
 from embedserv.v1 import embedserv_pb2 as pb
 from embedserv.v1 import embedserv_pb2_grpc as pb_grpc
@@ -134,12 +136,18 @@ def model_info(info: ModelInfo, kv_cache: KvCacheUsage | None = None) -> pb.Mode
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
-    def __init__(self, models: ServedModels, config: ServerConfig) -> None:
+    def __init__(self, models: ServedModels, config: ServerConfig, limiter: InflightLimiter) -> None:
         self.models = models
         self.config = config
-        self.limiter = InflightLimiter(config.max_concurrent_requests)
+        self.limiter = limiter
+
+    def _engine(self, name: str, call: Call) -> Engine:
+        engine = self.models.get(name)
+        call.model = engine.info.name
+        return engine
 
     def _check_inputs(self, inputs, what: str = "inputs") -> list[str]:
+        """At least one text, no more than a call may carry, none past --max-input-chars (before tokenizing)."""
         texts = list(inputs)
         if not texts:
             raise InvalidInput(f"{what} is empty; send at least one text")
@@ -148,30 +156,41 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 f"{len(texts)} {what} is more than --max-client-batch-size {self.config.max_client_batch_size}; "
                 "split the call"
             )
+        for index, text in enumerate(texts):
+            self._check_chars(text, f"{what}[{index}]")
         return texts
 
-    async def _embed(self, request: pb.EmbedRequest) -> pb.EmbedResponse:
+    def _check_chars(self, text: str, what: str) -> None:
+        limit = self.config.max_input_chars
+        if len(text) > limit:
+            raise InvalidInput(
+                f"{what} has {len(text)} characters, more than the server's --max-input-chars {limit}; "
+                "shorten or split it"
+            )
+
+    async def _embed(self, request: pb.EmbedRequest, call: Call) -> pb.EmbedResponse:
         received = time.perf_counter()
-        engine = self.models.get(request.model)
+        engine = self._engine(request.model, call)
         texts = self._check_inputs(request.inputs)
         params = embed_params(request)
         with self.limiter.hold(len(texts)):
             result = await engine.embed(texts, params)
+        call.answered(len(texts), result.prompt_tokens, result.timing)
         return embed_response(result, request.encoding, engine.info.name, received)
 
-    @unary_errors
-    async def Embed(self, request, context):
-        return await self._embed(request)
+    @unary_call
+    async def Embed(self, request, context, call):
+        return await self._embed(request, call)
 
-    @stream_errors
-    async def EmbedStream(self, request_iterator, context):
+    @stream_call
+    async def EmbedStream(self, request_iterator, context, call):
         # Requests start as they arrive (up to the window) and are answered in arrival order.
         window: asyncio.Queue = asyncio.Queue(maxsize=_STREAM_WINDOW)
 
         async def read_requests() -> None:
             try:
                 async for request in request_iterator:
-                    await window.put(asyncio.ensure_future(self._embed(request)))
+                    await window.put(asyncio.ensure_future(self._embed(request, call)))
             finally:
                 await window.put(None)
 
@@ -187,12 +206,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 if leftover is not None:
                     leftover.cancel()
 
-    @unary_errors
-    async def Tokenize(self, request, context):
-        engine = self.models.get(request.model)
+    @unary_call
+    async def Tokenize(self, request, context, call):
+        engine = self._engine(request.model, call)
         texts = self._check_inputs(request.inputs)
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        tokenized = await engine.tokenize(texts, add_special, request.prompt_name or None)
+        with self.limiter.hold(len(texts)):
+            tokenized = await engine.tokenize(texts, add_special, request.prompt_name or None)
+        call.answered(len(texts), sum(len(x.ids) for x in tokenized))
         inputs = [
             pb.TokenizedInput(
                 tokens=[
@@ -204,15 +225,17 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         ]
         return pb.TokenizeResponse(inputs=inputs, model=engine.info.name)
 
-    @unary_errors
-    async def ListModels(self, request, context):
+    @unary_call
+    async def ListModels(self, request, context, call):
         return pb.ListModelsResponse(models=[model_info(e.info, e.kv_cache_usage()) for e in self.models.engines])
 
-    @unary_errors
-    async def Rerank(self, request, context):
+    @unary_call
+    async def Rerank(self, request, context, call):
         received = time.perf_counter()
-        engine = self.models.get(request.model)
+        engine = self._engine(request.model, call)
         documents = self._check_inputs(request.documents, "documents")
+        self._check_chars(request.query, "query")
+        self._check_chars(request.instruction, "instruction")
         params = RerankParams(
             top_n=request.top_n if request.HasField("top_n") else None,
             raw_scores=request.raw_scores,
@@ -221,6 +244,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         )
         with self.limiter.hold(len(documents)):
             result = await engine.rerank(request.query, documents, params)
+        call.answered(len(documents), result.prompt_tokens, result.timing)
         results = [
             pb.RerankResult(index=r.index, score=r.score, document=documents[r.index] if request.return_documents else "")
             for r in result.results
@@ -228,10 +252,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         summary = call_summary(result.prompt_tokens, result.timing, engine.info.name, received)
         return pb.RerankResponse(results=results, **summary)
 
-    @unary_errors
-    async def Classify(self, request, context):
+    @unary_call
+    async def Classify(self, request, context, call):
         received = time.perf_counter()
-        engine = self.models.get(request.model)
+        engine = self._engine(request.model, call)
         texts = self._check_inputs(request.inputs)
         params = ClassifyParams(
             truncate=request.truncate,
@@ -240,6 +264,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         )
         with self.limiter.hold(len(texts)):
             result = await engine.classify(texts, params)
+        call.answered(len(texts), result.prompt_tokens, result.timing)
         classifications = [
             pb.Classification(
                 scores=[pb.LabelScore(label=label, score=score) for label, score in zip(result.labels, row)],
@@ -251,12 +276,16 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         summary = call_summary(result.prompt_tokens, result.timing, engine.info.name, received)
         return pb.ClassifyResponse(classifications=classifications, **summary)
 
-    @stream_errors
-    async def Generate(self, request, context):
-        engine = self.models.get(request.model)
+    @stream_call
+    async def Generate(self, request, context, call):
+        engine = self._engine(request.model, call)
+        self._check_chars(request.prompt, "prompt")
         params = sampling_params(request)
         with self.limiter.hold(1):
             async for delta in engine.generate(request.prompt, params):
+                if delta.finish_reason is not None:
+                    call.answered(1, delta.prompt_tokens)
+                    metrics.GENERATED_TOKENS.labels(call.model).inc(delta.completion_tokens)
                 yield generate_response(delta)
 
 

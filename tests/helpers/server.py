@@ -38,11 +38,22 @@ def server_env() -> dict[str, str]:
     return env
 
 
-def health_status(target: str, service: str = "", timeout: float = 2.0) -> str:
-    """The health Check answer's status name (SERVING, NOT_SERVING, ...), or the RPC error's code name."""
+def open_channel(target: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+    """A secure channel with `credentials`, else an insecure one."""
+    if credentials is None:
+        return grpc.insecure_channel(target)
+    return grpc.secure_channel(target, credentials)
+
+
+def health_status(
+    target: str, service: str = "", timeout: float = 2.0, credentials: grpc.ChannelCredentials | None = None
+) -> str:
+    """The health Check answer's status name (SERVING, NOT_SERVING, ...), or the RPC error's code name.
+
+    `credentials` (TLS) for a server that listens with TLS; else an insecure channel."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(target) as channel:
+    with open_channel(target, credentials) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
@@ -60,15 +71,21 @@ def log_tail(log_path: Path, max_chars: int = 6000) -> str:
 
 
 def wait_until_serving(
-    target: str, is_alive: Callable[[], bool], log_path: Path, timeout: float, what: str = "server"
+    target: str,
+    is_alive: Callable[[], bool],
+    log_path: Path,
+    timeout: float,
+    what: str = "server",
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> None:
-    """Poll health Check on service "" until SERVING; raise with the log's tail on exit or timeout."""
+    """Poll health Check on service "" until SERVING (over TLS with `credentials`); raise with the log's
+    tail on exit or timeout."""
     deadline = time.monotonic() + timeout
     last = "no answer yet"
     while time.monotonic() < deadline:
         if not is_alive():
             raise RuntimeError(f"{what} exited before SERVING (last health: {last}); log tail:\n{log_tail(log_path)}")
-        last = health_status(target, timeout=1.0)
+        last = health_status(target, timeout=1.0, credentials=credentials)
         if last == "SERVING":
             return
         time.sleep(0.25)
@@ -102,19 +119,35 @@ def stop_process(proc: subprocess.Popen, group: bool = False) -> None:
 
 
 @contextlib.contextmanager
-def running_server(args: list[str], timeout: float = 180) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Run `python -m embedserv serve --host 127.0.0.1 --port P *args`; yield ("127.0.0.1:P", process)."""
+def running_server(
+    args: list[str],
+    timeout: float = 180,
+    env: dict[str, str | None] | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Run `python -m embedserv serve --host 127.0.0.1 --port P *args`; yield ("127.0.0.1:P", process).
+
+    `env` overrides the server's environment (None removes a variable); `credentials` are the channel
+    credentials the readiness health checks use, for a server started with TLS."""
     port = free_port()
     target = f"127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "embedserv", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
     log_dir = Path(tempfile.mkdtemp(prefix="embedserv-test-"))
     log_path = log_dir / "server.log"
+    proc_env = server_env()
+    for name, value in (env or {}).items():
+        if value is None:
+            proc_env.pop(name, None)
+        else:
+            proc_env[name] = value
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            cmd, cwd=REPO_ROOT, env=server_env(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            cmd, cwd=REPO_ROOT, env=proc_env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
         )
     try:
-        wait_until_serving(target, lambda: proc.poll() is None, log_path, timeout, what=" ".join(cmd))
+        wait_until_serving(
+            target, lambda: proc.poll() is None, log_path, timeout, what=" ".join(cmd), credentials=credentials
+        )
         proc.log_path = log_path  # type: ignore[attr-defined]
         yield target, proc
     finally:

@@ -1,0 +1,125 @@
+"""One RPC from start to end: its request id, the status code it ends with, its metrics and its log line.
+
+Handlers are wrapped by `unary_call` or `stream_call`. The wrapper gives the call an id (the client's
+`x-request-id` metadata, or a new one), returns it as trailing metadata `x-request-id`, and turns every
+way a call can end into one status code: OK, an embedserv error's code, INTERNAL for a bug (logged with
+its traceback), and CANCELLED or DEADLINE_EXCEEDED when gRPC cancels the handler because the client
+went away or its deadline passed. The server never dies on a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+import uuid
+
+import grpc
+
+from embedserv import metrics
+from embedserv.engine.types import Timing
+from embedserv.logs import REQUEST_ID
+from embedserv.server.errors import message_for, status_for
+
+logger = logging.getLogger("embedserv.server.calls")
+
+REQUEST_ID_KEY = "x-request-id"
+_MAX_REQUEST_ID_CHARS = 128
+
+
+def _request_id(context: grpc.aio.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_KEY and isinstance(value, str):
+            if 0 < len(value) <= _MAX_REQUEST_ID_CHARS and value.isascii() and value.isprintable():
+                return value
+    return uuid.uuid4().hex[:16]
+
+
+def _cancel_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    remaining = context.time_remaining()
+    return grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 else grpc.StatusCode.CANCELLED
+
+
+class Call:
+    """What one RPC did, counted as it happens: a stream's answered parts count even if a later part fails."""
+
+    def __init__(self, rpc: str, context: grpc.aio.ServicerContext) -> None:
+        self.rpc = rpc
+        self.request_id = _request_id(context)
+        # The served model's name once the request named one that exists ("" before: no client-made labels).
+        self.model = ""
+        self.inputs = 0
+        self.tokens = 0
+        self.received = time.perf_counter()
+
+    def answered(self, inputs: int, tokens: int, timing: Timing | None = None) -> None:
+        self.inputs += inputs
+        self.tokens += tokens
+        metrics.INPUTS.labels(self.rpc, self.model).inc(inputs)
+        metrics.INPUT_TOKENS.labels(self.rpc, self.model).inc(tokens)
+        if timing is not None:
+            metrics.QUEUE_SECONDS.labels(self.rpc, self.model).observe(timing.queue_us / 1e6)
+            metrics.TOKENIZATION_SECONDS.labels(self.rpc, self.model).observe(timing.tokenization_us / 1e6)
+            metrics.INFERENCE_SECONDS.labels(self.rpc, self.model).observe(timing.inference_us / 1e6)
+
+    def end(self, code: grpc.StatusCode) -> None:
+        metrics.REQUESTS.labels(self.rpc, self.model, code.name).inc()
+        logger.debug(
+            "request %s: %s model=%s inputs=%d tokens=%d status=%s in %.1f ms", self.request_id, self.rpc,
+            self.model or "-", self.inputs, self.tokens, code.name, (time.perf_counter() - self.received) * 1e3,
+        )
+
+
+async def _end_with_error(call: Call, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """Counts and logs the call's end, then aborts with the error's status (or lets a cancel through)."""
+    if isinstance(exc, asyncio.CancelledError):
+        call.end(_cancel_code(context))
+        raise exc
+    if isinstance(exc, grpc.aio.AbortError) or not isinstance(exc, Exception):
+        raise exc
+    code = status_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        logger.exception("request %s: %s failed", call.request_id, call.rpc)
+    call.end(code)
+    await context.abort(code, message_for(exc, call.rpc))
+
+
+def _start(rpc: str, context: grpc.aio.ServicerContext) -> Call:
+    call = Call(rpc, context)
+    # Each RPC runs in its own task, so this is the call's id for everything it awaits (batch log lines).
+    REQUEST_ID.set(call.request_id)
+    context.set_trailing_metadata(((REQUEST_ID_KEY, call.request_id),))
+    return call
+
+
+def unary_call(handler):
+    """Wraps `handler(self, request, context, call)` of a unary-response RPC."""
+
+    @functools.wraps(handler)
+    async def wrapper(self, request, context):
+        call = _start(handler.__name__, context)
+        try:
+            response = await handler(self, request, context, call)
+        except BaseException as exc:  # noqa: BLE001 - every end becomes a status, never a crash
+            await _end_with_error(call, context, exc)
+        call.end(grpc.StatusCode.OK)
+        return response
+
+    return wrapper
+
+
+def stream_call(handler):
+    """The same for handlers that yield responses."""
+
+    @functools.wraps(handler)
+    async def wrapper(self, request, context):
+        call = _start(handler.__name__, context)
+        try:
+            async for response in handler(self, request, context, call):
+                yield response
+        except BaseException as exc:  # noqa: BLE001
+            await _end_with_error(call, context, exc)
+        call.end(grpc.StatusCode.OK)
+
+    return wrapper

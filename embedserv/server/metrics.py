@@ -1,0 +1,86 @@
+"""The server's /metrics: embedserv.metrics' registry plus the state of the moment, read at scrape time."""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from embedserv import metrics
+from embedserv.errors import ConfigError
+from embedserv.server.registry import InflightLimiter, ServedModels
+
+logger = logging.getLogger(__name__)
+
+
+class ServerCollector(Collector):
+    """Queue depth, inputs in flight, KV cache, workers and dropped sequences of every served model."""
+
+    def __init__(self, models: ServedModels, limiter: InflightLimiter) -> None:
+        self.models = models
+        self.limiter = limiter
+
+    def collect(self):
+        in_flight = GaugeMetricFamily(
+            "embedserv_inputs_in_flight", "Inputs admitted and not yet answered (see --max-concurrent-requests)"
+        )
+        in_flight.add_metric([], self.limiter.in_flight)
+        yield in_flight
+        queue = GaugeMetricFamily("embedserv_queue_depth", "Sequences waiting for a batch", labels=["model"])
+        dropped = CounterMetricFamily(
+            "embedserv_dropped_sequences",
+            "Queued sequences dropped without running: their call was cancelled or its deadline passed",
+            labels=["model"],
+        )
+        ready = GaugeMetricFamily("embedserv_workers_ready", "Worker processes ready to run", labels=["model"])
+        restarts = CounterMetricFamily("embedserv_worker_restarts", "Worker processes replaced", labels=["model"])
+        busy = CounterMetricFamily(
+            "embedserv_worker_busy_seconds", "Seconds a worker spent running batches", labels=["model", "worker"]
+        )
+        kv_usage = GaugeMetricFamily(
+            "embedserv_kv_cache_usage_ratio", "Share of the KV cache blocks in use (generating models)", labels=["model"]
+        )
+        kv_blocks = GaugeMetricFamily("embedserv_kv_cache_blocks", "KV cache blocks", labels=["model", "state"])
+        preemptions = CounterMetricFamily(
+            "embedserv_kv_cache_preemptions", "Streams preempted for lack of KV cache blocks", labels=["model"]
+        )
+        for engine in self.models.engines:
+            name = engine.info.name
+            queue.add_metric([name], engine.num_waiting)
+            dropped.add_metric([name], engine.num_dropped)
+            stats = engine.worker_stats()
+            ready.add_metric([name], sum(s.ready for s in stats))
+            restarts.add_metric([name], sum(s.restarts for s in stats))
+            for s in stats:
+                busy.add_metric([name, str(s.index)], s.busy_seconds)
+            usage = engine.kv_cache_usage()
+            if usage is not None:
+                kv_usage.add_metric([name], usage.used_blocks / usage.total_blocks if usage.total_blocks else 0.0)
+                kv_blocks.add_metric([name, "used"], usage.used_blocks)
+                kv_blocks.add_metric([name, "total"], usage.total_blocks)
+                preemptions.add_metric([name], usage.preemptions)
+        yield from (queue, dropped, ready, restarts, busy, kv_usage, kv_blocks, preemptions)
+
+
+class MetricsServer:
+    """/metrics over HTTP in a thread of its own (prometheus-client's WSGI server)."""
+
+    def __init__(self, host: str, port: int, models: ServedModels, limiter: InflightLimiter) -> None:
+        self.collector = ServerCollector(models, limiter)
+        metrics.REGISTRY.register(self.collector)
+        try:
+            self._httpd, _ = start_http_server(port, addr=host, registry=metrics.REGISTRY)
+        except OSError as exc:
+            metrics.REGISTRY.unregister(self.collector)
+            raise ConfigError(
+                f"cannot serve metrics on {host}:{port} ({exc.strerror}); pick another --metrics-port"
+            ) from None
+        self.port = self._httpd.server_port
+        logger.info("metrics at http://%s:%d/metrics", host, self.port)
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        metrics.REGISTRY.unregister(self.collector)

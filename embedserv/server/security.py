@@ -1,0 +1,95 @@
+"""API-key authentication (a server interceptor) and TLS credentials."""
+
+from __future__ import annotations
+
+import hmac
+import ssl
+from pathlib import Path
+
+import grpc
+
+from embedserv.errors import ConfigError
+
+# Kubernetes probes and load balancers call health without credentials.
+_OPEN_PREFIX = "/grpc.health.v1.Health/"
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Every RPC but health needs metadata `authorization: Bearer <key>`; else UNAUTHENTICATED."""
+
+    def __init__(self, api_key: str) -> None:
+        self._key = api_key.strip().encode()
+
+    async def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method.startswith(_OPEN_PREFIX):
+            return await continuation(handler_call_details)
+        problem = self._problem(handler_call_details.invocation_metadata or ())
+        handler = await continuation(handler_call_details)
+        if problem is None or handler is None:
+            return handler
+        return _refusing(handler, problem)
+
+    def _problem(self, metadata) -> str | None:
+        values = [value for key, value in metadata if key == "authorization"]
+        if not values:
+            return "this server needs an API key: send metadata 'authorization: Bearer <key>'"
+        scheme, _, key = str(values[0]).partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            return "the authorization metadata must read 'Bearer <key>'"
+        if not hmac.compare_digest(key.strip().encode(), self._key):
+            return "the API key is wrong; send the key the server was started with"
+        return None
+
+
+def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that only refuses."""
+
+    async def refuse(request_or_iterator, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    make = kinds[(bool(handler.request_streaming), bool(handler.response_streaming))]
+    # No request deserializer: the body of a refused call is never parsed.
+    return make(refuse, response_serializer=handler.response_serializer)
+
+
+def _read_pem(path: str, flag: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {flag} {path}: {exc.strerror}") from None
+    if b"-----BEGIN " not in data:
+        raise ConfigError(f"{flag} {path} is not a PEM file")
+    return data
+
+
+def _check_pair(cert: str, key: str, client_ca: str | None) -> None:
+    """gRPC reports a bad certificate or key only as a failure to listen; ssl says which and why."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cert, key)
+    except ssl.SSLError as exc:
+        raise ConfigError(
+            f"--tls-cert {cert} and --tls-key {key} are not a usable certificate and matching key ({exc.reason})"
+        ) from None
+    if client_ca:
+        try:
+            context.load_verify_locations(client_ca)
+        except ssl.SSLError as exc:
+            raise ConfigError(f"--tls-client-ca {client_ca} holds no usable CA certificate ({exc.reason})") from None
+
+
+def server_credentials(cert: str, key: str, client_ca: str | None) -> grpc.ServerCredentials:
+    """TLS with the given chain and key; with `client_ca`, mutual TLS (clients must show a certificate)."""
+    chain = _read_pem(cert, "--tls-cert")
+    private_key = _read_pem(key, "--tls-key")
+    root = _read_pem(client_ca, "--tls-client-ca") if client_ca else None
+    _check_pair(cert, key, client_ca)
+    return grpc.ssl_server_credentials(
+        [(private_key, chain)], root_certificates=root, require_client_auth=root is not None
+    )

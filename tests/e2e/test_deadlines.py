@@ -1,0 +1,89 @@
+"""Calls whose deadline passes or whose client cancels while they wait in the queue are never computed.
+
+A real server is kept busy by long calls; short calls queued behind them expire (DEADLINE_EXCEEDED) or
+are cancelled by their client (CANCELLED). /metrics then shows that the sequences that ran are exactly
+those of the calls that succeeded, and that the others were dropped from the queue.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from tests.helpers.client import embed_request, inference_stub, response_matrix
+from tests.helpers.metrics import scrape
+from tests.helpers.server import free_port, running_server
+
+SERVED = "minilm"
+# Three calls of 64 texts near the model's 256-token limit: several seconds of work on 2 CPU cores.
+BLOCKING_CALLS = 3
+BLOCKING_TEXTS = 64
+EXPIRING_CALLS = 5
+EXPIRY_S = 0.4
+CANCELLED_INPUTS = 3
+
+
+@pytest.fixture(scope="module")
+def server(bundled_dir):
+    metrics_port = free_port()
+    args = ["--model", str(bundled_dir), "--served-model-name", SERVED, "--metrics-port", str(metrics_port)]
+    with running_server(args) as (target, proc):
+        with grpc.insecure_channel(target) as channel:
+            yield inference_stub(channel), metrics_port, proc
+
+
+def _outcome(future) -> grpc.StatusCode:
+    try:
+        future.result()
+    except grpc.FutureCancelledError:
+        return grpc.StatusCode.CANCELLED
+    except grpc.RpcError as err:
+        return err.code()
+    return grpc.StatusCode.OK
+
+
+def test_expired_and_cancelled_calls_are_never_computed(server):
+    stub, metrics_port, proc = server
+    before = scrape(metrics_port)
+    long_text = "a long text that keeps the model busy " * 30
+    blockers = [
+        stub.Embed.future(embed_request([f"{i} {long_text}"] * BLOCKING_TEXTS, truncate=True), timeout=120)
+        for i in range(BLOCKING_CALLS)
+    ]
+    time.sleep(0.3)
+    expiring = [
+        stub.Embed.future(embed_request([f"expiring call {i}"]), timeout=EXPIRY_S) for i in range(EXPIRING_CALLS)
+    ]
+    cancelled = stub.Embed.future(embed_request(["cancelled call"] * CANCELLED_INPUTS), timeout=120)
+    time.sleep(0.2)
+    assert cancelled.cancel()
+
+    assert [_outcome(f) for f in expiring] == [grpc.StatusCode.DEADLINE_EXCEEDED] * EXPIRING_CALLS
+    assert _outcome(cancelled) is grpc.StatusCode.CANCELLED
+    for future in blockers:
+        assert response_matrix(future.result()).shape == (BLOCKING_TEXTS, 384)
+    # The queue was busy for longer than the expired calls lived: the test measured what it meant to.
+    assert all(f.result().timing.total_us > EXPIRY_S * 1e6 for f in blockers[1:])
+    stub.Embed(embed_request(["after"]), timeout=30)
+    after = scrape(metrics_port)
+
+    def grew(name: str, **labels) -> float:
+        return after.value(name, **labels) - before.value(name, **labels)
+
+    calls = dict(rpc="Embed", model=SERVED)
+    assert grew("embedserv_requests_total", status="OK", **calls) == BLOCKING_CALLS + 1
+    assert grew("embedserv_requests_total", status="DEADLINE_EXCEEDED", **calls) == EXPIRING_CALLS
+    assert grew("embedserv_requests_total", status="CANCELLED", **calls) == 1
+    # What ran is exactly what succeeded: the blockers and the last call.
+    ran = grew("embedserv_batch_sequences_sum", model=SERVED, kind="prefill")
+    assert ran == BLOCKING_CALLS * BLOCKING_TEXTS + 1
+    assert grew("embedserv_batch_tokens_sum", model=SERVED, kind="prefill") == grew(
+        "embedserv_input_tokens_total", **calls
+    )
+    # And what did not run was dropped from the queue, not left there.
+    assert grew("embedserv_dropped_sequences_total", model=SERVED) == EXPIRING_CALLS + CANCELLED_INPUTS
+    assert after.value("embedserv_queue_depth", model=SERVED) == 0
+    assert proc.poll() is None
+

@@ -1,0 +1,96 @@
+"""SIGTERM under load: calls in flight complete, new ones are refused, the server exits 0.
+
+Also: what outlives --drain-timeout is cancelled and the exit is still 0; a second signal cancels at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import grpc
+import pytest
+
+from tests.helpers.client import embed_request, inference_stub, response_matrix
+from tests.helpers.server import health_status, running_server
+
+SERVED = "minilm"
+LONG_TEXT = "a text long enough to keep two cores busy for a while " * 18
+IN_FLIGHT_CALLS = 4
+TEXTS_PER_CALL = 32
+
+
+def _args(bundled_dir, drain_timeout: float) -> list[str]:
+    return ["--model", str(bundled_dir), "--served-model-name", SERVED, "--drain-timeout", str(drain_timeout)]
+
+
+def _wait_not_serving(target: str, timeout: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = health_status(target, timeout=1.0)
+        if status != "SERVING":
+            return status
+        time.sleep(0.02)
+    raise AssertionError("health still SERVING after SIGTERM")
+
+
+def _long_calls(stub, count: int, texts: int) -> list:
+    return [
+        stub.Embed.future(embed_request([f"{i} {LONG_TEXT}"] * texts, truncate=True), timeout=120) for i in range(count)
+    ]
+
+
+def _code(future) -> grpc.StatusCode:
+    try:
+        future.result()
+    except grpc.RpcError as err:
+        return err.code()
+    return grpc.StatusCode.OK
+
+
+def test_sigterm_under_load_finishes_in_flight_refuses_new_and_exits_0(bundled_dir):
+    with running_server(_args(bundled_dir, 60)) as (target, proc):
+        with grpc.insecure_channel(target) as channel:
+            stub = inference_stub(channel)
+            in_flight = _long_calls(stub, IN_FLIGHT_CALLS, TEXTS_PER_CALL)
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            unfinished = [f for f in in_flight if not f.done()]
+            assert len(unfinished) >= 2, "the load ended before SIGTERM; make the calls longer"
+            # NOT_SERVING, or the call is refused (UNAVAILABLE; CANCELLED when it raced the shutdown).
+            _wait_not_serving(target)
+            time.sleep(0.2)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Embed(embed_request(["a new call while draining"]), timeout=10)
+            assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+            for future in in_flight:  # the unfinished ones among them
+                assert response_matrix(future.result()).shape == (TEXTS_PER_CALL, 384)
+            assert proc.wait(timeout=30) == 0
+        assert "draining" in proc.log_path.read_text()
+
+
+def _cut_short(bundled_dir, drain_timeout: float, second_signal: bool) -> tuple[set, float, str]:
+    """SIGTERM while about 10 s of work runs; with `second_signal`, SIGINT once draining. The calls' codes,
+    the seconds from SIGTERM to the exit, and the server's log."""
+    with running_server(_args(bundled_dir, drain_timeout)) as (target, proc):
+        with grpc.insecure_channel(target) as channel:
+            too_long = _long_calls(inference_stub(channel), 3, 64)
+            time.sleep(0.5)
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            if second_signal:
+                _wait_not_serving(target)
+                proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=30) == 0
+            took = time.monotonic() - signalled
+            codes = {_code(f) for f in too_long}
+    return codes, took, proc.log_path.read_text()
+
+
+@pytest.mark.parametrize("drain_timeout, second_signal", [(1, False), (120, True)], ids=["timeout", "second-signal"])
+def test_what_outlives_the_drain_is_cancelled_and_the_exit_is_0(bundled_dir, drain_timeout, second_signal):
+    codes, took, log = _cut_short(bundled_dir, drain_timeout, second_signal)
+    assert codes <= {grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE}, codes
+    # The drain (1 s, or until the second signal), then stopping the worker: far less than the work needed.
+    assert took < 8, took
+    assert ("second signal" in log) == second_signal

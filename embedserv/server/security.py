@@ -8,6 +8,7 @@ from pathlib import Path
 
 import grpc
 
+from embedserv import metrics
 from embedserv.errors import ConfigError
 
 # Kubernetes probes and load balancers call health without credentials.
@@ -27,7 +28,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if problem is None or handler is None:
             return handler
-        return _refusing(handler, problem)
+        return _refusing(handler, handler_call_details.method, problem)
 
     def _problem(self, metadata) -> str | None:
         values = [value for key, value in metadata if key == "authorization"]
@@ -41,10 +42,12 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         return None
 
 
-def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that only refuses."""
+def _refusing(handler: grpc.RpcMethodHandler, method: str, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that only refuses (and counts the refusal)."""
+    rpc = method.rsplit("/", 1)[-1]
 
     async def refuse(request_or_iterator, context: grpc.aio.ServicerContext):
+        metrics.REQUESTS.labels(rpc, "", grpc.StatusCode.UNAUTHENTICATED.name).inc()
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     kinds = {

@@ -13,7 +13,8 @@ import pytest
 
 from tests.helpers.client import embed_request, inference_stub, response_matrix
 from tests.helpers.compare import assert_unit_norm
-from tests.helpers.server import health_status, open_channel, running_server
+from tests.helpers.metrics import scrape
+from tests.helpers.server import free_port, health_status, open_channel, running_server
 from tests.helpers.tls import make_pki
 
 SERVED = "minilm"
@@ -49,13 +50,15 @@ def _embed_code(stub, metadata=None) -> grpc.StatusCode:
 @pytest.fixture(scope="module")
 def key_server(bundled_dir):
     # The flag wins over an environment key; a stale one in the environment must not be what works.
-    with running_server(_server_args(bundled_dir, "--api-key", FLAG_KEY), env={"EMBEDSERV_API_KEY": "stale"}) as run:
-        yield run
+    metrics_port = free_port()
+    args = _server_args(bundled_dir, "--api-key", FLAG_KEY, "--metrics-port", str(metrics_port))
+    with running_server(args, env={"EMBEDSERV_API_KEY": "stale"}) as (target, proc):
+        yield target, proc, metrics_port
 
 
 @pytest.fixture(scope="module")
 def key_stub(key_server):
-    target, _ = key_server
+    target, _, _ = key_server
     with grpc.insecure_channel(target) as channel:
         yield inference_stub(channel)
 
@@ -95,15 +98,24 @@ def test_right_key_is_served(key_stub):
 
 
 def test_health_needs_no_key(key_server):
-    target, _ = key_server
+    target, _, _ = key_server
     assert health_status(target) == "SERVING"
     assert health_status(target, service=SERVED) == "SERVING"
 
 
 def test_key_stays_out_of_the_log(key_server, key_stub):
     _embed_code(key_stub, _bearer("wrong"))
-    _, proc = key_server
+    _, proc, _ = key_server
     assert FLAG_KEY not in proc.log_path.read_text(errors="replace")
+
+
+def test_refusals_are_counted_and_metrics_need_no_key(key_server, key_stub):
+    _, _, metrics_port = key_server
+    labels = dict(rpc="Embed", model="", status="UNAUTHENTICATED")
+    before = scrape(metrics_port).value("embedserv_requests_total", **labels)
+    assert _embed_code(key_stub, _bearer("wrong")) == grpc.StatusCode.UNAUTHENTICATED
+    assert _embed_code(key_stub) == grpc.StatusCode.UNAUTHENTICATED
+    assert scrape(metrics_port).value("embedserv_requests_total", **labels) - before == 2
 
 
 def test_key_from_the_environment(bundled_dir):

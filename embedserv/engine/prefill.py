@@ -156,6 +156,7 @@ class PrefillLoop:
         metrics.BATCH_TOKENS.labels(self.name, "prefill").observe(batch.num_tokens)
         if logger.isEnabledFor(logging.INFO):
             calls = {self._waiting[s.request_id][0].call_id for s in batch.sequences if s.request_id in self._waiting}
+            calls.discard("")  # library calls have no id
             shown = sorted(calls)[:_LOGGED_CALLS]
             more = f" +{len(calls) - len(shown)} more" if len(calls) > len(shown) else ""
             logger.info(

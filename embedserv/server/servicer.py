@@ -7,6 +7,7 @@ import time
 
 import grpc
 
+from embedserv import metrics
 from embedserv.config import ServerConfig
 from embedserv.engine.engine import Engine
 from embedserv.engine.outputs import to_little_endian_bytes
@@ -23,7 +24,6 @@ from embedserv.engine.types import (
     Timing,
 )
 from embedserv.errors import InvalidInput
-from embedserv import metrics
 from embedserv.server.calls import Call, stream_call, unary_call
 from embedserv.server.registry import InflightLimiter, ServedModels
 from embedserv.v1 import embedserv_pb2 as pb

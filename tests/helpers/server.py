@@ -124,11 +124,13 @@ def running_server(
     timeout: float = 180,
     env: dict[str, str | None] | None = None,
     credentials: grpc.ChannelCredentials | None = None,
+    cwd: Path = REPO_ROOT,
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """Run `python -m embedserv serve --host 127.0.0.1 --port P *args`; yield ("127.0.0.1:P", process).
 
     `env` overrides the server's environment (None removes a variable); `credentials` are the channel
-    credentials the readiness health checks use, for a server started with TLS."""
+    credentials the readiness health checks use, for a server started with TLS; `cwd` is the checkout
+    whose embedserv runs (`-m` imports from the working directory first)."""
     port = free_port()
     target = f"127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "embedserv", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
@@ -142,7 +144,7 @@ def running_server(
             proc_env[name] = value
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            cmd, cwd=REPO_ROOT, env=proc_env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            cmd, cwd=cwd, env=proc_env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
         )
     try:
         wait_until_serving(

@@ -34,13 +34,16 @@ KEY = "benchmark-key"
 
 def configurations(pki: Path, base: str | None) -> dict[str, tuple[list[str], Path]]:
     tls = ["--tls-cert", str(pki / "server_cert.pem"), "--tls-key", str(pki / "server_key.pem")]
-    production = ["--api-key", KEY, "--metrics-port", str(free_port())]
+
+    def production() -> list[str]:
+        return ["--api-key", KEY, "--metrics-port", str(free_port())]
+
     rows = {
         "logs at warning": (["--log-level", "warning"], REPO_ROOT),
         "default (info: a line per batch)": ([], REPO_ROOT),
-        "+ metrics port + API key": (production, REPO_ROOT),
-        "+ metrics port + API key + TLS": (production + tls, REPO_ROOT),
-        "+ metrics port + API key, JSON logs": (production + ["--log-format", "json"], REPO_ROOT),
+        "+ metrics port + API key": (production(), REPO_ROOT),
+        "+ metrics port + API key + TLS": (production() + tls, REPO_ROOT),
+        "+ metrics port + API key, JSON logs": (production() + ["--log-format", "json"], REPO_ROOT),
     }
     if base:
         rows[f"base checkout {Path(base).name} (info)"] = ([], Path(base))

@@ -8,6 +8,7 @@ is still running.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 
@@ -46,7 +47,8 @@ class EmbedServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        service = add_to_server(InferenceServicer(self.models, config, self.limiter), self.server)
+        self.servicer = InferenceServicer(self.models, config, self.limiter)
+        service = add_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
@@ -55,7 +57,6 @@ class EmbedServer:
         self.port: int | None = None
         self.metrics: MetricsServer | None = None
         self._started = False
-        self._stopping = False
         self._health_updates: set[asyncio.Task] = set()
 
     async def _set_health(self, status) -> None:
@@ -69,8 +70,6 @@ class EmbedServer:
 
     async def _update_health(self) -> None:
         """A model is SERVING while one of its workers is; the server ("") once started and all models are."""
-        if self._stopping:
-            return
         engines = self.models.engines
         for engine in engines:
             await self.health.set(engine.info.name, _SERVING if engine.is_serving else _NOT_SERVING)
@@ -113,10 +112,17 @@ class EmbedServer:
         logger.info("serving %s", ", ".join(self.models.names))
 
     async def stop(self, grace: float | None = 5.0) -> None:
-        """NOT_SERVING, refuse new calls, give those in flight `grace` seconds, then stop the engines."""
-        self._stopping = True
-        await self._set_health(_NOT_SERVING)
-        await self.server.stop(grace)
+        """NOT_SERVING, refuse new calls, give those in flight `grace` seconds, then stop the engines.
+
+        Health Watch streams see NOT_SERVING, but the drain does not wait for them (they never end on
+        their own): once the inference calls are done, what is left is cancelled."""
+        await self.health.enter_graceful_shutdown()
+        stopping = asyncio.create_task(self.server.stop(grace))
+        if grace:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.servicer.active_calls.wait_idle(), grace)
+        await self.server.stop(None)
+        await stopping
         for engine in self.models.engines:
             await engine.stop()
         if self.metrics is not None:

@@ -41,6 +41,28 @@ def _cancel_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
     return grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 else grpc.StatusCode.CANCELLED
 
 
+class ActiveCalls:
+    """Calls of the Inference service still running: what a drain waits for (health Watch streams, which
+    never end on their own, are not among them)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def enter(self) -> None:
+        self.count += 1
+        self._idle.clear()
+
+    def exit(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+
 class Call:
     """What one RPC did, counted as it happens: a stream's answered parts count even if a later part fails."""
 
@@ -94,15 +116,18 @@ def _start(rpc: str, context: grpc.aio.ServicerContext) -> Call:
 
 
 def unary_call(handler):
-    """Wraps `handler(self, request, context, call)` of a unary-response RPC."""
+    """Wraps `handler(self, request, context, call)` of a unary-response RPC (`self.active_calls` counts it)."""
 
     @functools.wraps(handler)
     async def wrapper(self, request, context):
         call = _start(handler.__name__, context)
+        self.active_calls.enter()
         try:
             response = await handler(self, request, context, call)
         except BaseException as exc:  # noqa: BLE001 - every end becomes a status, never a crash
             await _end_with_error(call, context, exc)
+        finally:
+            self.active_calls.exit()
         call.end(grpc.StatusCode.OK)
         return response
 
@@ -115,11 +140,14 @@ def stream_call(handler):
     @functools.wraps(handler)
     async def wrapper(self, request, context):
         call = _start(handler.__name__, context)
+        self.active_calls.enter()
         try:
             async for response in handler(self, request, context, call):
                 yield response
         except BaseException as exc:  # noqa: BLE001
             await _end_with_error(call, context, exc)
+        finally:
+            self.active_calls.exit()
         call.end(grpc.StatusCode.OK)
 
     return wrapper

@@ -24,7 +24,7 @@ from embedserv.engine.types import (
     Timing,
 )
 from embedserv.errors import InvalidInput
-from embedserv.server.calls import Call, stream_call, unary_call
+from embedserv.server.calls import ActiveCalls, Call, stream_call, unary_call
 from embedserv.server.registry import InflightLimiter, ServedModels
 from embedserv.v1 import embedserv_pb2 as pb
 from embedserv.v1 import embedserv_pb2_grpc as pb_grpc
@@ -140,6 +140,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.models = models
         self.config = config
         self.limiter = limiter
+        self.active_calls = ActiveCalls()
 
     def _engine(self, name: str, call: Call) -> Engine:
         engine = self.models.get(name)

@@ -5,7 +5,9 @@ Also: what outlives --drain-timeout is cancelled and the exit is still 0; a seco
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import threading
 import time
 
 import grpc
@@ -48,12 +50,29 @@ def _code(future) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
+def _watch(channel, service: str, seen: list[str]) -> threading.Thread:
+    """Collects the statuses a health Watch stream sends until the stream ends."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    def run() -> None:
+        with contextlib.suppress(grpc.RpcError):
+            for reply in health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=service)):
+                seen.append(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
 def test_sigterm_under_load_finishes_in_flight_refuses_new_and_exits_0(bundled_dir):
     with running_server(_args(bundled_dir, 60)) as (target, proc):
         with grpc.insecure_channel(target) as channel:
             stub = inference_stub(channel)
+            seen = {"": [], SERVED: []}
+            watchers = [_watch(channel, service, statuses) for service, statuses in seen.items()]
             in_flight = _long_calls(stub, IN_FLIGHT_CALLS, TEXTS_PER_CALL)
             time.sleep(0.5)
+            signalled = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             unfinished = [f for f in in_flight if not f.done()]
             assert len(unfinished) >= 2, "the load ended before SIGTERM; make the calls longer"
@@ -66,7 +85,13 @@ def test_sigterm_under_load_finishes_in_flight_refuses_new_and_exits_0(bundled_d
             for future in in_flight:  # the unfinished ones among them
                 assert response_matrix(future.result()).shape == (TEXTS_PER_CALL, 384)
             assert proc.wait(timeout=30) == 0
+            # Open Watch streams did not hold the drain to its 60 s: it ended with the inference calls.
+            assert time.monotonic() - signalled < 20
+            for watcher in watchers:
+                watcher.join(timeout=10)
         assert "draining" in proc.log_path.read_text()
+    # Watchers saw the drain as NOT_SERVING (the whole server and the model).
+    assert seen == {"": ["SERVING", "NOT_SERVING"], SERVED: ["SERVING", "NOT_SERVING"]}
 
 
 def _cut_short(bundled_dir, drain_timeout: float, second_signal: bool) -> tuple[set, float, str]:

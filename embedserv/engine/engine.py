@@ -152,7 +152,14 @@ class Engine:
     async def start(self) -> None:
         """Starts every worker and waits until all are ready; if one cannot start, stops the rest and raises."""
         starts = [asyncio.create_task(worker.start()) for worker in self.workers]
-        done, pending = await asyncio.wait(starts, return_when=asyncio.FIRST_EXCEPTION)
+        try:
+            done, pending = await asyncio.wait(starts, return_when=asyncio.FIRST_EXCEPTION)
+        except asyncio.CancelledError:
+            # The server is stopping while this model loads: stop() then ends the processes.
+            for task in starts:
+                task.cancel()
+            await asyncio.gather(*starts, return_exceptions=True)
+            raise
         failed = next((t.exception() for t in done if t.exception() is not None), None)
         if failed is not None:
             for task in pending:

@@ -57,6 +57,8 @@ class EmbedServer:
         self.port: int | None = None
         self.metrics: MetricsServer | None = None
         self._started = False
+        # The engine whose workers are starting, so that a stop during start-up ends them too.
+        self._loading: Engine | None = None
         self._health_updates: set[asyncio.Task] = set()
 
     async def _set_health(self, status) -> None:
@@ -93,17 +95,23 @@ class EmbedServer:
         if config.metrics_port is not None:
             self.metrics = MetricsServer(config.host, config.metrics_port, self.models, self.limiter)
         await self.server.start()
+        security = []
+        if config.tls_cert:
+            security.append("mutual TLS" if config.tls_client_ca else "TLS")
+        if config.api_key:
+            security.append("API key")
         logger.info(
-            "listening on %s:%d%s%s (NOT_SERVING until the models are warm)", config.host, self.port,
-            " with TLS" + (" (clients must show a certificate)" if config.tls_client_ca else "") if config.tls_cert
-            else "", ", API key required" if config.api_key else "",
+            "listening on %s:%d%s (NOT_SERVING until the models are warm)", config.host, self.port,
+            f" with {' and '.join(security)}" if security else "",
         )
         loop = asyncio.get_running_loop()
         for model_config in self.config.models:
             engine = await loop.run_in_executor(
                 None, Engine.with_worker_processes, model_config, self.config.tokenizer_threads
             )
+            self._loading = engine
             await engine.start()
+            self._loading = None
             self.models.add(engine)
             engine.add_serving_listener(self._on_serving_change)
             await self._update_health()
@@ -123,7 +131,7 @@ class EmbedServer:
                 await asyncio.wait_for(self.servicer.active_calls.wait_idle(), grace)
         await self.server.stop(None)
         await stopping
-        for engine in self.models.engines:
+        for engine in [*self.models.engines, *([self._loading] if self._loading else [])]:
             await engine.stop()
         if self.metrics is not None:
             self.metrics.stop()
@@ -141,13 +149,23 @@ async def run(config: ServerConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, signals.put_nowait, sig)
     try:
-        await server.start()
-        sig = await signals.get()
-        logger.info(
-            "%s: draining; refusing new calls, up to %.0f s for those in flight (signal again to cancel them)",
-            signal.Signals(sig).name, config.drain_timeout,
-        )
+        starting = asyncio.create_task(server.start())
+        first_signal = asyncio.create_task(signals.get())
+        await asyncio.wait((starting, first_signal), return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            # No call can be in flight yet: stop loading and exit rather than finish a long load first.
+            logger.info("%s while loading: stopping", signal.Signals(first_signal.result()).name)
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+        else:
+            starting.result()  # a start-up error ends here (exit 2)
+            logger.info(
+                "%s: draining; refusing new calls, up to %.0f s for those in flight (signal again to cancel them)",
+                signal.Signals(await first_signal).name, config.drain_timeout,
+            )
     finally:
+        first_signal.cancel()
         drain = asyncio.create_task(server.stop(config.drain_timeout))
         second = asyncio.create_task(signals.get())
         await asyncio.wait((drain, second), return_when=asyncio.FIRST_COMPLETED)

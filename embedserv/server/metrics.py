@@ -40,7 +40,8 @@ class ServerCollector(Collector):
             "embedserv_worker_busy_seconds", "Seconds a worker spent running batches", labels=["model", "worker"]
         )
         kv_usage = GaugeMetricFamily(
-            "embedserv_kv_cache_usage_ratio", "Share of the KV cache blocks in use (generating models)", labels=["model"]
+            "embedserv_kv_cache_usage_ratio", "Share of the KV cache blocks in use (generating models)",
+            labels=["model"],
         )
         kv_blocks = GaugeMetricFamily("embedserv_kv_cache_blocks", "KV cache blocks", labels=["model", "state"])
         preemptions = CounterMetricFamily(

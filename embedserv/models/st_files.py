@@ -56,7 +56,14 @@ def _read_json(path: Path) -> dict:
         raise ConfigError(f"cannot read {path}: {exc}") from exc
 
 
-def _module_kind(module_type: str) -> str:
+def _module_kind(module_type: str, modules_path: Path) -> str:
+    """Transformer, Pooling, Dense, Normalize, ... of sentence-transformers' own modules. A module of another
+    package is custom code: a class named Pooling there may pool differently, and its code never runs here."""
+    if not module_type.startswith("sentence_transformers."):
+        raise ConfigError(
+            f"{modules_path}: module {module_type} is custom code, not a sentence-transformers module; "
+            "embedserv never runs a model's own code"
+        )
     return module_type.rsplit(".", 1)[-1]
 
 
@@ -97,7 +104,7 @@ def read_sentence_transformers(model_dir: Path) -> SentenceTransformerFiles:
     pooling, include_prompt = None, True
     dense: list[DenseSpec] = []
     for module in _read_json(modules_path):
-        kind = _module_kind(module["type"])
+        kind = _module_kind(module["type"], modules_path)
         directory = model_dir / module.get("path", "")
         if kind == "Transformer":
             if module.get("path", ""):

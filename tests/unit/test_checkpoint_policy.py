@@ -222,9 +222,22 @@ def test_custom_sentence_transformers_module_is_refused_not_imported(safetensors
     modules = json.loads((model_dir / "modules.json").read_text())
     modules.append({"idx": len(modules), "name": "2", "path": "", "type": "custom_code.CustomModule"})
     (model_dir / "modules.json").write_text(json.dumps(modules))
-    with pytest.raises(ConfigError, match="custom_code.CustomModule is not supported"):
+    with pytest.raises(ConfigError, match="custom_code.CustomModule is custom code"):
         read_model_spec(ModelConfig(path=str(model_dir), served_name="m"))
     assert not marker.exists()
+
+
+def test_a_custom_module_named_like_ours_is_refused_not_taken_for_ours(safetensors_dir, tmp_path):
+    """`my_package.Pooling` may pool differently: serving it with our Pooling would give wrong embeddings."""
+    model_dir = tmp_path / "lookalike"
+    shutil.copytree(safetensors_dir, model_dir)
+    modules = json.loads((model_dir / "modules.json").read_text())
+    for module in modules:
+        if module["type"].endswith(".Pooling"):
+            module["type"] = "my_package.Pooling"
+    (model_dir / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ConfigError, match="my_package.Pooling is custom code"):
+        read_model_spec(ModelConfig(path=str(model_dir), served_name="m"))
 
 
 def test_dense_layer_follows_the_same_policy(tmp_path):

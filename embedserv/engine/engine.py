@@ -146,8 +146,10 @@ class Engine:
 
     @property
     def num_dropped(self) -> int:
-        """Queued prefill sequences dropped without running because their call went away, since the start."""
-        return self._prefill.num_dropped if self._prefill is not None else 0
+        """Queued sequences (prefill) and streams (generation) dropped without running because their call
+        went away, since the start."""
+        dropped = self._prefill.num_dropped if self._prefill is not None else 0
+        return dropped + sum(loop.num_dropped for loop in self._generation)
 
     async def start(self) -> None:
         """Starts every worker and waits until all are ready; if one cannot start, stops the rest and raises."""

@@ -29,7 +29,7 @@ from embedserv.engine.types import GenerationDelta, KvCacheUsage, SamplingParams
 from embedserv.errors import InvalidInput, NotReady
 from embedserv.executor.base import Worker, WorkerDied
 from embedserv.scheduler.block_manager import BlockManager
-from embedserv.scheduler.generation import GenerationBatch, GenerationRequest, GenerationScheduler
+from embedserv.scheduler.generation import GenerationBatch, GenerationRequest, GenerationScheduler, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,8 @@ class GenerationLoop:
         # Counters of the schedulers of earlier worker processes.
         self._past_preemptions = 0
         self._past_cached_tokens = 0
+        # Streams whose caller went away while they waited for their first step: never computed.
+        self.num_dropped = 0
         self._tokenizer_pool = tokenizer_pool
         self._streams: dict[int, _Stream] = {}
         self._ids = itertools.count()
@@ -194,6 +196,8 @@ class GenerationLoop:
                     return
         finally:
             # Also when the caller stops listening (client cancel, deadline): the blocks go back now.
+            if not stream.finished and request.status is RequestStatus.WAITING and not request.num_preemptions:
+                self.num_dropped += 1
             self._forget(stream)
 
     def _check_fits(self, prompt_tokens: int, max_tokens: int) -> None:

@@ -31,7 +31,8 @@ class ServerCollector(Collector):
         queue = GaugeMetricFamily("embedserv_queue_depth", "Sequences waiting for a batch", labels=["model"])
         dropped = CounterMetricFamily(
             "embedserv_dropped_sequences",
-            "Queued sequences dropped without running: their call was cancelled or its deadline passed",
+            "Queued sequences (and generation streams before their first step) dropped without running: "
+            "their call was cancelled or its deadline passed",
             labels=["model"],
         )
         ready = GaugeMetricFamily("embedserv_workers_ready", "Worker processes ready to run", labels=["model"])

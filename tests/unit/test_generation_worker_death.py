@@ -241,3 +241,43 @@ async def test_death_between_steps_fails_streams_without_waiting_for_the_restart
         assert worker.steps == 1 and loop.num_streams == 0
     finally:
         await loop.stop()
+
+
+class GatedWorker(FakeWorker):
+    """Each step waits for `gate`: streams added meanwhile wait for the next step."""
+
+    def __init__(self, num_kv_blocks: int) -> None:
+        super().__init__(num_kv_blocks)
+        self.gate = asyncio.Event()
+        self.computed: set[int] = set()
+
+    async def run_generation(self, batch, sampling):
+        await self.gate.wait()
+        self.computed.update(chunk.request_id for chunk in batch.chunks)
+        return await super().run_generation(batch, sampling)
+
+
+@run_async
+async def test_a_stream_cancelled_before_its_first_step_is_dropped_and_counted(pool):
+    worker = GatedWorker(16)
+    loop = make_loop(pool, worker)
+    running = asyncio.create_task(collect(loop, [1, 1, 1], 3))
+    await until(lambda: worker.steps == 0 and loop.scheduler.num_running == 1)
+    queued = asyncio.create_task(collect(loop, [1, 1], 3))
+    await until(lambda: loop.num_waiting == 1)
+    queued.cancel()  # the client went away while its stream waited
+    await asyncio.gather(queued, return_exceptions=True)
+    assert (loop.num_dropped, loop.num_waiting) == (1, 0)
+
+    worker.gate.set()
+    assert_complete(await running, 3, 3)
+    assert len(worker.computed) == 1, "the dropped stream never joined a step"
+    # A stream cancelled after it ran is not a dropped one.
+    worker.gate.clear()
+    started = asyncio.create_task(collect(loop, [1, 1, 1], 3))
+    await until(lambda: loop.scheduler.num_running == 1)
+    started.cancel()
+    await asyncio.gather(started, return_exceptions=True)
+    assert loop.num_dropped == 1
+    worker.gate.set()
+    await loop.stop()

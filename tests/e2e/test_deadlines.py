@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from tests.helpers.client import embed_request, inference_stub, response_matrix
+from tests.helpers.client import embed_request, inference_stub, outcome, response_matrix
 from tests.helpers.metrics import scrape
 from tests.helpers.server import free_port, running_server
 
@@ -34,16 +34,6 @@ def server(bundled_dir):
             yield inference_stub(channel), metrics_port, proc
 
 
-def _outcome(future) -> grpc.StatusCode:
-    try:
-        future.result()
-    except grpc.FutureCancelledError:
-        return grpc.StatusCode.CANCELLED
-    except grpc.RpcError as err:
-        return err.code()
-    return grpc.StatusCode.OK
-
-
 def test_expired_and_cancelled_calls_are_never_computed(server):
     stub, metrics_port, proc = server
     before = scrape(metrics_port)
@@ -60,8 +50,8 @@ def test_expired_and_cancelled_calls_are_never_computed(server):
     time.sleep(0.2)
     assert cancelled.cancel()
 
-    assert [_outcome(f) for f in expiring] == [grpc.StatusCode.DEADLINE_EXCEEDED] * EXPIRING_CALLS
-    assert _outcome(cancelled) is grpc.StatusCode.CANCELLED
+    assert [outcome(f) for f in expiring] == [grpc.StatusCode.DEADLINE_EXCEEDED] * EXPIRING_CALLS
+    assert outcome(cancelled) is grpc.StatusCode.CANCELLED
     for future in blockers:
         assert response_matrix(future.result()).shape == (BLOCKING_TEXTS, 384)
     # The queue was busy for longer than the expired calls lived: the test measured what it meant to.

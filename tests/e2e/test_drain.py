@@ -15,7 +15,7 @@ import time
 import grpc
 import pytest
 
-from tests.helpers.client import embed_request, inference_stub, response_matrix
+from tests.helpers.client import embed_request, inference_stub, outcome, response_matrix
 from tests.helpers.processes import survivors, wait_for, worker_pids
 from tests.helpers.server import REPO_ROOT, free_port, health_status, running_server, server_env, stop_process
 
@@ -43,14 +43,6 @@ def _long_calls(stub, count: int, texts: int) -> list:
     return [
         stub.Embed.future(embed_request([f"{i} {LONG_TEXT}"] * texts, truncate=True), timeout=120) for i in range(count)
     ]
-
-
-def _code(future) -> grpc.StatusCode:
-    try:
-        future.result()
-    except grpc.RpcError as err:
-        return err.code()
-    return grpc.StatusCode.OK
 
 
 def _watch(channel, service: str, seen: list[str]) -> threading.Thread:
@@ -111,7 +103,7 @@ def _cut_short(bundled_dir, drain_timeout: float, second_signal: bool) -> tuple[
                 proc.send_signal(signal.SIGINT)
             assert proc.wait(timeout=30) == 0
             took = time.monotonic() - signalled
-            codes = [_code(f) for f in too_long]
+            codes = [outcome(f) for f in too_long]
     return codes, took, proc.log_path.read_text()
 
 

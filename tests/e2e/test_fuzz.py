@@ -27,15 +27,28 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers.client import inference_stub
+from tests.helpers.fuzz_requests import (
+    CHARS,
+    CLASSIFIER,
+    CROSS,
+    EMBEDDER,
+    GEN,
+    MAX_CLIENT_BATCH,
+    MAX_INPUT_CHARS,
+    SERVED,
+    pb_module,
+    classify_requests,
+    embed_requests,
+    generate_requests,
+    list_models_requests,
+    mostly,
+    rerank_requests,
+    tokenize_requests,
+)
 from tests.helpers.models import build_tiny_generator
 from tests.helpers.scorers import build_cross_encoder
 from tests.helpers.server import health_status, log_tail, running_server
 
-EMBEDDER, CROSS, CLASSIFIER, GEN = "minilm", "tiny-ce", "tiny-cls", "tiny-llama"
-# The embedder comes first, so an empty model name means it.
-SERVED = (EMBEDDER, CROSS, CLASSIFIER, GEN)
-MAX_INPUT_CHARS = 300
-MAX_CLIENT_BATCH = 8
 CALL_TIMEOUT_S = 30.0
 EXAMPLES = int(os.environ.get("EMBEDSERV_FUZZ_EXAMPLES", "30"))
 
@@ -50,161 +63,6 @@ FUZZ_SETTINGS = settings(
     derandomize=True,
     database=None,
 )
-
-
-def _pb():
-    from embedserv.v1 import embedserv_pb2 as pb
-
-    return pb
-
-
-# --- strategies ---------------------------------------------------------------------------------------------
-# Each field is usually valid and now and then wild, so a good share of requests gets past validation into
-# tokenization, batching and the model, where the less obvious failures live.
-
-# Protobuf strings must be valid UTF-8, so no lone surrogates; everything else (NUL, controls, emoji) is fair.
-CHARS = st.characters(blacklist_categories=("Cs",))
-WORDS = ("hello", "world", "zip", "file", "the", "fox", "[CLS]", "[SEP]", "[PAD]", "[UNK]", "<s>", "</s>", "##ing")
-INT32 = st.integers(-(2**31), 2**31 - 1)
-UINT32 = st.integers(0, 2**32 - 1)
-# Float fields are float32 on the wire; st.floats(width=32) draws nan, +-inf, -0.0, subnormals and huge values.
-FLOAT32 = st.floats(width=32)
-
-
-@st.composite
-def mostly(draw, usual: st.SearchStrategy, unusual: st.SearchStrategy, one_in: int = 8):
-    """A draw from `unusual` one time in `one_in`, else from `usual` (shrinking leads back to `usual`)."""
-    return draw(unusual if draw(st.integers(0, one_in - 1)) == one_in - 1 else usual)
-
-
-short_texts = st.one_of(st.text(CHARS, max_size=40), st.lists(st.sampled_from(WORDS), max_size=30).map(" ".join))
-nonempty_texts = st.one_of(
-    st.text(CHARS, min_size=1, max_size=40), st.lists(st.sampled_from(WORDS), min_size=1, max_size=30).map(" ".join)
-)
-# Around the --max-input-chars limit, and past the 128/256-token windows of the encoders once tokenized.
-long_texts = st.text(CHARS, min_size=MAX_INPUT_CHARS - 5, max_size=MAX_INPUT_CHARS + 60)
-texts = mostly(short_texts, long_texts, one_in=12)
-# 1..8 inputs; sometimes none, or more than --max-client-batch-size.
-text_lists = mostly(st.lists(texts, min_size=1, max_size=MAX_CLIENT_BATCH), st.lists(texts, max_size=10))
-
-
-def model_names(*preferred: str) -> st.SearchStrategy[str]:
-    """Mostly models that can answer the RPC; else any served model, "" (the first one) or a random name."""
-    others = st.one_of(st.sampled_from((*SERVED, "")), st.text(CHARS, max_size=20))
-    return mostly(st.sampled_from(preferred), others, one_in=6)
-
-
-def enum_values(*valid: int) -> st.SearchStrategy[int]:
-    # proto3 enums are open: any int32 reaches the server.
-    return mostly(st.sampled_from(valid), INT32)
-
-
-def prompt_names() -> st.SearchStrategy[str]:
-    """Mostly none; the served models define no prompts, so any name is one they do not know."""
-    return mostly(st.just(""), st.one_of(st.sampled_from(("query", "document")), st.text(CHARS, max_size=10)))
-
-
-def optional(strategy: st.SearchStrategy) -> st.SearchStrategy:
-    """None leaves the field unset."""
-    return st.one_of(st.none(), strategy)
-
-
-def message(cls, **fields: st.SearchStrategy) -> st.SearchStrategy:
-    return st.fixed_dictionaries(fields).map(lambda drawn: cls(**{k: v for k, v in drawn.items() if v is not None}))
-
-
-def embed_requests() -> st.SearchStrategy:
-    pb = _pb()
-    return message(
-        pb.EmbedRequest,
-        model=model_names(EMBEDDER),
-        inputs=text_lists,
-        normalize=optional(st.booleans()),
-        truncate=st.booleans(),
-        truncation_direction=enum_values(0, 1),
-        dimensions=optional(mostly(st.integers(1, 384), UINT32)),
-        prompt_name=prompt_names(),
-        encoding=enum_values(0, 1),
-    )
-
-
-def tokenize_requests() -> st.SearchStrategy:
-    pb = _pb()
-    return message(
-        pb.TokenizeRequest,
-        model=model_names(*SERVED),
-        inputs=text_lists,
-        add_special_tokens=optional(st.booleans()),
-        prompt_name=prompt_names(),
-    )
-
-
-def rerank_requests() -> st.SearchStrategy:
-    pb = _pb()
-    return message(
-        pb.RerankRequest,
-        model=model_names(CROSS, EMBEDDER),
-        query=mostly(nonempty_texts, texts),
-        documents=text_lists,
-        top_n=optional(mostly(st.integers(0, 10), UINT32)),
-        return_documents=st.booleans(),
-        raw_scores=st.booleans(),
-        truncate=st.booleans(),
-        instruction=mostly(st.just(""), texts),
-    )
-
-
-def classify_requests() -> st.SearchStrategy:
-    pb = _pb()
-    return message(
-        pb.ClassifyRequest,
-        model=model_names(CLASSIFIER, CROSS),
-        inputs=text_lists,
-        truncate=st.booleans(),
-        truncation_direction=enum_values(0, 1),
-        raw_scores=st.booleans(),
-    )
-
-
-def generate_requests() -> st.SearchStrategy:
-    pb = _pb()
-    return message(
-        pb.GenerateRequest,
-        model=model_names(GEN),
-        prompt=mostly(nonempty_texts, texts),
-        # Mostly short so generation stays fast; the huge ones are past any context and must be refused.
-        max_tokens=mostly(st.integers(1, 40), st.sampled_from((0, 513, 100_000, 2**32 - 1))),
-        temperature=mostly(st.floats(0, 2), FLOAT32),
-        top_p=mostly(st.floats(0, 1), FLOAT32),
-        top_k=mostly(st.integers(0, 50), UINT32),
-        seed=optional(st.integers(0, 2**64 - 1)),
-        stop=mostly(st.lists(st.text(CHARS, min_size=1, max_size=3), max_size=3), st.lists(texts, max_size=4)),
-        ignore_eos=st.booleans(),
-    )
-
-
-def _unknown_field(number: int, value: int | bytes) -> bytes:
-    """One field in protobuf wire format: a varint, or length-delimited bytes."""
-    def varint(n: int) -> bytes:
-        out = bytearray()
-        while True:
-            out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
-            n >>= 7
-            if not n:
-                return bytes(out)
-
-    if isinstance(value, int):
-        return varint(number << 3) + varint(value)
-    return varint(number << 3 | 2) + varint(len(value)) + value
-
-
-def list_models_requests() -> st.SearchStrategy:
-    # ListModelsRequest has no fields; fields a newer client might send arrive as unknown fields.
-    pb = _pb()
-    unknown = st.tuples(st.integers(1, 2**29 - 1), st.one_of(st.integers(0, 2**64 - 1), st.binary(max_size=20)))
-    return st.lists(unknown, max_size=4).map(
-        lambda fields: pb.ListModelsRequest.FromString(b"".join(_unknown_field(n, v) for n, v in fields))
-    )
 
 
 # --- the server and the checks ------------------------------------------------------------------------------
@@ -269,7 +127,7 @@ def served(tmp_path_factory, bundled_dir):
 
 
 def assert_healthy(served: Served) -> None:
-    pb = _pb()
+    pb = pb_module()
     assert served.proc.poll() is None, f"server exited; log tail:\n{log_tail(served.proc.log_path)}"
     assert health_status(served.target, timeout=CALL_TIMEOUT_S) == "SERVING"
     reply = served.stub.Embed(pb.EmbedRequest(model=EMBEDDER, inputs=["hello"]), timeout=CALL_TIMEOUT_S)
@@ -327,7 +185,7 @@ def send_classify(stub, request, timeout: float) -> None:
 def send_generate(stub, request, timeout: float) -> None:
     replies = list(stub.Generate(request, timeout=timeout))
     # The last message carries the finish reason; no more than max_tokens tokens come back.
-    assert replies and replies[-1].finish_reason != _pb().FINISH_REASON_UNSPECIFIED
+    assert replies and replies[-1].finish_reason != pb_module().FINISH_REASON_UNSPECIFIED
     assert sum(len(r.token_ids) for r in replies) <= request.max_tokens
 
 
@@ -412,7 +270,7 @@ def _wait_for_free_kv_blocks(stub, timeout: float = 10.0) -> int:
     """The generator's used KV blocks once they reach 0, or after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:
-        models = stub.ListModels(_pb().ListModelsRequest(), timeout=CALL_TIMEOUT_S).models
+        models = stub.ListModels(pb_module().ListModelsRequest(), timeout=CALL_TIMEOUT_S).models
         used = next(m.kv_cache.used_blocks for m in models if m.name == GEN)
         if used == 0 or time.monotonic() > deadline:
             return used

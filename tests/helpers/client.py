@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grpc
 import numpy as np
 
 RPC_TIMEOUT_S = 120.0
@@ -37,3 +38,14 @@ def embed_all(stub, texts: list[str], chunk: int, **fields) -> tuple[np.ndarray,
         for i in range(0, len(texts), chunk)
     ]
     return np.concatenate([response_matrix(r) for r in responses]), responses
+
+
+def outcome(future) -> grpc.StatusCode:
+    """How a call started with `stub.Method.future(...)` ended; CANCELLED also when this client cancelled it."""
+    try:
+        future.result()
+    except grpc.FutureCancelledError:
+        return grpc.StatusCode.CANCELLED
+    except grpc.RpcError as err:
+        return err.code()
+    return grpc.StatusCode.OK

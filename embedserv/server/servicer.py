@@ -111,6 +111,15 @@ def generate_response(delta: GenerationDelta) -> pb.GenerateResponse:
     )
 
 
+def server_limits(config: ServerConfig) -> pb.ServerLimits:
+    return pb.ServerLimits(
+        max_client_batch_size=config.max_client_batch_size,
+        max_input_chars=config.max_input_chars,
+        max_concurrent_requests=config.max_concurrent_requests,
+        max_receive_message_bytes=config.max_receive_message_bytes,
+    )
+
+
 def model_info(info: ModelInfo, kv_cache: KvCacheUsage | None = None) -> pb.ModelInfo:
     return pb.ModelInfo(
         name=info.name,
@@ -228,7 +237,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     @unary_call
     async def ListModels(self, request, context, call):
-        return pb.ListModelsResponse(models=[model_info(e.info, e.kv_cache_usage()) for e in self.models.engines])
+        models = [model_info(e.info, e.kv_cache_usage()) for e in self.models.engines]
+        return pb.ListModelsResponse(models=models, limits=server_limits(self.config))
 
     @unary_call
     async def Rerank(self, request, context, call):

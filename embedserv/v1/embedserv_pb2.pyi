@@ -324,8 +324,22 @@ class KvCache(_message.Message):
     cached_prompt_tokens: int
     def __init__(self, block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., preemptions: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
+class ServerLimits(_message.Message):
+    __slots__ = ("max_client_batch_size", "max_input_chars", "max_concurrent_requests", "max_receive_message_bytes")
+    MAX_CLIENT_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_INPUT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONCURRENT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RECEIVE_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    max_client_batch_size: int
+    max_input_chars: int
+    max_concurrent_requests: int
+    max_receive_message_bytes: int
+    def __init__(self, max_client_batch_size: _Optional[int] = ..., max_input_chars: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_receive_message_bytes: _Optional[int] = ...) -> None: ...
+
 class ListModelsResponse(_message.Message):
-    __slots__ = ("models",)
+    __slots__ = ("models", "limits")
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
-    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+    limits: ServerLimits
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ...) -> None: ...

@@ -283,6 +283,11 @@ def test_list_models_describes_minilm(stub, pb):
     assert "Bert" in info.architecture
     assert list(info.prompt_names) == []
     assert info.dtype == "float32"
+    # The limits a client sizes its requests by: the flag given, the defaults otherwise.
+    assert response.limits.max_client_batch_size == CLIENT_BATCH
+    assert response.limits.max_input_chars == 100_000
+    assert response.limits.max_concurrent_requests == 512
+    assert response.limits.max_receive_message_bytes == (CLIENT_BATCH + 1) * (4 * 100_000 + 16) + 64 * 1024
 
 
 def test_tokenize_matches_the_reference_tokenizer(stub, pb, bundled_reference):

@@ -1,4 +1,4 @@
-"""The checked-in stubs are exactly what proto/generate.py makes from the .proto today."""
+"""The checked-in stubs (server and client copies) are exactly what proto/generate.py makes from the .proto today."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STUBS = ("embedserv_pb2.py", "embedserv_pb2.pyi", "embedserv_pb2_grpc.py")
+# The server's copy and the client package's copy.
+FOLDERS = ("embedserv/v1", "clients/python/embedserv_client/v1")
 
 
 @pytest.fixture(scope="module")
@@ -23,16 +25,17 @@ def regenerated(tmp_path_factory: pytest.TempPathFactory) -> Path:
         timeout=120,
     )
     assert result.returncode == 0, f"proto/generate.py failed:\n{result.stdout}\n{result.stderr}"
-    return out / "embedserv" / "v1"
+    return out
 
 
+@pytest.mark.parametrize("folder", FOLDERS)
 @pytest.mark.parametrize("name", STUBS)
-def test_checked_in_stub_matches_generator(regenerated: Path, name: str) -> None:
-    checked_in = REPO_ROOT / "embedserv" / "v1" / name
-    fresh = regenerated / name
-    assert fresh.exists(), f"proto/generate.py did not write {name}"
-    assert checked_in.exists(), f"embedserv/v1/{name} is missing: run `make proto` and commit the stubs"
+def test_checked_in_stub_matches_generator(regenerated: Path, folder: str, name: str) -> None:
+    checked_in = REPO_ROOT / folder / name
+    fresh = regenerated / folder / name
+    assert fresh.exists(), f"proto/generate.py did not write {folder}/{name}"
+    assert checked_in.exists(), f"{folder}/{name} is missing: run `make proto` and commit the stubs"
     assert checked_in.read_bytes() == fresh.read_bytes(), (
-        f"embedserv/v1/{name} differs from what proto/embedserv/v1/embedserv.proto generates: "
+        f"{folder}/{name} differs from what proto/embedserv/v1/embedserv.proto generates: "
         "run `make proto` and commit the regenerated stubs"
     )

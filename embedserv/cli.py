@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tokenizer-threads", type=int, default=1, help="tokenizer threads per model")
     serve.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="on SIGTERM/SIGINT, how long in-flight calls may take to finish")
+    serve.add_argument("--max-connection-age", type=float, default=None, metavar="SECONDS",
+                       help="close each client connection after about this long (calls in flight finish); "
+                            "round-robin clients then re-resolve DNS and find new replicas (default: never)")
     serve.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
     serve.add_argument("--api-key", default=None,
@@ -145,6 +148,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         tokenizer_threads=args.tokenizer_threads,
         drain_timeout=args.drain_timeout,
         metrics_port=args.metrics_port,
+        max_connection_age=args.max_connection_age,
         # The environment keeps the key out of `ps`; the flag wins when both are given.
         api_key=args.api_key if args.api_key is not None else os.environ.get("EMBEDSERV_API_KEY") or None,
         tls_cert=args.tls_cert,

@@ -162,6 +162,9 @@ class ServerConfig:
     drain_timeout: float = 30.0
     # Prometheus /metrics over HTTP on this port (same host as gRPC); None: no metrics server.
     metrics_port: int | None = None
+    # Close (GOAWAY) each client connection after about this many seconds, so that round-robin clients of a
+    # headless Service resolve the name again and find replicas added since. None: connections live on.
+    max_connection_age: float | None = None
     # Every RPC but health needs `authorization: Bearer <api_key>` metadata when set.
     api_key: str | None = field(default=None, repr=False)
     # TLS: PEM certificate chain and key; with a client CA, clients must present a certificate it signed.
@@ -195,6 +198,8 @@ class ServerConfig:
             raise ConfigError(f"--drain-timeout must be 0 seconds or more, not {self.drain_timeout}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be in 0..65535, not {self.metrics_port}")
+        if self.max_connection_age is not None and not self.max_connection_age > 0:
+            raise ConfigError(f"--max-connection-age must be more than 0 seconds, not {self.max_connection_age}")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("the API key is empty; give a non-empty --api-key (or EMBEDSERV_API_KEY) or none")
         if (self.tls_cert is None) != (self.tls_key is None):

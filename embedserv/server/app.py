@@ -30,6 +30,22 @@ _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+def server_options(config: ServerConfig) -> list[tuple[str, int]]:
+    options = [
+        # A request past this is refused (RESOURCE_EXHAUSTED) before it is parsed. Responses are
+        # bounded by the requests they answer; clients set their own receive limit.
+        ("grpc.max_receive_message_length", config.max_receive_message_bytes),
+        ("grpc.max_send_message_length", -1),
+        # gRPC shares ports by default: a second server on a busy port would start silently.
+        ("grpc.so_reuseport", 0),
+    ]
+    if config.max_connection_age is not None:
+        # gRPC jitters the age by +-10% so that clients do not reconnect in step; with no grace option
+        # set, calls in flight on a closing connection run to their end.
+        options.append(("grpc.max_connection_age_ms", max(1, round(config.max_connection_age * 1000))))
+    return options
+
+
 class EmbedServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
@@ -38,14 +54,7 @@ class EmbedServer:
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(
             interceptors=[ApiKeyInterceptor(config.api_key)] if config.api_key else None,
-            options=[
-                # A request past this is refused (RESOURCE_EXHAUSTED) before it is parsed. Responses are
-                # bounded by the requests they answer; clients set their own receive limit.
-                ("grpc.max_receive_message_length", config.max_receive_message_bytes),
-                ("grpc.max_send_message_length", -1),
-                # gRPC shares ports by default: a second server on a busy port would start silently.
-                ("grpc.so_reuseport", 0),
-            ],
+            options=server_options(config),
         )
         self.servicer = InferenceServicer(self.models, config, self.limiter)
         service = add_to_server(self.servicer, self.server)

@@ -12,6 +12,7 @@ from embedserv.cli import build_parser, server_config
 from embedserv.config import ModelConfig, ServerConfig
 from embedserv.errors import ConfigError, Overloaded
 from embedserv.logs import REQUEST_ID, JsonFormatter
+from embedserv.server.app import server_options
 from embedserv.server.registry import InflightLimiter
 
 MODEL = (ModelConfig(path="/models/m", served_name="m"),)
@@ -27,6 +28,7 @@ MODEL = (ModelConfig(path="/models/m", served_name="m"),)
         (dict(drain_timeout=-1), "--drain-timeout"),
         (dict(metrics_port=70000), "--metrics-port"),
         (dict(max_input_chars=0), "--max-input-chars"),
+        (dict(max_connection_age=0), "--max-connection-age"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_flag(fields, flag):
@@ -70,6 +72,14 @@ def test_production_flags_reach_the_config():
     assert (config.max_input_chars, config.drain_timeout, config.metrics_port) == (123, 7.5, 9100)
     assert (config.tls_cert, config.tls_key, config.tls_client_ca) == ("c.pem", "k.pem", "ca.pem")
     assert config.models[0].allow_pickle
+
+
+def test_max_connection_age_becomes_the_grpc_option_only_when_set():
+    assert "grpc.max_connection_age_ms" not in dict(server_options(_config([])))
+    options = dict(server_options(_config(["--max-connection-age", "2.5"])))
+    assert options["grpc.max_connection_age_ms"] == 2500
+    # No grace option: a call in flight on a closing connection runs to its end.
+    assert "grpc.max_connection_age_grace_ms" not in options
 
 
 def _record(message: str, exc_info=None) -> logging.LogRecord:

@@ -21,8 +21,9 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 	$(BIN)/pip install -e .
 	touch $@
 
-$(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
-	$(BIN)/pip install -e '.[test]'
+# The client package (clients/python) is tested against live servers, so tests install it too.
+$(VENV)/.installed-test: pyproject.toml clients/python/pyproject.toml $(VENV)/.torch
+	$(BIN)/pip install -e '.[test]' -e clients/python
 	touch $@
 
 serve: $(VENV)/.installed

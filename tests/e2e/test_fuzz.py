@@ -45,8 +45,7 @@ from tests.helpers.fuzz_requests import (
     rerank_requests,
     tokenize_requests,
 )
-from tests.helpers.models import build_tiny_generator
-from tests.helpers.scorers import build_cross_encoder
+from tests.helpers.scorers import every_task_models
 from tests.helpers.server import health_status, log_tail, running_server
 
 CALL_TIMEOUT_S = 30.0
@@ -109,12 +108,7 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, bundled_dir):
     root = tmp_path_factory.mktemp("e2e-fuzz")
-    model_dirs = {
-        EMBEDDER: bundled_dir,
-        CROSS: build_cross_encoder(root, "bert"),
-        CLASSIFIER: build_cross_encoder(root, "xlm-roberta", num_labels=3),
-        GEN: build_tiny_generator(root, "llama", seed=5),
-    }
+    model_dirs = every_task_models(root, bundled_dir, (EMBEDDER, CROSS, CLASSIFIER, GEN))
     # Small limits, so random requests reach them cheaply; a small KV cache makes start-up quick.
     args = ["--dtype", "float32", "--device", "cpu", "--max-client-batch-size", str(MAX_CLIENT_BATCH),
             "--max-concurrent-requests", "64", "--max-input-chars", str(MAX_INPUT_CHARS),

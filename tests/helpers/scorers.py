@@ -12,7 +12,13 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from tests.helpers.models import _bundled_tokenizer, _config, _perturb_constant_parameters, save_random_decoder
+from tests.helpers.models import (
+    _bundled_tokenizer,
+    _config,
+    _perturb_constant_parameters,
+    build_tiny_generator,
+    save_random_decoder,
+)
 
 CROSS_ENCODER_ARCHS = ("bert", "roberta", "xlm-roberta")
 CLASSIFIER_DECODER_ARCHS = ("llama", "qwen2", "qwen3")
@@ -238,3 +244,15 @@ def classifier_reference(model_dir, texts: list[str] | None, pairs: list[tuple[s
     if not rows:
         return np.zeros((0, model.config.num_labels), dtype=np.float32)
     return np.stack(rows).astype(np.float32)
+
+
+def every_task_models(root: Path, embedder_dir: Path, names: tuple[str, str, str, str]) -> dict[str, Path]:
+    """One model per task, by served name: `embedder_dir` (embed), a BERT cross-encoder (rerank), a
+    3-label XLM-R classifier (classify) and a tiny Llama (generate). `names` in that order."""
+    embedder, cross, classifier, generator = names
+    return {
+        embedder: embedder_dir,
+        cross: build_cross_encoder(root, "bert"),
+        classifier: build_cross_encoder(root, "xlm-roberta", num_labels=3),
+        generator: build_tiny_generator(root, "llama", seed=5),
+    }

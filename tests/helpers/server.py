@@ -125,15 +125,18 @@ def running_server(
     env: dict[str, str | None] | None = None,
     credentials: grpc.ChannelCredentials | None = None,
     cwd: Path = REPO_ROOT,
+    host: str = "127.0.0.1",
+    port: int | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Run `python -m embedserv serve --host 127.0.0.1 --port P *args`; yield ("127.0.0.1:P", process).
+    """Run `python -m embedserv serve --host HOST --port P *args`; yield ("HOST:P", process).
 
     `env` overrides the server's environment (None removes a variable); `credentials` are the channel
     credentials the readiness health checks use, for a server started with TLS; `cwd` is the checkout
-    whose embedserv runs (`-m` imports from the working directory first)."""
-    port = free_port()
-    target = f"127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "embedserv", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    whose embedserv runs (`-m` imports from the working directory first). `host` is a loopback address
+    (127.0.0.2 too: all of 127/8 is local); `port` defaults to a free one."""
+    port = free_port() if port is None else port
+    target = f"{host}:{port}"
+    cmd = [sys.executable, "-m", "embedserv", "serve", "--host", host, "--port", str(port), *args]
     log_dir = Path(tempfile.mkdtemp(prefix="embedserv-test-"))
     log_path = log_dir / "server.log"
     proc_env = server_env()

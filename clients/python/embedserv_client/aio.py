@@ -1,0 +1,239 @@
+"""The asyncio client: `await AsyncClient(target).embed(texts)`; the same calls as Client.
+
+Create it inside the event loop that uses it (`async with AsyncClient(...) as client:`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from embedserv_client import plans
+from embedserv_client.base import ClientSettings
+from embedserv_client.options import RetryPolicy, Tls, time_left
+from embedserv_client.streams import AsyncTextStream
+from embedserv_client.types import Classification, Limits, ModelInfo, RerankResult, Token, error_from
+from embedserv_client.v1 import embedserv_pb2 as pb
+from embedserv_client.v1 import embedserv_pb2_grpc as pb_grpc
+
+
+class AsyncClient(ClientSettings):
+    """The arguments are Client's. `parallel_requests` bounds the requests in flight across all
+    split calls of this client."""
+
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        api_key: str | None = None,
+        tls: bool | Tls = False,
+        *,
+        model: str = "",
+        timeout: float | None = 60.0,
+        retry: RetryPolicy | None = None,
+        batch_size: int | None = None,
+        parallel_requests: int = 4,
+        load_balancing: str | None = "round_robin",
+        options: Sequence[tuple[str, object]] = (),
+    ):
+        super().__init__(
+            target, api_key, tls, model, timeout, retry, batch_size, parallel_requests, load_balancing, options
+        )
+        args = self.channel_args()
+        make = grpc.aio.secure_channel if "credentials" in args else grpc.aio.insecure_channel
+        self.channel = make(**args)
+        self._stub = pb_grpc.InferenceStub(self.channel)
+        self._slots = asyncio.Semaphore(parallel_requests)
+
+    async def embed(
+        self,
+        texts: str | Sequence[str],
+        *,
+        model: str | None = None,
+        normalize: bool | None = None,
+        truncate: bool = False,
+        truncation_direction: str = "right",
+        dimensions: int | None = None,
+        prompt_name: str | None = None,
+        timeout: float | None = None,
+    ) -> np.ndarray:
+        items, single = plans.as_list(texts, "texts")
+        fields = plans.embed_fields(
+            self.model_name(model), normalize, truncate, truncation_direction, dimensions, prompt_name
+        )
+        deadline = self.deadline(timeout)
+        return await self._run(plans.embed_plan(items, await self._batch_size(deadline), single, **fields), deadline)
+
+    async def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        top_n: int | None = None,
+        return_documents: bool = False,
+        raw_scores: bool = False,
+        truncate: bool = False,
+        instruction: str = "",
+        model: str | None = None,
+        timeout: float | None = None,
+    ) -> list[RerankResult]:
+        items, _ = plans.as_list(documents, "documents")
+        fields = self.rerank_fields(model, return_documents, raw_scores, truncate, instruction)
+        deadline = self.deadline(timeout)
+        size = await self._batch_size(deadline)
+        return await self._run(plans.rerank_plan(query, items, size, top_n, **fields), deadline)
+
+    async def classify(
+        self,
+        texts: str | Sequence[str],
+        *,
+        raw_scores: bool = False,
+        truncate: bool = False,
+        truncation_direction: str = "right",
+        model: str | None = None,
+        timeout: float | None = None,
+    ) -> Classification | list[Classification]:
+        items, single = plans.as_list(texts, "texts")
+        fields = self.classify_fields(model, raw_scores, truncate, truncation_direction)
+        deadline = self.deadline(timeout)
+        size = await self._batch_size(deadline)
+        return await self._run(plans.classify_plan(items, size, single, **fields), deadline)
+
+    async def tokenize(
+        self,
+        texts: str | Sequence[str],
+        *,
+        add_special_tokens: bool = True,
+        prompt_name: str | None = None,
+        model: str | None = None,
+        timeout: float | None = None,
+    ) -> list[Token] | list[list[Token]]:
+        items, single = plans.as_list(texts, "texts")
+        fields = self.tokenize_fields(model, add_special_tokens, prompt_name)
+        deadline = self.deadline(timeout)
+        size = await self._batch_size(deadline)
+        return await self._run(plans.tokenize_plan(items, size, single, **fields), deadline)
+
+    def generate(
+        self,
+        prompt: str,
+        *,
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: Sequence[str] | str | None = None,
+        ignore_eos: bool = False,
+        model: str | None = None,
+        timeout: float | None = None,
+    ) -> AsyncTextStream:
+        """`async for text in client.generate(...)` (no await before it)."""
+        request = plans.generate_request(
+            prompt, self.model_name(model), max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos
+        )
+        return AsyncTextStream(
+            lambda left: self._stub.Generate(request, timeout=left, metadata=self.metadata),
+            self.retry,
+            self.deadline(timeout),
+        )
+
+    async def embed_stream(
+        self,
+        batches: Iterable[Sequence[str]] | AsyncIterable[Sequence[str]],
+        *,
+        timeout: float | None = None,
+        **params,
+    ) -> AsyncIterator[np.ndarray]:
+        """As Client.embed_stream; `batches` may be an async iterable."""
+        fields = plans.embed_fields(
+            self.model_name(params.pop("model", None)),
+            params.pop("normalize", None),
+            params.pop("truncate", False),
+            params.pop("truncation_direction", "right"),
+            params.pop("dimensions", None),
+            params.pop("prompt_name", None),
+        )
+        if params:
+            raise TypeError(f"embed_stream() got unexpected arguments: {', '.join(sorted(params))}")
+
+        async def requests():
+            if isinstance(batches, AsyncIterable):
+                async for batch in batches:
+                    yield pb.EmbedRequest(inputs=list(batch), encoding=pb.ENCODING_BYTES, **fields)
+            else:
+                for batch in batches:
+                    yield pb.EmbedRequest(inputs=list(batch), encoding=pb.ENCODING_BYTES, **fields)
+
+        call = self._stub.EmbedStream(requests(), timeout=time_left(self.deadline(timeout)), metadata=self.metadata)
+        try:
+            async for reply in call:
+                yield plans.embedding_matrix([reply])
+        except grpc.RpcError as err:
+            raise error_from(err) from None
+        finally:
+            call.cancel()
+
+    async def models(self, *, timeout: float | None = None) -> list[ModelInfo]:
+        reply = await self._list_models(self.deadline(timeout))
+        return [ModelInfo.from_proto(m) for m in reply.models]
+
+    async def limits(self, *, timeout: float | None = None) -> Limits:
+        if self._limits is None:
+            self._limits = Limits.from_proto((await self._list_models(self.deadline(timeout))).limits)
+        return self._limits
+
+    async def health(self, service: str = "", *, timeout: float | None = None) -> str:
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        reply = await self._call(stub.Check, health_pb2.HealthCheckRequest(service=service), self.deadline(timeout))
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    # --- plumbing ---------------------------------------------------------------------------------
+
+    async def _list_models(self, deadline: float | None) -> pb.ListModelsResponse:
+        return await self._call(self._stub.ListModels, pb.ListModelsRequest(), deadline)
+
+    async def _batch_size(self, deadline: float | None) -> int:
+        if self.batch_size is not None:
+            return self.batch_size
+        if self._limits is None:
+            self._limits = Limits.from_proto((await self._list_models(deadline)).limits)
+        return self.server_batch_size()
+
+    async def _call(self, method, request, deadline: float | None):
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await method(request, timeout=time_left(deadline), metadata=self.metadata)
+            except grpc.RpcError as err:
+                delay = self.retry.delay(err.code(), attempt, deadline)
+                if delay is None:
+                    raise error_from(err) from None
+            await asyncio.sleep(delay)
+
+    async def _bounded_call(self, method, request, deadline: float | None):
+        async with self._slots:
+            return await self._call(method, request, deadline)
+
+    async def _run(self, plan: plans.Plan, deadline: float | None):
+        method = getattr(self._stub, plan.method)
+        if len(plan.requests) == 1:
+            return plan.merge([await self._call(method, plan.requests[0], deadline)])
+        tasks = [asyncio.ensure_future(self._bounded_call(method, r, deadline)) for r in plan.requests]
+        try:
+            return plan.merge(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,86 @@
+"""What the sync and async clients share: their settings and the request fields built from them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from embedserv_client import plans
+from embedserv_client.options import RetryPolicy, Tls, auth_metadata, channel_args, deadline_after
+from embedserv_client.types import Limits
+
+
+class ClientSettings:
+    def __init__(
+        self,
+        target: str,
+        api_key: str | None,
+        tls: bool | Tls,
+        model: str,
+        timeout: float | None,
+        retry: RetryPolicy | None,
+        batch_size: int | None,
+        parallel_requests: int,
+        load_balancing: str | None,
+        options: Sequence[tuple[str, object]],
+    ):
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, not {batch_size}")
+        if parallel_requests < 1:
+            raise ValueError(f"parallel_requests must be at least 1, not {parallel_requests}")
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be positive seconds or None, not {timeout}")
+        self.target = target
+        self.tls = tls
+        self.model = model
+        self.timeout = timeout
+        self.retry = retry if retry is not None else RetryPolicy()
+        self.batch_size = batch_size
+        self.parallel_requests = parallel_requests
+        self.load_balancing = load_balancing
+        self.options = list(options)
+        self.metadata = auth_metadata(api_key)
+        self._limits: Limits | None = None
+
+    def __repr__(self) -> str:
+        # The API key stays out of reprs and logs.
+        return f"{type(self).__name__}(target={self.target!r}, model={self.model!r})"
+
+    def channel_args(self) -> dict:
+        return channel_args(self.target, self.tls, self.load_balancing, self.options)
+
+    def deadline(self, timeout: float | None) -> float | None:
+        """The call's deadline (monotonic seconds): its own timeout, else the client's."""
+        return deadline_after(timeout if timeout is not None else self.timeout)
+
+    def model_name(self, model: str | None) -> str:
+        return self.model if model is None else model
+
+    def server_batch_size(self) -> int:
+        assert self._limits is not None
+        # An older server sends no limits (0): one request per call, as before splitting existed.
+        return self._limits.max_client_batch_size or 2**31 - 1
+
+    def rerank_fields(
+        self, model: str | None, return_documents: bool, raw_scores: bool, truncate: bool, instruction: str
+    ) -> dict:
+        return dict(
+            model=self.model_name(model),
+            return_documents=return_documents,
+            raw_scores=raw_scores,
+            truncate=truncate,
+            instruction=instruction,
+        )
+
+    def classify_fields(self, model: str | None, raw_scores: bool, truncate: bool, truncation_direction: str) -> dict:
+        return dict(
+            model=self.model_name(model),
+            raw_scores=raw_scores,
+            truncate=truncate,
+            truncation_direction=plans.direction(truncation_direction),
+        )
+
+    def tokenize_fields(self, model: str | None, add_special_tokens: bool, prompt_name: str | None) -> dict:
+        fields = dict(model=self.model_name(model), add_special_tokens=add_special_tokens)
+        if prompt_name:
+            fields["prompt_name"] = prompt_name
+        return fields

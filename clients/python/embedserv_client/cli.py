@@ -1,0 +1,131 @@
+"""`embedserv-client`: call a server from the shell; every command prints JSON on stdout.
+
+    embedserv-client embed "a sentence" "another"
+    embedserv-client --target dns:///embedserv-headless.default.svc.cluster.local:50051 health
+
+Exit status: 0 done (health: SERVING), 1 the call failed (or health is not SERVING), 2 bad usage."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+from embedserv_client.client import Client
+from embedserv_client.options import Tls
+from embedserv_client.types import EmbedservError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="embedserv-client", description="Call an embedserv server; prints JSON.")
+    p.add_argument(
+        "--target",
+        default=os.environ.get("EMBEDSERV_TARGET", "127.0.0.1:50051"),
+        help="host:port or dns:///name:port (default: env EMBEDSERV_TARGET, else 127.0.0.1:50051)",
+    )
+    p.add_argument("--api-key", default=os.environ.get("EMBEDSERV_API_KEY"), help="default: env EMBEDSERV_API_KEY")
+    p.add_argument("--tls", action="store_true", help="TLS with the system's roots (or --tls-ca)")
+    p.add_argument("--tls-ca", metavar="PEM", help="CA certificate that signed the server's (implies --tls)")
+    p.add_argument("--tls-cert", metavar="PEM", help="client certificate for mutual TLS (with --tls-key)")
+    p.add_argument("--tls-key", metavar="PEM", help="client private key")
+    p.add_argument("--model", default="", help="served model name (default: the server's first)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds per command, retries included")
+    commands = p.add_subparsers(dest="command", required=True)
+
+    embed = commands.add_parser("embed", help="embed texts (no TEXT: one per line of stdin)")
+    embed.add_argument("texts", nargs="*", metavar="TEXT")
+    embed.add_argument("--dimensions", type=int)
+    embed.add_argument("--no-normalize", action="store_true")
+    embed.add_argument("--truncate", action="store_true")
+    embed.add_argument("--prompt-name")
+
+    rerank = commands.add_parser("rerank", help="score documents against a query, best first")
+    rerank.add_argument("query")
+    rerank.add_argument("documents", nargs="+", metavar="DOCUMENT")
+    rerank.add_argument("--top-n", type=int)
+    rerank.add_argument("--truncate", action="store_true")
+
+    classify = commands.add_parser("classify", help="label texts")
+    classify.add_argument("texts", nargs="+", metavar="TEXT")
+    classify.add_argument("--truncate", action="store_true")
+
+    generate = commands.add_parser("generate", help="generate text from a prompt")
+    generate.add_argument("prompt")
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--seed", type=int)
+    generate.add_argument("--stop", action="append", default=[])
+
+    tokenize = commands.add_parser("tokenize", help="tokens as the model sees them")
+    tokenize.add_argument("texts", nargs="+", metavar="TEXT")
+
+    commands.add_parser("models", help="the served models and the server's limits")
+    health = commands.add_parser("health", help="exit 0 when SERVING")
+    health.add_argument("--service", default="", help="a model name; default: the whole server")
+    return p  # fmt: skip
+
+
+def _tls(args: argparse.Namespace) -> bool | Tls:
+    if args.tls_ca or args.tls_cert or args.tls_key:
+        return Tls(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
+    return args.tls
+
+
+def _run(client: Client, args: argparse.Namespace) -> tuple[dict, int]:
+    if args.command == "embed":
+        texts = args.texts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+        matrix = client.embed(
+            texts,
+            normalize=False if args.no_normalize else None,
+            truncate=args.truncate,
+            dimensions=args.dimensions,
+            prompt_name=args.prompt_name,
+        )
+        return {"embeddings": matrix.tolist()}, 0
+    if args.command == "rerank":
+        results = client.rerank(args.query, args.documents, top_n=args.top_n, truncate=args.truncate)
+        return {"results": [dataclasses.asdict(r) | {"document": args.documents[r.index]} for r in results]}, 0
+    if args.command == "classify":
+        classifications = client.classify(args.texts, truncate=args.truncate)
+        return {"classifications": [dataclasses.asdict(c) for c in classifications]}, 0
+    if args.command == "generate":
+        stream = client.generate(
+            args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, stop=args.stop
+        )
+        text = stream.text()
+        return {"text": text, "finish_reason": stream.finish_reason, "usage": dataclasses.asdict(stream.usage)}, 0
+    if args.command == "tokenize":
+        tokenized = client.tokenize(args.texts)
+        return {"inputs": [[dataclasses.asdict(t) for t in tokens] for tokens in tokenized]}, 0
+    if args.command == "models":
+        models = [dataclasses.asdict(m) for m in client.models()]
+        return {"models": models, "limits": dataclasses.asdict(client.limits())}, 0
+    status = client.health(args.service)
+    return {"status": status}, 0 if status == "SERVING" else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        tls = _tls(args)
+    except ValueError as err:
+        print(f"embedserv-client: {err}", file=sys.stderr)
+        return 2
+    try:
+        with Client(args.target, args.api_key, tls, model=args.model, timeout=args.timeout) as client:
+            result, code = _run(client, args)
+    except EmbedservError as err:
+        print(f"embedserv-client: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:  # an unreadable --tls-* file
+        print(f"embedserv-client: {err}", file=sys.stderr)
+        return 2
+    json.dump(result, sys.stdout)
+    sys.stdout.write("\n")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

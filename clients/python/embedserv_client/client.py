@@ -1,0 +1,244 @@
+"""The blocking client: `Client(target).embed(texts) -> numpy.ndarray`, and the other RPCs."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from embedserv_client import plans
+from embedserv_client.base import ClientSettings
+from embedserv_client.options import RetryPolicy, Tls, time_left
+from embedserv_client.streams import TextStream
+from embedserv_client.types import Classification, Limits, ModelInfo, RerankResult, Token, error_from
+from embedserv_client.v1 import embedserv_pb2 as pb
+from embedserv_client.v1 import embedserv_pb2_grpc as pb_grpc
+
+
+class Client(ClientSettings):
+    """A blocking embedserv client; safe to share between threads. Use it as a context manager or close().
+
+    `target`: "host:port", or "dns:///name:port" for the replicas behind a headless Service (calls are
+    spread round robin). `api_key`: sent as `authorization: Bearer KEY`. `tls`: True (system roots) or
+    a Tls. `model`: the served model the calls name unless a call names its own. `timeout`: seconds
+    per call, retries included. `batch_size`: inputs per request; None asks the server (ListModels'
+    limits) once. `parallel_requests`: how many requests of split calls are in flight at once.
+    `load_balancing`: the gRPC policy over the addresses the target resolves to (None: gRPC's default,
+    pick_first). `options`: more gRPC channel arguments, e.g. ("grpc.dns_min_time_between_resolutions_ms",
+    5000) to look for new replicas sooner than gRPC's 30 s.
+    """
+
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        api_key: str | None = None,
+        tls: bool | Tls = False,
+        *,
+        model: str = "",
+        timeout: float | None = 60.0,
+        retry: RetryPolicy | None = None,
+        batch_size: int | None = None,
+        parallel_requests: int = 4,
+        load_balancing: str | None = "round_robin",
+        options: Sequence[tuple[str, object]] = (),
+    ):
+        super().__init__(
+            target, api_key, tls, model, timeout, retry, batch_size, parallel_requests, load_balancing, options
+        )
+        args = self.channel_args()
+        make = grpc.secure_channel if "credentials" in args else grpc.insecure_channel
+        self.channel = make(**args)
+        self._stub = pb_grpc.InferenceStub(self.channel)
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    # --- the RPCs ---------------------------------------------------------------------------------
+
+    def embed(
+        self,
+        texts: str | Sequence[str],
+        *,
+        model: str | None = None,
+        normalize: bool | None = None,
+        truncate: bool = False,
+        truncation_direction: str = "right",
+        dimensions: int | None = None,
+        prompt_name: str | None = None,
+        timeout: float | None = None,
+    ) -> np.ndarray:
+        """float32 embeddings: [len(texts), dimension], or [dimension] for one string."""
+        items, single = plans.as_list(texts, "texts")
+        fields = plans.embed_fields(
+            self.model_name(model), normalize, truncate, truncation_direction, dimensions, prompt_name
+        )
+        deadline = self.deadline(timeout)
+        return self._run(plans.embed_plan(items, self._batch_size(deadline), single, **fields), deadline)
+
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        top_n: int | None = None,
+        return_documents: bool = False,
+        raw_scores: bool = False,
+        truncate: bool = False,
+        instruction: str = "",
+        model: str | None = None,
+        timeout: float | None = None,
+    ) -> list[RerankResult]:
+        """The documents scored against the query, best first (the best `top_n` if given)."""
+        items, _ = plans.as_list(documents, "documents")
+        fields = self.rerank_fields(model, return_documents, raw_scores, truncate, instruction)
+        deadline = self.deadline(timeout)
+        return self._run(plans.rerank_plan(query, items, self._batch_size(deadline), top_n, **fields), deadline)
+
+    def classify(
+        self,
+        texts: str | Sequence[str],
+        *,
+        raw_scores: bool = False,
+        truncate: bool = False,
+        truncation_direction: str = "right",
+        model: str | None = None,
+        timeout: float | None = None,
+    ) -> Classification | list[Classification]:
+        """One Classification per text (one, not a list, for one string)."""
+        items, single = plans.as_list(texts, "texts")
+        fields = self.classify_fields(model, raw_scores, truncate, truncation_direction)
+        deadline = self.deadline(timeout)
+        return self._run(plans.classify_plan(items, self._batch_size(deadline), single, **fields), deadline)
+
+    def tokenize(
+        self,
+        texts: str | Sequence[str],
+        *,
+        add_special_tokens: bool = True,
+        prompt_name: str | None = None,
+        model: str | None = None,
+        timeout: float | None = None,
+    ) -> list[Token] | list[list[Token]]:
+        items, single = plans.as_list(texts, "texts")
+        fields = self.tokenize_fields(model, add_special_tokens, prompt_name)
+        deadline = self.deadline(timeout)
+        return self._run(plans.tokenize_plan(items, self._batch_size(deadline), single, **fields), deadline)
+
+    def generate(
+        self,
+        prompt: str,
+        *,
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: Sequence[str] | str | None = None,
+        ignore_eos: bool = False,
+        model: str | None = None,
+        timeout: float | None = None,
+    ) -> TextStream:
+        """An iterator of text deltas; `.finish_reason` and `.usage` are set once it ends."""
+        request = plans.generate_request(
+            prompt, self.model_name(model), max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos
+        )
+        return TextStream(
+            lambda left: self._stub.Generate(request, timeout=left, metadata=self.metadata),
+            self.retry,
+            self.deadline(timeout),
+        )
+
+    def embed_stream(
+        self, batches: Iterable[Sequence[str]], *, timeout: float | None = None, **params
+    ) -> Iterator[np.ndarray]:
+        """One EmbedStream call: a matrix per batch, in order. Batches are sent as given (each must fit
+        the server's batch limit) and the stream is not retried. `params` as for embed()."""
+        fields = plans.embed_fields(
+            self.model_name(params.pop("model", None)),
+            params.pop("normalize", None),
+            params.pop("truncate", False),
+            params.pop("truncation_direction", "right"),
+            params.pop("dimensions", None),
+            params.pop("prompt_name", None),
+        )
+        if params:
+            raise TypeError(f"embed_stream() got unexpected arguments: {', '.join(sorted(params))}")
+        requests = (pb.EmbedRequest(inputs=list(b), encoding=pb.ENCODING_BYTES, **fields) for b in batches)
+        replies = self._stub.EmbedStream(requests, timeout=time_left(self.deadline(timeout)), metadata=self.metadata)
+        try:
+            for reply in replies:
+                yield plans.embedding_matrix([reply])
+        except grpc.RpcError as err:
+            raise error_from(err) from None
+
+    def models(self, *, timeout: float | None = None) -> list[ModelInfo]:
+        return [ModelInfo.from_proto(m) for m in self._list_models(self.deadline(timeout)).models]
+
+    def limits(self, *, timeout: float | None = None) -> Limits:
+        """The server's limits (ListModels), asked once and remembered."""
+        if self._limits is None:
+            self._limits = Limits.from_proto(self._list_models(self.deadline(timeout)).limits)
+        return self._limits
+
+    def health(self, service: str = "", *, timeout: float | None = None) -> str:
+        """The health status name ("SERVING", "NOT_SERVING", ...) of the server ("") or one model."""
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        request = health_pb2.HealthCheckRequest(service=service)
+        reply = self._call(stub.Check, request, self.deadline(timeout))
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    # --- plumbing ---------------------------------------------------------------------------------
+
+    def _list_models(self, deadline: float | None) -> pb.ListModelsResponse:
+        return self._call(self._stub.ListModels, pb.ListModelsRequest(), deadline)
+
+    def _batch_size(self, deadline: float | None) -> int:
+        if self.batch_size is not None:
+            return self.batch_size
+        if self._limits is None:
+            self._limits = Limits.from_proto(self._list_models(deadline).limits)
+        return self.server_batch_size()
+
+    def _call(self, method, request, deadline: float | None):
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return method(request, timeout=time_left(deadline), metadata=self.metadata)
+            except grpc.RpcError as err:
+                delay = self.retry.delay(err.code(), attempt, deadline)
+                if delay is None:
+                    raise error_from(err) from None
+            time.sleep(delay)
+
+    def _run(self, plan: plans.Plan, deadline: float | None):
+        method = getattr(self._stub, plan.method)
+        if len(plan.requests) == 1:
+            return plan.merge([self._call(method, plan.requests[0], deadline)])
+        futures = [self._executor().submit(self._call, method, r, deadline) for r in plan.requests]
+        try:
+            return plan.merge([f.result() for f in futures])
+        finally:
+            for f in futures:
+                f.cancel()
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.parallel_requests, thread_name_prefix="embedserv-client")
+            return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

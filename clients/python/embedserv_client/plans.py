@@ -1,0 +1,155 @@
+"""One client call as a plan: the server-sized requests to send and how to merge their replies.
+
+The sync and async clients differ only in how they send a plan's requests (threads or tasks), so
+building requests and merging replies lives here, once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from embedserv_client.types import Classification, RerankResult, Token
+from embedserv_client.v1 import embedserv_pb2 as pb
+
+_DIRECTIONS = {"right": pb.TRUNCATION_DIRECTION_RIGHT, "left": pb.TRUNCATION_DIRECTION_LEFT}
+
+
+@dataclass(frozen=True)
+class Plan:
+    method: str  # the Inference stub's method name
+    requests: list[Any]
+    merge: Callable[[list[Any]], Any]  # replies in request order -> the call's result
+
+
+def chunks(items: Sequence[str], size: int) -> list[list[str]]:
+    """`items` cut into lists of at most `size`; one empty list for no items (the server says why)."""
+    if size < 1:
+        raise ValueError(f"batch size must be at least 1, not {size}")
+    return [list(items[i : i + size]) for i in range(0, len(items), size)] or [[]]
+
+
+def as_list(texts: str | Sequence[str], what: str) -> tuple[list[str], bool]:
+    """The texts as a list, and whether the caller gave one string (and wants one result back)."""
+    if isinstance(texts, str):
+        return [texts], True
+    if isinstance(texts, bytes):
+        raise TypeError(f"{what} must be str or a sequence of str, not bytes; decode it first")
+    return list(texts), False
+
+
+def direction(value: str) -> int:
+    if value not in _DIRECTIONS:
+        raise ValueError(f"truncation_direction must be 'right' or 'left', not {value!r}")
+    return _DIRECTIONS[value]
+
+
+def embedding_matrix(replies: list[pb.EmbedResponse]) -> np.ndarray:
+    """[n, d] float32 from ENCODING_BYTES replies (little-endian float32 rows)."""
+    rows = [np.frombuffer(e.raw, dtype="<f4") for reply in replies for e in reply.embeddings]
+    if not rows:
+        return np.zeros((0, 0), dtype=np.float32)
+    return np.stack(rows).astype(np.float32, copy=False)
+
+
+def embed_plan(texts: list[str], size: int, single: bool, **fields) -> Plan:
+    requests = [pb.EmbedRequest(inputs=part, encoding=pb.ENCODING_BYTES, **fields) for part in chunks(texts, size)]
+
+    def merge(replies: list[pb.EmbedResponse]) -> np.ndarray:
+        matrix = embedding_matrix(replies)
+        return matrix[0] if single else matrix
+
+    return Plan("Embed", requests, merge)
+
+
+def embed_fields(
+    model: str,
+    normalize: bool | None,
+    truncate: bool,
+    truncation_direction: str,
+    dimensions: int | None,
+    prompt_name: str | None,
+) -> dict:
+    fields = dict(model=model, truncate=truncate, truncation_direction=direction(truncation_direction))
+    if normalize is not None:
+        fields["normalize"] = normalize
+    if dimensions is not None:
+        fields["dimensions"] = dimensions
+    if prompt_name:
+        fields["prompt_name"] = prompt_name
+    return fields
+
+
+def rerank_plan(query: str, documents: list[str], size: int, top_n: int | None, **fields) -> Plan:
+    """Each part scores its documents against the same query; scores do not depend on the other
+    documents, so the parts merge by score and the cut to `top_n` happens after the merge."""
+    parts = chunks(documents, size)
+    requests = [pb.RerankRequest(query=query, documents=part, **fields) for part in parts]
+    if len(requests) == 1 and top_n is not None:
+        requests[0].top_n = top_n
+    offsets = np.cumsum([0] + [len(part) for part in parts[:-1]]).tolist()
+
+    def merge(replies: list[pb.RerankResponse]) -> list[RerankResult]:
+        results = [
+            RerankResult(offset + r.index, r.score, r.document if fields.get("return_documents") else None)
+            for offset, reply in zip(offsets, replies)
+            for r in reply.results
+        ]
+        results.sort(key=lambda r: (-r.score, r.index))
+        return results if top_n is None else results[:top_n]
+
+    return Plan("Rerank", requests, merge)
+
+
+def classify_plan(texts: list[str], size: int, single: bool, **fields) -> Plan:
+    requests = [pb.ClassifyRequest(inputs=part, **fields) for part in chunks(texts, size)]
+
+    def merge(replies: list[pb.ClassifyResponse]) -> Classification | list[Classification]:
+        results = [Classification.from_proto(c) for reply in replies for c in reply.classifications]
+        return results[0] if single else results
+
+    return Plan("Classify", requests, merge)
+
+
+def tokenize_plan(texts: list[str], size: int, single: bool, **fields) -> Plan:
+    requests = [pb.TokenizeRequest(inputs=part, **fields) for part in chunks(texts, size)]
+
+    def merge(replies: list[pb.TokenizeResponse]) -> list[Token] | list[list[Token]]:
+        results = [
+            [Token(t.id, t.text, t.start, t.end, t.special) for t in tokenized.tokens]
+            for reply in replies
+            for tokenized in reply.inputs
+        ]
+        return results[0] if single else results
+
+    return Plan("Tokenize", requests, merge)
+
+
+def generate_request(
+    prompt: str,
+    model: str,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int | None,
+    stop: Sequence[str] | str | None,
+    ignore_eos: bool,
+) -> pb.GenerateRequest:
+    if isinstance(stop, str):
+        stop = [stop]
+    request = pb.GenerateRequest(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        stop=list(stop or ()),
+        ignore_eos=ignore_eos,
+    )
+    if seed is not None:
+        request.seed = seed
+    return request

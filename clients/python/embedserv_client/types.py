@@ -1,0 +1,146 @@
+"""What the client returns: plain dataclasses built from the protobuf replies, and the one error it raises."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+
+from embedserv_client.v1 import embedserv_pb2 as pb
+
+_TASKS = {pb.TASK_EMBED: "embed", pb.TASK_RERANK: "rerank", pb.TASK_CLASSIFY: "classify", pb.TASK_GENERATE: "generate"}
+_ATTENTION = {pb.ATTENTION_KIND_BIDIRECTIONAL: "bidirectional", pb.ATTENTION_KIND_CAUSAL: "causal"}
+FINISH_REASONS = {
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_EOS: "eos",
+    pb.FINISH_REASON_CANCELLED: "cancelled",
+}
+
+
+class EmbedservError(Exception):
+    """A call that failed: the gRPC status code, the server's message and the server's request id."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, request_id: str | None = None):
+        super().__init__(f"{code.name}: {details}" + (f" (request id {request_id})" if request_id else ""))
+        self.code = code
+        self.details = details
+        self.request_id = request_id
+
+
+def error_from(err: grpc.RpcError) -> EmbedservError:
+    """Our error for a gRPC one; the server names each call's request id in its trailing metadata."""
+    request_id = None
+    trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    for key, value in trailing or ():
+        if key == "x-request-id":
+            request_id = value
+    details = err.details() if hasattr(err, "details") else str(err)
+    return EmbedservError(err.code(), details or "", request_id)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one call may carry (ListModels' `limits`)."""
+
+    max_client_batch_size: int
+    max_input_chars: int
+    max_concurrent_requests: int
+    max_receive_message_bytes: int
+
+    @classmethod
+    def from_proto(cls, message: pb.ServerLimits) -> Limits:
+        return cls(
+            max_client_batch_size=message.max_client_batch_size,
+            max_input_chars=message.max_input_chars,
+            max_concurrent_requests=message.max_concurrent_requests,
+            max_receive_message_bytes=message.max_receive_message_bytes,
+        )
+
+
+@dataclass(frozen=True)
+class KvCache:
+    block_size: int
+    total_blocks: int
+    used_blocks: int
+    preemptions: int
+    cached_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    tasks: tuple[str, ...]
+    architecture: str
+    attention: str
+    pooling: str
+    dimension: int
+    max_input_tokens: int
+    prompt_names: tuple[str, ...]
+    dtype: str
+    device: str
+    attention_backend: str
+    labels: tuple[str, ...]
+    kv_cache: KvCache | None = None
+
+    @classmethod
+    def from_proto(cls, m: pb.ModelInfo) -> ModelInfo:
+        kv = m.kv_cache
+        return cls(
+            name=m.name,
+            tasks=tuple(_TASKS[t] for t in m.tasks if t in _TASKS),
+            architecture=m.architecture,
+            attention=_ATTENTION.get(m.attention, "unspecified"),
+            pooling=m.pooling,
+            dimension=m.dimension,
+            max_input_tokens=m.max_input_tokens,
+            prompt_names=tuple(m.prompt_names),
+            dtype=m.dtype,
+            device=m.device,
+            attention_backend=m.attention_backend,
+            labels=tuple(m.labels),
+            kv_cache=(
+                KvCache(kv.block_size, kv.total_blocks, kv.used_blocks, kv.preemptions, kv.cached_prompt_tokens)
+                if m.HasField("kv_cache")
+                else None
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class RerankResult:
+    """One document's score; `index` is its position in the documents given."""
+
+    index: int
+    score: float
+    document: str | None = None
+
+
+@dataclass(frozen=True)
+class Classification:
+    """The best label and its score, and every label's score in the model's label order."""
+
+    label: str
+    score: float
+    scores: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_proto(cls, c: pb.Classification) -> Classification:
+        return cls(label=c.label, score=c.score, scores={s.label: s.score for s in c.scores})
+
+
+@dataclass(frozen=True)
+class Token:
+    """A token as the model sees it; `start`/`end` are character offsets into the input (0, 0 if special)."""
+
+    id: int
+    text: str
+    start: int
+    end: int
+    special: bool
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int = 0

@@ -1,0 +1,129 @@
+{{/* Chart name, truncated to the 63 characters a DNS label allows. */}}
+{{- define "embedserv.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Release-qualified name. "-headless" is appended to it, so keep 9 characters spare within 63.
+*/}}
+{{- define "embedserv.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 54 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 54 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 54 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "embedserv.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Selector labels never change across upgrades: a Deployment's selector is immutable. */}}
+{{- define "embedserv.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "embedserv.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "embedserv.labels" -}}
+helm.sh/chart: {{ include "embedserv.chart" . }}
+{{ include "embedserv.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "embedserv.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "embedserv.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The server image: the tag defaults to the app version plus the cpu or cuda variant. */}}
+{{- define "embedserv.image" -}}
+{{- $variant := ternary "cuda" "cpu" .Values.gpu.enabled }}
+{{- $tag := default (printf "%s-%s" .Chart.AppVersion $variant) .Values.image.tag }}
+{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- end }}
+
+{{/* The Secret the API key comes from, or "" for none. */}}
+{{- define "embedserv.apiKeySecretName" -}}
+{{- if .Values.apiKey.existingSecret }}
+{{- .Values.apiKey.existingSecret }}
+{{- else if .Values.apiKey.value }}
+{{- printf "%s-api-key" (include "embedserv.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{/* The ClusterIP Service as host:port from its own namespace, whatever the cluster domain. */}}
+{{- define "embedserv.serviceTarget" -}}
+{{- printf "%s:%d" (include "embedserv.fullname" .) (int .Values.service.grpcPort) }}
+{{- end }}
+
+{{/* The headless Service's DNS target for client-side round_robin. */}}
+{{- define "embedserv.headlessTarget" -}}
+{{- printf "dns:///%s-headless.%s.svc.cluster.local:%d" (include "embedserv.fullname" .) .Release.Namespace (int .Values.service.grpcPort) }}
+{{- end }}
+
+{{/*
+Server arguments. A null value leaves its flag out so the server's default applies; numbers go
+through int because values arrive as floats and large ones would print as 1e+06.
+*/}}
+{{- define "embedserv.args" -}}
+{{- $s := .Values.server }}
+{{- $args := list "--host" "0.0.0.0" "--port" (toString (int .Values.service.grpcPort)) "--metrics-port" (toString (int .Values.service.metricsPort)) }}
+{{- $args = concat $args (list "--device" (ternary "cuda" "cpu" .Values.gpu.enabled)) }}
+{{- if ne .Values.model.source "bundled" }}
+{{- $args = concat $args (list "--model" .Values.model.mountPath) }}
+{{- end }}
+{{- with .Values.model.name }}
+{{- $args = concat $args (list "--served-model-name" .) }}
+{{- end }}
+{{- with index $s "dtype" }}
+{{- $args = concat $args (list "--dtype" .) }}
+{{- end }}
+{{- $intFlags := list (list "maxBatchTokens" "--max-batch-tokens") (list "maxConcurrentRequests" "--max-concurrent-requests") (list "maxClientBatchSize" "--max-client-batch-size") (list "dataParallelSize" "--data-parallel-size") (list "maxConnectionAge" "--max-connection-age") }}
+{{- range $intFlags }}
+{{- $v := index $s (index . 0) }}
+{{- if not (kindIs "invalid" $v) }}
+{{- $args = concat $args (list (index . 1) (toString (int $v))) }}
+{{- end }}
+{{- end }}
+{{- $args = concat $args (list "--drain-timeout" (toString (int $s.drainTimeout))) }}
+{{- with index $s "logFormat" }}
+{{- $args = concat $args (list "--log-format" .) }}
+{{- end }}
+{{- with index $s "logLevel" }}
+{{- $args = concat $args (list "--log-level" .) }}
+{{- end }}
+{{- range $s.extraArgs }}
+{{- $args = append $args (toString .) }}
+{{- end }}
+{{- toYaml $args }}
+{{- end }}
+
+{{/* Fails the render on combinations the schema cannot express. */}}
+{{- define "embedserv.validate" -}}
+{{- $m := .Values.model }}
+{{- if and (eq $m.source "pvc") (not $m.pvc.claimName) }}
+{{- fail "model.source is pvc: set model.pvc.claimName" }}
+{{- end }}
+{{- if and (eq $m.source "hostPath") (not $m.hostPath.path) }}
+{{- fail "model.source is hostPath: set model.hostPath.path" }}
+{{- end }}
+{{- if and (eq $m.source "image") (not $m.image.repository) }}
+{{- fail "model.source is image: set model.image.repository" }}
+{{- end }}
+{{- if and .Values.apiKey.existingSecret .Values.apiKey.value }}
+{{- fail "set apiKey.existingSecret or apiKey.value, not both" }}
+{{- end }}
+{{- $a := .Values.autoscaling }}
+{{- if and $a.enabled (gt (int $a.minReplicas) (int $a.maxReplicas)) }}
+{{- fail "autoscaling.minReplicas must not exceed autoscaling.maxReplicas" }}
+{{- end }}
+{{- end }}

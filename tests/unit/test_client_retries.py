@@ -145,12 +145,25 @@ def test_backoff_never_outlives_the_calls_timeout(scripted, kind):
     servicer, target = scripted
     servicer.script["Embed"] = [grpc.StatusCode.UNAVAILABLE] * 100
     slow = RetryPolicy(max_attempts=100, initial_backoff=0.2, max_backoff=0.2)
-    started = time.monotonic()
-    with pytest.raises(EmbedservError):
+    with pytest.raises(EmbedservError) as caught:
         embed(kind, target, ["x"], retry=slow, batch_size=8, timeout=0.5)
-    # Backoffs of 0.1-0.2 s: at most a few attempts fit, and the client gives up before its deadline.
-    assert time.monotonic() - started < 0.5
+    # Waits of 0.1-0.2 s: 2 to 5 attempts fit in 0.5 s. The client gave up on its own before the
+    # deadline (the server's refusal, not DEADLINE_EXCEEDED), long before max_attempts.
+    assert caught.value.code == grpc.StatusCode.UNAVAILABLE
     assert 2 <= servicer.calls["Embed"] <= 5
+
+
+def test_the_backoff_doubles_up_to_its_cap_with_jitter_and_stops_at_the_deadline():
+    policy = RetryPolicy(max_attempts=10, initial_backoff=0.1, max_backoff=0.4, multiplier=2.0)
+    unavailable = grpc.StatusCode.UNAVAILABLE
+    for attempt, ceiling in [(1, 0.1), (2, 0.2), (3, 0.4), (4, 0.4), (9, 0.4)]:
+        waits = [policy.delay(unavailable, attempt, None) for _ in range(200)]
+        assert all(ceiling / 2 <= w <= ceiling for w in waits), (attempt, min(waits), max(waits))
+        assert max(waits) - min(waits) > ceiling / 4  # jittered, not in step
+    assert policy.delay(unavailable, 10, None) is None  # max_attempts reached
+    assert policy.delay(grpc.StatusCode.INVALID_ARGUMENT, 1, None) is None
+    assert policy.delay(unavailable, 1, time.monotonic() + 0.04) is None  # the wait would pass the deadline
+    assert policy.delay(unavailable, 1, time.monotonic() + 10) is not None
 
 
 @pytest.mark.parametrize("kind", KINDS)

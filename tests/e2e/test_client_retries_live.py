@@ -108,3 +108,25 @@ def test_a_call_made_while_the_model_loads_waits_it_out(bundled_dir):
         assert "status=OK" in log
     finally:
         stop_process(proc)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_split_call_never_sends_more_inputs_than_the_server_admits(small_server, kind):
+    """16 inputs at 4 per request, 4 requests allowed in flight, but the server admits 4 inputs: the
+    client sends one request at a time, so no request is refused even with retries off. (It sent all
+    4 at once before, and 3 came back RESOURCE_EXHAUSTED.)"""
+    target, metrics_port = small_server
+    texts = [text for i in range(4) for text in storm_texts(i)]
+    before = refused(metrics_port)
+    if kind == "sync":
+        with Client(target, model="minilm", retry=NO_RETRY, parallel_requests=4) as client:
+            matrix = client.embed(texts)
+    else:
+
+        async def run():
+            async with AsyncClient(target, model="minilm", retry=NO_RETRY, parallel_requests=4) as client:
+                return await client.embed(texts)
+
+        matrix = asyncio.run(run())
+    assert matrix.shape == (16, 384)
+    assert refused(metrics_port) == before

@@ -214,15 +214,16 @@ class AsyncClient(ClientSettings):
                     raise error_from(err) from None
             await asyncio.sleep(delay)
 
-    async def _bounded_call(self, method, request, deadline: float | None):
-        async with self._slots:
+    async def _bounded_call(self, method, request, deadline: float | None, gate: asyncio.Semaphore):
+        async with gate, self._slots:
             return await self._call(method, request, deadline)
 
     async def _run(self, plan: plans.Plan, deadline: float | None):
         method = getattr(self._stub, plan.method)
         if len(plan.requests) == 1:
             return plan.merge([await self._call(method, plan.requests[0], deadline)])
-        tasks = [asyncio.ensure_future(self._bounded_call(method, r, deadline)) for r in plan.requests]
+        gate = asyncio.Semaphore(self.requests_in_flight(plan))
+        tasks = [asyncio.ensure_future(self._bounded_call(method, r, deadline, gate)) for r in plan.requests]
         try:
             return plan.merge(await asyncio.gather(*tasks))
         finally:

@@ -60,6 +60,14 @@ class ClientSettings:
         # An older server sends no limits (0): one request per call, as before splitting existed.
         return self._limits.max_client_batch_size or 2**31 - 1
 
+    def requests_in_flight(self, plan: plans.Plan) -> int:
+        """How many of a split call's requests go out at once: `parallel_requests`, but never more inputs
+        than the server admits (--max-concurrent-requests), or a big batch would refuse itself."""
+        if self._limits is None or not self._limits.max_concurrent_requests:
+            return self.parallel_requests
+        fits = self._limits.max_concurrent_requests // max(plan.inputs_per_request, 1)
+        return max(1, min(self.parallel_requests, fits))
+
     def rerank_fields(
         self, model: str | None, return_documents: bool, raw_scores: bool, truncate: bool, instruction: str
     ) -> dict:

@@ -219,7 +219,13 @@ class Client(ClientSettings):
         method = getattr(self._stub, plan.method)
         if len(plan.requests) == 1:
             return plan.merge([self._call(method, plan.requests[0], deadline)])
-        futures = [self._executor().submit(self._call, method, r, deadline) for r in plan.requests]
+        gate = threading.Semaphore(self.requests_in_flight(plan))
+
+        def gated(request):
+            with gate:
+                return self._call(method, request, deadline)
+
+        futures = [self._executor().submit(gated, r) for r in plan.requests]
         try:
             return plan.merge([f.result() for f in futures])
         finally:

@@ -49,9 +49,11 @@ class RetryPolicy:
     --max-concurrent-requests) are retried; other codes are the caller's to fix. A retry never
     outlives the call's timeout."""
 
-    max_attempts: int = 5
-    initial_backoff: float = 0.05
-    max_backoff: float = 2.0
+    # Waits of about 0.1, 0.2, 0.4, 0.8, 1.6 s (each 50-100% of that): a replica restarting or a burst
+    # past the server's limit has ~1.5-3 s to clear before the call fails.
+    max_attempts: int = 6
+    initial_backoff: float = 0.1
+    max_backoff: float = 5.0
     multiplier: float = 2.0
     retryable: frozenset[grpc.StatusCode] = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
 

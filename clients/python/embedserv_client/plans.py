@@ -22,6 +22,7 @@ class Plan:
     method: str  # the Inference stub's method name
     requests: list[Any]
     merge: Callable[[list[Any]], Any]  # replies in request order -> the call's result
+    inputs_per_request: int  # the most inputs one request carries (the server's admission counts inputs)
 
 
 def chunks(items: Sequence[str], size: int) -> list[list[str]]:
@@ -61,7 +62,7 @@ def embed_plan(texts: list[str], size: int, single: bool, **fields) -> Plan:
         matrix = embedding_matrix(replies)
         return matrix[0] if single else matrix
 
-    return Plan("Embed", requests, merge)
+    return Plan("Embed", requests, merge, min(size, len(texts)))
 
 
 def embed_fields(
@@ -100,7 +101,7 @@ def rerank_plan(query: str, documents: list[str], size: int, top_n: int | None, 
         results.sort(key=lambda r: (-r.score, r.index))
         return results if top_n is None else results[:top_n]
 
-    return Plan("Rerank", requests, merge)
+    return Plan("Rerank", requests, merge, min(size, len(documents)))
 
 
 def classify_plan(texts: list[str], size: int, single: bool, **fields) -> Plan:
@@ -110,7 +111,7 @@ def classify_plan(texts: list[str], size: int, single: bool, **fields) -> Plan:
         results = [Classification.from_proto(c) for reply in replies for c in reply.classifications]
         return results[0] if single else results
 
-    return Plan("Classify", requests, merge)
+    return Plan("Classify", requests, merge, min(size, len(texts)))
 
 
 def tokenize_plan(texts: list[str], size: int, single: bool, **fields) -> Plan:
@@ -124,7 +125,7 @@ def tokenize_plan(texts: list[str], size: int, single: bool, **fields) -> Plan:
         ]
         return results[0] if single else results
 
-    return Plan("Tokenize", requests, merge)
+    return Plan("Tokenize", requests, merge, min(size, len(texts)))
 
 
 def generate_request(

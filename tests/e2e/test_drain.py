@@ -110,9 +110,10 @@ def _cut_short(bundled_dir, drain_timeout: float, second_signal: bool) -> tuple[
 @pytest.mark.parametrize("drain_timeout, second_signal", [(1, False), (120, True)], ids=["timeout", "second-signal"])
 def test_what_outlives_the_drain_is_cancelled_and_the_exit_is_0(bundled_dir, drain_timeout, second_signal):
     codes, took, log = _cut_short(bundled_dir, drain_timeout, second_signal)
-    # The first call may finish inside the drain; the last, queued behind about 7 s of work, cannot.
+    # The call that reached the server first may finish inside the drain; the other two, queued behind
+    # it, cannot. (Which call arrives first is not the order they were sent in: concurrent HTTP/2 streams.)
     assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE}, codes
-    assert codes[-1] in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE), codes
+    assert codes.count(grpc.StatusCode.OK) <= 1, codes
     # The drain (1 s, or until the second signal), then stopping the worker: far less than the work needed.
     assert took < 8, took
     assert ("second signal" in log) == second_signal

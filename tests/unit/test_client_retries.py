@@ -198,6 +198,10 @@ def test_policy_arguments_are_checked():
         RetryPolicy(initial_backoff=1.0, max_backoff=0.5)
     with pytest.raises(ValueError, match="batch_size"):
         Client("127.0.0.1:1", batch_size=0)
+    with Client("127.0.0.1:1") as client, pytest.raises(TypeError, match="dimension"):
+        client.embed_stream([["x"]], dimension=8)  # refused at the call, not at the first next()
+    with pytest.raises(ValueError, match="truncation_direction"):
+        Client("127.0.0.1:1").classify("x", truncation_direction="middle")
 
 
 def test_the_api_key_is_sent_as_a_bearer_token_and_kept_out_of_repr(scripted):

@@ -140,24 +140,15 @@ class AsyncClient(ClientSettings):
             self.deadline(timeout),
         )
 
-    async def embed_stream(
+    def embed_stream(
         self,
         batches: Iterable[Sequence[str]] | AsyncIterable[Sequence[str]],
         *,
         timeout: float | None = None,
         **params,
     ) -> AsyncIterator[np.ndarray]:
-        """As Client.embed_stream; `batches` may be an async iterable."""
-        fields = plans.embed_fields(
-            self.model_name(params.pop("model", None)),
-            params.pop("normalize", None),
-            params.pop("truncate", False),
-            params.pop("truncation_direction", "right"),
-            params.pop("dimensions", None),
-            params.pop("prompt_name", None),
-        )
-        if params:
-            raise TypeError(f"embed_stream() got unexpected arguments: {', '.join(sorted(params))}")
+        """As Client.embed_stream (`async for`, no await); `batches` may be an async iterable."""
+        fields = self.stream_fields(params)
 
         async def requests():
             if isinstance(batches, AsyncIterable):
@@ -168,6 +159,10 @@ class AsyncClient(ClientSettings):
                     yield pb.EmbedRequest(inputs=list(batch), encoding=pb.ENCODING_BYTES, **fields)
 
         call = self._stub.EmbedStream(requests(), timeout=time_left(self.deadline(timeout)), metadata=self.metadata)
+        return self._stream_matrices(call)
+
+    @staticmethod
+    async def _stream_matrices(call) -> AsyncIterator[np.ndarray]:
         try:
             async for reply in call:
                 yield plans.embedding_matrix([reply])

@@ -60,6 +60,21 @@ class ClientSettings:
         # An older server sends no limits (0): one request per call, as before splitting existed.
         return self._limits.max_client_batch_size or 2**31 - 1
 
+    def stream_fields(self, params: dict) -> dict:
+        """embed()'s keyword arguments, for embed_stream(); unknown ones are refused at the call."""
+        params = dict(params)
+        fields = plans.embed_fields(
+            self.model_name(params.pop("model", None)),
+            params.pop("normalize", None),
+            params.pop("truncate", False),
+            params.pop("truncation_direction", "right"),
+            params.pop("dimensions", None),
+            params.pop("prompt_name", None),
+        )
+        if params:
+            raise TypeError(f"embed_stream() got unexpected arguments: {', '.join(sorted(params))}")
+        return fields
+
     def requests_in_flight(self, plan: plans.Plan) -> int:
         """How many of a split call's requests go out at once: `parallel_requests`, but never more inputs
         than the server admits (--max-concurrent-requests), or a big batch would refuse itself."""

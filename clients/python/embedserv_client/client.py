@@ -157,23 +157,20 @@ class Client(ClientSettings):
     ) -> Iterator[np.ndarray]:
         """One EmbedStream call: a matrix per batch, in order. Batches are sent as given (each must fit
         the server's batch limit) and the stream is not retried. `params` as for embed()."""
-        fields = plans.embed_fields(
-            self.model_name(params.pop("model", None)),
-            params.pop("normalize", None),
-            params.pop("truncate", False),
-            params.pop("truncation_direction", "right"),
-            params.pop("dimensions", None),
-            params.pop("prompt_name", None),
-        )
-        if params:
-            raise TypeError(f"embed_stream() got unexpected arguments: {', '.join(sorted(params))}")
+        fields = self.stream_fields(params)
         requests = (pb.EmbedRequest(inputs=list(b), encoding=pb.ENCODING_BYTES, **fields) for b in batches)
         replies = self._stub.EmbedStream(requests, timeout=time_left(self.deadline(timeout)), metadata=self.metadata)
+        return self._stream_matrices(replies)
+
+    @staticmethod
+    def _stream_matrices(replies) -> Iterator[np.ndarray]:
         try:
             for reply in replies:
                 yield plans.embedding_matrix([reply])
         except grpc.RpcError as err:
             raise error_from(err) from None
+        finally:
+            replies.cancel()
 
     def models(self, *, timeout: float | None = None) -> list[ModelInfo]:
         return [ModelInfo.from_proto(m) for m in self._list_models(self.deadline(timeout)).models]

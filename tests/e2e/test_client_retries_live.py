@@ -6,12 +6,8 @@ happen, so the passing calls prove the retries."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -20,13 +16,11 @@ import pytest
 from embedserv_client import NO_RETRY, AsyncClient, Client, EmbedservError, RetryPolicy
 from tests.helpers.metrics import scrape
 from tests.helpers.server import (
-    REPO_ROOT,
     free_port,
     health_status,
+    launched_server,
     log_tail,
     running_server,
-    server_env,
-    stop_process,
 )
 
 LIMIT = 4  # inputs in flight; each call carries 4, so a second concurrent call is refused
@@ -88,26 +82,19 @@ def test_a_storm_past_the_limit_succeeds_with_retries_async(small_server):
 def test_a_call_made_while_the_model_loads_waits_it_out(bundled_dir):
     """The server binds its port first and answers UNAVAILABLE ("still loading") until the model is
     warm; a client with a patient policy started at the same moment gets its answer."""
-    port = free_port()
-    log_path = Path(tempfile.mkdtemp(prefix="embedserv-test-")) / "server.log"
-    cmd = [sys.executable, "-m", "embedserv", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--model", str(bundled_dir), "--dtype", "float32", "--device", "cpu", "--log-level", "debug"]  # fmt: skip
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=server_env(), stdout=log, stderr=subprocess.STDOUT)
-    try:
+    args = ["--model", str(bundled_dir), "--dtype", "float32", "--device", "cpu", "--log-level", "debug"]
+    with launched_server(args) as (target, proc):
         deadline = time.monotonic() + 60
-        while health_status(f"127.0.0.1:{port}", timeout=1.0) != "NOT_SERVING":  # listening, still loading
-            assert proc.poll() is None and time.monotonic() < deadline, log_tail(log_path)
+        while health_status(target, timeout=1.0) != "NOT_SERVING":  # listening, still loading
+            assert proc.poll() is None and time.monotonic() < deadline, log_tail(proc.log_path)
             time.sleep(0.02)
         patient = RetryPolicy(max_attempts=1000, initial_backoff=0.05, max_backoff=0.25)
-        with Client(f"127.0.0.1:{port}", retry=patient, timeout=120) as client:
+        with Client(target, retry=patient, timeout=120) as client:
             vector = client.embed("hello while loading")
         assert vector.shape == (384,)
-        log = log_tail(log_path, 200_000)
+        log = log_tail(proc.log_path, 200_000)
         assert "Embed model=- inputs=0 tokens=0 status=UNAVAILABLE" in log, log[-3000:]
         assert "status=OK" in log
-    finally:
-        stop_process(proc)
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -17,7 +15,7 @@ import pytest
 
 from tests.helpers.client import embed_request, inference_stub, outcome, response_matrix
 from tests.helpers.processes import survivors, wait_for, worker_pids
-from tests.helpers.server import REPO_ROOT, free_port, health_status, running_server, server_env, stop_process
+from tests.helpers.server import health_status, launched_server, running_server
 
 SERVED = "minilm"
 LONG_TEXT = "a text long enough to keep two cores busy for a while " * 18
@@ -119,14 +117,9 @@ def test_what_outlives_the_drain_is_cancelled_and_the_exit_is_0(bundled_dir, dra
     assert ("second signal" in log) == second_signal
 
 
-def test_sigterm_while_loading_stops_at_once_and_exits_0(bundled_dir, tmp_path):
+def test_sigterm_while_loading_stops_at_once_and_exits_0(bundled_dir):
     """A pod stopped while its model still loads must not finish the load first (it could take minutes)."""
-    port = free_port()
-    target = f"127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "embedserv", "serve", "--port", str(port), *_args(bundled_dir, 60)]
-    with open(tmp_path / "server.log", "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=server_env(), stdout=log, stderr=subprocess.STDOUT)
-    try:
+    with launched_server(_args(bundled_dir, 60)) as (target, proc):
         # Listening, a worker process started, the model not yet warm.
         wait_for(lambda: worker_pids(proc.pid) and health_status(target, timeout=1.0) == "NOT_SERVING",
                  timeout=60, interval=0.05, what="a worker loading behind a NOT_SERVING server")
@@ -137,8 +130,6 @@ def test_sigterm_while_loading_stops_at_once_and_exits_0(bundled_dir, tmp_path):
         # About 1 s here (stopping the loading worker); finishing the load first took 5-6 s.
         assert time.monotonic() - signalled < 3.5
         assert not survivors(workers)
-    finally:
-        stop_process(proc)
-    text = (tmp_path / "server.log").read_text()
+    text = proc.log_path.read_text()
     assert "SIGTERM while loading" in text
     assert "Traceback" not in text and "never retrieved" not in text, text[-3000:]

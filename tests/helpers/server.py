@@ -119,26 +119,22 @@ def stop_process(proc: subprocess.Popen, group: bool = False) -> None:
 
 
 @contextlib.contextmanager
-def running_server(
+def launched_server(
     args: list[str],
-    timeout: float = 180,
     env: dict[str, str | None] | None = None,
-    credentials: grpc.ChannelCredentials | None = None,
     cwd: Path = REPO_ROOT,
     host: str = "127.0.0.1",
     port: int | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Run `python -m embedserv serve --host HOST --port P *args`; yield ("HOST:P", process).
+    """Start `python -m embedserv serve --host HOST --port P *args` without waiting for it; yield
+    ("HOST:P", process) with `process.log_path`, and always stop it.
 
-    `env` overrides the server's environment (None removes a variable); `credentials` are the channel
-    credentials the readiness health checks use, for a server started with TLS; `cwd` is the checkout
-    whose embedserv runs (`-m` imports from the working directory first). `host` is a loopback address
+    `env` overrides the server's environment (None removes a variable); `cwd` is the checkout whose
+    embedserv runs (`-m` imports from the working directory first). `host` is a loopback address
     (127.0.0.2 too: all of 127/8 is local); `port` defaults to a free one."""
     port = free_port() if port is None else port
-    target = f"{host}:{port}"
     cmd = [sys.executable, "-m", "embedserv", "serve", "--host", host, "--port", str(port), *args]
-    log_dir = Path(tempfile.mkdtemp(prefix="embedserv-test-"))
-    log_path = log_dir / "server.log"
+    log_path = Path(tempfile.mkdtemp(prefix="embedserv-test-")) / "server.log"
     proc_env = server_env()
     for name, value in (env or {}).items():
         if value is None:
@@ -149,11 +145,30 @@ def running_server(
         proc = subprocess.Popen(
             cmd, cwd=cwd, env=proc_env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
         )
+    proc.log_path = log_path  # type: ignore[attr-defined]
     try:
-        wait_until_serving(
-            target, lambda: proc.poll() is None, log_path, timeout, what=" ".join(cmd), credentials=credentials
-        )
-        proc.log_path = log_path  # type: ignore[attr-defined]
-        yield target, proc
+        yield f"{host}:{port}", proc
     finally:
         stop_process(proc)
+
+
+@contextlib.contextmanager
+def running_server(
+    args: list[str],
+    timeout: float = 180,
+    env: dict[str, str | None] | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
+    cwd: Path = REPO_ROOT,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """launched_server, then wait until health says SERVING; yield ("HOST:P", process).
+
+    `credentials` are the channel credentials the readiness health checks use, for a server started
+    with TLS."""
+    with launched_server(args, env, cwd, host, port) as (target, proc):
+        wait_until_serving(
+            target, lambda: proc.poll() is None, proc.log_path, timeout, what=" ".join(proc.args),
+            credentials=credentials,
+        )  # fmt: skip
+        yield target, proc

@@ -176,9 +176,7 @@ class AsyncClient(ClientSettings):
         return [ModelInfo.from_proto(m) for m in reply.models]
 
     async def limits(self, *, timeout: float | None = None) -> Limits:
-        if self._limits is None:
-            self._limits = Limits.from_proto((await self._list_models(self.deadline(timeout))).limits)
-        return self._limits
+        return await self._known_limits(self.deadline(timeout))
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> str:
         stub = health_pb2_grpc.HealthStub(self.channel)
@@ -190,12 +188,15 @@ class AsyncClient(ClientSettings):
     async def _list_models(self, deadline: float | None) -> pb.ListModelsResponse:
         return await self._call(self._stub.ListModels, pb.ListModelsRequest(), deadline)
 
+    async def _known_limits(self, deadline: float | None) -> Limits:
+        if self._limits is None:
+            self._limits = Limits.from_proto((await self._list_models(deadline)).limits)
+        return self._limits
+
     async def _batch_size(self, deadline: float | None) -> int:
         if self.batch_size is not None:
             return self.batch_size
-        if self._limits is None:
-            self._limits = Limits.from_proto((await self._list_models(deadline)).limits)
-        return self.server_batch_size()
+        return self.server_batch_size(await self._known_limits(deadline))
 
     async def _call(self, method, request, deadline: float | None):
         attempt = 0

@@ -55,10 +55,10 @@ class ClientSettings:
     def model_name(self, model: str | None) -> str:
         return self.model if model is None else model
 
-    def server_batch_size(self) -> int:
-        assert self._limits is not None
+    @staticmethod
+    def server_batch_size(limits: Limits) -> int:
         # An older server sends no limits (0): one request per call, as before splitting existed.
-        return self._limits.max_client_batch_size or 2**31 - 1
+        return limits.max_client_batch_size or 2**31 - 1
 
     def stream_fields(self, params: dict) -> dict:
         """embed()'s keyword arguments, for embed_stream(); unknown ones are refused at the call."""

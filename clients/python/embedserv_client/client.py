@@ -177,9 +177,7 @@ class Client(ClientSettings):
 
     def limits(self, *, timeout: float | None = None) -> Limits:
         """The server's limits (ListModels), asked once and remembered."""
-        if self._limits is None:
-            self._limits = Limits.from_proto(self._list_models(self.deadline(timeout)).limits)
-        return self._limits
+        return self._known_limits(self.deadline(timeout))
 
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """The health status name ("SERVING", "NOT_SERVING", ...) of the server ("") or one model."""
@@ -193,12 +191,15 @@ class Client(ClientSettings):
     def _list_models(self, deadline: float | None) -> pb.ListModelsResponse:
         return self._call(self._stub.ListModels, pb.ListModelsRequest(), deadline)
 
+    def _known_limits(self, deadline: float | None) -> Limits:
+        if self._limits is None:
+            self._limits = Limits.from_proto(self._list_models(deadline).limits)
+        return self._limits
+
     def _batch_size(self, deadline: float | None) -> int:
         if self.batch_size is not None:
             return self.batch_size
-        if self._limits is None:
-            self._limits = Limits.from_proto(self._list_models(deadline).limits)
-        return self.server_batch_size()
+        return self.server_batch_size(self._known_limits(deadline))
 
     def _call(self, method, request, deadline: float | None):
         attempt = 0

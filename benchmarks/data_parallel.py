@@ -21,7 +21,7 @@ import time
 from benchmarks.corpus import stdlib_texts
 from embedserv.config import ModelConfig, bundled_model_path
 from embedserv.engine.sync import SyncEngine
-from embedserv.engine.types import EmbedParams
+from embedserv.types import EmbedParams
 
 
 def _ints(text: str) -> list[int]:

@@ -22,7 +22,7 @@ if not embedserv.__file__.startswith(tree):
 from benchmarks.corpus import stdlib_texts  # noqa: E402
 from embedserv.config import ModelConfig, bundled_model_path  # noqa: E402
 from embedserv.engine.sync import SyncEngine  # noqa: E402
-from embedserv.engine.types import EmbedParams  # noqa: E402
+from embedserv.types import EmbedParams  # noqa: E402
 
 texts = stdlib_texts(1000, seed=0)
 calls = [texts[i : i + 32] for i in range(0, len(texts), 32)]

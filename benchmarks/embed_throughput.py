@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from benchmarks.corpus import stdlib_texts  # noqa: E402
 from embedserv.config import ModelConfig, bundled_model_path  # noqa: E402
 from embedserv.engine.sync import SyncEngine  # noqa: E402
-from embedserv.engine.types import EmbedParams  # noqa: E402
+from embedserv.types import EmbedParams  # noqa: E402
 from embedserv.v1 import embedserv_pb2 as pb  # noqa: E402
 from embedserv.v1 import embedserv_pb2_grpc as pb_grpc  # noqa: E402
 from tests.helpers.server import running_server  # noqa: E402

@@ -63,7 +63,7 @@ def _timed(run, repeats: int) -> dict:
 
 def bench_engine(model: str, streams: int, max_tokens: int, dtype: str, repeats: int) -> dict:
     from embedserv.engine.sync import SyncEngine
-    from embedserv.engine.types import SamplingParams
+    from embedserv.types import SamplingParams
 
     texts = prompts(streams)
     params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * streams

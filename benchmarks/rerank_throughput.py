@@ -30,7 +30,7 @@ from benchmarks.corpus import stdlib_texts  # noqa: E402
 from benchmarks.embed_throughput import best_of, isolated  # noqa: E402
 from embedserv.config import ModelConfig, bundled_model_path  # noqa: E402
 from embedserv.engine.sync import SyncEngine  # noqa: E402
-from embedserv.engine.types import RerankParams  # noqa: E402
+from embedserv.types import RerankParams  # noqa: E402
 
 
 def build_minilm_cross_encoder(out: Path) -> Path:

@@ -1,8 +1,9 @@
 """The forward context: what attention layers need that the model's signature does not carry.
 
-The model runner sets it around one forward pass; each Attention layer reads its metadata, backend and
-(in generation) its KV cache here, so model code stays `forward(input_ids, positions)`.
-A ContextVar keeps two engines running forward passes in different threads apart.
+The model runner sets it around one forward pass. Each Attention layer finds its metadata and (with a KV
+cache) its cache here by its kind, KV-cache group and layer index, so model code stays
+`forward(input_ids, positions)`. A ContextVar keeps two engines running forward passes in different
+threads apart.
 """
 
 from __future__ import annotations
@@ -16,15 +17,36 @@ if TYPE_CHECKING:
     import torch
 
     from embedserv.attention.backends.base import AttentionBackend
+    from embedserv.attention.layer import Attention
     from embedserv.attention.metadata import AttentionMetadata
 
 
 @dataclass(frozen=True)
 class ForwardContext:
-    attn_metadata: AttentionMetadata
     attn_backend: AttentionBackend
-    # One cache tensor per attention layer, indexed by layer_index; empty on KV-free paths.
-    kv_caches: Sequence[torch.Tensor] = ()
+    # One metadata per KV-cache group (indexed by a layer's kv_group); on KV-free steps one for every layer.
+    attn_metadata: Sequence[AttentionMetadata]
+    # One cache per attention layer, by layer_index (None for a layer that owns none: it reads its KV
+    # source's); empty on KV-free steps.
+    kv_caches: Sequence[torch.Tensor | None] = ()
+    # Encoder layers of an encoder-decoder model attend over the encoder inputs, which have their own
+    # packing; None when the step has no encoder inputs (then encoder layers use attn_metadata[0]).
+    encoder_metadata: AttentionMetadata | None = None
+
+    def __post_init__(self) -> None:
+        # One metadata object (every KV-free step, most tests) stands for a one-group tuple.
+        if not isinstance(self.attn_metadata, (tuple, list)):
+            object.__setattr__(self, "attn_metadata", (self.attn_metadata,))
+
+    def metadata_for(self, layer: Attention) -> AttentionMetadata:
+        if layer.kind == "encoder":
+            return self.encoder_metadata if self.encoder_metadata is not None else self.attn_metadata[0]
+        return self.attn_metadata[layer.kv_group if len(self.attn_metadata) > 1 else 0]
+
+    def kv_cache_for(self, layer: Attention) -> torch.Tensor | None:
+        if not self.kv_caches or layer.kind == "encoder":
+            return None
+        return self.kv_caches[layer.cache_layer]
 
 
 _current: ContextVar[ForwardContext | None] = ContextVar("embedserv_forward_context", default=None)

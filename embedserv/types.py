@@ -1,4 +1,5 @@
-"""What goes into and comes out of an Engine: plain dataclasses, no torch."""
+"""The types every package shares: what goes into and comes out of an Engine, and one step of work
+between the scheduler, the engine and a worker. Plain dataclasses and enums, no torch (a test enforces it)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,48 @@ class Task(str, Enum):
     GENERATE = "generate"
 
 
+class Activation(str, Enum):
+    """What turns a model's logits into the scores Rerank and Classify return (engine/outputs.py: activate)."""
+
+    SIGMOID = "sigmoid"
+    # Per row: the labels of one input sum to 1.
+    SOFTMAX = "softmax"
+    TANH = "tanh"
+    IDENTITY = "identity"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class RerankMode(str, Enum):
+    """How Rerank builds a model's inputs and scores."""
+
+    # Cosine similarity of the query's and each document's embeddings.
+    EMBEDDINGS = "embeddings"
+    # Query and document in one sequence, scored by a classifier with one label (a cross-encoder).
+    PAIR = "pair"
+    # A yes/no reranker's prompt around query and document, scored by the "yes" against "no" logit.
+    TEMPLATE = "template"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class TruncationDirection(str, Enum):
+    """Which end of a too-long input is cut: RIGHT keeps its start, LEFT keeps its end (tokenizers' names)."""
+
+    RIGHT = "right"
+    LEFT = "left"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class EmbedParams:
     normalize: bool = True
     truncate: bool = False
-    # "right" keeps the start of the input, "left" keeps its end.
-    truncation_direction: str = "right"
+    truncation_direction: TruncationDirection = TruncationDirection.RIGHT
     # Keep only the first N dimensions, then normalize (Matryoshka).
     dimensions: int | None = None
     # A prompt name from the model's sentence-transformers config; None uses the model's default prompt.
@@ -42,7 +79,7 @@ class RerankParams:
 @dataclass(frozen=True)
 class ClassifyParams:
     truncate: bool = False
-    truncation_direction: str = "right"
+    truncation_direction: TruncationDirection = TruncationDirection.RIGHT
     # Logits instead of softmax (sigmoid for multi-label models) probabilities.
     raw_scores: bool = False
 
@@ -70,14 +107,21 @@ class SamplingParams:
         return self.temperature == 0
 
 
+class FinishReason(str, Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    EOS = "eos"
+    CANCELLED = "cancelled"
+
+
 @dataclass(frozen=True)
 class GenerationDelta:
     """One streamed piece of a generation: the text and tokens since the previous one."""
 
     text: str
     token_ids: tuple[int, ...]
-    # None until the last delta; then length, stop, eos or cancelled.
-    finish_reason: str | None = None
+    # None until the last delta.
+    finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
@@ -163,3 +207,76 @@ class ModelInfo:
     attention_backend: str
     # Classifier label names in the model's order; empty for other models.
     labels: tuple[str, ...] = ()
+
+
+class OutputKind(str, Enum):
+    """What a sequence's step yields: a pooled embedding, a score head's logits, or a sampled token."""
+
+    POOL = "pool"
+    SCORE = "score"
+    SAMPLE = "sample"
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    """One sequence of a step: the tokens to compute now and where its keys and values live."""
+
+    request_id: int
+    # This step's tokens: a whole input (prefill-only), a prompt chunk, or the one token being decoded.
+    token_ids: tuple[int, ...]
+    output: OutputKind
+    # Tokens of the sequence already computed (in the KV cache): the position of token_ids[0].
+    start_position: int = 0
+    # One block table per KV-cache group, each covering start_position + len(token_ids) tokens;
+    # empty when the step keeps no KV (prefill-only work).
+    block_ids: tuple[tuple[int, ...], ...] = ()
+    # The step reaches the sequence's last known token, so it yields an output (always, without KV).
+    produces_output: bool = True
+    # SAMPLE sequences that produce an output: how to pick the token.
+    sampling: SamplingParams | None = None
+    # POOL: pooling starts this many tokens in (prompt tokens excluded from the mean).
+    pool_start: int = 0
+    # Segment ids of pair inputs (cross-encoders); None means all zeros.
+    token_type_ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """What one forward pass computes; both scheduler policies emit it, every worker executes it."""
+
+    sequences: tuple[ScheduledSequence, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.sequences)
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.sequences)
+
+    @property
+    def uses_kv_cache(self) -> bool:
+        return any(s.block_ids for s in self.sequences)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """A step's results on the host, in batch order: rows for POOL / SCORE sequences, tokens for SAMPLE ones."""
+
+    row_request_ids: tuple[int, ...]
+    # [len(row_request_ids), dim] float32: pooled embeddings or score logits.
+    rows: np.ndarray
+    sampled_request_ids: tuple[int, ...]
+    # [len(sampled_request_ids)] int64: the next token of each.
+    tokens: np.ndarray
+
+    def __post_init__(self) -> None:
+        # Also checked when a StepDone arrives from a worker (the codec runs __post_init__).
+        if len(self.rows) != len(self.row_request_ids) or len(self.tokens) != len(self.sampled_request_ids):
+            raise ValueError(
+                f"{len(self.rows)} rows and {len(self.tokens)} tokens for {len(self.row_request_ids)} and "
+                f"{len(self.sampled_request_ids)} request ids"
+            )
+
+    def sampled(self) -> dict[int, int]:
+        return dict(zip(self.sampled_request_ids, self.tokens.tolist(), strict=True))

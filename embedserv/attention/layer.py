@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
+from enum import Enum
+
 import torch
 from torch import nn
 
 from embedserv.forward_context import get_forward_context
 
 
+class AttentionKind(str, Enum):
+    # Bidirectional over the (encoder) input, never a KV cache.
+    ENCODER = "encoder"
+    # Self-attention of a decoder (or of an encoder-only model): causal or not as the metadata says;
+    # paged KV when generating.
+    DECODER = "decoder"
+    # Decoder queries over keys and values computed once from the encoder output (a fixed KV group).
+    CROSS = "cross"
+
+
 class Attention(nn.Module):
     """Attention over the packed batch described by the forward context.
 
-    q: [num_tokens, num_heads * head_size]; k, v: [num_tokens, num_kv_heads * head_size].
-    Whether attention is causal comes from the metadata, so one model class serves both kinds.
+    q: [num_tokens, num_heads * head_size]; k, v: [num_tokens, num_kv_heads * head_size], or both None for
+    a layer with a `kv_source_layer`: it has no K/V projections, reads that layer's cache, writes nothing
+    and owns no cache. Whether attention is causal comes from the metadata, so one model class serves both.
     """
 
     def __init__(
@@ -22,6 +35,9 @@ class Attention(nn.Module):
         scale: float | None = None,
         num_kv_heads: int | None = None,
         layer_index: int = 0,
+        kind: AttentionKind = AttentionKind.DECODER,
+        kv_group: int = 0,
+        kv_source_layer: int | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -31,16 +47,27 @@ class Attention(nn.Module):
             raise ValueError(f"{num_heads} heads do not split into {self.num_kv_heads} KV head groups")
         self.scale = scale if scale is not None else head_size**-0.5
         self.layer_index = layer_index
+        self.kind = AttentionKind(kind)
+        self.kv_group = kv_group
+        self.kv_source_layer = kv_source_layer
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    @property
+    def owns_kv_cache(self) -> bool:
+        return self.kind is not AttentionKind.ENCODER and self.kv_source_layer is None
+
+    @property
+    def cache_layer(self) -> int:
+        """The layer whose cache this one reads (its own unless it shares another's)."""
+        return self.layer_index if self.kv_source_layer is None else self.kv_source_layer
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
         context = get_forward_context()
-        kv_cache = context.kv_caches[self.layer_index] if context.kv_caches else None
         out = context.attn_backend.forward(
             self,
             q.view(-1, self.num_heads, self.head_size),
-            k.view(-1, self.num_kv_heads, self.head_size),
-            v.view(-1, self.num_kv_heads, self.head_size),
-            kv_cache,
-            context.attn_metadata,
+            None if k is None else k.view(-1, self.num_kv_heads, self.head_size),
+            None if v is None else v.view(-1, self.num_kv_heads, self.head_size),
+            context.kv_cache_for(self),
+            context.metadata_for(self),
         )
         return out.reshape(-1, self.num_heads * self.head_size)

@@ -3,11 +3,12 @@
 Every tensor here describes the batch as the input builder packed it: `num_tokens` rows, sequences one
 after another, `cu_seqlens` marking where each starts. Backends extend it with what they precompute.
 
-On KV-free paths (embed, rerank, classify) each sequence's queries are its keys. In generation a
-sequence's queries are its new tokens (a prompt chunk, or one token when decoding) and its keys are all
-of its tokens so far, read from the paged KV cache: `slot_mapping` says where the new keys are written,
-`key_slots` where every key of the step is read, in `cu_seqlens_k` order. A query at position p of its
-sequence sees the keys at positions 0..p (causal, aligned at the end: the last query is the last key).
+On KV-free paths (embed, rerank, classify) each sequence's queries are its keys. With a paged KV cache a
+sequence's queries are its new tokens (a prompt chunk, or one token when decoding) and its keys are all of
+its tokens so far: the first `seq_lens_k - seq_lens_q` (its context) are in the cache, in the blocks its
+row of `block_tables` lists; the last `seq_lens_q` are this step's, written to `slot_mapping`. A query at
+position p of its sequence sees the keys at positions 0..p (causal, aligned at the end: the last query is
+the last key). Block tables are built once per step on the host and copied once; no one expands them.
 """
 
 from __future__ import annotations
@@ -24,25 +25,36 @@ class CommonAttentionMetadata:
 
     # [num_seqs + 1] int32 on the device: token offsets of each query sequence.
     cu_seqlens_q: torch.Tensor
-    # [num_seqs + 1] int32 on the device: key offsets (equal to q on KV-free paths).
+    # [num_seqs + 1] int32 on the device: offsets of each sequence's keys as if packed (equal to q on
+    # KV-free paths).
     cu_seqlens_k: torch.Tensor
     # [num_seqs] int64 host copy of the query lengths, for backends that plan on the host.
     seq_lens_q_cpu: np.ndarray
-    # [num_seqs] int64 host copy of the key lengths.
+    # [num_seqs] int64 host copy of the key lengths (context + new tokens).
     seq_lens_k_cpu: np.ndarray
     max_seqlen_q: int
     max_seqlen_k: int
     is_causal: bool
-    # [num_tokens] int64 on the device: the KV cache slot (block * block_size + offset) each new token's
-    # key and value are written to. None on KV-free paths.
+    # Paged KV only (all None / 0 on KV-free paths):
+    # [num_tokens] int64 on the device: the cache slot (block * block_size + offset) each new token's key
+    # and value are written to.
     slot_mapping: torch.Tensor | None = None
-    # [sum(seq_lens_k)] int64 on the device: the cache slot of every key each sequence attends to, packed
-    # like `cu_seqlens_k` (the block tables, expanded). None on KV-free paths.
-    key_slots: torch.Tensor | None = None
+    # [num_seqs, max_blocks] int32 on the device: each sequence's block table, padded with 0 (never read:
+    # seq_lens_k bounds every read).
+    block_tables: torch.Tensor | None = None
+    # [num_seqs] int32 on the device: the key lengths again, for kernels that take them (seqused_k).
+    seq_lens_k: torch.Tensor | None = None
+    # Tokens per KV-cache block.
+    block_size: int = 0
 
     @property
     def reads_kv_cache(self) -> bool:
         return self.slot_mapping is not None
+
+    @property
+    def context_lens_cpu(self) -> np.ndarray:
+        """[num_seqs] tokens of each sequence already in the cache before this step."""
+        return self.seq_lens_k_cpu - self.seq_lens_q_cpu
 
 
 @dataclass(frozen=True)
@@ -92,9 +104,11 @@ def build_paged_metadata(
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
     slot_mapping: torch.Tensor,
-    key_slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens_k_device: torch.Tensor,
+    block_size: int,
 ) -> CommonAttentionMetadata:
-    """Metadata for a generation step: causal queries over keys read from the paged KV cache."""
+    """Metadata for a step over the paged KV cache: causal queries over their sequence's keys."""
     return CommonAttentionMetadata(
         cu_seqlens_q=cu_seqlens_q.to(torch.int32),
         cu_seqlens_k=cu_seqlens_k.to(torch.int32),
@@ -104,5 +118,7 @@ def build_paged_metadata(
         max_seqlen_k=int(seq_lens_k.max()),
         is_causal=True,
         slot_mapping=slot_mapping,
-        key_slots=key_slots,
+        block_tables=block_tables.to(torch.int32),
+        seq_lens_k=seq_lens_k_device.to(torch.int32),
+        block_size=block_size,
     )

@@ -1,10 +1,11 @@
 """The asyncio engine of one served model.
 
-Calls tokenize in a thread pool, split into one scheduler request per input, and wait on futures. The
-prefill loop hands the scheduler's batches to the model's workers; each worker also has a generation
-loop when the model generates. Workers are processes (the server: `--data-parallel-size` of them, each
-with its own replica), or one model thread in this process (Engine.load: library use and tests). The
-event loop stays free meanwhile, so new calls are tokenized and queued while the devices work.
+Calls tokenize in a thread pool, split into one scheduler request per input, and wait on futures. Each
+worker has one step loop (step_loop.py) that takes batches from the model's shared prefill queue and,
+when the model generates, steps from that worker's own generation streams (its KV cache). Workers are
+processes (the server: `--data-parallel-size` of them, each with its own replica), or one model thread in
+this process (Engine.load: library use and tests). The event loop stays free meanwhile, so new calls are
+tokenized and queued while the devices work.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ import numpy as np
 import torch
 
 from embedserv.config import ModelConfig
-from embedserv.engine.generation import GenerationLoop, prepare_prompt
-from embedserv.engine.loading import ModelSpec, load_model, log_spec, read_model_spec
+from embedserv.engine.generation import GenerationStreams, prepare_prompt
+from embedserv.engine.loading import ServedModel, log_spec, read_served_model
 from embedserv.engine.outputs import activate, cosine_to_first, finish_embeddings, rank
 from embedserv.engine.tokenizer import Encoded
-from embedserv.engine.types import (
+from embedserv.types import (
+    Activation,
     ClassifyParams,
     ClassifyResult,
     EmbedParams,
@@ -33,21 +35,26 @@ from embedserv.engine.types import (
     GenerationDelta,
     KvCacheUsage,
     ModelInfo,
+    OutputKind,
     RankedDocument,
+    RerankMode,
     RerankParams,
     RerankResult,
     SamplingParams,
     Task,
     Timing,
     TokenizedText,
+    TruncationDirection,
 )
-from embedserv.engine.prefill import PrefillLoop
+from embedserv.engine.prefill import PrefillQueue
+from embedserv.engine.step_loop import WorkerLoop
 from embedserv.errors import ConfigError, InvalidInput, NotReady
 from embedserv.executor.base import Worker, WorkerStats
 from embedserv.executor.local_worker import LocalWorker
 from embedserv.executor.placement import available_cores, place_workers
 from embedserv.executor.process_worker import ProcessWorker
-from embedserv.scheduler.prefill_only import PrefillRequest
+from embedserv.scheduler.request import Request
+from embedserv.worker.replica import build_runner
 
 logger = logging.getLogger(__name__)
 
@@ -58,30 +65,35 @@ def _us(seconds: float) -> int:
 
 class Engine:
     def __init__(
-        self, config: ModelConfig, spec: ModelSpec, workers: list[Worker], tokenizer_threads: int = 1,
+        self, config: ModelConfig, served: ServedModel, workers: list[Worker], tokenizer_threads: int = 1,
         pipeline_depth: int = 1,
     ) -> None:
         self.config = config
-        self.info: ModelInfo = spec.info
-        self.tokenizer = spec.tokenizer
-        self.task = spec.task
+        self.info: ModelInfo = served.info
+        self.tokenizer = served.tokenizer
+        self.task = served.task
         self.workers = workers
         for worker in workers:
             worker.on_change = self._workers_changed
         self._tokenizer_pool = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix=f"tokenize-{self.info.name}")
         name, budget, max_seqs = self.info.name, config.batch_token_budget, config.max_batch_requests
-        self._prefill: PrefillLoop | None = None
-        if spec.task.tasks != (Task.GENERATE,):
-            self._prefill = PrefillLoop(name, workers, budget, max_seqs, pipeline_depth)
-        self._generation: list[GenerationLoop] = []
-        if Task.GENERATE in spec.task.tasks:
+        self._prefill: PrefillQueue | None = None
+        if served.task.tasks != (Task.GENERATE,):
+            output = OutputKind.POOL if Task.EMBED in served.task.tasks else OutputKind.SCORE
+            self._prefill = PrefillQueue(name, workers, budget, max_seqs, output)
+        self._generation: list[GenerationStreams] = []
+        if Task.GENERATE in served.task.tasks:
             self._generation = [
-                GenerationLoop(
-                    name, spec, worker, self._tokenizer_pool, config.kv_block_size, budget, max_seqs,
+                GenerationStreams(
+                    name, worker, self._tokenizer_pool, served.eos_token_ids, served.max_model_len, budget, max_seqs,
                     config.enable_prefix_caching,
                 )
                 for worker in workers
             ]
+        generation = self._generation or [None] * len(workers)
+        self._loops = [
+            WorkerLoop(name, worker, self._prefill, streams, pipeline_depth) for worker, streams in zip(workers, generation)
+        ]
         self._started = False
         self._serving = False
         self._serving_listeners: list[Callable[[bool], None]] = []
@@ -95,36 +107,37 @@ class Engine:
         """
         if config.data_parallel_size != 1:
             raise ConfigError("an in-process engine runs one replica; use worker processes for --data-parallel-size")
+        served = read_served_model(config)
+        log_spec(served, config)
         model_thread = ThreadPoolExecutor(1, thread_name_prefix=f"model-{config.served_name}")
         try:
-            loaded = model_thread.submit(load_model, config).result()
+            runner = model_thread.submit(build_runner, config, served.spec).result()
             if warm_up:
-                info = loaded.spec.info
-                model_thread.submit(loaded.replica.warm_up, info.max_input_tokens, config.batch_token_budget).result()
+                info = served.info
+                model_thread.submit(runner.warm_up, info.max_input_tokens, config.batch_token_budget).result()
         except BaseException:
             model_thread.shutdown(wait=False)
             raise
-        return cls(config, loaded.spec, [LocalWorker(loaded.replica, model_thread)], tokenizer_threads)
+        return cls(config, served, [LocalWorker(runner, model_thread)], tokenizer_threads)
 
     @classmethod
     def with_worker_processes(cls, config: ModelConfig, tokenizer_threads: int = 1) -> Engine:
         """`config.data_parallel_size` worker processes, started (and waited for) by start(). Blocking: reads
         the model's config and tokenizer, and places the workers."""
-        spec = read_model_spec(config)
-        log_spec(spec, config)
+        served = read_served_model(config)
+        log_spec(served, config)
         num_gpus = torch.cuda.device_count() if config.device != "cpu" else 0
         placements = place_workers(config, num_gpus, available_cores())
         workers = [
             ProcessWorker(index, replace(config, device=placement.device), placement)
             for index, placement in enumerate(placements)
         ]
-        return cls(config, spec, workers, tokenizer_threads, config.pipeline_depth)
+        return cls(config, served, workers, tokenizer_threads, config.pipeline_depth)
 
     @property
     def is_running(self) -> bool:
         """Started, not stopped, and no loop crashed (workers may be restarting)."""
-        prefill_ok = self._prefill is None or self._prefill.is_running
-        return self._started and prefill_ok and all(loop.is_running for loop in self._generation)
+        return self._started and all(loop.is_running for loop in self._loops)
 
     @property
     def is_serving(self) -> bool:
@@ -171,17 +184,19 @@ class Engine:
             self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
             raise failed
         self._started = True
-        if self._prefill is not None:
-            self._prefill.start()
-        for loop in self._generation:
+        for loop in self._loops:
             loop.start()
+        if self._prefill is not None:
+            self._prefill.accepting = True
         self._workers_changed()
 
     def _workers_changed(self) -> None:
         if self._prefill is not None:
             self._prefill.workers_changed()
-        for loop in self._generation:
-            loop.workers_changed()
+        for streams in self._generation:
+            streams.workers_changed()
+        for loop in self._loops:
+            loop.wake()
         serving = self.is_serving
         if serving != self._serving and self._started:
             self._serving = serving
@@ -194,10 +209,10 @@ class Engine:
 
     async def stop(self) -> None:
         self._started = False
-        for loop in self._generation:
+        for loop in self._loops:
             await loop.stop()
         if self._prefill is not None:
-            await self._prefill.stop()
+            self._prefill.fail_all(NotReady(f"model {self.info.name} is shutting down; retry on another replica"))
         await asyncio.gather(*(worker.stop() for worker in self.workers))
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -222,7 +237,7 @@ class Engine:
             return None
         usages = [loop.kv_cache_usage() for loop in self._generation]
         return KvCacheUsage(
-            block_size=self.config.kv_block_size,
+            block_size=max(u.block_size for u in usages),
             total_blocks=sum(u.total_blocks for u in usages),
             used_blocks=sum(u.used_blocks for u in usages),
             preemptions=sum(u.preemptions for u in usages),
@@ -250,9 +265,9 @@ class Engine:
         self._require(Task.RERANK, "Rerank")
         self._check_rerank(query, documents, params)
         mode = self.task.rerank_mode
-        if mode == "embeddings":
+        if mode is RerankMode.EMBEDDINGS:
             encoded = await self._tokenize_with(self._encode_for_cosine, query, documents, params.truncate)
-        elif mode == "pair":
+        elif mode is RerankMode.PAIR:
             encoded = await self._tokenize_with(self.tokenizer.encode_pairs, query, documents, params.truncate)
         else:
             instruction = params.instruction or self.task.template.default_instruction
@@ -260,7 +275,7 @@ class Engine:
                 self.tokenizer.encode_templated, self.task.template, instruction, query, documents, params.truncate
             )
         rows, prompt_tokens, timing = await self._infer(encoded, received)
-        if mode == "embeddings":
+        if mode is RerankMode.EMBEDDINGS:
             scores = cosine_to_first(rows)
         else:
             scores = rows[:, 0] if params.raw_scores else activate(rows, self.task.rerank_activation)[:, 0]
@@ -279,7 +294,7 @@ class Engine:
         logits, prompt_tokens, timing = await self._infer(encoded, received)
         if not params.raw_scores:
             single = logits.shape[1] == 1 or self.task.multi_label
-            logits = activate(logits, "sigmoid" if single else "softmax")
+            logits = activate(logits, Activation.SIGMOID if single else Activation.SOFTMAX)
         return ClassifyResult(scores=logits, labels=self.task.labels, prompt_tokens=prompt_tokens, timing=timing)
 
     def _encode_for_cosine(self, query: str, documents: list[str], truncate: bool) -> list[Encoded]:
@@ -289,13 +304,13 @@ class Engine:
         query_prompt = "query" if "query" in prompts else None
         document_prompt = next((n for n in ("document", "passage", "corpus") if n in prompts), None)
         try:
-            encoded_query = self.tokenizer.encode_batch([query], False, "right", query_prompt)
+            encoded_query = self.tokenizer.encode_batch([query], False, TruncationDirection.RIGHT, query_prompt)
         except InvalidInput:
             raise InvalidInput(
                 f"the query is longer than the model's limit of {self.tokenizer.max_input_tokens} tokens "
                 "(queries are never truncated); shorten the query"
             ) from None
-        return encoded_query + self.tokenizer.encode_batch(documents, truncate, "right", document_prompt)
+        return encoded_query + self.tokenizer.encode_batch(documents, truncate, TruncationDirection.RIGHT, document_prompt)
 
     async def _tokenize_with(self, encode, *args) -> list[Encoded]:
         """Runs a tokenizer method in the tokenizer pool (never on the event loop)."""
@@ -316,7 +331,7 @@ class Engine:
         )
         return np.stack([row for row, _, _ in outputs]), sum(r.num_tokens for r in requests), timing
 
-    def _request(self, encoded: Encoded) -> PrefillRequest:
+    def _request(self, encoded: Encoded) -> Request:
         ids, types = encoded.ids, encoded.token_type_ids
         pad = self.task.strip_trailing_pad_id
         if pad is not None:
@@ -341,7 +356,7 @@ class Engine:
 
     @staticmethod
     def _check_direction(direction: str) -> None:
-        if direction not in ("right", "left"):
+        if direction not in tuple(TruncationDirection):
             raise InvalidInput(f"truncation_direction must be right or left, not {direction!r}")
 
     def _check_params(self, texts: list[str], params: EmbedParams) -> None:

@@ -1,14 +1,14 @@
-"""The generation side of an Engine, one loop per worker: continuous batching over that worker's paged KV
+"""The generation side of an Engine, one per worker: continuous batching over that worker's paged KV
 cache, streamed text.
 
-`generate()` checks the request, tokenizes the prompt and queues it with the GenerationScheduler; one
-loop task runs step after step on the worker (shared with the model's prefill-only work), then turns
+`generate()` checks the request, tokenizes the prompt and queues it here; the worker's loop
+(step_loop.py, shared with the model's prefill-only work) runs one step at a time, and step_done turns
 the sampled tokens into text deltas in the tokenizer pool and decides who is done (max_tokens, a stop
 string, EOS). A stream that ends for any reason, the client's cancel or deadline included, returns its
 KV blocks before the next step is scheduled.
 
 A stream lives in its worker's KV cache, so when that worker dies its streams fail with NotReady
-(UNAVAILABLE); the loop starts over with an empty cache once the replacement is ready.
+(UNAVAILABLE); the scheduler starts over with an empty cache once the replacement is ready.
 """
 
 from __future__ import annotations
@@ -23,20 +23,20 @@ from typing import AsyncIterator
 
 from embedserv import metrics
 from embedserv.engine.detokenizer import IncrementalDetokenizer
-from embedserv.engine.loading import ModelSpec
 from embedserv.engine.tokenizer import TextTokenizer
-from embedserv.engine.types import GenerationDelta, KvCacheUsage, SamplingParams
 from embedserv.errors import InvalidInput, NotReady
 from embedserv.executor.base import Worker, WorkerDied
-from embedserv.scheduler.block_manager import BlockManager
-from embedserv.scheduler.generation import GenerationBatch, GenerationRequest, GenerationScheduler, RequestStatus
+from embedserv.scheduler.generation import GenerationScheduler
+from embedserv.scheduler.kv_cache_manager import KvCacheManager
+from embedserv.scheduler.request import Request, RequestStatus
+from embedserv.types import FinishReason, GenerationDelta, KvCacheUsage, OutputKind, SamplingParams, StepBatch, StepOutput
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
 class _Stream:
-    request: GenerationRequest
+    request: Request
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -73,28 +73,31 @@ async def prepare_prompt(
     return await asyncio.get_running_loop().run_in_executor(pool, prepare)
 
 
-class GenerationLoop:
+class GenerationStreams:
+    """One worker's streams and the scheduler over its KV cache; its WorkerLoop runs the steps."""
+
     def __init__(
         self,
         name: str,
-        spec: ModelSpec,
         worker: Worker,
         tokenizer_pool: ThreadPoolExecutor,
-        block_size: int,
+        eos_token_ids: frozenset[int],
+        max_model_len: int,
         max_batch_tokens: int,
         max_num_seqs: int,
         enable_prefix_caching: bool,
     ) -> None:
         self.name = name
-        self.eos_token_ids = spec.eos_token_ids
-        self.max_model_len = spec.max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
         self.worker = worker
-        self.block_size = block_size
         self._budgets = (max_batch_tokens, max_num_seqs)
         self._enable_prefix_caching = enable_prefix_caching
-        # Built for each worker process once it is ready (its KV cache size), see _reset.
-        self.block_manager: BlockManager | None = None
+        # Built for each worker process once it is ready (its KV cache), see _reset.
+        self.kv_cache: KvCacheManager | None = None
         self.scheduler: GenerationScheduler | None = None
+        # Set by the worker's loop while it runs.
+        self.running = False
         self._incarnation = 0
         # Counters of the schedulers of earlier worker processes.
         self._past_preemptions = 0
@@ -104,17 +107,15 @@ class GenerationLoop:
         self._tokenizer_pool = tokenizer_pool
         self._streams: dict[int, _Stream] = {}
         self._ids = itertools.count()
-        self._wakeup = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._wake = lambda: None
 
-    @property
-    def is_running(self) -> bool:
-        return self._task is not None and not self._task.done()
+    def add_listener(self, wake) -> None:
+        self._wake = wake
 
     @property
     def is_accepting(self) -> bool:
-        """Running on a ready worker whose KV cache this loop's block manager tracks."""
-        return self.is_running and self.worker.ready and self._incarnation == self.worker.incarnation
+        """Running on a ready worker whose KV cache this scheduler tracks."""
+        return self.running and self.worker.ready and self._incarnation == self.worker.incarnation
 
     @property
     def num_streams(self) -> int:
@@ -126,66 +127,62 @@ class GenerationLoop:
         return self.scheduler.num_waiting if self.scheduler is not None else 0
 
     def kv_cache_usage(self) -> KvCacheUsage:
-        manager, scheduler = self.block_manager, self.scheduler
+        kv_cache, scheduler = self.kv_cache, self.scheduler
         return KvCacheUsage(
-            block_size=self.block_size,
-            total_blocks=manager.num_blocks if manager is not None else 0,
-            used_blocks=manager.num_used_blocks if manager is not None else 0,
+            block_size=kv_cache.block_size if kv_cache is not None else 0,
+            total_blocks=kv_cache.num_blocks if kv_cache is not None else 0,
+            used_blocks=kv_cache.num_used_blocks if kv_cache is not None else 0,
             preemptions=self._past_preemptions + (scheduler.num_preemptions if scheduler is not None else 0),
             cached_prompt_tokens=self._past_cached_tokens + (scheduler.num_cached_tokens if scheduler else 0),
         )
 
     def _reset(self) -> None:
-        """A new, empty KV cache: fresh block manager and scheduler sized to the worker's cache. No stream is
-        left: they failed when the worker went down, and none is accepted until this reset."""
+        """A new, empty KV cache: a fresh scheduler sized to the worker's cache. No stream is left: they failed
+        when the worker went down, and none is accepted until this reset."""
         if self.scheduler is not None:
             self._past_preemptions += self.scheduler.num_preemptions
             self._past_cached_tokens += self.scheduler.num_cached_tokens
-        self.block_manager = BlockManager(self.worker.num_kv_blocks, self.block_size, self._enable_prefix_caching)
-        self.scheduler = GenerationScheduler(self.block_manager, *self._budgets)
+        layout = self.worker.kv_cache
+        self.kv_cache = KvCacheManager(list(layout.groups), layout.num_blocks, self._enable_prefix_caching)
+        self.scheduler = GenerationScheduler(self.kv_cache, *self._budgets)
         self._incarnation = self.worker.incarnation
 
     def workers_changed(self) -> None:
-        """A dead worker's streams fail at once, even between steps; the loop wakes to wait for its successor."""
+        """A dead worker's streams fail at once, even between steps; a new one is followed at once."""
         if not self.worker.ready:
-            self._fail_all(self._worker_gone())
-        self._wakeup.set()
+            self.fail_all(self._worker_gone())
+        elif self.running:
+            self.follow_worker()
 
     def _worker_gone(self) -> NotReady:
         return NotReady(
             f"worker {self.worker.index} of model {self.name} stopped; its streams cannot resume, retry the call"
         )
 
-    def start(self) -> None:
-        if self.worker.ready:
+    def follow_worker(self) -> None:
+        """A new, ready worker process gets a fresh scheduler over its empty cache (streams of the old one
+        have failed)."""
+        if self.worker.ready and self._incarnation != self.worker.incarnation:
+            self.fail_all(self._worker_gone())
             self._reset()
-        self._task = asyncio.create_task(self._run(), name=f"generate-{self.name}")
-        self._task.add_done_callback(self._on_exit)
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        self._end_all("cancelled")
-
-    def _on_exit(self, task: asyncio.Task) -> None:
-        if task.cancelled() or task.exception() is None:
-            return
-        logger.error("generation loop of %s died", self.name, exc_info=task.exception())
-        self._fail_all(NotReady(f"model {self.name} stopped after an internal error; retry later"))
+    def schedule(self) -> StepBatch | None:
+        """The next step; call on a ready worker only."""
+        self.follow_worker()
+        return self.scheduler.schedule()
 
     async def stream(
         self, token_ids: list[int], detokenizer: IncrementalDetokenizer, params: SamplingParams
     ) -> AsyncIterator[GenerationDelta]:
-        """Runs a tokenized prompt (see prepare_prompt) on this loop's worker; yields its deltas."""
+        """Runs a tokenized prompt (see prepare_prompt) on this worker; yields its deltas."""
         if not self.is_accepting:
             raise NotReady(f"worker {self.worker.index} of model {self.name} is not running; retry shortly")
-        self._check_fits(len(token_ids), params.max_tokens)
-        request = GenerationRequest(next(self._ids), token_ids, params.max_tokens)
+        request = Request(next(self._ids), token_ids, OutputKind.SAMPLE, sampling=params)
+        self._check_fits(request, params.max_tokens)
         stream = _Stream(request, params, detokenizer)
         self._streams[request.request_id] = stream
         self.scheduler.add(request)
-        self._wakeup.set()
+        self._wake()
         try:
             while True:
                 item = await stream.queue.get()
@@ -200,7 +197,8 @@ class GenerationLoop:
                 self.num_dropped += 1
             self._forget(stream)
 
-    def _check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+    def _check_fits(self, request: Request, max_tokens: int) -> None:
+        prompt_tokens = len(request.prompt_token_ids)
         total = prompt_tokens + max_tokens
         limit = self.max_model_len
         if total > limit:
@@ -208,8 +206,8 @@ class GenerationLoop:
                 f"the prompt's {prompt_tokens} tokens plus max_tokens {max_tokens} make {total}, more than the "
                 f"model's context of {limit} tokens; shorten the prompt or lower max_tokens"
             )
-        if not self.scheduler.can_ever_fit(total):
-            capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if not self.scheduler.can_ever_fit(request, total):
+            capacity = self.kv_cache.managers[0].num_blocks * self.kv_cache.block_size
             raise InvalidInput(
                 f"the prompt's {prompt_tokens} tokens plus max_tokens {max_tokens} need more than this server's "
                 f"KV cache of {capacity} tokens; lower max_tokens or shorten the prompt"
@@ -226,59 +224,43 @@ class GenerationLoop:
             stream.queue.put_nowait(item)
         self._forget(stream)
 
-    def _end_all(self, reason: str) -> None:
+    def end_all(self, reason: FinishReason) -> None:
         for stream in list(self._streams.values()):
             request = stream.request
             self._close(stream, GenerationDelta(
                 "", (), reason, len(request.prompt_token_ids), len(request.output_token_ids)
             ))
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            if self._incarnation != self.worker.incarnation or not self.worker.ready:
-                self._fail_all(self._worker_gone())
-                await self.worker.wait_ready()
-                self._reset()
-            batch = self.scheduler.schedule()
-            if batch is None:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            sampling = {c.request_id: self._streams[c.request_id].params for c in batch.chunks if c.samples}
-            try:
-                sampled = await self.worker.run_generation(batch, sampling)
-            except WorkerDied as died:
-                logger.error("%s: %s; failing its %d streams", self.name, died, len(self._streams))
-                self._fail_all(NotReady(f"{died}; the generation cannot go on elsewhere, retry the call"))
-                continue
-            except Exception as exc:
-                logger.exception("generation step of %d sequences failed on %s", batch.num_sequences, self.name)
-                self._fail(batch, exc)
-                continue
-            metrics.BATCH_SEQUENCES.labels(self.name, "generate").observe(batch.num_sequences)
-            metrics.BATCH_TOKENS.labels(self.name, "generate").observe(batch.num_tokens)
-            self.scheduler.update(batch, sampled)
-            live = {rid: token for rid, token in sampled.items() if rid in self._streams}
-            deltas = await loop.run_in_executor(self._tokenizer_pool, self._detokenize, live)
-            for request_id, delta in deltas:
-                stream = self._streams.get(request_id)
-                if stream is None:
-                    continue
-                if delta.finish_reason is not None:
-                    self._close(stream, delta)
-                else:
-                    stream.queue.put_nowait(delta)
-
-    def _fail_all(self, error: Exception) -> None:
+    def fail_all(self, error: Exception) -> None:
         for stream in list(self._streams.values()):
             self._close(stream, error)
 
-    def _fail(self, batch: GenerationBatch, exc: Exception) -> None:
-        for chunk in batch.chunks:
+    async def step_done(self, batch: StepBatch, output: StepOutput, worker: Worker, started: float) -> None:
+        metrics.BATCH_SEQUENCES.labels(self.name, "generate").observe(batch.num_sequences)
+        metrics.BATCH_TOKENS.labels(self.name, "generate").observe(batch.num_tokens)
+        sampled = output.sampled()
+        self.scheduler.update(batch, sampled)
+        live = {rid: token for rid, token in sampled.items() if rid in self._streams}
+        deltas = await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self._detokenize, live)
+        for request_id, delta in deltas:
+            stream = self._streams.get(request_id)
+            if stream is None:
+                continue
+            if delta.finish_reason is not None:
+                self._close(stream, delta)
+            else:
+                stream.queue.put_nowait(delta)
+
+    def step_failed(self, batch: StepBatch, exc: Exception) -> None:
+        logger.error("generation step of %d sequences failed on %s", batch.num_sequences, self.name, exc_info=exc)
+        for chunk in batch.sequences:
             stream = self._streams.get(chunk.request_id)
             if stream is not None:
                 self._close(stream, RuntimeError(f"generation failed: {exc}"))
+
+    def worker_died(self, batch: StepBatch, died: WorkerDied) -> None:
+        logger.error("%s: %s; failing its %d streams", self.name, died, len(self._streams))
+        self.fail_all(NotReady(f"{died}; the generation cannot go on elsewhere, retry the call"))
 
     def _detokenize(self, sampled: dict[int, int]) -> list[tuple[int, GenerationDelta]]:
         """New text and the finish decision of every request that got a token (tokenizer thread)."""
@@ -295,13 +277,13 @@ class GenerationLoop:
         is_eos = token in self.eos_token_ids and not params.ignore_eos
         text = "" if is_eos else detokenizer.add(token)
         if detokenizer.stopped:
-            reason = "stop"
+            reason = FinishReason.STOP
         elif is_eos:
-            reason = "eos"
+            reason = FinishReason.EOS
         elif len(request.output_token_ids) >= params.max_tokens:
-            reason = "length"
+            reason = FinishReason.LENGTH
         else:
             return GenerationDelta(text, (token,))
-        if reason != "stop":
+        if reason is not FinishReason.STOP:
             text += detokenizer.flush()
         return GenerationDelta(text, (token,), reason, len(request.prompt_token_ids), len(request.output_token_ids))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from embedserv.types import Activation
+
 # torch.nn.functional.normalize's default: a zero vector stays zero instead of dividing by zero.
 _NORM_EPS = 1e-12
 
@@ -22,20 +24,20 @@ def to_little_endian_bytes(vector: np.ndarray) -> bytes:
     return np.asarray(vector, dtype="<f4").tobytes()
 
 
-def activate(logits: np.ndarray, activation: str) -> np.ndarray:
+def activate(logits: np.ndarray, activation: Activation | str) -> np.ndarray:
     """[n, labels] float32 logits through sigmoid, softmax (per row), tanh or identity."""
     logits = logits.astype(np.float32, copy=False)
-    if activation == "sigmoid":
+    if activation == Activation.SIGMOID:
         # The tanh form of the logistic function: no overflow for large negative logits.
         return (0.5 * (np.tanh(0.5 * logits) + 1.0)).astype(np.float32)
-    if activation == "softmax":
+    if activation == Activation.SOFTMAX:
         shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
         return (shifted / shifted.sum(axis=1, keepdims=True)).astype(np.float32)
-    if activation == "tanh":
+    if activation == Activation.TANH:
         return np.tanh(logits)
-    if activation == "identity":
+    if activation == Activation.IDENTITY:
         return logits
-    raise ValueError(f"unknown activation {activation!r}")
+    raise ValueError(f"unknown activation {activation!r}; one of {', '.join(a.value for a in Activation)}")
 
 
 def cosine_to_first(rows: np.ndarray) -> np.ndarray:

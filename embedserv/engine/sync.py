@@ -8,7 +8,7 @@ import threading
 from embedserv.config import ModelConfig
 from embedserv.engine.engine import Engine
 from embedserv.executor.base import WorkerStats
-from embedserv.engine.types import (
+from embedserv.types import (
     ClassifyParams,
     ClassifyResult,
     EmbedParams,

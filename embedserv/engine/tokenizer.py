@@ -15,8 +15,8 @@ from pathlib import Path
 import tokenizers
 from transformers import AutoTokenizer
 
-from embedserv.engine.tasks import YesNoTemplate
-from embedserv.engine.types import TokenizedText
+from embedserv.models.tasks import YesNoTemplate
+from embedserv.types import TokenizedText, TruncationDirection
 from embedserv.errors import InvalidInput
 
 # Our tokenizer threads are the parallelism; the Rust library's own thread pool would compete with the
@@ -96,7 +96,7 @@ class TextTokenizer:
         self,
         texts: list[str],
         truncate: bool,
-        direction: str = "right",
+        direction: TruncationDirection = TruncationDirection.RIGHT,
         prompt_name: str | None = None,
     ) -> list[Encoded]:
         """Token ids with special tokens; too-long texts are cut (truncate) or refused."""

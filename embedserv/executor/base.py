@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping, Protocol
+from typing import Callable, Protocol
 
-from embedserv.engine.types import SamplingParams
-from embedserv.scheduler.generation import GenerationBatch
-from embedserv.scheduler.outputs import SchedulerOutput
-from embedserv.worker.model_runner import ModelRunnerOutput
+from embedserv.scheduler.kv_cache_manager import KvCacheLayout
+from embedserv.types import StepBatch, StepOutput
 
 
 class WorkerDied(Exception):
@@ -36,8 +34,8 @@ class WorkerStats:
 
 class Worker(Protocol):
     index: int
-    # Blocks in this worker's KV cache (0 for a model that does not generate); set once ready.
-    num_kv_blocks: int
+    # This worker's KV cache (None for a model that does not generate); set once ready.
+    kv_cache: KvCacheLayout | None
     # Bumped each time a new process takes over, so state tied to the old one (KV blocks) is dropped.
     incarnation: int
     # Called with no arguments whenever `ready` may have changed; set by the engine.
@@ -54,8 +52,4 @@ class Worker(Protocol):
 
     async def wait_ready(self) -> None: ...
 
-    async def run_prefill(self, batch: SchedulerOutput) -> ModelRunnerOutput: ...
-
-    async def run_generation(
-        self, batch: GenerationBatch, sampling: Mapping[int, SamplingParams]
-    ) -> dict[int, int]: ...
+    async def execute(self, batch: StepBatch) -> StepOutput: ...

@@ -9,23 +9,20 @@ import asyncio
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Mapping
 
-from embedserv.engine.loading import Replica
-from embedserv.engine.types import SamplingParams
 from embedserv.executor.base import WorkerStats
-from embedserv.scheduler.generation import GenerationBatch
-from embedserv.scheduler.outputs import SchedulerOutput
-from embedserv.worker.model_runner import ModelRunnerOutput
+from embedserv.scheduler.kv_cache_manager import KvCacheLayout
+from embedserv.types import StepBatch, StepOutput
+from embedserv.worker.model_runner import ModelRunner
 
 
 class LocalWorker:
     index = 0
     incarnation = 1
 
-    def __init__(self, replica: Replica, model_thread: ThreadPoolExecutor) -> None:
-        self.replica = replica
-        self.num_kv_blocks = replica.num_kv_blocks
+    def __init__(self, runner: ModelRunner, model_thread: ThreadPoolExecutor) -> None:
+        self.runner = runner
+        self.kv_cache: KvCacheLayout | None = runner.kv_cache_layout()
         # Never called: this worker is always ready.
         self.on_change = lambda: None
         self._model_thread = model_thread
@@ -48,16 +45,10 @@ class LocalWorker:
     async def wait_ready(self) -> None:
         return None
 
-    async def run_prefill(self, batch: SchedulerOutput) -> ModelRunnerOutput:
-        return await self._on_model_thread(self.replica.prefill.execute, batch)
-
-    async def run_generation(self, batch: GenerationBatch, sampling: Mapping[int, SamplingParams]) -> dict[int, int]:
-        return await self._on_model_thread(self.replica.generation.execute, batch, sampling)
-
-    async def _on_model_thread(self, fn, *args):
+    async def execute(self, batch: StepBatch) -> StepOutput:
         started = time.perf_counter()
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._model_thread, fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(self._model_thread, self.runner.execute, batch)
         finally:
             self._batches += 1
             self._busy_seconds += time.perf_counter() - started

@@ -19,22 +19,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Mapping
+from typing import Callable
 
 import zmq
 import zmq.asyncio
 
 from embedserv import logs
 from embedserv.config import ModelConfig
-from embedserv.engine.types import SamplingParams
 from embedserv.errors import ConfigError, NotReady
-from embedserv.executor import messages
 from embedserv.executor.base import WorkerDied, WorkerStats
+from embedserv.executor.messages import CODEC, LoadFailed, Ready, RunStep, StepDone, StepFailed
 from embedserv.executor.placement import Placement
 from embedserv.executor.worker import WorkerArgs
-from embedserv.scheduler.generation import GenerationBatch
-from embedserv.scheduler.outputs import SchedulerOutput
-from embedserv.worker.model_runner import ModelRunnerOutput
+from embedserv.scheduler.kv_cache_manager import KvCacheLayout
+from embedserv.types import StepBatch, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +47,7 @@ class ProcessWorker:
         self.name = f"{config.served_name}/{index}"
         self.config = config
         self.placement = placement
-        self.num_kv_blocks = 0
+        self.kv_cache: KvCacheLayout | None = None
         self.incarnation = 0
         self.restarts = 0
         # Called with no arguments whenever `ready` may have changed (the engine sets it).
@@ -63,7 +61,7 @@ class ProcessWorker:
         self._ready = asyncio.Event()
         self._failure: str | None = None
         self._pending: dict[int, asyncio.Future] = {}
-        self._batch_ids = itertools.count()
+        self._step_ids = itertools.count()
         self._last_progress = time.monotonic()
         self._batches = 0
         self._busy_seconds = 0.0
@@ -107,28 +105,22 @@ class ProcessWorker:
         self._context.destroy(linger=0)
         shutil.rmtree(self._socket_dir, ignore_errors=True)
 
-    async def run_prefill(self, batch: SchedulerOutput) -> ModelRunnerOutput:
-        return await self._submit(messages.encode_prefill, batch)
-
-    async def run_generation(self, batch: GenerationBatch, sampling: Mapping[int, SamplingParams]) -> dict[int, int]:
-        return await self._submit(messages.encode_generation, batch, sampling)
-
-    async def _submit(self, encode, *args):
+    async def execute(self, batch: StepBatch) -> StepOutput:
         if not self.ready:
             raise WorkerDied(f"worker {self.name} is restarting", sent=False)
-        batch_id = next(self._batch_ids)
+        step_id = next(self._step_ids)
         future = asyncio.get_running_loop().create_future()
         if not self._pending:
             self._last_progress = time.monotonic()
-        self._pending[batch_id] = future
+        self._pending[step_id] = future
         try:
-            await self._inbox.send_multipart(encode(batch_id, *args), copy=False)
-            message = await future
+            await self._inbox.send_multipart(CODEC.encode(RunStep(step_id, batch)), copy=False)
+            reply = await future
         finally:
-            self._pending.pop(batch_id, None)
-        if message.kind == messages.ERROR:
-            raise RuntimeError(message.payload)
-        return message.payload
+            self._pending.pop(step_id, None)
+        if isinstance(reply, StepFailed):
+            raise RuntimeError(reply.message)
+        return reply.output
 
     def _launch(self) -> None:
         self.incarnation += 1
@@ -160,19 +152,21 @@ class ProcessWorker:
     async def _receive(self, outbox: zmq.asyncio.Socket) -> None:
         try:
             while True:
-                message = messages.decode(await outbox.recv_multipart(copy=False))
-                if message.kind == messages.READY:
-                    self.num_kv_blocks = message.num_kv_blocks
+                message = CODEC.decode(await outbox.recv_multipart(copy=False))
+                if isinstance(message, Ready):
+                    self.kv_cache = message.kv_cache
                     self._ready.set()
                     self.on_change()
                     continue
-                if message.kind == messages.FAILED:
-                    self._failure = message.payload
+                if isinstance(message, LoadFailed):
+                    self._failure = message.message
                     continue
+                if not isinstance(message, (StepDone, StepFailed)):
+                    raise ValueError(f"a worker sent {type(message).__name__}, which only the engine sends")
                 self._batches += 1
                 self._busy_seconds = message.busy_seconds
                 self._last_progress = time.monotonic()
-                future = self._pending.get(message.batch_id)
+                future = self._pending.get(message.step_id)
                 if future is not None and not future.done():
                     future.set_result(message)
         finally:

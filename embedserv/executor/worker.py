@@ -1,10 +1,10 @@
-"""A worker process: one replica of one model, fed batches over zmq by its engine's ProcessWorker.
+"""A worker process: one replica of one model, fed steps over zmq by its engine's ProcessWorker.
 
 Started as `python -m embedserv.executor.worker '<json WorkerArgs>'`. It loads and warms the model,
 says ready, then runs two threads:
-- the receiver takes each batch off the inbox and prepares it (packed inputs already on the device), so
-  batch k+1 is ready when batch k ends;
-- the main thread runs prepared batches in order and sends each result to the outbox.
+- the receiver takes each step off the inbox and prepares it (packed inputs already on the device), so
+  step k+1 is ready when step k ends;
+- the main thread runs prepared steps in order and sends each result to the outbox.
 It never outlives the server: the kernel kills it when its parent dies (PR_SET_PDEATHSIG), and a watch
 thread exits when the parent pid changes (the parent died before the prctl, or the platform has none).
 """
@@ -26,7 +26,7 @@ import zmq
 
 from embedserv import logs
 from embedserv.config import ModelConfig
-from embedserv.executor import messages
+from embedserv.executor.messages import CODEC, LoadFailed, Ready, RunStep, StepDone, StepFailed
 from embedserv.executor.placement import Placement
 
 # Named, not __name__: run with -m, this module is __main__.
@@ -78,69 +78,53 @@ def _die_with_parent(parent_pid: int) -> None:
 def _load(args: WorkerArgs):
     import torch
 
-    from embedserv.engine.loading import build_replica, read_model_spec
+    from embedserv.models.spec import read_model_spec
+    from embedserv.worker.replica import build_runner
 
     torch.set_num_threads(args.placement.threads)
     spec = read_model_spec(args.config)
-    replica = build_replica(args.config, spec)
-    replica.warm_up(spec.info.max_input_tokens, args.config.batch_token_budget)
-    return replica
+    runner = build_runner(args.config, spec)
+    runner.warm_up(spec.info.max_input_tokens, args.config.batch_token_budget)
+    return runner
 
 
-def _receive(replica, inbox: zmq.Socket, prepared: queue.Queue) -> None:
-    """Receiver thread: decode each message and pack a prefill batch's inputs ahead of its turn."""
+def _receive(runner, inbox: zmq.Socket, prepared: queue.Queue) -> None:
+    """Receiver thread: decode each step and pack its inputs ahead of its turn."""
     try:
-        _receive_forever(replica, inbox, prepared)
+        while True:
+            message: RunStep = CODEC.decode(inbox.recv_multipart(copy=False))
+            try:
+                work = runner.prepare(message.batch)
+            except Exception as exc:
+                work = exc
+            prepared.put((message.step_id, work))
     except BaseException:
         # The main thread would wait forever for work: exit, so the engine replaces this worker now.
         logger.exception("the receiver thread failed")
         os._exit(1)
 
 
-def _receive_forever(replica, inbox: zmq.Socket, prepared: queue.Queue) -> None:
-    while True:
-        message = messages.decode(inbox.recv_multipart(copy=False))
-        if message.kind == messages.STOP:
-            prepared.put(None)
-            return
-        work = message.payload
-        if message.kind == messages.PREFILL:
-            try:
-                work = replica.prefill.prepare(message.payload)
-            except Exception as exc:
-                work = exc
-        prepared.put((message, work))
-
-
-def _run(replica, message: messages.Message, work, busy: float) -> tuple[list, float]:
+def _run(runner, step_id: int, work, busy: float) -> tuple[object, float]:
     started = time.perf_counter()
     try:
         if isinstance(work, Exception):
             raise work
-        if message.kind == messages.PREFILL:
-            output = replica.prefill.run(work)
-            busy += time.perf_counter() - started
-            return messages.encode_prefill_result(message.batch_id, output, busy), busy
-        batch, sampling = work
-        sampled = replica.generation.execute(batch, sampling)
+        output = runner.run(work)
         busy += time.perf_counter() - started
-        return messages.encode_generation_result(message.batch_id, sampled, busy), busy
+        return StepDone(step_id, output, busy), busy
     except Exception as exc:
-        logger.exception("batch %d failed", message.batch_id)
+        logger.exception("step %d failed", step_id)
         busy += time.perf_counter() - started
-        return messages.encode_error(message.batch_id, f"{type(exc).__name__}: {exc}", busy), busy
+        return StepFailed(step_id, f"{type(exc).__name__}: {exc}", busy), busy
 
 
-def serve(replica, inbox: zmq.Socket, outbox: zmq.Socket, pipeline_depth: int) -> None:
+def serve(runner, inbox: zmq.Socket, outbox: zmq.Socket, pipeline_depth: int) -> None:
     prepared: queue.Queue = queue.Queue(maxsize=pipeline_depth)
-    threading.Thread(target=_receive, args=(replica, inbox, prepared), name="receive", daemon=True).start()
+    threading.Thread(target=_receive, args=(runner, inbox, prepared), name="receive", daemon=True).start()
     busy = 0.0
     while True:
-        item = prepared.get()
-        if item is None:
-            return
-        frames, busy = _run(replica, *item, busy)
-        outbox.send_multipart(frames, copy=False)
+        reply, busy = _run(runner, *prepared.get(), busy)
+        outbox.send_multipart(CODEC.encode(reply), copy=False)
 
 
 def main(argv: list[str]) -> int:
@@ -160,17 +144,15 @@ def main(argv: list[str]) -> int:
     outbox = context.socket(zmq.PUSH)
     outbox.connect(args.outbox)
     try:
-        replica = _load(args)
+        runner = _load(args)
     except Exception as exc:
         logger.exception("could not load the model")
-        outbox.send_multipart(messages.encode_failed(str(exc)))
+        outbox.send_multipart(CODEC.encode(LoadFailed(str(exc))))
         outbox.close(linger=2000)
         return 1
-    outbox.send_multipart(messages.encode_ready(os.getpid(), replica.num_kv_blocks))
+    outbox.send_multipart(CODEC.encode(Ready(os.getpid(), runner.kv_cache_layout())))
     logger.info("ready on %s with %d threads", args.placement.device, args.placement.threads)
-    serve(replica, inbox, outbox, args.config.pipeline_depth)
-    outbox.close(linger=1000)
-    return 0
+    serve(runner, inbox, outbox, args.config.pipeline_depth)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from embedserv.engine.types import SamplingParams
+from embedserv.types import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15
 

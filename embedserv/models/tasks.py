@@ -16,14 +16,15 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from embedserv.engine.types import Task
+from embedserv.types import Activation, RerankMode, Task
 from embedserv.errors import ConfigError
 from embedserv.models.score_head import DECODER_CLASSIFIERS, SEQUENCE_CLASSIFIERS
 
 logger = logging.getLogger(__name__)
 
+
 # CrossEncoder activations by torch class name; sentence-transformers saves the dotted path.
-_ACTIVATIONS = {"Sigmoid": "sigmoid", "Identity": "identity", "Tanh": "tanh"}
+_ACTIVATIONS = {"Sigmoid": Activation.SIGMOID, "Identity": Activation.IDENTITY, "Tanh": Activation.TANH}
 
 
 @dataclass(frozen=True)
@@ -53,15 +54,14 @@ QWEN3_RERANKER = YesNoTemplate(
 @dataclass(frozen=True)
 class TaskSpec:
     tasks: tuple[Task, ...]
-    # How Rerank builds its inputs: "embeddings" (cosine of embeddings), "pair" (query and document in
-    # one sequence, a cross-encoder) or "template" (a yes/no reranker's prompt).
-    rerank_mode: str | None = None
+    # How Rerank builds its inputs; None: the model does not rerank.
+    rerank_mode: RerankMode | None = None
     # Label names in the model's order (classifiers).
     labels: tuple[str, ...] = ()
     # Classify applies a sigmoid per label instead of a softmax.
     multi_label: bool = False
     # sentence-transformers CrossEncoder's activation for rerank scores: sigmoid, identity or tanh.
-    rerank_activation: str = "sigmoid"
+    rerank_activation: Activation = Activation.SIGMOID
     template: YesNoTemplate | None = None
     # Decoder classifiers score the last token that is not padding (transformers' rule): trailing
     # padding tokens are dropped before the model runs, which leaves earlier causal states unchanged.
@@ -97,8 +97,8 @@ def _activation_path(model_dir: Path, hf_config) -> str | None:
     return getattr(hf_config, "sbert_ce_default_activation_function", None)
 
 
-def rerank_activation(model_dir: Path, hf_config, num_labels: int) -> str:
-    default = "sigmoid" if num_labels == 1 else "identity"
+def rerank_activation(model_dir: Path, hf_config, num_labels: int) -> Activation:
+    default = Activation.SIGMOID if num_labels == 1 else Activation.IDENTITY
     path = _activation_path(model_dir, hf_config)
     if path is None:
         return default
@@ -117,20 +117,20 @@ def read_task_spec(
 ) -> TaskSpec:
     architecture = architecture_of(hf_config)
     if is_decoder_reranker(model_dir, architecture, decoder_reranker):
-        return TaskSpec(tasks=(Task.RERANK,), rerank_mode="template", template=QWEN3_RERANKER)
+        return TaskSpec(tasks=(Task.RERANK,), rerank_mode=RerankMode.TEMPLATE, template=QWEN3_RERANKER)
     if architecture.endswith("ForCausalLM") and is_causal and has_lm_head:
         if (model_dir / "modules.json").exists():
-            return TaskSpec(tasks=(Task.EMBED, Task.RERANK, Task.GENERATE), rerank_mode="embeddings")
+            return TaskSpec(tasks=(Task.EMBED, Task.RERANK, Task.GENERATE), rerank_mode=RerankMode.EMBEDDINGS)
         return TaskSpec(tasks=(Task.GENERATE,))
     if architecture not in SEQUENCE_CLASSIFIERS:
-        return TaskSpec(tasks=(Task.EMBED, Task.RERANK), rerank_mode="embeddings")
+        return TaskSpec(tasks=(Task.EMBED, Task.RERANK), rerank_mode=RerankMode.EMBEDDINGS)
     id2label = getattr(hf_config, "id2label", None) or {}
     labels = tuple(str(id2label[i]) for i in sorted(id2label, key=int))
     is_decoder = architecture in DECODER_CLASSIFIERS
     single = len(labels) == 1
     return TaskSpec(
         tasks=(Task.RERANK, Task.CLASSIFY) if single else (Task.CLASSIFY,),
-        rerank_mode="pair" if single else None,
+        rerank_mode=RerankMode.PAIR if single else None,
         labels=labels,
         multi_label=getattr(hf_config, "problem_type", None) == "multi_label_classification",
         rerank_activation=rerank_activation(model_dir, hf_config, len(labels)),

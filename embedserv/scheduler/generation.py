@@ -9,71 +9,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from enum import Enum
 
-from embedserv.scheduler.block_manager import BlockManager
-
-
-class RequestStatus(Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclass(eq=False)
-class GenerationRequest:
-    request_id: int
-    prompt_token_ids: list[int]
-    max_tokens: int
-    output_token_ids: list[int] = field(default_factory=list)
-    # Tokens whose KV is in the cache.
-    num_computed_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
-    status: RequestStatus = RequestStatus.WAITING
-    num_preemptions: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    def token_ids_between(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output."""
-        num_prompt = len(self.prompt_token_ids)
-        if end <= num_prompt:
-            return self.prompt_token_ids[start:end]
-        if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt : end - num_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
-
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    request_id: int
-    # Request tokens [start_position, start_position + len(token_ids)) to compute this step.
-    token_ids: tuple[int, ...]
-    # num_computed_tokens before the step: the position of token_ids[0].
-    start_position: int
-    # The whole block table, covering start_position + len(token_ids) tokens.
-    block_ids: tuple[int, ...]
-    # The chunk reaches the request's last known token, so the runner samples the next one.
-    samples: bool
-
-
-@dataclass(frozen=True)
-class GenerationBatch:
-    chunks: tuple[ScheduledChunk, ...]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(chunk.token_ids) for chunk in self.chunks)
-
-    @property
-    def num_sequences(self) -> int:
-        return len(self.chunks)
+from embedserv.scheduler.kv_cache_manager import KvCacheManager
+from embedserv.scheduler.request import Request, RequestStatus
+from embedserv.types import OutputKind, ScheduledSequence, StepBatch
 
 
 class GenerationScheduler:
@@ -82,19 +21,19 @@ class GenerationScheduler:
     The engine decides when a request is done (max_tokens, stop tokens, cancel) and calls finish().
     """
 
-    def __init__(self, block_manager: BlockManager, max_batch_tokens: int, max_num_seqs: int) -> None:
+    def __init__(self, kv_cache: KvCacheManager, max_batch_tokens: int, max_num_seqs: int) -> None:
         if max_batch_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_batch_tokens and max_num_seqs must be at least 1")
-        self.block_manager = block_manager
+        self.kv_cache = kv_cache
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
         self.num_preemptions = 0
         # Tokens admitted requests did not compute because their prompt's blocks were cached.
         self.num_cached_tokens = 0
-        self._waiting: deque[GenerationRequest] = deque()
+        self._waiting: deque[Request] = deque()
         # Admission order: the last one is the first to be preempted.
-        self._running: list[GenerationRequest] = []
-        self._requests: dict[int, GenerationRequest] = {}
+        self._running: list[Request] = []
+        self._requests: dict[int, Request] = {}
 
     @property
     def num_waiting(self) -> int:
@@ -104,16 +43,18 @@ class GenerationScheduler:
     def num_running(self) -> int:
         return len(self._running)
 
-    def can_ever_fit(self, num_tokens: int) -> bool:
-        return self.block_manager.blocks_needed(num_tokens) <= self.block_manager.num_blocks
+    def can_ever_fit(self, request: Request, num_tokens: int) -> bool:
+        return self.kv_cache.can_ever_fit(request, num_tokens)
 
-    def add(self, request: GenerationRequest) -> None:
+    def add(self, request: Request) -> None:
         if request.request_id in self._requests:
             raise ValueError(f"request {request.request_id} is already scheduled")
         if request.status is not RequestStatus.WAITING or request.block_ids or request.num_computed_tokens:
             raise ValueError("only a fresh request can be added")
         if not request.prompt_token_ids:
             raise ValueError("a request needs at least one prompt token")
+        if request.output is not OutputKind.SAMPLE or request.sampling is None:
+            raise ValueError("a generation request samples and needs its sampling params")
         self._requests[request.request_id] = request
         self._waiting.append(request)
 
@@ -126,46 +67,43 @@ class GenerationScheduler:
             self._running.remove(request)
         else:
             self._waiting.remove(request)
-        self.block_manager.free(request.block_ids)
+        self.kv_cache.free(request)
         request.status = RequestStatus.FINISHED
 
-    def schedule(self) -> GenerationBatch | None:
+    def schedule(self) -> StepBatch | None:
         """The next step's chunks, or None when nothing can run."""
-        chunks: list[ScheduledChunk] = []
+        chunks: list[ScheduledSequence] = []
         preemptions_before = self.num_preemptions
         budget = self._schedule_running(chunks)
         # After a preemption the cache is short: admitting new work would only thrash it.
         if self.num_preemptions == preemptions_before:
             self._schedule_waiting(chunks, budget)
-        return GenerationBatch(chunks=tuple(chunks)) if chunks else None
+        return StepBatch(sequences=tuple(chunks)) if chunks else None
 
-    def update(self, batch: GenerationBatch, sampled: Mapping[int, int]) -> None:
+    def update(self, batch: StepBatch, sampled: Mapping[int, int]) -> None:
         """Advances the requests `batch` computed and appends their sampled tokens.
 
         Chunks of requests finished since schedule() are ignored.
         """
-        block_manager = self.block_manager
-        for chunk in batch.chunks:
+        block_size = self.kv_cache.block_size
+        for chunk in batch.sequences:
             request = self._requests.get(chunk.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
             if request.num_computed_tokens != chunk.start_position:
                 raise RuntimeError("update() must be called exactly once after each schedule()")
-            full_blocks_before = request.num_computed_tokens // block_manager.block_size
+            full_blocks_before = request.num_computed_tokens // block_size
             request.num_computed_tokens += len(chunk.token_ids)
             token = sampled.get(chunk.request_id)
             if token is not None:
-                if not chunk.samples:
+                if not chunk.produces_output:
                     raise ValueError(f"request {chunk.request_id} was sampled mid-prefill")
                 request.output_token_ids.append(token)
             # Hash only when a block boundary was crossed: all_token_ids() copies the sequence.
-            full_blocks = request.num_computed_tokens // block_manager.block_size
-            if block_manager.enable_prefix_caching and full_blocks > full_blocks_before:
-                block_manager.register_full_blocks(
-                    request.block_ids, request.all_token_ids(), request.num_computed_tokens
-                )
+            if request.num_computed_tokens // block_size > full_blocks_before:
+                self.kv_cache.register_full_blocks(request)
 
-    def _schedule_running(self, chunks: list[ScheduledChunk]) -> int:
+    def _schedule_running(self, chunks: list[ScheduledSequence]) -> int:
         """Schedules running requests in admission order; returns the budget left."""
         budget = self.max_batch_tokens
         index = 0
@@ -182,23 +120,23 @@ class GenerationScheduler:
             index += 1
         return budget
 
-    def _grow_or_preempt(self, request: GenerationRequest, num_tokens: int) -> bool:
+    def _grow_or_preempt(self, request: Request, num_tokens: int) -> bool:
         """Grows the table to `num_tokens`, preempting the latest admitted requests until it fits.
 
         False when `request` itself was the latest and got preempted.
         """
         # Requests before `request` are already in this step's batch; the victims all come after it.
-        while not self.block_manager.can_allocate(request.block_ids, num_tokens):
+        while not self.kv_cache.can_allocate(request, num_tokens):
             victim = self._running.pop()
             self._preempt(victim)
             if victim is request:
                 return False
-        self.block_manager.append_slot(request.block_ids, num_tokens)
+        self.kv_cache.allocate(request, num_tokens)
         return True
 
-    def _preempt(self, request: GenerationRequest) -> None:
+    def _preempt(self, request: Request) -> None:
         # Recompute rather than swap: the KV is dropped and prompt + outputs run again later.
-        self.block_manager.free(request.block_ids)
+        self.kv_cache.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
@@ -206,7 +144,7 @@ class GenerationScheduler:
         # Victims go latest-first, so pushing each to the front keeps the earliest admitted first.
         self._waiting.appendleft(request)
 
-    def _schedule_waiting(self, chunks: list[ScheduledChunk], budget: int) -> None:
+    def _schedule_waiting(self, chunks: list[ScheduledSequence], budget: int) -> None:
         """Admits waiting requests first-come first-served while budget, sequences and blocks last."""
         while self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
             request = self._waiting[0]
@@ -218,35 +156,38 @@ class GenerationScheduler:
             chunks.append(self._make_chunk(request, num_new))
             budget -= num_new
 
-    def _admit(self, request: GenerationRequest, budget: int) -> int:
+    def _admit(self, request: Request, budget: int) -> int:
         """Gives a waiting request its cached prefix and blocks.
 
         Returns the number of tokens to compute this step; 0 (and nothing held) when blocks are short.
         """
-        block_manager = self.block_manager
+        kv_cache = self.kv_cache
         num_cached = 0
-        if block_manager.enable_prefix_caching:
+        if kv_cache.enable_prefix_caching:
             # Leave at least the last token to compute so the step samples; matching only blocks
             # before it also means a shared cached block is never written again.
             leading = request.token_ids_between(0, request.num_tokens - 1)
-            num_cached = block_manager.allocate_cached_prefix(request.block_ids, leading)
+            num_cached = kv_cache.allocate_cached_prefix(request, leading)
         num_new = min(request.num_tokens - num_cached, budget)
-        if not block_manager.can_allocate(request.block_ids, num_cached + num_new):
-            block_manager.free(request.block_ids)
+        if not kv_cache.can_allocate(request, num_cached + num_new):
+            kv_cache.free(request)
             return 0
-        block_manager.allocate(request.block_ids, num_cached + num_new)
+        kv_cache.allocate(request, num_cached + num_new)
         request.num_computed_tokens = num_cached
         self.num_cached_tokens += num_cached
         request.status = RequestStatus.RUNNING
         return num_new
 
-    def _make_chunk(self, request: GenerationRequest, num_new: int) -> ScheduledChunk:
+    def _make_chunk(self, request: Request, num_new: int) -> ScheduledSequence:
         start = request.num_computed_tokens
         end = start + num_new
-        return ScheduledChunk(
+        samples = end == request.num_tokens
+        return ScheduledSequence(
             request_id=request.request_id,
             token_ids=tuple(request.token_ids_between(start, end)),
+            output=OutputKind.SAMPLE,
             start_position=start,
-            block_ids=tuple(request.block_ids),
-            samples=end == request.num_tokens,
+            block_ids=tuple(tuple(table) for table in request.block_ids),
+            produces_output=samples,
+            sampling=request.sampling if samples else None,
         )

@@ -1,30 +1,11 @@
-"""FIFO batching for prefill-only work (embed, rerank, classify): no KV cache, no preemption."""
+"""FIFO batching for prefill-only work (embed, rerank, classify): no KV cache, no preemption. No torch."""
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
-from embedserv.scheduler.outputs import ScheduledSequence, SchedulerOutput
-
-
-@dataclass
-class PrefillRequest:
-    """One sequence waiting to run. The engine owns the future that its result resolves."""
-
-    request_id: int
-    token_ids: list[int]
-    pool_start: int = 0
-    token_type_ids: list[int] | None = None
-    cancelled: bool = field(default=False, compare=False)
-    # Batches this sequence was on whose worker died before answering.
-    attempts: int = field(default=0, compare=False)
-    # The id of the call it belongs to, for the logs.
-    call_id: str = field(default="", compare=False)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
+from embedserv.scheduler.request import Request
+from embedserv.types import ScheduledSequence, StepBatch
 
 
 class PrefillOnlyScheduler:
@@ -38,18 +19,18 @@ class PrefillOnlyScheduler:
             raise ValueError("batch budgets must be at least 1")
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_requests = max_batch_requests
-        self._waiting: deque[PrefillRequest] = deque()
+        self._waiting: deque[Request] = deque()
         # Cancelled sequences dropped from the queue without running, since the start.
         self.num_dropped = 0
 
-    def add(self, request: PrefillRequest) -> None:
+    def add(self, request: Request) -> None:
         self._waiting.append(request)
 
-    def requeue(self, requests: list[PrefillRequest]) -> None:
+    def requeue(self, requests: list[Request]) -> None:
         """Puts sequences back at the front, in their order (their worker died under them)."""
         self._waiting.extendleft(reversed(requests))
 
-    def drain(self) -> list[PrefillRequest]:
+    def drain(self) -> list[Request]:
         """Removes and returns every waiting sequence."""
         waiting = list(self._waiting)
         self._waiting.clear()
@@ -59,7 +40,7 @@ class PrefillOnlyScheduler:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
-    def schedule(self) -> SchedulerOutput | None:
+    def schedule(self) -> StepBatch | None:
         """Pops the next batch; cancelled requests are dropped without running. None when idle."""
         picked: list[ScheduledSequence] = []
         num_tokens = 0
@@ -76,11 +57,12 @@ class PrefillOnlyScheduler:
             picked.append(
                 ScheduledSequence(
                     request_id=request.request_id,
-                    token_ids=request.token_ids,
+                    token_ids=tuple(request.prompt_token_ids),
+                    output=request.output,
                     pool_start=request.pool_start,
-                    token_type_ids=request.token_type_ids,
+                    token_type_ids=None if request.token_type_ids is None else tuple(request.token_type_ids),
                 )
             )
         if not picked:
             return None
-        return SchedulerOutput(sequences=tuple(picked))
+        return StepBatch(sequences=tuple(picked))

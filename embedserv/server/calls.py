@@ -18,7 +18,7 @@ import uuid
 import grpc
 
 from embedserv import metrics
-from embedserv.engine.types import Timing
+from embedserv.types import Timing
 from embedserv.logs import REQUEST_ID
 from embedserv.server.errors import message_for, status_for
 

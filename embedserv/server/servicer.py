@@ -11,10 +11,11 @@ from embedserv import metrics
 from embedserv.config import ServerConfig
 from embedserv.engine.engine import Engine
 from embedserv.engine.outputs import to_little_endian_bytes
-from embedserv.engine.types import (
+from embedserv.types import (
     ClassifyParams,
     EmbedParams,
     EmbedResult,
+    FinishReason,
     GenerationDelta,
     KvCacheUsage,
     ModelInfo,
@@ -22,6 +23,7 @@ from embedserv.engine.types import (
     SamplingParams,
     Task,
     Timing,
+    TruncationDirection,
 )
 from embedserv.errors import InvalidInput
 from embedserv.server.calls import ActiveCalls, Call, stream_call, unary_call
@@ -29,7 +31,10 @@ from embedserv.server.registry import InflightLimiter, ServedModels
 from embedserv.v1 import embedserv_pb2 as pb
 from embedserv.v1 import embedserv_pb2_grpc as pb_grpc
 
-_DIRECTIONS = {pb.TRUNCATION_DIRECTION_RIGHT: "right", pb.TRUNCATION_DIRECTION_LEFT: "left"}
+_DIRECTIONS = {
+    pb.TRUNCATION_DIRECTION_RIGHT: TruncationDirection.RIGHT,
+    pb.TRUNCATION_DIRECTION_LEFT: TruncationDirection.LEFT,
+}
 _TASKS = {
     Task.EMBED: pb.TASK_EMBED,
     Task.RERANK: pb.TASK_RERANK,
@@ -37,10 +42,10 @@ _TASKS = {
     Task.GENERATE: pb.TASK_GENERATE,
 }
 _FINISH_REASONS = {
-    "length": pb.FINISH_REASON_LENGTH,
-    "stop": pb.FINISH_REASON_STOP,
-    "eos": pb.FINISH_REASON_EOS,
-    "cancelled": pb.FINISH_REASON_CANCELLED,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.EOS: pb.FINISH_REASON_EOS,
+    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
 }
 # EmbedStream answers in order; this many requests of one stream may be in the engine at once.
 _STREAM_WINDOW = 16
@@ -68,7 +73,7 @@ def timing_message(timing: Timing, received: float) -> pb.Timing:
     )
 
 
-def _direction(value: int) -> str:
+def _direction(value: int) -> TruncationDirection:
     if value not in _DIRECTIONS:
         raise InvalidInput(f"unknown truncation_direction {value}; use RIGHT or LEFT")
     return _DIRECTIONS[value]

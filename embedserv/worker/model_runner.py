@@ -1,8 +1,14 @@
-"""Runs one scheduled batch: inputs -> attention metadata -> model in the forward context -> head."""
+"""Runs one StepBatch: inputs -> attention metadata per group -> model in the forward context -> heads.
+
+One runner per replica, whatever the step holds: POOL / SCORE sequences end in the row head (an
+EmbeddingPooler for embedders, a ScoreHead for cross-encoders, classifiers and yes/no rerankers), SAMPLE
+sequences in the LM head and the sampler, over the paged KV cache.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -10,74 +16,120 @@ from torch import nn
 
 from embedserv.attention.backends.base import AttentionBackend
 from embedserv.forward_context import ForwardContext, set_forward_context
-from embedserv.scheduler.outputs import ScheduledSequence, SchedulerOutput
+from embedserv.models.sampler import sample
+from embedserv.scheduler.kv_cache_manager import KvCacheLayout
+from embedserv.types import OutputKind, SamplingParams, ScheduledSequence, StepBatch, StepOutput
 from embedserv.worker.input_builder import InputBuilder, ModelInputs
+from embedserv.worker.kv_cache import KvCache
+
+# Prompt length of the generation warm-up (one prefill, then a few decode steps).
+_GENERATION_WARM_UP_TOKENS = 64
+_NO_ROWS = np.zeros((0, 0), dtype=np.float32)
+_NO_TOKENS = np.zeros(0, dtype=np.int64)
 
 
 @dataclass(frozen=True)
-class ModelRunnerOutput:
-    """One step's results on the host, one row per scheduled sequence, in scheduler order."""
-
-    request_ids: tuple[int, ...]
-    # [num_seqs, dim] float32: pooled embeddings, or logits of a score head.
-    rows: np.ndarray
-
-
-@dataclass(frozen=True)
-class PreparedBatch:
-    request_ids: tuple[int, ...]
+class PreparedStep:
     inputs: ModelInputs
+    # Blocks per KV group this step uses for the first time: zeroed before it runs (see KvCache).
+    fresh_blocks: list[list[int]] | None
 
 
-class PrefillModelRunner:
-    """Owns the model, its head and its attention backend on one device (embed, rerank, classify).
-
-    The head maps `(hidden [num_tokens, hidden], PoolingInputs)` to one float32 row per sequence: an
-    EmbeddingPooler for embedders, a ScoreHead for cross-encoders, classifiers and yes/no rerankers.
-    """
+class ModelRunner:
+    """Owns the model, its heads, its attention backend and (generating models) its KV cache on one device."""
 
     def __init__(
         self,
         model: nn.Module,
-        head: nn.Module,
         backend: AttentionBackend,
         device: torch.device,
         is_causal: bool,
+        row_head: nn.Module | None = None,
+        lm_head: nn.Module | None = None,
+        kv_cache: KvCache | None = None,
     ) -> None:
         self.model = model
-        self.head = head
         self.backend = backend
         self.device = device
-        self.input_builder = InputBuilder(device, model.position_offset, is_causal)
+        self.row_head = row_head
+        self.lm_head = lm_head
+        self.kv_cache = kv_cache
+        block_size = kv_cache.block_size if kv_cache is not None else 0
+        self.input_builder = InputBuilder(device, model.position_offset, is_causal, block_size)
 
-    def execute(self, batch: SchedulerOutput) -> ModelRunnerOutput:
+    def kv_cache_layout(self) -> KvCacheLayout | None:
+        """What the engine's scheduler manages of this runner's KV cache; None without one."""
+        if self.kv_cache is None:
+            return None
+        groups = tuple(group.scheduler_group() for group in self.kv_cache.groups)
+        return KvCacheLayout(num_blocks=self.kv_cache.num_blocks, groups=groups)
+
+    def execute(self, batch: StepBatch) -> StepOutput:
         return self.run(self.prepare(batch))
 
     @torch.inference_mode()
-    def prepare(self, batch: SchedulerOutput) -> PreparedBatch:
-        """The batch's inputs on the device. A worker calls this for batch k+1 while batch k runs."""
-        return PreparedBatch(tuple(s.request_id for s in batch.sequences), self.input_builder.build(batch))
+    def prepare(self, batch: StepBatch) -> PreparedStep:
+        """The step's inputs on the device. A worker calls this for step k+1 while step k runs."""
+        fresh = None
+        if batch.uses_kv_cache:
+            if self.kv_cache is None:
+                raise ValueError("this model keeps no KV cache; it cannot run generation steps")
+            tables = [
+                np.fromiter(chain.from_iterable(s.block_ids[group] for s in batch.sequences), dtype=np.int64)
+                for group in range(len(self.kv_cache.groups))
+            ]
+            fresh = self.kv_cache.fresh_blocks(tables)
+        return PreparedStep(self.input_builder.build(batch), fresh)
 
     @torch.inference_mode()
-    def run(self, prepared: PreparedBatch) -> ModelRunnerOutput:
+    def run(self, prepared: PreparedStep) -> StepOutput:
         inputs = prepared.inputs
-        context = ForwardContext(attn_metadata=self.backend.build_metadata(inputs.attention), attn_backend=self.backend)
+        if prepared.fresh_blocks is not None:
+            self.kv_cache.zero(prepared.fresh_blocks)
+        context = ForwardContext(
+            attn_backend=self.backend,
+            attn_metadata=tuple(self.backend.build_metadata(common) for common in inputs.attention),
+            kv_caches=self.kv_cache.tensors if inputs.attention[0].reads_kv_cache else (),
+        )
         with set_forward_context(context):
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.token_type_ids)
-        rows = self.head(hidden, inputs.pooling)
-        # The one device-to-host copy of the step.
-        return ModelRunnerOutput(request_ids=prepared.request_ids, rows=rows.cpu().numpy())
+        rows, tokens = _NO_ROWS, _NO_TOKENS
+        # One device-to-host copy per kind of output.
+        if inputs.pooling is not None:
+            rows = self.row_head(hidden, inputs.pooling).cpu().numpy()
+        if inputs.sample_rows is not None:
+            logits = self.lm_head(hidden.index_select(0, inputs.sample_rows)).float()
+            tokens = sample(logits, inputs.sampling, inputs.sample_lengths).cpu().numpy()
+        return StepOutput(inputs.row_request_ids, rows, inputs.sampled_request_ids, tokens)
 
     def warm_up(self, max_tokens: int, max_batch_tokens: int) -> None:
-        """Runs one batch per power-of-two size up to the token budget, so first requests pay no one-time
-        costs (oneDNN primitives per shape; the flex backend compiles a kernel per size class)."""
-        for size in warm_up_sizes(max_batch_tokens):
-            full, rest = divmod(size, max_tokens)
-            lengths = [max_tokens] * full + ([rest] if rest else [])
-            batch = SchedulerOutput(
-                sequences=tuple(ScheduledSequence(request_id=-1 - i, token_ids=[0] * n) for i, n in enumerate(lengths))
-            )
-            self.execute(batch)
+        """Runs the shapes first requests would otherwise pay one-time costs for (oneDNN primitives per
+        shape; the flex backend compiles a kernel per size class)."""
+        if self.row_head is not None:
+            kind = OutputKind.POOL
+            for size in warm_up_sizes(max_batch_tokens):
+                full, rest = divmod(size, max_tokens)
+                lengths = [max_tokens] * full + ([rest] if rest else [])
+                self.execute(StepBatch(tuple(
+                    ScheduledSequence(request_id=-1 - i, token_ids=(0,) * n, output=kind) for i, n in enumerate(lengths)
+                )))
+        if self.lm_head is not None and self.kv_cache is not None:
+            self._warm_up_generation(_GENERATION_WARM_UP_TOKENS)
+
+    def _warm_up_generation(self, prompt_tokens: int) -> None:
+        """A prompt and a few decode steps in blocks 0.., before any request owns a block (every slot is
+        written before it is read, so what this leaves behind is never seen)."""
+        greedy = SamplingParams(max_tokens=1)
+        block_size = self.kv_cache.block_size
+        blocks = tuple(range(min(-(-(prompt_tokens + 4) // block_size), self.kv_cache.num_blocks)))
+        length = min(prompt_tokens, len(blocks) * block_size - 4)
+        if length < 1:
+            return
+        tables = (blocks,) * len(self.kv_cache.groups)
+        step = ScheduledSequence(-1, (0,) * length, OutputKind.SAMPLE, 0, tables, True, greedy)
+        self.execute(StepBatch((step,)))
+        for offset in range(4):
+            self.execute(StepBatch((ScheduledSequence(-1, (0,), OutputKind.SAMPLE, length + offset, tables, True, greedy),)))
 
 
 def warm_up_sizes(max_batch_tokens: int) -> list[int]:

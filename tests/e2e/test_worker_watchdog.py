@@ -14,7 +14,7 @@ import pytest
 from benchmarks.corpus import stdlib_texts
 from embedserv.config import ModelConfig
 from embedserv.engine.sync import SyncEngine
-from embedserv.engine.types import EmbedParams
+from embedserv.types import EmbedParams
 from embedserv.errors import NotReady
 
 

@@ -347,3 +347,11 @@ def reference_token_counts(st, texts: list[str], prompt: str | None = None) -> l
         texts = [prompt + t for t in texts]
     features = st.preprocess(texts)
     return [int(n) for n in features["attention_mask"].sum(dim=1).tolist()]
+
+
+def load_in_process(config):
+    """A model's weights, heads and runner in this process, as a worker process builds them."""
+    from embedserv.models.spec import read_model_spec
+    from embedserv.worker.replica import build_runner
+
+    return build_runner(config, read_model_spec(config))

@@ -12,7 +12,7 @@ ATOL = 1e-4
 
 
 def _params(**kwargs):
-    from embedserv.engine.types import ClassifyParams
+    from embedserv.types import ClassifyParams
 
     return ClassifyParams(**kwargs)
 
@@ -76,7 +76,7 @@ def test_classify_refuses_long_inputs_unless_truncate(models, engine_for, texts)
 
 
 def test_each_model_refuses_the_tasks_it_cannot_do(models, bundled_dir, engine_for):
-    from embedserv.engine.types import EmbedParams
+    from embedserv.types import EmbedParams
     from embedserv.errors import InvalidInput
 
     classifier = engine_for(models["xlmr3"])

@@ -12,7 +12,7 @@ import pytest
 
 from embedserv.config import ModelConfig
 from embedserv.engine.sync import SyncEngine
-from embedserv.engine.types import EmbedParams, RerankParams, SamplingParams
+from embedserv.types import EmbedParams, RerankParams, SamplingParams
 
 
 def _engine(model_dir, workers: int, **kwargs) -> SyncEngine:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from benchmarks.corpus import stdlib_texts
-from embedserv.engine.types import EmbedParams
+from embedserv.types import EmbedParams
 from tests.helpers.compare import assert_cosine_at_least, assert_unit_norm, cosines, normalized
 from tests.helpers.models import (
     DECODER_ARCHS,

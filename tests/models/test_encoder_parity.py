@@ -21,7 +21,7 @@ MIN_COSINE = 0.9999
 
 
 def _params(**kwargs):
-    from embedserv.engine.types import EmbedParams
+    from embedserv.types import EmbedParams
 
     return EmbedParams(**kwargs)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks.corpus import stdlib_texts
-from embedserv.engine.types import SamplingParams
+from embedserv.types import SamplingParams
 
 MAX_TOKENS = 24
 ARCHS = ["llama", "qwen2"]

@@ -12,11 +12,11 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from embedserv.config import ModelConfig
-from embedserv.engine.loading import load_model
 from embedserv.errors import ConfigError
 from embedserv.models.llama import LlamaModel
 from embedserv.models.rotary import RotaryEmbedding, apply_rotary, inverse_frequencies, rope_parameters
 from tests.helpers.models import LINEAR_ROPE, LLAMA3_ROPE
+from tests.helpers.models import load_in_process
 
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96)
 ROPES = [None, LINEAR_ROPE, LLAMA3_ROPE]
@@ -160,5 +160,5 @@ def test_an_unsupported_rope_type_stops_loading_with_a_config_error(tiny_decoder
     config.pop("rope_scaling", None)
     (model_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError) as err:
-        load_model(ModelConfig(path=str(model_dir), served_name="m"))
+        load_in_process(ModelConfig(path=str(model_dir), served_name="m"))
     assert str(model_dir) in str(err.value) and "yarn" in str(err.value)

@@ -29,7 +29,7 @@ MAX_SEQ_LENGTH = 128
 
 
 def _params(**kwargs):
-    from embedserv.engine.types import RerankParams
+    from embedserv.types import RerankParams
 
     return RerankParams(**kwargs)
 

@@ -19,10 +19,11 @@ import torch
 from safetensors.torch import load_file
 
 from embedserv.config import ModelConfig
-from embedserv.engine.loading import load_model, read_model_spec
+from embedserv.engine.loading import read_served_model
 from embedserv.engine.sync import SyncEngine
 from embedserv.errors import ConfigError
 from embedserv.models.loader import checkpoint_files
+from tests.helpers.models import load_in_process
 
 TEXTS = ["the cat sat on the mat", "a pickle is a program", "safetensors holds only tensors"]
 
@@ -88,7 +89,7 @@ def _pickle_copy(source: Path, target: Path, layout: str) -> Path:
 def test_pickle_only_model_is_refused_without_allow_pickle(safetensors_dir, tmp_path, layout):
     model_dir = _pickle_copy(safetensors_dir, tmp_path / "pickled", layout)
     with pytest.raises(ConfigError) as caught:
-        read_model_spec(ModelConfig(path=str(model_dir), served_name="m"))
+        read_served_model(ModelConfig(path=str(model_dir), served_name="m"))
     message = str(caught.value)
     assert "--allow-pickle" in message and "pickle" in message and "run code" in message
     assert "safetensors" in message, "the refusal should say to convert to safetensors"
@@ -114,7 +115,7 @@ def test_pickle_that_runs_code_is_refused_even_with_allow_pickle(safetensors_dir
     torch.save(state, model_dir / "pytorch_model.bin")
 
     with pytest.raises(ConfigError) as caught:
-        load_model(ModelConfig(path=str(model_dir), served_name="m", allow_pickle=True))
+        load_in_process(ModelConfig(path=str(model_dir), served_name="m", allow_pickle=True))
     message = str(caught.value)
     assert "refused, even with --allow-pickle" in message and "GLOBAL" in message and "safetensors" in message
     assert "weights_only` set to `False`" not in message, "torch's advice to load it unsafely is not ours to give"
@@ -143,20 +144,20 @@ def test_damaged_pickle_is_a_config_error(safetensors_dir, tmp_path, legacy):
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
     with pytest.raises(ConfigError, match="pytorch_model.bin"):
-        load_model(ModelConfig(path=str(model_dir), served_name="m", allow_pickle=True))
+        load_in_process(ModelConfig(path=str(model_dir), served_name="m", allow_pickle=True))
 
 
 def test_pickle_of_something_else_than_a_state_dict_is_refused(safetensors_dir, tmp_path):
     model_dir = _copy_without_weights(safetensors_dir, tmp_path / "list")
     torch.save([torch.zeros(2)], model_dir / "pytorch_model.bin")
     with pytest.raises(ConfigError, match="holds a list, not a state dict"):
-        load_model(ModelConfig(path=str(model_dir), served_name="m", allow_pickle=True))
+        load_in_process(ModelConfig(path=str(model_dir), served_name="m", allow_pickle=True))
 
 
 def test_directory_without_weights_says_what_is_missing(safetensors_dir, tmp_path):
     model_dir = _copy_without_weights(safetensors_dir, tmp_path / "empty")
     with pytest.raises(ConfigError, match="neither model.safetensors .* nor pytorch_model.bin"):
-        read_model_spec(ModelConfig(path=str(model_dir), served_name="m", allow_pickle=True))
+        read_served_model(ModelConfig(path=str(model_dir), served_name="m", allow_pickle=True))
 
 
 def _write_custom_code(model_dir: Path, marker: Path) -> None:
@@ -207,7 +208,7 @@ def test_model_type_that_exists_only_as_custom_code_is_refused(safetensors_dir, 
         auto_map={"AutoConfig": "custom_code.CustomConfig", "AutoModel": "custom_code.CustomModel"},
     )
     with pytest.raises(ConfigError) as caught:
-        read_model_spec(ModelConfig(path=str(model_dir), served_name="m"))
+        read_served_model(ModelConfig(path=str(model_dir), served_name="m"))
     message = str(caught.value)
     assert "'custom-bert' is not supported" in message and "never runs" in message
     assert "bert" in message.split("supported:")[-1], "the refusal should list the supported model types"
@@ -223,7 +224,7 @@ def test_custom_sentence_transformers_module_is_refused_not_imported(safetensors
     modules.append({"idx": len(modules), "name": "2", "path": "", "type": "custom_code.CustomModule"})
     (model_dir / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(ConfigError, match="custom_code.CustomModule is custom code"):
-        read_model_spec(ModelConfig(path=str(model_dir), served_name="m"))
+        read_served_model(ModelConfig(path=str(model_dir), served_name="m"))
     assert not marker.exists()
 
 
@@ -237,7 +238,7 @@ def test_a_custom_module_named_like_ours_is_refused_not_taken_for_ours(safetenso
             module["type"] = "my_package.Pooling"
     (model_dir / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(ConfigError, match="my_package.Pooling is custom code"):
-        read_model_spec(ModelConfig(path=str(model_dir), served_name="m"))
+        read_served_model(ModelConfig(path=str(model_dir), served_name="m"))
 
 
 def test_dense_layer_follows_the_same_policy(tmp_path):
@@ -273,7 +274,7 @@ def test_allowed_pickle_serves_a_classifier_head_exactly_as_safetensors(tmp_path
 
 
 def test_allowed_pickle_finds_an_untied_lm_head(tmp_path):
-    from embedserv.engine.types import SamplingParams
+    from embedserv.types import SamplingParams
     from tests.helpers.models import build_tiny_generator
 
     source = build_tiny_generator(tmp_path / "gen", "llama", tie_word_embeddings=False)

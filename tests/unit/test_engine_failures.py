@@ -6,7 +6,7 @@ import pytest
 
 from embedserv.config import ModelConfig
 from embedserv.engine.sync import SyncEngine
-from embedserv.engine.types import EmbedParams
+from embedserv.types import EmbedParams
 from embedserv.errors import NotReady
 
 
@@ -17,7 +17,7 @@ def engine(bundled_dir):
 
 
 def test_failed_batch_fails_its_calls_and_the_engine_goes_on(engine):
-    runner = engine.engine.workers[0].replica.prefill
+    runner = engine.engine.workers[0].runner
     execute = runner.execute
 
     def broken(batch):

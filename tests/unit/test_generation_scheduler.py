@@ -8,35 +8,35 @@ import sys
 
 import pytest
 
-from embedserv.scheduler.block_manager import BlockManager
-from embedserv.scheduler.generation import (
-    GenerationBatch,
-    GenerationRequest,
-    GenerationScheduler,
-    RequestStatus,
-)
+from embedserv.scheduler.generation import GenerationScheduler
+from embedserv.scheduler.kv_cache_manager import KvCacheManager, KvGroup
+from embedserv.scheduler.request import Request, RequestStatus
+from embedserv.types import OutputKind, SamplingParams, StepBatch
 
 
 def _scheduler(num_blocks=64, block_size=4, max_batch_tokens=64, max_num_seqs=16, caching=False):
-    block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
-    return GenerationScheduler(block_manager, max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs)
+    kv_cache = KvCacheManager([KvGroup(block_size)], num_blocks, enable_prefix_caching=caching)
+    return GenerationScheduler(kv_cache, max_batch_tokens=max_batch_tokens, max_num_seqs=max_num_seqs)
 
 
-def _req(request_id: int, prompt_len: int, max_tokens: int = 8, first_token: int = 0) -> GenerationRequest:
-    prompt = list(range(first_token, first_token + prompt_len))
-    return GenerationRequest(request_id=request_id, prompt_token_ids=prompt, max_tokens=max_tokens)
+def _gen(request_id: int, prompt: list[int], max_tokens: int) -> Request:
+    return Request(request_id, prompt, OutputKind.SAMPLE, SamplingParams(max_tokens=max_tokens))
 
 
-def _step(s: GenerationScheduler) -> GenerationBatch:
+def _req(request_id: int, prompt_len: int, max_tokens: int = 8, first_token: int = 0) -> Request:
+    return _gen(request_id, list(range(first_token, first_token + prompt_len)), max_tokens)
+
+
+def _step(s: GenerationScheduler) -> StepBatch:
     """One schedule + update; every sampling chunk gets token 1000 + request_id."""
     batch = s.schedule()
     assert batch is not None
-    s.update(batch, {c.request_id: 1000 + c.request_id for c in batch.chunks if c.samples})
+    s.update(batch, {c.request_id: 1000 + c.request_id for c in batch.sequences if c.produces_output})
     return batch
 
 
-def _sizes(batch: GenerationBatch) -> list[tuple[int, int]]:
-    return [(c.request_id, len(c.token_ids)) for c in batch.chunks]
+def _sizes(batch: StepBatch) -> list[tuple[int, int]]:
+    return [(c.request_id, len(c.token_ids)) for c in batch.sequences]
 
 
 def test_token_budget_respected_with_chunked_tail():
@@ -46,7 +46,7 @@ def test_token_budget_respected_with_chunked_tail():
     batch = s.schedule()
     assert _sizes(batch) == [(0, 4), (1, 4), (2, 2)]
     assert batch.num_tokens == 10 and batch.num_sequences == 3
-    assert [c.samples for c in batch.chunks] == [True, True, False]
+    assert [c.produces_output for c in batch.sequences] == [True, True, False]
 
 
 def test_decodes_go_before_new_prefills():
@@ -57,22 +57,22 @@ def test_decodes_go_before_new_prefills():
     s.add(_req(2, 20))
     batch = _step(s)
     assert _sizes(batch) == [(0, 1), (1, 1), (2, 6)]
-    assert batch.chunks[0].token_ids == (1000,) and batch.chunks[0].start_position == 3
+    assert batch.sequences[0].token_ids == (1000,) and batch.sequences[0].start_position == 3
 
 
 def test_chunked_prefill_samples_only_on_last_chunk():
     s = _scheduler(block_size=4, max_batch_tokens=4)
     request = _req(0, 10, first_token=100)
     s.add(request)
-    chunks = [_step(s).chunks[0] for _ in range(3)]
+    chunks = [_step(s).sequences[0] for _ in range(3)]
     assert [c.start_position for c in chunks] == [0, 4, 8]
     assert [c.token_ids for c in chunks] == [(100, 101, 102, 103), (104, 105, 106, 107), (108, 109)]
-    assert [c.samples for c in chunks] == [False, False, True]
-    assert [len(c.block_ids) for c in chunks] == [1, 2, 3]
-    assert chunks[2].block_ids[:2] == chunks[1].block_ids
+    assert [c.produces_output for c in chunks] == [False, False, True]
+    assert [len(c.block_ids[0]) for c in chunks] == [1, 2, 3]
+    assert chunks[2].block_ids[0][:2] == chunks[1].block_ids[0]
     assert request.output_token_ids == [1000] and request.num_computed_tokens == 10
-    decode = _step(s).chunks[0]
-    assert (decode.token_ids, decode.start_position, decode.samples) == ((1000,), 10, True)
+    decode = _step(s).sequences[0]
+    assert (decode.token_ids, decode.start_position, decode.produces_output) == ((1000,), 10, True)
 
 
 def test_waiting_queue_is_fifo_without_skipping():
@@ -90,11 +90,11 @@ def test_max_num_seqs_bounds_chunks_and_running():
     s = _scheduler(max_batch_tokens=100, max_num_seqs=2)
     for i in range(5):
         s.add(_req(i, 2))
-    assert [c.request_id for c in _step(s).chunks] == [0, 1]
-    assert [c.request_id for c in _step(s).chunks] == [0, 1]
+    assert [c.request_id for c in _step(s).sequences] == [0, 1]
+    assert [c.request_id for c in _step(s).sequences] == [0, 1]
     assert s.num_running == 2 and s.num_waiting == 3
     s.finish(1)
-    assert [c.request_id for c in _step(s).chunks] == [0, 2]
+    assert [c.request_id for c in _step(s).sequences] == [0, 2]
 
 
 def test_preemption_takes_latest_admitted_and_recomputes():
@@ -117,11 +117,11 @@ def test_preemption_takes_latest_admitted_and_recomputes():
     assert requests[1].output_token_ids == [1001, 1001, 1001]
     s.finish(0)
     # Request 1 needs 3 blocks for prompt + outputs, so request 2 (2 blocks) waits behind it.
-    (recompute,) = _step(s).chunks
-    assert recompute.request_id == 1 and recompute.start_position == 0 and recompute.samples
+    (recompute,) = _step(s).sequences
+    assert recompute.request_id == 1 and recompute.start_position == 0 and recompute.produces_output
     assert recompute.token_ids == (10, 11, 1001, 1001, 1001)
     s.finish(1)
-    (recompute,) = _step(s).chunks
+    (recompute,) = _step(s).sequences
     assert recompute.request_id == 2 and recompute.start_position == 0
     assert recompute.token_ids == (20, 21, 1002)
 
@@ -155,7 +155,7 @@ def test_finish_between_schedule_and_update_is_ignored_by_update():
     s.finish(0)  # idempotent
     s.finish(12345)  # unknown
     s.finish(1)
-    assert s.num_running == 0 and s.block_manager.num_used_blocks == 0
+    assert s.num_running == 0 and s.kv_cache.num_used_blocks == 0
     assert s.schedule() is None
 
 
@@ -166,7 +166,7 @@ def test_finish_waiting_request():
     s.add(waiting)
     s.finish(1)
     assert waiting.status is RequestStatus.FINISHED and s.num_waiting == 1
-    assert [c.request_id for c in _step(s).chunks] == [0]
+    assert [c.request_id for c in _step(s).sequences] == [0]
 
 
 def test_update_twice_is_refused():
@@ -187,8 +187,8 @@ def test_sample_for_a_mid_prefill_chunk_is_refused():
 
 def test_can_ever_fit():
     s = _scheduler(num_blocks=4, block_size=4)
-    assert s.can_ever_fit(16)
-    assert not s.can_ever_fit(17)
+    assert s.can_ever_fit(_req(0, 1), 16)
+    assert not s.can_ever_fit(_req(0, 1), 17)
 
 
 def test_prefix_cache_skips_computed_blocks_but_computes_the_last_token():
@@ -198,17 +198,17 @@ def test_prefix_cache_skips_computed_blocks_but_computes_the_last_token():
     s.finish(0)
     longer = _req(1, 10)
     s.add(longer)
-    chunk = _step(s).chunks[0]
+    chunk = _step(s).sequences[0]
     assert chunk.start_position == 8 and chunk.token_ids == (8, 9)
     # The whole prompt is cached: only the blocks before its last token are reused, so the
     # step still computes (and samples from) the last token and never writes a shared block.
     same = _req(2, 8)
     s.add(same)
-    decode, chunk = _step(s).chunks
+    decode, chunk = _step(s).sequences
     assert decode.request_id == 1 and chunk.request_id == 2
-    assert chunk.start_position == 4 and chunk.token_ids == (4, 5, 6, 7) and chunk.samples
-    assert same.block_ids[0] == longer.block_ids[0] and same.block_ids[1] != longer.block_ids[1]
-    assert s.block_manager.ref_count(same.block_ids[0]) == 2
+    assert chunk.start_position == 4 and chunk.token_ids == (4, 5, 6, 7) and chunk.produces_output
+    assert same.block_ids[0][0] == longer.block_ids[0][0] and same.block_ids[0][1] != longer.block_ids[0][1]
+    assert s.kv_cache.managers[0].ref_count(same.block_ids[0][0]) == 2
     assert same.num_computed_tokens == 8 and same.output_token_ids == [1002]
 
 
@@ -218,8 +218,8 @@ def test_blocks_filled_by_decoding_are_cached():
     _step(s)  # the prompt: no full block yet
     _step(s)  # the first output token fills block 0
     s.finish(0)
-    s.add(GenerationRequest(request_id=1, prompt_token_ids=[0, 1, 2, 1000, 7], max_tokens=1))
-    chunk = _step(s).chunks[0]
+    s.add(_gen(1, [0, 1, 2, 1000, 7], 1))
+    chunk = _step(s).sequences[0]
     assert chunk.start_position == 4 and chunk.token_ids == (7,)
 
 

@@ -10,7 +10,9 @@ from collections import defaultdict
 import pytest
 
 from embedserv.scheduler.block_manager import BlockManager
-from embedserv.scheduler.generation import GenerationBatch, GenerationRequest, GenerationScheduler, RequestStatus
+from embedserv.scheduler.generation import GenerationScheduler
+from embedserv.scheduler.request import Request, RequestStatus
+from embedserv.types import OutputKind, SamplingParams, StepBatch
 from tests.unit.test_generation_scheduler import _scheduler
 
 VOCAB = 50
@@ -33,31 +35,31 @@ class _FakeRunner:
         self.rng = rng
         self.kv: dict[int, dict[int, int]] = defaultdict(dict)
 
-    def run(self, batch: GenerationBatch, requests: dict[int, GenerationRequest]) -> dict[int, int]:
+    def run(self, batch: StepBatch, requests: dict[int, Request]) -> dict[int, int]:
         size = self.block_manager.block_size
         sampled = {}
-        for chunk in batch.chunks:
+        for chunk in batch.sequences:
             tokens = requests[chunk.request_id].all_token_ids()
             fingerprints = _fingerprints(tokens)
             end = chunk.start_position + len(chunk.token_ids)
             assert chunk.token_ids == tuple(tokens[chunk.start_position : end])
             for pos in range(chunk.start_position):
-                assert self.kv[chunk.block_ids[pos // size]].get(pos % size) == fingerprints[pos], "stale KV"
+                assert self.kv[chunk.block_ids[0][pos // size]].get(pos % size) == fingerprints[pos], "stale KV"
             for pos in range(chunk.start_position, end):
-                block = chunk.block_ids[pos // size]
+                block = chunk.block_ids[0][pos // size]
                 assert self.block_manager.ref_count(block) == 1, "writing into a shared block"
                 self.kv[block][pos % size] = fingerprints[pos]
-            if chunk.samples:
+            if chunk.produces_output:
                 sampled[chunk.request_id] = self.rng.randrange(VOCAB)
         return sampled
 
 
 def _check_tables(
-    s: GenerationScheduler, live: list[GenerationRequest], batch: GenerationBatch | None
+    s: GenerationScheduler, live: list[Request], batch: StepBatch | None
 ) -> None:
-    bm = s.block_manager
+    bm = s.kv_cache.managers[0]
     bm.check_invariants()
-    scheduled = {c.request_id: len(c.token_ids) for c in batch.chunks} if batch else {}
+    scheduled = {c.request_id: len(c.token_ids) for c in batch.sequences} if batch else {}
     owners: dict[int, int] = defaultdict(int)
     for request in live:
         if request.status is RequestStatus.WAITING:
@@ -65,8 +67,8 @@ def _check_tables(
             continue
         assert request.status is RequestStatus.RUNNING
         covered = request.num_computed_tokens + scheduled.get(request.request_id, 0)
-        assert len(request.block_ids) == bm.blocks_needed(covered)
-        for block in request.block_ids:
+        assert len(request.block_ids[0]) == bm.blocks_needed(covered)
+        for block in request.block_ids[0]:
             owners[block] += 1
     for block, count in owners.items():
         assert bm.ref_count(block) == count
@@ -77,16 +79,16 @@ def _check_tables(
 
 
 def _check_batch(
-    s: GenerationScheduler, batch: GenerationBatch, requests: dict[int, GenerationRequest]
+    s: GenerationScheduler, batch: StepBatch, requests: dict[int, Request]
 ) -> None:
     assert batch.num_tokens <= s.max_batch_tokens and batch.num_sequences <= s.max_num_seqs
-    assert len({c.request_id for c in batch.chunks}) == batch.num_sequences
-    for chunk in batch.chunks:
+    assert len({c.request_id for c in batch.sequences}) == batch.num_sequences
+    for chunk in batch.sequences:
         request = requests[chunk.request_id]
         assert request.status is RequestStatus.RUNNING and len(chunk.token_ids) > 0
         assert chunk.start_position == request.num_computed_tokens
-        assert chunk.block_ids == tuple(request.block_ids)
-        assert chunk.samples == (chunk.start_position + len(chunk.token_ids) == request.num_tokens)
+        assert chunk.block_ids == tuple(tuple(table) for table in request.block_ids)
+        assert chunk.produces_output == (chunk.start_position + len(chunk.token_ids) == request.num_tokens)
 
 
 class _Workload:
@@ -94,12 +96,12 @@ class _Workload:
         self.rng = random.Random(seed)
         budget, max_num_seqs = self.rng.choice([8, 16, 32]), self.rng.choice([3, 4, 8])
         self.s = _scheduler(num_blocks, block_size, budget, max_num_seqs, caching)
-        self.runner = _FakeRunner(self.s.block_manager, self.rng)
+        self.runner = _FakeRunner(self.s.kv_cache.managers[0], self.rng)
         num_prefixes, longest = (3, 3 * block_size) if caching else (1, 0)
         # Prompts start with one of a few shared prefixes so the prefix cache gets hits.
         self.prefixes = [self._random_tokens(0, longest) for _ in range(num_prefixes)]
-        self.requests: dict[int, GenerationRequest] = {}
-        self.live: list[GenerationRequest] = []
+        self.requests: dict[int, Request] = {}
+        self.live: list[Request] = []
         self.cancelled: set[int] = set()
         self.cache_hits = 0
 
@@ -109,14 +111,14 @@ class _Workload:
     def arrive(self) -> None:
         prompt = self.rng.choice(self.prefixes) + self._random_tokens(1, 12)
         max_tokens = self.rng.randint(1, 12)
-        if not self.s.can_ever_fit(len(prompt) + max_tokens):
+        request = Request(len(self.requests), prompt, OutputKind.SAMPLE, SamplingParams(max_tokens=max_tokens))
+        if not self.s.can_ever_fit(request, len(prompt) + max_tokens):
             return  # the engine refuses it
-        request = GenerationRequest(len(self.requests), prompt, max_tokens)
         self.requests[request.request_id] = request
         self.live.append(request)
         self.s.add(request)
 
-    def finish(self, request: GenerationRequest, cancelled: bool) -> None:
+    def finish(self, request: Request, cancelled: bool) -> None:
         self.s.finish(request.request_id)
         assert request.status is RequestStatus.FINISHED and request.block_ids == []
         self.live.remove(request)
@@ -134,7 +136,7 @@ class _Workload:
         if batch is None:
             return False
         _check_batch(self.s, batch, self.requests)
-        admitted = [c for c in batch.chunks if c.request_id not in was_running]
+        admitted = [c for c in batch.sequences if c.request_id not in was_running]
         self.cache_hits += sum(1 for c in admitted if c.start_position > 0)
         sampled = self.runner.run(batch, self.requests)
         self.maybe_cancel(cancel_probability)  # between schedule() and update()
@@ -157,7 +159,7 @@ class _Workload:
                 break
             assert self.step(cancel_probability=0.0), "requests left that never run"
         assert not self.live and self.s.num_running == self.s.num_waiting == 0
-        assert self.s.block_manager.num_used_blocks == 0
+        assert self.s.kv_cache.num_used_blocks == 0
         for request in self.requests.values():
             assert request.status is RequestStatus.FINISHED
             if request.request_id not in self.cancelled:

@@ -1,4 +1,5 @@
-"""PrefillLoop with fake workers: ordering, pipeline depth, least-busy dispatch, retry on worker death, failures."""
+"""PrefillQueue and one WorkerLoop per fake worker, wired as Engine wires them: ordering, pipeline depth,
+least-busy dispatch, retry on worker death, failures."""
 
 from __future__ import annotations
 
@@ -7,23 +8,24 @@ import asyncio
 import numpy as np
 import pytest
 
-from embedserv.engine.prefill import MAX_ATTEMPTS, PrefillLoop
+from embedserv.engine.prefill import MAX_ATTEMPTS, PrefillQueue
+from embedserv.engine.step_loop import WorkerLoop
 from embedserv.errors import NotReady
 from embedserv.executor.base import WorkerDied, WorkerStats
-from embedserv.worker.model_runner import ModelRunnerOutput
+from embedserv.types import OutputKind, StepBatch, StepOutput
 from tests.helpers.aio import run_async
 
 TIMEOUT = 5.0
 
 
 class FakeWorker:
-    """Each run_prefill call takes the next behaviour (or `default`): ok, hang (until release()), die (WorkerDied
+    """Each execute call takes the next behaviour (or `default`): ok, hang (until release()), die (WorkerDied
     sent=True, stays ready), die_down (goes not ready, says so, dies), die_silent (not ready, no on_change, dies),
     unsent (WorkerDied sent=False), error."""
 
     def __init__(self, index: int, behaviours=(), default: str = "ok", ready: bool = True) -> None:
         self.index = index
-        self.num_kv_blocks = 0
+        self.kv_cache = None
         self.incarnation = 1
         self.on_change = lambda: None
         self._ready = ready
@@ -53,7 +55,7 @@ class FakeWorker:
         for gate in self._gates:
             gate.set()
 
-    async def run_prefill(self, batch):
+    async def execute(self, batch: StepBatch) -> StepOutput:
         ids = tuple(s.request_id for s in batch.sequences)
         self.calls.append(ids)
         self.in_flight += 1
@@ -75,20 +77,56 @@ class FakeWorker:
                     self._ready = False
                 raise WorkerDied(f"worker {self.index} died while running the batch", sent=True)
             rows = np.array([[float(sum(s.token_ids))] for s in batch.sequences], dtype=np.float32)
-            return ModelRunnerOutput(request_ids=ids, rows=rows)
+            return StepOutput(row_request_ids=ids, rows=rows, sampled_request_ids=(), tokens=np.zeros(0, np.int64))
         finally:
             self.in_flight -= 1
 
 
-def make_loop(workers, depth: int = 2, max_batch_requests: int = 1, max_batch_tokens: int = 1000) -> PrefillLoop:
-    loop = PrefillLoop("m", workers, max_batch_tokens, max_batch_requests, depth)
-    for worker in workers:
-        worker.on_change = loop.workers_changed
+class Dispatch:
+    """The prefill side of an Engine without the model: the shared queue and one loop per worker, wired and
+    started and stopped as Engine.__init__ / start / stop / _workers_changed do."""
+
+    def __init__(self, workers, depth: int, max_batch_tokens: int, max_batch_requests: int) -> None:
+        self.workers = workers
+        self.queue = PrefillQueue("m", workers, max_batch_tokens, max_batch_requests, OutputKind.POOL)
+        self.loops = [WorkerLoop("m", worker, self.queue, None, depth) for worker in workers]
+        for worker in workers:
+            worker.on_change = self.workers_changed
+
+    def workers_changed(self) -> None:
+        self.queue.workers_changed()
+        for loop in self.loops:
+            loop.wake()
+
+    def start(self) -> None:
+        for loop in self.loops:
+            loop.start()
+        self.queue.accepting = True
+        self.workers_changed()
+
+    async def stop(self) -> None:
+        for loop in self.loops:
+            await loop.stop()
+        self.queue.fail_all(NotReady("model m is shutting down; retry on another replica"))
+
+    @property
+    def is_running(self) -> bool:
+        return all(loop.is_running for loop in self.loops)
+
+    def new_request(self, token_ids, pool_start: int = 0, token_type_ids=None):
+        return self.queue.new_request(token_ids, pool_start, token_type_ids)
+
+    async def run(self, requests):
+        return await self.queue.run(requests)
+
+
+def make_loop(workers, depth: int = 2, max_batch_requests: int = 1, max_batch_tokens: int = 1000) -> Dispatch:
+    loop = Dispatch(workers, depth, max_batch_tokens, max_batch_requests)
     loop.start()
     return loop
 
 
-async def call(loop: PrefillLoop, *token_lists):
+async def call(loop: Dispatch, *token_lists):
     requests = [loop.new_request(list(tokens)) for tokens in token_lists]
     return requests, await asyncio.wait_for(loop.run(requests), TIMEOUT)
 
@@ -247,7 +285,7 @@ async def test_no_ready_worker_fails_queued_calls_and_refuses_new_ones():
 @run_async
 async def test_run_without_a_ready_worker_or_before_start_raises_at_once():
     worker = FakeWorker(0, ready=False)
-    loop = PrefillLoop("m", [worker], 1000, 8, 2)
+    loop = Dispatch([worker], depth=2, max_batch_tokens=1000, max_batch_requests=8)
     with pytest.raises(NotReady, match="not running"):
         await loop.run([loop.new_request([1])])
     loop.start()

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from embedserv.engine.types import SamplingParams
+from embedserv.types import SamplingParams
 from embedserv.models.sampler import _cut, sample
 
 

@@ -3,11 +3,13 @@
 import random
 import sys
 
-from embedserv.scheduler.prefill_only import PrefillOnlyScheduler, PrefillRequest
+from embedserv.scheduler.prefill_only import PrefillOnlyScheduler
+from embedserv.scheduler.request import Request
+from embedserv.types import OutputKind
 
 
-def _req(i: int, n: int) -> PrefillRequest:
-    return PrefillRequest(request_id=i, token_ids=list(range(n)))
+def _req(i: int, n: int) -> Request:
+    return Request(request_id=i, prompt_token_ids=list(range(n)), output=OutputKind.POOL)
 
 
 def test_packs_fifo_under_token_budget():

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from embedserv.engine.outputs import activate, rank
-from embedserv.engine.tasks import QWEN3_RERANKER, read_task_spec, rerank_activation
-from embedserv.engine.types import Task
+from embedserv.models.tasks import QWEN3_RERANKER, read_task_spec, rerank_activation
+from embedserv.types import Task
 from embedserv.errors import ConfigError
 
 

@@ -1,0 +1,150 @@
+"""What a served model is, read without its weights or tokenizer: the server process and every worker read it.
+
+config.json through transformers' AutoConfig (no remote code), the architecture in models/registry.py,
+the sentence-transformers files, causality (config, then --attention), the attention backend for the
+model's shapes on its device, the task (tasks.py), the position limit (off a weightless instance) and the
+input limit. ModelInfo is what ListModels reports.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from embedserv.attention.backends.base import AttentionBackend
+from embedserv.attention.selector import AttentionSpec, select_backend
+from embedserv.config import ModelConfig
+from embedserv.errors import ConfigError
+from embedserv.models import registry
+from embedserv.models.layers import head_dim, num_kv_heads
+from embedserv.models.lm_head import has_lm_head
+from embedserv.models.loader import checkpoint_files, read_hf_config
+from embedserv.models.score_head import DECODER_CLASSIFIERS
+from embedserv.models.st_files import SentenceTransformerFiles, read_sentence_transformers
+from embedserv.models.tasks import TaskSpec, architecture_of, read_task_spec
+from embedserv.types import ModelInfo, Task
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Pooling for a plain Hugging Face directory, as sentence-transformers chooses for one.
+DEFAULT_POOLING = "mean"
+# Tokenizers without a real limit report a huge model_max_length.
+_NO_LIMIT = 1_000_000
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model without its weights: what the engine needs, and what a worker builds its replica from."""
+
+    info: ModelInfo
+    task: TaskSpec
+    # Prompt plus generated tokens may not pass this (the model's positions).
+    max_model_len: int
+    model_dir: Path
+    hf_config: object
+    model_class: type
+    st: SentenceTransformerFiles
+    files: list[Path]
+    backend: AttentionBackend
+    device: torch.device
+    dtype: torch.dtype
+    # Tokens per KV-cache block: --kv-block-size, else the backend's default (what its paged kernel wants).
+    kv_block_size: int
+
+
+def _max_input_tokens(model_dir: Path, st: SentenceTransformerFiles, max_positions: int) -> int:
+    """sentence_bert_config's max_seq_length, else the tokenizer's model_max_length, within the positions."""
+    limit = st.max_seq_length
+    if limit is None:
+        tokenizer_config = model_dir / "tokenizer_config.json"
+        if tokenizer_config.exists():
+            value = json.loads(tokenizer_config.read_text()).get("model_max_length")
+            if isinstance(value, (int, float)) and 0 < value < _NO_LIMIT:
+                limit = int(value)
+    return min(int(limit), max_positions) if limit else max_positions
+
+
+def _device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name} asked for CUDA, but torch sees no CUDA device")
+    return device
+
+
+def _attention_spec(hf_config, device: torch.device, dtype: torch.dtype, is_causal: bool) -> AttentionSpec:
+    return AttentionSpec(
+        device=device,
+        dtype=dtype,
+        head_size=head_dim(hf_config),
+        num_heads=hf_config.num_attention_heads,
+        num_kv_heads=num_kv_heads(hf_config),
+        is_causal=is_causal,
+    )
+
+
+def _max_positions(model_class: type, hf_config, model_dir: Path) -> int:
+    """The model's position limit, read off a weightless (meta) instance; also refuses configs it cannot run."""
+    try:
+        with torch.device("meta"):
+            return model_class(hf_config).max_positions
+    except ValueError as exc:
+        raise ConfigError(f"{model_dir}: {exc}") from exc
+
+
+def _pooling_and_dimension(config: ModelConfig, task: TaskSpec, st: SentenceTransformerFiles, hf_config):
+    if Task.EMBED in task.tasks:
+        dimension = st.dense[-1].out_features if st.dense else hf_config.hidden_size
+        return config.pooling or st.pooling or DEFAULT_POOLING, dimension
+    if task.tasks != (Task.GENERATE,):
+        reads_last = task.template is not None or architecture_of(hf_config) in DECODER_CLASSIFIERS
+        return "lasttoken" if reads_last else "cls", 0
+    return "", 0
+
+
+def read_model_spec(config: ModelConfig) -> ModelSpec:
+    model_dir = Path(config.path).expanduser()
+    if not (model_dir / "config.json").exists():
+        raise ConfigError(f"--model {config.path}: no config.json there; give a local Hugging Face model directory")
+    hf_config = read_hf_config(model_dir)
+    entry = registry.lookup(hf_config.model_type)
+    st = read_sentence_transformers(model_dir)
+    device = _device(config.device)
+    dtype = _DTYPES[config.torch_dtype_name]
+    is_causal = registry.is_causal(hf_config, entry, config.attention)
+    backend = select_backend(config.attention_backend, _attention_spec(hf_config, device, dtype, is_causal))
+    files = checkpoint_files(model_dir, config.allow_pickle)
+    task = read_task_spec(model_dir, hf_config, is_causal, config.decoder_reranker, has_lm_head(hf_config, files))
+    max_positions = _max_positions(entry.model_class, hf_config, model_dir)
+    pooling, dimension = _pooling_and_dimension(config, task, st, hf_config)
+    info = ModelInfo(
+        name=config.served_name,
+        tasks=task.tasks,
+        architecture=architecture_of(hf_config) or entry.model_class.__name__,
+        is_causal=is_causal,
+        pooling=pooling,
+        dimension=dimension,
+        max_input_tokens=_max_input_tokens(model_dir, st, max_positions),
+        prompt_names=tuple(sorted(st.prompts)),
+        dtype=config.torch_dtype_name,
+        device=str(device),
+        attention_backend=backend.name,
+        labels=task.labels,
+    )
+    return ModelSpec(
+        info=info, task=task, max_model_len=max_positions, model_dir=model_dir, hf_config=hf_config,
+        model_class=entry.model_class, st=st, files=files, backend=backend, device=device, dtype=dtype,
+        kv_block_size=_kv_block_size(config, backend, task),
+    )
+
+
+def _kv_block_size(config: ModelConfig, backend: AttentionBackend, task: TaskSpec) -> int:
+    """--kv-block-size, else what the backend's paged kernel wants; one it cannot read stops start-up."""
+    block_size = config.kv_block_size or backend.default_block_size
+    if Task.GENERATE in task.tasks:
+        try:
+            backend.check_block_size(block_size)
+        except ValueError as exc:
+            raise ConfigError(f"--kv-block-size {block_size}: {exc}; leave it unset for the backend's default") from None
+    return block_size

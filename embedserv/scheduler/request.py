@@ -1,0 +1,61 @@
+"""The one request type both scheduler policies queue: a sequence to pool, score or continue. No torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from embedserv.types import OutputKind, SamplingParams
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: int
+    prompt_token_ids: list[int]
+    output: OutputKind
+    # SAMPLE requests: how to pick tokens and how many (max_tokens).
+    sampling: SamplingParams | None = None
+    # POOL: pooling starts this many tokens in; pair inputs' segment ids (None: all zeros).
+    pool_start: int = 0
+    token_type_ids: list[int] | None = None
+    # Encoder-decoder models: the encoder's input, which sizes the fixed-size KV groups (cross attention).
+    encoder_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    # Tokens whose KV is in the cache (generation), or 0.
+    num_computed_tokens: int = 0
+    # One block table per KV-cache group; empty for prefill-only work.
+    block_ids: list[list[int]] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    # Set when the caller went away: dropped at the next schedule() without running.
+    cancelled: bool = False
+    # Steps this request was on whose worker died before answering.
+    attempts: int = 0
+    # The id of the call it belongs to, for the logs.
+    call_id: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling.max_tokens if self.sampling is not None else 0
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids

@@ -1,0 +1,80 @@
+"""Builds what a worker runs from a ModelSpec: the weights on the device, the heads, the KV cache, the runner."""
+
+from __future__ import annotations
+
+import logging
+
+from transformers import AutoTokenizer
+
+from embedserv.config import ModelConfig
+from embedserv.errors import ConfigError
+from embedserv.models.heads import Dense, EmbeddingPooler
+from embedserv.models.lm_head import build_lm_head
+from embedserv.models.loader import build_model, load_dense_weights
+from embedserv.models.score_head import YesNoTokens, build_classifier_head, build_yes_no_head
+from embedserv.models.spec import DEFAULT_POOLING, ModelSpec
+from embedserv.models.tasks import architecture_of
+from embedserv.types import Task
+from embedserv.worker.kv_cache import KvCache, allocate_kv_caches, kv_cache_groups, num_kv_blocks
+from embedserv.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def _embedding_pooler(config: ModelConfig, spec: ModelSpec) -> EmbeddingPooler:
+    dense = []
+    for dense_spec in spec.st.dense:
+        layer = Dense(dense_spec)
+        load_dense_weights(layer, dense_spec.directory, config.allow_pickle)
+        dense.append(layer.to(device=spec.device, dtype=spec.dtype))
+    pooling = config.pooling or spec.st.pooling or DEFAULT_POOLING
+    return EmbeddingPooler(pooling, dense).eval().requires_grad_(False)
+
+
+def _yes_no_tokens(spec: ModelSpec) -> YesNoTokens:
+    # The one head that needs the tokenizer: a yes/no reranker reads the rows of "yes" and "no".
+    backend = AutoTokenizer.from_pretrained(str(spec.model_dir), trust_remote_code=False).backend_tokenizer
+    yes_id, no_id = backend.token_to_id("yes"), backend.token_to_id("no")
+    if yes_id is None or no_id is None:
+        raise ConfigError(f"{spec.model_dir}: a yes/no reranker needs 'yes' and 'no' tokens; its tokenizer lacks them")
+    return YesNoTokens(yes_id=yes_id, no_id=no_id)
+
+
+def _row_head(config: ModelConfig, spec: ModelSpec):
+    """The pooler of an embedder, the score head of a classifier or yes/no reranker, or None."""
+    tasks = spec.task.tasks
+    if Task.EMBED in tasks:
+        return _embedding_pooler(config, spec)
+    if tasks == (Task.GENERATE,):
+        return None
+    hidden = spec.hf_config.hidden_size
+    if spec.task.template is not None:
+        tied = bool(getattr(spec.hf_config, "tie_word_embeddings", True))
+        head = build_yes_no_head(hidden, _yes_no_tokens(spec), tied, spec.files)
+    else:
+        head = build_classifier_head(architecture_of(spec.hf_config), hidden, len(spec.task.labels), spec.files)
+    return head.to(spec.device)
+
+
+def _kv_cache(config: ModelConfig, spec: ModelSpec, model) -> KvCache:
+    groups = kv_cache_groups(model, spec.kv_block_size, spec.dtype)
+    num_blocks = num_kv_blocks(config.kv_cache_memory_or_default, groups, spec.device)
+    tensors = allocate_kv_caches(model, groups, num_blocks, spec.backend, spec.device)
+    logger.info(
+        "%s: KV cache of %d blocks x %d tokens in %d group(s) on %s, %d tokens per request at most",
+        spec.info.name, num_blocks, spec.kv_block_size, len(groups), spec.device, spec.max_model_len,
+    )
+    return KvCache(tensors=tensors, groups=groups, num_blocks=num_blocks)
+
+
+def build_runner(config: ModelConfig, spec: ModelSpec) -> ModelRunner:
+    """Loads the weights onto spec.device; the runner with its heads (and the KV cache of a generating model)."""
+    model = build_model(spec.model_class, spec.hf_config, spec.files, spec.device, spec.dtype)
+    lm_head = kv_cache = None
+    if Task.GENERATE in spec.task.tasks:
+        lm_head = build_lm_head(spec.hf_config, spec.files, spec.device, spec.dtype)
+        kv_cache = _kv_cache(config, spec, model)
+    return ModelRunner(
+        model, spec.backend, spec.device, spec.info.is_causal,
+        row_head=_row_head(config, spec), lm_head=lm_head, kv_cache=kv_cache,
+    )

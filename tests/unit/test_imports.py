@@ -1,0 +1,204 @@
+"""Dependencies point one way (DESIGN.md, "Boundaries and their types"): no package-level import cycles,
+no upward imports, and the scheduler and the shared types stay free of torch.
+
+Run-time imports are read from the source with `ast`: module-level imports and imports inside functions
+count; imports under `if TYPE_CHECKING:` do not.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import pkgutil
+import subprocess
+import sys
+from collections import defaultdict, deque
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+import embedserv
+
+# Each package may import itself, the packages below it here (transitively) and the SHARED leaves.
+BELOW: dict[str, set[str]] = {
+    "__main__": {"cli"},
+    "cli": {"server", "config_file"},
+    "config_file": set(),  # the YAML reader of `serve --config`: only the command line reads it
+    "server": {"engine", "v1"},
+    "engine": {"executor"},
+    "executor": {"worker"},
+    "worker": {"models", "attention"},
+    "models": {"attention"},  # a model is built from Attention layers
+    "attention": set(),
+    "v1": set(),  # the generated gRPC stubs
+}
+# Anyone may import these; they import only each other. "embedserv" is the root __init__ (__version__).
+SHARED = {"embedserv", "types", "scheduler", "config", "errors", "logs", "metrics", "forward_context"}
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _raise(name: str) -> None:
+    raise ImportError(f"cannot import package {name} to list its modules")
+
+
+@cache
+def modules() -> dict[str, tuple[Path, bool]]:
+    """Every embedserv module: name -> (source file, is a package)."""
+    found = {"embedserv": (Path(embedserv.__file__), True)}
+    for info in pkgutil.walk_packages(embedserv.__path__, "embedserv.", onerror=_raise):
+        optional = info.name == "embedserv.attention.backends.flash_attn"
+        if optional and importlib.util.find_spec("flash_attn") is None:
+            continue
+        found[info.name] = (Path(info.module_finder.find_spec(info.name).origin), info.ispkg)
+    return found
+
+
+def package(module: str) -> str:
+    """embedserv.engine.engine -> engine; embedserv.types -> types; embedserv -> embedserv."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    name = test.attr if isinstance(test, ast.Attribute) else getattr(test, "id", None)
+    return name == "TYPE_CHECKING"
+
+
+def _import_nodes(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        yield node
+    type_checking_only = isinstance(node, ast.If) and _is_type_checking(node.test)
+    for child in node.orelse if type_checking_only else ast.iter_child_nodes(node):
+        yield from _import_nodes(child)
+
+
+@cache
+def imports(module: str) -> frozenset[str]:
+    """The run-time imports of a module: embedserv modules by full name, anything else by top-level name."""
+    path, is_package = modules()[module]
+    parent = module if is_package else module.rpartition(".")[0]
+    names = set()
+    for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+            continue
+        base = importlib.util.resolve_name("." * node.level + (node.module or ""), parent)
+        # `from package import name`: name may be a submodule; if it is not, base is what runs.
+        names.add(base)
+        names.update(f"{base}.{alias.name}" for alias in node.names)
+    internal = {n for n in names if n in modules()}
+    external = {n.split(".")[0] for n in names if n.split(".")[0] != "embedserv"}
+    return frozenset(internal | external)
+
+
+def package_edges() -> dict[tuple[str, str], list[str]]:
+    """(importer package, imported package) -> the module-level evidence, "a.b imports c.d"."""
+    edges: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for module in modules():
+        for target in sorted(imports(module)):
+            if target in modules() and package(target) != package(module):
+                edges[package(module), package(target)].append(f"{module} imports {target}")
+    return edges
+
+
+def _shortest_cycle(start: str, graph: dict[str, set[str]]) -> list[str] | None:
+    came_from: dict[str, str] = {}
+    queue = deque([start])
+    while queue:
+        node = queue.popleft()
+        for nxt in sorted(graph[node]):
+            if nxt == start:
+                path = [node]
+                while path[-1] != start:
+                    path.append(came_from[path[-1]])
+                return [start, *reversed(path[:-1]), start]
+            if nxt not in came_from:
+                came_from[nxt] = node
+                queue.append(nxt)
+    return None
+
+
+def test_no_package_level_import_cycles() -> None:
+    edges = package_edges()
+    graph: dict[str, set[str]] = defaultdict(set)
+    for a, b in edges:
+        graph[a].add(b)
+    cycles = {}
+    for start in sorted(graph):
+        cycle = _shortest_cycle(start, graph)
+        if cycle is not None:
+            # One entry per cycle, whichever package it was found from.
+            rotation = min(range(len(cycle) - 1), key=lambda i: cycle[i])
+            cycles[tuple(cycle[rotation:-1] + cycle[:rotation + 1])] = None
+    report = []
+    for cycle in cycles:
+        report.append(" -> ".join(cycle))
+        report.extend(f"    {why}" for a, b in zip(cycle, cycle[1:]) for why in edges[a, b])
+    assert not report, "package-level import cycles:\n" + "\n".join(report)
+
+
+def _allowed(importer: str, imported: str) -> bool:
+    if imported in SHARED:
+        return True
+    if importer in SHARED:
+        return False
+    below, todo = set(), list(BELOW.get(importer, ()))
+    while todo:
+        name = todo.pop()
+        if name not in below:
+            below.add(name)
+            todo.extend(BELOW.get(name, ()))
+    return imported in below
+
+
+def test_imports_point_down() -> None:
+    unknown = sorted({package(m) for m in modules()} - SHARED - BELOW.keys())
+    report = [f"{name} is missing from the table in this test" for name in unknown]
+    for (a, b), why in sorted(package_edges().items()):
+        if not _allowed(a, b):
+            report.append(f"{a} -> {b} is not allowed:")
+            report.extend(f"    {line}" for line in why)
+    assert not report, "imports against the allowed direction:\n" + "\n".join(report)
+
+
+def _torch_free_modules() -> list[str]:
+    """Listed from the files, so that collecting this test imports nothing."""
+    scheduler = pkgutil.iter_modules([str(REPO / "embedserv" / "scheduler")], "embedserv.scheduler.")
+    return ["embedserv.types", "embedserv.scheduler", *sorted(info.name for info in scheduler)]
+
+
+def _runs_first(module: str) -> list[str]:
+    """Importing a module runs its parent packages' __init__ too."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def test_torch_free_modules_import_no_torch_by_source() -> None:
+    report = []
+    for start in _torch_free_modules():
+        came_from: dict[str, str | None] = {start: None}
+        queue = deque([start])
+        while queue:
+            module = queue.popleft()
+            if "torch" in imports(module):
+                chain = [module]
+                while came_from[chain[-1]] is not None:
+                    chain.append(came_from[chain[-1]])
+                report.append(" -> ".join([*reversed(chain), "torch"]))
+                break
+            for nxt in sorted(i for i in imports(module) | set(_runs_first(module)) if i in modules()):
+                if nxt not in came_from:
+                    came_from[nxt] = module
+                    queue.append(nxt)
+    assert not report, "torch-free modules that import torch:\n" + "\n".join(report)
+
+
+@pytest.mark.parametrize("module", _torch_free_modules())
+def test_torch_free_modules_import_no_torch_at_run_time(module: str) -> None:
+    code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])"
+    command = [sys.executable, "-c", code]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", f"importing {module} loads torch: {result.stdout.strip()}"

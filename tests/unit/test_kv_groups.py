@@ -1,0 +1,188 @@
+"""KV-cache groups: a layer that reads another layer's cache allocates nothing, and a second, fixed-size
+group (as cross-attention will use) is sized at admission, never grows, is never prefix-cached, and is
+freed with its request. Fake models made of Attention layers only."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from embedserv.attention.backends.naive import NaiveBackend
+from embedserv.attention.layer import Attention, AttentionKind
+from embedserv.forward_context import ForwardContext
+from embedserv.scheduler.generation import GenerationScheduler
+from embedserv.scheduler.kv_cache_manager import KvCacheManager, KvGroup
+from embedserv.scheduler.request import Request, RequestStatus
+from embedserv.types import OutputKind, SamplingParams
+from embedserv.worker.kv_cache import KvCache, allocate_kv_caches, kv_cache_groups, num_kv_blocks
+
+HEADS, HEAD_SIZE, BLOCK = 2, 8, 4
+CPU = torch.device("cpu")
+
+
+class FakeModel(nn.Module):
+    def __init__(self, layers: list[Attention]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+
+def _layers(shared: bool) -> FakeModel:
+    return FakeModel([
+        Attention(HEADS, HEAD_SIZE, layer_index=0),
+        Attention(HEADS, HEAD_SIZE, layer_index=1),
+        Attention(HEADS, HEAD_SIZE, layer_index=2, kv_source_layer=1 if shared else None),
+    ])
+
+
+def test_a_layer_reading_another_layers_cache_allocates_nothing():
+    own, shared = _layers(shared=False), _layers(shared=True)
+    (own_group,) = kv_cache_groups(own, BLOCK, torch.float32)
+    (shared_group,) = kv_cache_groups(shared, BLOCK, torch.float32)
+    assert own_group.layers == (0, 1, 2) and shared_group.layers == (0, 1)
+    assert shared_group.bytes_per_block * 3 == own_group.bytes_per_block * 2
+    memory = 3 * 2 * own_group.bytes_per_block  # exactly 6 blocks of three owning layers
+    assert num_kv_blocks(memory, [own_group], CPU) == 6
+    assert num_kv_blocks(memory, [shared_group], CPU) == 9, "the same memory holds more blocks"
+    caches = allocate_kv_caches(shared, [shared_group], 9, NaiveBackend(), CPU)
+    assert caches[2] is None and caches[0] is not None and caches[1] is not None
+    context = ForwardContext(attn_backend=NaiveBackend(), attn_metadata=object(), kv_caches=caches)
+    assert context.kv_cache_for(shared.layers[2]) is caches[1], "the shared layer reads its source's cache"
+    assert context.kv_cache_for(shared.layers[1]) is caches[1]
+
+
+def test_groups_come_from_the_layers_kind_and_group():
+    model = FakeModel([
+        Attention(HEADS, HEAD_SIZE, layer_index=0, kind=AttentionKind.ENCODER),
+        Attention(HEADS, HEAD_SIZE, layer_index=1, kv_group=0),
+        Attention(HEADS, HEAD_SIZE, num_kv_heads=1, layer_index=2, kind=AttentionKind.CROSS, kv_group=1),
+    ])
+    self_group, cross_group = kv_cache_groups(model, BLOCK, torch.float32)
+    assert (self_group.layers, self_group.fixed, self_group.num_kv_heads) == ((1,), False, HEADS)
+    assert (cross_group.layers, cross_group.fixed, cross_group.num_kv_heads) == ((2,), True, 1)
+    caches = allocate_kv_caches(model, [self_group, cross_group], 5, NaiveBackend(), CPU)
+    assert caches[0] is None, "an encoder layer keeps no KV"
+    assert caches[1].shape[1] == caches[2].shape[1] == 5, "every group has the same number of blocks"
+    assert caches[2].shape[-2] == 1
+
+
+def test_a_group_with_mixed_shapes_is_refused():
+    model = FakeModel([Attention(HEADS, HEAD_SIZE, layer_index=0), Attention(HEADS, 16, layer_index=1)])
+    with pytest.raises(ValueError, match="mixes"):
+        kv_cache_groups(model, BLOCK, torch.float32)
+
+
+def _scheduler(num_blocks: int, caching: bool = True) -> GenerationScheduler:
+    kv = KvCacheManager([KvGroup(BLOCK), KvGroup(BLOCK, fixed=True)], num_blocks, enable_prefix_caching=caching)
+    return GenerationScheduler(kv, max_batch_tokens=64, max_num_seqs=8)
+
+
+def _request(request_id: int, prompt: list[int], encoder: list[int], max_tokens: int = 4) -> Request:
+    return Request(
+        request_id, prompt, OutputKind.SAMPLE, SamplingParams(max_tokens=max_tokens), encoder_token_ids=encoder
+    )
+
+
+def _step(s: GenerationScheduler):
+    batch = s.schedule()
+    s.update(batch, {q.request_id: 7 for q in batch.sequences if q.produces_output})
+    return batch
+
+
+def test_a_fixed_group_is_sized_at_admission_never_grows_and_is_freed():
+    s = _scheduler(num_blocks=16)
+    request = _request(0, [1, 2, 3], encoder=list(range(10)))
+    s.add(request)
+    first = _step(s).sequences[0]
+    self_table, cross_table = first.block_ids
+    assert len(self_table) == 1 and len(cross_table) == 3, "cross: ceil(10 / 4) blocks at admission"
+    for _ in range(3):
+        decode = _step(s).sequences[0]
+    assert len(decode.block_ids[0]) == 2, "the self table grows with the tokens"
+    assert decode.block_ids[1] == cross_table, "the cross table never changes"
+    cross = s.kv_cache.managers[1]
+    assert cross.num_used_blocks == 3
+    s.finish(0)
+    assert request.block_ids == [] and s.kv_cache.num_used_blocks == 0
+    s.kv_cache.check_invariants()
+
+
+def test_a_fixed_group_is_never_prefix_cached_but_the_self_group_is():
+    s = _scheduler(num_blocks=32)
+    prompt = list(range(9))
+    first = _request(0, prompt, encoder=[5] * 8)
+    s.add(first)
+    _step(s)
+    s.finish(0)
+    second = _request(1, prompt, encoder=[5] * 8)
+    s.add(second)
+    batch = _step(s)
+    assert batch.sequences[0].start_position == 8, "two full self blocks came from the prefix cache"
+    cross = s.kv_cache.managers[1]
+    assert not any(cross.is_cached(block) for block in second.block_ids[1])
+    assert all(cross.ref_count(block) == 1 for block in second.block_ids[1])
+    s.kv_cache.check_invariants()
+
+
+def test_preemption_frees_both_tables_and_a_request_that_can_never_fit_is_known_up_front():
+    s = _scheduler(num_blocks=4, caching=False)
+    big = _request(0, [1] * 4, encoder=[2] * 20)
+    assert not s.can_ever_fit(big, 8), "20 encoder tokens need 5 cross blocks of the 4 there are"
+    a, b = _request(1, [1, 1, 1], encoder=[2] * 8, max_tokens=8), _request(2, [1, 1, 1], encoder=[2] * 8, max_tokens=8)
+    s.add(a)
+    s.add(b)
+    _step(s)
+    assert s.kv_cache.managers[1].num_used_blocks == 4
+    # Both grow by a token a step; at 9 tokens each needs a third self block and only 4 exist: the
+    # latest admitted (b) is preempted and both of its tables are freed.
+    for _ in range(10):
+        _step(s)
+        if s.num_preemptions:
+            break
+    assert s.num_preemptions == 1
+    assert b.status is RequestStatus.WAITING and b.block_ids == []
+    assert s.kv_cache.managers[1].num_used_blocks == 2 and len(a.block_ids[0]) == 3
+    s.kv_cache.check_invariants()
+
+
+def test_each_block_is_zeroed_on_its_first_use_only():
+    """Backends read whole blocks and mask the slots past a sequence's end (and table padding, block 0); a
+    NaN left in memory there would still reach the output (0 x NaN), so a block is zeroed the first time
+    a step names it, and only then (memory is committed as blocks are used, not all at start-up)."""
+    model = _layers(shared=True)
+    (group,) = kv_cache_groups(model, BLOCK, torch.float32)
+    tensors = allocate_kv_caches(model, [group], 8, NaiveBackend(), CPU)
+    for tensor in tensors[:2]:
+        tensor.fill_(float("nan"))
+    cache = KvCache(tensors, [group], 8)
+    assert all(torch.count_nonzero(t[:, 0]) == 0 for t in tensors[:2]), "block 0 pads every block table"
+    fresh = cache.fresh_blocks([np.array([3, 5, 3])])
+    assert fresh == [[3, 5]]
+    cache.zero(fresh)
+    for tensor in tensors[:2]:
+        assert torch.count_nonzero(tensor[:, [3, 5]]) == 0
+        assert tensor[:, [1, 2, 4, 6, 7]].isnan().all(), "blocks not used yet are left alone"
+        tensor[:, 3] = 1.0  # written by a step
+    assert cache.fresh_blocks([np.array([3, 0, 6])]) == [[6]], "a block is zeroed once"
+
+
+def test_a_block_size_the_backend_cannot_read_stops_start_up():
+    from embedserv.attention.backends.base import PagedBackendBase
+    from embedserv.config import ModelConfig
+    from embedserv.errors import ConfigError
+    from embedserv.models.spec import _kv_block_size
+    from embedserv.models.tasks import TaskSpec
+    from embedserv.types import Task
+
+    class PagesOf256(PagedBackendBase):  # as flash-attn's paged kernel reads them
+        name = "pages-of-256"
+        default_block_size = 256
+        block_size_multiple = 256
+
+    generates = TaskSpec(tasks=(Task.GENERATE,))
+    config = ModelConfig(path="m", served_name="m", kv_block_size=16)
+    with pytest.raises(ConfigError, match="multiple of 256"):
+        _kv_block_size(config, PagesOf256(), generates)
+    assert _kv_block_size(ModelConfig(path="m", served_name="m"), PagesOf256(), generates) == 256
+    assert _kv_block_size(config, NaiveBackend(), generates) == 16

@@ -102,3 +102,16 @@ def reference():
 @pytest.fixture(scope="session")
 def bundled_reference(bundled_dir, reference):
     return reference(bundled_dir)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_compile_caches():
+    """Each test module starts with empty torch.compile caches. One test process compiles FlexAttention for
+    far more models and shapes than a server process ever does, and past dynamo's recompile limit the
+    backend fails its steps on purpose (attention/backends/flex.py) rather than fall back to eager."""
+    import sys
+
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.reset()
+    yield

@@ -1,12 +1,14 @@
-"""The narrow interface every attention backend implements.
+"""The narrow interface every attention backend implements, and the paged-KV helpers they share.
 
-Where each backend can run (device, dtype, head size) is decided in attention/selector.py, not here.
+Where each backend can run (device, dtype, head size) is decided in attention/selector.py, not here; a
+backend only says which cache block sizes its paged kernel can read (`check_block_size`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
+import numpy as np
 import torch
 
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
@@ -17,6 +19,8 @@ if TYPE_CHECKING:
 
 class AttentionBackend(Protocol):
     name: ClassVar[str]
+    # Tokens per KV-cache block when the user does not choose.
+    default_block_size: ClassVar[int]
 
     def build_metadata(self, common: CommonAttentionMetadata) -> AttentionMetadata:
         """Precomputes per-batch state once, before the forward pass."""
@@ -25,15 +29,23 @@ class AttentionBackend(Protocol):
         self,
         layer: Attention,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         kv_cache: torch.Tensor | None,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size].
 
-        Returns [num_tokens, num_heads, head_size] in q's dtype.
+        With a cache, k and v are this step's new keys and values, written to their slots first; both are
+        None for a layer that shares another layer's cache: it writes nothing and reads every key from the
+        cache. Returns [num_tokens, num_heads, head_size] in q's dtype.
         """
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        """The shape of one layer's cache tensor."""
+
+    def check_block_size(self, block_size: int) -> None:
+        """Raises ValueError when this backend cannot read a cache of `block_size` tokens per block."""
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
@@ -41,10 +53,62 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_siz
     return (2, num_blocks, block_size, num_kv_heads, head_size)
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, common: CommonAttentionMetadata) -> None:
-    """Writes the step's new keys and values into their cache slots."""
+class PagedBackendBase:
+    """What every backend says about its cache: the one layout, a default block size, the sizes it reads."""
+
+    name: ClassVar[str]
+    default_block_size: ClassVar[int] = 16
+    # The paged kernel reads blocks of a multiple of this many tokens (1: any size).
+    block_size_multiple: ClassVar[int] = 1
+
+    @classmethod
+    def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def check_block_size(cls, block_size: int) -> None:
+        if block_size < 1 or block_size % cls.block_size_multiple:
+            raise ValueError(
+                f"the {cls.name} attention backend reads KV-cache blocks of a multiple of "
+                f"{cls.block_size_multiple} tokens, not {block_size}"
+            )
+
+
+def write_kv(
+    k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor, common: CommonAttentionMetadata
+) -> None:
+    """Writes the step's new keys and values into their cache slots; a shared layer (k, v None) writes none."""
+    if k is None or v is None:
+        return
     kv_cache[0].view(-1, *k.shape[1:]).index_copy_(0, common.slot_mapping, k)
     kv_cache[1].view(-1, *v.shape[1:]).index_copy_(0, common.slot_mapping, v)
+
+
+def gather_blocks(kv_cache: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole blocks, in table order: tables [*S, nb] -> keys, values [*S, nb * block_size, kv_heads, d].
+
+    Block-granular: one index per block, never per token. Slots past a sequence's length come along and
+    must be masked (or sliced off) by the caller."""
+    _, _, block_size, kv_heads, size = kv_cache.shape
+    flat = tables.reshape(-1)
+    shape = (*tables.shape[:-1], tables.shape[-1] * block_size, kv_heads, size)
+    return kv_cache[0].index_select(0, flat).view(shape), kv_cache[1].index_select(0, flat).view(shape)
+
+
+def packed_key_slots(common: CommonAttentionMetadata) -> torch.Tensor:
+    """[sum(seq_lens_k)] int64: the cache slot of every key, packed like `cu_seqlens_k`.
+
+    Only for the fallback of kernels that cannot read through block tables (they take packed keys); built
+    once per step from the device block tables, with the host-known lengths."""
+    lens_k = common.seq_lens_k_cpu
+    starts = np.concatenate(([0], np.cumsum(lens_k)[:-1]))
+    seqs = np.repeat(np.arange(len(lens_k)), lens_k)
+    positions = np.arange(int(lens_k.sum())) - np.repeat(starts, lens_k)
+    device = common.block_tables.device
+    seqs_t = torch.from_numpy(seqs).to(device)
+    positions_t = torch.from_numpy(positions).to(device)
+    size = common.block_size
+    return common.block_tables[seqs_t, positions_t // size].long() * size + positions_t % size
 
 
 def gather_kv(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,13 +118,3 @@ def gather_kv(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor
     keys = kv_cache[0].view(-1, num_kv_heads, head_size).index_select(0, flat)
     values = kv_cache[1].view(-1, num_kv_heads, head_size).index_select(0, flat)
     return keys.view(*slots.shape, num_kv_heads, head_size), values.view(*slots.shape, num_kv_heads, head_size)
-
-
-def write_and_gather(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, common: CommonAttentionMetadata
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Writes the new keys and values, then reads every key and value the step attends to through the
-    block tables: [sum(seq_lens_k), num_kv_heads, head_size] each, packed by `cu_seqlens_k`. After this a
-    backend computes packed attention whose queries are the last keys of each sequence."""
-    write_kv(k, v, kv_cache, common)
-    return gather_kv(kv_cache, common.key_slots)

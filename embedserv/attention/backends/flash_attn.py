@@ -1,7 +1,14 @@
-"""flash-attn's varlen kernel (the optional `flash` extra), on CUDA.
+"""flash-attn's varlen kernel (the optional `flash` extra, flash-attn >= 2.6), on CUDA.
 
 Same packed layout as ours: `[num_tokens, heads, head_size]` plus int32 `cu_seqlens`; grouped-query
 attention is native (fewer KV heads than query heads).
+
+With a paged KV cache the kernel reads the cache in place: k and v are the cache's
+`[num_blocks, block_size, kv_heads, d]` halves and `block_table` maps each sequence's logical pages to
+physical ones. `cu_seqlens_k` stays the cumulative key lengths: with a block table the kernel takes each
+sequence's key count from it and the page addresses from the table. Its causal mask is aligned at the
+end (a query sees the keys up to its own position among the last ones), which is our layout. flash-attn 2
+reads pages of a multiple of 256 tokens only (`mha_varlen_fwd` refuses others), hence the block size.
 """
 
 from __future__ import annotations
@@ -9,21 +16,25 @@ from __future__ import annotations
 import torch
 from flash_attn import flash_attn_varlen_func
 
-from embedserv.attention.backends.base import write_and_gather
+from embedserv.attention.backends.base import PagedBackendBase, write_kv
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
 
 
-class FlashAttnBackend:
+class FlashAttnBackend(PagedBackendBase):
     name = "flash_attn"
+    default_block_size = 256
+    block_size_multiple = 256
 
     def build_metadata(self, common: CommonAttentionMetadata) -> AttentionMetadata:
         return AttentionMetadata(common=common)
 
     def forward(self, layer, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         common = meta.common
+        paged = {}
         if kv_cache is not None:
-            # Queries are the last keys of their sequence: the kernel's causal mask aligns them at the end.
-            k, v = write_and_gather(k, v, kv_cache, common)
+            write_kv(k, v, kv_cache, common)
+            k, v = kv_cache[0], kv_cache[1]
+            paged["block_table"] = common.block_tables
         return flash_attn_varlen_func(
             q, k, v,
             cu_seqlens_q=common.cu_seqlens_q,
@@ -32,4 +43,5 @@ class FlashAttnBackend:
             max_seqlen_k=common.max_seqlen_k,
             softmax_scale=layer.scale,
             causal=common.is_causal,
+            **paged,
         )

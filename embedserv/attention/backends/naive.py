@@ -1,4 +1,8 @@
-"""The oracle: one sequence at a time, explicit softmax in float32. Slow, obviously right."""
+"""The oracle: one sequence at a time, explicit softmax in float32. Slow, obviously right.
+
+With a paged KV cache each sequence reads all of its keys (context and this step's, just written) out of
+the cache through its own row of the block tables, so the oracle checks the block tables too.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,11 @@ import math
 
 import torch
 
-from embedserv.attention.backends.base import write_and_gather
+from embedserv.attention.backends.base import PagedBackendBase, write_kv
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
 
 
-class NaiveBackend:
+class NaiveBackend(PagedBackendBase):
     name = "naive"
 
     def build_metadata(self, common: CommonAttentionMetadata) -> AttentionMetadata:
@@ -19,17 +23,22 @@ class NaiveBackend:
     def forward(self, layer, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         common = meta.common
         if kv_cache is not None:
-            k, v = write_and_gather(k, v, kv_cache, common)
+            write_kv(k, v, kv_cache, common)
         scale = layer.scale if layer.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        group = q.shape[1] // k.shape[1]
+        kv_heads = kv_cache.shape[-2] if kv_cache is not None else k.shape[1]
+        group = q.shape[1] // kv_heads
         out = torch.empty_like(q)
         q_start = k_start = 0
-        for len_q, len_k in zip(common.seq_lens_q_cpu.tolist(), common.seq_lens_k_cpu.tolist()):
+        lengths = zip(common.seq_lens_q_cpu.tolist(), common.seq_lens_k_cpu.tolist())
+        for seq, (len_q, len_k) in enumerate(lengths):
             rows = slice(q_start, q_start + len_q)
-            keys = slice(k_start, k_start + len_k)
+            if kv_cache is None:
+                keys, values = k[k_start : k_start + len_k], v[k_start : k_start + len_k]
+            else:
+                keys, values = read_sequence(kv_cache, common, seq, len_k)
             qs = q[rows].float().transpose(0, 1)  # [H, Lq, D]
-            ks = k[keys].float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, Lk, D]
-            vs = v[keys].float().repeat_interleave(group, dim=1).transpose(0, 1)
+            ks = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, Lk, D]
+            vs = values.float().repeat_interleave(group, dim=1).transpose(0, 1)
             scores = qs @ ks.transpose(1, 2) * scale  # [H, Lq, Lk]
             if meta.is_causal:
                 scores = scores.masked_fill(future_mask(len_q, len_k, q.device), float("-inf"))
@@ -37,6 +46,17 @@ class NaiveBackend:
             q_start += len_q
             k_start += len_k
         return out
+
+
+def read_sequence(
+    kv_cache: torch.Tensor, common: CommonAttentionMetadata, seq: int, len_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first len_k keys and values of sequence `seq`: its blocks, in table order, cut at len_k."""
+    _, _, block_size, kv_heads, size = kv_cache.shape
+    table = common.block_tables[seq, : -(-len_k // block_size)].long()
+    keys = kv_cache[0][table].reshape(-1, kv_heads, size)[:len_k]
+    values = kv_cache[1][table].reshape(-1, kv_heads, size)[:len_k]
+    return keys, values
 
 
 def future_mask(len_q: int, len_k: int, device: torch.device) -> torch.Tensor:

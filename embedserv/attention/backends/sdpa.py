@@ -6,8 +6,10 @@ lengths: no padding, no masks, no scatter. The input builder packs longest first
 most as many runs as distinct lengths, and the long truncated inputs that dominate the cost share one.
 On CPU in bfloat16, long runs use two batched matmuls instead of the flash kernel (faster there).
 
-With a KV cache (generation), decoding sequences (one query each) go in one padded call, keys read
-straight from the cache and a mask hiding the padding; prompt chunks run one call each on their keys.
+With a paged KV cache, decoding sequences (one query each) go in one padded call over whole blocks read
+through their block tables (one index per block, not per token) and a mask hiding what lies past each
+sequence's length. Prompt chunks run one call each: a whole prompt attends over its own new keys and
+never reads the cache; a chunk with context reads its blocks. All of it is planned once per step.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from embedserv.attention.backends.base import gather_kv, write_kv
+from embedserv.attention.backends.base import PagedBackendBase, gather_blocks, write_kv
 from embedserv.attention.backends.naive import future_mask
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
 
@@ -44,17 +46,29 @@ class _Run:
 
 
 @dataclass(frozen=True)
+class _Chunk:
+    """A sequence with more than one query (a prompt or a prompt chunk): one SDPA call of its own."""
+
+    rows: slice
+    len_q: int
+    len_k: int
+    # [ceil(len_k / block_size)] int32: its blocks, for reading its keys from the cache.
+    table: torch.Tensor
+    # [len_q, len_k] bool, True where a query sees a key; None when it has no context (plain causal).
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True)
 class _PagedPlan:
-    """How a generation step splits into SDPA calls."""
+    """How a step over the paged cache splits into SDPA calls; built once per step, used by every layer."""
 
     # [num_decodes] int64: the query row of each one-token sequence; None when there is none.
     decode_rows: torch.Tensor | None
-    # [num_decodes, longest decode context] int64 cache slots (padding points at slot 0, masked out).
-    decode_slots: torch.Tensor | None
-    # [num_decodes, 1, 1, longest decode context] bool: True for real keys (padding is masked out).
+    # [num_decodes, blocks of the longest decode] int32: their block tables (padding entries are masked).
+    decode_tables: torch.Tensor | None
+    # [num_decodes, 1, 1, blocks * block_size] bool: True for each decode's real keys.
     decode_mask: torch.Tensor | None
-    # (query rows, packed key rows, query length, key length) of every longer chunk.
-    chunks: tuple[tuple[slice, slice, int, int], ...]
+    chunks: tuple[_Chunk, ...]
 
 
 @dataclass(frozen=True)
@@ -77,7 +91,7 @@ def plan_runs(seq_lens: np.ndarray) -> tuple[_Run, ...]:
     )
 
 
-class SdpaBackend:
+class SdpaBackend(PagedBackendBase):
     name = "sdpa"
 
     def build_metadata(self, common: CommonAttentionMetadata) -> SdpaMetadata:
@@ -130,37 +144,37 @@ def _attend_with_matmuls(q, k, v, scale: float, is_causal: bool) -> torch.Tensor
 
 
 def plan_paged(common: CommonAttentionMetadata) -> _PagedPlan:
-    lens_q, lens_k = common.seq_lens_q_cpu, common.seq_lens_k_cpu
+    """Host-side planning from the host lengths; device tensors are sliced or copied here, once per step."""
+    lens_q, lens_k, size = common.seq_lens_q_cpu, common.seq_lens_k_cpu, common.block_size
     starts_q = np.concatenate(([0], np.cumsum(lens_q)[:-1]))
-    starts_k = np.concatenate(([0], np.cumsum(lens_k)[:-1]))
-    device = common.key_slots.device
+    device = common.block_tables.device
     decodes = np.flatnonzero(lens_q == 1)
-    rows = slots = mask = None
+    rows = tables = mask = None
     if len(decodes):
-        longest = int(lens_k[decodes].max())
-        offsets = np.arange(longest)
-        real = offsets[None, :] < lens_k[decodes, None]
-        index = np.where(real, starts_k[decodes, None] + offsets[None, :], 0)
+        num_blocks = -(-int(lens_k[decodes].max()) // size)
         rows = torch.from_numpy(starts_q[decodes]).to(device)
-        slots = common.key_slots[torch.from_numpy(index).to(device)].masked_fill_(
-            ~torch.from_numpy(real).to(device), 0
-        )
+        tables = common.block_tables[rows.new_tensor(decodes), :num_blocks]
+        real = np.arange(num_blocks * size)[None, :] < lens_k[decodes, None]
         mask = torch.from_numpy(real).to(device)[:, None, None, :]
-    chunks = tuple(
-        (slice(int(starts_q[i]), int(starts_q[i] + lens_q[i])), slice(int(starts_k[i]), int(starts_k[i] + lens_k[i])),
-         int(lens_q[i]), int(lens_k[i]))
-        for i in np.flatnonzero(lens_q != 1)
-    )
-    return _PagedPlan(decode_rows=rows, decode_slots=slots, decode_mask=mask, chunks=chunks)
+    chunks = []
+    for i in np.flatnonzero(lens_q != 1):
+        len_q, len_k = int(lens_q[i]), int(lens_k[i])
+        chunks.append(_Chunk(
+            rows=slice(int(starts_q[i]), int(starts_q[i]) + len_q), len_q=len_q, len_k=len_k,
+            table=common.block_tables[int(i), : -(-len_k // size)],
+            mask=None if len_q == len_k else ~future_mask(len_q, len_k, device),
+        ))
+    return _PagedPlan(decode_rows=rows, decode_tables=tables, decode_mask=mask, chunks=tuple(chunks))
 
 
 def _forward_paged(layer, q, k, v, kv_cache, meta: SdpaMetadata) -> torch.Tensor:
     write_kv(k, v, kv_cache, meta.common)
     plan = meta.paged
-    gqa = q.shape[1] != k.shape[1]
+    gqa = q.shape[1] != kv_cache.shape[-2]
     out = torch.empty_like(q)
     if plan.decode_rows is not None:
-        keys, values = gather_kv(kv_cache, plan.decode_slots)  # [n, longest, kv_heads, d]
+        # One coarse gather of whole blocks for every decode: [n, blocks * block_size, kv_heads, d].
+        keys, values = gather_blocks(kv_cache, plan.decode_tables)
         queries = q[plan.decode_rows]
         if q.device.type == "cpu" and q.dtype == torch.bfloat16:
             out[plan.decode_rows] = _decode_with_matmuls(queries, keys, values, plan.decode_mask, layer.scale)
@@ -170,16 +184,23 @@ def _forward_paged(layer, q, k, v, kv_cache, meta: SdpaMetadata) -> torch.Tensor
                 attn_mask=plan.decode_mask, scale=layer.scale, enable_gqa=gqa,
             )
             out[plan.decode_rows] = attended.squeeze(2)
-    for rows, key_rows, len_q, len_k in plan.chunks:
-        keys, values = gather_kv(kv_cache, meta.common.key_slots[key_rows])
-        # A whole prompt (as many queries as keys) is plain causal; a later chunk sees all earlier keys.
-        mask = None if len_q == len_k else ~future_mask(len_q, len_k, q.device)
-        attended = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask, is_causal=mask is None, scale=layer.scale, enable_gqa=gqa,
-        )
-        out[rows] = attended[0].transpose(0, 1)
+    for chunk in plan.chunks:
+        out[chunk.rows] = _attend_chunk(layer, q[chunk.rows], k, v, kv_cache, chunk, gqa)
     return out
+
+
+def _attend_chunk(layer, q, k, v, kv_cache, chunk: _Chunk, gqa: bool) -> torch.Tensor:
+    """One prompt chunk: [len_q, heads, d]. A whole prompt with its own keys never touches the cache."""
+    if chunk.mask is None and k is not None:
+        run = _Run(token_start=0, num_seqs=1, length=chunk.len_q)
+        return SdpaBackend._attend(layer, q, k[chunk.rows], v[chunk.rows], run, True, gqa)
+    keys, values = gather_blocks(kv_cache, chunk.table)
+    keys, values = keys[: chunk.len_k], values[: chunk.len_k]
+    attended = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
+        attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=layer.scale, enable_gqa=gqa,
+    )
+    return attended[0].transpose(0, 1)
 
 
 def _decode_with_matmuls(q, keys, values, mask, scale: float) -> torch.Tensor:

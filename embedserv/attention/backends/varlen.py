@@ -2,38 +2,67 @@
 
 It takes the packed batch as it is, `[num_tokens, heads, head_size]` plus `cu_seqlens`, in one launch.
 The function's keywords changed between torch releases: 2.10 has `is_causal`, later ones `window_size`,
-`scale` and `enable_gqa`. The adapter below reads the signature once and fills in what is missing.
+`scale` and `enable_gqa`, and later still `seqused_k` and `block_table`. The adapter below reads the
+signature once and fills in what is missing.
+
+With a paged KV cache, a torch whose kernel takes `block_table` reads the cache in place: keys and values
+are the cache's `[num_blocks, block_size, kv_heads, d]` halves, `block_table` maps each sequence's logical
+pages to physical ones and `seqused_k` bounds each read (`cu_seq_k` is still required by the aten op,
+which takes both offsets or neither; with `seqused_k` it only sizes the launch). That kernel is
+flash-attention 2's: it reads pages of a multiple of 256 tokens (`mha_varlen_fwd` refuses others).
+An older torch gets the step's keys gathered into a packed batch first, from any block size.
 """
 
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 from torch.nn.attention.varlen import varlen_attn
 
-from embedserv.attention.backends.base import write_and_gather
+from embedserv.attention.backends.base import PagedBackendBase, gather_kv, packed_key_slots, write_kv
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
 
 _PARAMS = frozenset(inspect.signature(varlen_attn).parameters)
+# Whether this torch's kernel reads a paged cache through block tables (torch 2.13 does).
+PAGED_KERNEL = {"block_table", "seqused_k"} <= _PARAMS
+# flash-attention 2's paged KV: pages of a multiple of 256 tokens.
+_PAGE_MULTIPLE = 256
+
+
+@dataclass(frozen=True)
+class VarlenMetadata(AttentionMetadata):
+    # Fallback for a torch without `block_table`: [sum(seq_lens_k)] cache slots of the packed keys.
+    gather_slots: torch.Tensor | None = None
 
 
 def _expand_kv(kv: torch.Tensor, group: int) -> torch.Tensor:
-    return kv.repeat_interleave(group, dim=1) if group > 1 else kv
+    # dim -2 is the KV-head dimension of packed keys and of cache pages alike.
+    return kv.repeat_interleave(group, dim=-2) if group > 1 else kv
 
 
-class VarlenBackend:
+class VarlenBackend(PagedBackendBase):
     name = "varlen"
+    default_block_size = _PAGE_MULTIPLE if PAGED_KERNEL else PagedBackendBase.default_block_size
+    block_size_multiple = _PAGE_MULTIPLE if PAGED_KERNEL else 1
 
-    def build_metadata(self, common: CommonAttentionMetadata) -> AttentionMetadata:
-        return AttentionMetadata(common=common)
+    def build_metadata(self, common: CommonAttentionMetadata) -> VarlenMetadata:
+        if common.reads_kv_cache and not PAGED_KERNEL:
+            return VarlenMetadata(common=common, gather_slots=packed_key_slots(common))
+        return VarlenMetadata(common=common)
 
-    def forward(self, layer, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, layer, q, k, v, kv_cache, meta: VarlenMetadata) -> torch.Tensor:
         common = meta.common
-        if kv_cache is not None:
-            # Queries are the last keys of their sequence: the kernel's causal mask aligns them at the end.
-            k, v = write_and_gather(k, v, kv_cache, common)
         kwargs = {}
+        if kv_cache is not None:
+            write_kv(k, v, kv_cache, common)
+            if PAGED_KERNEL:
+                k, v = kv_cache[0], kv_cache[1]
+                kwargs.update(block_table=common.block_tables, seqused_k=common.seq_lens_k)
+            else:
+                # Queries are the last keys of their sequence: the kernel's causal mask aligns them at the end.
+                k, v = gather_kv(kv_cache, meta.gather_slots)
         if "window_size" in _PARAMS:
             kwargs["window_size"] = (-1, 0) if common.is_causal else (-1, -1)
         else:
@@ -43,7 +72,7 @@ class VarlenBackend:
         else:
             # The kernel scales by head_size ** -0.5; fold the layer's own scale into q.
             q = q * (layer.scale * q.shape[-1] ** 0.5)
-        group = q.shape[1] // k.shape[1]
+        group = q.shape[1] // k.shape[-2]
         if "enable_gqa" in _PARAMS:
             kwargs["enable_gqa"] = group > 1
         else:

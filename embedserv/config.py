@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 from embedserv.errors import ConfigError
@@ -21,6 +21,15 @@ CUDA_BATCH_TOKENS = 16384
 CPU_KV_CACHE_BYTES = 2**30
 CUDA_KV_CACHE_FRACTION = 0.5
 _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def default_of(config_class: type, name: str) -> object:
+    """A field's default in ModelConfig or ServerConfig: the one place defaults live (flags and the config
+    file take theirs from here)."""
+    (found,) = [f for f in fields(config_class) if f.name == name]
+    if found.default is MISSING:
+        raise KeyError(f"{config_class.__name__}.{name} has no default")
+    return found.default
 
 
 def parse_memory(text: str) -> float:
@@ -76,7 +85,8 @@ class ModelConfig:
     # Generating models only: KV cache size (None: the device's default), tokens per block, and whether
     # requests share the cached KV of a common prompt prefix.
     kv_cache_memory: float | None = None
-    kv_block_size: int = 16
+    # None: the attention backend's default (what its paged kernel wants: 256 for flash-attn, else 16).
+    kv_block_size: int | None = None
     enable_prefix_caching: bool = True
     # Worker processes, each with its own replica of the model (the server always runs at least one).
     data_parallel_size: int = 1
@@ -112,7 +122,7 @@ class ModelConfig:
             raise ConfigError(f"--max-batch-requests must be at least 1, not {self.max_batch_requests}")
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise ConfigError(f"--kv-cache-memory must be above 0, not {self.kv_cache_memory}")
-        if self.kv_block_size < 1:
+        if self.kv_block_size is not None and self.kv_block_size < 1:
             raise ConfigError(f"--kv-block-size must be at least 1, not {self.kv_block_size}")
         for flag, value in (
             ("--data-parallel-size", self.data_parallel_size),

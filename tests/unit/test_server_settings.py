@@ -3,6 +3,8 @@ and the in-flight limiter."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import logging
 
@@ -72,6 +74,38 @@ def test_production_flags_reach_the_config():
     assert (config.max_input_chars, config.drain_timeout, config.metrics_port) == (123, 7.5, 9100)
     assert (config.tls_cert, config.tls_key, config.tls_client_ca) == ("c.pem", "k.pem", "ca.pem")
     assert config.models[0].allow_pickle
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    (commands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return commands.choices["serve"]
+
+
+# Flags that are config fields but not named after them.
+_FIELD_OF_FLAG = {"model": "path", "served_model_name": "served_name"}
+
+
+def test_flag_defaults_are_the_dataclass_defaults():
+    """Defaults live in the dataclasses: a flag's own default is None (taken from there) or equal to it."""
+    fields = {f.name: (cls, f) for cls in (ModelConfig, ServerConfig) for f in dataclasses.fields(cls)}
+    covered = set()
+    for action in _serve_parser()._actions:
+        name = _FIELD_OF_FLAG.get(action.dest, action.dest)
+        if name not in fields:
+            continue
+        covered.add(name)
+        cls, field = fields[name]
+        if action.default is not None:
+            assert action.default == field.default, f"{action.option_strings[0]} {action.default!r} != {cls.__name__}.{name}"
+        if field.default not in (dataclasses.MISSING, None) and action.help:
+            assert f"(default: {field.default})" in action.help, action.option_strings[0]
+    # Every field can be set by a flag (and so, by the same name with _, in a --config file).
+    assert covered == set(fields) - {"models"}
+
+
+def test_no_flags_give_the_dataclass_defaults(monkeypatch):
+    monkeypatch.delenv("EMBEDSERV_API_KEY", raising=False)
+    assert _config([]) == ServerConfig(models=(ModelConfig(path="/models/m", served_name="m"),))
 
 
 def test_max_connection_age_becomes_the_grpc_option_only_when_set():

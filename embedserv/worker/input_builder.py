@@ -44,6 +44,8 @@ class ModelInputs:
     sampling: tuple[SamplingParams, ...]
     # Tokens known when each row samples (the sampler seeds by it).
     sample_lengths: tuple[int, ...]
+    # Per KV-cache group, the host copy of the block tables [num_seqs, max_blocks] (empty without KV).
+    block_tables_cpu: tuple[np.ndarray, ...] = ()
 
 
 class InputBuilder:
@@ -106,6 +108,7 @@ class InputBuilder:
             sampled_request_ids=tuple(seqs[i].request_id for i in samples),
             sampling=tuple(seqs[i].sampling for i in samples),
             sample_lengths=tuple(int(starts[i] + lens_q[i]) for i in samples),
+            block_tables_cpu=tuple(paged.tables_cpu) if paged is not None else (),
         )
 
 
@@ -151,6 +154,7 @@ class _PagedPlan:
         self.num_seqs = len(seqs)
         self.parts: list[np.ndarray] = []
         self.widths: list[int] = []
+        self.tables_cpu: list[np.ndarray] = []
         seq_of_token = np.repeat(np.arange(len(seqs)), [len(seqs[i].token_ids) for i in order])
         for group in range(num_groups):
             tables = [seqs[i].block_ids[group] for i in order]
@@ -160,6 +164,7 @@ class _PagedPlan:
                 padded[row, : len(table)] = table
             slots = padded[seq_of_token, positions // block_size] * block_size + positions % block_size
             self.parts += [slots, padded.reshape(-1)]
+            self.tables_cpu.append(padded)
             self.widths.append(width)
 
     def metadata(self, device_parts, lens_q, lens_k, cu_q) -> tuple[CommonAttentionMetadata, ...]:

@@ -12,6 +12,7 @@ A layer that shares another's cache adds nothing to that sum.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,7 +65,7 @@ class KvCache:
     def block_size(self) -> int:
         return self.groups[0].block_size
 
-    def fresh_blocks(self, tables_per_group: list[np.ndarray]) -> list[list[int]] | None:
+    def fresh_blocks(self, tables_per_group: Sequence[np.ndarray]) -> list[list[int]] | None:
         """Blocks of a step that were never used before, per group (marked used now); None if none.
         Called in step order (a worker prepares steps in the order it runs them)."""
         fresh = []
@@ -80,9 +81,9 @@ class KvCache:
         for group, blocks in zip(self.groups, fresh):
             if not blocks:
                 continue
+            index = torch.tensor(blocks, device=self.tensors[group.layers[0]].device)
             for layer in group.layers:
-                cache = self.tensors[layer]
-                cache[:, torch.tensor(blocks, device=cache.device)] = 0
+                self.tensors[layer].index_fill_(1, index, 0)
         for used, blocks in zip(self._used, fresh):
             used[blocks] = True
 
@@ -146,6 +147,6 @@ def allocate_kv_caches(
         shape = backend.kv_cache_shape(num_blocks, group.block_size, group.num_kv_heads, group.head_size)
         for index in group.layers:
             # Uninitialized, so that memory is committed only as blocks are used; each block is zeroed on
-            # its first use (KvCache.zero_fresh_blocks).
+            # its first use (KvCache.fresh_blocks, KvCache.zero).
             caches[index] = torch.empty(shape, dtype=group.dtype, device=device)
     return caches

@@ -8,7 +8,6 @@ sequences in the LM head and the sampler, over the paged KV cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 import torch
@@ -70,16 +69,11 @@ class ModelRunner:
     @torch.inference_mode()
     def prepare(self, batch: StepBatch) -> PreparedStep:
         """The step's inputs on the device. A worker calls this for step k+1 while step k runs."""
-        fresh = None
-        if batch.uses_kv_cache:
-            if self.kv_cache is None:
-                raise ValueError("this model keeps no KV cache; it cannot run generation steps")
-            tables = [
-                np.fromiter(chain.from_iterable(s.block_ids[group] for s in batch.sequences), dtype=np.int64)
-                for group in range(len(self.kv_cache.groups))
-            ]
-            fresh = self.kv_cache.fresh_blocks(tables)
-        return PreparedStep(self.input_builder.build(batch), fresh)
+        if batch.uses_kv_cache and self.kv_cache is None:
+            raise ValueError("this model keeps no KV cache; it cannot run generation steps")
+        inputs = self.input_builder.build(batch)
+        fresh = self.kv_cache.fresh_blocks(inputs.block_tables_cpu) if inputs.block_tables_cpu else None
+        return PreparedStep(inputs, fresh)
 
     @torch.inference_mode()
     def run(self, prepared: PreparedStep) -> StepOutput:

@@ -58,6 +58,8 @@ def parse_args() -> argparse.Namespace:
                         help="also write gpu-check.md and the test log here (default: $OUT if set)")
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--bench", default="embed,generate",
+                        help="which benchmarks, comma-separated: embed, generate (default both)")
     parser.add_argument("--run-slow", action="store_true", help="also the slow tests (compiled flex matrix)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny models and few texts; on CPU also leaves out tests/attention (make test runs it)")
@@ -72,6 +74,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--pytest-args", default="", help="more pytest arguments, one string")
     args = parser.parse_args()
+    if unknown := set(args.bench.split(",")) - {"embed", "generate"}:
+        parser.error(f"--bench: unknown benchmark(s) {', '.join(sorted(unknown))}; choose from embed, generate")
     args.texts = args.texts or (16 if args.quick else 4000)
     args.streams = [int(s) for s in (args.streams or ("1,4" if args.quick else "1,8,32")).split(",")]
     args.max_tokens = args.max_tokens or (8 if args.quick else 128)
@@ -313,13 +317,16 @@ def run_benchmarks(args, model_dir: Path, report: Report) -> None:
                          f"generation prompts of 40-120 tokens, greedy, EOS ignored; each system "
                          f"{'in this process' if args.in_process else 'in its own process'}, one untimed pass, "
                          f"best of {args.repeats}; speed-up against the first row of its group")
+    chosen = set(args.bench.split(","))
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-        bert = gpu_bench.build_bert(Path(tmp) / "bert", model_dir, bert_shape)
-        bench_embedding(args, report, "all-MiniLM-L6-v2", model_dir, texts)
-        bench_embedding(args, report, f"bge-base shape: {bert_shape.describe()}", bert, texts)
-        llama = gpu_bench.build_llama(Path(tmp) / "llama", model_dir, llama_shape)
-        for streams in args.streams:
-            bench_generation(args, report, llama_shape.describe(), llama, streams)
+        if "embed" in chosen:
+            bert = gpu_bench.build_bert(Path(tmp) / "bert", model_dir, bert_shape)
+            bench_embedding(args, report, "all-MiniLM-L6-v2", model_dir, texts)
+            bench_embedding(args, report, f"bge-base shape: {bert_shape.describe()}", bert, texts)
+        if "generate" in chosen:
+            llama = gpu_bench.build_llama(Path(tmp) / "llama", model_dir, llama_shape)
+            for streams in args.streams:
+                bench_generation(args, report, llama_shape.describe(), llama, streams)
 
 
 def main() -> int:

@@ -135,16 +135,16 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
     return ModelSpec(
         info=info, task=task, max_model_len=max_positions, model_dir=model_dir, hf_config=hf_config,
         model_class=entry.model_class, st=st, files=files, backend=backend, device=device, dtype=dtype,
-        kv_block_size=_kv_block_size(config, backend, task),
+        kv_block_size=_kv_block_size(config, backend, task, device),
     )
 
 
-def _kv_block_size(config: ModelConfig, backend: AttentionBackend, task: TaskSpec) -> int:
+def _kv_block_size(config: ModelConfig, backend: AttentionBackend, task: TaskSpec, device: torch.device) -> int:
     """--kv-block-size, else what the backend's paged kernel wants; one it cannot read stops start-up."""
     block_size = config.kv_block_size or backend.default_block_size
     if Task.GENERATE in task.tasks:
         try:
-            backend.check_block_size(block_size)
+            backend.check_block_size(block_size, device)
         except ValueError as exc:
             raise ConfigError(f"--kv-block-size {block_size}: {exc}; leave it unset for the backend's default") from None
     return block_size

@@ -148,7 +148,7 @@ def _backend(name, device, dtype, head_size, heads, kv_heads, block_size=None):
     or the backend's own default where it cannot read BLOCK_SIZE."""
     backend = NaiveBackend() if name == "naive" else make_backend(name, device, dtype, head_size, heads, kv_heads, True)
     try:
-        backend.check_block_size(block_size or BLOCK_SIZE)
+        backend.check_block_size(block_size or BLOCK_SIZE, torch.device(device))
     except ValueError as error:
         if block_size is not None:
             pytest.skip(str(error))
@@ -240,8 +240,9 @@ _LONG_MIX = [(300, 200), (0, 150), (40, 1), (130, 1)]
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    "dtype,block_size,shared", [(torch.float32, 16, 0), (torch.bfloat16, 12, 0), (torch.float32, 16, 3)],
-    ids=["fp32-16", "bf16-12", "fp32-16-shared-prefix"],
+    "dtype,block_size,shared",
+    [(torch.float32, 16, 0), (torch.bfloat16, 12, 0), (torch.bfloat16, 48, 0), (torch.float32, 16, 3)],
+    ids=["fp32-16", "bf16-12", "bf16-48", "fp32-16-shared-prefix"],
 )
 def test_compiled_flex_reads_the_paged_cache(device, dtype, block_size, shared):
     """The compiled kernel visits only the blocks the BlockMask lists (eager FlexAttention scores them all),
@@ -274,9 +275,23 @@ def test_compiled_flex_is_not_recompiled_as_the_batch_changes(device):
 def test_every_backend_reads_its_default_block_size_in_the_one_layout(name):
     """Imported even where the backend cannot run (varlen on CPU), so its module stays importable."""
     module = pytest.importorskip(f"embedserv.attention.backends.{name}")
-    backend = next(v for v in vars(module).values() if isinstance(v, type) and getattr(v, "name", None) == name)
-    backend.check_block_size(backend.default_block_size)
+    backend = next(v for v in vars(module).values() if isinstance(v, type) and getattr(v, "name", None) == name)()
     size = backend.default_block_size
+    for device in (torch.device("cpu"), torch.device("cuda")):
+        backend.check_block_size(size, device)
+        with pytest.raises(ValueError):
+            backend.check_block_size(0, device)
     assert backend.kv_cache_shape(7, size, 2, 64) == kv_cache_shape(7, size, 2, 64) == (2, 7, size, 2, 64)
-    with pytest.raises(ValueError):
-        backend.check_block_size(0)
+
+
+def test_compiled_flex_on_cuda_refuses_blocks_its_key_tiles_would_span():
+    """Triton's flex kernel tiles keys 16 or more at a time, each tile inside one cache block: on CUDA the
+    block size is a multiple of 16 (found on an H100: a 16-token block with the default 64-key tile failed
+    to compile). On CPU, and eagerly, any size reads."""
+    from embedserv.attention.backends.flex import FlexBackend
+
+    with pytest.raises(ValueError, match="multiple of 16 tokens on cuda, not 12"):
+        FlexBackend().check_block_size(12, torch.device("cuda"))
+    FlexBackend().check_block_size(48, torch.device("cuda"))
+    FlexBackend().check_block_size(12, torch.device("cpu"))
+    FlexBackend(compile=False).check_block_size(12, torch.device("cuda"))

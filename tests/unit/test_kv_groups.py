@@ -182,7 +182,8 @@ def test_a_block_size_the_backend_cannot_read_stops_start_up():
 
     generates = TaskSpec(tasks=(Task.GENERATE,))
     config = ModelConfig(path="m", served_name="m", kv_block_size=16)
+    cpu = torch.device("cpu")
     with pytest.raises(ConfigError, match="multiple of 256"):
-        _kv_block_size(config, PagesOf256(), generates)
-    assert _kv_block_size(ModelConfig(path="m", served_name="m"), PagesOf256(), generates) == 256
-    assert _kv_block_size(config, NaiveBackend(), generates) == 16
+        _kv_block_size(config, PagesOf256(), generates, cpu)
+    assert _kv_block_size(ModelConfig(path="m", served_name="m"), PagesOf256(), generates, cpu) == 256
+    assert _kv_block_size(config, NaiveBackend(), generates, cpu) == 16

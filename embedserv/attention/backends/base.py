@@ -44,8 +44,8 @@ class AttentionBackend(Protocol):
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
         """The shape of one layer's cache tensor."""
 
-    def check_block_size(self, block_size: int) -> None:
-        """Raises ValueError when this backend cannot read a cache of `block_size` tokens per block."""
+    def check_block_size(self, block_size: int, device: torch.device) -> None:
+        """Raises ValueError when this backend cannot read a cache of `block_size` tokens per block on `device`."""
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
@@ -65,13 +65,16 @@ class PagedBackendBase:
     def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
         return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
 
-    @classmethod
-    def check_block_size(cls, block_size: int) -> None:
-        if block_size < 1 or block_size % cls.block_size_multiple:
+    def check_block_size(self, block_size: int, device: torch.device) -> None:
+        multiple = self.block_size_multiple_on(torch.device(device))
+        if block_size < 1 or block_size % multiple:
             raise ValueError(
-                f"the {cls.name} attention backend reads KV-cache blocks of a multiple of "
-                f"{cls.block_size_multiple} tokens, not {block_size}"
+                f"the {self.name} attention backend reads KV-cache blocks of a multiple of "
+                f"{multiple} tokens on {torch.device(device).type}, not {block_size}"
             )
+
+    def block_size_multiple_on(self, device: torch.device) -> int:
+        return self.block_size_multiple
 
 
 def write_kv(

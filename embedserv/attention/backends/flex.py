@@ -16,7 +16,8 @@ tables list, and the mask_mod maps a slot to its sequence's logical position thr
 lookups. Nothing is gathered. The BlockMask depends on the cache's block count, which the metadata does
 not carry, so it is built on a step's first paged layer and kept for the others.
 
-Compiled on CPU this reads the cache correctly at any block size (16, 12, 256 checked), but visiting
+Compiled on CPU this reads the cache correctly at any block size (16, 12, 256 checked); compiled on
+CUDA a block is a multiple of 16 tokens, since the kernel's key tiles must not span blocks. Visiting
 16-token blocks costs more than the 128-token tiles of a gathered, packed batch: about 1.5-2.5x the
 time of the former gather-based path in float32 (sdpa, the CPU default, is faster than either).
 """
@@ -35,6 +36,10 @@ from embedserv.attention.backends.base import PagedBackendBase, write_kv
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
 
 BLOCK_SIZE = 128
+# On CUDA the Triton kernel tiles the keys BLOCK_N at a time; a tile must lie inside one cache block, and
+# Triton's matrix product needs tiles of at least 16 keys. Cache blocks are then a multiple of 16 tokens.
+_CUDA_TILE = 16
+_CUDA_MAX_TILE = 64
 
 
 @dataclass(frozen=True)
@@ -149,6 +154,9 @@ class FlexBackend(PagedBackendBase):
         # cover many shapes without compiling each.
         self.compile = compile
 
+    def block_size_multiple_on(self, device: torch.device) -> int:
+        return _CUDA_TILE if self.compile and device.type == "cuda" else 1
+
     def build_metadata(self, common: CommonAttentionMetadata) -> FlexMetadata:
         if common.reads_kv_cache:
             plan = plan_paged(common)
@@ -184,9 +192,12 @@ def _forward_paged(attend, layer, q, k, v, kv_cache, meta: FlexMetadata) -> torc
         block_mask = plan.masks[num_blocks] = paged_block_mask(plan, common, num_blocks)
     keys = kv_cache[0].view(num_blocks * size, kv_heads, head_size).transpose(0, 1).unsqueeze(0)
     values = kv_cache[1].view(num_blocks * size, kv_heads, head_size).transpose(0, 1).unsqueeze(0)
+    # The kernel's default key tile (64 or 128) would span cache blocks; the largest power of two that
+    # divides the block size, at most 64, keeps each tile in one block.
+    options = {"BLOCK_N": min(size & -size, _CUDA_MAX_TILE)} if q.is_cuda else None
     out = attend(
         _batch(q, meta.padded_tokens), keys, values,
-        block_mask=block_mask, scale=layer.scale, enable_gqa=q.shape[1] != kv_heads,
+        block_mask=block_mask, scale=layer.scale, enable_gqa=q.shape[1] != kv_heads, kernel_options=options,
     )
     return out[0, :, : q.shape[0]].transpose(0, 1)
 

@@ -27,6 +27,7 @@ import argparse
 import datetime
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -121,11 +122,14 @@ def git_commit() -> str:
         except OSError:
             return ""
 
+    # The device machine's copy of the tree may come with a stale .git: the commit packed here wins.
+    carried = REPO_ROOT / ".gpu" / "commit.txt"
+    if carried.exists():
+        return f"{carried.read_text().strip()} (from .gpu/commit.txt)"
     commit = git("rev-parse", "--short", "HEAD")
     if commit:
         return commit + (" + uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else "")
-    carried = REPO_ROOT / ".gpu" / "commit.txt"  # the device machine gets no .git
-    return f"{carried.read_text().strip()} (from .gpu/commit.txt)" if carried.exists() else "unknown"
+    return "unknown"
 
 
 def describe(device: str) -> list[str]:
@@ -173,7 +177,7 @@ def run_tests(args: argparse.Namespace, model_dir: Path) -> tuple[int, str]:
         junit = Path(tmp) / "junit.xml"
         command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}", *paths]
         command += ["--run-slow"] if args.run_slow else []
-        command += args.pytest_args.split()
+        command += shlex.split(args.pytest_args)
         env = dict(os.environ, EMBEDSERV_GPU_MODEL=str(model_dir),
                    PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
         print("$", " ".join(command), flush=True)

@@ -32,6 +32,9 @@ class ForwardContext:
     # Encoder layers of an encoder-decoder model attend over the encoder inputs, which have their own
     # packing; None when the step has no encoder inputs (then encoder layers use attn_metadata[0]).
     encoder_metadata: AttentionMetadata | None = None
+    # Cross layers of a KV-free step (prefill-only encoder-decoder work): decoder queries over the
+    # packed encoder keys. With a KV cache, cross layers use their group's entry of attn_metadata.
+    cross_metadata: AttentionMetadata | None = None
 
     def __post_init__(self) -> None:
         # One metadata object (every KV-free step, most tests) stands for a one-group tuple.
@@ -41,6 +44,10 @@ class ForwardContext:
     def metadata_for(self, layer: Attention) -> AttentionMetadata:
         if layer.kind == "encoder":
             return self.encoder_metadata if self.encoder_metadata is not None else self.attn_metadata[0]
+        if layer.kind == "cross" and not self.kv_caches:
+            if self.cross_metadata is None:
+                raise RuntimeError("a cross-attention layer ran in a step without encoder inputs")
+            return self.cross_metadata
         return self.attn_metadata[layer.kv_group if len(self.attn_metadata) > 1 else 0]
 
     def kv_cache_for(self, layer: Attention) -> torch.Tensor | None:

@@ -207,6 +207,8 @@ class ModelInfo:
     attention_backend: str
     # Classifier label names in the model's order; empty for other models.
     labels: tuple[str, ...] = ()
+    # An encoder-decoder model (BART, T5): Generate's prompt is the encoder input.
+    is_encoder_decoder: bool = False
 
 
 class OutputKind(str, Enum):
@@ -238,6 +240,10 @@ class ScheduledSequence:
     pool_start: int = 0
     # Segment ids of pair inputs (cross-encoders); None means all zeros.
     token_type_ids: tuple[int, ...] | None = None
+    # Encoder-decoder models: the encoder's input when the encoder runs in this step (the request's first
+    # step after admission), else empty; and its length, on every step (cross-attention reads that many keys).
+    encoder_token_ids: tuple[int, ...] = ()
+    encoder_len: int = 0
 
 
 @dataclass(frozen=True)

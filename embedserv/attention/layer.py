@@ -7,6 +7,7 @@ from enum import Enum
 import torch
 from torch import nn
 
+from embedserv.attention.relative_bias import RelativePositionBias
 from embedserv.forward_context import get_forward_context
 
 
@@ -26,6 +27,11 @@ class Attention(nn.Module):
     q: [num_tokens, num_heads * head_size]; k, v: [num_tokens, num_kv_heads * head_size], or both None for
     a layer with a `kv_source_layer`: it has no K/V projections, reads that layer's cache, writes nothing
     and owns no cache. Whether attention is causal comes from the metadata, so one model class serves both.
+
+    A CROSS layer's q holds the decoder tokens and its k, v the encoder tokens of the sequences whose
+    encoder runs in this step (a request's first step), or both None when no encoder runs: its keys are
+    then all in the cross KV cache (or, without a cache, there is nothing to attend to). `relative_bias`
+    (T5) is added to the scores by distance; only self-attention layers carry one.
     """
 
     def __init__(
@@ -38,6 +44,7 @@ class Attention(nn.Module):
         kind: AttentionKind = AttentionKind.DECODER,
         kv_group: int = 0,
         kv_source_layer: int | None = None,
+        relative_bias: RelativePositionBias | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -50,6 +57,10 @@ class Attention(nn.Module):
         self.kind = AttentionKind(kind)
         self.kv_group = kv_group
         self.kv_source_layer = kv_source_layer
+        if relative_bias is not None and self.kind is AttentionKind.CROSS:
+            raise ValueError("cross-attention takes no relative position bias")
+        # Not a submodule: the stack owns it (one table for all its layers).
+        self.__dict__["relative_bias"] = relative_bias
 
     @property
     def owns_kv_cache(self) -> bool:

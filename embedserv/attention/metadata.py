@@ -46,6 +46,11 @@ class CommonAttentionMetadata:
     seq_lens_k: torch.Tensor | None = None
     # Tokens per KV-cache block.
     block_size: int = 0
+    # Cross-attention: queries are decoder tokens and keys another sequence's (the encoder's): never
+    # causal, len_q and len_k unrelated. KV-free, k/v rows are packed by cu_seqlens_k. Paged, k/v (when
+    # given) are this step's encoder tokens, written to slot_mapping ([num_encoder_tokens], maybe
+    # empty), and every key is read from the cache through block_tables (the cross tables).
+    cross: bool = False
 
     @property
     def reads_kv_cache(self) -> bool:
@@ -98,6 +103,22 @@ def build_common_metadata(
     )
 
 
+def build_cross_metadata(
+    seq_lens_q: np.ndarray, seq_lens_k: np.ndarray, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor
+) -> CommonAttentionMetadata:
+    """KV-free cross-attention: each sequence's decoder queries over its own packed encoder keys."""
+    return CommonAttentionMetadata(
+        cu_seqlens_q=cu_seqlens_q.to(torch.int32),
+        cu_seqlens_k=cu_seqlens_k.to(torch.int32),
+        seq_lens_q_cpu=np.asarray(seq_lens_q, dtype=np.int64),
+        seq_lens_k_cpu=np.asarray(seq_lens_k, dtype=np.int64),
+        max_seqlen_q=int(np.max(seq_lens_q)) if len(seq_lens_q) else 0,
+        max_seqlen_k=int(np.max(seq_lens_k)) if len(seq_lens_k) else 0,
+        is_causal=False,
+        cross=True,
+    )
+
+
 def build_paged_metadata(
     seq_lens_q: np.ndarray,
     seq_lens_k: np.ndarray,
@@ -107,8 +128,10 @@ def build_paged_metadata(
     block_tables: torch.Tensor,
     seq_lens_k_device: torch.Tensor,
     block_size: int,
+    cross: bool = False,
 ) -> CommonAttentionMetadata:
-    """Metadata for a step over the paged KV cache: causal queries over their sequence's keys."""
+    """Metadata for a step over the paged KV cache: causal queries over their sequence's keys, or (cross)
+    queries over every key of their cross table."""
     return CommonAttentionMetadata(
         cu_seqlens_q=cu_seqlens_q.to(torch.int32),
         cu_seqlens_k=cu_seqlens_k.to(torch.int32),
@@ -116,9 +139,10 @@ def build_paged_metadata(
         seq_lens_k_cpu=seq_lens_k,
         max_seqlen_q=int(seq_lens_q.max()),
         max_seqlen_k=int(seq_lens_k.max()),
-        is_causal=True,
+        is_causal=not cross,
         slot_mapping=slot_mapping,
         block_tables=block_tables.to(torch.int32),
         seq_lens_k=seq_lens_k_device.to(torch.int32),
         block_size=block_size,
+        cross=cross,
     )

@@ -1,7 +1,9 @@
 """The oracle: one sequence at a time, explicit softmax in float32. Slow, obviously right.
 
 With a paged KV cache each sequence reads all of its keys (context and this step's, just written) out of
-the cache through its own row of the block tables, so the oracle checks the block tables too.
+the cache through its own row of the block tables, so the oracle checks the block tables too. Cross
+attention (decoder queries over encoder keys) is the same loop without the causal mask; T5's relative
+position bias is added to each sequence's scores by distance (queries are the last len_q positions).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ class NaiveBackend(PagedBackendBase):
             write_kv(k, v, kv_cache, common)
         scale = layer.scale if layer.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         kv_heads = kv_cache.shape[-2] if kv_cache is not None else k.shape[1]
+        bias = getattr(layer, "relative_bias", None)
+        table = bias.distance_table() if bias is not None else None
         group = q.shape[1] // kv_heads
         out = torch.empty_like(q)
         q_start = k_start = 0
@@ -40,6 +44,9 @@ class NaiveBackend(PagedBackendBase):
             ks = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, Lk, D]
             vs = values.float().repeat_interleave(group, dim=1).transpose(0, 1)
             scores = qs @ ks.transpose(1, 2) * scale  # [H, Lq, Lk]
+            if bias is not None:
+                key_positions = torch.arange(len_k, device=q.device)
+                scores = scores + bias.bias(key_positions[len_k - len_q :], key_positions, table)
             if meta.is_causal:
                 scores = scores.masked_fill(future_mask(len_q, len_k, q.device), float("-inf"))
             out[rows] = (scores.softmax(dim=-1) @ vs).transpose(0, 1).to(q.dtype)

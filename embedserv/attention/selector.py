@@ -28,6 +28,8 @@ class AttentionSpec:
     num_heads: int
     num_kv_heads: int
     is_causal: bool
+    # T5: a learned per-head bias added to the scores by relative position (attention/relative_bias.py).
+    relative_bias: bool = False
 
 
 def _has_module(name: str) -> bool:
@@ -49,6 +51,12 @@ def _flash_kernel_reason(spec: AttentionSpec, what: str) -> str | None:
     if major < 8:
         return f"{what} needs an Ampere or newer GPU (compute capability 8.0+)"
     return None
+
+
+def _relative_bias_reason(what: str) -> str:
+    """Why a kernel without a per-head score bias cannot run a T5 model. Checked before the device and
+    packages: no GPU or install would change it."""
+    return f"{what} cannot add T5's relative position bias; use sdpa or flex"
 
 
 def _naive_reason(spec: AttentionSpec) -> str | None:
@@ -78,12 +86,16 @@ def _flex_reason(spec: AttentionSpec) -> str | None:
 
 
 def _varlen_reason(spec: AttentionSpec) -> str | None:
+    if spec.relative_bias:
+        return _relative_bias_reason("torch.nn.attention.varlen")
     if not _has_module("torch.nn.attention.varlen"):
         return f"torch {torch.__version__} has no torch.nn.attention.varlen (2.10+)"
     return _flash_kernel_reason(spec, "torch.nn.attention.varlen")
 
 
 def _flash_attn_reason(spec: AttentionSpec) -> str | None:
+    if spec.relative_bias:
+        return _relative_bias_reason("flash-attn")
     if not _has_module("flash_attn"):
         return "the flash-attn package is not installed (pip install 'embedserv[flash]')"
     return _flash_kernel_reason(spec, "flash-attn")

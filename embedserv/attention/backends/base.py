@@ -6,7 +6,7 @@ backend only says which cache block sizes its paged kernel can read (`check_bloc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, Callable, ClassVar, Hashable, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -15,6 +15,8 @@ from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetad
 
 if TYPE_CHECKING:
     from embedserv.attention.layer import Attention
+
+_T = TypeVar("_T")
 
 
 class AttentionBackend(Protocol):
@@ -121,3 +123,34 @@ def gather_kv(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor
     keys = kv_cache[0].view(-1, num_kv_heads, head_size).index_select(0, flat)
     values = kv_cache[1].view(-1, num_kv_heads, head_size).index_select(0, flat)
     return keys.view(*slots.shape, num_kv_heads, head_size), values.view(*slots.shape, num_kv_heads, head_size)
+
+
+def step_memo(memo: dict, key: Hashable, make: Callable[[], _T]) -> _T:
+    """`memo[key]`, made on first use: what every layer of a step would otherwise recompute (T5's bias
+    table and the masks built from it) is made by the step's first layer that needs it and kept in the
+    step's metadata. Keys hold what they depend on (the bias module itself, not its id)."""
+    value = memo.get(key)
+    if value is None:
+        value = memo[key] = make()
+    return value
+
+
+def relative_bias_table(layer: Attention, memo: dict) -> torch.Tensor | None:
+    """[num_heads, 2 * max_distance + 1] float32: the layer's T5 distance table, once per step and stack
+    (every layer of a stack holds the same RelativePositionBias); None for a layer without one.
+
+    Detached: no backend here backpropagates, and FlexAttention would have to through a captured table."""
+    bias = getattr(layer, "relative_bias", None)
+    if bias is None:
+        return None
+    return step_memo(memo, ("bias-table", bias), lambda: bias.distance_table().detach())
+
+
+def refuse_relative_bias(layer: Attention, backend: str) -> None:
+    """For kernels that cannot add a per-head score bias: the selector never picks them for such a model
+    (attention/selector.py); reaching one anyway is a bug, not a wrong answer."""
+    if getattr(layer, "relative_bias", None) is not None:
+        raise NotImplementedError(
+            f"attention layer {layer.layer_index}: the {backend} attention backend cannot add T5's relative "
+            "position bias; use sdpa or flex"
+        )

@@ -9,6 +9,10 @@ physical ones. `cu_seqlens_k` stays the cumulative key lengths: with a block tab
 sequence's key count from it and the page addresses from the table. Its causal mask is aligned at the
 end (a query sees the keys up to its own position among the last ones), which is our layout. flash-attn 2
 reads pages of a multiple of 256 tokens only (`mha_varlen_fwd` refuses others), hence the block size.
+
+Cross-attention is the same call: `cu_seqlens_k` packs (KV-free) or counts (paged, cross block tables) the
+encoder keys, and `causal` is the metadata's (False). T5's relative position bias it cannot add (no
+per-head score bias): the selector never picks it for such a model.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import torch
 from flash_attn import flash_attn_varlen_func
 
-from embedserv.attention.backends.base import PagedBackendBase, write_kv
+from embedserv.attention.backends.base import PagedBackendBase, refuse_relative_bias, write_kv
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
 
 
@@ -29,6 +33,7 @@ class FlashAttnBackend(PagedBackendBase):
         return AttentionMetadata(common=common)
 
     def forward(self, layer, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        refuse_relative_bias(layer, self.name)
         common = meta.common
         paged = {}
         if kv_cache is not None:

@@ -20,6 +20,13 @@ Compiled on CPU this reads the cache correctly at any block size (16, 12, 256 ch
 CUDA a block is a multiple of 16 tokens, since the kernel's key tiles must not span blocks. Visiting
 16-token blocks costs more than the 128-token tiles of a gathered, packed batch: about 1.5-2.5x the
 time of the former gather-based path in float32 (sdpa, the CPU default, is faster than either).
+
+Cross-attention: KV-free, queries and keys are packed apart (each padded to its own size class) and the
+document mask compares a query's sequence with a key's; paged, the mask_mod is the same as for
+self-attention with each query's limit the last key of its sequence (its encoder length - 1) instead of
+its own position. T5's relative position bias is a score_mod that indexes the step's distance table by
+the clamped distance between a key's position and the query's; the table and positions are inputs of the
+compiled kernel, so a new step compiles nothing.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from embedserv.attention.backends.base import PagedBackendBase, write_kv
+from embedserv.attention.backends.base import PagedBackendBase, relative_bias_table, step_memo, write_kv
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
 
 BLOCK_SIZE = 128
@@ -53,17 +60,20 @@ class _PagedPlan:
     Every lookup has a shape fixed by the query size class and the cache (never by the number of
     sequences or the table width), so the compiled kernel is not recompiled step after step."""
 
-    # [q_size] int64: where each query row's sequence starts in `owned`, and the row's position in its
-    # sequence (padding rows: 0 and -1, they see nothing).
+    # [q_size] int64: where each query row's sequence starts in `owned`, the row's position in its
+    # sequence, and the last key position it sees: its own (causal) or its sequence's last (cross; the
+    # same tensor as q_pos when causal). Padding rows: 0, -1, -1: they see nothing.
     q_start: torch.Tensor
     q_pos: torch.Tensor
+    q_limit: torch.Tensor
     # [2, num_owned] int64: every block a sequence reads, as (sequence, logical block), sequence by sequence.
     owned: torch.Tensor
     # [3, n] int64: (query block, sequence, logical block) the kernel visits with the mask_mod (partial),
     # and those every query of the query block sees whole (full: one sequence, blocks before its queries).
     partial: torch.Tensor
     full: torch.Tensor
-    # BlockMask per cache size (num_blocks): the cache is not known until the first layer runs.
+    # (BlockMask, [num_blocks] logical index of each physical block) per cache size (num_blocks): the
+    # cache is not known until the first layer runs.
     masks: dict = field(default_factory=dict, compare=False)
 
 
@@ -71,14 +81,22 @@ class _PagedPlan:
 class FlexMetadata(AttentionMetadata):
     # KV-free: the document mask over the packed batch; None on paged steps (built per cache size).
     block_mask: BlockMask | None
-    # Tokens the batch is padded to: a power of two, at least BLOCK_SIZE.
+    # Tokens the batch (its queries) is padded to: a power of two, at least BLOCK_SIZE.
     padded_tokens: int
     paged: _PagedPlan | None = None
+    # KV-free: [padded_tokens] int32, each query row's sequence (padding rows: num_seqs).
+    documents: torch.Tensor | None = None
+    # KV-free: keys are padded to this many rows (padded_tokens, but for cross-attention).
+    padded_keys: int = 0
+    # What a step's layers share and only the first that needs it makes (the bias table, positions).
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
 
-# Every (dtype, heads, head size, mask kind, padded size) a process runs is one compiled entry of
-# flex_attention; torch gives a function 8 before it silently falls back to eager FlexAttention, which
-# materializes the whole score matrix (100-1000x slower). Two models with nine size classes each fit in 64.
+# Every (dtype, heads, head size, mask kind, score_mod (T5's bias or none), padded size) a process runs
+# is one compiled entry of flex_attention; torch gives a function 8 before it silently falls back to eager
+# FlexAttention, which materializes the whole score matrix (100-1000x slower). Two models with nine size
+# classes each fit in 64. (KV-free cross-attention pads keys to their own size class: monoT5's queries
+# stay in the first, BART's match their keys, so it adds about one entry per key size class.)
 _RECOMPILE_LIMIT = 64
 
 
@@ -100,8 +118,14 @@ def padded_size(num_tokens: int) -> int:
     return max(BLOCK_SIZE, 1 << (num_tokens - 1).bit_length())
 
 
-def document_mask_mod(doc: torch.Tensor, is_causal: bool):
-    """mask_mod: True where query token q may attend to key token kv (same sequence, not later if causal)."""
+def document_mask_mod(doc: torch.Tensor, is_causal: bool, doc_k: torch.Tensor | None = None):
+    """mask_mod: True where query token q may attend to key token kv (same sequence, not later if causal).
+    `doc_k`: the keys' sequences where they are packed apart from the queries (cross, never causal)."""
+    if doc_k is not None:
+        def cross_document(b, h, q, kv):
+            return doc[q] == doc_k[kv]
+
+        return cross_document
     if is_causal:
         def causal_document(b, h, q, kv):
             return (doc[q] == doc[kv]) & (q >= kv)
@@ -121,29 +145,46 @@ def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts[None, None], indices[None, None]
 
 
-def document_block_mask(doc: torch.Tensor, num_seqs: int, is_causal: bool) -> BlockMask:
+def document_block_mask(
+    doc: torch.Tensor, num_seqs: int, is_causal: bool, doc_k: torch.Tensor | None = None
+) -> BlockMask:
     """The BlockMask of the document mask, from block-level document ranges (no per-token vmap).
 
     `doc` is non-decreasing, so a block holds the documents first..last: two blocks interact when their
     ranges overlap, and every token pair interacts (a "full" block, no mask_mod call) when both blocks
     lie in one and the same document. Blocks of padding only (document `num_seqs`) are left out: their
     rows are discarded, and attending padding to padding would cost up to as much as the real batch.
+    `doc_k`: the keys' documents, for cross-attention (keys packed apart, never causal).
     """
-    size = doc.shape[0]
-    blocks = doc.view(-1, BLOCK_SIZE)
-    first, last = blocks[:, 0], blocks[:, -1]
+    keys = doc if doc_k is None else doc_k
+    q_blocks, k_blocks = doc.view(-1, BLOCK_SIZE), keys.view(-1, BLOCK_SIZE)
+    first, last = q_blocks[:, 0], q_blocks[:, -1]
+    first_k, last_k = k_blocks[:, 0], k_blocks[:, -1]
     real = first < num_seqs
-    partial = (first[:, None] <= last[None, :]) & (first[None, :] <= last[:, None]) & real[:, None]
-    full = (first == last)[:, None] & (first == last)[None, :] & (first[:, None] == first[None, :]) & real[:, None]
+    partial = (first[:, None] <= last_k[None, :]) & (first_k[None, :] <= last[:, None]) & real[:, None]
+    full = (
+        (first == last)[:, None] & (first_k == last_k)[None, :] & (first[:, None] == first_k[None, :]) & real[:, None]
+    )
     if is_causal:
         below = torch.ones_like(partial).tril_()
         partial &= below
         full &= below.tril_(-1)
     partial &= ~full
     return BlockMask.from_kv_blocks(
-        *_ordered(partial), *_ordered(full),
-        BLOCK_SIZE=BLOCK_SIZE, mask_mod=document_mask_mod(doc, is_causal), seq_lengths=(size, size),
+        *_ordered(partial), *_ordered(full), BLOCK_SIZE=BLOCK_SIZE,
+        mask_mod=document_mask_mod(doc, is_causal, doc_k), seq_lengths=(doc.shape[0], keys.shape[0]),
     )
+
+
+def relative_bias_mod(table: torch.Tensor, max_distance: int, q_pos: torch.Tensor, key_position):
+    """score_mod adding T5's bias: table[h, clamp(key - query position, -M, M) + M]. `key_position(kv)`
+    maps a key index to its position in its sequence (packed rows or paged cache slots)."""
+
+    def biased(score, b, h, q, kv):
+        distance = (key_position(kv) - q_pos[q]).clamp(-max_distance, max_distance)
+        return score + table[h, distance + max_distance]
+
+    return biased
 
 
 class FlexBackend(PagedBackendBase):
@@ -163,18 +204,46 @@ class FlexBackend(PagedBackendBase):
             return FlexMetadata(common=common, block_mask=None, padded_tokens=plan.q_pos.shape[0], paged=plan)
         size = padded_size(int(common.seq_lens_q_cpu.sum()))
         doc = _documents(common.cu_seqlens_q, size)
-        block_mask = document_block_mask(doc, len(common.seq_lens_q_cpu), common.is_causal)
-        return FlexMetadata(common=common, block_mask=block_mask, padded_tokens=size)
+        num_seqs = len(common.seq_lens_q_cpu)
+        if common.cross:
+            key_size = padded_size(int(common.seq_lens_k_cpu.sum()))
+            doc_k = _documents(common.cu_seqlens_k, key_size)
+            block_mask = document_block_mask(doc, num_seqs, False, doc_k)
+        else:
+            key_size = size
+            block_mask = document_block_mask(doc, num_seqs, common.is_causal)
+        return FlexMetadata(
+            common=common, block_mask=block_mask, padded_tokens=size, documents=doc, padded_keys=key_size
+        )
 
     def forward(self, layer, q, k, v, kv_cache, meta: FlexMetadata) -> torch.Tensor:
         attend = _compiled_flex() if self.compile else flex_attention
         if kv_cache is not None:
             return _forward_paged(attend, layer, q, k, v, kv_cache, meta)
         out = attend(
-            _batch(q, meta.padded_tokens), _batch(k, meta.padded_tokens), _batch(v, meta.padded_tokens),
-            block_mask=meta.block_mask, scale=layer.scale, enable_gqa=q.shape[1] != k.shape[1],
+            _batch(q, meta.padded_tokens), _batch(k, meta.padded_keys), _batch(v, meta.padded_keys),
+            score_mod=_packed_bias_mod(layer, meta), block_mask=meta.block_mask, scale=layer.scale,
+            enable_gqa=q.shape[1] != k.shape[1],
         )
         return out[0, :, : q.shape[0]].transpose(0, 1)
+
+
+def _packed_bias_mod(layer, meta: FlexMetadata):
+    """KV-free self-attention's bias score_mod (queries are their own keys), or None without a bias."""
+    table = relative_bias_table(layer, meta.memo)
+    if table is None:
+        return None
+    if meta.common.cross:
+        raise ValueError("cross-attention takes no relative position bias")
+
+    def positions() -> torch.Tensor:
+        # Each packed row's position in its sequence; padding rows get rows past the end (never seen).
+        cu = meta.common.cu_seqlens_q.long()
+        rows = torch.arange(meta.padded_tokens, device=cu.device)
+        return rows - cu[meta.documents.long()]
+
+    pos = step_memo(meta.memo, "positions", positions)
+    return relative_bias_mod(table, layer.relative_bias.max_distance, pos, lambda kv: pos[kv])
 
 
 def _batch(x: torch.Tensor, size: int) -> torch.Tensor:
@@ -187,9 +256,13 @@ def _forward_paged(attend, layer, q, k, v, kv_cache, meta: FlexMetadata) -> torc
     common, plan = meta.common, meta.paged
     write_kv(k, v, kv_cache, common)
     _, num_blocks, size, kv_heads, head_size = kv_cache.shape
-    block_mask = plan.masks.get(num_blocks)
-    if block_mask is None:
-        block_mask = plan.masks[num_blocks] = paged_block_mask(plan, common, num_blocks)
+    block_mask, logical = step_memo(plan.masks, num_blocks, lambda: paged_block_mask(plan, common, num_blocks))
+    score_mod = None
+    table = relative_bias_table(layer, meta.memo)
+    if table is not None:
+        score_mod = relative_bias_mod(
+            table, layer.relative_bias.max_distance, plan.q_pos, lambda kv: logical[kv // size] * size + kv % size
+        )
     keys = kv_cache[0].view(num_blocks * size, kv_heads, head_size).transpose(0, 1).unsqueeze(0)
     values = kv_cache[1].view(num_blocks * size, kv_heads, head_size).transpose(0, 1).unsqueeze(0)
     # The kernel's default key tile (64 or 128) would span cache blocks; the largest power of two that
@@ -197,7 +270,8 @@ def _forward_paged(attend, layer, q, k, v, kv_cache, meta: FlexMetadata) -> torc
     options = {"BLOCK_N": min(size & -size, _CUDA_MAX_TILE)} if q.is_cuda else None
     out = attend(
         _batch(q, meta.padded_tokens), keys, values,
-        block_mask=block_mask, scale=layer.scale, enable_gqa=q.shape[1] != kv_heads, kernel_options=options,
+        score_mod=score_mod, block_mask=block_mask, scale=layer.scale, enable_gqa=q.shape[1] != kv_heads,
+        kernel_options=options,
     )
     return out[0, :, : q.shape[0]].transpose(0, 1)
 
@@ -222,6 +296,10 @@ def plan_paged(common: CommonAttentionMetadata) -> _PagedPlan:
     q_seq[:num_tokens] = np.repeat(seqs, lens_q)
     q_pos = np.full(q_size, -1, dtype=np.int64)
     q_pos[:num_tokens] = _ranges(lens_q) + np.repeat(lens_k - lens_q, lens_q)
+    q_limit = q_pos
+    if common.cross:
+        q_limit = np.full(q_size, -1, dtype=np.int64)
+        q_limit[:num_tokens] = np.repeat(lens_k - 1, lens_q)
     blocks = -(-lens_k // size)
     q_start = np.zeros(q_size, dtype=np.int64)
     q_start[:num_tokens] = np.repeat(np.cumsum(blocks) - blocks, lens_q)
@@ -235,19 +313,24 @@ def plan_paged(common: CommonAttentionMetadata) -> _PagedPlan:
     entry_qb, entry_seq = np.repeat(pair_qb, blocks[pair_seq]), np.repeat(pair_seq, blocks[pair_seq])
     entry_logical = _ranges(blocks[pair_seq])
     # Whole: the query block holds one sequence (padding rows are discarded) and the cache block ends at
-    # or before its first query (positions grow along a sequence).
-    full = (first_seq == last_seq)[entry_qb] & ((entry_logical + 1) * size - 1 <= q_pos[firsts][entry_qb])
+    # or before its first query's limit (positions grow along a sequence; a cross limit is the sequence's).
+    full = (first_seq == last_seq)[entry_qb] & ((entry_logical + 1) * size - 1 <= q_limit[firsts][entry_qb])
     entries = np.stack((entry_qb, entry_seq, entry_logical))
     device = common.block_tables.device
     to = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)  # noqa: E731
+    q_pos_t = to(q_pos)
     return _PagedPlan(
-        q_start=to(q_start), q_pos=to(q_pos), owned=to(np.stack((np.repeat(seqs, blocks), _ranges(blocks)))),
+        q_start=to(q_start), q_pos=q_pos_t, q_limit=q_pos_t if q_limit is q_pos else to(q_limit),
+        owned=to(np.stack((np.repeat(seqs, blocks), _ranges(blocks)))),
         partial=to(entries[:, ~full]), full=to(entries[:, full]),
     )
 
 
-def paged_block_mask(plan: _PagedPlan, common: CommonAttentionMetadata, num_blocks: int) -> BlockMask:
-    """The BlockMask over a cache of `num_blocks` blocks: device ops only, once per step and cache size."""
+def paged_block_mask(
+    plan: _PagedPlan, common: CommonAttentionMetadata, num_blocks: int
+) -> tuple[BlockMask, torch.Tensor]:
+    """The BlockMask over a cache of `num_blocks` blocks, and the logical index of each physical block
+    (for the bias score_mod): device ops only, once per step and cache size."""
     size, tables = common.block_size, common.block_tables
     physical = tables[plan.owned[0], plan.owned[1]].long()
     # A block shared through prefix caching sits at the same logical index in every table that lists it.
@@ -267,17 +350,19 @@ def paged_block_mask(plan: _PagedPlan, common: CommonAttentionMetadata, num_bloc
         visits[entries[0], tables[entries[1], entries[2]].long()] = True
         return _ordered(visits)
 
-    q_start, q_pos = plan.q_start, plan.q_pos
+    q_start, q_limit = plan.q_start, plan.q_limit
 
-    def paged_causal(b, h, q, kv):
+    def paged_mask(b, h, q, kv):
         block = kv // size
         index = logical[block]
-        # The slot's block is the query's own sequence's block at that index, and not after the query (an
-        # index past the sequence's blocks reads another's entry or the padding: the position rules it out).
+        # The slot's block is the query's own sequence's block at that index, and not past the query's
+        # limit (an index past the sequence's blocks reads another's entry or the padding: the limit, at
+        # most the sequence's last key, rules it out). Causal and cross differ only in the limit.
         own = flat[(q_start[q] + index).clamp(max=length - 1)]
-        return (own == block) & (index * size + kv % size <= q_pos[q])
+        return (own == block) & (index * size + kv % size <= q_limit[q])
 
-    return BlockMask.from_kv_blocks(
-        *ordered(plan.partial), *ordered(plan.full), BLOCK_SIZE=(BLOCK_SIZE, size), mask_mod=paged_causal,
+    block_mask = BlockMask.from_kv_blocks(
+        *ordered(plan.partial), *ordered(plan.full), BLOCK_SIZE=(BLOCK_SIZE, size), mask_mod=paged_mask,
         seq_lengths=(plan.q_pos.shape[0], num_blocks * size), compute_q_blocks=False,
     )
+    return block_mask, logical

@@ -6,21 +6,33 @@ lengths: no padding, no masks, no scatter. The input builder packs longest first
 most as many runs as distinct lengths, and the long truncated inputs that dominate the cost share one.
 On CPU in bfloat16, long runs use two batched matmuls instead of the flash kernel (faster there).
 
+KV-free cross-attention (decoder queries over their own encoder's keys, packed apart) runs the same way
+by runs of one query length: keys are a view when the run's sequences share a key length too, else (one
+query each, as monoT5 scores) they are gathered, padded to the run's longest, and masked, in one call.
+
 With a paged KV cache, decoding sequences (one query each) go in one padded call over whole blocks read
 through their block tables (one index per block, not per token) and a mask hiding what lies past each
 sequence's length. Prompt chunks run one call each: a whole prompt attends over its own new keys and
-never reads the cache; a chunk with context reads its blocks. All of it is planned once per step.
+never reads the cache; a chunk with context reads its blocks. Paged cross-attention reads every key from
+the cache (the step's encoder keys, when given, are written first): the same calls, never causal. All
+of it is planned once per step.
+
+T5's relative position bias goes in as a float mask, [heads, len_q, len_k] by distance (with -inf where
+causal hides a key): one per run length, decode batch or chunk, made by the step's first layer of a stack
+and kept in the metadata for the others.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from embedserv.attention.backends.base import PagedBackendBase, gather_blocks, write_kv
+from embedserv.attention.backends.base import (
+    PagedBackendBase, gather_blocks, relative_bias_table, step_memo, write_kv,
+)
 from embedserv.attention.backends.naive import future_mask
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
 
@@ -46,6 +58,31 @@ class _Run:
 
 
 @dataclass(frozen=True)
+class _CrossRun:
+    """KV-free cross-attention: consecutive sequences of one query length, query rows
+    [q_start, q_start + num_seqs * len_q). Their keys are the view [k_start, k_start + num_seqs * len_k)
+    when they share one key length, else gathered by `key_rows` and padded to the longest (len_k)."""
+
+    q_start: int
+    num_seqs: int
+    len_q: int
+    k_start: int
+    len_k: int
+    # [num_seqs, len_k] int64: each padded key's row in k (padding repeats a real row); None for a view.
+    key_rows: torch.Tensor | None = None
+    # [num_seqs, 1, 1, len_k] bool: True for each sequence's real keys; None for a view.
+    key_mask: torch.Tensor | None = None
+
+    @property
+    def q_rows(self) -> slice:
+        return slice(self.q_start, self.q_start + self.num_seqs * self.len_q)
+
+    @property
+    def k_rows(self) -> slice:
+        return slice(self.k_start, self.k_start + self.num_seqs * self.len_k)
+
+
+@dataclass(frozen=True)
 class _Chunk:
     """A sequence with more than one query (a prompt or a prompt chunk): one SDPA call of its own."""
 
@@ -54,8 +91,13 @@ class _Chunk:
     len_k: int
     # [ceil(len_k / block_size)] int32: its blocks, for reading its keys from the cache.
     table: torch.Tensor
-    # [len_q, len_k] bool, True where a query sees a key; None when it has no context (plain causal).
+    # [len_q, len_k] bool, True where a query sees a key; None when it sees every key up to its own
+    # position with no context (plain causal), or every key (cross).
     mask: torch.Tensor | None
+    causal: bool = True
+    # A whole prompt of self-attention: its keys are this step's rows of k (when given), the cache
+    # need not be read.
+    own_keys: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,12 +111,16 @@ class _PagedPlan:
     # [num_decodes, 1, 1, blocks * block_size] bool: True for each decode's real keys.
     decode_mask: torch.Tensor | None
     chunks: tuple[_Chunk, ...]
+    # [num_decodes] int64: each decode's query position (its key count - 1), for the relative bias.
+    decode_positions: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
 class SdpaMetadata(AttentionMetadata):
-    runs: tuple[_Run, ...]
+    runs: tuple[_Run, ...] | tuple[_CrossRun, ...]
     paged: _PagedPlan | None = None
+    # What a step's layers share and only the first that needs it makes (bias masks): base.step_memo.
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def plan_runs(seq_lens: np.ndarray) -> tuple[_Run, ...]:
@@ -91,38 +137,112 @@ def plan_runs(seq_lens: np.ndarray) -> tuple[_Run, ...]:
     )
 
 
+def plan_cross_runs(lens_q: np.ndarray, lens_k: np.ndarray, device: torch.device) -> tuple[_CrossRun, ...]:
+    """Splits a KV-free cross batch where the query length changes, and where the key length changes
+    between sequences of more than one query (padding their keys would cost len_q rows of scores per
+    key; a single query's padding costs one)."""
+    n = len(lens_q)
+    if n == 0:
+        return ()
+    lens_q, lens_k = np.asarray(lens_q, dtype=np.int64), np.asarray(lens_k, dtype=np.int64)
+    change = (np.diff(lens_q) != 0) | ((np.diff(lens_k) != 0) & (lens_q[1:] > 1))
+    firsts = np.concatenate(([0], np.flatnonzero(change) + 1))
+    lasts = np.concatenate((firsts[1:], [n]))
+    starts_q = np.concatenate(([0], np.cumsum(lens_q)))
+    starts_k = np.concatenate(([0], np.cumsum(lens_k)))
+    runs = []
+    for first, last in zip(firsts.tolist(), lasts.tolist()):
+        run_k = lens_k[first:last]
+        longest = int(run_k.max())
+        rows = mask = None
+        if (run_k != longest).any():
+            offsets = np.arange(longest)[None, :]
+            real = offsets < run_k[:, None]
+            rows_np = starts_k[first:last, None] + np.minimum(offsets, np.maximum(run_k[:, None] - 1, 0))
+            rows = torch.from_numpy(rows_np).to(device)
+            mask = torch.from_numpy(real).to(device)[:, None, None, :]
+        runs.append(_CrossRun(
+            q_start=int(starts_q[first]), num_seqs=last - first, len_q=int(lens_q[first]),
+            k_start=int(starts_k[first]), len_k=longest, key_rows=rows, key_mask=mask,
+        ))
+    return tuple(runs)
+
+
 class SdpaBackend(PagedBackendBase):
     name = "sdpa"
 
     def build_metadata(self, common: CommonAttentionMetadata) -> SdpaMetadata:
         if common.reads_kv_cache:
             return SdpaMetadata(common=common, runs=(), paged=plan_paged(common))
+        if common.cross:
+            runs = plan_cross_runs(common.seq_lens_q_cpu, common.seq_lens_k_cpu, common.cu_seqlens_q.device)
+            return SdpaMetadata(common=common, runs=runs)
         return SdpaMetadata(common=common, runs=plan_runs(common.seq_lens_q_cpu))
 
     def forward(self, layer, q, k, v, kv_cache, meta: SdpaMetadata) -> torch.Tensor:
         if kv_cache is not None:
             return _forward_paged(layer, q, k, v, kv_cache, meta)
         gqa = q.shape[1] != k.shape[1]
-        runs = meta.runs
-        return _concat([self._attend(layer, q[r.rows], k[r.rows], v[r.rows], r, meta.is_causal, gqa) for r in runs])
+        if meta.common.cross:
+            return _concat([_attend_cross(layer, q, k, v, run, gqa) for run in meta.runs])
+        table = relative_bias_table(layer, meta.memo)
+        parts = []
+        for r in meta.runs:
+            if table is None:
+                parts.append(self._attend(layer, q[r.rows], k[r.rows], v[r.rows], r, meta.is_causal, gqa))
+            else:
+                mask = _run_bias(layer, table, meta, r.length, _mask_dtype(q))
+                parts.append(self._attend(layer, q[r.rows], k[r.rows], v[r.rows], r, False, gqa, mask))
+        return _concat(parts)
 
     @staticmethod
-    def _attend(layer, q, k, v, run: _Run, is_causal: bool, gqa: bool) -> torch.Tensor:
-        """Rows of one run -> [rows, heads, head_size]."""
+    def _attend(layer, q, k, v, run: _Run, is_causal: bool, gqa: bool, mask=None) -> torch.Tensor:
+        """Rows of one run -> [rows, heads, head_size]; `mask` as _attend_batched takes it."""
         shape = (run.num_seqs, run.length)
         qb = q.view(*shape, *q.shape[1:]).transpose(1, 2)
         kb = k.view(*shape, *k.shape[1:]).transpose(1, 2)
         vb = v.view(*shape, *v.shape[1:]).transpose(1, 2)
-        if q.device.type == "cpu" and q.dtype == torch.bfloat16 and run.length >= _CPU_BF16_MATMUL_MIN_LENGTH:
-            per_chunk = max(1, _SCORES_BYTES // (q.shape[1] * run.length**2 * q.element_size()))
-            out = _concat([
-                _attend_with_matmuls(qb[i : i + per_chunk], kb[i : i + per_chunk], vb[i : i + per_chunk],
-                                     layer.scale, is_causal)
-                for i in range(0, run.num_seqs, per_chunk)
-            ])
-        else:
-            out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=is_causal, scale=layer.scale, enable_gqa=gqa)
+        out = _attend_batched(layer.scale, qb, kb, vb, is_causal, gqa, mask)
         return out.transpose(1, 2).reshape(-1, *q.shape[1:])
+
+
+def _uses_matmuls(q: torch.Tensor, len_q: int) -> bool:
+    return q.device.type == "cpu" and q.dtype == torch.bfloat16 and len_q >= _CPU_BF16_MATMUL_MIN_LENGTH
+
+
+def _mask_dtype(q: torch.Tensor) -> torch.dtype:
+    """A float mask's dtype: float32 on CPU, where SDPA takes it with bfloat16 queries and is the more
+    exact for it (rounding T5's bias to bfloat16 moved outputs by up to 0.04), and the matmuls add it
+    and softmax in float32; q's elsewhere, what the CUDA kernels take."""
+    return torch.float32 if q.device.type == "cpu" else q.dtype
+
+
+def _attend_batched(scale: float, qb, kb, vb, is_causal: bool, gqa: bool, mask=None) -> torch.Tensor:
+    """[n, heads, len_q, d] queries over [n, kv_heads, len_k, d] keys -> [n, heads, len_q, d]. `mask`,
+    broadcastable to [n, heads, len_q, len_k]: bool (True where a query sees a key) or float of
+    _mask_dtype (added to the scores); never together with is_causal."""
+    num_seqs, heads, len_q, _ = qb.shape
+    if _uses_matmuls(qb, len_q):
+        per_chunk = max(1, _SCORES_BYTES // (heads * len_q * kb.shape[2] * qb.element_size()))
+        per_seq = mask is not None and mask.shape[0] > 1
+        return _concat([
+            _attend_with_matmuls(qb[i : i + per_chunk], kb[i : i + per_chunk], vb[i : i + per_chunk], scale,
+                                 is_causal, mask[i : i + per_chunk] if per_seq else mask)
+            for i in range(0, num_seqs, per_chunk)
+        ])
+    return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+
+
+def _attend_cross(layer, q, k, v, run: _CrossRun, gqa: bool) -> torch.Tensor:
+    """One run of KV-free cross-attention -> [run's query rows, heads, head_size]."""
+    qb = q[run.q_rows].view(run.num_seqs, run.len_q, *q.shape[1:]).transpose(1, 2)
+    if run.key_rows is None:
+        kb = k[run.k_rows].view(run.num_seqs, run.len_k, *k.shape[1:]).transpose(1, 2)
+        vb = v[run.k_rows].view(run.num_seqs, run.len_k, *v.shape[1:]).transpose(1, 2)
+    else:
+        kb, vb = k[run.key_rows].transpose(1, 2), v[run.key_rows].transpose(1, 2)
+    out = _attend_batched(layer.scale, qb, kb, vb, False, gqa, run.key_mask)
+    return out.transpose(1, 2).reshape(-1, *q.shape[1:])
 
 
 def _concat(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -130,17 +250,22 @@ def _concat(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _attend_with_matmuls(q, k, v, scale: float, is_causal: bool) -> torch.Tensor:
-    """[n, heads, L, d] attention as two batched matmuls: the same function, materialized scores."""
+def _attend_with_matmuls(q, k, v, scale: float, is_causal: bool, mask=None) -> torch.Tensor:
+    """[n, heads, Lq, d] over [n, kv_heads, Lk, d] as two batched matmuls: the same function, materialized
+    scores. `mask` as _attend_batched takes it."""
     if k.shape[1] != q.shape[1]:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
     if is_causal:
-        length = q.shape[2]
-        future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu_(1)
-        scores.masked_fill_(future, float("-inf"))
-    return torch.matmul(scores.softmax(dim=-1), v)
+        scores.masked_fill_(future_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores.masked_fill_(~mask, float("-inf"))
+        else:
+            # A float32 bias: the sum and its softmax in float32 (bfloat16 would round the bias).
+            scores = scores + mask
+    return torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)
 
 
 def plan_paged(common: CommonAttentionMetadata) -> _PagedPlan:
@@ -149,56 +274,74 @@ def plan_paged(common: CommonAttentionMetadata) -> _PagedPlan:
     starts_q = np.concatenate(([0], np.cumsum(lens_q)[:-1]))
     device = common.block_tables.device
     decodes = np.flatnonzero(lens_q == 1)
-    rows = tables = mask = None
+    rows = tables = mask = positions = None
     if len(decodes):
         num_blocks = -(-int(lens_k[decodes].max()) // size)
         rows = torch.from_numpy(starts_q[decodes]).to(device)
         tables = common.block_tables[rows.new_tensor(decodes), :num_blocks]
         real = np.arange(num_blocks * size)[None, :] < lens_k[decodes, None]
         mask = torch.from_numpy(real).to(device)[:, None, None, :]
+        positions = torch.from_numpy(lens_k[decodes] - 1).to(device)
     chunks = []
     for i in np.flatnonzero(lens_q != 1):
         len_q, len_k = int(lens_q[i]), int(lens_k[i])
+        # Cross: every key of the cross table, no mask. Causal: a whole prompt (no context) sees its own
+        # keys under the plain causal mask; a chunk with context its keys up to each query's position.
+        causal = not common.cross
         chunks.append(_Chunk(
             rows=slice(int(starts_q[i]), int(starts_q[i]) + len_q), len_q=len_q, len_k=len_k,
             table=common.block_tables[int(i), : -(-len_k // size)],
-            mask=None if len_q == len_k else ~future_mask(len_q, len_k, device),
+            mask=None if not causal or len_q == len_k else ~future_mask(len_q, len_k, device),
+            causal=causal, own_keys=causal and len_q == len_k,
         ))
-    return _PagedPlan(decode_rows=rows, decode_tables=tables, decode_mask=mask, chunks=tuple(chunks))
+    return _PagedPlan(
+        decode_rows=rows, decode_tables=tables, decode_mask=mask, chunks=tuple(chunks), decode_positions=positions,
+    )
 
 
 def _forward_paged(layer, q, k, v, kv_cache, meta: SdpaMetadata) -> torch.Tensor:
     write_kv(k, v, kv_cache, meta.common)
     plan = meta.paged
     gqa = q.shape[1] != kv_cache.shape[-2]
+    table = relative_bias_table(layer, meta.memo)
     out = torch.empty_like(q)
     if plan.decode_rows is not None:
         # One coarse gather of whole blocks for every decode: [n, blocks * block_size, kv_heads, d].
         keys, values = gather_blocks(kv_cache, plan.decode_tables)
         queries = q[plan.decode_rows]
         if q.device.type == "cpu" and q.dtype == torch.bfloat16:
-            out[plan.decode_rows] = _decode_with_matmuls(queries, keys, values, plan.decode_mask, layer.scale)
+            mask = plan.decode_mask if table is None else _decode_bias(layer, table, meta, torch.float32)
+            out[plan.decode_rows] = _decode_with_matmuls(queries, keys, values, mask, layer.scale)
         else:
+            mask = plan.decode_mask if table is None else _decode_bias(layer, table, meta, _mask_dtype(q))
             attended = F.scaled_dot_product_attention(
                 queries.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
-                attn_mask=plan.decode_mask, scale=layer.scale, enable_gqa=gqa,
+                attn_mask=mask, scale=layer.scale, enable_gqa=gqa,
             )
             out[plan.decode_rows] = attended.squeeze(2)
-    for chunk in plan.chunks:
-        out[chunk.rows] = _attend_chunk(layer, q[chunk.rows], k, v, kv_cache, chunk, gqa)
+    for index, chunk in enumerate(plan.chunks):
+        bias = None if table is None else _chunk_bias(layer, table, meta, index, _mask_dtype(q))
+        out[chunk.rows] = _attend_chunk(layer, q[chunk.rows], k, v, kv_cache, chunk, gqa, bias)
     return out
 
 
-def _attend_chunk(layer, q, k, v, kv_cache, chunk: _Chunk, gqa: bool) -> torch.Tensor:
-    """One prompt chunk: [len_q, heads, d]. A whole prompt with its own keys never touches the cache."""
-    if chunk.mask is None and k is not None:
+def _attend_chunk(layer, q, k, v, kv_cache, chunk: _Chunk, gqa: bool, bias=None) -> torch.Tensor:
+    """One prompt chunk: [len_q, heads, d]. A whole prompt with its own keys never touches the cache.
+    `bias`: [1, heads, len_q, len_k] float (_mask_dtype), the chunk's whole mask, causal included."""
+    if chunk.own_keys and k is not None:
         run = _Run(token_start=0, num_seqs=1, length=chunk.len_q)
-        return SdpaBackend._attend(layer, q, k[chunk.rows], v[chunk.rows], run, True, gqa)
+        if bias is None:
+            return SdpaBackend._attend(layer, q, k[chunk.rows], v[chunk.rows], run, True, gqa)
+        return SdpaBackend._attend(layer, q, k[chunk.rows], v[chunk.rows], run, False, gqa, bias)
     keys, values = gather_blocks(kv_cache, chunk.table)
     keys, values = keys[: chunk.len_k], values[: chunk.len_k]
+    if bias is not None:
+        mask, is_causal = bias, False
+    else:
+        mask, is_causal = chunk.mask, chunk.causal and chunk.mask is None
     attended = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
-        attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=layer.scale, enable_gqa=gqa,
+        attn_mask=mask, is_causal=is_causal, scale=layer.scale, enable_gqa=gqa,
     )
     return attended[0].transpose(0, 1)
 
@@ -207,11 +350,60 @@ def _decode_with_matmuls(q, keys, values, mask, scale: float) -> torch.Tensor:
     """One query per sequence, as two batched matmuls in float32: q [n, H, d], keys/values [n, L, kv_heads, d]
     -> [n, H, d]. On CPU in bfloat16, SDPA's flash kernel spent half of a decode step on these one-row
     queries, about 4x this (32 streams of a 30-layer model: 115 -> 55 ms a step); in float32 SDPA is the
-    faster. Query heads are grouped by the KV head they share, so grouped-query attention repeats nothing."""
+    faster. Query heads are grouped by the KV head they share, so grouped-query attention repeats nothing.
+    `mask`: [n, 1, 1, L] bool (True for real keys), or [n, H, 1, L] float32 added to the scores."""
     n, heads, size = q.shape
     kv_heads = keys.shape[2]
     grouped = q.float().view(n, kv_heads, heads // kv_heads, size)
     scores = torch.matmul(grouped, keys.float().permute(0, 2, 3, 1)).mul_(scale)  # [n, kv_heads, group, L]
-    scores.masked_fill_(~mask.view(n, 1, 1, -1), float("-inf"))
+    if mask.dtype == torch.bool:
+        scores.masked_fill_(~mask.view(n, 1, 1, -1), float("-inf"))
+    else:
+        scores.add_(mask.view(n, kv_heads, heads // kv_heads, -1))
     out = torch.matmul(scores.softmax(dim=-1), values.float().transpose(1, 2))  # [n, kv_heads, group, d]
     return out.view(n, heads, size).to(q.dtype)
+
+
+# T5's relative position bias as float masks, made once per step and stack (the bias module is the key).
+
+
+def _run_bias(layer, table: torch.Tensor, meta: SdpaMetadata, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """[1, heads, length, length]: the bias of a KV-free run (every sequence of it alike), causal included."""
+    bias = layer.relative_bias
+
+    def make() -> torch.Tensor:
+        positions = torch.arange(length, device=table.device)
+        mask = bias.bias(positions, positions, table)
+        if meta.is_causal:
+            mask = mask.masked_fill(future_mask(length, length, table.device), float("-inf"))
+        return mask.to(dtype).unsqueeze(0)
+
+    return step_memo(meta.memo, ("run", bias, length, dtype), make)
+
+
+def _chunk_bias(layer, table: torch.Tensor, meta: SdpaMetadata, index: int, dtype: torch.dtype) -> torch.Tensor:
+    """[1, heads, len_q, len_k]: the bias of paged chunk `index`, its queries the last len_q positions."""
+    bias, chunk = layer.relative_bias, meta.paged.chunks[index]
+
+    def make() -> torch.Tensor:
+        keys = torch.arange(chunk.len_k, device=table.device)
+        mask = bias.bias(keys[chunk.len_k - chunk.len_q :], keys, table)
+        if chunk.causal:
+            mask = mask.masked_fill(future_mask(chunk.len_q, chunk.len_k, table.device), float("-inf"))
+        return mask.to(dtype).unsqueeze(0)
+
+    return step_memo(meta.memo, ("chunk", bias, index, dtype), make)
+
+
+def _decode_bias(layer, table: torch.Tensor, meta: SdpaMetadata, dtype: torch.dtype) -> torch.Tensor:
+    """[num_decodes, heads, 1, blocks * block_size]: each decode's bias over its keys, -inf past its length."""
+    bias, plan = layer.relative_bias, meta.paged
+
+    def make() -> torch.Tensor:
+        limit = bias.max_distance
+        keys = torch.arange(plan.decode_mask.shape[-1], device=table.device)
+        distance = (keys[None, :] - plan.decode_positions[:, None]).clamp(-limit, limit) + limit
+        mask = table[:, distance].transpose(0, 1).unsqueeze(2)  # [n, heads, 1, L]
+        return mask.masked_fill(~plan.decode_mask, float("-inf")).to(dtype)
+
+    return step_memo(meta.memo, ("decode", bias, dtype), make)

@@ -11,6 +11,10 @@ pages to physical ones and `seqused_k` bounds each read (`cu_seq_k` is still req
 which takes both offsets or neither; with `seqused_k` it only sizes the launch). That kernel is
 flash-attention 2's: it reads pages of a multiple of 256 tokens (`mha_varlen_fwd` refuses others).
 An older torch gets the step's keys gathered into a packed batch first, from any block size.
+
+Cross-attention needs nothing of its own: keys are packed by `cu_seqlens_k` (KV-free) or read through the
+cross block tables up to `seqused_k` (paged), and the metadata says not causal. T5's relative position
+bias it cannot add (no per-head score bias): the selector never picks it for such a model.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.varlen import varlen_attn
 
-from embedserv.attention.backends.base import PagedBackendBase, gather_kv, packed_key_slots, write_kv
+from embedserv.attention.backends.base import (
+    PagedBackendBase, gather_kv, packed_key_slots, refuse_relative_bias, write_kv,
+)
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
 
 _PARAMS = frozenset(inspect.signature(varlen_attn).parameters)
@@ -53,6 +59,7 @@ class VarlenBackend(PagedBackendBase):
         return VarlenMetadata(common=common)
 
     def forward(self, layer, q, k, v, kv_cache, meta: VarlenMetadata) -> torch.Tensor:
+        refuse_relative_bias(layer, self.name)
         common = meta.common
         kwargs = {}
         if kv_cache is not None:

@@ -48,9 +48,20 @@ def get_activation(name: str):
         raise ValueError(f"activation {name!r} is not supported; supported: {', '.join(ACTIVATIONS)}") from None
 
 
+def copy_checked(destination: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    """Copies a checkpoint tensor into a parameter (or a slice of one) of the same shape."""
+    # copy_ would broadcast a wrongly shaped tensor without a word (a config that does not fit the weights).
+    if destination.shape != tensor.shape:
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the config says {tuple(destination.shape)}"
+        )
+    destination.copy_(tensor)
+
+
 def head_dim(config) -> int:
-    """Per-head width: Qwen3 (and some Mistrals) set head_dim apart from hidden_size / num_attention_heads."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    """Per-head width: Qwen3 (and some Mistrals) set head_dim apart from hidden_size / num_attention_heads,
+    T5 calls it d_kv."""
+    return getattr(config, "head_dim", None) or getattr(config, "d_kv", None) or config.hidden_size // config.num_attention_heads
 
 
 def num_kv_heads(config) -> int:

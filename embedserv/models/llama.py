@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from embedserv.attention.layer import Attention
-from embedserv.models.layers import Linear, get_activation, head_dim, num_kv_heads
+from embedserv.models.layers import Linear, copy_checked, get_activation, head_dim, num_kv_heads
 from embedserv.models.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -136,15 +136,6 @@ _IGNORED = re.compile(r"^(lm_head\.|score\.|(layers\.\d+\.self_attn\.)?rotary_em
 _PREFIX = "model."
 
 
-def _copy(destination: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
-    # copy_ would broadcast a wrongly shaped tensor without a word (a config that does not fit the weights).
-    if destination.shape != tensor.shape:
-        raise ValueError(
-            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the config says {tuple(destination.shape)}"
-        )
-    destination.copy_(tensor)
-
-
 class LlamaModel(nn.Module):
     """`forward(input_ids, positions[, token_type_ids]) -> [num_tokens, hidden]`, final norm applied."""
 
@@ -206,12 +197,12 @@ class LlamaModel(nn.Module):
                 target, shard, rows = fused
                 if target not in params:
                     raise ValueError(f"unexpected checkpoint tensor {name!r}: this model has no {target}")
-                _copy(params[target].data[rows], tensor, name)
+                copy_checked(params[target].data[rows], tensor, name)
                 shards.setdefault(target, set()).add(shard)
                 continue
             if name not in params:
                 raise ValueError(f"unexpected checkpoint tensor {name!r}")
-            _copy(params[name].data, tensor, name)
+            copy_checked(params[name].data, tensor, name)
             loaded.add(name)
         # A fused parameter is filled only when every one of its shards was.
         loaded.update(t for t, parts in shards.items() if parts in ({"q", "k", "v"}, {"gate", "up"}))

@@ -7,8 +7,10 @@ from dataclasses import dataclass
 from torch import nn
 
 from embedserv.errors import ConfigError
+from embedserv.models.bart import BartModel
 from embedserv.models.bert import BertModel
 from embedserv.models.llama import LlamaModel
+from embedserv.models.t5 import T5EncoderModel, T5Model
 
 
 @dataclass(frozen=True)
@@ -16,6 +18,8 @@ class ModelEntry:
     model_class: type[nn.Module]
     # Encoders attend both ways; decoders are causal unless their config says otherwise.
     is_encoder: bool
+    # Encoder-decoders (T5, BART): an encoder over the encoder inputs, a causal decoder reading it.
+    is_encoder_decoder: bool = False
 
 
 _MODELS: dict[str, ModelEntry] = {
@@ -27,15 +31,29 @@ _MODELS: dict[str, ModelEntry] = {
     "mistral": ModelEntry(LlamaModel, is_encoder=False),
     "qwen2": ModelEntry(LlamaModel, is_encoder=False),
     "qwen3": ModelEntry(LlamaModel, is_encoder=False),
+    "t5": ModelEntry(T5Model, is_encoder=False, is_encoder_decoder=True),
+    "mt5": ModelEntry(T5Model, is_encoder=False, is_encoder_decoder=True),
+    "bart": ModelEntry(BartModel, is_encoder=False, is_encoder_decoder=True),
+    "mbart": ModelEntry(BartModel, is_encoder=False, is_encoder_decoder=True),
 }
 
+# T5 checkpoints served by their encoder alone: T5EncoderModel ones, and sentence-transformers models
+# (sentence-T5, GTR), which sentence-transformers loads as T5EncoderModel whatever the architecture says.
+_T5_ENCODER = ModelEntry(T5EncoderModel, is_encoder=True)
+_T5_TYPES = ("t5", "mt5")
+_T5_ENCODER_ARCHITECTURES = ("T5EncoderModel", "MT5EncoderModel")
 
-def lookup(model_type: str) -> ModelEntry:
+
+def lookup(model_type: str, architecture: str = "", sentence_transformers: bool = False) -> ModelEntry:
+    """The native class for a model type; `architecture` (config.json's first) and `sentence_transformers`
+    (the directory has modules.json) pick the encoder alone for T5 embedders."""
     entry = _MODELS.get(model_type)
     if entry is None:
         raise ConfigError(
             f"model type {model_type!r} is not supported; supported: {', '.join(sorted(_MODELS))}"
         )
+    if model_type in _T5_TYPES and (architecture in _T5_ENCODER_ARCHITECTURES or sentence_transformers):
+        return _T5_ENCODER
     return entry
 
 

@@ -1,13 +1,17 @@
 """Score heads: per-sequence logits for rerank and classify, from one token's hidden state.
 
-Three checkpoint layouts, one head:
+Four checkpoint layouts, one head:
 - BERT-family ForSequenceClassification reads the first token through dense + tanh, then a linear
   layer (BERT names them `pooler.dense` + `classifier`, RoBERTa/XLM-R `classifier.dense` +
   `classifier.out_proj`: the same math).
 - Llama-family ForSequenceClassification reads the last token through a bias-free linear `score`.
+- BartForSequenceClassification reads the decoder's last token (transformers pools the decoder state at
+  the input's last EOS; fed shift_tokens_right(input_ids), the decoder's last position holds that EOS's
+  state when the input ends with it) through `classification_head.dense` + tanh + `out_proj`.
 - Yes/no rerankers (Qwen3-Reranker) are causal LMs read at the last token as logit(yes) - logit(no).
   That difference is h . w_yes - h . w_no = h . (w_yes - w_no), so the head is a one-row linear layer
-  holding the difference of two LM-head rows, not a vocabulary-sized matmul.
+  holding the difference of two LM-head rows, not a vocabulary-sized matmul. Seq2seq yes/no rerankers
+  (monoT5: logit("▁true") - logit("▁false")) are the same at their first and only decoder token.
 
 The head runs in float32 on the few selected rows whatever the model's dtype, as sentence-transformers
 upcasts scores before its activation.
@@ -37,7 +41,10 @@ DECODER_CLASSIFIERS = (
     "Qwen2ForSequenceClassification",
     "Qwen3ForSequenceClassification",
 )
-SEQUENCE_CLASSIFIERS = _BERT_CLASSIFIERS + _ROBERTA_CLASSIFIERS + DECODER_CLASSIFIERS
+# Encoder-decoder classifiers, read at the decoder's last token. (MBartForSequenceClassification has the
+# same head but feeds its decoder mBART's own shift of the input, its last token first: not served yet.)
+SEQ2SEQ_CLASSIFIERS = ("BartForSequenceClassification",)
+SEQUENCE_CLASSIFIERS = _BERT_CLASSIFIERS + _ROBERTA_CLASSIFIERS + DECODER_CLASSIFIERS + SEQ2SEQ_CLASSIFIERS
 
 
 @dataclass(frozen=True)
@@ -91,13 +98,20 @@ def _classifier_sources(architecture: str) -> dict[str, tuple[str, ...]]:
         }
     if architecture in DECODER_CLASSIFIERS:
         return {"out.weight": ("score.weight",)}
+    if architecture in SEQ2SEQ_CLASSIFIERS:
+        return {
+            f"{ours}.{kind}": (f"classification_head.{theirs}.{kind}", f"model.classification_head.{theirs}.{kind}")
+            for ours, theirs in (("dense", "dense"), ("out", "out_proj"))
+            for kind in ("weight", "bias")
+        }
     raise ConfigError(f"architecture {architecture} has no score head; supported: {', '.join(SEQUENCE_CLASSIFIERS)}")
 
 
 def build_classifier_head(architecture: str, hidden_size: int, num_labels: int, files: list[Path]) -> ScoreHead:
     """The head of a *ForSequenceClassification checkpoint, filled from its files."""
-    is_encoder = architecture not in DECODER_CLASSIFIERS
-    head = ScoreHead(hidden_size, num_labels, token="first" if is_encoder else "last", pooler=is_encoder, bias=is_encoder)
+    pooler = architecture not in DECODER_CLASSIFIERS
+    token = "first" if architecture not in DECODER_CLASSIFIERS + SEQ2SEQ_CLASSIFIERS else "last"
+    head = ScoreHead(hidden_size, num_labels, token=token, pooler=pooler, bias=pooler)
     params = dict(head.named_parameters())
     for ours, names in _classifier_sources(architecture).items():
         tensor = read_first_tensor(files, names)
@@ -117,4 +131,21 @@ def build_yes_no_head(hidden_size: int, tokens: YesNoTokens, tied: bool, files: 
     no = read_first_tensor(files, names, slice(tokens.no_id, tokens.no_id + 1)).float()
     head = ScoreHead(hidden_size, 1, token="last", pooler=False, bias=False)
     head.out.weight.data.copy_(yes - no)
+    return head.eval().requires_grad_(False)
+
+
+def build_seq2seq_yes_no_head(hf_config, files: list[Path], true_id: int, false_id: int) -> ScoreHead:
+    """logit(true) - logit(false) of an encoder-decoder LM (monoT5) at the last (first and only) decoder
+    token: the difference of the two LM-head rows, with T5's tied output scale folded in, plus the
+    difference of BART's final_logits_bias entries where there is one."""
+    # lm_head.py reads its tensors with read_first_tensor from here: imported late to keep one direction.
+    from embedserv.models.lm_head import seq2seq_final_logits_bias, seq2seq_head_weight
+
+    true = seq2seq_head_weight(hf_config, files, slice(true_id, true_id + 1))
+    false = seq2seq_head_weight(hf_config, files, slice(false_id, false_id + 1))
+    bias = seq2seq_final_logits_bias(hf_config, files)
+    head = ScoreHead(hf_config.d_model, 1, token="last", pooler=False, bias=bias is not None)
+    head.out.weight.data.copy_(true - false)
+    if bias is not None:
+        head.out.bias.data.copy_((bias[true_id] - bias[false_id]).reshape(1))
     return head.eval().requires_grad_(False)

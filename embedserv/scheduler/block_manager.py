@@ -91,16 +91,18 @@ class BlockManager:
                 self._release(block_id)
         block_ids.clear()
 
-    def allocate_cached_prefix(self, block_ids: list[int], token_ids: Sequence[int]) -> int:
+    def allocate_cached_prefix(self, block_ids: list[int], token_ids: Sequence[int], root_hash: int | None = None) -> int:
         """Takes references to the cached full blocks matching the leading tokens of a new sequence.
 
+        `root_hash` starts the chain: what the tokens' keys and values depend on besides the tokens (an
+        encoder-decoder request's encoder input); sequences with different roots share no block.
         Returns the number of tokens they cover (a multiple of block_size).
         """
         if not self.enable_prefix_caching:
             return 0
         if block_ids:
             raise ValueError("a cached prefix only starts an empty block table")
-        parent_hash: int | None = None
+        parent_hash = root_hash
         size = self.block_size
         for start in range(0, len(token_ids) - size + 1, size):
             block_hash = hash((parent_hash, tuple(token_ids[start : start + size])))
@@ -115,7 +117,7 @@ class BlockManager:
         return len(block_ids) * size
 
     def register_full_blocks(
-        self, block_ids: list[int], token_ids: Sequence[int], num_computed_tokens: int
+        self, block_ids: list[int], token_ids: Sequence[int], num_computed_tokens: int, root_hash: int | None = None
     ) -> None:
         """Records the chained hash of each computed full block that has none yet."""
         if not self.enable_prefix_caching:
@@ -129,7 +131,7 @@ class BlockManager:
         first_new = num_full
         while first_new > 0 and self._block_hashes[block_ids[first_new - 1]] is None:
             first_new -= 1
-        parent_hash = self._block_hashes[block_ids[first_new - 1]] if first_new else None
+        parent_hash = self._block_hashes[block_ids[first_new - 1]] if first_new else root_hash
         for index in range(first_new, num_full):
             block_id = block_ids[index]
             block_hash = hash((parent_hash, tuple(token_ids[index * size : (index + 1) * size])))

@@ -1,7 +1,9 @@
 """Continuous batching for generation: one token budget per step shared by decodes and chunked prefills.
 
 Running requests go first, in admission order; when the KV cache is full the latest admitted request
-is preempted and later recomputed from scratch (prompt + outputs so far). Waiting requests are admitted
+is preempted and later recomputed from scratch (prompt + outputs so far). An encoder-decoder request's
+encoder runs in its first step after each admission, which writes its cross KV (a fixed block table);
+its decoder tokens are what the budget counts. Waiting requests are admitted
 first-come first-served with whatever budget is left. No torch here.
 """
 
@@ -176,12 +178,15 @@ class GenerationScheduler:
         request.num_computed_tokens = num_cached
         self.num_cached_tokens += num_cached
         request.status = RequestStatus.RUNNING
+        request.encoder_pending = bool(request.encoder_token_ids)
         return num_new
 
     def _make_chunk(self, request: Request, num_new: int) -> ScheduledSequence:
         start = request.num_computed_tokens
         end = start + num_new
         samples = end == request.num_tokens
+        encoder_ids = tuple(request.encoder_token_ids) if request.encoder_pending else ()
+        request.encoder_pending = False
         return ScheduledSequence(
             request_id=request.request_id,
             token_ids=tuple(request.token_ids_between(start, end)),
@@ -190,4 +195,6 @@ class GenerationScheduler:
             block_ids=tuple(tuple(table) for table in request.block_ids),
             produces_output=samples,
             sampling=request.sampling if samples else None,
+            encoder_token_ids=encoder_ids,
+            encoder_len=request.num_encoder_tokens,
         )

@@ -8,7 +8,9 @@ table per group. Two kinds of group:
 - fixed (cross-attention): sized once at admission from the request's encoder input, written in its first
   step, read-only after, never prefix-cached.
 Every group has the same number of blocks (the memory is split so, see worker/kv_cache.py), and a request
-is admitted only when every group can take it.
+is admitted only when every group can take it. An encoder-decoder request's decoder keys and values depend
+on its encoder input, so its cached prefix chain starts from a hash of that input: requests with different
+encoder inputs share no decoder block.
 """
 
 from __future__ import annotations
@@ -85,13 +87,15 @@ class KvCacheManager:
             return 0
         index, manager = self._cached_group()
         request.block_ids = [[] for _ in self.groups]
-        return manager.allocate_cached_prefix(request.block_ids[index], token_ids)
+        return manager.allocate_cached_prefix(request.block_ids[index], token_ids, _root_hash(request))
 
     def register_full_blocks(self, request: Request) -> None:
         if not self.enable_prefix_caching:
             return
         index, manager = self._cached_group()
-        manager.register_full_blocks(request.block_ids[index], request.all_token_ids(), request.num_computed_tokens)
+        manager.register_full_blocks(
+            request.block_ids[index], request.all_token_ids(), request.num_computed_tokens, _root_hash(request)
+        )
 
     def check_invariants(self) -> None:
         for manager in self.managers:
@@ -100,6 +104,10 @@ class KvCacheManager:
     def _cached_group(self) -> tuple[int, BlockManager]:
         index = next(i for i, g in enumerate(self.groups) if not g.fixed)
         return index, self.managers[index]
+
+
+def _root_hash(request: Request) -> int | None:
+    return hash(("encoder", tuple(request.encoder_token_ids))) if request.encoder_token_ids else None
 
 
 @dataclass(frozen=True)

@@ -50,10 +50,12 @@ class PrefillOnlyScheduler:
                 self._waiting.popleft()
                 self.num_dropped += 1
                 continue
-            if picked and num_tokens + request.num_tokens > self.max_batch_tokens:
+            # An encoder-decoder request costs its encoder and its decoder tokens.
+            cost = request.num_tokens + request.num_encoder_tokens
+            if picked and num_tokens + cost > self.max_batch_tokens:
                 break
             self._waiting.popleft()
-            num_tokens += request.num_tokens
+            num_tokens += cost
             picked.append(
                 ScheduledSequence(
                     request_id=request.request_id,
@@ -61,6 +63,8 @@ class PrefillOnlyScheduler:
                     output=request.output,
                     pool_start=request.pool_start,
                     token_type_ids=None if request.token_type_ids is None else tuple(request.token_type_ids),
+                    encoder_token_ids=tuple(request.encoder_token_ids),
+                    encoder_len=request.num_encoder_tokens,
                 )
             )
         if not picked:

@@ -26,6 +26,9 @@ class Request:
     token_type_ids: list[int] | None = None
     # Encoder-decoder models: the encoder's input, which sizes the fixed-size KV groups (cross attention).
     encoder_token_ids: list[int] = field(default_factory=list)
+    # The encoder runs in the next step (set at each admission: its cross KV was never written, or was
+    # dropped by a preemption).
+    encoder_pending: bool = False
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose KV is in the cache (generation), or 0.
     num_computed_tokens: int = 0
@@ -43,6 +46,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_encoder_tokens(self) -> int:
+        return len(self.encoder_token_ids)
 
     @property
     def max_tokens(self) -> int:

@@ -5,6 +5,12 @@ Layout: every sequence's tokens of this step one after another, `[num_tokens]`, 
 a KV cache). All integers of a step go into one int64 host buffer (pinned on CUDA), cross in one
 non-blocking copy, and are sliced apart on the device: ids, positions, offsets, pooling indices, sampled
 rows, and per KV-cache group the slot of every new token and the block tables [num_seqs, max_blocks].
+
+Encoder-decoder steps also carry the encoder inputs of the sequences whose encoder runs now, packed in
+the decoder's sequence order with their own offsets (the encoder's metadata); cross-attention reads, per
+sequence, its encoder's keys: packed ones on KV-free steps, its cross block table on paged ones (where
+the new encoder tokens' slots are that group's slot mapping). Such steps order sequences by decoder
+length, then encoder length, so that equal shapes sit together.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import torch
 from embedserv.attention.metadata import (
     CommonAttentionMetadata,
     build_common_metadata,
+    build_cross_metadata,
     build_paged_metadata,
     cumulative_offsets,
 )
@@ -46,14 +53,27 @@ class ModelInputs:
     sample_lengths: tuple[int, ...]
     # Per KV-cache group, the host copy of the block tables [num_seqs, max_blocks] (empty without KV).
     block_tables_cpu: tuple[np.ndarray, ...] = ()
+    # Encoder-decoder steps: the encoder inputs run now ([num_encoder_tokens] ids and shifted positions)
+    # and their metadata; None when no encoder runs.
+    encoder_input_ids: torch.Tensor | None = None
+    encoder_positions: torch.Tensor | None = None
+    encoder_attention: CommonAttentionMetadata | None = None
+    # KV-free encoder-decoder steps: the decoder's queries over the packed encoder keys.
+    cross_attention: CommonAttentionMetadata | None = None
 
 
 class InputBuilder:
-    def __init__(self, device: torch.device, position_offset: int, is_causal: bool, block_size: int = 0) -> None:
+    def __init__(
+        self, device: torch.device, position_offset: int, is_causal: bool, block_size: int = 0,
+        fixed_groups: tuple[bool, ...] = (), is_encoder_decoder: bool = False,
+    ) -> None:
         self.device = device
         self.position_offset = position_offset
         self.is_causal = is_causal
         self.block_size = block_size
+        # Per KV-cache group: True for a fixed (cross-attention) group.
+        self.fixed_groups = fixed_groups
+        self.is_encoder_decoder = is_encoder_decoder
 
     def build(self, batch: StepBatch) -> ModelInputs:
         seqs = batch.sequences
@@ -61,7 +81,11 @@ class InputBuilder:
         starts = np.fromiter((s.start_position for s in seqs), dtype=np.int64, count=len(seqs))
         # Longest first, so equal lengths sit side by side: backends that split by length (sdpa) then work
         # on contiguous runs. Outputs stay in batch order through the pooling and sampling indices.
-        order = np.argsort(-lens_q, kind="stable")
+        if self.is_encoder_decoder:
+            lens_e = np.fromiter((s.encoder_len for s in seqs), dtype=np.int64, count=len(seqs))
+            order = np.lexsort((-lens_e, -lens_q))
+        else:
+            order = np.argsort(-lens_q, kind="stable")
         packed_lens = lens_q[order]
         num_tokens = int(packed_lens.sum())
         cu = cumulative_offsets(packed_lens)
@@ -84,19 +108,27 @@ class InputBuilder:
         has_types = any(s.token_type_ids is not None for s in seqs)
         if has_types:
             parts.append(_token_types([seqs[i] for i in order], num_tokens))
-        paged = _PagedPlan(seqs, order, positions, self.block_size) if batch.uses_kv_cache else None
-        if paged is not None:
+        encoder = _EncoderPlan(seqs, order, self.position_offset) if self.is_encoder_decoder else None
+        if encoder is not None:
+            parts += encoder.parts
+        paged = None
+        if batch.uses_kv_cache:
+            paged = _PagedPlan(seqs, order, positions, self.block_size, self.fixed_groups, encoder)
             parts += paged.parts
         device_parts = iter(to_device(parts, self.device))
         input_ids, positions_t, cu_t = next(device_parts), next(device_parts), next(device_parts)
         pooling_inputs = pooling.inputs(device_parts) if pooling is not None else None
         sample_rows = next(device_parts) if samples else None
         token_type_ids = next(device_parts) if has_types else None
+        encoder_inputs = encoder.inputs(device_parts) if encoder is not None else (None, None, None)
         lens_k = packed_lens + starts[order]
+        cross = None
         if paged is not None:
             attention = paged.metadata(device_parts, packed_lens, lens_k, cu_t)
         else:
             attention = (build_common_metadata(packed_lens, self.is_causal, cu_seqlens=cu_t),)
+            if encoder is not None:
+                cross = encoder.kv_free_cross(packed_lens, cu_t, encoder_inputs[2])
         return ModelInputs(
             input_ids=input_ids,
             positions=positions_t,
@@ -109,7 +141,40 @@ class InputBuilder:
             sampling=tuple(seqs[i].sampling for i in samples),
             sample_lengths=tuple(int(starts[i] + lens_q[i]) for i in samples),
             block_tables_cpu=tuple(paged.tables_cpu) if paged is not None else (),
+            encoder_input_ids=encoder_inputs[0],
+            encoder_positions=encoder_inputs[1],
+            encoder_attention=encoder_inputs[2],
+            cross_attention=cross,
         )
+
+
+class _EncoderPlan:
+    """The encoder inputs of the sequences whose encoder runs in this step, in the decoder's packed order."""
+
+    def __init__(self, seqs, order, position_offset: int) -> None:
+        self.num_seqs = len(seqs)
+        # Packed positions (index into `order`) of the sequences whose encoder runs.
+        self.members = np.fromiter((p for p, i in enumerate(order) if seqs[i].encoder_token_ids), dtype=np.int64)
+        member_seqs = [seqs[order[p]] for p in self.members]
+        self.lens = np.fromiter((len(s.encoder_token_ids) for s in member_seqs), dtype=np.int64, count=len(member_seqs))
+        total = int(self.lens.sum())
+        self.cu = cumulative_offsets(self.lens)
+        ids = np.fromiter(chain.from_iterable(s.encoder_token_ids for s in member_seqs), dtype=np.int64, count=total)
+        positions = np.arange(total, dtype=np.int64) - np.repeat(self.cu[:-1], self.lens)
+        self.positions = positions
+        self.parts = [ids, positions + position_offset, self.cu] if total else []
+
+    def inputs(self, device_parts):
+        """(ids, positions, metadata) on the device; all None when no encoder runs."""
+        if not len(self.parts):
+            return None, None, None
+        ids, positions, cu = next(device_parts), next(device_parts), next(device_parts)
+        return ids, positions, build_common_metadata(self.lens, False, cu_seqlens=cu)
+
+    def kv_free_cross(self, lens_q, cu_q, encoder_attention) -> CommonAttentionMetadata:
+        if len(self.members) != self.num_seqs:
+            raise ValueError("a step without a KV cache must run the encoder of every encoder-decoder sequence")
+        return build_cross_metadata(lens_q, self.lens, cu_q, encoder_attention.cu_seqlens_q)
 
 
 class _PoolingPlan:
@@ -146,37 +211,53 @@ class _PoolingPlan:
 
 
 class _PagedPlan:
-    """Per KV-cache group: the new tokens' slots and the block tables, in packed order."""
+    """Per KV-cache group: the new tokens' slots and the block tables, in packed order.
 
-    def __init__(self, seqs, order, positions: np.ndarray, block_size: int) -> None:
+    A fixed (cross) group's new tokens are this step's encoder tokens, and its keys are each sequence's
+    whole encoder input."""
+
+    def __init__(self, seqs, order, positions: np.ndarray, block_size: int, fixed_groups, encoder) -> None:
         num_groups = len(seqs[0].block_ids)
         self.block_size = block_size
         self.num_seqs = len(seqs)
         self.parts: list[np.ndarray] = []
         self.widths: list[int] = []
         self.tables_cpu: list[np.ndarray] = []
+        self.fixed = [bool(fixed_groups[g]) if g < len(fixed_groups) else False for g in range(num_groups)]
         seq_of_token = np.repeat(np.arange(len(seqs)), [len(seqs[i].token_ids) for i in order])
+        if any(self.fixed):
+            self.encoder_lens = np.fromiter((seqs[i].encoder_len for i in order), dtype=np.int64, count=len(seqs))
+            seq_of_encoder_token = np.repeat(encoder.members, encoder.lens)
         for group in range(num_groups):
             tables = [seqs[i].block_ids[group] for i in order]
             width = max(1, max(len(t) for t in tables))
             padded = np.zeros((len(tables), width), dtype=np.int64)
             for row, table in enumerate(tables):
                 padded[row, : len(table)] = table
-            slots = padded[seq_of_token, positions // block_size] * block_size + positions % block_size
+            if self.fixed[group]:
+                rows, at = seq_of_encoder_token, encoder.positions
+            else:
+                rows, at = seq_of_token, positions
+            slots = padded[rows, at // block_size] * block_size + at % block_size
             self.parts += [slots, padded.reshape(-1)]
             self.tables_cpu.append(padded)
             self.widths.append(width)
 
     def metadata(self, device_parts, lens_q, lens_k, cu_q) -> tuple[CommonAttentionMetadata, ...]:
-        lens_k_t = None
+        device = cu_q.device
+        by_lengths: dict[bool, tuple] = {}
         out = []
-        for width in self.widths:
+        for width, fixed in zip(self.widths, self.fixed):
             slots, tables = next(device_parts), next(device_parts)
-            if lens_k_t is None:
-                lens_k_t = torch.from_numpy(lens_k).to(cu_q.device)
-                cu_k = torch.from_numpy(cumulative_offsets(lens_k)).to(cu_q.device)
+            if fixed not in by_lengths:
+                keys = self.encoder_lens if fixed else lens_k
+                by_lengths[fixed] = (
+                    keys, torch.from_numpy(keys).to(device), torch.from_numpy(cumulative_offsets(keys)).to(device)
+                )
+            keys, keys_t, cu_k = by_lengths[fixed]
             out.append(build_paged_metadata(
-                lens_q, lens_k, cu_q, cu_k, slots, tables.view(self.num_seqs, width), lens_k_t, self.block_size
+                lens_q, keys, cu_q, cu_k, slots, tables.view(self.num_seqs, width), keys_t, self.block_size,
+                cross=fixed,
             ))
         return tuple(out)
 

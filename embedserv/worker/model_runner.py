@@ -54,7 +54,11 @@ class ModelRunner:
         self.lm_head = lm_head
         self.kv_cache = kv_cache
         block_size = kv_cache.block_size if kv_cache is not None else 0
-        self.input_builder = InputBuilder(device, model.position_offset, is_causal, block_size)
+        fixed = tuple(group.fixed for group in kv_cache.groups) if kv_cache is not None else ()
+        self.is_encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
+        self.input_builder = InputBuilder(
+            device, model.position_offset, is_causal, block_size, fixed, self.is_encoder_decoder
+        )
 
     def kv_cache_layout(self) -> KvCacheLayout | None:
         """What the engine's scheduler manages of this runner's KV cache; None without one."""
@@ -80,13 +84,22 @@ class ModelRunner:
         inputs = prepared.inputs
         if prepared.fresh_blocks is not None:
             self.kv_cache.zero(prepared.fresh_blocks)
+        build = self.backend.build_metadata
         context = ForwardContext(
             attn_backend=self.backend,
-            attn_metadata=tuple(self.backend.build_metadata(common) for common in inputs.attention),
+            attn_metadata=tuple(build(common) for common in inputs.attention),
             kv_caches=self.kv_cache.tensors if inputs.attention[0].reads_kv_cache else (),
+            encoder_metadata=build(inputs.encoder_attention) if inputs.encoder_attention is not None else None,
+            cross_metadata=build(inputs.cross_attention) if inputs.cross_attention is not None else None,
         )
         with set_forward_context(context):
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.token_type_ids)
+            if self.is_encoder_decoder:
+                hidden = self.model(
+                    inputs.input_ids, inputs.positions, inputs.token_type_ids,
+                    encoder_input_ids=inputs.encoder_input_ids, encoder_positions=inputs.encoder_positions,
+                )
+            else:
+                hidden = self.model(inputs.input_ids, inputs.positions, inputs.token_type_ids)
         rows, tokens = _NO_ROWS, _NO_TOKENS
         # One device-to-host copy per kind of output.
         if inputs.pooling is not None:
@@ -104,11 +117,17 @@ class ModelRunner:
             for size in warm_up_sizes(max_batch_tokens):
                 full, rest = divmod(size, max_tokens)
                 lengths = [max_tokens] * full + ([rest] if rest else [])
-                self.execute(StepBatch(tuple(
-                    ScheduledSequence(request_id=-1 - i, token_ids=(0,) * n, output=kind) for i, n in enumerate(lengths)
-                )))
+                self.execute(StepBatch(tuple(self._warm_up_sequence(-1 - i, n, kind) for i, n in enumerate(lengths))))
         if self.lm_head is not None and self.kv_cache is not None:
             self._warm_up_generation(_GENERATION_WARM_UP_TOKENS)
+
+    def _warm_up_sequence(self, request_id: int, length: int, kind: OutputKind) -> ScheduledSequence:
+        if not self.is_encoder_decoder:
+            return ScheduledSequence(request_id=request_id, token_ids=(0,) * length, output=kind)
+        # The encoder takes the length; the decoder one token (a yes/no reranker's first step).
+        return ScheduledSequence(
+            request_id=request_id, token_ids=(0,), output=kind, encoder_token_ids=(0,) * length, encoder_len=length
+        )
 
     def _warm_up_generation(self, prompt_tokens: int) -> None:
         """A prompt and a few decode steps in blocks 0.., before any request owns a block (every slot is
@@ -120,10 +139,16 @@ class ModelRunner:
         if length < 1:
             return
         tables = (blocks,) * len(self.kv_cache.groups)
-        step = ScheduledSequence(-1, (0,) * length, OutputKind.SAMPLE, 0, tables, True, greedy)
+        # An encoder-decoder model's encoder takes the same length (the cross blocks are the same ids).
+        encoder = (0,) * length if self.is_encoder_decoder else ()
+        step = ScheduledSequence(
+            -1, (0,) * length, OutputKind.SAMPLE, 0, tables, True, greedy, encoder_token_ids=encoder, encoder_len=len(encoder)
+        )
         self.execute(StepBatch((step,)))
         for offset in range(4):
-            self.execute(StepBatch((ScheduledSequence(-1, (0,), OutputKind.SAMPLE, length + offset, tables, True, greedy),)))
+            self.execute(StepBatch((ScheduledSequence(
+                -1, (0,), OutputKind.SAMPLE, length + offset, tables, True, greedy, encoder_len=len(encoder)
+            ),)))
 
 
 def warm_up_sizes(max_batch_tokens: int) -> list[int]:

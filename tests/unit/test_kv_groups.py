@@ -187,3 +187,87 @@ def test_a_block_size_the_backend_cannot_read_stops_start_up():
         _kv_block_size(config, PagesOf256(), generates, cpu)
     assert _kv_block_size(ModelConfig(path="m", served_name="m"), PagesOf256(), generates, cpu) == 256
     assert _kv_block_size(config, NaiveBackend(), generates, cpu) == 16
+
+
+def test_the_encoder_runs_in_the_first_step_after_each_admission_only():
+    s = _scheduler(num_blocks=4, caching=False)
+    a, b = _request(1, [1, 1, 1], encoder=[2] * 8, max_tokens=8), _request(2, [1, 1, 1], encoder=[3] * 8, max_tokens=8)
+    s.add(a)
+    s.add(b)
+    first = _step(s)
+    assert [q.encoder_token_ids for q in first.sequences] == [(2,) * 8, (3,) * 8]
+    assert all(q.encoder_len == 8 for q in first.sequences)
+    runs_of_b = 1
+    for _ in range(40):
+        batch = _step(s)
+        for done in [r for r in (a, b) if len(r.output_token_ids) >= r.max_tokens and r.status is RequestStatus.RUNNING]:
+            s.finish(done.request_id)
+        for q in batch.sequences:
+            assert q.encoder_len == 8, "cross attention reads the whole encoder input every step"
+            if q.request_id == 1:
+                assert q.encoder_token_ids == (), "a's cross KV was written once and is only read after"
+            elif q.encoder_token_ids:
+                assert q.start_position == 0, "b's encoder runs again only when b is recomputed"
+                runs_of_b += 1
+        if s.num_running == 0 and s.num_waiting == 0:
+            break
+    assert a.status is RequestStatus.FINISHED and b.status is RequestStatus.FINISHED
+    assert s.num_preemptions >= 1 and runs_of_b == 1 + b.num_preemptions
+
+
+def test_different_encoder_inputs_share_no_decoder_block():
+    """The decoder's keys depend on the encoder input: the same decoder prompt after another encoder input
+    takes nothing from the prefix cache; after the same one it does."""
+    s = _scheduler(num_blocks=32)
+    prompt = list(range(9))
+    s.add(_request(0, prompt, encoder=[5] * 8))
+    _step(s)
+    s.finish(0)
+    other = _request(1, prompt, encoder=[6] * 8)
+    s.add(other)
+    assert _step(s).sequences[0].start_position == 0, "another encoder input: no cached decoder block"
+    s.finish(1)
+    same = _request(2, prompt, encoder=[5] * 8)
+    s.add(same)
+    assert _step(s).sequences[0].start_position == 8
+    s.kv_cache.check_invariants()
+
+
+def test_a_cancelled_request_frees_both_tables_waiting_or_running():
+    s = _scheduler(num_blocks=16, caching=False)
+    running, waiting = _request(0, [1, 2], encoder=[3] * 9), _request(1, [1, 2], encoder=[3] * 9)
+    s.add(running)
+    _step(s)
+    s.add(waiting)
+    assert s.kv_cache.managers[1].num_used_blocks == 3
+    s.finish(0)
+    s.finish(1)
+    assert s.kv_cache.num_used_blocks == 0 and running.block_ids == [] and waiting.block_ids == []
+    s.kv_cache.check_invariants()
+
+
+def test_the_input_builder_writes_only_this_steps_encoder_tokens_to_the_cross_tables():
+    from embedserv.types import ScheduledSequence, StepBatch
+    from embedserv.worker.input_builder import InputBuilder
+
+    builder = InputBuilder(CPU, 0, True, BLOCK, fixed_groups=(False, True), is_encoder_decoder=True)
+    greedy = SamplingParams(max_tokens=1)
+    decoding = ScheduledSequence(
+        0, (9,), OutputKind.SAMPLE, 5, ((1, 2), (3, 4)), True, greedy, encoder_len=6
+    )
+    fresh = ScheduledSequence(
+        1, (9, 8), OutputKind.SAMPLE, 0, ((5,), (6, 7)), True, greedy, encoder_token_ids=(11, 12, 13, 14, 15), encoder_len=5
+    )
+    inputs = builder.build(StepBatch((decoding, fresh)))
+    self_meta, cross = inputs.attention
+    # Packed longest first: the fresh request (2 decoder tokens) before the decoding one.
+    assert inputs.encoder_input_ids.tolist() == [11, 12, 13, 14, 15]
+    assert inputs.encoder_positions.tolist() == [0, 1, 2, 3, 4]
+    assert cross.cross and not cross.is_causal and self_meta.is_causal and not self_meta.cross
+    assert cross.seq_lens_k_cpu.tolist() == [5, 6] and cross.seq_lens_q_cpu.tolist() == [2, 1]
+    # Encoder positions 0..4 of the fresh request in its cross table (6, 7) of 4-token blocks.
+    assert cross.slot_mapping.tolist() == [24, 25, 26, 27, 28]
+    assert cross.block_tables.tolist() == [[6, 7], [3, 4]]
+    assert self_meta.slot_mapping.tolist() == [20, 21, 9]
+    assert self_meta.seq_lens_k_cpu.tolist() == [2, 6]
+    assert inputs.encoder_attention.seq_lens_q_cpu.tolist() == [5]

@@ -80,8 +80,16 @@ class RerankParams:
 class ClassifyParams:
     truncate: bool = False
     truncation_direction: TruncationDirection = TruncationDirection.RIGHT
-    # Logits instead of softmax (sigmoid for multi-label models) probabilities.
+    # Logits instead of softmax (sigmoid for multi-label models) probabilities; with candidate_labels, the
+    # entailment logits.
     raw_scores: bool = False
+    # Zero-shot classification with an NLI model (engine/zero_shot.py): these labels, in this order, are
+    # scored instead of the model's. Empty: ordinary classification.
+    candidate_labels: tuple[str, ...] = ()
+    # Turns a label into the hypothesis (str.format with the label); empty means "This example is {}.".
+    hypothesis_template: str = ""
+    # Each candidate label scored on its own (contradiction vs entailment) instead of a softmax across them.
+    multi_label: bool = False
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,12 @@ import numpy as np
 import torch
 
 from embedserv.config import ModelConfig
+from embedserv.engine import zero_shot
 from embedserv.engine.generation import GenerationStreams, prepare_prompt
 from embedserv.engine.loading import ServedModel, log_spec, read_served_model
 from embedserv.engine.outputs import activate, cosine_to_first, finish_embeddings, rank
 from embedserv.engine.tokenizer import Encoded
+from embedserv.models.tasks import Seq2SeqYesNoTemplate
 from embedserv.types import (
     Activation,
     ClassifyParams,
@@ -216,18 +218,30 @@ class Engine:
         await asyncio.gather(*(worker.stop() for worker in self.workers))
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
-    async def generate(self, prompt: str, params: SamplingParams) -> AsyncIterator[GenerationDelta]:
+    async def generate(
+        self, prompt: str, params: SamplingParams, decoder_prompt: str = ""
+    ) -> AsyncIterator[GenerationDelta]:
         """Streams the text the model appends to `prompt`; the last delta carries the finish reason.
+        Encoder-decoder models: `prompt` is the encoder's input, and the decoder starts from its start token
+        followed by `decoder_prompt`; decoder-only models refuse a decoder_prompt.
 
         The tokenized request goes to the ready worker with the fewest streams and stays there (its KV)."""
         self._require(Task.GENERATE, "Generate")
-        token_ids, detokenizer = await prepare_prompt(self.tokenizer, self._tokenizer_pool, prompt, params)
+        if decoder_prompt and not self.info.is_encoder_decoder:
+            raise InvalidInput(
+                f"decoder_prompt is only for encoder-decoder models; model {self.info.name!r} is decoder-only "
+                "(put the whole text in prompt)"
+            )
+        prepared = await prepare_prompt(
+            self.tokenizer, self._tokenizer_pool, prompt, params, decoder_prompt=decoder_prompt,
+            decoder_start_token_id=self.task.decoder_start_token_id,
+        )
         ready = [loop for loop in self._generation if loop.is_accepting]
         if not ready:
             raise NotReady(f"no worker of model {self.info.name} is running (restarting); retry shortly")
         loop = min(ready, key=lambda loop: loop.num_streams)
         # Closed at once when the caller stops early, so the stream's KV blocks go back now, not at GC.
-        async with aclosing(loop.stream(token_ids, detokenizer, params)) as deltas:
+        async with aclosing(loop.stream(prepared, params)) as deltas:
             async for delta in deltas:
                 yield delta
 
@@ -269,6 +283,10 @@ class Engine:
             encoded = await self._tokenize_with(self._encode_for_cosine, query, documents, params.truncate)
         elif mode is RerankMode.PAIR:
             encoded = await self._tokenize_with(self.tokenizer.encode_pairs, query, documents, params.truncate)
+        elif isinstance(self.task.template, Seq2SeqYesNoTemplate):
+            encoded = await self._tokenize_with(
+                self.tokenizer.encode_seq2seq_template, self.task.template, query, documents, params.truncate
+            )
         else:
             instruction = params.instruction or self.task.template.default_instruction
             encoded = await self._tokenize_with(
@@ -283,11 +301,15 @@ class Engine:
         return RerankResult(results=results, prompt_tokens=prompt_tokens, timing=timing)
 
     async def classify(self, texts: list[str], params: ClassifyParams) -> ClassifyResult:
+        """Every label's score per input; with candidate_labels, those labels' zero-shot scores (an NLI model)."""
         received = time.perf_counter()
         self._require(Task.CLASSIFY, "Classify")
         if not texts:
             raise InvalidInput("inputs is empty; send at least one text")
         self._check_direction(params.truncation_direction)
+        zero_shot.check_options(params.candidate_labels, params.hypothesis_template, params.multi_label)
+        if params.candidate_labels:
+            return await self._classify_zero_shot(texts, params, received)
         encoded = await self._tokenize_with(
             self.tokenizer.encode_batch, texts, params.truncate, params.truncation_direction, None
         )
@@ -296,6 +318,20 @@ class Engine:
             single = logits.shape[1] == 1 or self.task.multi_label
             logits = activate(logits, Activation.SIGMOID if single else Activation.SOFTMAX)
         return ClassifyResult(scores=logits, labels=self.task.labels, prompt_tokens=prompt_tokens, timing=timing)
+
+    async def _classify_zero_shot(self, texts: list[str], params: ClassifyParams, received: float) -> ClassifyResult:
+        """transformers' zero-shot-classification pipeline: one scheduler request per (input, label) pair,
+        input-major, so the pairs batch with every other call's sequences."""
+        entailment = zero_shot.require_entailment(self.task.labels, self.info.name)
+        hypotheses = zero_shot.hypotheses(params.candidate_labels, params.hypothesis_template)
+        encoded = await self._tokenize_with(
+            self.tokenizer.encode_premise_pairs, texts, hypotheses, params.truncate, params.truncation_direction
+        )
+        logits, prompt_tokens, timing = await self._infer(encoded, received)
+        scores = zero_shot.label_scores(logits, len(texts), entailment, params.multi_label, params.raw_scores)
+        return ClassifyResult(
+            scores=scores, labels=tuple(params.candidate_labels), prompt_tokens=prompt_tokens, timing=timing
+        )
 
     def _encode_for_cosine(self, query: str, documents: list[str], truncate: bool) -> list[Encoded]:
         """The query (never cut) and the documents with the prompts sentence-transformers' encode_query /
@@ -329,7 +365,10 @@ class Engine:
             inference_us=_us(last_end - first_start),
             total_us=_us(time.perf_counter() - received),
         )
-        return np.stack([row for row, _, _ in outputs]), sum(r.num_tokens for r in requests), timing
+        # Usage counts the input's tokens: an encoder-decoder request's encoder input (its decoder reads the
+        # start token or the same input shifted).
+        tokens = sum(r.num_encoder_tokens or r.num_tokens for r in requests)
+        return np.stack([row for row, _, _ in outputs]), tokens, timing
 
     def _request(self, encoded: Encoded) -> Request:
         ids, types = encoded.ids, encoded.token_type_ids
@@ -339,6 +378,12 @@ class Engine:
             while end > 1 and ids[end - 1] == pad:
                 end -= 1
             ids, types = ids[:end], types[:end] if types is not None else None
+        start = self.task.decoder_start_token_id
+        if start is not None:
+            # Encoder-decoder: the text is the encoder's input; the decoder reads its start token (a yes/no
+            # reranker's first step) or the input shifted right behind it (BART's classifier).
+            decoder = [start] if self.task.prefill_decoder_input == "start" else [start] + ids[:-1]
+            return self._prefill.new_request(decoder, encoder_token_ids=ids)
         return self._prefill.new_request(ids, pool_start=encoded.pool_start, token_type_ids=types)
 
     async def tokenize(
@@ -378,7 +423,7 @@ class Engine:
             raise InvalidInput("documents is empty; send at least one document to rank")
         if params.top_n is not None and params.top_n < 1:
             raise InvalidInput(f"top_n must be at least 1 (or unset for all results), not {params.top_n}")
-        if params.instruction and self.task.template is None:
+        if params.instruction and (self.task.template is None or not self.task.template.default_instruction):
             raise InvalidInput(
                 f"model {self.info.name!r} takes no instruction (only instruction-following rerankers do); "
                 "leave instruction empty"

@@ -56,19 +56,43 @@ def check_sampling(params: SamplingParams) -> None:
         raise InvalidInput("stop strings must not be empty")
 
 
+@dataclass(frozen=True)
+class PreparedPrompt:
+    # The decoder's prompt: the whole prompt of a decoder-only model; an encoder-decoder model's decoder
+    # start token and its `decoder_prompt`.
+    token_ids: list[int]
+    detokenizer: IncrementalDetokenizer
+    # An encoder-decoder model's encoder input (the request's prompt); empty for decoder-only models.
+    encoder_token_ids: list[int] = field(default_factory=list)
+
+
 async def prepare_prompt(
-    tokenizer: TextTokenizer, pool: ThreadPoolExecutor, prompt: str, params: SamplingParams
-) -> tuple[list[int], IncrementalDetokenizer]:
-    """Checks a Generate request; its prompt's ids and detokenizer, made in the tokenizer pool (both decode)."""
+    tokenizer: TextTokenizer, pool: ThreadPoolExecutor, prompt: str, params: SamplingParams,
+    decoder_prompt: str = "", decoder_start_token_id: int | None = None,
+) -> PreparedPrompt:
+    """Checks a Generate request and tokenizes it in the tokenizer pool (both decode).
+
+    With `decoder_start_token_id` (encoder-decoder models) the prompt, with the model's special tokens,
+    is the encoder's input, and the decoder starts from that token followed by `decoder_prompt`'s tokens
+    (no special tokens), as transformers' generate does with decoder_input_ids."""
     if not prompt:
         raise InvalidInput("prompt is empty; send the text to continue")
     check_sampling(params)
 
-    def prepare() -> tuple[list[int], IncrementalDetokenizer]:
+    def prepare() -> PreparedPrompt:
         token_ids = tokenizer.encode_prompt(prompt)
         if not token_ids:
             raise InvalidInput("the prompt has no tokens for this model's tokenizer; send some text")
-        return token_ids, IncrementalDetokenizer(tokenizer.hf_tokenizer, token_ids, params.stop)
+        if decoder_start_token_id is None:
+            return PreparedPrompt(token_ids, IncrementalDetokenizer(tokenizer.hf_tokenizer, token_ids, params.stop))
+        if len(token_ids) > tokenizer.max_input_tokens:
+            raise InvalidInput(
+                f"the prompt has {len(token_ids)} tokens, more than the model's encoder limit of "
+                f"{tokenizer.max_input_tokens}; shorten it"
+            )
+        decoder_ids = [decoder_start_token_id] + (tokenizer.encode_text(decoder_prompt) if decoder_prompt else [])
+        detokenizer = IncrementalDetokenizer(tokenizer.hf_tokenizer, decoder_ids, params.stop)
+        return PreparedPrompt(decoder_ids, detokenizer, token_ids)
 
     return await asyncio.get_running_loop().run_in_executor(pool, prepare)
 
@@ -171,15 +195,16 @@ class GenerationStreams:
         self.follow_worker()
         return self.scheduler.schedule()
 
-    async def stream(
-        self, token_ids: list[int], detokenizer: IncrementalDetokenizer, params: SamplingParams
-    ) -> AsyncIterator[GenerationDelta]:
+    async def stream(self, prompt: PreparedPrompt, params: SamplingParams) -> AsyncIterator[GenerationDelta]:
         """Runs a tokenized prompt (see prepare_prompt) on this worker; yields its deltas."""
         if not self.is_accepting:
             raise NotReady(f"worker {self.worker.index} of model {self.name} is not running; retry shortly")
-        request = Request(next(self._ids), token_ids, OutputKind.SAMPLE, sampling=params)
+        request = Request(
+            next(self._ids), prompt.token_ids, OutputKind.SAMPLE, sampling=params,
+            encoder_token_ids=prompt.encoder_token_ids,
+        )
         self._check_fits(request, params.max_tokens)
-        stream = _Stream(request, params, detokenizer)
+        stream = _Stream(request, params, prompt.detokenizer)
         self._streams[request.request_id] = stream
         self.scheduler.add(request)
         self._wake()
@@ -227,9 +252,7 @@ class GenerationStreams:
     def end_all(self, reason: FinishReason) -> None:
         for stream in list(self._streams.values()):
             request = stream.request
-            self._close(stream, GenerationDelta(
-                "", (), reason, len(request.prompt_token_ids), len(request.output_token_ids)
-            ))
+            self._close(stream, GenerationDelta("", (), reason, _prompt_tokens(request), len(request.output_token_ids)))
 
     def fail_all(self, error: Exception) -> None:
         for stream in list(self._streams.values()):
@@ -286,4 +309,9 @@ class GenerationStreams:
             return GenerationDelta(text, (token,))
         if reason is not FinishReason.STOP:
             text += detokenizer.flush()
-        return GenerationDelta(text, (token,), reason, len(request.prompt_token_ids), len(request.output_token_ids))
+        return GenerationDelta(text, (token,), reason, _prompt_tokens(request), len(request.output_token_ids))
+
+
+def _prompt_tokens(request: Request) -> int:
+    """Usage: every prompt token the model read, the encoder's and the decoder's (its start token included)."""
+    return len(request.prompt_token_ids) + request.num_encoder_tokens

@@ -68,10 +68,12 @@ class PrefillQueue:
         for loop in self._loops:
             loop.wake()
 
-    def new_request(self, token_ids: list[int], pool_start: int = 0, token_type_ids=None) -> Request:
+    def new_request(
+        self, token_ids: list[int], pool_start: int = 0, token_type_ids=None, encoder_token_ids: list[int] | None = None
+    ) -> Request:
         return Request(
             next(self._ids), token_ids, self.output, pool_start=pool_start, token_type_ids=token_type_ids,
-            call_id=REQUEST_ID.get(),
+            encoder_token_ids=encoder_token_ids or [], call_id=REQUEST_ID.get(),
         )
 
     @property

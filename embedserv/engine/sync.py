@@ -79,14 +79,16 @@ class SyncEngine:
         return self.generate_concurrently([prompt], [params])[0]
 
     def generate_concurrently(
-        self, prompts: list[str], params: list[SamplingParams], on_delta=None
+        self, prompts: list[str], params: list[SamplingParams], on_delta=None, decoder_prompts: list[str] | None = None
     ) -> list[list[GenerationDelta]]:
         """Generations submitted at once, as concurrent streams would be. `on_delta(index, delta)` is called
-        (on the engine's loop) as each delta arrives, e.g. to time the first token."""
+        (on the engine's loop) as each delta arrives, e.g. to time the first token. `decoder_prompts`: one
+        per prompt, for encoder-decoder models."""
 
         async def collect(index: int, prompt: str, p: SamplingParams) -> list[GenerationDelta]:
             deltas = []
-            async for delta in self.engine.generate(prompt, p):
+            decoder_prompt = decoder_prompts[index] if decoder_prompts else ""
+            async for delta in self.engine.generate(prompt, p, decoder_prompt=decoder_prompt):
                 if on_delta is not None:
                     on_delta(index, delta)
                 deltas.append(delta)

@@ -15,7 +15,7 @@ from pathlib import Path
 import tokenizers
 from transformers import AutoTokenizer
 
-from embedserv.models.tasks import YesNoTemplate
+from embedserv.models.tasks import Seq2SeqYesNoTemplate, YesNoTemplate
 from embedserv.types import TokenizedText, TruncationDirection
 from embedserv.errors import InvalidInput
 
@@ -122,6 +122,42 @@ class TextTokenizer:
         checks its length against the model's context."""
         return self._backend.encode(text, add_special_tokens=True).ids
 
+    def encode_text(self, text: str) -> list[int]:
+        """Tokens of a text without special tokens (an encoder-decoder model's decoder prompt)."""
+        return self._backend.encode(text, add_special_tokens=False).ids
+
+    def encode_seq2seq_template(
+        self, template: Seq2SeqYesNoTemplate, query: str, documents: list[str], truncate: bool
+    ) -> list[Encoded]:
+        """A seq2seq reranker's encoder input per document (monoT5: `Query: q Document: d Relevant:` with
+        the model's special tokens), tokenized as one text. When it is too long, the document is cut (never
+        the query or the template): then the text's three parts are tokenized apart, which word-splitting
+        tokenizers (T5's Metaspace) tokenize the same way at those space-separated joins."""
+        head = f"{template.before_query}{query}{template.before_document}"
+        texts = [f"{head}{d}{template.after_document}" for d in documents]
+        encodings = self._backend.encode_batch(texts, add_special_tokens=False)
+        out = []
+        for index, encoding in enumerate(encodings):
+            if len(encoding.ids) + self._num_special > self.max_input_tokens:
+                encoding = self._cut_document(head, documents[index], template.after_document, truncate, index)
+            out.append(Encoded(ids=self._backend.post_process(encoding, None, True).ids))
+        return out
+
+    def _cut_document(self, head: str, document: str, tail: str, truncate: bool, index: int):
+        head_e, tail_e = (self._backend.encode(t, add_special_tokens=False) for t in (head, tail))
+        room = self.max_input_tokens - self._num_special - len(head_e.ids) - len(tail_e.ids)
+        if room < 1:
+            raise InvalidInput(
+                f"the query and the reranking prompt take {len(head_e.ids) + len(tail_e.ids)} tokens, which leaves "
+                f"no room for a document within the model's limit of {self.max_input_tokens}; shorten the query"
+            )
+        document_e = self._backend.encode(document, add_special_tokens=False)
+        if not truncate:
+            total = len(head_e.ids) + len(document_e.ids) + len(tail_e.ids) + self._num_special
+            raise self._too_long(f"the prompt for document {index}", total, self.max_input_tokens)
+        document_e.truncate(room, direction="right")
+        return tokenizers.Encoding.merge([head_e, document_e, tail_e])
+
     def _too_long(self, what: str, tokens: int, limit: int) -> InvalidInput:
         return InvalidInput(
             f"{what} has {tokens} tokens, more than the model's limit of {limit}; shorten it or set truncate"
@@ -147,6 +183,45 @@ class TextTokenizer:
             pair = self._backend.post_process(query_encoding, document, True)
             types = list(pair.type_ids) if self._feeds_token_types else None
             out.append(Encoded(ids=pair.ids, token_type_ids=types))
+        return out
+
+    def encode_premise_pairs(
+        self, premises: list[str], hypotheses: list[str], truncate: bool, direction: TruncationDirection
+    ) -> list[Encoded]:
+        """Each premise with each hypothesis as one pair sequence (input-major), as the pipeline's tokenizer
+        call makes them: special tokens of a pair and its segment ids; with `truncate`, only the premise is
+        cut ("only_first"), from the `direction` side; the hypothesis never is.
+
+        (encode_pairs cuts the second text, the document, instead.)
+        """
+        backend, limit = self._backend, self.max_input_tokens
+        num_special = self._num_pair_special
+        hypothesis_encodings = backend.encode_batch([self._prepare(h) for h in hypotheses], add_special_tokens=False)
+        for label, hypothesis in enumerate(hypothesis_encodings):
+            if len(hypothesis.ids) + num_special >= limit:
+                raise InvalidInput(
+                    f"the hypothesis of candidate_labels[{label}] has {len(hypothesis.ids)} tokens, which leaves no "
+                    f"room for an input within the model's limit of {limit} tokens; shorten the label or "
+                    "hypothesis_template"
+                )
+        prepared = [self._prepare(p) for p in premises]
+        out = []
+        for index, premise in enumerate(backend.encode_batch(prepared, add_special_tokens=False)):
+            for label, hypothesis in enumerate(hypothesis_encodings):
+                room = limit - num_special - len(hypothesis.ids)
+                first = premise
+                if len(premise.ids) > room:
+                    if not truncate:
+                        total = len(premise.ids) + len(hypothesis.ids) + num_special
+                        raise self._too_long(
+                            f"input {index} with the hypothesis of candidate_labels[{label}]", total, limit
+                        )
+                    # Truncation cuts an encoding in place, and each hypothesis leaves its own room.
+                    first = backend.encode(prepared[index], add_special_tokens=False)
+                    first.truncate(room, direction=str(direction))
+                pair = backend.post_process(first, hypothesis, True)
+                types = list(pair.type_ids) if self._feeds_token_types else None
+                out.append(Encoded(ids=pair.ids, token_type_ids=types))
         return out
 
     def _template_ids(self, template: YesNoTemplate) -> tuple[list[int], list[int]]:

@@ -73,6 +73,10 @@ def _device(name: str) -> torch.device:
     return device
 
 
+# Model types whose attention adds T5's relative position bias.
+_RELATIVE_BIAS_TYPES = ("t5", "mt5")
+
+
 def _attention_spec(hf_config, device: torch.device, dtype: torch.dtype, is_causal: bool) -> AttentionSpec:
     return AttentionSpec(
         device=device,
@@ -81,7 +85,17 @@ def _attention_spec(hf_config, device: torch.device, dtype: torch.dtype, is_caus
         num_heads=hf_config.num_attention_heads,
         num_kv_heads=num_kv_heads(hf_config),
         is_causal=is_causal,
+        relative_bias=hf_config.model_type in _RELATIVE_BIAS_TYPES,
     )
+
+
+def _check_dtype(hf_config, dtype: torch.dtype, model_dir: Path) -> None:
+    # transformers keeps T5's feed-forward output in float32 and clamps infinities in float16; we do
+    # neither, and T5 v1.1 / Flan-T5 activations overflow float16's range.
+    if dtype == torch.float16 and hf_config.model_type in _RELATIVE_BIAS_TYPES:
+        raise ConfigError(
+            f"{model_dir}: T5 models overflow float16 (their activations pass its range); use --dtype bfloat16 or float32"
+        )
 
 
 def _max_positions(model_class: type, hf_config, model_dir: Path) -> int:
@@ -98,7 +112,10 @@ def _pooling_and_dimension(config: ModelConfig, task: TaskSpec, st: SentenceTran
         dimension = st.dense[-1].out_features if st.dense else hf_config.hidden_size
         return config.pooling or st.pooling or DEFAULT_POOLING, dimension
     if task.tasks != (Task.GENERATE,):
-        reads_last = task.template is not None or architecture_of(hf_config) in DECODER_CLASSIFIERS
+        reads_last = (
+            task.template is not None or task.prefill_decoder_input is not None
+            or architecture_of(hf_config) in DECODER_CLASSIFIERS
+        )
         return "lasttoken" if reads_last else "cls", 0
     return "", 0
 
@@ -108,14 +125,20 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
     if not (model_dir / "config.json").exists():
         raise ConfigError(f"--model {config.path}: no config.json there; give a local Hugging Face model directory")
     hf_config = read_hf_config(model_dir)
-    entry = registry.lookup(hf_config.model_type)
     st = read_sentence_transformers(model_dir)
+    entry = registry.lookup(
+        hf_config.model_type, architecture_of(hf_config), sentence_transformers=(model_dir / "modules.json").exists()
+    )
     device = _device(config.device)
     dtype = _DTYPES[config.torch_dtype_name]
+    _check_dtype(hf_config, dtype, model_dir)
     is_causal = registry.is_causal(hf_config, entry, config.attention)
     backend = select_backend(config.attention_backend, _attention_spec(hf_config, device, dtype, is_causal))
     files = checkpoint_files(model_dir, config.allow_pickle)
-    task = read_task_spec(model_dir, hf_config, is_causal, config.decoder_reranker, has_lm_head(hf_config, files))
+    task = read_task_spec(
+        model_dir, hf_config, is_causal, config.decoder_reranker, has_lm_head(hf_config, files),
+        is_encoder_decoder=entry.is_encoder_decoder,
+    )
     max_positions = _max_positions(entry.model_class, hf_config, model_dir)
     pooling, dimension = _pooling_and_dimension(config, task, st, hf_config)
     info = ModelInfo(
@@ -131,6 +154,7 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
         device=str(device),
         attention_backend=backend.name,
         labels=task.labels,
+        is_encoder_decoder=entry.is_encoder_decoder,
     )
     return ModelSpec(
         info=info, task=task, max_model_len=max_positions, model_dir=model_dir, hf_config=hf_config,

@@ -6,6 +6,10 @@
   `--no-decoder-reranker` turns that detection off.
 - A causal LM with an LM head generates. It also embeds (and reranks by cosine) when it comes as a
   sentence-transformers model (modules.json), as decoder embedders do.
+- A seq2seq model (BART, mBART, T5, mT5 *ForConditionalGeneration) generates; it is a monoT5-style
+  reranker instead (the `true` against `false` logit at the first decoder step) when `--decoder-reranker`
+  says so or its path names `monot5` or a reranker. BartForSequenceClassification classifies, reading
+  the decoder at the last token of the shifted input as transformers does.
 - Any other model embeds, and reranks by cosine similarity of query and document embeddings.
 """
 
@@ -40,6 +44,31 @@ class YesNoTemplate:
         return f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: "
 
 
+@dataclass(frozen=True)
+class Seq2SeqYesNoTemplate:
+    """A seq2seq reranker's encoder prompt, scored at the first decoder step by the `yes` token's logit
+    against the `no` token's (monoT5: softmax over [false, true] -> true = sigmoid of the difference)."""
+
+    before_query: str
+    before_document: str
+    after_document: str
+    yes_token: str
+    no_token: str
+    # Seq2seq rerankers take no instruction.
+    default_instruction: str = ""
+
+
+# monoT5's prompt and tokens, as pygaggle and the model cards use them.
+MONOT5 = Seq2SeqYesNoTemplate("Query: ", " Document: ", " Relevant:", yes_token="▁true", no_token="▁false")
+
+SEQ2SEQ_GENERATORS = (
+    "BartForConditionalGeneration",
+    "MBartForConditionalGeneration",
+    "T5ForConditionalGeneration",
+    "MT5ForConditionalGeneration",
+)
+
+
 # The template of the Qwen3-Reranker model card.
 QWEN3_RERANKER = YesNoTemplate(
     prefix=(
@@ -62,10 +91,15 @@ class TaskSpec:
     multi_label: bool = False
     # sentence-transformers CrossEncoder's activation for rerank scores: sigmoid, identity or tanh.
     rerank_activation: Activation = Activation.SIGMOID
-    template: YesNoTemplate | None = None
+    template: YesNoTemplate | Seq2SeqYesNoTemplate | None = None
     # Decoder classifiers score the last token that is not padding (transformers' rule): trailing
     # padding tokens are dropped before the model runs, which leaves earlier causal states unchanged.
     strip_trailing_pad_id: int | None = None
+    # Encoder-decoder models: the decoder's first token, and what the decoder reads on the prefill-only
+    # path: "start" (the start token alone: a yes/no reranker's first step) or "shifted" (the input shifted
+    # right behind the start token: BART's classifier). None for other models.
+    decoder_start_token_id: int | None = None
+    prefill_decoder_input: str | None = None
 
 
 def architecture_of(hf_config) -> str:
@@ -73,8 +107,14 @@ def architecture_of(hf_config) -> str:
 
 
 def is_decoder_reranker(model_dir: Path, architecture: str, flag: bool | None) -> bool:
-    """`--decoder-reranker` (True/False) decides for causal LMs; other models are never yes/no rerankers,
-    so one flag can serve a list of models of which only some are causal LMs."""
+    """`--decoder-reranker` (True/False) decides for causal LMs and seq2seq generators; other models are
+    never yes/no rerankers, so one flag can serve a list of models of which only some are such models.
+    Without the flag a path naming a reranker (or monoT5, for seq2seq models) decides."""
+    if architecture in SEQ2SEQ_GENERATORS:
+        if flag is not None:
+            return flag
+        path = str(model_dir).lower()
+        return "monot5" in path or "reranker" in path
     if not architecture.endswith("ForCausalLM"):
         if flag:
             logger.warning("%s is %s, not a causal LM: --decoder-reranker does not apply", model_dir, architecture)
@@ -113,9 +153,12 @@ def rerank_activation(model_dir: Path, hf_config, num_labels: int) -> Activation
 
 
 def read_task_spec(
-    model_dir: Path, hf_config, is_causal: bool, decoder_reranker: bool | None, has_lm_head: bool = False
+    model_dir: Path, hf_config, is_causal: bool, decoder_reranker: bool | None, has_lm_head: bool = False,
+    is_encoder_decoder: bool = False,
 ) -> TaskSpec:
     architecture = architecture_of(hf_config)
+    if is_encoder_decoder:
+        return _seq2seq_task_spec(model_dir, hf_config, decoder_reranker)
     if is_decoder_reranker(model_dir, architecture, decoder_reranker):
         return TaskSpec(tasks=(Task.RERANK,), rerank_mode=RerankMode.TEMPLATE, template=QWEN3_RERANKER)
     if architecture.endswith("ForCausalLM") and is_causal and has_lm_head:
@@ -124,8 +167,7 @@ def read_task_spec(
         return TaskSpec(tasks=(Task.GENERATE,))
     if architecture not in SEQUENCE_CLASSIFIERS:
         return TaskSpec(tasks=(Task.EMBED, Task.RERANK), rerank_mode=RerankMode.EMBEDDINGS)
-    id2label = getattr(hf_config, "id2label", None) or {}
-    labels = tuple(str(id2label[i]) for i in sorted(id2label, key=int))
+    labels = _labels(hf_config)
     is_decoder = architecture in DECODER_CLASSIFIERS
     single = len(labels) == 1
     return TaskSpec(
@@ -136,3 +178,33 @@ def read_task_spec(
         rerank_activation=rerank_activation(model_dir, hf_config, len(labels)),
         strip_trailing_pad_id=getattr(hf_config, "pad_token_id", None) if is_decoder and is_causal else None,
     )
+
+
+def _seq2seq_task_spec(model_dir: Path, hf_config, decoder_reranker: bool | None) -> TaskSpec:
+    architecture = architecture_of(hf_config)
+    start = getattr(hf_config, "decoder_start_token_id", None)
+    if start is None:
+        raise ConfigError(f"{model_dir}: an encoder-decoder config needs decoder_start_token_id")
+    if architecture in SEQUENCE_CLASSIFIERS:
+        labels = _labels(hf_config)
+        return TaskSpec(
+            tasks=(Task.CLASSIFY,), labels=labels,
+            multi_label=getattr(hf_config, "problem_type", None) == "multi_label_classification",
+            decoder_start_token_id=start, prefill_decoder_input="shifted",
+        )
+    if architecture not in SEQ2SEQ_GENERATORS:
+        raise ConfigError(
+            f"{model_dir}: encoder-decoder architecture {architecture or '(none)'} is not supported; supported: "
+            f"{', '.join(SEQ2SEQ_GENERATORS + ('BartForSequenceClassification',))}"
+        )
+    if is_decoder_reranker(model_dir, architecture, decoder_reranker):
+        return TaskSpec(
+            tasks=(Task.RERANK,), rerank_mode=RerankMode.TEMPLATE, template=MONOT5,
+            decoder_start_token_id=start, prefill_decoder_input="start",
+        )
+    return TaskSpec(tasks=(Task.GENERATE,), decoder_start_token_id=start)
+
+
+def _labels(hf_config) -> tuple[str, ...]:
+    id2label = getattr(hf_config, "id2label", None) or {}
+    return tuple(str(id2label[i]) for i in sorted(id2label, key=int))

@@ -139,6 +139,7 @@ def model_info(info: ModelInfo, kv_cache: KvCacheUsage | None = None) -> pb.Mode
         device=info.device,
         attention_backend=info.attention_backend,
         labels=list(info.labels),
+        is_encoder_decoder=info.is_encoder_decoder,
         kv_cache=pb.KvCache(
             block_size=kv_cache.block_size,
             total_blocks=kv_cache.total_blocks,
@@ -268,17 +269,36 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         summary = call_summary(result.prompt_tokens, result.timing, engine.info.name, received)
         return pb.RerankResponse(results=results, **summary)
 
+    def _check_candidate_labels(self, request: pb.ClassifyRequest, num_inputs: int) -> int:
+        """Zero-shot fields within the character limit; returns the sequences the call runs (one per input,
+        or per input and candidate label), which count against --max-client-batch-size and in-flight."""
+        for index, label in enumerate(request.candidate_labels):
+            self._check_chars(label, f"candidate_labels[{index}]")
+        self._check_chars(request.hypothesis_template, "hypothesis_template")
+        num_labels = len(request.candidate_labels)
+        pairs = num_inputs * max(num_labels, 1)
+        if pairs > self.config.max_client_batch_size:
+            raise InvalidInput(
+                f"{num_inputs} inputs x {num_labels} candidate_labels make {pairs} pairs, more than "
+                f"--max-client-batch-size {self.config.max_client_batch_size}; split the call"
+            )
+        return pairs
+
     @unary_call
     async def Classify(self, request, context, call):
         received = time.perf_counter()
         engine = self._engine(request.model, call)
         texts = self._check_inputs(request.inputs)
+        sequences = self._check_candidate_labels(request, len(texts))
         params = ClassifyParams(
             truncate=request.truncate,
             truncation_direction=_direction(request.truncation_direction),
             raw_scores=request.raw_scores,
+            candidate_labels=tuple(request.candidate_labels),
+            hypothesis_template=request.hypothesis_template,
+            multi_label=request.multi_label,
         )
-        with self.limiter.hold(len(texts)):
+        with self.limiter.hold(sequences):
             result = await engine.classify(texts, params)
         call.answered(len(texts), result.prompt_tokens, result.timing)
         classifications = [
@@ -296,9 +316,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Generate(self, request, context, call):
         engine = self._engine(request.model, call)
         self._check_chars(request.prompt, "prompt")
+        self._check_chars(request.decoder_prompt, "decoder_prompt")
         params = sampling_params(request)
         with self.limiter.hold(1):
-            async for delta in engine.generate(request.prompt, params):
+            async for delta in engine.generate(request.prompt, params, decoder_prompt=request.decoder_prompt):
                 if delta.finish_reason is not None:
                     call.answered(1, delta.prompt_tokens)
                     metrics.GENERATED_TOKENS.labels(call.model).inc(delta.completion_tokens)

@@ -11,9 +11,14 @@ from embedserv.errors import ConfigError
 from embedserv.models.heads import Dense, EmbeddingPooler
 from embedserv.models.lm_head import build_lm_head
 from embedserv.models.loader import build_model, load_dense_weights
-from embedserv.models.score_head import YesNoTokens, build_classifier_head, build_yes_no_head
+from embedserv.models.score_head import (
+    YesNoTokens,
+    build_classifier_head,
+    build_seq2seq_yes_no_head,
+    build_yes_no_head,
+)
 from embedserv.models.spec import DEFAULT_POOLING, ModelSpec
-from embedserv.models.tasks import architecture_of
+from embedserv.models.tasks import Seq2SeqYesNoTemplate, architecture_of
 from embedserv.types import Task
 from embedserv.worker.kv_cache import KvCache, allocate_kv_caches, kv_cache_groups, num_kv_blocks
 from embedserv.worker.model_runner import ModelRunner
@@ -31,12 +36,17 @@ def _embedding_pooler(config: ModelConfig, spec: ModelSpec) -> EmbeddingPooler:
     return EmbeddingPooler(pooling, dense).eval().requires_grad_(False)
 
 
-def _yes_no_tokens(spec: ModelSpec) -> YesNoTokens:
-    # The one head that needs the tokenizer: a yes/no reranker reads the rows of "yes" and "no".
+def _token_ids(spec: ModelSpec, yes: str, no: str) -> tuple[int, int]:
+    # The one head that needs the tokenizer: a yes/no reranker reads the rows of its yes and no tokens.
     backend = AutoTokenizer.from_pretrained(str(spec.model_dir), trust_remote_code=False).backend_tokenizer
-    yes_id, no_id = backend.token_to_id("yes"), backend.token_to_id("no")
+    yes_id, no_id = backend.token_to_id(yes), backend.token_to_id(no)
     if yes_id is None or no_id is None:
-        raise ConfigError(f"{spec.model_dir}: a yes/no reranker needs 'yes' and 'no' tokens; its tokenizer lacks them")
+        raise ConfigError(f"{spec.model_dir}: a yes/no reranker needs {yes!r} and {no!r} tokens; its tokenizer lacks them")
+    return yes_id, no_id
+
+
+def _yes_no_tokens(spec: ModelSpec) -> YesNoTokens:
+    yes_id, no_id = _token_ids(spec, "yes", "no")
     return YesNoTokens(yes_id=yes_id, no_id=no_id)
 
 
@@ -48,7 +58,11 @@ def _row_head(config: ModelConfig, spec: ModelSpec):
     if tasks == (Task.GENERATE,):
         return None
     hidden = spec.hf_config.hidden_size
-    if spec.task.template is not None:
+    if isinstance(spec.task.template, Seq2SeqYesNoTemplate):
+        template = spec.task.template
+        yes_id, no_id = _token_ids(spec, template.yes_token, template.no_token)
+        head = build_seq2seq_yes_no_head(spec.hf_config, spec.files, yes_id, no_id)
+    elif spec.task.template is not None:
         tied = bool(getattr(spec.hf_config, "tie_word_embeddings", True))
         head = build_yes_no_head(hidden, _yes_no_tokens(spec), tied, spec.files)
     else:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from embedserv_client import AsyncClient, Client, EmbedservError
-from tests.helpers.client import inference_stub, response_matrix
+from tests.helpers.client import response_matrix
 from tests.helpers.client_drivers import driver
 from tests.helpers.metrics import scrape
 from tests.helpers.scorers import every_task_models
@@ -49,19 +49,6 @@ def server(tmp_path_factory, bundled_dir):
 @pytest.fixture(scope="module")
 def target(server) -> str:
     return server[0]
-
-
-@pytest.fixture(scope="module")
-def stub(target):
-    with grpc.insecure_channel(target) as channel:
-        yield inference_stub(channel)
-
-
-@pytest.fixture(scope="module")
-def pb():
-    from embedserv.v1 import embedserv_pb2
-
-    return embedserv_pb2
 
 
 @pytest.fixture(params=["sync", "async"])

@@ -51,13 +51,6 @@ def stub(channel):
 
 
 @pytest.fixture(scope="module")
-def pb():
-    from embedserv.v1 import embedserv_pb2
-
-    return embedserv_pb2
-
-
-@pytest.fixture(scope="module")
 def texts() -> list[str]:
     return stdlib_texts(NUM_TEXTS, seed=0)
 

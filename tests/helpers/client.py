@@ -49,3 +49,20 @@ def outcome(future) -> grpc.StatusCode:
     except grpc.RpcError as err:
         return err.code()
     return grpc.StatusCode.OK
+
+
+def serve_fake_inference(servicer):
+    """Serves a fake Inference servicer (the client package's stubs) on a free local port in this process;
+    yields (servicer, target) and stops the server on exit. For generator fixtures."""
+    from concurrent import futures
+
+    from embedserv_client.v1 import embedserv_pb2_grpc as client_pb_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    client_pb_grpc.add_InferenceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield servicer, f"127.0.0.1:{port}"
+    finally:
+        server.stop(None)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent import futures
 
 import grpc
 import numpy as np
@@ -17,6 +16,7 @@ import pytest
 from embedserv_client import NO_RETRY, AsyncClient, Client, EmbedservError, RetryPolicy
 from embedserv_client.v1 import embedserv_pb2 as pb
 from embedserv_client.v1 import embedserv_pb2_grpc as pb_grpc
+from tests.helpers.client import serve_fake_inference
 
 FAST = RetryPolicy(max_attempts=4, initial_backoff=0.01, max_backoff=0.05)
 VECTOR = np.arange(4, dtype=np.float32)
@@ -60,13 +60,7 @@ class Scripted(pb_grpc.InferenceServicer):
 
 @pytest.fixture
 def scripted():
-    servicer = Scripted()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    pb_grpc.add_InferenceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield servicer, f"127.0.0.1:{port}"
-    server.stop(None)
+    yield from serve_fake_inference(Scripted())
 
 
 def embed(kind: str, target: str, texts, **client_kwargs):

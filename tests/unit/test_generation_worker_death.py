@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from embedserv.engine.generation import GenerationStreams
+from embedserv.engine.generation import GenerationStreams, PreparedPrompt
 from embedserv.engine.step_loop import WorkerLoop
 from embedserv.errors import NotReady
 from embedserv.executor.base import WorkerDied, WorkerStats
@@ -124,7 +124,8 @@ async def collect(streams, tokens, max_tokens: int, deltas: list | None = None, 
     deltas = [] if deltas is None else deltas
 
     async def go():
-        async for delta in streams.stream(list(tokens), FakeDetokenizer(), SamplingParams(max_tokens=max_tokens)):
+        prompt = PreparedPrompt(list(tokens), FakeDetokenizer())
+        async for delta in streams.stream(prompt, SamplingParams(max_tokens=max_tokens)):
             deltas.append(delta)
 
     await asyncio.wait_for(go(), timeout)

@@ -92,11 +92,16 @@ class AsyncClient(ClientSettings):
         raw_scores: bool = False,
         truncate: bool = False,
         truncation_direction: str = "right",
+        candidate_labels: Sequence[str] | str | None = None,
+        hypothesis_template: str = "",
+        multi_label: bool = False,
         model: str | None = None,
         timeout: float | None = None,
     ) -> Classification | list[Classification]:
         items, single = plans.as_list(texts, "texts")
-        fields = self.classify_fields(model, raw_scores, truncate, truncation_direction)
+        fields = self.classify_fields(
+            model, raw_scores, truncate, truncation_direction, candidate_labels, hypothesis_template, multi_label
+        )
         deadline = self.deadline(timeout)
         size = await self._batch_size(deadline)
         return await self._run(plans.classify_plan(items, size, single, **fields), deadline)
@@ -127,12 +132,14 @@ class AsyncClient(ClientSettings):
         seed: int | None = None,
         stop: Sequence[str] | str | None = None,
         ignore_eos: bool = False,
+        decoder_prompt: str = "",
         model: str | None = None,
         timeout: float | None = None,
     ) -> AsyncTextStream:
         """`async for text in client.generate(...)` (no await before it)."""
         request = plans.generate_request(
-            prompt, self.model_name(model), max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos
+            prompt, self.model_name(model), max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos,
+            decoder_prompt,
         )
         return AsyncTextStream(
             lambda left: self._stub.Generate(request, timeout=left, metadata=self.metadata),

@@ -94,12 +94,26 @@ class ClientSettings:
             instruction=instruction,
         )
 
-    def classify_fields(self, model: str | None, raw_scores: bool, truncate: bool, truncation_direction: str) -> dict:
+    def classify_fields(
+        self,
+        model: str | None,
+        raw_scores: bool,
+        truncate: bool,
+        truncation_direction: str,
+        candidate_labels: Sequence[str] | str | None = None,
+        hypothesis_template: str = "",
+        multi_label: bool = False,
+    ) -> dict:
+        if isinstance(candidate_labels, str):
+            candidate_labels = [candidate_labels]
         return dict(
             model=self.model_name(model),
             raw_scores=raw_scores,
             truncate=truncate,
             truncation_direction=plans.direction(truncation_direction),
+            candidate_labels=list(candidate_labels or ()),
+            hypothesis_template=hypothesis_template,
+            multi_label=multi_label,
         )
 
     def tokenize_fields(self, model: str | None, add_special_tokens: bool, prompt_name: str | None) -> dict:

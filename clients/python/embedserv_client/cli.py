@@ -50,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
     classify = commands.add_parser("classify", help="label texts")
     classify.add_argument("texts", nargs="+", metavar="TEXT")
     classify.add_argument("--truncate", action="store_true")
+    classify.add_argument("--label", dest="candidate_labels", action="append", default=[],
+                          help="a candidate label for zero-shot classification with an NLI model (repeat it)")
+    classify.add_argument("--hypothesis-template", default="", help='default: "This example is {}."')
+    classify.add_argument("--multi-label", action="store_true", help="score each --label on its own")
 
     generate = commands.add_parser("generate", help="generate text from a prompt")
     generate.add_argument("prompt")
@@ -57,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--seed", type=int)
     generate.add_argument("--stop", action="append", default=[])
+    generate.add_argument("--decoder-prompt", default="", help="encoder-decoder models: the decoder's start")
 
     tokenize = commands.add_parser("tokenize", help="tokens as the model sees them")
     tokenize.add_argument("texts", nargs="+", metavar="TEXT")
@@ -88,11 +93,18 @@ def _run(client: Client, args: argparse.Namespace) -> tuple[dict, int]:
         results = client.rerank(args.query, args.documents, top_n=args.top_n, truncate=args.truncate)
         return {"results": [dataclasses.asdict(r) | {"document": args.documents[r.index]} for r in results]}, 0
     if args.command == "classify":
-        classifications = client.classify(args.texts, truncate=args.truncate)
+        classifications = client.classify(
+            args.texts,
+            truncate=args.truncate,
+            candidate_labels=args.candidate_labels,
+            hypothesis_template=args.hypothesis_template,
+            multi_label=args.multi_label,
+        )
         return {"classifications": [dataclasses.asdict(c) for c in classifications]}, 0
     if args.command == "generate":
         stream = client.generate(
-            args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, stop=args.stop
+            args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, stop=args.stop,
+            decoder_prompt=args.decoder_prompt,
         )
         text = stream.text()
         return {"text": text, "finish_reason": stream.finish_reason, "usage": dataclasses.asdict(stream.usage)}, 0

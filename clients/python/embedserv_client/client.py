@@ -105,12 +105,21 @@ class Client(ClientSettings):
         raw_scores: bool = False,
         truncate: bool = False,
         truncation_direction: str = "right",
+        candidate_labels: Sequence[str] | str | None = None,
+        hypothesis_template: str = "",
+        multi_label: bool = False,
         model: str | None = None,
         timeout: float | None = None,
     ) -> Classification | list[Classification]:
-        """One Classification per text (one, not a list, for one string)."""
+        """One Classification per text (one, not a list, for one string).
+
+        `candidate_labels` (an NLI model): zero-shot classification into these labels, in this order, with
+        each label put into `hypothesis_template` (default "This example is {}."); `multi_label` scores
+        each label on its own instead of a softmax across them."""
         items, single = plans.as_list(texts, "texts")
-        fields = self.classify_fields(model, raw_scores, truncate, truncation_direction)
+        fields = self.classify_fields(
+            model, raw_scores, truncate, truncation_direction, candidate_labels, hypothesis_template, multi_label
+        )
         deadline = self.deadline(timeout)
         return self._run(plans.classify_plan(items, self._batch_size(deadline), single, **fields), deadline)
 
@@ -139,12 +148,14 @@ class Client(ClientSettings):
         seed: int | None = None,
         stop: Sequence[str] | str | None = None,
         ignore_eos: bool = False,
+        decoder_prompt: str = "",
         model: str | None = None,
         timeout: float | None = None,
     ) -> TextStream:
         """An iterator of text deltas; `.finish_reason` and `.usage` are set once it ends."""
         request = plans.generate_request(
-            prompt, self.model_name(model), max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos
+            prompt, self.model_name(model), max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos,
+            decoder_prompt,
         )
         return TextStream(
             lambda left: self._stub.Generate(request, timeout=left, metadata=self.metadata),

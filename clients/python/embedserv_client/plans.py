@@ -105,13 +105,18 @@ def rerank_plan(query: str, documents: list[str], size: int, top_n: int | None, 
 
 
 def classify_plan(texts: list[str], size: int, single: bool, **fields) -> Plan:
-    requests = [pb.ClassifyRequest(inputs=part, **fields) for part in chunks(texts, size)]
+    """With candidate labels every (text, label) pair is one of the server's inputs, so each request
+    carries at most size // labels texts (at least one; a text with more labels than that is the server's
+    to refuse). Scores do not depend on the other texts, so the parts simply concatenate."""
+    per_text = max(len(fields.get("candidate_labels") or ()), 1)
+    part_size = max(size // per_text, 1)
+    requests = [pb.ClassifyRequest(inputs=part, **fields) for part in chunks(texts, part_size)]
 
     def merge(replies: list[pb.ClassifyResponse]) -> Classification | list[Classification]:
         results = [Classification.from_proto(c) for reply in replies for c in reply.classifications]
         return results[0] if single else results
 
-    return Plan("Classify", requests, merge, min(size, len(texts)))
+    return Plan("Classify", requests, merge, min(part_size, len(texts)) * per_text)
 
 
 def tokenize_plan(texts: list[str], size: int, single: bool, **fields) -> Plan:
@@ -138,6 +143,7 @@ def generate_request(
     seed: int | None,
     stop: Sequence[str] | str | None,
     ignore_eos: bool,
+    decoder_prompt: str = "",
 ) -> pb.GenerateRequest:
     if isinstance(stop, str):
         stop = [stop]
@@ -150,6 +156,7 @@ def generate_request(
         top_k=top_k,
         stop=list(stop or ()),
         ignore_eos=ignore_eos,
+        decoder_prompt=decoder_prompt,
     )
     if seed is not None:
         request.seed = seed

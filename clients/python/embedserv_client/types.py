@@ -82,6 +82,7 @@ class ModelInfo:
     attention_backend: str
     labels: tuple[str, ...]
     kv_cache: KvCache | None = None
+    is_encoder_decoder: bool = False
 
     @classmethod
     def from_proto(cls, m: pb.ModelInfo) -> ModelInfo:
@@ -104,6 +105,7 @@ class ModelInfo:
                 if m.HasField("kv_cache")
                 else None
             ),
+            is_encoder_decoder=m.is_encoder_decoder,
         )
 
 
@@ -118,7 +120,8 @@ class RerankResult:
 
 @dataclass(frozen=True)
 class Classification:
-    """The best label and its score, and every label's score in the model's label order."""
+    """The best label and its score, and every label's score in the model's label order (zero-shot: the
+    candidate labels, in the order given)."""
 
     label: str
     score: float

@@ -1,5 +1,6 @@
 """Zero-shot Classify and the new request fields over gRPC: one server with a tiny NLI classifier, a
-sentiment classifier (no entailment label) and a tiny decoder-only generator.
+sentiment classifier (no entailment label), a tiny decoder-only generator and a tiny T5 (encoder-decoder:
+Generate with a decoder_prompt equals transformers' greedy generate).
 
 Candidate labels come back in the request's order with the pipeline's scores (the client too, sync and
 async); bad zero-shot fields, too many pairs and a decoder_prompt for a decoder-only model are
@@ -16,9 +17,10 @@ from tests.helpers.client import RPC_TIMEOUT_S
 from tests.helpers.client_drivers import driver
 from tests.helpers.models import build_tiny_generator
 from tests.helpers.nli_models import build_nli_classifier, zero_shot_reference
+from tests.helpers.seq2seq_models import build_tiny_t5
 from tests.helpers.server import running_server
 
-NLI, SENTIMENT, GEN = "nli", "sentiment", "gen"
+NLI, SENTIMENT, GEN, T5 = "nli", "sentiment", "gen", "t5"
 SERVER_BATCH = 8
 TEXTS = [
     "The cat slept on the warm windowsill all afternoon.",
@@ -35,6 +37,7 @@ def model_dirs(tmp_path_factory):
         NLI: build_nli_classifier(root, "bert"),
         SENTIMENT: build_nli_classifier(root, "bert", labels=("negative", "neutral", "positive"), seed=1),
         GEN: build_tiny_generator(root, "llama", seed=5),
+        T5: build_tiny_t5(root, variant="v1.1", tied=False),
     }
 
 
@@ -82,7 +85,24 @@ def test_list_models_reports_is_encoder_decoder(stub, pb):
     models = {m.name: m for m in stub.ListModels(pb.ListModelsRequest(), timeout=RPC_TIMEOUT_S).models}
 
     assert not models[GEN].is_encoder_decoder and not models[NLI].is_encoder_decoder
+    assert models[T5].is_encoder_decoder and models[T5].kv_cache.total_blocks > 0
     assert list(models[NLI].labels) == ["contradiction", "neutral", "entailment"]
+
+
+def test_generate_on_an_encoder_decoder_model_with_a_decoder_prompt(stub, pb, model_dirs):
+    from tests.models.test_seq2seq_generation import MAX_TOKENS, hf_generate
+
+    prompt, decoder_prompt = "Return the JSON object for the file name.", "The file"
+    expected = hf_generate(model_dirs[T5], [prompt], [decoder_prompt])[0]
+    request = pb.GenerateRequest(model=T5, prompt=prompt, decoder_prompt=decoder_prompt, max_tokens=MAX_TOKENS)
+    responses = list(stub.Generate(request, timeout=RPC_TIMEOUT_S))
+    assert [t for r in responses for t in r.token_ids] == expected
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dirs[T5]))
+    # Usage: the encoder's tokens, the decoder's start token and the decoder prompt's tokens.
+    decoder_tokens = len(tokenizer(decoder_prompt, add_special_tokens=False).input_ids)
+    assert responses[-1].usage.prompt_tokens == len(tokenizer(prompt).input_ids) + 1 + decoder_tokens
 
 
 def _refusal(call) -> str:

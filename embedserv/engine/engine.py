@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from embedserv.config import ModelConfig
-from embedserv.engine import zero_shot
+from embedserv.engine import checks, zero_shot
 from embedserv.engine.generation import GenerationStreams, prepare_prompt
 from embedserv.engine.loading import ServedModel, log_spec, read_served_model
 from embedserv.engine.outputs import activate, cosine_to_first, finish_embeddings, rank
@@ -46,7 +46,6 @@ from embedserv.types import (
     Task,
     Timing,
     TokenizedText,
-    TruncationDirection,
 )
 from embedserv.engine.prefill import PrefillQueue
 from embedserv.engine.step_loop import WorkerLoop
@@ -226,7 +225,7 @@ class Engine:
         followed by `decoder_prompt`; decoder-only models refuse a decoder_prompt.
 
         The tokenized request goes to the ready worker with the fewest streams and stays there (its KV)."""
-        self._require(Task.GENERATE, "Generate")
+        checks.require(self.info, Task.GENERATE, "Generate")
         if decoder_prompt and not self.info.is_encoder_decoder:
             raise InvalidInput(
                 f"decoder_prompt is only for encoder-decoder models; model {self.info.name!r} is decoder-only "
@@ -260,8 +259,8 @@ class Engine:
 
     async def embed(self, texts: list[str], params: EmbedParams) -> EmbedResult:
         received = time.perf_counter()
-        self._require(Task.EMBED, "Embed")
-        self._check_params(texts, params)
+        checks.require(self.info, Task.EMBED, "Embed")
+        checks.check_embed(self.info, self.tokenizer, texts, params)
         encoded = await self._tokenize_with(
             self.tokenizer.encode_batch, texts, params.truncate, params.truncation_direction, params.prompt_name
         )
@@ -276,11 +275,11 @@ class Engine:
         """Documents scored against the query, best first: by the model's score head (cross-encoders,
         yes/no rerankers) or by cosine similarity of embeddings (embedders)."""
         received = time.perf_counter()
-        self._require(Task.RERANK, "Rerank")
-        self._check_rerank(query, documents, params)
+        checks.require(self.info, Task.RERANK, "Rerank")
+        checks.check_rerank(self.info, self.task, query, documents, params)
         mode = self.task.rerank_mode
         if mode is RerankMode.EMBEDDINGS:
-            encoded = await self._tokenize_with(self._encode_for_cosine, query, documents, params.truncate)
+            encoded = await self._tokenize_with(self.tokenizer.encode_for_cosine, query, documents, params.truncate)
         elif mode is RerankMode.PAIR:
             encoded = await self._tokenize_with(self.tokenizer.encode_pairs, query, documents, params.truncate)
         elif isinstance(self.task.template, Seq2SeqYesNoTemplate):
@@ -303,10 +302,10 @@ class Engine:
     async def classify(self, texts: list[str], params: ClassifyParams) -> ClassifyResult:
         """Every label's score per input; with candidate_labels, those labels' zero-shot scores (an NLI model)."""
         received = time.perf_counter()
-        self._require(Task.CLASSIFY, "Classify")
+        checks.require(self.info, Task.CLASSIFY, "Classify")
         if not texts:
             raise InvalidInput("inputs is empty; send at least one text")
-        self._check_direction(params.truncation_direction)
+        checks.check_direction(params.truncation_direction)
         zero_shot.check_options(params.candidate_labels, params.hypothesis_template, params.multi_label)
         if params.candidate_labels:
             return await self._classify_zero_shot(texts, params, received)
@@ -332,21 +331,6 @@ class Engine:
         return ClassifyResult(
             scores=scores, labels=tuple(params.candidate_labels), prompt_tokens=prompt_tokens, timing=timing
         )
-
-    def _encode_for_cosine(self, query: str, documents: list[str], truncate: bool) -> list[Encoded]:
-        """The query (never cut) and the documents with the prompts sentence-transformers' encode_query /
-        encode_document pick: "query"; "document", "passage" or "corpus"; else the default prompt."""
-        prompts = self.tokenizer.prompts
-        query_prompt = "query" if "query" in prompts else None
-        document_prompt = next((n for n in ("document", "passage", "corpus") if n in prompts), None)
-        try:
-            encoded_query = self.tokenizer.encode_batch([query], False, TruncationDirection.RIGHT, query_prompt)
-        except InvalidInput:
-            raise InvalidInput(
-                f"the query is longer than the model's limit of {self.tokenizer.max_input_tokens} tokens "
-                "(queries are never truncated); shorten the query"
-            ) from None
-        return encoded_query + self.tokenizer.encode_batch(documents, truncate, TruncationDirection.RIGHT, document_prompt)
 
     async def _tokenize_with(self, encode, *args) -> list[Encoded]:
         """Runs a tokenizer method in the tokenizer pool (never on the event loop)."""
@@ -393,38 +377,3 @@ class Engine:
         return await loop.run_in_executor(
             self._tokenizer_pool, self.tokenizer.tokenize, texts, add_special_tokens, prompt_name
         )
-
-    def _require(self, task: Task, rpc: str) -> None:
-        if task not in self.info.tasks:
-            tasks = ", ".join(t.value for t in self.info.tasks)
-            raise InvalidInput(f"model {self.info.name!r} cannot serve {rpc}; it serves: {tasks}")
-
-    @staticmethod
-    def _check_direction(direction: str) -> None:
-        if direction not in tuple(TruncationDirection):
-            raise InvalidInput(f"truncation_direction must be right or left, not {direction!r}")
-
-    def _check_params(self, texts: list[str], params: EmbedParams) -> None:
-        if not texts:
-            raise InvalidInput("inputs is empty; send at least one text")
-        if params.dimensions is not None and not 1 <= params.dimensions <= self.info.dimension:
-            raise InvalidInput(
-                f"dimensions must be between 1 and the model's dimension {self.info.dimension}, "
-                f"not {params.dimensions}"
-            )
-        self._check_direction(params.truncation_direction)
-        # Unknown prompt names fail before any tokenizing.
-        self.tokenizer.resolve_prompt(params.prompt_name)
-
-    def _check_rerank(self, query: str, documents: list[str], params: RerankParams) -> None:
-        if not query:
-            raise InvalidInput("query is empty; send the text to rank documents against")
-        if not documents:
-            raise InvalidInput("documents is empty; send at least one document to rank")
-        if params.top_n is not None and params.top_n < 1:
-            raise InvalidInput(f"top_n must be at least 1 (or unset for all results), not {params.top_n}")
-        if params.instruction and (self.task.template is None or not self.task.template.default_instruction):
-            raise InvalidInput(
-                f"model {self.info.name!r} takes no instruction (only instruction-following rerankers do); "
-                "leave instruction empty"
-            )

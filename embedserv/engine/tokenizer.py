@@ -185,6 +185,21 @@ class TextTokenizer:
             out.append(Encoded(ids=pair.ids, token_type_ids=types))
         return out
 
+    def encode_for_cosine(self, query: str, documents: list[str], truncate: bool) -> list[Encoded]:
+        """The query (never cut) and the documents with the prompts sentence-transformers' encode_query /
+        encode_document pick: "query"; "document", "passage" or "corpus"; else the default prompt."""
+        prompts = self.prompts
+        query_prompt = "query" if "query" in prompts else None
+        document_prompt = next((n for n in ("document", "passage", "corpus") if n in prompts), None)
+        try:
+            encoded_query = self.encode_batch([query], False, TruncationDirection.RIGHT, query_prompt)
+        except InvalidInput:
+            raise InvalidInput(
+                f"the query is longer than the model's limit of {self.max_input_tokens} tokens "
+                "(queries are never truncated); shorten the query"
+            ) from None
+        return encoded_query + self.encode_batch(documents, truncate, TruncationDirection.RIGHT, document_prompt)
+
     def encode_premise_pairs(
         self, premises: list[str], hypotheses: list[str], truncate: bool, direction: TruncationDirection
     ) -> list[Encoded]:

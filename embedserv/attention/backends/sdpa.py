@@ -17,9 +17,7 @@ never reads the cache; a chunk with context reads its blocks. Paged cross-attent
 the cache (the step's encoder keys, when given, are written first): the same calls, never causal. All
 of it is planned once per step.
 
-T5's relative position bias goes in as a float mask, [heads, len_q, len_k] by distance (with -inf where
-causal hides a key): one per run length, decode batch or chunk, made by the step's first layer of a stack
-and kept in the metadata for the others.
+T5's relative position bias goes in as a float mask, [heads, len_q, len_k] by distance (sdpa_bias.py).
 """
 
 from __future__ import annotations
@@ -31,9 +29,10 @@ import torch
 import torch.nn.functional as F
 
 from embedserv.attention.backends.base import (
-    PagedBackendBase, gather_blocks, relative_bias_table, step_memo, write_kv,
+    PagedBackendBase, gather_blocks, relative_bias_table, write_kv,
 )
 from embedserv.attention.backends.naive import future_mask
+from embedserv.attention.backends.sdpa_bias import chunk_bias, decode_bias, mask_dtype, run_bias
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
 
 
@@ -191,7 +190,7 @@ class SdpaBackend(PagedBackendBase):
             if table is None:
                 parts.append(self._attend(layer, q[r.rows], k[r.rows], v[r.rows], r, meta.is_causal, gqa))
             else:
-                mask = _run_bias(layer, table, meta, r.length, _mask_dtype(q))
+                mask = run_bias(layer, table, meta, r.length, mask_dtype(q))
                 parts.append(self._attend(layer, q[r.rows], k[r.rows], v[r.rows], r, False, gqa, mask))
         return _concat(parts)
 
@@ -208,13 +207,6 @@ class SdpaBackend(PagedBackendBase):
 
 def _uses_matmuls(q: torch.Tensor, len_q: int) -> bool:
     return q.device.type == "cpu" and q.dtype == torch.bfloat16 and len_q >= _CPU_BF16_MATMUL_MIN_LENGTH
-
-
-def _mask_dtype(q: torch.Tensor) -> torch.dtype:
-    """A float mask's dtype: float32 on CPU, where SDPA takes it with bfloat16 queries and is the more
-    exact for it (rounding T5's bias to bfloat16 moved outputs by up to 0.04), and the matmuls add it
-    and softmax in float32; q's elsewhere, what the CUDA kernels take."""
-    return torch.float32 if q.device.type == "cpu" else q.dtype
 
 
 def _attend_batched(scale: float, qb, kb, vb, is_causal: bool, gqa: bool, mask=None) -> torch.Tensor:
@@ -310,17 +302,17 @@ def _forward_paged(layer, q, k, v, kv_cache, meta: SdpaMetadata) -> torch.Tensor
         keys, values = gather_blocks(kv_cache, plan.decode_tables)
         queries = q[plan.decode_rows]
         if q.device.type == "cpu" and q.dtype == torch.bfloat16:
-            mask = plan.decode_mask if table is None else _decode_bias(layer, table, meta, torch.float32)
+            mask = plan.decode_mask if table is None else decode_bias(layer, table, meta, torch.float32)
             out[plan.decode_rows] = _decode_with_matmuls(queries, keys, values, mask, layer.scale)
         else:
-            mask = plan.decode_mask if table is None else _decode_bias(layer, table, meta, _mask_dtype(q))
+            mask = plan.decode_mask if table is None else decode_bias(layer, table, meta, mask_dtype(q))
             attended = F.scaled_dot_product_attention(
                 queries.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
                 attn_mask=mask, scale=layer.scale, enable_gqa=gqa,
             )
             out[plan.decode_rows] = attended.squeeze(2)
     for index, chunk in enumerate(plan.chunks):
-        bias = None if table is None else _chunk_bias(layer, table, meta, index, _mask_dtype(q))
+        bias = None if table is None else chunk_bias(layer, table, meta, index, mask_dtype(q))
         out[chunk.rows] = _attend_chunk(layer, q[chunk.rows], k, v, kv_cache, chunk, gqa, bias)
     return out
 
@@ -362,48 +354,3 @@ def _decode_with_matmuls(q, keys, values, mask, scale: float) -> torch.Tensor:
         scores.add_(mask.view(n, kv_heads, heads // kv_heads, -1))
     out = torch.matmul(scores.softmax(dim=-1), values.float().transpose(1, 2))  # [n, kv_heads, group, d]
     return out.view(n, heads, size).to(q.dtype)
-
-
-# T5's relative position bias as float masks, made once per step and stack (the bias module is the key).
-
-
-def _run_bias(layer, table: torch.Tensor, meta: SdpaMetadata, length: int, dtype: torch.dtype) -> torch.Tensor:
-    """[1, heads, length, length]: the bias of a KV-free run (every sequence of it alike), causal included."""
-    bias = layer.relative_bias
-
-    def make() -> torch.Tensor:
-        positions = torch.arange(length, device=table.device)
-        mask = bias.bias(positions, positions, table)
-        if meta.is_causal:
-            mask = mask.masked_fill(future_mask(length, length, table.device), float("-inf"))
-        return mask.to(dtype).unsqueeze(0)
-
-    return step_memo(meta.memo, ("run", bias, length, dtype), make)
-
-
-def _chunk_bias(layer, table: torch.Tensor, meta: SdpaMetadata, index: int, dtype: torch.dtype) -> torch.Tensor:
-    """[1, heads, len_q, len_k]: the bias of paged chunk `index`, its queries the last len_q positions."""
-    bias, chunk = layer.relative_bias, meta.paged.chunks[index]
-
-    def make() -> torch.Tensor:
-        keys = torch.arange(chunk.len_k, device=table.device)
-        mask = bias.bias(keys[chunk.len_k - chunk.len_q :], keys, table)
-        if chunk.causal:
-            mask = mask.masked_fill(future_mask(chunk.len_q, chunk.len_k, table.device), float("-inf"))
-        return mask.to(dtype).unsqueeze(0)
-
-    return step_memo(meta.memo, ("chunk", bias, index, dtype), make)
-
-
-def _decode_bias(layer, table: torch.Tensor, meta: SdpaMetadata, dtype: torch.dtype) -> torch.Tensor:
-    """[num_decodes, heads, 1, blocks * block_size]: each decode's bias over its keys, -inf past its length."""
-    bias, plan = layer.relative_bias, meta.paged
-
-    def make() -> torch.Tensor:
-        limit = bias.max_distance
-        keys = torch.arange(plan.decode_mask.shape[-1], device=table.device)
-        distance = (keys[None, :] - plan.decode_positions[:, None]).clamp(-limit, limit) + limit
-        mask = table[:, distance].transpose(0, 1).unsqueeze(2)  # [n, heads, 1, L]
-        return mask.masked_fill(~plan.decode_mask, float("-inf")).to(dtype)
-
-    return step_memo(meta.memo, ("decode", bias, dtype), make)

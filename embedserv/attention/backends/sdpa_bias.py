@@ -1,0 +1,64 @@
+"""T5's relative position bias for the sdpa backend, as float masks added to the scores: one per KV-free
+run length, paged chunk or decode batch, made by the step's first layer of a stack and kept in the step's
+metadata (keyed by the stack's bias module) for the others. -inf where causal attention hides a key."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from embedserv.attention.backends.base import step_memo
+from embedserv.attention.backends.naive import future_mask
+
+if TYPE_CHECKING:
+    from embedserv.attention.backends.sdpa import SdpaMetadata
+
+
+def mask_dtype(q: torch.Tensor) -> torch.dtype:
+    """A float mask's dtype: float32 on CPU, where SDPA takes it with bfloat16 queries and is the more
+    exact for it (rounding T5's bias to bfloat16 moved outputs by up to 0.04), and the matmuls add it
+    and softmax in float32; q's elsewhere, what the CUDA kernels take."""
+    return torch.float32 if q.device.type == "cpu" else q.dtype
+
+
+def run_bias(layer, table: torch.Tensor, meta: SdpaMetadata, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """[1, heads, length, length]: the bias of a KV-free run (every sequence of it alike), causal included."""
+    bias = layer.relative_bias
+
+    def make() -> torch.Tensor:
+        positions = torch.arange(length, device=table.device)
+        mask = bias.bias(positions, positions, table)
+        if meta.is_causal:
+            mask = mask.masked_fill(future_mask(length, length, table.device), float("-inf"))
+        return mask.to(dtype).unsqueeze(0)
+
+    return step_memo(meta.memo, ("run", bias, length, dtype), make)
+
+
+def chunk_bias(layer, table: torch.Tensor, meta: SdpaMetadata, index: int, dtype: torch.dtype) -> torch.Tensor:
+    """[1, heads, len_q, len_k]: the bias of paged chunk `index`, its queries the last len_q positions."""
+    bias, chunk = layer.relative_bias, meta.paged.chunks[index]
+
+    def make() -> torch.Tensor:
+        keys = torch.arange(chunk.len_k, device=table.device)
+        mask = bias.bias(keys[chunk.len_k - chunk.len_q :], keys, table)
+        if chunk.causal:
+            mask = mask.masked_fill(future_mask(chunk.len_q, chunk.len_k, table.device), float("-inf"))
+        return mask.to(dtype).unsqueeze(0)
+
+    return step_memo(meta.memo, ("chunk", bias, index, dtype), make)
+
+
+def decode_bias(layer, table: torch.Tensor, meta: SdpaMetadata, dtype: torch.dtype) -> torch.Tensor:
+    """[num_decodes, heads, 1, blocks * block_size]: each decode's bias over its keys, -inf past its length."""
+    bias, plan = layer.relative_bias, meta.paged
+
+    def make() -> torch.Tensor:
+        limit = bias.max_distance
+        keys = torch.arange(plan.decode_mask.shape[-1], device=table.device)
+        distance = (keys[None, :] - plan.decode_positions[:, None]).clamp(-limit, limit) + limit
+        mask = table[:, distance].transpose(0, 1).unsqueeze(2)  # [n, heads, 1, L]
+        return mask.masked_fill(~plan.decode_mask, float("-inf")).to(dtype)
+
+    return step_memo(meta.memo, ("decode", bias, dtype), make)

@@ -107,7 +107,12 @@ class KvCacheManager:
 
 
 def _root_hash(request: Request) -> int | None:
-    return hash(("encoder", tuple(request.encoder_token_ids))) if request.encoder_token_ids else None
+    """The hash a request's decoder prefix chain starts from: its encoder input's (computed once)."""
+    if not request.encoder_token_ids:
+        return None
+    if request.encoder_hash is None:
+        request.encoder_hash = hash(("encoder", tuple(request.encoder_token_ids)))
+    return request.encoder_hash
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ class Request:
     # The encoder runs in the next step (set at each admission: its cross KV was never written, or was
     # dropped by a preemption).
     encoder_pending: bool = False
+    # The encoder input's hash, where decoder prefix-cache chains start (kv_cache_manager._root_hash).
+    encoder_hash: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose KV is in the cache (generation), or 0.
     num_computed_tokens: int = 0

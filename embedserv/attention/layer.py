@@ -32,6 +32,15 @@ class Attention(nn.Module):
     encoder runs in this step (a request's first step), or both None when no encoder runs: its keys are
     then all in the cross KV cache (or, without a cache, there is nothing to attend to). `relative_bias`
     (T5) is added to the scores by distance; only self-attention layers carry one.
+
+    `sliding_window` W (None: every key): a query at position p of its sequence sees the key at position j
+    only when |p - j| < W (and j <= p when causal, as always). Queries and keys are positions of one
+    sequence: with a paged cache, or on a KV-free step whose queries are fewer than their keys (the
+    prefill skip), queries are the last len_q of the len_k positions.
+
+    KV sharing on KV-free steps (no cache to read): a source layer (one a later layer names as its
+    `kv_source_layer`; `is_kv_source`, set by `link_kv_sharing`) leaves its step's k and v in the forward
+    context, and the sharing layer attends over them.
     """
 
     def __init__(
@@ -45,6 +54,7 @@ class Attention(nn.Module):
         kv_group: int = 0,
         kv_source_layer: int | None = None,
         relative_bias: RelativePositionBias | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -59,6 +69,10 @@ class Attention(nn.Module):
         self.kv_source_layer = kv_source_layer
         if relative_bias is not None and self.kind is AttentionKind.CROSS:
             raise ValueError("cross-attention takes no relative position bias")
+        if sliding_window is not None and (sliding_window < 1 or self.kind is AttentionKind.CROSS):
+            raise ValueError(f"a sliding window of {sliding_window} on a {self.kind.value} attention layer")
+        self.sliding_window = sliding_window
+        self.is_kv_source = False
         # Not a submodule: the stack owns it (one table for all its layers).
         self.__dict__["relative_bias"] = relative_bias
 
@@ -73,12 +87,37 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
         context = get_forward_context()
+        kv_cache = context.kv_cache_for(self)
+        if k is not None:
+            k = k.view(-1, self.num_kv_heads, self.head_size)
+            v = v.view(-1, self.num_kv_heads, self.head_size)
+        if kv_cache is None and self.kind is not AttentionKind.CROSS:
+            if self.kv_source_layer is not None:
+                k, v = context.shared_kv[self.kv_source_layer]
+            elif self.is_kv_source:
+                context.shared_kv[self.layer_index] = (k, v)
         out = context.attn_backend.forward(
-            self,
-            q.view(-1, self.num_heads, self.head_size),
-            None if k is None else k.view(-1, self.num_kv_heads, self.head_size),
-            None if v is None else v.view(-1, self.num_kv_heads, self.head_size),
-            context.kv_cache_for(self),
-            context.metadata_for(self),
+            self, q.view(-1, self.num_heads, self.head_size), k, v, kv_cache, context.metadata_for(self)
         )
         return out.reshape(-1, self.num_heads * self.head_size)
+
+
+def attention_layers(model: nn.Module) -> list[Attention]:
+    """A model's attention layers by layer_index."""
+    return sorted((m for m in model.modules() if isinstance(m, Attention)), key=lambda m: m.layer_index)
+
+
+def link_kv_sharing(layers: list[Attention]) -> None:
+    """Marks the layers that others read the KV of (`is_kv_source`); a model calls it once it has built
+    its attention layers. A source must come before its readers and own its cache."""
+    by_index = {layer.layer_index: layer for layer in layers}
+    for layer in layers:
+        if layer.kv_source_layer is None:
+            continue
+        source = by_index.get(layer.kv_source_layer)
+        if source is None or source.kv_source_layer is not None or source.layer_index >= layer.layer_index:
+            raise ValueError(
+                f"attention layer {layer.layer_index} reads the KV of layer {layer.kv_source_layer}, "
+                "which is not an earlier layer with a cache of its own"
+            )
+        source.is_kv_source = True

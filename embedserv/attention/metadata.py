@@ -9,6 +9,10 @@ its tokens so far: the first `seq_lens_k - seq_lens_q` (its context) are in the 
 row of `block_tables` lists; the last `seq_lens_q` are this step's, written to `slot_mapping`. A query at
 position p of its sequence sees the keys at positions 0..p (causal, aligned at the end: the last query is
 the last key). Block tables are built once per step on the host and copied once; no one expands them.
+
+A KV-free step may also have suffix queries (the prefill skip, `build_suffix_metadata`): not cross, no
+cache, `seq_lens_q <= seq_lens_k`, q rows packed by `cu_seqlens_q` and k/v rows by `cu_seqlens_k`, each
+sequence's queries the last len_q of its len_k positions, as on paged steps, causal or bidirectional.
 """
 
 from __future__ import annotations
@@ -107,6 +111,20 @@ def build_cross_metadata(
     seq_lens_q: np.ndarray, seq_lens_k: np.ndarray, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor
 ) -> CommonAttentionMetadata:
     """KV-free cross-attention: each sequence's decoder queries over its own packed encoder keys."""
+    return _packed_apart(seq_lens_q, seq_lens_k, cu_seqlens_q, cu_seqlens_k, is_causal=False, cross=True)
+
+
+def build_suffix_metadata(
+    seq_lens_q: np.ndarray, seq_lens_k: np.ndarray, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    is_causal: bool,
+) -> CommonAttentionMetadata:
+    """KV-free queries that are the last seq_lens_q of their sequence's seq_lens_k keys (the prefill skip's
+    last layers: the kept rows over every token's keys)."""
+    return _packed_apart(seq_lens_q, seq_lens_k, cu_seqlens_q, cu_seqlens_k, is_causal=is_causal, cross=False)
+
+
+def _packed_apart(seq_lens_q, seq_lens_k, cu_seqlens_q, cu_seqlens_k, is_causal: bool, cross: bool):
+    """KV-free metadata whose q and k rows are packed apart, by their own offsets."""
     return CommonAttentionMetadata(
         cu_seqlens_q=cu_seqlens_q.to(torch.int32),
         cu_seqlens_k=cu_seqlens_k.to(torch.int32),
@@ -114,8 +132,8 @@ def build_cross_metadata(
         seq_lens_k_cpu=np.asarray(seq_lens_k, dtype=np.int64),
         max_seqlen_q=int(np.max(seq_lens_q)) if len(seq_lens_q) else 0,
         max_seqlen_k=int(np.max(seq_lens_k)) if len(seq_lens_k) else 0,
-        is_causal=False,
-        cross=True,
+        is_causal=is_causal,
+        cross=cross,
     )
 
 

@@ -8,6 +8,7 @@ benchmarks/attention_backends.py (docs/PERFORMANCE.md); the selector takes the f
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import shutil
 from dataclasses import dataclass
 from typing import Callable
@@ -30,6 +31,8 @@ class AttentionSpec:
     is_causal: bool
     # T5: a learned per-head bias added to the scores by relative position (attention/relative_bias.py).
     relative_bias: bool = False
+    # At least one layer attends within a sliding window (Attention.sliding_window).
+    sliding_window: bool = False
 
 
 def _has_module(name: str) -> bool:
@@ -57,6 +60,14 @@ def _relative_bias_reason(what: str) -> str:
     """Why a kernel without a per-head score bias cannot run a T5 model. Checked before the device and
     packages: no GPU or install would change it."""
     return f"{what} cannot add T5's relative position bias; use sdpa or flex"
+
+
+def _varlen_takes_window() -> bool:
+    """Whether this torch's varlen_attn takes `window_size` (2.10 has only `is_causal`). Read from the
+    signature without importing the backend (varlen.TAKES_WINDOW says the same)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "window_size" in inspect.signature(varlen_attn).parameters
 
 
 def _naive_reason(spec: AttentionSpec) -> str | None:
@@ -90,6 +101,8 @@ def _varlen_reason(spec: AttentionSpec) -> str | None:
         return _relative_bias_reason("torch.nn.attention.varlen")
     if not _has_module("torch.nn.attention.varlen"):
         return f"torch {torch.__version__} has no torch.nn.attention.varlen (2.10+)"
+    if spec.sliding_window and not _varlen_takes_window():
+        return f"torch {torch.__version__}'s varlen_attn takes no window_size: it cannot run a sliding window"
     return _flash_kernel_reason(spec, "torch.nn.attention.varlen")
 
 
@@ -121,6 +134,10 @@ PREFERENCE = {
 
 def unsupported_reason(name: str, spec: AttentionSpec) -> str | None:
     """None when backend `name` can run `spec`, else why not."""
+    if spec.relative_bias and spec.sliding_window:
+        # Refused, not ignored: no model has both, sdpa and flex (the backends that add the bias) do not
+        # place it inside a window, and dropping either would give wrong answers silently.
+        return "T5's relative position bias does not combine with a sliding window"
     return _REGISTRY[name][2](spec)
 
 

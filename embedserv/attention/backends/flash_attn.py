@@ -11,8 +11,10 @@ end (a query sees the keys up to its own position among the last ones), which is
 reads pages of a multiple of 256 tokens only (`mha_varlen_fwd` refuses others), hence the block size.
 
 Cross-attention is the same call: `cu_seqlens_k` packs (KV-free) or counts (paged, cross block tables) the
-encoder keys, and `causal` is the metadata's (False). T5's relative position bias it cannot add (no
-per-head score bias): the selector never picks it for such a model.
+encoder keys, and `causal` is the metadata's (False); so are suffix queries (the prefill skip), whose
+causal mask and window the kernel aligns at the end. A sliding window is `window_size=(left, right)`
+(windows.flash_window). T5's relative position bias it cannot add (no per-head score bias): the selector
+never picks it for such a model.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from flash_attn import flash_attn_varlen_func
 
 from embedserv.attention.backends.base import PagedBackendBase, refuse_relative_bias, write_kv
+from embedserv.attention.backends.windows import flash_window
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
 
 
@@ -48,5 +51,6 @@ class FlashAttnBackend(PagedBackendBase):
             max_seqlen_k=common.max_seqlen_k,
             softmax_scale=layer.scale,
             causal=common.is_causal,
+            window_size=flash_window(layer.sliding_window, common.is_causal),
             **paged,
         )

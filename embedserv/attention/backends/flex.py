@@ -1,8 +1,9 @@
 """FlexAttention over the packed batch with a document mask, compiled.
 
 The whole batch is one sequence to FlexAttention; the mask lets a token see only the tokens of its own
-sequence (and, when causal, none after it). The block mask is built once per batch from `cu_seqlens` with
-a few tensor ops and shared by every layer; FlexAttention skips the blocks it rules out.
+sequence (and, when causal, none after it). The block mask is built from `cu_seqlens` with a few tensor
+ops by a step's first layer and shared by the others (flex_masks.py); FlexAttention skips the blocks it
+rules out.
 
 The kernel is compiled, on CPU (C++) as on CUDA (Triton): eager FlexAttention materializes the whole
 [num_tokens, num_tokens] score matrix, which never pays. Shapes are static: the batch is padded to a
@@ -27,6 +28,13 @@ self-attention with each query's limit the last key of its sequence (its encoder
 its own position. T5's relative position bias is a score_mod that indexes the step's distance table by
 the clamped distance between a key's position and the query's; the table and positions are inputs of the
 compiled kernel, so a new step compiles nothing.
+
+Suffix queries (the prefill skip: KV-free, each sequence's last len_q tokens over all of its keys) are
+packed apart from their keys as in cross-attention, and each carries its own key row for the causal
+and window tests. A sliding window adds |query - key position| < W to every self-attention mask_mod and
+leaves out of the BlockMask the key blocks out of reach; a step keeps one block mask per window (its
+full layers use the window-free one), and the window is a captured tensor, so new window values compile
+nothing, though windowed layers are compiled entries of their own.
 """
 
 from __future__ import annotations
@@ -40,9 +48,14 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from embedserv.attention.backends.base import PagedBackendBase, relative_bias_table, step_memo, write_kv
+from embedserv.attention.backends.flex_masks import (
+    BLOCK_SIZE, document_block_mask, ordered_blocks, suffix_query_keys,
+)
+from embedserv.attention.backends.windows import (
+    has_suffix_queries, refuse_biased_suffix, refuse_biased_window, window_within,
+)
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
 
-BLOCK_SIZE = 128
 # On CUDA the Triton kernel tiles the keys BLOCK_N at a time; a tile must lie inside one cache block, and
 # Triton's matrix product needs tiles of at least 16 keys. Cache blocks are then a multiple of 16 tokens.
 _CUDA_TILE = 16
@@ -72,31 +85,53 @@ class _PagedPlan:
     # and those every query of the query block sees whole (full: one sequence, blocks before its queries).
     partial: torch.Tensor
     full: torch.Tensor
-    # (BlockMask, [num_blocks] logical index of each physical block) per cache size (num_blocks): the
-    # cache is not known until the first layer runs.
+    # Host, for windowed layers, whose BlockMask visits only the blocks in reach: [5, n] int64, every
+    # entry (query block, sequence, logical block) with the first and last position of that sequence's
+    # queries in that query block; [n] bool, whether the query block holds that sequence only.
+    spans_cpu: np.ndarray
+    single_cpu: np.ndarray
+    # (BlockMask, [num_blocks] logical index of each physical block) per cache size (num_blocks) and
+    # window: the cache is not known until the first layer runs.
     masks: dict = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
 class FlexMetadata(AttentionMetadata):
-    # KV-free: the document mask over the packed batch; None on paged steps (built per cache size).
-    block_mask: BlockMask | None
     # Tokens the batch (its queries) is padded to: a power of two, at least BLOCK_SIZE.
     padded_tokens: int
     paged: _PagedPlan | None = None
     # KV-free: [padded_tokens] int32, each query row's sequence (padding rows: num_seqs).
     documents: torch.Tensor | None = None
-    # KV-free: keys are padded to this many rows (padded_tokens, but for cross-attention).
+    # KV-free: keys are padded to this many rows (padded_tokens, but where keys are packed apart).
     padded_keys: int = 0
-    # What a step's layers share and only the first that needs it makes (the bias table, positions).
+    # KV-free, keys packed apart (cross-attention, suffix queries): [padded_keys] int32, each key row's
+    # sequence; None where the queries are the keys.
+    documents_k: torch.Tensor | None = None
+    # Suffix queries: [padded_tokens] int64, each query row's own key row (flex_masks.suffix_query_keys).
+    query_keys: torch.Tensor | None = None
+    # What a step's layers share and only the first that needs it makes (the bias table, positions, the
+    # KV-free block mask per window: a step's windowed and full layers each use their own).
     memo: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def block_mask(self, window: int | None) -> BlockMask:
+        """KV-free: the document mask over the packed batch, for layers with this window (or none)."""
+
+        def make() -> BlockMask:
+            num_seqs = len(self.common.seq_lens_q_cpu)
+            return document_block_mask(
+                self.documents, num_seqs, self.common.is_causal, self.documents_k, self.query_keys, window
+            )
+
+        return step_memo(self.memo, ("block-mask", window), make)
 
 
 # Every (dtype, heads, head size, mask kind, score_mod (T5's bias or none), padded size) a process runs
 # is one compiled entry of flex_attention; torch gives a function 8 before it silently falls back to eager
 # FlexAttention, which materializes the whole score matrix (100-1000x slower). Two models with nine size
 # classes each fit in 64. (KV-free cross-attention pads keys to their own size class: monoT5's queries
-# stay in the first, BART's match their keys, so it adds about one entry per key size class.)
+# stay in the first, BART's match their keys, so it adds about one entry per key size class. A model with
+# windowed and full layers doubles its mask kinds; the prefill skip's suffix queries add a kind with
+# queries in the smallest size classes.)
 _RECOMPILE_LIMIT = 64
 
 
@@ -116,64 +151,6 @@ def _compiled_flex():
 
 def padded_size(num_tokens: int) -> int:
     return max(BLOCK_SIZE, 1 << (num_tokens - 1).bit_length())
-
-
-def document_mask_mod(doc: torch.Tensor, is_causal: bool, doc_k: torch.Tensor | None = None):
-    """mask_mod: True where query token q may attend to key token kv (same sequence, not later if causal).
-    `doc_k`: the keys' sequences where they are packed apart from the queries (cross, never causal)."""
-    if doc_k is not None:
-        def cross_document(b, h, q, kv):
-            return doc[q] == doc_k[kv]
-
-        return cross_document
-    if is_causal:
-        def causal_document(b, h, q, kv):
-            return (doc[q] == doc[kv]) & (q >= kv)
-
-        return causal_document
-
-    def document(b, h, q, kv):
-        return doc[q] == doc[kv]
-
-    return document
-
-
-def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[nq, nk] bool -> per query block, how many key blocks are set and their indices first."""
-    counts = blocks.sum(dim=-1, dtype=torch.int32)
-    indices = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-    return counts[None, None], indices[None, None]
-
-
-def document_block_mask(
-    doc: torch.Tensor, num_seqs: int, is_causal: bool, doc_k: torch.Tensor | None = None
-) -> BlockMask:
-    """The BlockMask of the document mask, from block-level document ranges (no per-token vmap).
-
-    `doc` is non-decreasing, so a block holds the documents first..last: two blocks interact when their
-    ranges overlap, and every token pair interacts (a "full" block, no mask_mod call) when both blocks
-    lie in one and the same document. Blocks of padding only (document `num_seqs`) are left out: their
-    rows are discarded, and attending padding to padding would cost up to as much as the real batch.
-    `doc_k`: the keys' documents, for cross-attention (keys packed apart, never causal).
-    """
-    keys = doc if doc_k is None else doc_k
-    q_blocks, k_blocks = doc.view(-1, BLOCK_SIZE), keys.view(-1, BLOCK_SIZE)
-    first, last = q_blocks[:, 0], q_blocks[:, -1]
-    first_k, last_k = k_blocks[:, 0], k_blocks[:, -1]
-    real = first < num_seqs
-    partial = (first[:, None] <= last_k[None, :]) & (first_k[None, :] <= last[:, None]) & real[:, None]
-    full = (
-        (first == last)[:, None] & (first_k == last_k)[None, :] & (first[:, None] == first_k[None, :]) & real[:, None]
-    )
-    if is_causal:
-        below = torch.ones_like(partial).tril_()
-        partial &= below
-        full &= below.tril_(-1)
-    partial &= ~full
-    return BlockMask.from_kv_blocks(
-        *_ordered(partial), *_ordered(full), BLOCK_SIZE=BLOCK_SIZE,
-        mask_mod=document_mask_mod(doc, is_causal, doc_k), seq_lengths=(doc.shape[0], keys.shape[0]),
-    )
 
 
 def relative_bias_mod(table: torch.Tensor, max_distance: int, q_pos: torch.Tensor, key_position):
@@ -201,28 +178,28 @@ class FlexBackend(PagedBackendBase):
     def build_metadata(self, common: CommonAttentionMetadata) -> FlexMetadata:
         if common.reads_kv_cache:
             plan = plan_paged(common)
-            return FlexMetadata(common=common, block_mask=None, padded_tokens=plan.q_pos.shape[0], paged=plan)
+            return FlexMetadata(common=common, padded_tokens=plan.q_pos.shape[0], paged=plan)
         size = padded_size(int(common.seq_lens_q_cpu.sum()))
         doc = _documents(common.cu_seqlens_q, size)
-        num_seqs = len(common.seq_lens_q_cpu)
-        if common.cross:
-            key_size = padded_size(int(common.seq_lens_k_cpu.sum()))
-            doc_k = _documents(common.cu_seqlens_k, key_size)
-            block_mask = document_block_mask(doc, num_seqs, False, doc_k)
-        else:
-            key_size = size
-            block_mask = document_block_mask(doc, num_seqs, common.is_causal)
+        if not common.cross and not has_suffix_queries(common):
+            return FlexMetadata(common=common, padded_tokens=size, documents=doc, padded_keys=size)
+        key_size = padded_size(int(common.seq_lens_k_cpu.sum()))
+        query_keys = None
+        if not common.cross:
+            query_keys = suffix_query_keys(doc, common.cu_seqlens_q, common.cu_seqlens_k)
         return FlexMetadata(
-            common=common, block_mask=block_mask, padded_tokens=size, documents=doc, padded_keys=key_size
+            common=common, padded_tokens=size, documents=doc, padded_keys=key_size,
+            documents_k=_documents(common.cu_seqlens_k, key_size), query_keys=query_keys,
         )
 
     def forward(self, layer, q, k, v, kv_cache, meta: FlexMetadata) -> torch.Tensor:
         attend = _compiled_flex() if self.compile else flex_attention
         if kv_cache is not None:
             return _forward_paged(attend, layer, q, k, v, kv_cache, meta)
+        block_mask = meta.block_mask(window_within(layer, meta.common.max_seqlen_k))
         out = attend(
             _batch(q, meta.padded_tokens), _batch(k, meta.padded_keys), _batch(v, meta.padded_keys),
-            score_mod=_packed_bias_mod(layer, meta), block_mask=meta.block_mask, scale=layer.scale,
+            score_mod=_packed_bias_mod(layer, meta), block_mask=block_mask, scale=layer.scale,
             enable_gqa=q.shape[1] != k.shape[1],
         )
         return out[0, :, : q.shape[0]].transpose(0, 1)
@@ -235,6 +212,9 @@ def _packed_bias_mod(layer, meta: FlexMetadata):
         return None
     if meta.common.cross:
         raise ValueError("cross-attention takes no relative position bias")
+    if meta.query_keys is not None:
+        refuse_biased_suffix(layer, "flex")
+    refuse_biased_window(layer, "flex")
 
     def positions() -> torch.Tensor:
         # Each packed row's position in its sequence; padding rows get rows past the end (never seen).
@@ -256,10 +236,14 @@ def _forward_paged(attend, layer, q, k, v, kv_cache, meta: FlexMetadata) -> torc
     common, plan = meta.common, meta.paged
     write_kv(k, v, kv_cache, common)
     _, num_blocks, size, kv_heads, head_size = kv_cache.shape
-    block_mask, logical = step_memo(plan.masks, num_blocks, lambda: paged_block_mask(plan, common, num_blocks))
+    window = window_within(layer, common.max_seqlen_k)
+    block_mask, logical = step_memo(
+        plan.masks, (num_blocks, window), lambda: paged_block_mask(plan, common, num_blocks, window)
+    )
     score_mod = None
     table = relative_bias_table(layer, meta.memo)
     if table is not None:
+        refuse_biased_window(layer, "flex")
         score_mod = relative_bias_mod(
             table, layer.relative_bias.max_distance, plan.q_pos, lambda kv: logical[kv // size] * size + kv % size
         )
@@ -314,24 +298,49 @@ def plan_paged(common: CommonAttentionMetadata) -> _PagedPlan:
     entry_logical = _ranges(blocks[pair_seq])
     # Whole: the query block holds one sequence (padding rows are discarded) and the cache block ends at
     # or before its first query's limit (positions grow along a sequence; a cross limit is the sequence's).
-    full = (first_seq == last_seq)[entry_qb] & ((entry_logical + 1) * size - 1 <= q_limit[firsts][entry_qb])
-    entries = np.stack((entry_qb, entry_seq, entry_logical))
+    single = (first_seq == last_seq)[entry_qb]
+    full = single & ((entry_logical + 1) * size - 1 <= q_limit[firsts][entry_qb])
+    # The entry's sequence's rows in its query block, for windowed layers.
+    starts_q = np.cumsum(lens_q) - lens_q
+    row_lo = np.maximum(firsts[entry_qb], starts_q[entry_seq])
+    row_hi = np.minimum(lasts[entry_qb], starts_q[entry_seq] + lens_q[entry_seq] - 1)
+    spans = np.stack((entry_qb, entry_seq, entry_logical, q_pos[row_lo], q_pos[row_hi]))
+    entries = spans[:3]
     device = common.block_tables.device
     to = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)  # noqa: E731
     q_pos_t = to(q_pos)
     return _PagedPlan(
         q_start=to(q_start), q_pos=q_pos_t, q_limit=q_pos_t if q_limit is q_pos else to(q_limit),
         owned=to(np.stack((np.repeat(seqs, blocks), _ranges(blocks)))),
-        partial=to(entries[:, ~full]), full=to(entries[:, full]),
+        partial=to(entries[:, ~full]), full=to(entries[:, full]), spans_cpu=spans, single_cpu=single,
     )
 
 
+def _window_entries(plan: _PagedPlan, size: int, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """The [3, n] partial and full entries of a causal layer with `window`: the cache blocks with a key
+    that some query of the query block sees (none after its last query, none `window` or more before its
+    first), whole where every query of it sees every key of the block."""
+    logical, lo, hi = plan.spans_cpu[2:]
+    start, end = logical * size, logical * size + size - 1
+    some = (start <= hi) & (end > lo - window)
+    full = plan.single_cpu & (end <= lo) & (start > hi - window)
+    return plan.spans_cpu[:3, some & ~full], plan.spans_cpu[:3, full]
+
+
 def paged_block_mask(
-    plan: _PagedPlan, common: CommonAttentionMetadata, num_blocks: int
+    plan: _PagedPlan, common: CommonAttentionMetadata, num_blocks: int, window: int | None = None
 ) -> tuple[BlockMask, torch.Tensor]:
     """The BlockMask over a cache of `num_blocks` blocks, and the logical index of each physical block
-    (for the bias score_mod): device ops only, once per step and cache size."""
+    (for the bias score_mod): device ops only (but a windowed layer's entries), once per step, cache
+    size and window."""
     size, tables = common.block_size, common.block_tables
+    partial, full = plan.partial, plan.full
+    window_t = None
+    if window is not None:
+        to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(tables.device)  # noqa: E731
+        partial, full = map(to, _window_entries(plan, size, window))
+        # An input of the compiled kernel, not a constant: a new window value compiles nothing.
+        window_t = torch.tensor(window, device=tables.device)
     physical = tables[plan.owned[0], plan.owned[1]].long()
     # A block shared through prefix caching sits at the same logical index in every table that lists it.
     logical = torch.zeros(num_blocks, dtype=torch.int64, device=tables.device)
@@ -348,9 +357,9 @@ def paged_block_mask(
         # Dense [query block, cache block] first, so that a shared block is listed (and visited) once.
         visits = torch.zeros(q_blocks, num_blocks, dtype=torch.bool, device=tables.device)
         visits[entries[0], tables[entries[1], entries[2]].long()] = True
-        return _ordered(visits)
+        return ordered_blocks(visits)
 
-    q_start, q_limit = plan.q_start, plan.q_limit
+    q_start, q_pos, q_limit = plan.q_start, plan.q_pos, plan.q_limit
 
     def paged_mask(b, h, q, kv):
         block = kv // size
@@ -359,10 +368,14 @@ def paged_block_mask(
         # limit (an index past the sequence's blocks reads another's entry or the padding: the limit, at
         # most the sequence's last key, rules it out). Causal and cross differ only in the limit.
         own = flat[(q_start[q] + index).clamp(max=length - 1)]
-        return (own == block) & (index * size + kv % size <= q_limit[q])
+        key_pos = index * size + kv % size
+        seen = (own == block) & (key_pos <= q_limit[q])
+        if window_t is not None:
+            seen = seen & (q_pos[q] - key_pos < window_t)
+        return seen
 
     block_mask = BlockMask.from_kv_blocks(
-        *ordered(plan.partial), *ordered(plan.full), BLOCK_SIZE=(BLOCK_SIZE, size), mask_mod=paged_mask,
+        *ordered(partial), *ordered(full), BLOCK_SIZE=(BLOCK_SIZE, size), mask_mod=paged_mask,
         seq_lengths=(plan.q_pos.shape[0], num_blocks * size), compute_q_blocks=False,
     )
     return block_mask, logical

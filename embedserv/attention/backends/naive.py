@@ -3,7 +3,9 @@
 With a paged KV cache each sequence reads all of its keys (context and this step's, just written) out of
 the cache through its own row of the block tables, so the oracle checks the block tables too. Cross
 attention (decoder queries over encoder keys) is the same loop without the causal mask; T5's relative
-position bias is added to each sequence's scores by distance (queries are the last len_q positions).
+position bias is added to each sequence's scores by distance, and a sliding window hides the keys too far
+from a query. Queries are the last len_q of their sequence's len_k positions on every path: KV-free with
+len_q == len_k, KV-free suffix queries (the prefill skip) and paged steps alike.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import math
 import torch
 
 from embedserv.attention.backends.base import PagedBackendBase, write_kv
+from embedserv.attention.backends.windows import visible_keys
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
 
 
@@ -47,8 +50,9 @@ class NaiveBackend(PagedBackendBase):
             if bias is not None:
                 key_positions = torch.arange(len_k, device=q.device)
                 scores = scores + bias.bias(key_positions[len_k - len_q :], key_positions, table)
-            if meta.is_causal:
-                scores = scores.masked_fill(future_mask(len_q, len_k, q.device), float("-inf"))
+            if meta.is_causal or layer.sliding_window is not None:
+                seen = visible_keys(len_q, len_k, meta.is_causal, layer.sliding_window, q.device)
+                scores = scores.masked_fill(~seen, float("-inf"))
             out[rows] = (scores.softmax(dim=-1) @ vs).transpose(0, 1).to(q.dtype)
             q_start += len_q
             k_start += len_k

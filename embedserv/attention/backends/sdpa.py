@@ -17,7 +17,13 @@ never reads the cache; a chunk with context reads its blocks. Paged cross-attent
 the cache (the step's encoder keys, when given, are written first): the same calls, never causal. All
 of it is planned once per step.
 
-T5's relative position bias goes in as a float mask, [heads, len_q, len_k] by distance (sdpa_bias.py).
+Suffix queries (the prefill skip: KV-free, each sequence's last len_q tokens over all its keys) run as
+KV-free cross-attention does, with a mask aligned at the end (causal, window, padded keys) where one is
+needed: a single last query sees every key of its sequence unless a window hides some.
+
+T5's relative position bias goes in as a float mask, [heads, len_q, len_k] by distance (sdpa_bias.py). A
+sliding window is a bool mask (sdpa_window.py), made once per step, window and shape; a layer without a
+window, or whose window no sequence outgrows, runs as above with no mask.
 """
 
 from __future__ import annotations
@@ -33,6 +39,13 @@ from embedserv.attention.backends.base import (
 )
 from embedserv.attention.backends.naive import future_mask
 from embedserv.attention.backends.sdpa_bias import chunk_bias, decode_bias, mask_dtype, run_bias
+from embedserv.attention.backends.sdpa_runs import CrossRun, Run, plan_cross_runs, plan_runs
+from embedserv.attention.backends.sdpa_window import (
+    chunk_window_mask, decode_window_mask, run_window_mask, suffix_mask,
+)
+from embedserv.attention.backends.windows import (
+    has_suffix_queries, refuse_biased_suffix, refuse_biased_window, window_within,
+)
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
 
 
@@ -41,44 +54,6 @@ from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetad
 # Measured with benchmarks/attention_kernels.py.
 _CPU_BF16_MATMUL_MIN_LENGTH = 64
 _SCORES_BYTES = 2_500_000
-
-
-@dataclass(frozen=True)
-class _Run:
-    """Consecutive sequences of one length: rows [token_start, token_start + num_seqs * length)."""
-
-    token_start: int
-    num_seqs: int
-    length: int
-
-    @property
-    def rows(self) -> slice:
-        return slice(self.token_start, self.token_start + self.num_seqs * self.length)
-
-
-@dataclass(frozen=True)
-class _CrossRun:
-    """KV-free cross-attention: consecutive sequences of one query length, query rows
-    [q_start, q_start + num_seqs * len_q). Their keys are the view [k_start, k_start + num_seqs * len_k)
-    when they share one key length, else gathered by `key_rows` and padded to the longest (len_k)."""
-
-    q_start: int
-    num_seqs: int
-    len_q: int
-    k_start: int
-    len_k: int
-    # [num_seqs, len_k] int64: each padded key's row in k (padding repeats a real row); None for a view.
-    key_rows: torch.Tensor | None = None
-    # [num_seqs, 1, 1, len_k] bool: True for each sequence's real keys; None for a view.
-    key_mask: torch.Tensor | None = None
-
-    @property
-    def q_rows(self) -> slice:
-        return slice(self.q_start, self.q_start + self.num_seqs * self.len_q)
-
-    @property
-    def k_rows(self) -> slice:
-        return slice(self.k_start, self.k_start + self.num_seqs * self.len_k)
 
 
 @dataclass(frozen=True)
@@ -116,55 +91,13 @@ class _PagedPlan:
 
 @dataclass(frozen=True)
 class SdpaMetadata(AttentionMetadata):
-    runs: tuple[_Run, ...] | tuple[_CrossRun, ...]
+    runs: tuple[Run, ...] | tuple[CrossRun, ...]
     paged: _PagedPlan | None = None
-    # What a step's layers share and only the first that needs it makes (bias masks): base.step_memo.
+    # KV-free suffix queries (the prefill skip): `runs` are CrossRuns over self-attention keys.
+    suffix: bool = False
+    # What a step's layers share and only the first that needs it makes (bias and window masks):
+    # base.step_memo.
     memo: dict = field(default_factory=dict, compare=False, repr=False)
-
-
-def plan_runs(seq_lens: np.ndarray) -> tuple[_Run, ...]:
-    """Splits the packed batch where the sequence length changes."""
-    if len(seq_lens) == 0:
-        return ()
-    breaks = np.flatnonzero(np.diff(seq_lens)) + 1
-    firsts = np.concatenate(([0], breaks))
-    counts = np.diff(np.concatenate((firsts, [len(seq_lens)])))
-    token_starts = np.concatenate(([0], np.cumsum(seq_lens)))[firsts]
-    return tuple(
-        _Run(int(start), int(count), int(seq_lens[first]))
-        for start, count, first in zip(token_starts, counts, firsts)
-    )
-
-
-def plan_cross_runs(lens_q: np.ndarray, lens_k: np.ndarray, device: torch.device) -> tuple[_CrossRun, ...]:
-    """Splits a KV-free cross batch where the query length changes, and where the key length changes
-    between sequences of more than one query (padding their keys would cost len_q rows of scores per
-    key; a single query's padding costs one)."""
-    n = len(lens_q)
-    if n == 0:
-        return ()
-    lens_q, lens_k = np.asarray(lens_q, dtype=np.int64), np.asarray(lens_k, dtype=np.int64)
-    change = (np.diff(lens_q) != 0) | ((np.diff(lens_k) != 0) & (lens_q[1:] > 1))
-    firsts = np.concatenate(([0], np.flatnonzero(change) + 1))
-    lasts = np.concatenate((firsts[1:], [n]))
-    starts_q = np.concatenate(([0], np.cumsum(lens_q)))
-    starts_k = np.concatenate(([0], np.cumsum(lens_k)))
-    runs = []
-    for first, last in zip(firsts.tolist(), lasts.tolist()):
-        run_k = lens_k[first:last]
-        longest = int(run_k.max())
-        rows = mask = None
-        if (run_k != longest).any():
-            offsets = np.arange(longest)[None, :]
-            real = offsets < run_k[:, None]
-            rows_np = starts_k[first:last, None] + np.minimum(offsets, np.maximum(run_k[:, None] - 1, 0))
-            rows = torch.from_numpy(rows_np).to(device)
-            mask = torch.from_numpy(real).to(device)[:, None, None, :]
-        runs.append(_CrossRun(
-            q_start=int(starts_q[first]), num_seqs=last - first, len_q=int(lens_q[first]),
-            k_start=int(starts_k[first]), len_k=longest, key_rows=rows, key_mask=mask,
-        ))
-    return tuple(runs)
 
 
 class SdpaBackend(PagedBackendBase):
@@ -173,9 +106,10 @@ class SdpaBackend(PagedBackendBase):
     def build_metadata(self, common: CommonAttentionMetadata) -> SdpaMetadata:
         if common.reads_kv_cache:
             return SdpaMetadata(common=common, runs=(), paged=plan_paged(common))
-        if common.cross:
+        suffix = has_suffix_queries(common)
+        if common.cross or suffix:
             runs = plan_cross_runs(common.seq_lens_q_cpu, common.seq_lens_k_cpu, common.cu_seqlens_q.device)
-            return SdpaMetadata(common=common, runs=runs)
+            return SdpaMetadata(common=common, runs=runs, suffix=suffix)
         return SdpaMetadata(common=common, runs=plan_runs(common.seq_lens_q_cpu))
 
     def forward(self, layer, q, k, v, kv_cache, meta: SdpaMetadata) -> torch.Tensor:
@@ -184,18 +118,25 @@ class SdpaBackend(PagedBackendBase):
         gqa = q.shape[1] != k.shape[1]
         if meta.common.cross:
             return _concat([_attend_cross(layer, q, k, v, run, gqa) for run in meta.runs])
+        if meta.suffix:
+            refuse_biased_suffix(layer, self.name)
+            return _concat([_attend_suffix(layer, q, k, v, meta, i, gqa) for i in range(len(meta.runs))])
         table = relative_bias_table(layer, meta.memo)
+        if table is not None:
+            refuse_biased_window(layer, self.name)
         parts = []
         for r in meta.runs:
-            if table is None:
-                parts.append(self._attend(layer, q[r.rows], k[r.rows], v[r.rows], r, meta.is_causal, gqa))
-            else:
-                mask = run_bias(layer, table, meta, r.length, mask_dtype(q))
-                parts.append(self._attend(layer, q[r.rows], k[r.rows], v[r.rows], r, False, gqa, mask))
+            # A bias or a window is the run's whole mask, causal included.
+            is_causal, mask, window = meta.is_causal, None, window_within(layer, r.length)
+            if table is not None:
+                is_causal, mask = False, run_bias(layer, table, meta, r.length, mask_dtype(q))
+            elif window is not None:
+                is_causal, mask = False, run_window_mask(meta, window, r.length)
+            parts.append(self._attend(layer, q[r.rows], k[r.rows], v[r.rows], r, is_causal, gqa, mask))
         return _concat(parts)
 
     @staticmethod
-    def _attend(layer, q, k, v, run: _Run, is_causal: bool, gqa: bool, mask=None) -> torch.Tensor:
+    def _attend(layer, q, k, v, run: Run, is_causal: bool, gqa: bool, mask=None) -> torch.Tensor:
         """Rows of one run -> [rows, heads, head_size]; `mask` as _attend_batched takes it."""
         shape = (run.num_seqs, run.length)
         qb = q.view(*shape, *q.shape[1:]).transpose(1, 2)
@@ -225,16 +166,30 @@ def _attend_batched(scale: float, qb, kb, vb, is_causal: bool, gqa: bool, mask=N
     return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
 
 
-def _attend_cross(layer, q, k, v, run: _CrossRun, gqa: bool) -> torch.Tensor:
-    """One run of KV-free cross-attention -> [run's query rows, heads, head_size]."""
+def _attend_cross(layer, q, k, v, run: CrossRun, gqa: bool, is_causal: bool = False, mask=None) -> torch.Tensor:
+    """One run of KV-free cross-attention (or suffix queries) -> [run's query rows, heads, head_size].
+    `mask` replaces the run's key mask (and must hide its padding); is_causal only for a view."""
     qb = q[run.q_rows].view(run.num_seqs, run.len_q, *q.shape[1:]).transpose(1, 2)
     if run.key_rows is None:
         kb = k[run.k_rows].view(run.num_seqs, run.len_k, *k.shape[1:]).transpose(1, 2)
         vb = v[run.k_rows].view(run.num_seqs, run.len_k, *v.shape[1:]).transpose(1, 2)
     else:
         kb, vb = k[run.key_rows].transpose(1, 2), v[run.key_rows].transpose(1, 2)
-    out = _attend_batched(layer.scale, qb, kb, vb, False, gqa, run.key_mask)
+    out = _attend_batched(layer.scale, qb, kb, vb, is_causal, gqa, run.key_mask if mask is None else mask)
     return out.transpose(1, 2).reshape(-1, *q.shape[1:])
+
+
+def _attend_suffix(layer, q, k, v, meta: SdpaMetadata, index: int, gqa: bool) -> torch.Tensor:
+    """Suffix-query run `index`: each sequence's last len_q queries over all of its keys."""
+    run = meta.runs[index]
+    window = window_within(layer, run.len_k)
+    if window is None and (run.len_q == 1 or not meta.is_causal):
+        # Bidirectional, or one query: the last position, which sees every real key.
+        return _attend_cross(layer, q, k, v, run, gqa)
+    if window is None and run.len_q == run.len_k:
+        # Whole sequences (a run of more than one query shares one key length: a view).
+        return _attend_cross(layer, q, k, v, run, gqa, is_causal=True)
+    return _attend_cross(layer, q, k, v, run, gqa, mask=suffix_mask(meta, index, window))
 
 
 def _concat(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -296,39 +251,49 @@ def _forward_paged(layer, q, k, v, kv_cache, meta: SdpaMetadata) -> torch.Tensor
     plan = meta.paged
     gqa = q.shape[1] != kv_cache.shape[-2]
     table = relative_bias_table(layer, meta.memo)
+    window = window_within(layer, meta.common.max_seqlen_k)
+    if table is not None:
+        refuse_biased_window(layer, "sdpa")
     out = torch.empty_like(q)
     if plan.decode_rows is not None:
         # One coarse gather of whole blocks for every decode: [n, blocks * block_size, kv_heads, d].
         keys, values = gather_blocks(kv_cache, plan.decode_tables)
         queries = q[plan.decode_rows]
+        if table is not None:
+            mask = decode_bias(layer, table, meta, mask_dtype(q))
+        else:
+            mask = plan.decode_mask if window is None else decode_window_mask(meta, window)
         if q.device.type == "cpu" and q.dtype == torch.bfloat16:
-            mask = plan.decode_mask if table is None else decode_bias(layer, table, meta, torch.float32)
             out[plan.decode_rows] = _decode_with_matmuls(queries, keys, values, mask, layer.scale)
         else:
-            mask = plan.decode_mask if table is None else decode_bias(layer, table, meta, mask_dtype(q))
             attended = F.scaled_dot_product_attention(
                 queries.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
                 attn_mask=mask, scale=layer.scale, enable_gqa=gqa,
             )
             out[plan.decode_rows] = attended.squeeze(2)
     for index, chunk in enumerate(plan.chunks):
-        bias = None if table is None else chunk_bias(layer, table, meta, index, mask_dtype(q))
-        out[chunk.rows] = _attend_chunk(layer, q[chunk.rows], k, v, kv_cache, chunk, gqa, bias)
+        whole = None
+        if table is not None:
+            whole = chunk_bias(layer, table, meta, index, mask_dtype(q))
+        elif window is not None and window < chunk.len_k:
+            whole = chunk_window_mask(meta, index, window)
+        out[chunk.rows] = _attend_chunk(layer, q[chunk.rows], k, v, kv_cache, chunk, gqa, whole)
     return out
 
 
-def _attend_chunk(layer, q, k, v, kv_cache, chunk: _Chunk, gqa: bool, bias=None) -> torch.Tensor:
+def _attend_chunk(layer, q, k, v, kv_cache, chunk: _Chunk, gqa: bool, whole=None) -> torch.Tensor:
     """One prompt chunk: [len_q, heads, d]. A whole prompt with its own keys never touches the cache.
-    `bias`: [1, heads, len_q, len_k] float (_mask_dtype), the chunk's whole mask, causal included."""
+    `whole`: the chunk's whole mask, causal included, in place of its own: [1, heads, len_q, len_k]
+    float (mask_dtype, T5's bias) or [1, 1, len_q, len_k] bool (a sliding window)."""
     if chunk.own_keys and k is not None:
-        run = _Run(token_start=0, num_seqs=1, length=chunk.len_q)
-        if bias is None:
+        run = Run(token_start=0, num_seqs=1, length=chunk.len_q)
+        if whole is None:
             return SdpaBackend._attend(layer, q, k[chunk.rows], v[chunk.rows], run, True, gqa)
-        return SdpaBackend._attend(layer, q, k[chunk.rows], v[chunk.rows], run, False, gqa, bias)
+        return SdpaBackend._attend(layer, q, k[chunk.rows], v[chunk.rows], run, False, gqa, whole)
     keys, values = gather_blocks(kv_cache, chunk.table)
     keys, values = keys[: chunk.len_k], values[: chunk.len_k]
-    if bias is not None:
-        mask, is_causal = bias, False
+    if whole is not None:
+        mask, is_causal = whole, False
     else:
         mask, is_causal = chunk.mask, chunk.causal and chunk.mask is None
     attended = F.scaled_dot_product_attention(
@@ -343,7 +308,7 @@ def _decode_with_matmuls(q, keys, values, mask, scale: float) -> torch.Tensor:
     -> [n, H, d]. On CPU in bfloat16, SDPA's flash kernel spent half of a decode step on these one-row
     queries, about 4x this (32 streams of a 30-layer model: 115 -> 55 ms a step); in float32 SDPA is the
     faster. Query heads are grouped by the KV head they share, so grouped-query attention repeats nothing.
-    `mask`: [n, 1, 1, L] bool (True for real keys), or [n, H, 1, L] float32 added to the scores."""
+    `mask`: [n, 1, 1, L] bool (True for the keys a query sees), or [n, H, 1, L] float32 added to the scores."""
     n, heads, size = q.shape
     kv_heads = keys.shape[2]
     grouped = q.float().view(n, kv_heads, heads // kv_heads, size)

@@ -13,8 +13,11 @@ flash-attention 2's: it reads pages of a multiple of 256 tokens (`mha_varlen_fwd
 An older torch gets the step's keys gathered into a packed batch first, from any block size.
 
 Cross-attention needs nothing of its own: keys are packed by `cu_seqlens_k` (KV-free) or read through the
-cross block tables up to `seqused_k` (paged), and the metadata says not causal. T5's relative position
-bias it cannot add (no per-head score bias): the selector never picks it for such a model.
+cross block tables up to `seqused_k` (paged), and the metadata says not causal. Nor do suffix queries
+(the prefill skip): keys packed by `cu_seqlens_k`, the causal mask and window aligned at the end. A
+sliding window is `window_size` (windows.flash_window); a torch without it runs no window, and the
+selector never picks it for a model with one. T5's relative position bias it cannot add (no per-head
+score bias): the selector never picks it for such a model.
 """
 
 from __future__ import annotations
@@ -28,9 +31,12 @@ from torch.nn.attention.varlen import varlen_attn
 from embedserv.attention.backends.base import (
     PagedBackendBase, gather_kv, packed_key_slots, refuse_relative_bias, write_kv,
 )
+from embedserv.attention.backends.windows import flash_window
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
 
 _PARAMS = frozenset(inspect.signature(varlen_attn).parameters)
+# Whether this torch's kernel takes a sliding window (selector.py asks the same of the signature).
+TAKES_WINDOW = "window_size" in _PARAMS
 # Whether this torch's kernel reads a paged cache through block tables (torch 2.13 does).
 PAGED_KERNEL = {"block_table", "seqused_k"} <= _PARAMS
 # flash-attention 2's paged KV: pages of a multiple of 256 tokens.
@@ -70,8 +76,13 @@ class VarlenBackend(PagedBackendBase):
             else:
                 # Queries are the last keys of their sequence: the kernel's causal mask aligns them at the end.
                 k, v = gather_kv(kv_cache, meta.gather_slots)
-        if "window_size" in _PARAMS:
-            kwargs["window_size"] = (-1, 0) if common.is_causal else (-1, -1)
+        if TAKES_WINDOW:
+            kwargs["window_size"] = flash_window(layer.sliding_window, common.is_causal)
+        elif layer.sliding_window is not None:
+            raise NotImplementedError(
+                f"attention layer {layer.layer_index}: torch {torch.__version__}'s varlen_attn takes no "
+                "window_size and cannot run a sliding window; use sdpa or flex"
+            )
         else:
             kwargs["is_causal"] = common.is_causal
         if "scale" in _PARAMS:

@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        help="reuse the cached KV of full blocks that requests share at the start of their "
                             f"prompts {_model('enable_prefix_caching')}")
+    serve.add_argument("--kv-sharing-fast-prefill", action=argparse.BooleanOptionalAction,
+                       help="models whose last layers reuse an earlier layer's KV (Gemma 3n/4): run those layers "
+                            "only on the rows whose output is read (sampled tokens, last-token pooling) "
+                            + _model("kv_sharing_fast_prefill"))
     serve.add_argument("--data-parallel-size", type=int, metavar="N",
                        help="worker processes per model, each with its own replica (CPU: they share the cores) "
                             + _model("data_parallel_size"))

@@ -88,6 +88,9 @@ class ModelConfig:
     # None: the attention backend's default (what its paged kernel wants: 256 for flash-attn, else 16).
     kv_block_size: int | None = None
     enable_prefix_caching: bool = True
+    # Models whose last layers share an earlier layer's KV: those layers run only the rows whose output
+    # is read (sampled rows, last-token heads). Refused for models without shared layers.
+    kv_sharing_fast_prefill: bool = False
     # Worker processes, each with its own replica of the model (the server always runs at least one).
     data_parallel_size: int = 1
     # How many replicas may share one GPU: --device cuda spreads data_parallel_size replicas over

@@ -217,6 +217,10 @@ class ModelInfo:
     labels: tuple[str, ...] = ()
     # An encoder-decoder model (BART, T5): Generate's prompt is the encoder input.
     is_encoder_decoder: bool = False
+    # (layer, source layer) for each attention layer that reads an earlier layer's KV cache (Gemma 4).
+    kv_shared_layers: tuple[tuple[int, int], ...] = ()
+    # --kv-sharing-fast-prefill: the layers after the last KV writer run only the rows whose output is read.
+    kv_sharing_fast_prefill: bool = False
 
 
 class OutputKind(str, Enum):

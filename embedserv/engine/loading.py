@@ -83,3 +83,10 @@ def log_spec(served: ServedModel, config: ModelConfig) -> None:
         "from --attention" if config.attention else "from the model config", info.attention_backend,
         info.pooling, info.dimension, info.max_input_tokens, info.dtype, info.device,
     )
+    if info.kv_shared_layers:
+        logger.info(
+            "model %s: %d layers reuse an earlier layer's KV cache (%s); --kv-sharing-fast-prefill is %s",
+            info.name, len(info.kv_shared_layers), ", ".join(f"{a}<-{b}" for a, b in info.kv_shared_layers),
+            "on: the layers after the last KV writer run only the rows whose output is read"
+            if info.kv_sharing_fast_prefill else "off",
+        )

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from embedserv.attention.backends.base import AttentionBackend
+from embedserv.attention.layer import attention_layers
 from embedserv.attention.selector import AttentionSpec, select_backend
 from embedserv.config import ModelConfig
 from embedserv.errors import ConfigError
@@ -77,7 +78,9 @@ def _device(name: str) -> torch.device:
 _RELATIVE_BIAS_TYPES = ("t5", "mt5")
 
 
-def _attention_spec(hf_config, device: torch.device, dtype: torch.dtype, is_causal: bool) -> AttentionSpec:
+def _attention_spec(
+    hf_config, device: torch.device, dtype: torch.dtype, is_causal: bool, sliding_window: bool
+) -> AttentionSpec:
     return AttentionSpec(
         device=device,
         dtype=dtype,
@@ -86,6 +89,7 @@ def _attention_spec(hf_config, device: torch.device, dtype: torch.dtype, is_caus
         num_kv_heads=num_kv_heads(hf_config),
         is_causal=is_causal,
         relative_bias=hf_config.model_type in _RELATIVE_BIAS_TYPES,
+        sliding_window=sliding_window,
     )
 
 
@@ -98,13 +102,44 @@ def _check_dtype(hf_config, dtype: torch.dtype, model_dir: Path) -> None:
         )
 
 
-def _max_positions(model_class: type, hf_config, model_dir: Path) -> int:
-    """The model's position limit, read off a weightless (meta) instance; also refuses configs it cannot run."""
+@dataclass(frozen=True)
+class _Layout:
+    """What a weightless (meta) instance of the model says about its attention layers."""
+
+    max_positions: int
+    sliding_window: bool
+    # (layer, the layer whose KV it reads) for every layer that shares another's KV cache.
+    kv_shared_layers: tuple[tuple[int, int], ...]
+    # The model's first layer after its last KV writer (None: no layer shares KV).
+    prefill_skip_layer: int | None
+
+
+def _layout(model_class: type, hf_config, model_dir: Path) -> _Layout:
+    """Reads the model's layout off a meta instance; also refuses configs it cannot run."""
     try:
         with torch.device("meta"):
-            return model_class(hf_config).max_positions
+            model = model_class(hf_config)
     except ValueError as exc:
         raise ConfigError(f"{model_dir}: {exc}") from exc
+    layers = attention_layers(model)
+    return _Layout(
+        max_positions=model.max_positions,
+        sliding_window=any(layer.sliding_window is not None for layer in layers),
+        kv_shared_layers=tuple(
+            (layer.layer_index, layer.kv_source_layer) for layer in layers if layer.kv_source_layer is not None
+        ),
+        prefill_skip_layer=getattr(model, "prefill_skip_layer", None),
+    )
+
+
+def _check_fast_prefill(config: ModelConfig, layout: _Layout, entry: registry.ModelEntry) -> None:
+    if not config.kv_sharing_fast_prefill:
+        return
+    if layout.prefill_skip_layer is None or entry.is_encoder_decoder:
+        raise ConfigError(
+            f"--kv-sharing-fast-prefill: {config.path} has no layers that reuse an earlier layer's KV cache "
+            "(Gemma 3n / Gemma 4 with num_kv_shared_layers do); leave the flag off for this model"
+        )
 
 
 def _pooling_and_dimension(config: ModelConfig, task: TaskSpec, st: SentenceTransformerFiles, hf_config):
@@ -133,13 +168,17 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
     dtype = _DTYPES[config.torch_dtype_name]
     _check_dtype(hf_config, dtype, model_dir)
     is_causal = registry.is_causal(hf_config, entry, config.attention)
-    backend = select_backend(config.attention_backend, _attention_spec(hf_config, device, dtype, is_causal))
+    layout = _layout(entry.model_class, hf_config, model_dir)
+    _check_fast_prefill(config, layout, entry)
+    backend = select_backend(
+        config.attention_backend, _attention_spec(hf_config, device, dtype, is_causal, layout.sliding_window)
+    )
     files = checkpoint_files(model_dir, config.allow_pickle)
     task = read_task_spec(
         model_dir, hf_config, is_causal, config.decoder_reranker, has_lm_head(hf_config, files),
         is_encoder_decoder=entry.is_encoder_decoder,
     )
-    max_positions = _max_positions(entry.model_class, hf_config, model_dir)
+    max_positions = layout.max_positions
     pooling, dimension = _pooling_and_dimension(config, task, st, hf_config)
     info = ModelInfo(
         name=config.served_name,
@@ -155,6 +194,8 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
         attention_backend=backend.name,
         labels=task.labels,
         is_encoder_decoder=entry.is_encoder_decoder,
+        kv_shared_layers=layout.kv_shared_layers,
+        kv_sharing_fast_prefill=config.kv_sharing_fast_prefill,
     )
     return ModelSpec(
         info=info, task=task, max_model_len=max_positions, model_dir=model_dir, hf_config=hf_config,

@@ -147,6 +147,10 @@ def model_info(info: ModelInfo, kv_cache: KvCacheUsage | None = None) -> pb.Mode
             preemptions=kv_cache.preemptions,
             cached_prompt_tokens=kv_cache.cached_prompt_tokens,
         ) if kv_cache is not None else None,
+        kv_sharing=pb.KvSharing(
+            shared_layers=[pb.KvSharing.SharedLayer(layer=a, source_layer=b) for a, b in info.kv_shared_layers],
+            fast_prefill=info.kv_sharing_fast_prefill,
+        ) if info.kv_shared_layers else None,
     )
 
 

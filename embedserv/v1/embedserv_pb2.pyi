@@ -289,7 +289,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "tasks", "architecture", "attention", "pooling", "dimension", "max_input_tokens", "prompt_names", "dtype", "device", "attention_backend", "labels", "kv_cache", "is_encoder_decoder")
+    __slots__ = ("name", "tasks", "architecture", "attention", "pooling", "dimension", "max_input_tokens", "prompt_names", "dtype", "device", "attention_backend", "labels", "kv_cache", "is_encoder_decoder", "kv_sharing")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +304,7 @@ class ModelInfo(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     IS_ENCODER_DECODER_FIELD_NUMBER: _ClassVar[int]
+    KV_SHARING_FIELD_NUMBER: _ClassVar[int]
     name: str
     tasks: _containers.RepeatedScalarFieldContainer[Task]
     architecture: str
@@ -318,7 +319,23 @@ class ModelInfo(_message.Message):
     labels: _containers.RepeatedScalarFieldContainer[str]
     kv_cache: KvCache
     is_encoder_decoder: bool
-    def __init__(self, name: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., architecture: _Optional[str] = ..., attention: _Optional[_Union[AttentionKind, str]] = ..., pooling: _Optional[str] = ..., dimension: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., prompt_names: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., kv_cache: _Optional[_Union[KvCache, _Mapping]] = ..., is_encoder_decoder: _Optional[bool] = ...) -> None: ...
+    kv_sharing: KvSharing
+    def __init__(self, name: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., architecture: _Optional[str] = ..., attention: _Optional[_Union[AttentionKind, str]] = ..., pooling: _Optional[str] = ..., dimension: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., prompt_names: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., kv_cache: _Optional[_Union[KvCache, _Mapping]] = ..., is_encoder_decoder: _Optional[bool] = ..., kv_sharing: _Optional[_Union[KvSharing, _Mapping]] = ...) -> None: ...
+
+class KvSharing(_message.Message):
+    __slots__ = ("shared_layers", "fast_prefill")
+    class SharedLayer(_message.Message):
+        __slots__ = ("layer", "source_layer")
+        LAYER_FIELD_NUMBER: _ClassVar[int]
+        SOURCE_LAYER_FIELD_NUMBER: _ClassVar[int]
+        layer: int
+        source_layer: int
+        def __init__(self, layer: _Optional[int] = ..., source_layer: _Optional[int] = ...) -> None: ...
+    SHARED_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    FAST_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    shared_layers: _containers.RepeatedCompositeFieldContainer[KvSharing.SharedLayer]
+    fast_prefill: bool
+    def __init__(self, shared_layers: _Optional[_Iterable[_Union[KvSharing.SharedLayer, _Mapping]]] = ..., fast_prefill: _Optional[bool] = ...) -> None: ...
 
 class KvCache(_message.Message):
     __slots__ = ("block_size", "total_blocks", "used_blocks", "preemptions", "cached_prompt_tokens")

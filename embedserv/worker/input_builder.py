@@ -30,6 +30,7 @@ from embedserv.attention.metadata import (
 )
 from embedserv.models.heads import PoolingInputs
 from embedserv.types import OutputKind, SamplingParams, ScheduledSequence, StepBatch
+from embedserv.worker.prefill_skip import SkipPlan
 
 
 @dataclass(frozen=True)
@@ -60,12 +61,18 @@ class ModelInputs:
     encoder_attention: CommonAttentionMetadata | None = None
     # KV-free encoder-decoder steps: the decoder's queries over the packed encoder keys.
     cross_attention: CommonAttentionMetadata | None = None
+    # --kv-sharing-fast-prefill (worker/prefill_skip.py): the rows the layers after the last KV writer
+    # run, and their metadata per group; None when every row runs every layer. Pooling and sample rows
+    # then index the kept rows.
+    skip_rows: torch.Tensor | None = None
+    skip_attention: tuple[CommonAttentionMetadata, ...] | None = None
 
 
 class InputBuilder:
     def __init__(
         self, device: torch.device, position_offset: int, is_causal: bool, block_size: int = 0,
-        fixed_groups: tuple[bool, ...] = (), is_encoder_decoder: bool = False,
+        fixed_groups: tuple[bool, ...] = (), is_encoder_decoder: bool = False, prefill_skip: bool = False,
+        rows_read_last: bool = False,
     ) -> None:
         self.device = device
         self.position_offset = position_offset
@@ -74,6 +81,9 @@ class InputBuilder:
         # Per KV-cache group: True for a fixed (cross-attention) group.
         self.fixed_groups = fixed_groups
         self.is_encoder_decoder = is_encoder_decoder
+        # Plan the prefill skip; `rows_read_last`: the row head reads only each sequence's last token.
+        self.prefill_skip = prefill_skip
+        self.rows_read_last = rows_read_last
 
     def build(self, batch: StepBatch) -> ModelInputs:
         seqs = batch.sequences
@@ -100,11 +110,21 @@ class InputBuilder:
         ]
         rows = [i for i, s in enumerate(seqs) if s.produces_output and s.output is not OutputKind.SAMPLE]
         samples = [i for i, s in enumerate(seqs) if s.produces_output and s.output is OutputKind.SAMPLE]
-        pooling = _PoolingPlan(seqs, rows, packed_start, lens_q, order, pos_in_step) if rows else None
+        # Where outputs read their rows: the packed batch, or the rows the prefill skip keeps.
+        out_start, out_len, dropped, out_pos = packed_start, lens_q, np.zeros(len(seqs), np.int64), pos_in_step
+        skip = None
+        if self.prefill_skip:
+            skip = SkipPlan(seqs, order, packed_lens, self.rows_read_last, batch.uses_kv_cache)
+            if skip.active:
+                parts += skip.parts
+                out_start, out_len, dropped, out_pos = skip.out_start, skip.out_len, skip.dropped, skip.pos_in_step()
+            else:
+                skip = None
+        pooling = _PoolingPlan(seqs, rows, out_start, out_len, order, out_pos, dropped) if rows else None
         if pooling is not None:
             parts += pooling.parts
         if samples:
-            parts.append(packed_start[samples] + lens_q[samples] - 1)
+            parts.append(out_start[samples] + out_len[samples] - 1)
         has_types = any(s.token_type_ids is not None for s in seqs)
         if has_types:
             parts.append(_token_types([seqs[i] for i in order], num_tokens))
@@ -117,6 +137,7 @@ class InputBuilder:
             parts += paged.parts
         device_parts = iter(to_device(parts, self.device))
         input_ids, positions_t, cu_t = next(device_parts), next(device_parts), next(device_parts)
+        skip_parts = [next(device_parts) for _ in skip.parts] if skip is not None else None
         pooling_inputs = pooling.inputs(device_parts) if pooling is not None else None
         sample_rows = next(device_parts) if samples else None
         token_type_ids = next(device_parts) if has_types else None
@@ -129,6 +150,9 @@ class InputBuilder:
             attention = (build_common_metadata(packed_lens, self.is_causal, cu_seqlens=cu_t),)
             if encoder is not None:
                 cross = encoder.kv_free_cross(packed_lens, cu_t, encoder_inputs[2])
+        skip_rows = skip_attention = None
+        if skip is not None:
+            skip_rows, skip_attention = skip.metadata(iter(skip_parts), attention, self.is_causal)
         return ModelInputs(
             input_ids=input_ids,
             positions=positions_t,
@@ -145,6 +169,8 @@ class InputBuilder:
             encoder_positions=encoder_inputs[1],
             encoder_attention=encoder_inputs[2],
             cross_attention=cross,
+            skip_rows=skip_rows,
+            skip_attention=skip_attention,
         )
 
 
@@ -178,12 +204,15 @@ class _EncoderPlan:
 
 
 class _PoolingPlan:
-    """Where each row sequence's pooled tokens are in the packed batch."""
+    """Where each row sequence's pooled tokens are among the rows the head reads: the packed batch, or the
+    rows the prefill skip keeps (`dropped`: tokens of each sequence left out in front)."""
 
-    def __init__(self, seqs, rows: list[int], packed_start, lens_q, order, pos_in_step) -> None:
+    def __init__(self, seqs, rows: list[int], packed_start, lens_q, order, pos_in_step, dropped) -> None:
         lens = lens_q[rows]
         starts = packed_start[rows]
-        pool_start = np.fromiter((min(seqs[i].pool_start, len(seqs[i].token_ids) - 1) for i in rows), np.int64)
+        pool_start = np.fromiter(
+            (max(0, min(seqs[i].pool_start, len(seqs[i].token_ids) - 1) - dropped[i]) for i in rows), np.int64
+        )
         self.parts = [starts + pool_start, starts + lens - 1, lens - pool_start]
         # Row index of each packed token's sequence (-1: a sequence without a row).
         row_of_seq = np.full(len(seqs), -1, dtype=np.int64)

@@ -2,8 +2,10 @@
 
 A model's attention layers say what they need (attention/layer.py): encoder layers keep no KV; decoder
 and cross layers name a KV-cache group; a layer with a `kv_source_layer` reads that layer's cache and
-owns none. One group is one block size, KV head count, head size and dtype for all its layers, and one
-block table per request (scheduler/kv_cache_manager.py); cross groups are fixed-size tables.
+owns none. One group is one block size and dtype for all its layers, and one block table per request
+(scheduler/kv_cache_manager.py); cross groups are fixed-size tables. Layers of one group may differ in KV
+heads and head size (Gemma 4's full and sliding layers): a block id is a slot range in each of their
+tensors whatever its shape, so one table (and one prefix cache) serves them all.
 
 Every group gets the same number of blocks, so a block id means a slot range in every cache tensor of its
 group: `num_blocks` = `--kv-cache-memory` / (bytes of one block in every owning layer of every group).
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 
 from embedserv.attention.backends.base import AttentionBackend
-from embedserv.attention.layer import Attention, AttentionKind
+from embedserv.attention.layer import Attention, AttentionKind, attention_layers
 from embedserv.errors import ConfigError
 from embedserv.scheduler.kv_cache_manager import KvGroup
 
@@ -28,18 +30,17 @@ from embedserv.scheduler.kv_cache_manager import KvGroup
 @dataclass(frozen=True)
 class KvCacheGroupSpec:
     block_size: int
-    num_kv_heads: int
-    head_size: int
     dtype: torch.dtype
-    # Layers that own a cache tensor in this group, by layer_index.
+    # Layers that own a cache tensor in this group, by layer_index, and each one's (KV heads, head size).
     layers: tuple[int, ...]
+    shapes: tuple[tuple[int, int], ...]
     # Cross-attention: a table sized from the encoder input at admission, never grown or prefix-cached.
     fixed: bool = False
 
     @property
     def bytes_per_block(self) -> int:
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * len(self.layers) * self.block_size * self.num_kv_heads * self.head_size * element
+        return 2 * self.block_size * sum(heads * size for heads, size in self.shapes) * element
 
     def scheduler_group(self) -> KvGroup:
         return KvGroup(block_size=self.block_size, fixed=self.fixed)
@@ -88,12 +89,8 @@ class KvCache:
             used[blocks] = True
 
 
-def attention_layers(model: nn.Module) -> list[Attention]:
-    return sorted((m for m in model.modules() if isinstance(m, Attention)), key=lambda m: m.layer_index)
-
-
 def kv_cache_groups(model: nn.Module, block_size: int, dtype: torch.dtype) -> list[KvCacheGroupSpec]:
-    """The model's groups, in kv_group order; layers of one group must agree on their KV shape."""
+    """The model's groups, in kv_group order; layers of one group must be of one kind."""
     by_group: dict[int, list[Attention]] = {}
     for layer in attention_layers(model):
         if layer.owns_kv_cache:
@@ -103,13 +100,12 @@ def kv_cache_groups(model: nn.Module, block_size: int, dtype: torch.dtype) -> li
     specs = []
     for group in range(len(by_group)):
         layers = by_group[group]
-        shapes = {(layer.num_kv_heads, layer.head_size, layer.kind) for layer in layers}
-        if len(shapes) != 1:
-            raise ValueError(f"KV-cache group {group} mixes layer shapes or kinds: {sorted(map(str, shapes))}")
-        kv_heads, head_size, kind = shapes.pop()
+        kinds = {layer.kind for layer in layers}
+        if len(kinds) != 1:
+            raise ValueError(f"KV-cache group {group} mixes layer kinds: {sorted(kind.value for kind in kinds)}")
         specs.append(KvCacheGroupSpec(
-            block_size, kv_heads, head_size, dtype, tuple(layer.layer_index for layer in layers),
-            fixed=kind is AttentionKind.CROSS,
+            block_size, dtype, tuple(layer.layer_index for layer in layers),
+            tuple((layer.num_kv_heads, layer.head_size) for layer in layers), fixed=kinds.pop() is AttentionKind.CROSS,
         ))
     return specs
 
@@ -144,8 +140,8 @@ def allocate_kv_caches(
     layers = attention_layers(model)
     caches: list[torch.Tensor | None] = [None] * (max((m.layer_index for m in layers), default=-1) + 1)
     for group in groups:
-        shape = backend.kv_cache_shape(num_blocks, group.block_size, group.num_kv_heads, group.head_size)
-        for index in group.layers:
+        for index, (kv_heads, head_size) in zip(group.layers, group.shapes):
+            shape = backend.kv_cache_shape(num_blocks, group.block_size, kv_heads, head_size)
             # Uninitialized, so that memory is committed only as blocks are used; each block is zeroed on
             # its first use (KvCache.fresh_blocks, KvCache.zero).
             caches[index] = torch.empty(shape, dtype=group.dtype, device=device)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from embedserv.attention.backends.base import AttentionBackend
-from embedserv.forward_context import ForwardContext, set_forward_context
+from embedserv.forward_context import ForwardContext, PrefillSkip, set_forward_context
 from embedserv.models.sampler import sample
 from embedserv.scheduler.kv_cache_manager import KvCacheLayout
 from embedserv.types import OutputKind, SamplingParams, ScheduledSequence, StepBatch, StepOutput
@@ -46,6 +46,8 @@ class ModelRunner:
         row_head: nn.Module | None = None,
         lm_head: nn.Module | None = None,
         kv_cache: KvCache | None = None,
+        kv_sharing_fast_prefill: bool = False,
+        rows_read_last: bool = False,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -56,8 +58,13 @@ class ModelRunner:
         block_size = kv_cache.block_size if kv_cache is not None else 0
         fixed = tuple(group.fixed for group in kv_cache.groups) if kv_cache is not None else ()
         self.is_encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
+        # --kv-sharing-fast-prefill: the first layer that runs only the rows whose output is read.
+        self.skip_layer = getattr(model, "prefill_skip_layer", None) if kv_sharing_fast_prefill else None
+        if kv_sharing_fast_prefill and self.skip_layer is None:
+            raise ValueError("--kv-sharing-fast-prefill needs a model whose last layers share an earlier layer's KV")
         self.input_builder = InputBuilder(
-            device, model.position_offset, is_causal, block_size, fixed, self.is_encoder_decoder
+            device, model.position_offset, is_causal, block_size, fixed, self.is_encoder_decoder,
+            prefill_skip=self.skip_layer is not None, rows_read_last=rows_read_last,
         )
 
     def kv_cache_layout(self) -> KvCacheLayout | None:
@@ -91,6 +98,7 @@ class ModelRunner:
             kv_caches=self.kv_cache.tensors if inputs.attention[0].reads_kv_cache else (),
             encoder_metadata=build(inputs.encoder_attention) if inputs.encoder_attention is not None else None,
             cross_metadata=build(inputs.cross_attention) if inputs.cross_attention is not None else None,
+            skip=self._skip(inputs),
         )
         with set_forward_context(context):
             if self.is_encoder_decoder:
@@ -108,6 +116,12 @@ class ModelRunner:
             logits = self.lm_head(hidden.index_select(0, inputs.sample_rows)).float()
             tokens = sample(logits, inputs.sampling, inputs.sample_lengths).cpu().numpy()
         return StepOutput(inputs.row_request_ids, rows, inputs.sampled_request_ids, tokens)
+
+    def _skip(self, inputs: ModelInputs) -> PrefillSkip | None:
+        if inputs.skip_rows is None:
+            return None
+        metadata = tuple(self.backend.build_metadata(common) for common in inputs.skip_attention)
+        return PrefillSkip(first_layer=self.skip_layer, rows=inputs.skip_rows, attn_metadata=metadata)
 
     def warm_up(self, max_tokens: int, max_batch_tokens: int) -> None:
         """Runs the shapes first requests would otherwise pay one-time costs for (oneDNN primitives per

@@ -91,4 +91,5 @@ def build_runner(config: ModelConfig, spec: ModelSpec) -> ModelRunner:
     return ModelRunner(
         model, spec.backend, spec.device, spec.info.is_causal,
         row_head=_row_head(config, spec), lm_head=lm_head, kv_cache=kv_cache,
+        kv_sharing_fast_prefill=config.kv_sharing_fast_prefill, rows_read_last=spec.info.pooling == "lasttoken",
     )

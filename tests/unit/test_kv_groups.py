@@ -59,18 +59,34 @@ def test_groups_come_from_the_layers_kind_and_group():
         Attention(HEADS, HEAD_SIZE, num_kv_heads=1, layer_index=2, kind=AttentionKind.CROSS, kv_group=1),
     ])
     self_group, cross_group = kv_cache_groups(model, BLOCK, torch.float32)
-    assert (self_group.layers, self_group.fixed, self_group.num_kv_heads) == ((1,), False, HEADS)
-    assert (cross_group.layers, cross_group.fixed, cross_group.num_kv_heads) == ((2,), True, 1)
+    assert (self_group.layers, self_group.fixed, self_group.shapes) == ((1,), False, ((HEADS, HEAD_SIZE),))
+    assert (cross_group.layers, cross_group.fixed, cross_group.shapes) == ((2,), True, ((1, HEAD_SIZE),))
     caches = allocate_kv_caches(model, [self_group, cross_group], 5, NaiveBackend(), CPU)
     assert caches[0] is None, "an encoder layer keeps no KV"
     assert caches[1].shape[1] == caches[2].shape[1] == 5, "every group has the same number of blocks"
     assert caches[2].shape[-2] == 1
 
 
-def test_a_group_with_mixed_shapes_is_refused():
-    model = FakeModel([Attention(HEADS, HEAD_SIZE, layer_index=0), Attention(HEADS, 16, layer_index=1)])
-    with pytest.raises(ValueError, match="mixes"):
+def test_a_group_with_mixed_kinds_is_refused():
+    model = FakeModel([
+        Attention(HEADS, HEAD_SIZE, layer_index=0), Attention(HEADS, HEAD_SIZE, layer_index=1, kind=AttentionKind.CROSS)
+    ])
+    with pytest.raises(ValueError, match="mixes layer kinds"):
         kv_cache_groups(model, BLOCK, torch.float32)
+
+
+def test_a_group_holds_layers_of_different_shapes():
+    """Gemma 4's full layers have other KV heads and head sizes than its sliding ones; one table serves
+    both: each layer's tensor has its own shape and the same block count."""
+    model = FakeModel([
+        Attention(HEADS, HEAD_SIZE, layer_index=0), Attention(HEADS, 2 * HEAD_SIZE, num_kv_heads=1, layer_index=1)
+    ])
+    (group,) = kv_cache_groups(model, BLOCK, torch.float32)
+    assert group.shapes == ((HEADS, HEAD_SIZE), (1, 2 * HEAD_SIZE))
+    assert group.bytes_per_block == 2 * BLOCK * (HEADS * HEAD_SIZE + 2 * HEAD_SIZE) * 4
+    caches = allocate_kv_caches(model, [group], 3, NaiveBackend(), CPU)
+    assert caches[0].shape == (2, 3, BLOCK, HEADS, HEAD_SIZE)
+    assert caches[1].shape == (2, 3, BLOCK, 1, 2 * HEAD_SIZE)
 
 
 def _scheduler(num_blocks: int, caching: bool = True) -> GenerationScheduler:

@@ -68,6 +68,14 @@ class KvCache:
 
 
 @dataclass(frozen=True)
+class KvSharing:
+    # (layer, source layer): each attention layer that reads an earlier layer's KV cache.
+    shared_layers: tuple[tuple[int, int], ...]
+    # The layers after the last KV writer run only the rows whose output is read.
+    fast_prefill: bool
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     name: str
     tasks: tuple[str, ...]
@@ -83,6 +91,7 @@ class ModelInfo:
     labels: tuple[str, ...]
     kv_cache: KvCache | None = None
     is_encoder_decoder: bool = False
+    kv_sharing: KvSharing | None = None
 
     @classmethod
     def from_proto(cls, m: pb.ModelInfo) -> ModelInfo:
@@ -106,6 +115,13 @@ class ModelInfo:
                 else None
             ),
             is_encoder_decoder=m.is_encoder_decoder,
+            kv_sharing=(
+                KvSharing(
+                    tuple((s.layer, s.source_layer) for s in m.kv_sharing.shared_layers), m.kv_sharing.fast_prefill
+                )
+                if m.HasField("kv_sharing")
+                else None
+            ),
         )
 
 

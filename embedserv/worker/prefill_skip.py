@@ -1,0 +1,92 @@
+"""--kv-sharing-fast-prefill: which rows the layers after a model's last KV writer run, and their metadata.
+
+Layers that only read an earlier layer's KV change no cache, so a prompt row matters to them only if its
+output is read: a sampled row (the last of a chunk that reaches its prompt's end, or a decode), or the last
+token a last-token head (lasttoken pooling, yes/no reranker, decoder classifier) reads. A prompt chunk
+that samples nothing keeps no row at all on paged steps. Other heads read every row: those sequences keep
+all of theirs.
+
+The kept rows are a new packing of the batch (in the batch's packed order): each kept sequence's last
+`keep` tokens, whose keys are still all of the sequence's. The metadata says so per KV-cache group:
+paged, the kept sequences' rows of the block tables with one query each (a decode's shape) or their whole
+chunk; KV-free, queries that are the last `keep` of their sequence's keys (metadata.build_suffix_metadata).
+Outputs are then indexed in the kept packing: `out_start` and `out_len` give each sequence's rows there.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from embedserv.attention.metadata import (
+    CommonAttentionMetadata, build_paged_metadata, build_suffix_metadata, cumulative_offsets,
+)
+from embedserv.types import OutputKind
+
+
+class SkipPlan:
+    def __init__(self, seqs, order: np.ndarray, packed_lens: np.ndarray, rows_read_last: bool, paged: bool) -> None:
+        keep = np.empty(len(seqs), dtype=np.int64)
+        for p, i in enumerate(order):
+            seq, length = seqs[i], int(packed_lens[p])
+            if not seq.produces_output:
+                # Only paged prompt chunks yield nothing; a KV-free sequence always yields its row.
+                keep[p] = 0 if paged else length
+            elif seq.output is OutputKind.SAMPLE or rows_read_last:
+                keep[p] = 1
+            else:
+                keep[p] = length
+        if not keep.any():
+            # A step of prompt chunks that sample nothing: one row keeps the layers' shapes non-empty
+            # (its output is never read).
+            keep[0] = 1
+        # Per packed position; and in batch order, each sequence's rows in the kept packing.
+        self.keep = keep
+        self.active = bool((keep < packed_lens).any())
+        self.kept = np.flatnonzero(keep > 0)
+        self.cu = cumulative_offsets(keep[self.kept])
+        ends = cumulative_offsets(packed_lens)[1:][self.kept]
+        counts = keep[self.kept]
+        self.rows = np.repeat(ends - counts, counts) + _ranges(counts)
+        self.out_len = np.empty(len(seqs), dtype=np.int64)
+        self.out_len[order] = keep
+        starts = np.zeros(len(seqs), dtype=np.int64)
+        starts[self.kept] = self.cu[:-1]
+        self.out_start = np.empty(len(seqs), dtype=np.int64)
+        self.out_start[order] = starts
+        self.dropped = np.empty(len(seqs), dtype=np.int64)
+        self.dropped[order] = packed_lens - keep
+        self.paged = paged
+        self.parts = [self.rows, self.cu, self.kept]
+
+    def pos_in_step(self) -> np.ndarray:
+        """Each kept row's index among its sequence's kept rows (packed like the kept rows)."""
+        return _ranges(self.keep[self.kept])
+
+    def metadata(
+        self, device_parts, full: tuple[CommonAttentionMetadata, ...], is_causal: bool
+    ) -> tuple[torch.Tensor, tuple[CommonAttentionMetadata, ...]]:
+        """(kept rows [num_kept] int64, per-group metadata of the kept queries over all of their keys)."""
+        rows, cu_q, kept = next(device_parts), next(device_parts), next(device_parts)
+        lens_q = self.keep[self.kept]
+        if not self.paged:
+            (common,) = full
+            lens_k = common.seq_lens_k_cpu[self.kept]
+            return rows, (build_suffix_metadata(lens_q, lens_k, cu_q, common.cu_seqlens_k, is_causal),)
+        out = []
+        for common in full:
+            lens_k = common.seq_lens_k_cpu[self.kept]
+            device = cu_q.device
+            out.append(build_paged_metadata(
+                lens_q, lens_k, cu_q, torch.from_numpy(cumulative_offsets(lens_k)).to(device),
+                # The layers after the last writer write nothing.
+                torch.empty(0, dtype=torch.int64, device=device),
+                common.block_tables.index_select(0, kept), common.seq_lens_k.index_select(0, kept),
+                common.block_size,
+            ))
+        return rows, tuple(out)
+
+
+def _ranges(counts: np.ndarray) -> np.ndarray:
+    """[n] counts -> concatenated aranges: 0..counts[0]-1, 0..counts[1]-1, ..."""
+    return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)

@@ -58,14 +58,25 @@ def copy_checked(destination: torch.Tensor, tensor: torch.Tensor, name: str) -> 
     destination.copy_(tensor)
 
 
+def is_heterogeneous(config) -> bool:
+    """transformers 5 configs whose layers differ (`per_layer_config`, Gemma 4): reading a per-layer value
+    such as head_dim off the global config raises there, so it is read per layer."""
+    return bool(getattr(config, "is_heterogeneous", False))
+
+
 def head_dim(config) -> int:
     """Per-head width: Qwen3 (and some Mistrals) set head_dim apart from hidden_size / num_attention_heads,
-    T5 calls it d_kv."""
+    T5 calls it d_kv. Configs with per-layer sizes (Gemma 4) give their largest."""
+    if is_heterogeneous(config):
+        return max(head_dim(layer) for layer in config.per_layer_config)
     return getattr(config, "head_dim", None) or getattr(config, "d_kv", None) or config.hidden_size // config.num_attention_heads
 
 
 def num_kv_heads(config) -> int:
-    """Key/value heads: fewer than the query heads under grouped-query attention; encoders have as many."""
+    """Key/value heads: fewer than the query heads under grouped-query attention; encoders have as many.
+    Configs with per-layer counts (Gemma 4) give their largest."""
+    if is_heterogeneous(config):
+        return max(num_kv_heads(layer) for layer in config.per_layer_config)
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 

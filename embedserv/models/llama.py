@@ -3,8 +3,8 @@
 One architecture: pre-norm blocks of RMSNorm -> attention with rotary positions and grouped KV heads
 -> RMSNorm -> gated MLP. The members differ only in small switches read from the config: which
 projections carry a bias, Qwen3's per-head RMSNorm on queries and keys, a head size set apart from
-hidden_size / heads, and Mistral's sliding window. Whether attention is causal is not the model's
-business: it comes from the forward context.
+hidden_size / heads, and which layers attend within a sliding window. Whether attention is causal is not
+the model's business: it comes from the forward context.
 """
 
 from __future__ import annotations
@@ -51,19 +51,22 @@ def _biases(config) -> tuple[bool, bool, bool]:
     return attention_bias, attention_bias, mlp_bias
 
 
-def sliding_window(config) -> int | None:
-    """The window some layers attend within, or None when no layer uses one.
+def layer_sliding_window(config, layer_index: int) -> int | None:
+    """The window W layer `layer_index` attends within (a query at p sees the key at j only when
+    p - j < W), or None: every earlier key.
 
-    Qwen2/Qwen3 configs null `sliding_window` unless `use_sliding_window`, and list per layer in
-    `layer_types` which layers slide; Mistral slides every layer when the window is set.
+    transformers' sliding mask keeps `kv > q - sliding_window`, so W = sliding_window. Mistral slides
+    every layer when the window is set (its modeling ignores `layer_types`); Qwen2/Qwen3 configs null
+    `sliding_window` on load unless `use_sliding_window`, and list per layer in `layer_types` which
+    layers slide (by default those from `max_window_layers` on); Llama has no window.
     """
     window = getattr(config, "sliding_window", None)
-    if window is None or getattr(config, "use_sliding_window", True) is False:
+    if window is None or config.model_type == "llama":
         return None
+    if config.model_type == "mistral":
+        return int(window)
     layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return int(window)
+    return int(window) if layer_types and layer_types[layer_index] == "sliding_attention" else None
 
 
 class LlamaAttention(nn.Module):
@@ -82,7 +85,10 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.attn = Attention(self.num_heads, self.head_dim, num_kv_heads=self.num_kv_heads, layer_index=layer_index)
+        self.attn = Attention(
+            self.num_heads, self.head_dim, num_kv_heads=self.num_kv_heads, layer_index=layer_index,
+            sliding_window=layer_sliding_window(config, layer_index),
+        )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -150,12 +156,7 @@ class LlamaModel(nn.Module):
 
     @property
     def max_positions(self) -> int:
-        # Inputs no longer than the sliding window see every earlier token inside it, so windowed
-        # attention equals full attention: capping the length lets every backend run such models
-        # without a window mask.
-        window = sliding_window(self.config)
-        limit = self.config.max_position_embeddings
-        return min(limit, window) if window else limit
+        return self.config.max_position_embeddings
 
     def forward(self, input_ids, positions, token_type_ids=None) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)

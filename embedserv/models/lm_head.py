@@ -6,6 +6,8 @@ when the files have it, else the shared embeddings; on top of that
 - T5 v1.0 scales the decoder output by d_model**-0.5 before a head tied by its config (t5.output_scale):
   folded into the weight here, so the head stays one matmul;
 - BART and mBART add `final_logits_bias` ([1, vocab], zeros when the checkpoint lacks it).
+Gemma 3 and 4 cap the logits softly, `cap * tanh(logits / cap)` (`final_logit_softcapping`): the head
+does it, so the sampler reads the capped logits as transformers' generate does.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from embedserv.errors import ConfigError
 from embedserv.models.layers import Linear
@@ -82,9 +85,27 @@ def _seq2seq_lm_head(hf_config, files: list[Path]) -> Linear:
     return head
 
 
-def build_lm_head(hf_config, files: list[Path], device: torch.device, dtype: torch.dtype) -> Linear:
-    """A Linear [hidden] -> [vocab]: `lm_head.weight`, or the embeddings when tied (plus what the
-    encoder-decoder families add, see the module docstring)."""
+def logit_softcap(hf_config) -> float | None:
+    """Gemma's final logit softcapping cap, None for models without one."""
+    cap = getattr(hf_config, "final_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
+class SoftcappedLMHead(nn.Module):
+    """`cap * tanh(head(hidden) / cap)` in float32, transformers' op order; [rows, vocab] float32."""
+
+    def __init__(self, head: Linear, cap: float) -> None:
+        super().__init__()
+        self.head = head
+        self.cap = cap
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.head(hidden).float() / self.cap) * self.cap
+
+
+def build_lm_head(hf_config, files: list[Path], device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """[hidden] -> [vocab]: a Linear of `lm_head.weight`, or of the embeddings when tied (plus what the
+    encoder-decoder families add, and Gemma's softcapping: see the module docstring)."""
     if is_seq2seq(hf_config):
         head = _seq2seq_lm_head(hf_config, files)
     else:
@@ -98,4 +119,7 @@ def build_lm_head(hf_config, files: list[Path], device: torch.device, dtype: tor
         head.weight.data = weight
     head.to(device=device, dtype=dtype)
     head.pack()
+    cap = logit_softcap(hf_config)
+    if cap is not None:
+        head = SoftcappedLMHead(head, cap)
     return head.eval().requires_grad_(False)

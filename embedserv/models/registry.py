@@ -9,6 +9,8 @@ from torch import nn
 from embedserv.errors import ConfigError
 from embedserv.models.bart import BartModel
 from embedserv.models.bert import BertModel
+from embedserv.models.gemma import Gemma3Model
+from embedserv.models.gemma4 import Gemma4Model
 from embedserv.models.llama import LlamaModel
 from embedserv.models.t5 import T5EncoderModel, T5Model
 
@@ -31,6 +33,8 @@ _MODELS: dict[str, ModelEntry] = {
     "mistral": ModelEntry(LlamaModel, is_encoder=False),
     "qwen2": ModelEntry(LlamaModel, is_encoder=False),
     "qwen3": ModelEntry(LlamaModel, is_encoder=False),
+    "gemma3_text": ModelEntry(Gemma3Model, is_encoder=False),
+    "gemma4_text": ModelEntry(Gemma4Model, is_encoder=False),
     "t5": ModelEntry(T5Model, is_encoder=False, is_encoder_decoder=True),
     "mt5": ModelEntry(T5Model, is_encoder=False, is_encoder_decoder=True),
     "bart": ModelEntry(BartModel, is_encoder=False, is_encoder_decoder=True),
@@ -58,12 +62,17 @@ def lookup(model_type: str, architecture: str = "", sentence_transformers: bool 
 
 
 def is_causal(hf_config, entry: ModelEntry, override: str | None = None) -> bool:
-    """Causality from the config: encoders are bidirectional; decoders causal unless `is_causal: false`.
+    """Causality from the config: encoders are bidirectional; decoders causal unless `is_causal: false`
+    or `use_bidirectional_attention` says so (Gemma 3 and EmbeddingGemma: true; Gemma 4: "all", while
+    "vision" leaves text causal).
 
-    `override` ("causal" or "bidirectional", from --attention) wins over both.
+    `override` ("causal" or "bidirectional", from --attention) wins over all of them.
     """
     if override is not None:
         return override == "causal"
     if entry.is_encoder:
+        return False
+    bidirectional = getattr(hf_config, "use_bidirectional_attention", None)
+    if bidirectional is True or bidirectional == "all":
         return False
     return bool(getattr(hf_config, "is_causal", True))

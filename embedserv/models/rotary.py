@@ -3,7 +3,8 @@
 transformers 5 keeps every RoPE setting in `config.rope_parameters` (`rope_type`, `rope_theta`,
 `factor`, ...) and converts older config.json files (`rope_scaling` plus a top-level `rope_theta`) into
 that dict when it loads them; configs built by older transformers still carry the two apart, so both
-are read. The inverse frequencies use transformers' float32 formulas op for op, so on CPU the cos/sin
+are read. Models with layer types (Gemma) keep one such dict per type (`rope_parameters[layer_type]`).
+The inverse frequencies use transformers' float32 formulas op for op, so on CPU the cos/sin
 tables hold the same bits as the reference's.
 """
 
@@ -13,15 +14,18 @@ import math
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "proportional")
 # transformers' RotaryEmbeddingConfigMixin.default_theta, for configs that name no base.
 DEFAULT_THETA = 10_000.0
 
 
-def rope_parameters(config) -> dict:
-    """The config's RoPE settings as one flat dict with `rope_type` and `rope_theta` filled in."""
+def rope_parameters(config, layer_type: str | None = None) -> dict:
+    """The config's RoPE settings (those of `layer_type`'s layers, for configs with per-type settings) as
+    one flat dict with `rope_type` and `rope_theta` filled in."""
     params = getattr(config, "rope_parameters", None)
-    if params:
+    if layer_type is not None:
+        params = dict((params or {}).get(layer_type) or {})
+    elif params:
         params = dict(params)
     else:
         params = dict(getattr(config, "rope_scaling", None) or {})
@@ -34,7 +38,8 @@ def rope_parameters(config) -> dict:
         raise ValueError(
             f"rope type {params['rope_type']!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
+    # Proportional RoPE (Gemma 4) rotates a part of each head by design; elsewhere we rotate whole heads only.
+    if params["rope_type"] != "proportional" and params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"partial_rotary_factor {params['partial_rotary_factor']} is not supported; only 1.0")
     if params["rope_type"] == "llama3":
         # What transformers assumes when a llama3 config leaves the pretraining length out.
@@ -58,7 +63,19 @@ def inverse_frequencies(params: dict, head_dim: int) -> torch.Tensor:
         return inv_freq / _require(params, "factor")
     if params["rope_type"] == "llama3":
         return _llama3_scaling(params, inv_freq)
+    if params["rope_type"] == "proportional":
+        return _proportional(params, head_dim)
     return inv_freq
+
+
+def _proportional(params: dict, head_dim: int) -> torch.Tensor:
+    """Gemma 4: the first `partial_rotary_factor` of each head's pairs rotate at the frequencies a whole
+    head would give them; the other pairs get frequency 0 (cos 1, sin 0: left as they are)."""
+    rotated = int(params.get("partial_rotary_factor", 1.0) * head_dim // 2)
+    exponents = torch.arange(0, 2 * rotated, 2, dtype=torch.int64, device="cpu").to(torch.float) / head_dim
+    inv_freq = 1.0 / (params["rope_theta"] ** exponents)
+    inv_freq = torch.cat((inv_freq, torch.zeros(head_dim // 2 - rotated, dtype=torch.float32)))
+    return inv_freq / params.get("factor", 1.0)
 
 
 def _llama3_scaling(params: dict, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -86,10 +103,10 @@ class RotaryEmbedding:
     round it. The float32 table is made on first use on a device (and again only if the device changes).
     """
 
-    def __init__(self, config, head_dim: int, max_positions: int) -> None:
+    def __init__(self, config, head_dim: int, max_positions: int, layer_type: str | None = None) -> None:
         if head_dim % 2:
             raise ValueError(f"rotary embeddings need an even head size, not {head_dim}")
-        self.params = rope_parameters(config)
+        self.params = rope_parameters(config, layer_type)
         self.head_dim = head_dim
         self.max_positions = max_positions
         self._cos: torch.Tensor | None = None

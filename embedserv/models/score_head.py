@@ -124,11 +124,31 @@ def build_classifier_head(architecture: str, hidden_size: int, num_labels: int, 
     return head.eval().requires_grad_(False)
 
 
-def build_yes_no_head(hidden_size: int, tokens: YesNoTokens, tied: bool, files: list[Path]) -> ScoreHead:
-    """logit(yes) - logit(no) at the last token, from the LM head's rows (the embeddings when tied)."""
+class SoftcappedYesNoHead(ScoreHead):
+    """logit(yes) - logit(no) of an LM head with final logit softcapping (Gemma): each logit is capped,
+    cap * tanh(logit / cap), before the difference, so the head keeps both rows."""
+
+    def __init__(self, hidden_size: int, cap: float) -> None:
+        super().__init__(hidden_size, 2, token="last", pooler=False, bias=False)
+        self.cap = cap
+
+    def forward(self, hidden: torch.Tensor, pooling: PoolingInputs) -> torch.Tensor:
+        logits = torch.tanh(super().forward(hidden, pooling) / self.cap) * self.cap
+        return logits[:, :1] - logits[:, 1:]
+
+
+def build_yes_no_head(
+    hidden_size: int, tokens: YesNoTokens, tied: bool, files: list[Path], softcap: float | None = None
+) -> ScoreHead:
+    """logit(yes) - logit(no) at the last token, from the LM head's rows (the embeddings when tied); one row,
+    their difference, unless the logits are softcapped."""
     names = ("model.embed_tokens.weight", "embed_tokens.weight") if tied else ("lm_head.weight",)
     yes = read_first_tensor(files, names, slice(tokens.yes_id, tokens.yes_id + 1)).float()
     no = read_first_tensor(files, names, slice(tokens.no_id, tokens.no_id + 1)).float()
+    if softcap is not None:
+        head = SoftcappedYesNoHead(hidden_size, softcap)
+        head.out.weight.data.copy_(torch.cat((yes, no)))
+        return head.eval().requires_grad_(False)
     head = ScoreHead(hidden_size, 1, token="last", pooler=False, bias=False)
     head.out.weight.data.copy_(yes - no)
     return head.eval().requires_grad_(False)

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 from embedserv.config import ModelConfig
 from embedserv.errors import ConfigError
 from embedserv.models.heads import Dense, EmbeddingPooler
-from embedserv.models.lm_head import build_lm_head
+from embedserv.models.lm_head import build_lm_head, logit_softcap
 from embedserv.models.loader import build_model, load_dense_weights
 from embedserv.models.score_head import (
     YesNoTokens,
@@ -64,7 +64,7 @@ def _row_head(config: ModelConfig, spec: ModelSpec):
         head = build_seq2seq_yes_no_head(spec.hf_config, spec.files, yes_id, no_id)
     elif spec.task.template is not None:
         tied = bool(getattr(spec.hf_config, "tie_word_embeddings", True))
-        head = build_yes_no_head(hidden, _yes_no_tokens(spec), tied, spec.files)
+        head = build_yes_no_head(hidden, _yes_no_tokens(spec), tied, spec.files, logit_softcap(spec.hf_config))
     else:
         head = build_classifier_head(architecture_of(spec.hf_config), hidden, len(spec.task.labels), spec.files)
     return head.to(spec.device)

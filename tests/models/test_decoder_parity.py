@@ -12,8 +12,12 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from benchmarks.corpus import stdlib_texts
+from embedserv.attention.layer import attention_layers
+from embedserv.models.llama import LlamaModel
+from embedserv.models.loader import read_hf_config
 from embedserv.types import EmbedParams
 from tests.helpers.compare import assert_cosine_at_least, assert_unit_norm, cosines, normalized
 from tests.helpers.models import (
@@ -21,7 +25,6 @@ from tests.helpers.models import (
     DECODER_POOLINGS,
     LINEAR_ROPE,
     LLAMA3_ROPE,
-    load_reference,
     reference_token_counts,
 )
 
@@ -156,16 +159,36 @@ def test_bidirectional_decoder_matches_transformers(pooling, tiny_decoder, refer
     assert differs.mean() >= 0.8, f"only {differs.sum()} of {len(texts)} embeddings differ from causal attention"
 
 
-def test_sliding_window_caps_the_input_length(tiny_decoder, engine_for, texts):
-    """Inputs are cut to Mistral's window, where windowed attention equals full causal attention."""
-    window = 32
-    model_dir = tiny_decoder("mistral", "mean", sliding_window=window)
+@pytest.mark.parametrize(
+    ("arch", "window_options", "windows"),
+    [
+        ("mistral", {}, [16, 16]),
+        # Qwen2 slides only with use_sliding_window, and then the layers from max_window_layers on.
+        ("qwen2", {"use_sliding_window": True, "max_window_layers": 1}, [None, 16]),
+    ],
+    ids=["mistral", "qwen2-layer-1"],
+)
+def test_sliding_window_matches_sentence_transformers_past_the_window(
+    arch, window_options, windows, tiny_decoder, reference, engine_for, texts
+):
+    """A 16-token window on texts of up to 128 tokens: no input cap, and the windowed layers attend as
+    transformers' sliding mask lets them (a query sees the 15 keys before it and itself)."""
+    model_dir = tiny_decoder(arch, "mean", max_seq_length=MAX_SEQ_LENGTH, sliding_window=16, **window_options)
+    hf_config = read_hf_config(model_dir)
+    with torch.device("meta"):
+        assert [layer.sliding_window for layer in attention_layers(LlamaModel(hf_config))] == windows
+    st = reference(model_dir)
+    assert sum(n > 32 for n in reference_token_counts(st, texts)) >= len(texts) // 2, "texts must pass the window"
     engine = engine_for(model_dir)
-    assert engine.info.max_input_tokens == window
+    assert engine.info.max_input_tokens == MAX_SEQ_LENGTH
 
-    st = load_reference(model_dir)
-    st.max_seq_length = window
-    _check_parity(engine, st, texts, what="sliding window: ")
+    windowed = _check_parity(engine, st, texts, what=f"{arch} sliding window: ")
+
+    # The same weights without a window give other embeddings for the long texts: the window was applied.
+    plain_dir = tiny_decoder(arch, "mean", max_seq_length=MAX_SEQ_LENGTH, sliding_window=None)
+    plain = engine_for(plain_dir).embed(texts, EmbedParams(truncate=True)).embeddings
+    long_texts = np.array(reference_token_counts(st, texts)) > 32
+    assert np.all(cosines(windowed, plain)[long_texts] < 0.99999), "the window changed no long text's embedding"
 
 
 def test_batch_invariance(tiny_decoder, engine_for):

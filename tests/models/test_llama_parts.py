@@ -76,25 +76,28 @@ def test_other_rope_types_are_refused_naming_the_supported(rope_type):
 
 
 @pytest.mark.parametrize(
-    ("config", "expected"),
+    ("config", "windows"),
     [
-        (MistralConfig(max_position_embeddings=512, sliding_window=100, **SMALL), 100),
-        (MistralConfig(max_position_embeddings=512, sliding_window=None, **SMALL), 512),
+        (MistralConfig(max_position_embeddings=512, sliding_window=100, **SMALL), [100, 100]),
+        (MistralConfig(max_position_embeddings=512, sliding_window=None, **SMALL), [None, None]),
         # Qwen2 ignores the window unless use_sliding_window, and then only on layers past max_window_layers.
-        (Qwen2Config(max_position_embeddings=512, sliding_window=100, **SMALL), 512),
-        (Qwen2Config(max_position_embeddings=512, sliding_window=100, use_sliding_window=True, **SMALL), 512),
+        (Qwen2Config(max_position_embeddings=512, sliding_window=100, **SMALL), [None, None]),
+        (Qwen2Config(max_position_embeddings=512, sliding_window=100, use_sliding_window=True, **SMALL), [None, None]),
         (
             Qwen2Config(
                 max_position_embeddings=512, sliding_window=100, use_sliding_window=True, max_window_layers=1, **SMALL
             ),
-            100,
+            [None, 100],
         ),
     ],
     ids=["mistral", "mistral-no-window", "qwen2-off", "qwen2-no-sliding-layer", "qwen2-sliding"],
 )
-def test_max_positions_stop_at_an_active_sliding_window(config, expected):
+def test_sliding_windows_are_per_layer_masks_not_a_length_cap(config, windows):
+    """Inputs may be as long as the positions allow; the layers that slide attend within their window."""
     with torch.device("meta"):
-        assert LlamaModel(config).max_positions == expected
+        model = LlamaModel(config)
+    assert model.max_positions == 512
+    assert [layer.self_attn.attn.sliding_window for layer in model.layers] == windows
 
 
 def _causal_lm_state(config: LlamaConfig) -> dict[str, torch.Tensor]:

@@ -85,3 +85,21 @@ def test_list_models_reports_the_shared_layers_and_the_skip():
     assert ClientModelInfo.from_proto(shared).kv_sharing == KvSharing(((4, 2), (5, 3)), True)
     plain = model_info(ModelInfo(**base))
     assert not plain.HasField("kv_sharing") and ClientModelInfo.from_proto(plain).kv_sharing is None
+
+
+def test_skip_on_and_off_score_within_1e_5(gemma4, engine_for, tmp_path_factory):
+    """The same reranker with and without the skip: raw yes/no logits within 1e-5 of each other."""
+    from benchmarks.corpus import stdlib_texts
+
+    model_dir = tmp_path_factory.mktemp("rr-both") / "gemma4-reranker"
+    gemma_models.with_config(gemma4["shared"], model_dir)
+    query = "which module parses command line arguments"
+    documents = [" ".join(t.split()[:60]) for t in stdlib_texts(12, seed=12)]
+    raw = []
+    for fast_prefill in (False, True):
+        result = engine_for(model_dir, kv_sharing_fast_prefill=fast_prefill).rerank(
+            query, documents, RerankParams(truncate=True, raw_scores=True)
+        )
+        raw.append(np.array([r.score for r in sorted(result.results, key=lambda r: r.index)]))
+    assert raw[0].std() > 0.01
+    np.testing.assert_allclose(raw[1], raw[0], rtol=0, atol=1e-5)

@@ -1,8 +1,9 @@
 """Cross-layer KV sharing as a user sees it, on a tiny Gemma 4 whose last three layers read earlier layers'
 KV: the same --kv-cache-memory holds twice the blocks of the same model without sharing; ListModels names
 the shared layers and whether the skip is on; a yes/no reranker (softcapped logits) equals the model card's
-scores with the skip on and off; start-up refuses --kv-sharing-fast-prefill for a model without shared
-layers, naming the flag."""
+scores with the skip on and off; prompts sharing a prefix reuse cached blocks (one table for layers of
+both shapes) and still generate transformers' tokens; start-up refuses --kv-sharing-fast-prefill for a
+model without shared layers, naming the flag."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from embedserv.models.spec import read_model_spec
 from embedserv.types import RerankParams
 from tests.helpers import gemma_models
 from tests.helpers.scorers import qwen3_reranker_reference, qwen3_reranker_reference_logits
+from tests.models.test_generate_parity import _check_greedy, hf_generations  # noqa: F401 (a fixture)
 
 # Per token, the sliding layers keep 2 KV heads x 16 and the full ones 1 x 32: 32 values each, so a block
 # of 16 tokens is 2 (K, V) x 16 x 32 x 4 bytes = 4 KiB a layer. Three writers of six: 12 KiB a block.
@@ -103,3 +105,20 @@ def test_skip_on_and_off_score_within_1e_5(gemma4, engine_for, tmp_path_factory)
         raw.append(np.array([r.score for r in sorted(result.results, key=lambda r: r.index)]))
     assert raw[0].std() > 0.01
     np.testing.assert_allclose(raw[1], raw[0], rtol=0, atol=1e-5)
+
+
+def test_prompts_sharing_a_cached_prefix_generate_as_transformers(gemma4, engine_for, hf_generations):
+    """One block table serves Gemma 4's layers of both shapes, so prefix caching stays on: prompts that
+    start with the same 60 words reuse each other's blocks (windows and shared layers included), with the
+    skip on, and still generate transformers' tokens."""
+    from benchmarks.corpus import stdlib_texts
+
+    shared = " ".join(" ".join(stdlib_texts(8, seed=9)).split()[:60])
+    prompts = [f"{shared} {tail}" for tail in ("alpha", "beta gamma", "delta epsilon zeta", "eta")]
+    expected = hf_generations(gemma4["shared"], prompts)
+    engine = engine_for(gemma4["shared"], enable_prefix_caching=True, kv_sharing_fast_prefill=True)
+    before = engine.kv_cache_usage().cached_prompt_tokens
+    _check_greedy(engine, prompts[:1], expected[:1])
+    _check_greedy(engine, prompts, expected)
+    assert engine.kv_cache_usage().cached_prompt_tokens - before >= 4 * 16, "the shared blocks should be reused"
+

@@ -91,7 +91,8 @@ def set_forward_context(context: ForwardContext) -> Iterator[ForwardContext]:
 def prefill_skip_rows() -> torch.Tensor | None:
     """For a model at its `prefill_skip_layer`: the rows the remaining layers run (index_select hidden
     states, positions' cos/sin and any per-token input by them), or None when every row runs on."""
-    return get_forward_context().skip.rows if get_forward_context().skip is not None else None
+    skip = get_forward_context().skip
+    return skip.rows if skip is not None else None
 
 
 def get_forward_context() -> ForwardContext:

@@ -84,6 +84,12 @@ def cumulative_offsets(seq_lens: np.ndarray) -> np.ndarray:
     return cu
 
 
+def ranges(counts: np.ndarray) -> np.ndarray:
+    """[n] counts -> concatenated aranges, int64: 0..counts[0]-1, 0..counts[1]-1, ..."""
+    counts = np.asarray(counts, dtype=np.int64)
+    return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
 def build_common_metadata(
     seq_lens: np.ndarray, is_causal: bool, cu_seqlens: torch.Tensor | None = None
 ) -> CommonAttentionMetadata:

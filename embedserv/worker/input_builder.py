@@ -103,6 +103,7 @@ class InputBuilder:
         packed_start[order] = cu[:-1]
         pos_in_step = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu[:-1], packed_lens)
         positions = pos_in_step + np.repeat(starts[order], packed_lens)
+        lens_k = packed_lens + starts[order]
         parts = [
             np.fromiter(chain.from_iterable(seqs[i].token_ids for i in order), dtype=np.int64, count=num_tokens),
             positions + self.position_offset,
@@ -114,7 +115,7 @@ class InputBuilder:
         out_start, out_len, dropped, out_pos = packed_start, lens_q, np.zeros(len(seqs), np.int64), pos_in_step
         skip = None
         if self.prefill_skip:
-            skip = SkipPlan(seqs, order, packed_lens, self.rows_read_last, batch.uses_kv_cache)
+            skip = SkipPlan(seqs, order, packed_lens, lens_k, self.rows_read_last, batch.uses_kv_cache)
             if skip.active:
                 parts += skip.parts
                 out_start, out_len, dropped, out_pos = skip.out_start, skip.out_len, skip.dropped, skip.pos_in_step()
@@ -142,7 +143,6 @@ class InputBuilder:
         sample_rows = next(device_parts) if samples else None
         token_type_ids = next(device_parts) if has_types else None
         encoder_inputs = encoder.inputs(device_parts) if encoder is not None else (None, None, None)
-        lens_k = packed_lens + starts[order]
         cross = None
         if paged is not None:
             attention = paged.metadata(device_parts, packed_lens, lens_k, cu_t)

@@ -19,13 +19,16 @@ import numpy as np
 import torch
 
 from embedserv.attention.metadata import (
-    CommonAttentionMetadata, build_paged_metadata, build_suffix_metadata, cumulative_offsets,
+    CommonAttentionMetadata, build_paged_metadata, build_suffix_metadata, cumulative_offsets, ranges,
 )
 from embedserv.types import OutputKind
 
 
 class SkipPlan:
-    def __init__(self, seqs, order: np.ndarray, packed_lens: np.ndarray, rows_read_last: bool, paged: bool) -> None:
+    def __init__(
+        self, seqs, order: np.ndarray, packed_lens: np.ndarray, lens_k: np.ndarray, rows_read_last: bool, paged: bool
+    ) -> None:
+        """`packed_lens`, `lens_k`: each sequence's queries and keys, in packed order."""
         keep = np.empty(len(seqs), dtype=np.int64)
         for p, i in enumerate(order):
             seq, length = seqs[i], int(packed_lens[p])
@@ -47,7 +50,7 @@ class SkipPlan:
         self.cu = cumulative_offsets(keep[self.kept])
         ends = cumulative_offsets(packed_lens)[1:][self.kept]
         counts = keep[self.kept]
-        self.rows = np.repeat(ends - counts, counts) + _ranges(counts)
+        self.rows = np.repeat(ends - counts, counts) + ranges(counts)
         self.out_len = np.empty(len(seqs), dtype=np.int64)
         self.out_len[order] = keep
         starts = np.zeros(len(seqs), dtype=np.int64)
@@ -57,11 +60,15 @@ class SkipPlan:
         self.dropped = np.empty(len(seqs), dtype=np.int64)
         self.dropped[order] = packed_lens - keep
         self.paged = paged
+        self.lens_k = lens_k[self.kept]
         self.parts = [self.rows, self.cu, self.kept]
+        if paged:
+            # The kept sequences' key offsets, in the step's one host-to-device copy.
+            self.parts.append(cumulative_offsets(self.lens_k))
 
     def pos_in_step(self) -> np.ndarray:
         """Each kept row's index among its sequence's kept rows (packed like the kept rows)."""
-        return _ranges(self.keep[self.kept])
+        return ranges(self.keep[self.kept])
 
     def metadata(
         self, device_parts, full: tuple[CommonAttentionMetadata, ...], is_causal: bool
@@ -71,22 +78,15 @@ class SkipPlan:
         lens_q = self.keep[self.kept]
         if not self.paged:
             (common,) = full
-            lens_k = common.seq_lens_k_cpu[self.kept]
-            return rows, (build_suffix_metadata(lens_q, lens_k, cu_q, common.cu_seqlens_k, is_causal),)
-        out = []
-        for common in full:
-            lens_k = common.seq_lens_k_cpu[self.kept]
-            device = cu_q.device
-            out.append(build_paged_metadata(
-                lens_q, lens_k, cu_q, torch.from_numpy(cumulative_offsets(lens_k)).to(device),
-                # The layers after the last writer write nothing.
-                torch.empty(0, dtype=torch.int64, device=device),
-                common.block_tables.index_select(0, kept), common.seq_lens_k.index_select(0, kept),
-                common.block_size,
-            ))
-        return rows, tuple(out)
+            return rows, (build_suffix_metadata(lens_q, self.lens_k, cu_q, common.cu_seqlens_k, is_causal),)
+        cu_k = next(device_parts)
+        # The layers after the last writer write nothing.
+        no_slots = torch.empty(0, dtype=torch.int64, device=cu_q.device)
+        return rows, tuple(
+            build_paged_metadata(
+                lens_q, self.lens_k, cu_q, cu_k, no_slots, common.block_tables.index_select(0, kept),
+                common.seq_lens_k.index_select(0, kept), common.block_size,
+            )
+            for common in full
+        )
 
-
-def _ranges(counts: np.ndarray) -> np.ndarray:
-    """[n] counts -> concatenated aranges: 0..counts[0]-1, 0..counts[1]-1, ..."""
-    return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)

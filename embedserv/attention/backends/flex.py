@@ -54,7 +54,7 @@ from embedserv.attention.backends.flex_masks import (
 from embedserv.attention.backends.windows import (
     has_suffix_queries, refuse_biased_suffix, refuse_biased_window, window_within,
 )
-from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
+from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata, ranges
 
 # On CUDA the Triton kernel tiles the keys BLOCK_N at a time; a tile must lie inside one cache block, and
 # Triton's matrix product needs tiles of at least 16 keys. Cache blocks are then a multiple of 16 tokens.
@@ -266,11 +266,6 @@ def _documents(cu: torch.Tensor, size: int) -> torch.Tensor:
     return torch.searchsorted(cu[1:].contiguous(), rows, right=True)
 
 
-def _ranges(counts: np.ndarray) -> np.ndarray:
-    """[n] counts -> concatenated aranges: 0..counts[0]-1, 0..counts[1]-1, ..."""
-    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-
-
 def plan_paged(common: CommonAttentionMetadata) -> _PagedPlan:
     lens_q, lens_k, size = common.seq_lens_q_cpu, common.seq_lens_k_cpu, common.block_size
     num_tokens = int(lens_q.sum())
@@ -279,7 +274,7 @@ def plan_paged(common: CommonAttentionMetadata) -> _PagedPlan:
     q_seq = np.zeros(q_size, dtype=np.int64)
     q_seq[:num_tokens] = np.repeat(seqs, lens_q)
     q_pos = np.full(q_size, -1, dtype=np.int64)
-    q_pos[:num_tokens] = _ranges(lens_q) + np.repeat(lens_k - lens_q, lens_q)
+    q_pos[:num_tokens] = ranges(lens_q) + np.repeat(lens_k - lens_q, lens_q)
     q_limit = q_pos
     if common.cross:
         q_limit = np.full(q_size, -1, dtype=np.int64)
@@ -293,9 +288,9 @@ def plan_paged(common: CommonAttentionMetadata) -> _PagedPlan:
     lasts = np.minimum(firsts + BLOCK_SIZE, num_tokens) - 1
     first_seq, last_seq = q_seq[firsts], q_seq[lasts]
     pair_qb = np.repeat(np.arange(len(firsts)), last_seq - first_seq + 1)
-    pair_seq = first_seq[pair_qb] + _ranges(last_seq - first_seq + 1)
+    pair_seq = first_seq[pair_qb] + ranges(last_seq - first_seq + 1)
     entry_qb, entry_seq = np.repeat(pair_qb, blocks[pair_seq]), np.repeat(pair_seq, blocks[pair_seq])
-    entry_logical = _ranges(blocks[pair_seq])
+    entry_logical = ranges(blocks[pair_seq])
     # Whole: the query block holds one sequence (padding rows are discarded) and the cache block ends at
     # or before its first query's limit (positions grow along a sequence; a cross limit is the sequence's).
     single = (first_seq == last_seq)[entry_qb]
@@ -311,7 +306,7 @@ def plan_paged(common: CommonAttentionMetadata) -> _PagedPlan:
     q_pos_t = to(q_pos)
     return _PagedPlan(
         q_start=to(q_start), q_pos=q_pos_t, q_limit=q_pos_t if q_limit is q_pos else to(q_limit),
-        owned=to(np.stack((np.repeat(seqs, blocks), _ranges(blocks)))),
+        owned=to(np.stack((np.repeat(seqs, blocks), ranges(blocks)))),
         partial=to(entries[:, ~full]), full=to(entries[:, full]), spans_cpu=spans, single_cpu=single,
     )
 

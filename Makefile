@@ -6,6 +6,8 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 HOST ?= 127.0.0.1
 PORT ?= 50051
+# The HTTP APIs (OpenAI, Cohere/Jina rerank, TEI); 0 turns them off.
+HTTP_PORT ?= 8000
 PYTEST_ARGS ?=
 
 .PHONY: serve test test-all proto bench clean
@@ -27,7 +29,7 @@ $(VENV)/.installed-test: pyproject.toml clients/python/pyproject.toml $(VENV)/.t
 	touch $@
 
 serve: $(VENV)/.installed
-	$(BIN)/embedserv serve --host $(HOST) --port $(PORT)
+	$(BIN)/embedserv serve --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT)
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-connection-age", type=float, metavar="SECONDS",
                        help="close each client connection after about this long (calls in flight finish); "
                             "round-robin clients then re-resolve DNS and find new replicas (default: never)")
+    serve.add_argument("--http-port", type=int, metavar="PORT",
+                       help="serve the HTTP APIs (OpenAI, Cohere/Jina rerank, TEI) on this port; 0: off "
+                            f"{_server('http_port')}")
     serve.add_argument("--metrics-port", type=int, metavar="PORT",
                        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
     serve.add_argument("--api-key",

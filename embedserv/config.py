@@ -173,6 +173,8 @@ class ServerConfig:
     tokenizer_threads: int = 1
     # SIGTERM/SIGINT: seconds in-flight calls get to finish before they are cancelled.
     drain_timeout: float = 30.0
+    # The HTTP APIs (OpenAI, Cohere, TEI; http/) on this port, same host as gRPC; 0 turns them off.
+    http_port: int = 8000
     # Prometheus /metrics over HTTP on this port (same host as gRPC); None: no metrics server.
     metrics_port: int | None = None
     # Close (GOAWAY) each client connection after about this many seconds, so that round-robin clients of a
@@ -209,6 +211,10 @@ class ServerConfig:
             raise ConfigError("--max-input-chars must be at least 1")
         if not self.drain_timeout >= 0:
             raise ConfigError(f"--drain-timeout must be 0 seconds or more, not {self.drain_timeout}")
+        if not 0 <= self.http_port <= 65535:
+            raise ConfigError(f"--http-port must be in 0..65535 (0 turns HTTP off), not {self.http_port}")
+        if self.http_port and self.http_port in (self.port, self.metrics_port):
+            raise ConfigError(f"--http-port {self.http_port} is taken by --port or --metrics-port; pick another")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port must be in 0..65535, not {self.metrics_port}")
         if self.max_connection_age is not None and not self.max_connection_age > 0:

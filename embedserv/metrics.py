@@ -18,15 +18,19 @@ _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 _SEQUENCES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _TOKENS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
+# protocol: grpc or http; rpc: the RPC (TEI's prefixed tei.v1.) or the HTTP route; status: the protocol's
+# own (a gRPC code name, an HTTP status number).
 REQUESTS = Counter(
-    "embedserv_requests", "Calls by RPC, model and gRPC status code", ["rpc", "model", "status"], registry=REGISTRY
-)
-INPUTS = Counter(
-    "embedserv_request_inputs", "Inputs (texts, documents, prompts) of calls that succeeded", ["rpc", "model"],
+    "embedserv_requests", "Calls by protocol, RPC or route, model and status", ["protocol", "rpc", "model", "status"],
     registry=REGISTRY,
 )
+INPUTS = Counter(
+    "embedserv_request_inputs", "Inputs (texts, documents, prompts) of calls that succeeded",
+    ["protocol", "rpc", "model"], registry=REGISTRY,
+)
 INPUT_TOKENS = Counter(
-    "embedserv_input_tokens", "Tokens of the inputs of calls that succeeded", ["rpc", "model"], registry=REGISTRY
+    "embedserv_input_tokens", "Tokens of the inputs of calls that succeeded", ["protocol", "rpc", "model"],
+    registry=REGISTRY,
 )
 GENERATED_TOKENS = Counter("embedserv_generated_tokens", "Tokens generated", ["model"], registry=REGISTRY)
 QUEUE_SECONDS = Histogram(

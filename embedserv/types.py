@@ -96,7 +96,8 @@ class ClassifyParams:
 class SamplingParams:
     """How Generate picks tokens and when it stops. Checked by the engine (Engine.generate)."""
 
-    max_tokens: int
+    # None: as many as the model's context (and one stream's share of the KV cache) holds.
+    max_tokens: int | None
     # 0 is greedy (argmax); above 0 scales the logits before sampling.
     temperature: float = 0.0
     # Keep the smallest set of most likely tokens whose probability reaches top_p; in (0, 1].

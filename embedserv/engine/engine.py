@@ -218,11 +218,14 @@ class Engine:
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     async def generate(
-        self, prompt: str, params: SamplingParams, decoder_prompt: str = ""
+        self, prompt: str | list[int], params: SamplingParams, decoder_prompt: str = "",
+        add_special_tokens: bool = True,
     ) -> AsyncIterator[GenerationDelta]:
         """Streams the text the model appends to `prompt`; the last delta carries the finish reason.
         Encoder-decoder models: `prompt` is the encoder's input, and the decoder starts from its start token
-        followed by `decoder_prompt`; decoder-only models refuse a decoder_prompt.
+        followed by `decoder_prompt`; decoder-only models refuse a decoder_prompt. A prompt of token ids is
+        used as given; a text prompt gets the model's special tokens unless `add_special_tokens` is False
+        (a chat template's output carries its own). `params.max_tokens` None: as many as the context holds.
 
         The tokenized request goes to the ready worker with the fewest streams and stays there (its KV)."""
         checks.require(self.info, Task.GENERATE, "Generate")
@@ -233,7 +236,7 @@ class Engine:
             )
         prepared = await prepare_prompt(
             self.tokenizer, self._tokenizer_pool, prompt, params, decoder_prompt=decoder_prompt,
-            decoder_start_token_id=self.task.decoder_start_token_id,
+            decoder_start_token_id=self.task.decoder_start_token_id, add_special_tokens=add_special_tokens,
         )
         ready = [loop for loop in self._generation if loop.is_accepting]
         if not ready:
@@ -263,6 +266,24 @@ class Engine:
         checks.check_embed(self.info, self.tokenizer, texts, params)
         encoded = await self._tokenize_with(
             self.tokenizer.encode_batch, texts, params.truncate, params.truncation_direction, params.prompt_name
+        )
+        rows, prompt_tokens, timing = await self._infer(encoded, received)
+        return EmbedResult(
+            embeddings=finish_embeddings(rows, params.dimensions, params.normalize),
+            prompt_tokens=prompt_tokens,
+            timing=timing,
+        )
+
+    async def embed_token_ids(self, token_ids: list[list[int]], params: EmbedParams) -> EmbedResult:
+        """Embeds pre-tokenized inputs, used as given (OpenAI's token-id `input`; no prompt, no special tokens
+        added)."""
+        received = time.perf_counter()
+        checks.require(self.info, Task.EMBED, "Embed")
+        checks.check_embed(self.info, self.tokenizer, token_ids, params)
+        if params.prompt_name:
+            raise InvalidInput("prompt_name applies to texts; token-id inputs are used as given")
+        encoded = await self._tokenize_with(
+            self.tokenizer.check_token_ids, token_ids, params.truncate, params.truncation_direction
         )
         rows, prompt_tokens, timing = await self._infer(encoded, received)
         return EmbedResult(
@@ -369,6 +390,14 @@ class Engine:
             decoder = [start] if self.task.prefill_decoder_input == "start" else [start] + ids[:-1]
             return self._prefill.new_request(decoder, encoder_token_ids=ids)
         return self._prefill.new_request(ids, pool_start=encoded.pool_start, token_type_ids=types)
+
+    async def chat_prompt(self, messages: list[dict]) -> str:
+        """The prompt text the model's chat template makes of `messages` (refused when it has none)."""
+        checks.require(self.info, Task.GENERATE, "chat")
+        return await self._tokenize_with(self.tokenizer.apply_chat_template, messages)
+
+    async def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return await self._tokenize_with(self.tokenizer.decode, ids, skip_special_tokens)
 
     async def tokenize(
         self, texts: list[str], add_special_tokens: bool, prompt_name: str | None

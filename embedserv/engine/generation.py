@@ -18,7 +18,7 @@ import itertools
 import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 from embedserv import metrics
@@ -29,7 +29,7 @@ from embedserv.executor.base import Worker, WorkerDied
 from embedserv.scheduler.generation import GenerationScheduler
 from embedserv.scheduler.kv_cache_manager import KvCacheManager
 from embedserv.scheduler.request import Request, RequestStatus
-from embedserv.types import FinishReason, GenerationDelta, KvCacheUsage, OutputKind, SamplingParams, StepBatch, StepOutput
+from embedserv.types import FinishReason, TruncationDirection, GenerationDelta, KvCacheUsage, OutputKind, SamplingParams, StepBatch, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class _Stream:
 
 
 def check_sampling(params: SamplingParams) -> None:
-    if params.max_tokens < 1:
+    if params.max_tokens is not None and params.max_tokens < 1:
         raise InvalidInput(f"max_tokens must be at least 1, not {params.max_tokens}")
     if not (params.temperature >= 0 and math.isfinite(params.temperature)):
         raise InvalidInput(f"temperature must be 0 (greedy) or above, not {params.temperature}")
@@ -67,8 +67,8 @@ class PreparedPrompt:
 
 
 async def prepare_prompt(
-    tokenizer: TextTokenizer, pool: ThreadPoolExecutor, prompt: str, params: SamplingParams,
-    decoder_prompt: str = "", decoder_start_token_id: int | None = None,
+    tokenizer: TextTokenizer, pool: ThreadPoolExecutor, prompt: str | list[int], params: SamplingParams,
+    decoder_prompt: str = "", decoder_start_token_id: int | None = None, add_special_tokens: bool = True,
 ) -> PreparedPrompt:
     """Checks a Generate request and tokenizes it in the tokenizer pool (both decode).
 
@@ -80,7 +80,11 @@ async def prepare_prompt(
     check_sampling(params)
 
     def prepare() -> PreparedPrompt:
-        token_ids = tokenizer.encode_prompt(prompt)
+        if isinstance(prompt, list):
+            (encoded,) = tokenizer.check_token_ids([prompt], truncate=False, direction=TruncationDirection.RIGHT)
+            token_ids = encoded.ids
+        else:
+            token_ids = tokenizer.encode_prompt(prompt, add_special_tokens)
         if not token_ids:
             raise InvalidInput("the prompt has no tokens for this model's tokenizer; send some text")
         if decoder_start_token_id is None:
@@ -203,6 +207,9 @@ class GenerationStreams:
             next(self._ids), prompt.token_ids, OutputKind.SAMPLE, sampling=params,
             encoder_token_ids=prompt.encoder_token_ids,
         )
+        if params.max_tokens is None:
+            params = replace(params, max_tokens=self._room(request))
+            request.sampling = params
         self._check_fits(request, params.max_tokens)
         stream = _Stream(request, params, prompt.detokenizer)
         self._streams[request.request_id] = stream
@@ -221,6 +228,12 @@ class GenerationStreams:
             if not stream.finished and request.status is RequestStatus.WAITING and not request.num_preemptions:
                 self.num_dropped += 1
             self._forget(stream)
+
+    def _room(self, request: Request) -> int:
+        """Tokens a request may generate when it sets no max_tokens: up to the model's context or what one
+        stream can hold of the KV cache, whichever is less (at least 1, so that _check_fits explains)."""
+        capacity = self.kv_cache.managers[0].num_blocks * self.kv_cache.block_size
+        return max(1, min(self.max_model_len, capacity) - len(request.prompt_token_ids))
 
     def _check_fits(self, request: Request, max_tokens: int) -> None:
         prompt_tokens = len(request.prompt_token_ids)

@@ -114,13 +114,50 @@ class TextTokenizer:
             out.append(Encoded(ids=ids, pool_start=pool_start))
         return out
 
+    def check_token_ids(self, token_ids: list[list[int]], truncate: bool, direction: TruncationDirection) -> list[Encoded]:
+        """Pre-tokenized inputs (OpenAI's token-id `input`), used as given: no special tokens are added.
+        Ids must be in the vocabulary; too-long inputs are cut (truncate) or refused."""
+        vocab = self._backend.get_vocab_size(with_added_tokens=True)
+        out = []
+        for index, ids in enumerate(token_ids):
+            if not ids:
+                raise InvalidInput(f"input {index} has no token ids; send at least one")
+            bad = next((i for i in ids if not 0 <= i < vocab), None)
+            if bad is not None:
+                raise InvalidInput(f"input {index} holds token id {bad}, outside the model's vocabulary 0..{vocab - 1}")
+            if len(ids) > self.max_input_tokens:
+                if not truncate:
+                    raise self._too_long(f"input {index}", len(ids), self.max_input_tokens)
+                ids = ids[-self.max_input_tokens:] if direction is TruncationDirection.LEFT else ids[: self.max_input_tokens]
+            out.append(Encoded(ids=list(ids)))
+        return out
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        """The model's chat template applied to `messages`, with the assistant's turn opened."""
+        if not getattr(self.hf_tokenizer, "chat_template", None):
+            raise InvalidInput(
+                "this model has no chat template (tokenizer_config.json's chat_template); "
+                "use /v1/completions with a prompt you format yourself"
+            )
+        try:
+            return self.hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - a template error (jinja2) is the request's, not the server's
+            raise InvalidInput(f"the model's chat template cannot render these messages: {exc}") from None
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        vocab = self._backend.get_vocab_size(with_added_tokens=True)
+        bad = next((i for i in ids if not 0 <= i < vocab), None)
+        if bad is not None:
+            raise InvalidInput(f"token id {bad} is outside the model's vocabulary 0..{vocab - 1}")
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
     def token_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
-    def encode_prompt(self, text: str) -> list[int]:
-        """A generation prompt with the model's special tokens, as `tokenizer(text)` gives it; the engine
-        checks its length against the model's context."""
-        return self._backend.encode(text, add_special_tokens=True).ids
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A generation prompt with the model's special tokens, as `tokenizer(text)` gives it (without them
+        for a chat template's output); the engine checks its length against the model's context."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_text(self, text: str) -> list[int]:
         """Tokens of a text without special tokens (an encoder-decoder model's decoder prompt)."""

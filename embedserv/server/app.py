@@ -1,7 +1,9 @@
 """Builds and runs the gRPC server: listen first (health NOT_SERVING), load and warm models, then SERVING.
 
-SIGTERM or SIGINT drains: health turns NOT_SERVING, new calls are refused, calls in flight get up to
---drain-timeout to finish, then the workers stop and the process exits 0. A second signal cancels what
+With --http-port, the HTTP APIs (http/app.py) listen beside gRPC from the start, on the same Frontend.
+
+SIGTERM or SIGINT drains: health turns NOT_SERVING, new calls are refused (HTTP: 503), calls in flight over
+either protocol (SSE streams included) get up to --drain-timeout to finish, then the workers stop and the process exits 0. A second signal cancels what
 is still running.
 """
 
@@ -21,8 +23,10 @@ from embedserv.engine.engine import Engine
 from embedserv.errors import ConfigError
 from embedserv.server.metrics import MetricsServer
 from embedserv.server.registry import InflightLimiter, ServedModels
+from embedserv.server.frontend import Frontend
 from embedserv.server.security import ApiKeyInterceptor, server_credentials
 from embedserv.server.servicer import InferenceServicer, add_to_server
+from embedserv.server.tei_grpc import add_tei_services
 
 logger = logging.getLogger(__name__)
 
@@ -56,15 +60,21 @@ class EmbedServer:
             interceptors=[ApiKeyInterceptor(config.api_key)] if config.api_key else None,
             options=server_options(config),
         )
-        self.servicer = InferenceServicer(self.models, config, self.limiter)
+        self.frontend = Frontend(self.models, config, self.limiter)
+        self.servicer = InferenceServicer(self.frontend)
         service = add_to_server(self.servicer, self.server)
+        tei_services = add_tei_services(self.frontend, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
-            (service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            (
+                service, *tei_services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
             self.server,
         )
         self.port: int | None = None
         self.metrics: MetricsServer | None = None
+        self.http: HttpServer | None = None
         self._started = False
         # The engine whose workers are starting, so that a stop during start-up ends them too.
         self._loading: Engine | None = None
@@ -103,6 +113,11 @@ class EmbedServer:
             logger.warning("an API key without TLS travels in clear text; use --tls-cert/--tls-key off localhost")
         if config.metrics_port is not None:
             self.metrics = MetricsServer(config.host, config.metrics_port, self.models, self.limiter)
+        if config.http_port:
+            from embedserv.server.http.app import HttpServer  # FastAPI and uvicorn load only when HTTP is on
+
+            self.http = HttpServer(self.frontend)
+            await self.http.start()
         await self.server.start()
         security = []
         if config.tls_cert:
@@ -134,12 +149,15 @@ class EmbedServer:
         Health Watch streams see NOT_SERVING, but the drain does not wait for them (they never end on
         their own): once the inference calls are done, what is left is cancelled."""
         await self.health.enter_graceful_shutdown()
+        self.frontend.draining = True
         stopping = asyncio.create_task(self.server.stop(grace))
         if grace:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.servicer.active_calls.wait_idle(), grace)
+                await asyncio.wait_for(self.frontend.active_calls.wait_idle(), grace)
         await self.server.stop(None)
         await stopping
+        if self.http is not None:
+            await self.http.stop()
         for engine in [*self.models.engines, *([self._loading] if self._loading else [])]:
             await engine.stop()
         if self.metrics is not None:

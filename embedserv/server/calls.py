@@ -1,6 +1,6 @@
-"""One RPC from start to end: its request id, the status code it ends with, its metrics and its log line.
+"""One call from start to end: its request id, the status it ends with, its metrics and its log line.
 
-Handlers are wrapped by `unary_call` or `stream_call`. The wrapper gives the call an id (the client's
+`Call` is the same for every protocol (the HTTP face makes its own in http/edge.py). gRPC handlers are wrapped by `unary_call` or `stream_call`. The wrapper gives the call an id (the client's
 `x-request-id` metadata, or a new one), returns it as trailing metadata `x-request-id`, and turns every
 way a call can end into one status code: OK, an embedserv error's code, INTERNAL for a bug (logged with
 its traceback), and CANCELLED or DEADLINE_EXCEEDED when gRPC cancels the handler because the client
@@ -28,12 +28,19 @@ REQUEST_ID_KEY = "x-request-id"
 _MAX_REQUEST_ID_CHARS = 128
 
 
-def _request_id(context: grpc.aio.ServicerContext) -> str:
-    for key, value in context.invocation_metadata() or ():
-        if key == REQUEST_ID_KEY and isinstance(value, str):
-            if 0 < len(value) <= _MAX_REQUEST_ID_CHARS and value.isascii() and value.isprintable():
-                return value
+def request_id_or_new(value: object) -> str:
+    """The client's request id if it is a short printable ASCII string, else a new one."""
+    if isinstance(value, str) and 0 < len(value) <= _MAX_REQUEST_ID_CHARS and value.isascii() and value.isprintable():
+        return value
     return uuid.uuid4().hex[:16]
+
+
+def metadata_value(context: grpc.aio.ServicerContext, key: str) -> str | None:
+    """The first value of an invocation metadata key, or None."""
+    for name, value in context.invocation_metadata() or ():
+        if name == key and isinstance(value, str):
+            return value
+    return None
 
 
 def _cancel_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
@@ -41,34 +48,16 @@ def _cancel_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
     return grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 else grpc.StatusCode.CANCELLED
 
 
-class ActiveCalls:
-    """Calls of the Inference service still running: what a drain waits for (health Watch streams, which
-    never end on their own, are not among them)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    def enter(self) -> None:
-        self.count += 1
-        self._idle.clear()
-
-    def exit(self) -> None:
-        self.count -= 1
-        if self.count == 0:
-            self._idle.set()
-
-    async def wait_idle(self) -> None:
-        await self._idle.wait()
-
-
 class Call:
-    """What one RPC did, counted as it happens: a stream's answered parts count even if a later part fails."""
+    """What one call did, counted as it happens: a stream's answered parts count even if a later part fails.
 
-    def __init__(self, rpc: str, context: grpc.aio.ServicerContext) -> None:
+    `protocol` is grpc or http; `rpc` the RPC or route name; the status it ends with is the protocol's
+    own (a gRPC code name, an HTTP status number)."""
+
+    def __init__(self, protocol: str, rpc: str, request_id: str) -> None:
+        self.protocol = protocol
         self.rpc = rpc
-        self.request_id = _request_id(context)
+        self.request_id = request_id
         # The served model's name once the request named one that exists ("" before: no client-made labels).
         self.model = ""
         self.inputs = 0
@@ -78,37 +67,37 @@ class Call:
     def answered(self, inputs: int, tokens: int, timing: Timing | None = None) -> None:
         self.inputs += inputs
         self.tokens += tokens
-        metrics.INPUTS.labels(self.rpc, self.model).inc(inputs)
-        metrics.INPUT_TOKENS.labels(self.rpc, self.model).inc(tokens)
+        metrics.INPUTS.labels(self.protocol, self.rpc, self.model).inc(inputs)
+        metrics.INPUT_TOKENS.labels(self.protocol, self.rpc, self.model).inc(tokens)
         if timing is not None:
             metrics.QUEUE_SECONDS.labels(self.rpc, self.model).observe(timing.queue_us / 1e6)
             metrics.TOKENIZATION_SECONDS.labels(self.rpc, self.model).observe(timing.tokenization_us / 1e6)
             metrics.INFERENCE_SECONDS.labels(self.rpc, self.model).observe(timing.inference_us / 1e6)
 
-    def end(self, code: grpc.StatusCode) -> None:
-        metrics.REQUESTS.labels(self.rpc, self.model, code.name).inc()
+    def end(self, status: str) -> None:
+        metrics.REQUESTS.labels(self.protocol, self.rpc, self.model, status).inc()
         logger.debug(
-            "request %s: %s model=%s inputs=%d tokens=%d status=%s in %.1f ms", self.request_id, self.rpc,
-            self.model or "-", self.inputs, self.tokens, code.name, (time.perf_counter() - self.received) * 1e3,
+            "request %s: %s %s model=%s inputs=%d tokens=%d status=%s in %.1f ms", self.request_id, self.protocol,
+            self.rpc, self.model or "-", self.inputs, self.tokens, status, (time.perf_counter() - self.received) * 1e3,
         )
 
 
 async def _end_with_error(call: Call, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     """Counts and logs the call's end, then aborts with the error's status (or lets a cancel through)."""
     if isinstance(exc, asyncio.CancelledError):
-        call.end(_cancel_code(context))
+        call.end(_cancel_code(context).name)
         raise exc
     if isinstance(exc, grpc.aio.AbortError) or not isinstance(exc, Exception):
         raise exc
     code = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         logger.exception("request %s: %s failed", call.request_id, call.rpc)
-    call.end(code)
+    call.end(code.name)
     await context.abort(code, message_for(exc, call.rpc))
 
 
 def _start(rpc: str, context: grpc.aio.ServicerContext) -> Call:
-    call = Call(rpc, context)
+    call = Call("grpc", rpc, request_id_or_new(metadata_value(context, REQUEST_ID_KEY)))
     # Each RPC runs in its own task, so this is the call's id for everything it awaits (batch log lines).
     REQUEST_ID.set(call.request_id)
     context.set_trailing_metadata(((REQUEST_ID_KEY, call.request_id),))
@@ -116,11 +105,12 @@ def _start(rpc: str, context: grpc.aio.ServicerContext) -> Call:
 
 
 def unary_call(handler):
-    """Wraps `handler(self, request, context, call)` of a unary-response RPC (`self.active_calls` counts it)."""
+    """Wraps `handler(self, request, context, call)` of a unary-response RPC (`self.active_calls` counts it;
+    the metrics' rpc label is `self.rpc_prefix` + the handler's name)."""
 
     @functools.wraps(handler)
     async def wrapper(self, request, context):
-        call = _start(handler.__name__, context)
+        call = _start(self.rpc_prefix + handler.__name__, context)
         self.active_calls.enter()
         try:
             response = await handler(self, request, context, call)
@@ -128,7 +118,7 @@ def unary_call(handler):
             await _end_with_error(call, context, exc)
         finally:
             self.active_calls.exit()
-        call.end(grpc.StatusCode.OK)
+        call.end(grpc.StatusCode.OK.name)
         return response
 
     return wrapper
@@ -139,7 +129,7 @@ def stream_call(handler):
 
     @functools.wraps(handler)
     async def wrapper(self, request, context):
-        call = _start(handler.__name__, context)
+        call = _start(self.rpc_prefix + handler.__name__, context)
         self.active_calls.enter()
         try:
             async for response in handler(self, request, context, call):
@@ -148,6 +138,6 @@ def stream_call(handler):
             await _end_with_error(call, context, exc)
         finally:
             self.active_calls.exit()
-        call.end(grpc.StatusCode.OK)
+        call.end(grpc.StatusCode.OK.name)
 
     return wrapper

@@ -32,14 +32,19 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
     def _problem(self, metadata) -> str | None:
         values = [value for key, value in metadata if key == "authorization"]
-        if not values:
-            return "this server needs an API key: send metadata 'authorization: Bearer <key>'"
-        scheme, _, key = str(values[0]).partition(" ")
-        if scheme.lower() != "bearer" or not key:
-            return "the authorization metadata must read 'Bearer <key>'"
-        if not hmac.compare_digest(key.strip().encode(), self._key):
-            return "the API key is wrong; send the key the server was started with"
-        return None
+        return api_key_problem(values[0] if values else None, self._key, "metadata")
+
+
+def api_key_problem(authorization: str | None, key: bytes, carrier: str) -> str | None:
+    """What is wrong with an `authorization` value (gRPC metadata or HTTP header) for API key `key`, or None."""
+    if authorization is None:
+        return f"this server needs an API key: send {carrier} 'authorization: Bearer <key>'"
+    scheme, _, given = str(authorization).partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        return f"the authorization {carrier} must read 'Bearer <key>'"
+    if not hmac.compare_digest(given.strip().encode(), key):
+        return "the API key is wrong; send the key the server was started with"
+    return None
 
 
 def _refusing(handler: grpc.RpcMethodHandler, method: str, message: str) -> grpc.RpcMethodHandler:
@@ -47,7 +52,7 @@ def _refusing(handler: grpc.RpcMethodHandler, method: str, message: str) -> grpc
     rpc = method.rsplit("/", 1)[-1]
 
     async def refuse(request_or_iterator, context: grpc.aio.ServicerContext):
-        metrics.REQUESTS.labels(rpc, "", grpc.StatusCode.UNAUTHENTICATED.name).inc()
+        metrics.REQUESTS.labels("grpc", rpc, "", grpc.StatusCode.UNAUTHENTICATED.name).inc()
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     kinds = {

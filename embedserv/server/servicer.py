@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import grpc
@@ -26,8 +25,9 @@ from embedserv.types import (
     TruncationDirection,
 )
 from embedserv.errors import InvalidInput
-from embedserv.server.calls import ActiveCalls, Call, stream_call, unary_call
-from embedserv.server.registry import InflightLimiter, ServedModels
+from embedserv.server.calls import Call, stream_call, unary_call
+from embedserv.server.frontend import Frontend
+from embedserv.server.streams import answer_in_order
 from embedserv.v1 import embedserv_pb2 as pb
 from embedserv.v1 import embedserv_pb2_grpc as pb_grpc
 
@@ -47,8 +47,6 @@ _FINISH_REASONS = {
     FinishReason.EOS: pb.FINISH_REASON_EOS,
     FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
 }
-# EmbedStream answers in order; this many requests of one stream may be in the engine at once.
-_STREAM_WINDOW = 16
 
 
 def embed_params(request: pb.EmbedRequest) -> EmbedParams:
@@ -155,45 +153,23 @@ def model_info(info: ModelInfo, kv_cache: KvCacheUsage | None = None) -> pb.Mode
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
-    def __init__(self, models: ServedModels, config: ServerConfig, limiter: InflightLimiter) -> None:
-        self.models = models
-        self.config = config
-        self.limiter = limiter
-        self.active_calls = ActiveCalls()
+    rpc_prefix = ""
+
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+        self.active_calls = frontend.active_calls
 
     def _engine(self, name: str, call: Call) -> Engine:
-        engine = self.models.get(name)
+        engine = self.frontend.engine(name)
         call.model = engine.info.name
         return engine
-
-    def _check_inputs(self, inputs, what: str = "inputs") -> list[str]:
-        """At least one text, no more than a call may carry, none past --max-input-chars (before tokenizing)."""
-        texts = list(inputs)
-        if not texts:
-            raise InvalidInput(f"{what} is empty; send at least one text")
-        if len(texts) > self.config.max_client_batch_size:
-            raise InvalidInput(
-                f"{len(texts)} {what} is more than --max-client-batch-size {self.config.max_client_batch_size}; "
-                "split the call"
-            )
-        for index, text in enumerate(texts):
-            self._check_chars(text, f"{what}[{index}]")
-        return texts
-
-    def _check_chars(self, text: str, what: str) -> None:
-        limit = self.config.max_input_chars
-        if len(text) > limit:
-            raise InvalidInput(
-                f"{what} has {len(text)} characters, more than the server's --max-input-chars {limit}; "
-                "shorten or split it"
-            )
 
     async def _embed(self, request: pb.EmbedRequest, call: Call) -> pb.EmbedResponse:
         received = time.perf_counter()
         engine = self._engine(request.model, call)
-        texts = self._check_inputs(request.inputs)
+        texts = self.frontend.check_inputs(request.inputs)
         params = embed_params(request)
-        with self.limiter.hold(len(texts)):
+        with self.frontend.hold(len(texts)):
             result = await engine.embed(texts, params)
         call.answered(len(texts), result.prompt_tokens, result.timing)
         return embed_response(result, request.encoding, engine.info.name, received)
@@ -205,33 +181,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     @stream_call
     async def EmbedStream(self, request_iterator, context, call):
         # Requests start as they arrive (up to the window) and are answered in arrival order.
-        window: asyncio.Queue = asyncio.Queue(maxsize=_STREAM_WINDOW)
-
-        async def read_requests() -> None:
-            try:
-                async for request in request_iterator:
-                    await window.put(asyncio.ensure_future(self._embed(request, call)))
-            finally:
-                await window.put(None)
-
-        reader = asyncio.ensure_future(read_requests())
-        try:
-            while (task := await window.get()) is not None:
-                yield await task
-            await reader  # raises if reading the request stream failed
-        finally:
-            reader.cancel()
-            while not window.empty():
-                leftover = window.get_nowait()
-                if leftover is not None:
-                    leftover.cancel()
+        async for response in answer_in_order(request_iterator, lambda request: self._embed(request, call)):
+            yield response
 
     @unary_call
     async def Tokenize(self, request, context, call):
         engine = self._engine(request.model, call)
-        texts = self._check_inputs(request.inputs)
+        texts = self.frontend.check_inputs(request.inputs)
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        with self.limiter.hold(len(texts)):
+        with self.frontend.hold(len(texts)):
             tokenized = await engine.tokenize(texts, add_special, request.prompt_name or None)
         call.answered(len(texts), sum(len(x.ids) for x in tokenized))
         inputs = [
@@ -247,23 +205,23 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     @unary_call
     async def ListModels(self, request, context, call):
-        models = [model_info(e.info, e.kv_cache_usage()) for e in self.models.engines]
-        return pb.ListModelsResponse(models=models, limits=server_limits(self.config))
+        models = [model_info(e.info, e.kv_cache_usage()) for e in self.frontend.models.engines]
+        return pb.ListModelsResponse(models=models, limits=server_limits(self.frontend.config))
 
     @unary_call
     async def Rerank(self, request, context, call):
         received = time.perf_counter()
         engine = self._engine(request.model, call)
-        documents = self._check_inputs(request.documents, "documents")
-        self._check_chars(request.query, "query")
-        self._check_chars(request.instruction, "instruction")
+        documents = self.frontend.check_inputs(request.documents, "documents")
+        self.frontend.check_chars(request.query, "query")
+        self.frontend.check_chars(request.instruction, "instruction")
         params = RerankParams(
             top_n=request.top_n if request.HasField("top_n") else None,
             raw_scores=request.raw_scores,
             truncate=request.truncate,
             instruction=request.instruction or None,
         )
-        with self.limiter.hold(len(documents)):
+        with self.frontend.hold(len(documents)):
             result = await engine.rerank(request.query, documents, params)
         call.answered(len(documents), result.prompt_tokens, result.timing)
         results = [
@@ -273,27 +231,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         summary = call_summary(result.prompt_tokens, result.timing, engine.info.name, received)
         return pb.RerankResponse(results=results, **summary)
 
-    def _check_candidate_labels(self, request: pb.ClassifyRequest, num_inputs: int) -> int:
-        """Zero-shot fields within the character limit; returns the sequences the call runs (one per input,
-        or per input and candidate label), which count against --max-client-batch-size and in-flight."""
-        for index, label in enumerate(request.candidate_labels):
-            self._check_chars(label, f"candidate_labels[{index}]")
-        self._check_chars(request.hypothesis_template, "hypothesis_template")
-        num_labels = len(request.candidate_labels)
-        pairs = num_inputs * max(num_labels, 1)
-        if pairs > self.config.max_client_batch_size:
-            raise InvalidInput(
-                f"{num_inputs} inputs x {num_labels} candidate_labels make {pairs} pairs, more than "
-                f"--max-client-batch-size {self.config.max_client_batch_size}; split the call"
-            )
-        return pairs
-
     @unary_call
     async def Classify(self, request, context, call):
         received = time.perf_counter()
         engine = self._engine(request.model, call)
-        texts = self._check_inputs(request.inputs)
-        sequences = self._check_candidate_labels(request, len(texts))
+        texts = self.frontend.check_inputs(request.inputs)
+        sequences = self.frontend.check_candidate_labels(
+            list(request.candidate_labels), request.hypothesis_template, len(texts)
+        )
         params = ClassifyParams(
             truncate=request.truncate,
             truncation_direction=_direction(request.truncation_direction),
@@ -302,7 +247,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             hypothesis_template=request.hypothesis_template,
             multi_label=request.multi_label,
         )
-        with self.limiter.hold(sequences):
+        with self.frontend.hold(sequences):
             result = await engine.classify(texts, params)
         call.answered(len(texts), result.prompt_tokens, result.timing)
         classifications = [
@@ -319,10 +264,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     @stream_call
     async def Generate(self, request, context, call):
         engine = self._engine(request.model, call)
-        self._check_chars(request.prompt, "prompt")
-        self._check_chars(request.decoder_prompt, "decoder_prompt")
+        self.frontend.check_chars(request.prompt, "prompt")
+        self.frontend.check_chars(request.decoder_prompt, "decoder_prompt")
         params = sampling_params(request)
-        with self.limiter.hold(1):
+        with self.frontend.hold(1):
             async for delta in engine.generate(request.prompt, params, decoder_prompt=request.decoder_prompt):
                 if delta.finish_reason is not None:
                     call.answered(1, delta.prompt_tokens)

@@ -20,3 +20,15 @@ def stub(target):
     """A stub over an insecure channel to the module's `target` fixture (its server's address)."""
     with grpc.insecure_channel(target) as channel:
         yield inference_stub(channel)
+
+
+@pytest.fixture(scope="session")
+def compat_server(tmp_path_factory):
+    """One server with gRPC and HTTP for every API-compatibility test (tests/helpers/compat_server.py)."""
+    from tests.helpers.compat_server import CompatServer, build_models, server_args
+    from tests.helpers.server import free_port, running_server
+
+    models = build_models(tmp_path_factory.mktemp("compat-models"))
+    http_port = free_port()
+    with running_server(server_args(models, http_port)) as (target, proc):
+        yield CompatServer(target, f"http://127.0.0.1:{http_port}", http_port, models, proc.log_path)

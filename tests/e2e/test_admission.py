@@ -43,7 +43,7 @@ def server(bundled_dir):
 def _calls_by_status(port: int) -> dict[str, float]:
     page = scrape(port)
     codes = ("OK", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT")
-    return {code: page.value("embedserv_requests_total", rpc="Embed", model=SERVED, status=code) for code in codes}
+    return {code: page.value("embedserv_requests_total", protocol="grpc", rpc="Embed", model=SERVED, status=code) for code in codes}
 
 
 def test_400_concurrent_calls_end_ok_or_resource_exhausted(server):
@@ -89,11 +89,12 @@ def test_metrics_count_inputs_and_tokens_of_what_was_sent(server):
     after = scrape(metrics_port)
 
     labels = dict(rpc="Embed", model=SERVED)
-    assert after.value("embedserv_request_inputs_total", **labels) - before.value(
-        "embedserv_request_inputs_total", **labels
+    counted = dict(protocol="grpc", **labels)
+    assert after.value("embedserv_request_inputs_total", **counted) - before.value(
+        "embedserv_request_inputs_total", **counted
     ) == len(texts)
-    assert after.value("embedserv_input_tokens_total", **labels) - before.value(
-        "embedserv_input_tokens_total", **labels
+    assert after.value("embedserv_input_tokens_total", **counted) - before.value(
+        "embedserv_input_tokens_total", **counted
     ) == response.usage.prompt_tokens
     for histogram in ("embedserv_queue_seconds", "embedserv_tokenization_seconds", "embedserv_inference_seconds"):
         count = f"{histogram}_count"

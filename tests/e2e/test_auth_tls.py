@@ -111,7 +111,7 @@ def test_key_stays_out_of_the_log(key_server, key_stub):
 
 def test_refusals_are_counted_and_metrics_need_no_key(key_server, key_stub):
     _, _, metrics_port = key_server
-    labels = dict(rpc="Embed", model="", status="UNAUTHENTICATED")
+    labels = dict(protocol="grpc", rpc="Embed", model="", status="UNAUTHENTICATED")
     before = scrape(metrics_port).value("embedserv_requests_total", **labels)
     assert _embed_code(key_stub, _bearer("wrong")) == grpc.StatusCode.UNAUTHENTICATED
     assert _embed_code(key_stub) == grpc.StatusCode.UNAUTHENTICATED

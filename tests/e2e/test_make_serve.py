@@ -1,10 +1,12 @@
-"""`make serve` from the repository root starts a server that answers an Embed from a client."""
+"""`make serve` from the repository root starts a server that answers an Embed over gRPC and HTTP."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import tempfile
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -19,15 +21,15 @@ START_TIMEOUT_S = 420
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="`make` is not installed on this machine")
-def test_make_serve_answers_an_embed():
-    port = free_port()
+def test_make_serve_answers_an_embed_over_grpc_and_http():
+    port, http_port = free_port(), free_port()
     log_path = Path(tempfile.mkdtemp(prefix="embedserv-make-serve-")) / "make-serve.log"
     env = server_env()
     # The Makefile must find its own .venv, not inherit the one running pytest.
     env.pop("VIRTUAL_ENV", None)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            ["make", "serve", f"PORT={port}"],
+            ["make", "serve", f"PORT={port}", f"HTTP_PORT={http_port}"],
             cwd=REPO_ROOT,
             env=env,
             stdout=log,
@@ -44,5 +46,12 @@ def test_make_serve_answers_an_embed():
         assert vector.shape == (1, 384)
         assert abs(float(np.linalg.norm(vector[0])) - 1.0) < 1e-4
         assert response.usage.prompt_tokens > 0
+        body = json.dumps({"input": "make serve works"}).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{http_port}/v1/embeddings", body, {"content-type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=RPC_TIMEOUT_S) as reply:
+            over_http = json.loads(reply.read())["data"][0]["embedding"]
+        np.testing.assert_allclose(np.array(over_http, dtype=np.float32), vector[0], rtol=0, atol=0)
     finally:
         stop_process(proc, group=True)

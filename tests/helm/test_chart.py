@@ -180,7 +180,7 @@ def test_render_refuses_contradictions(chart, values):
 def test_probes_are_grpc_health_on_the_grpc_port(chart, case):
     container = server(render(chart, CASES[case][0]))
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": 50051, "metrics": 9090}
+    assert ports == {"grpc": 50051, "metrics": 9090, "http": 8000}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"] == {"port": ports["grpc"], "service": ""}, probe
         assert "httpGet" not in container[probe] and "exec" not in container[probe]
@@ -242,11 +242,22 @@ def test_services(chart):
     svc = one(objects, "Service")["spec"]
     assert svc["type"] == "ClusterIP" and svc["selector"] == selector
     ports = {p["name"]: (p["port"], p["targetPort"], p.get("appProtocol")) for p in svc["ports"]}
-    assert ports == {"grpc": (50051, "grpc", "grpc"), "metrics": (9090, "metrics", "http")}
+    assert ports == {
+        "grpc": (50051, "grpc", "grpc"), "metrics": (9090, "metrics", "http"), "http": (8000, "http", "http")
+    }
     headless = one(objects, "Service", f"{FULLNAME}-headless")["spec"]
     assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is False
     assert headless["selector"] == selector
-    assert [(p["name"], p["port"]) for p in headless["ports"]] == [("grpc", 50051)]
+    assert [(p["name"], p["port"]) for p in headless["ports"]] == [("grpc", 50051), ("http", 8000)]
+
+
+def test_http_port_zero_turns_http_off(chart):
+    objects = render(chart, {"service": {"httpPort": 0}})
+    container = server(objects)
+    assert flag(container["args"], "--http-port") == "0"
+    assert "http" not in {p["name"] for p in container["ports"]}
+    for service in (one(objects, "Service"), one(objects, "Service", f"{FULLNAME}-headless")):
+        assert "http" not in {p["name"] for p in service["spec"]["ports"]}
 
 
 def test_servicemonitor_scrapes_only_the_clusterip_service(chart):
@@ -285,7 +296,8 @@ def test_hardened_security_context(chart):
 def test_args_carry_values_and_omit_unset_ones(chart):
     args = server(render(chart, FULL))["args"]
     assert all(isinstance(a, str) for a in args)
-    expected = {"--host": "0.0.0.0", "--port": "50051", "--metrics-port": "9090", "--max-batch-tokens": "8192",
+    expected = {"--host": "0.0.0.0", "--port": "50051", "--metrics-port": "9090", "--http-port": "8000",
+                "--max-batch-tokens": "8192",
                 "--data-parallel-size": "2", "--dtype": "bfloat16", "--drain-timeout": "60",
                 "--log-format": "json", "--log-level": "info", "--attention-backend": "sdpa",
                 "--max-connection-age": "60"}

@@ -133,7 +133,10 @@ def launched_server(
     embedserv runs (`-m` imports from the working directory first). `host` is a loopback address
     (127.0.0.2 too: all of 127/8 is local); `port` defaults to a free one."""
     port = free_port() if port is None else port
-    cmd = [sys.executable, "-m", "embedserv", "serve", "--host", host, "--port", str(port), *args]
+    # HTTP is on by default (port 8000); tests that want it pass --http-port, the others turn it off so
+    # that servers never contend for one port.
+    http = [] if "--http-port" in args else ["--http-port", "0"]
+    cmd = [sys.executable, "-m", "embedserv", "serve", "--host", host, "--port", str(port), *http, *args]
     log_path = Path(tempfile.mkdtemp(prefix="embedserv-test-")) / "server.log"
     proc_env = server_env()
     for name, value in (env or {}).items():

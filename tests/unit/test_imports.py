@@ -26,13 +26,14 @@ BELOW: dict[str, set[str]] = {
     "__main__": {"cli"},
     "cli": {"server", "config_file"},
     "config_file": set(),  # the YAML reader of `serve --config`: only the command line reads it
-    "server": {"engine", "v1"},
+    "server": {"engine", "v1", "tei"},  # server/http: the HTTP APIs are part of the server's edge
     "engine": {"executor"},
     "executor": {"worker"},
     "worker": {"models", "attention"},
     "models": {"attention"},  # a model is built from Attention layers
     "attention": set(),
     "v1": set(),  # the generated gRPC stubs
+    "tei": set(),  # TEI's generated gRPC stubs (tei.v1)
 }
 # Anyone may import these; they import only each other. "embedserv" is the root __init__ (__version__).
 SHARED = {"embedserv", "types", "scheduler", "config", "errors", "logs", "metrics", "forward_context"}

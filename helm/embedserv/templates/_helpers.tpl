@@ -85,7 +85,7 @@ through int because values arrive as floats and large ones would print as 1e+06.
 */}}
 {{- define "embedserv.args" -}}
 {{- $s := .Values.server }}
-{{- $args := list "--host" "0.0.0.0" "--port" (toString (int .Values.service.grpcPort)) "--metrics-port" (toString (int .Values.service.metricsPort)) }}
+{{- $args := list "--host" "0.0.0.0" "--port" (toString (int .Values.service.grpcPort)) "--metrics-port" (toString (int .Values.service.metricsPort)) "--http-port" (toString (int .Values.service.httpPort)) }}
 {{- $args = concat $args (list "--device" (ternary "cuda" "cpu" .Values.gpu.enabled)) }}
 {{- if .Values.config }}
 {{- $args = concat $args (list "--config" (include "embedserv.configFile" .)) }}

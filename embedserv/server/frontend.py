@@ -1,0 +1,121 @@
+"""What every API face shares: the served models, the request limits, admission and the calls in flight.
+
+The gRPC services (ours and TEI's) and the HTTP routes (OpenAI, Cohere, TEI) all check requests and
+admit work through one Frontend, so a limit, a message or a drain behaves the same whichever protocol a
+client speaks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Iterable
+
+from embedserv.config import ServerConfig
+from embedserv.engine.engine import Engine
+from embedserv.errors import InvalidInput, ModelNotFound, NotReady
+from embedserv.server.registry import InflightLimiter, ServedModels
+from embedserv.types import Task
+
+# TEI's API names no model: a client picks one with this header (HTTP) or metadata key (gRPC).
+MODEL_HEADER = "x-embedserv-model"
+
+
+class ActiveCalls:
+    """Inference calls still running, over every protocol: what a drain waits for (health checks and
+    health Watch streams, which never end on their own, are not among them)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def enter(self) -> None:
+        self.count += 1
+        self._idle.clear()
+
+    def exit(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+
+class Frontend:
+    def __init__(self, models: ServedModels, config: ServerConfig, limiter: InflightLimiter) -> None:
+        self.models = models
+        self.config = config
+        self.limiter = limiter
+        self.active_calls = ActiveCalls()
+        # Set when a drain starts: HTTP answers new calls 503 (gRPC's own server refuses them).
+        self.draining = False
+
+    def engine(self, name: str) -> Engine:
+        """The engine serving `name`; an empty name means the first served model."""
+        return self.models.get(name)
+
+    def engine_for(self, task: Task, name: str | None = None) -> Engine:
+        """The named model, else the first served model (in --model order) that serves `task`."""
+        if name:
+            return self.models.get(name)
+        engines = self.models.engines
+        for engine in engines:
+            if task in engine.info.tasks:
+                return engine
+        if len(engines) < len(self.models.names):
+            raise NotReady("models are still loading; retry when health reports SERVING")
+        served = "; ".join(f"{e.info.name}: {', '.join(t.value for t in e.info.tasks)}" for e in engines)
+        raise ModelNotFound(
+            f"no served model can {task.value}; served models and their tasks: {served}. "
+            f"Name one with the {MODEL_HEADER} header or metadata key"
+        )
+
+    def check_inputs(self, inputs: Iterable[str], what: str = "inputs") -> list[str]:
+        """At least one text, no more than a call may carry, none past --max-input-chars (before tokenizing)."""
+        texts = list(inputs)
+        if not texts:
+            raise InvalidInput(f"{what} is empty; send at least one text")
+        self.check_batch(len(texts), what)
+        for index, text in enumerate(texts):
+            self.check_chars(text, f"{what}[{index}]")
+        return texts
+
+    def check_batch(self, count: int, what: str = "inputs") -> None:
+        if count > self.config.max_client_batch_size:
+            raise InvalidInput(
+                f"{count} {what} is more than --max-client-batch-size {self.config.max_client_batch_size}; "
+                "split the call"
+            )
+
+    def check_chars(self, text: str, what: str) -> None:
+        limit = self.config.max_input_chars
+        if len(text) > limit:
+            raise InvalidInput(
+                f"{what} has {len(text)} characters, more than the server's --max-input-chars {limit}; "
+                "shorten or split it"
+            )
+        if not text.isascii():
+            # JSON may carry a lone surrogate ("\ud800"), which is no text (protobuf refuses it already).
+            try:
+                text.encode()
+            except UnicodeEncodeError as exc:
+                raise InvalidInput(f"{what} is not valid Unicode ({exc.reason} at character {exc.start})") from None
+
+    def check_candidate_labels(self, labels: list[str], template: str, num_inputs: int) -> int:
+        """Zero-shot fields within the character limit; returns the sequences the call runs (one per input,
+        or per input and candidate label), which count against --max-client-batch-size and in-flight."""
+        for index, label in enumerate(labels):
+            self.check_chars(label, f"candidate_labels[{index}]")
+        self.check_chars(template, "hypothesis_template")
+        pairs = num_inputs * max(len(labels), 1)
+        if pairs > self.config.max_client_batch_size:
+            raise InvalidInput(
+                f"{num_inputs} inputs x {len(labels)} candidate_labels make {pairs} pairs, more than "
+                f"--max-client-batch-size {self.config.max_client_batch_size}; split the call"
+            )
+        return pairs
+
+    def hold(self, count: int):
+        """Admits `count` inputs for the duration of a with-block, or raises Overloaded at once."""
+        return self.limiter.hold(count)

@@ -1,0 +1,1 @@
+"""The HTTP APIs (OpenAI-compatible, Cohere/Jina rerank, TEI) served beside gRPC; see app.py."""

@@ -1,0 +1,55 @@
+"""What the HTTP routes share: the Frontend, the request's Call, model choice, and the body model base."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+from starlette.requests import Request
+
+from embedserv.engine.engine import Engine
+from embedserv.errors import InvalidInput
+from embedserv.server.calls import Call
+from embedserv.server.frontend import MODEL_HEADER, Frontend
+from embedserv.types import Task
+
+
+class Body(BaseModel):
+    """Request bodies: unknown fields are ignored (clients send vendor extras), known ones are checked."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+def frontend_of(request: Request) -> Frontend:
+    return request.app.state.frontend
+
+
+def call_of(request: Request) -> Call:
+    """The Call the edge made for this request (its id, metrics and log line)."""
+    return request.state.call
+
+
+def _record(request: Request, engine: Engine) -> Engine:
+    """Labels the request's Call (metrics, log line) with its route and model once both are known."""
+    call = call_of(request)
+    call.rpc = getattr(request.scope.get("route"), "path", call.rpc)
+    call.model = engine.info.name
+    return engine
+
+
+def engine_named(request: Request, name: str | None) -> Engine:
+    """The model a body names (empty: the first served model), recorded on the request's Call."""
+    return _record(request, frontend_of(request).engine(name or ""))
+
+
+def engine_for_task(request: Request, task: Task, name: str | None = None) -> Engine:
+    """The model named by the body or the x-embedserv-model header, else the first serving `task` (TEI's
+    routes name no model)."""
+    return _record(request, frontend_of(request).engine_for(task, name or request.headers.get(MODEL_HEADER)))
+
+
+def refuse_unsupported(body: Body, defaults: dict[str, object]) -> None:
+    """OpenAI fields this server does not implement: refused when set to anything but their default, so a
+    client never gets an answer computed differently from what it asked for."""
+    for name, default in defaults.items():
+        value = getattr(body, name, default)
+        if value is not None and value != default:
+            raise InvalidInput(f"{name} is not supported by this server; leave it unset (or {default!r})")

@@ -1,0 +1,121 @@
+"""The HTTP edge: what every HTTP request goes through before and after its route, as gRPC's interceptor
+and call wrappers do for RPCs.
+
+In order: a request id (the client's `x-request-id`, or a new one, returned on every response); 503 once a
+drain has begun; the API key (`Authorization: Bearer`; health and the docs stay open); 413 for a body past
+the server's limit (by Content-Length, or counted as it arrives); then the route, counted among the calls a
+drain waits for until its last byte (a server-sent-event stream included), and in the metrics with
+protocol "http", the route's path and the HTTP status. An exception a route lets out has been answered
+(500) by then; it is logged here once, with the request id, and goes no further.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from starlette.requests import Request
+
+from embedserv.server.http.errors import BodyTooLarge, error_response, error_style, exception_response
+from embedserv.logs import REQUEST_ID
+from embedserv.server.calls import Call, request_id_or_new
+from embedserv.server.frontend import Frontend
+from embedserv.server.security import api_key_problem
+
+logger = logging.getLogger("embedserv.server.http")
+
+# Open without an API key and never refused while draining (probes call them).
+HEALTH_PATHS = frozenset({"/health"})
+OPEN_PREFIXES = ("/docs", "/openapi.json")
+_REQUEST_ID = b"x-request-id"
+
+
+def _header(scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+class Edge:
+    def __init__(self, app, frontend: Frontend) -> None:
+        self.app = app
+        self.frontend = frontend
+        config = frontend.config
+        self._key = config.api_key.strip().encode() if config.api_key else None
+        self.max_body_bytes = config.max_receive_message_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        request_id = request_id_or_new(_header(scope, _REQUEST_ID))
+        REQUEST_ID.set(request_id)
+        call = Call("http", "other", request_id)
+        scope.setdefault("state", {})["call"] = call
+        status = 0
+
+        async def send_with_id(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()), (_REQUEST_ID, request_id.encode())]}
+            await send(message)
+
+        refusal = self._refusal(scope, path)
+        if refusal is not None:
+            await error_response(*refusal)(scope, receive, send_with_id)
+            call.rpc = path if path in HEALTH_PATHS else "refused"
+            call.end(str(status))
+            return
+        if path in HEALTH_PATHS or path.startswith(OPEN_PREFIXES):
+            await self.app(scope, receive, send_with_id)
+            return
+        self.frontend.active_calls.enter()
+        try:
+            await self.app(scope, self._limited(receive), send_with_id)
+        except Exception:  # noqa: BLE001 - answered (500) by the app already; never take the server down
+            logger.exception("request %s: %s %s failed", request_id, scope.get("method"), path)
+            if status == 0:
+                await exception_response(Request(scope), RuntimeError("unexpected error"))(scope, receive, send_with_id)
+        finally:
+            self.frontend.active_calls.exit()
+            route = scope.get("route")
+            call.rpc = getattr(route, "path", None) or "unmatched"
+            call.end(str(status))
+
+    def _refusal(self, scope, path: str) -> tuple[str, int, str] | None:
+        """(style, status, message) when the request is refused before its route runs, else None."""
+        style = error_style(Request(scope))
+        open_path = path in HEALTH_PATHS or path.startswith(OPEN_PREFIXES)
+        if self.frontend.draining and path not in HEALTH_PATHS:
+            return style, 503, "the server is shutting down; retry on another replica"
+        if self._key is not None and not open_path:
+            problem = api_key_problem(_header(scope, b"authorization"), self._key, "header")
+            if problem is not None:
+                return style, 401, problem
+        length = _header(scope, b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return style, 413, self._too_large(int(length))
+        return None
+
+    def _too_large(self, size: int) -> str:
+        return (
+            f"the request body has {size} bytes, more than this server's limit of {self.max_body_bytes} "
+            "(from --max-client-batch-size and --max-input-chars); send fewer or shorter inputs per call"
+        )
+
+    def _limited(self, receive):
+        """`receive` that raises BodyTooLarge once a body without a Content-Length grows past the limit."""
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body_bytes:
+                    raise BodyTooLarge(self._too_large(seen))
+            return message
+
+        return limited

@@ -1,0 +1,123 @@
+"""HTTP error answers in the shape each API family's clients parse, with the status they expect.
+
+OpenAI-style routes (/v1/..., Cohere/Jina rerank) answer `{"error": {"message", "type", "param", "code"}}`;
+TEI routes answer `{"error": "...", "error_type": "..."}` with TEI's statuses. Which one a request gets is
+its route's (errors.TEI_PATHS, or `request.state.error_style` set by a route that decides from the body).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import orjson
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from embedserv.errors import EmbedservError, InvalidInput, ModelNotFound, NotReady, Overloaded
+
+OPENAI, TEI = "openai", "tei"
+# Routes that answer in TEI's shape (/rerank answers in the shape of the body it was sent).
+TEI_PATHS = frozenset({"/embed", "/embed_all", "/embed_sparse", "/predict", "/tokenize", "/decode", "/info", "/health"})
+
+
+class JSON(JSONResponse):
+    """A JSON response serialized by orjson (numpy arrays included). A JSONResponse, so that FastAPI
+    documents each route's declared response model rather than a string."""
+
+    def render(self, content: object) -> bytes:
+        return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+@dataclass
+class HttpError(Exception):
+    """An error the HTTP face decides itself (auth, body size, drain, unknown route)."""
+
+    status: int
+    message: str
+    param: str | None = None
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """A body without a Content-Length that grows past the limit while read. An HTTPException, because
+    FastAPI turns any other error raised while it reads the body into a 400."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(413, message)
+
+
+# status -> (OpenAI error type, TEI error_type)
+_KINDS = {
+    # TEI answers 400 only for an empty batch, typed "empty"; validation errors are its 422.
+    400: ("invalid_request_error", "empty"),
+    401: ("authentication_error", "validation"),
+    404: ("invalid_request_error", "validation"),
+    405: ("invalid_request_error", "validation"),
+    413: ("invalid_request_error", "validation"),
+    422: ("invalid_request_error", "validation"),
+    429: ("rate_limit_error", "overloaded"),
+    500: ("server_error", "backend"),
+    503: ("server_error", "unhealthy"),
+}
+# Our errors -> HTTP status, for OpenAI-style routes and for TEI routes (TEI validates with 422).
+_STATUS = {
+    InvalidInput: (400, 422),
+    ModelNotFound: (404, 404),
+    Overloaded: (429, 429),
+    NotReady: (503, 503),
+}
+_OPENAI_CODES = {429: "rate_limit_exceeded", 401: "invalid_api_key", 503: "unavailable"}
+
+
+def error_style(request: Request) -> str:
+    style = getattr(request.state, "error_style", None)
+    if style is not None:
+        return style
+    return TEI if request.url.path in TEI_PATHS else OPENAI
+
+
+def status_of(exc: BaseException, style: str) -> int:
+    if isinstance(exc, HttpError):
+        return exc.status
+    for cls in type(exc).__mro__:
+        if cls in _STATUS:
+            openai_status, tei_status = _STATUS[cls]
+            return tei_status if style == TEI else openai_status
+    return 500
+
+
+def message_of(exc: BaseException) -> str:
+    if isinstance(exc, HttpError):
+        return exc.message
+    if isinstance(exc, EmbedservError):
+        return str(exc)
+    return f"the server failed on this request: {exc}"
+
+
+def error_body(style: str, status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    openai_type, tei_type = _KINDS.get(status, ("invalid_request_error" if status < 500 else "server_error", "backend"))
+    if style == TEI:
+        return {"error": message, "error_type": tei_type}
+    return {"error": {"message": message, "type": openai_type, "param": param, "code": code or _OPENAI_CODES.get(status)}}
+
+
+def error_response(style: str, status: int, message: str, param: str | None = None, code: str | None = None) -> JSON:
+    return JSON(error_body(style, status, message, param, code), status_code=status)
+
+
+def exception_response(request: Request, exc: BaseException) -> JSON:
+    style = error_style(request)
+    code = "model_not_found" if isinstance(exc, ModelNotFound) else None
+    return error_response(style, status_of(exc, style), message_of(exc), getattr(exc, "param", None), code)
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """A pydantic/FastAPI validation error list as one sentence, and the first field it names."""
+    parts, param = [], None
+    for error in errors[:5]:
+        location = [str(x) for x in error.get("loc", ()) if x != "body"]
+        field = ".".join(location)
+        param = param or field or None
+        parts.append(f"{field or 'body'}: {error.get('msg', 'invalid')}")
+    more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+    return "invalid request: " + "; ".join(parts) + more, param

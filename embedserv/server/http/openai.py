@@ -1,0 +1,120 @@
+"""OpenAI-compatible routes: /v1/embeddings and /v1/models (completions and chat: openai_generate.py).
+
+Shapes follow OpenAI's API reference, so the openai SDK, LangChain, LlamaIndex and Haystack clients work by
+changing their base URL. Extensions a client may send beside OpenAI's fields: `truncate` (cut inputs past
+the model's limit instead of refusing them), `prompt_name` (a sentence-transformers prompt) and
+`normalize` (default true, as OpenAI's vectors are unit length).
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from typing import Literal
+
+from fastapi import APIRouter, Request
+from pydantic import Field
+
+from embedserv.engine.outputs import to_little_endian_bytes
+from embedserv.errors import ModelNotFound
+from embedserv.server.http.common import Body, call_of, engine_named, frontend_of
+from embedserv.server.http.errors import JSON
+from embedserv.server.http.openai_generate import router as generation_router
+from embedserv.types import EmbedParams, ModelInfo, TruncationDirection
+
+router = APIRouter()
+router.include_router(generation_router)
+_STARTED = int(time.time())
+
+
+class EmbeddingsBody(Body):
+    input: str | list[str] | list[int] | list[list[int]] = Field(
+        description="A text, a list of texts, token ids, or a list of token-id lists (used as given)."
+    )
+    model: str | None = Field(None, description="A served model name; empty or absent: the first served model.")
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, description="Keep the first N dimensions (Matryoshka), then normalize.")
+    user: str | None = None
+    truncate: bool = Field(False, description="Extension: cut inputs past the model's limit instead of refusing.")
+    prompt_name: str | None = Field(None, description="Extension: a prompt of the model's sentence-transformers config.")
+    normalize: bool = Field(True, description="Extension: L2-normalize each vector.")
+
+
+class EmbeddingItem(Body):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class Usage(Body):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingsResponse(Body):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingItem]
+    model: str
+    usage: Usage
+
+
+def _is_token_ids(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and isinstance(value[0], (int, list))
+
+
+@router.post("/v1/embeddings", response_model=EmbeddingsResponse, tags=["OpenAI"])
+async def embeddings(request: Request, body: EmbeddingsBody):
+    frontend = frontend_of(request)
+    engine = engine_named(request, body.model)
+    params = EmbedParams(
+        normalize=body.normalize,
+        truncate=body.truncate,
+        truncation_direction=TruncationDirection.RIGHT,
+        dimensions=body.dimensions,
+        prompt_name=body.prompt_name,
+    )
+    inputs = body.input if isinstance(body.input, list) else [body.input]
+    if _is_token_ids(inputs):
+        token_ids = [inputs] if isinstance(inputs[0], int) else inputs
+        frontend.check_batch(len(token_ids), "input")
+        with frontend.hold(len(token_ids)):
+            result = await engine.embed_token_ids(token_ids, params)
+    else:
+        texts = frontend.check_inputs(inputs, "input")
+        with frontend.hold(len(texts)):
+            result = await engine.embed(texts, params)
+    call_of(request).answered(len(result.embeddings), result.prompt_tokens, result.timing)
+    if body.encoding_format == "base64":
+        vectors = [base64.b64encode(to_little_endian_bytes(row)).decode("ascii") for row in result.embeddings]
+    else:
+        vectors = list(result.embeddings)  # float32 rows; orjson writes each value's shortest repr
+    data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
+    usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
+    return JSON({"object": "list", "data": data, "model": engine.info.name, "usage": usage})
+
+
+def model_card(info: ModelInfo) -> dict:
+    """OpenAI's model object, with what a client may want to know about it (extensions)."""
+    return {
+        "id": info.name,
+        "object": "model",
+        "created": _STARTED,
+        "owned_by": "embedserv",
+        "tasks": [task.value for task in info.tasks],
+        "max_model_len": info.max_input_tokens,
+        "dimension": info.dimension or None,
+    }
+
+
+@router.get("/v1/models", tags=["OpenAI"])
+async def list_models(request: Request):
+    return JSON({"object": "list", "data": [model_card(e.info) for e in frontend_of(request).models.engines]})
+
+
+@router.get("/v1/models/{model:path}", tags=["OpenAI"])
+async def retrieve_model(request: Request, model: str):
+    frontend = frontend_of(request)
+    if model not in frontend.models.names:
+        raise ModelNotFound(f"model {model!r} is not served here; served models: {', '.join(frontend.models.names)}")
+    return JSON(model_card(frontend.engine(model).info))
+

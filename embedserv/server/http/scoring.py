@@ -1,0 +1,256 @@
+"""Rerank, classify and score over HTTP, in the shapes their clients already parse.
+
+- POST /v1/rerank: Cohere's, Jina's and vLLM's rerank: `query` + `documents` (texts or {"text"} objects),
+  `top_n`, `return_documents` -> {id, model, results: [{index, relevance_score, document?}], usage}, best
+  first. Documents are echoed by default, as Jina and vLLM do (Cohere's v1 default is off and v2 has no
+  such field: Cohere clients ignore the extra `document`, or send return_documents=false).
+- POST /rerank: the same, or TEI's rerank when the body has `texts` instead of `documents` (TEI's body,
+  answer and error shape, tei.py's module docstring). The body decides, since both APIs own the path.
+- POST /v1/classify: vLLM's classify (what vLLM's and SGLang's docs show): `input` -> {id, object: list,
+  created, model, data: [{index, label, probs, num_classes}], usage}.
+- POST /v1/score: vLLM's score: `text_1` against `text_2`, one against many (1:N) or pairwise (N:N) ->
+  data [{index, object: score, score}] in pair order. Cross-encoders score each pair; embedders give the
+  cosine of the two texts' embeddings (Rerank by cosine, the same numbers).
+
+All answer errors in OpenAI's shape ({"error": {message, type, param, code}}): 400 for a bad body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Union
+
+import orjson
+from fastapi import APIRouter
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from embedserv.engine.engine import Engine
+from embedserv.errors import InvalidInput
+from embedserv.server.http.common import call_of, engine_for_task, frontend_of
+from embedserv.server.http.errors import JSON, OPENAI, TEI, HttpError
+from embedserv.server.http.scoring_models import (
+    ClassifyRequest,
+    ClassifyResponse,
+    OpenAIError,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
+)
+from embedserv.server.http.tei_models import TeiError, TeiRank, TeiRerankRequest, check_direction, require_some
+from embedserv.types import ClassifyParams, RerankParams, RerankResult, Task, Timing
+
+OPENAI_ERRORS = {"4XX": {"model": OpenAIError}, "5XX": {"model": OpenAIError}}
+router = APIRouter(tags=["rerank, classify, score"], responses=OPENAI_ERRORS)
+
+
+def inline_schema(model: type[BaseModel]) -> dict:
+    """A model's JSON schema with its nested models written in place, for a hand-made OpenAPI body."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def resolve(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return resolve(defs[ref.removeprefix("#/$defs/")])
+            return {key: resolve(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [resolve(x) for x in node]
+        return node
+
+    return resolve(schema)
+
+
+def usage(prompt_tokens: int, completion: bool = False) -> dict:
+    extra = {"completion_tokens": 0} if completion else {}
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, **extra}
+
+
+async def rerank_documents(request: Request, engine: Engine, query: str, documents: list[str], params: RerankParams):
+    """engine.rerank under admission, counted on the request's Call; documents are checked already."""
+    frontend = frontend_of(request)
+    frontend.check_chars(query, "query")
+    with frontend.hold(len(documents)):
+        result = await engine.rerank(query, documents, params)
+    call_of(request).answered(len(documents), result.prompt_tokens, result.timing)
+    return result
+
+
+async def score_pairs(
+    engine: Engine, pairs: list[tuple[str, str]], params: RerankParams
+) -> tuple[list[float], int, Timing]:
+    """Each (first, second) pair's score, in pair order: one Rerank per distinct first text, all at once (the
+    engine batches them). Admission and counting are the caller's."""
+    groups: dict[str, list[int]] = {}
+    for index, (first, _) in enumerate(pairs):
+        if not first:
+            raise InvalidInput(f"the first text of pair {index} is empty; send the text to score against")
+        groups.setdefault(first, []).append(index)
+    results: list[RerankResult] = await asyncio.gather(
+        *(engine.rerank(first, [pairs[i][1] for i in indices], params) for first, indices in groups.items())
+    )
+    scores = [0.0] * len(pairs)
+    for indices, result in zip(groups.values(), results):
+        for ranked in result.results:
+            scores[indices[ranked.index]] = ranked.score
+    return scores, sum(r.prompt_tokens for r in results), results[0].timing
+
+
+async def _documents_rerank(request: Request, body: RerankRequest) -> JSON:
+    engine = engine_for_task(request, Task.RERANK, body.model)
+    documents = [d if isinstance(d, str) else d.text for d in body.documents]
+    frontend_of(request).check_inputs(documents, "documents")
+    params = RerankParams(
+        top_n=body.top_n or None, raw_scores=body.raw_scores, truncate=body.truncate, instruction=body.instruction
+    )
+    result = await rerank_documents(request, engine, body.query, documents, params)
+    results = []
+    for ranked in result.results:
+        item = {"index": ranked.index, "relevance_score": ranked.score}
+        if body.return_documents:
+            item["document"] = {"text": documents[ranked.index]}
+        results.append(item)
+    return JSON({
+        "id": f"rerank-{call_of(request).request_id}",
+        "model": engine.info.name,
+        "results": results,
+        "usage": usage(result.prompt_tokens),
+    })
+
+
+async def _tei_rerank(request: Request, body: TeiRerankRequest) -> JSON:
+    engine = engine_for_task(request, Task.RERANK)
+    require_some(body.texts, "texts")
+    frontend_of(request).check_inputs(body.texts, "texts")
+    truncate = bool(body.truncate)
+    check_direction(body.truncation_direction, truncate, "rerank")
+    result = await rerank_documents(
+        request, engine, body.query, body.texts, RerankParams(raw_scores=body.raw_scores, truncate=truncate)
+    )
+    ranks = []
+    for ranked in result.results:
+        rank = {"index": ranked.index, "score": ranked.score}
+        if body.return_text:
+            rank["text"] = body.texts[ranked.index]
+        ranks.append(rank)
+    return JSON(ranks)
+
+
+@router.post("/v1/rerank", response_model=RerankResponse)
+async def rerank(request: Request, body: RerankRequest):
+    """Cohere / Jina / vLLM rerank: documents scored against the query, best first."""
+    return await _documents_rerank(request, body)
+
+
+_SHARED_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": {"oneOf": [inline_schema(RerankRequest), inline_schema(TeiRerankRequest)]}}
+        },
+    }
+}
+_SHARED_ERRORS = {"4XX": {"model": Union[OpenAIError, TeiError]}, "5XX": {"model": Union[OpenAIError, TeiError]}}
+
+
+async def _json_object(request: Request) -> dict:
+    try:
+        body = orjson.loads(await request.body())
+    except orjson.JSONDecodeError as exc:
+        raise HttpError(400, f"the body is not valid JSON ({exc}); send a JSON object") from None
+    if not isinstance(body, dict):
+        raise HttpError(
+            400, "the body must be a JSON object: query and documents (Cohere, Jina, vLLM) or query and texts (TEI)"
+        )
+    return body
+
+
+@router.post(
+    "/rerank",
+    response_model=Union[RerankResponse, list[TeiRank]],
+    responses=_SHARED_ERRORS,
+    openapi_extra=_SHARED_BODY,
+)
+async def rerank_shared(request: Request):
+    """Cohere / Jina / vLLM rerank (a body with `documents`), or TEI's rerank (a body with `texts` and no
+    `documents`: TEI's answer, a list of {index, score, text?} best first, and TEI's errors, 422 for a bad
+    body)."""
+    body = await _json_object(request)
+    is_tei = "texts" in body and "documents" not in body
+    request.state.error_style = TEI if is_tei else OPENAI
+    model = TeiRerankRequest if is_tei else RerankRequest
+    try:
+        parsed = model.model_validate(body)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+    if is_tei:
+        return await _tei_rerank(request, parsed)
+    return await _documents_rerank(request, parsed)
+
+
+@router.post("/v1/classify", response_model=ClassifyResponse)
+async def classify(request: Request, body: ClassifyRequest):
+    """vLLM's classify: every label's probability per input, and the best label."""
+    engine = engine_for_task(request, Task.CLASSIFY, body.model)
+    frontend = frontend_of(request)
+    texts = frontend.check_inputs([body.input] if isinstance(body.input, str) else body.input, "input")
+    with frontend.hold(len(texts)):
+        result = await engine.classify(texts, ClassifyParams(truncate=body.truncate, raw_scores=body.raw_scores))
+    call_of(request).answered(len(texts), result.prompt_tokens, result.timing)
+    labels = result.labels
+    data = [
+        {"index": index, "label": labels[best], "probs": row, "num_classes": len(labels)}
+        for index, (row, best) in enumerate(zip(result.scores.tolist(), result.scores.argmax(axis=1).tolist()))
+    ]
+    return JSON({
+        "id": f"classify-{call_of(request).request_id}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": engine.info.name,
+        "data": data,
+        "usage": usage(result.prompt_tokens, completion=True),
+    })
+
+
+def _pairs(body: ScoreRequest) -> list[tuple[str, str]]:
+    """vLLM's rule: one text_1 against every text_2 (1:N), or as many of each, pairwise (N:N)."""
+    first = [body.text_1] if isinstance(body.text_1, str) else body.text_1
+    second = [body.text_2] if isinstance(body.text_2, str) else body.text_2
+    if not first or not second:
+        raise InvalidInput("text_1 and text_2 need at least one text each")
+    if len(first) == 1:
+        first = first * len(second)
+    elif len(first) != len(second):
+        raise InvalidInput(
+            f"text_1 has {len(first)} texts and text_2 {len(second)}; send one text_1 to score against every "
+            "text_2, or as many text_1 as text_2 to score them pairwise"
+        )
+    return list(zip(first, second))
+
+
+@router.post("/v1/score", response_model=ScoreResponse)
+async def score(request: Request, body: ScoreRequest):
+    """vLLM's score: a cross-encoder's score of each pair, or an embedder's cosine similarity."""
+    engine = engine_for_task(request, Task.RERANK, body.model)
+    frontend = frontend_of(request)
+    pairs = _pairs(body)
+    frontend.check_inputs([second for _, second in pairs], "text_2")
+    for first in set(first for first, _ in pairs):
+        frontend.check_chars(first, "text_1")
+    with frontend.hold(len(pairs)):
+        scores, tokens, timing = await score_pairs(
+            engine, pairs, RerankParams(raw_scores=body.raw_scores, truncate=body.truncate)
+        )
+    call_of(request).answered(len(pairs), tokens, timing)
+    return JSON({
+        "id": f"score-{call_of(request).request_id}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": engine.info.name,
+        "data": [{"index": index, "object": "score", "score": value} for index, value in enumerate(scores)],
+        "usage": usage(tokens, completion=True),
+    })

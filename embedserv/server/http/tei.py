@@ -1,0 +1,250 @@
+"""text-embeddings-inference's HTTP API (router/src/http/server.rs): /embed, /predict, /tokenize, /decode,
+/info and /health, with TEI's fields, defaults and answers; TEI's /rerank is served by scoring.py.
+
+TEI serves one model and its bodies name none: each route takes the model the `x-embedserv-model` header
+names, else the first served model that can do the route's task (/tokenize, /decode and /info: the first
+served model). Errors come in TEI's shape, {"error", "error_type"}: 422 for an invalid body or input, 400
+for an empty batch, 404 for an unknown model, 429 when overloaded, 503 when unhealthy.
+
+Model choice and TEI semantics follow the TEI gRPC face (server/tei_grpc.py). Where we differ from TEI:
+a pair in /predict is scored by a cross-encoder (the first one served, or the header's), not by any
+classifier; /info's model_id is the served name; /rerank's and pairs' truncation_direction left is refused
+when truncating (a document is cut from its end); /embed_all, /embed_sparse, /similarity and /vertex are
+not served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import Response
+
+import embedserv
+from embedserv.engine.engine import Engine
+from embedserv.errors import InvalidInput, NotReady
+from embedserv.server.http.common import call_of, engine_for_task, engine_named, frontend_of
+from embedserv.server.http.errors import JSON
+from embedserv.server.http.scoring import score_pairs
+from embedserv.server.http.tei_models import (
+    TeiDecodeRequest,
+    TeiEmbedRequest,
+    TeiError,
+    TeiInfo,
+    TeiPrediction,
+    TeiPredictRequest,
+    TeiToken,
+    TeiTokenizeRequest,
+    check_direction,
+    embed_inputs,
+    predict_sequences,
+    require_some,
+)
+from embedserv.server.frontend import MODEL_HEADER
+from embedserv.types import ClassifyParams, EmbedParams, ModelInfo, RerankMode, RerankParams, Task, TokenizedText
+
+TEI_ERRORS = {"4XX": {"model": TeiError}, "5XX": {"model": TeiError}}
+router = APIRouter(tags=["text-embeddings-inference"], responses=TEI_ERRORS)
+
+
+def _model_engine(request: Request) -> Engine:
+    """The header's model, else the first served model."""
+    return engine_named(request, request.headers.get(MODEL_HEADER))
+
+
+@router.post("/embed", response_model=list[list[float]])
+async def embed(request: Request, body: TeiEmbedRequest):
+    """Pooled embeddings, one per input, in input order. Token-id inputs are used as given."""
+    engine = engine_for_task(request, Task.EMBED)
+    frontend = frontend_of(request)
+    inputs = embed_inputs(body.inputs)
+    require_some(inputs, "inputs")
+    frontend.check_batch(len(inputs))
+    texts = [(i, x) for i, x in enumerate(inputs) if isinstance(x, str)]
+    ids = [(i, x) for i, x in enumerate(inputs) if not isinstance(x, str)]
+    for index, text in texts:
+        frontend.check_chars(text, f"inputs[{index}]")
+    params = EmbedParams(
+        normalize=body.normalize,
+        truncate=bool(body.truncate),
+        truncation_direction=body.truncation_direction,
+        dimensions=body.dimensions,
+        prompt_name=body.prompt_name,
+    )
+    with frontend.hold(len(inputs)):
+        calls = [engine.embed([x for _, x in texts], params)] if texts else []
+        if ids:
+            calls.append(engine.embed_token_ids([x for _, x in ids], params))
+        results = await asyncio.gather(*calls)
+    call_of(request).answered(len(inputs), sum(r.prompt_tokens for r in results), results[0].timing)
+    if len(results) == 1:
+        return JSON(np.ascontiguousarray(results[0].embeddings))
+    rows = [None] * len(inputs)
+    for part, result in zip([p for p in (texts, ids) if p], results):
+        for (index, _), row in zip(part, result.embeddings.tolist()):
+            rows[index] = row
+    return JSON(rows)
+
+
+def _pair_scorer(request: Request) -> Engine:
+    """The header's model, else the first served cross-encoder; refused unless it is a cross-encoder (as the
+    TEI gRPC face chooses, server/tei_grpc.py)."""
+    name = request.headers.get(MODEL_HEADER)
+    scorers = [e for e in frontend_of(request).models.engines if e.task.rerank_mode is RerankMode.PAIR]
+    engine = engine_named(request, name) if name or not scorers else scorers[0]
+    call_of(request).model = engine.info.name
+    if engine.task.rerank_mode is not RerankMode.PAIR:
+        named = ", ".join(e.info.name for e in scorers) or "none is served here"
+        raise InvalidInput(
+            f"model {engine.info.name!r} cannot score a pair of texts: a cross-encoder does (served cross-encoders: "
+            f"{named}), named with the {MODEL_HEADER} header. Send single texts to classify them"
+        )
+    return engine
+
+
+async def _predict_pairs(engine: Engine, pairs: list[tuple[str, str]], body: TeiPredictRequest):
+    truncate = bool(body.truncate)
+    check_direction(body.truncation_direction, truncate, "pairs")
+    scores, tokens, _ = await score_pairs(engine, pairs, RerankParams(raw_scores=body.raw_scores, truncate=truncate))
+    return [[{"score": s, "label": engine.info.labels[0]}] for s in scores], tokens
+
+
+async def _predict_texts(engine: Engine, texts: list[str], body: TeiPredictRequest):
+    params = ClassifyParams(
+        truncate=bool(body.truncate), truncation_direction=body.truncation_direction, raw_scores=body.raw_scores
+    )
+    result = await engine.classify(texts, params)
+    predictions = []
+    for row in result.scores.tolist():
+        ranked = sorted(zip(row, result.labels), key=lambda x: x[0], reverse=True)
+        predictions.append([{"score": score, "label": label} for score, label in ranked])
+    return predictions, result.prompt_tokens
+
+
+@router.post("/predict", response_model=list[TeiPrediction] | list[list[TeiPrediction]])
+async def predict(request: Request, body: TeiPredictRequest):
+    """Every label's score, best first: for one input a list, for a batch a list per input. A single text
+    is classified (the header's model, else the first classifier); a pair [a, b] is scored by a
+    cross-encoder (the header's model, else the first cross-encoder), as /rerank scores it."""
+    frontend = frontend_of(request)
+    single, sequences = predict_sequences(body.inputs)
+    require_some(sequences, "inputs")
+    frontend.check_batch(len(sequences))
+    for index, sequence in enumerate(sequences):
+        for text in sequence:
+            frontend.check_chars(text, f"inputs[{index}]")
+    texts = [i for i, s in enumerate(sequences) if len(s) == 1]
+    pairs = [i for i, s in enumerate(sequences) if len(s) == 2]
+    classifier = engine_for_task(request, Task.CLASSIFY) if texts else None
+    scorer = _pair_scorer(request) if pairs else None
+    with frontend.hold(len(sequences)):
+        calls = [_predict_texts(classifier, [sequences[i][0] for i in texts], body)] if texts else []
+        if pairs:
+            calls.append(_predict_pairs(scorer, [tuple(sequences[i]) for i in pairs], body))
+        results = await asyncio.gather(*calls)
+    call_of(request).answered(len(sequences), sum(tokens for _, tokens in results))
+    predictions = [None] * len(sequences)
+    for indices, (part, _) in zip([p for p in (texts, pairs) if p], results):
+        for index, prediction in zip(indices, part):
+            predictions[index] = prediction
+    return JSON(predictions[0] if single else predictions)
+
+
+def _tei_tokens(seen: str, tokenized: TokenizedText) -> list[dict]:
+    """TEI's tokens: a special token's own text and no offsets; any other token's piece of `seen` (the text
+    the tokenizer read) and its UTF-8 byte offsets in it, as TEI (Rust) reports them."""
+    byte_at = [0]
+    for char in seen:
+        byte_at.append(byte_at[-1] + len(char.encode("utf-8", "surrogatepass")))
+    return [
+        {"id": i, "text": token, "special": True, "start": None, "stop": None} if special
+        else {"id": i, "text": seen[start:stop], "special": False, "start": byte_at[start], "stop": byte_at[stop]}
+        for i, token, (start, stop), special in zip(
+            tokenized.ids, tokenized.tokens, tokenized.offsets, tokenized.special
+        )
+    ]
+
+
+@router.post("/tokenize", response_model=list[list[TeiToken]])
+async def tokenize(request: Request, body: TeiTokenizeRequest):
+    """Each input's tokens: id, the input's text it covers (the token itself when special), its offsets."""
+    engine = _model_engine(request)
+    frontend = frontend_of(request)
+    texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+    require_some(texts, "inputs")
+    frontend.check_inputs(texts)
+    with frontend.hold(len(texts)):
+        tokenized = await engine.tokenize(texts, body.add_special_tokens, body.prompt_name)
+    call_of(request).answered(len(texts), sum(len(x.ids) for x in tokenized))
+    # Offsets count into the text the model saw: the prompt, then the input.
+    prompt = engine.tokenizer.resolve_prompt(body.prompt_name)
+    return JSON([_tei_tokens(prompt + text, tokens) for text, tokens in zip(texts, tokenized)])
+
+
+@router.post("/decode", response_model=list[str])
+async def decode(request: Request, body: TeiDecodeRequest):
+    """Token ids back to text, one string per id list."""
+    engine = _model_engine(request)
+    frontend = frontend_of(request)
+    batch = [body.ids] if not body.ids or isinstance(body.ids[0], int) else body.ids
+    frontend.check_batch(len(batch), "ids")
+    with frontend.hold(len(batch)):
+        texts = await asyncio.gather(*(engine.decode(ids, body.skip_special_tokens) for ids in batch))
+    call_of(request).answered(len(batch), sum(len(ids) for ids in batch))
+    return JSON(list(texts))
+
+
+def _model_type(info: ModelInfo) -> dict:
+    """TEI's three kinds, as the TEI gRPC face says them (server/tei_grpc.py): a cross-encoder or yes/no
+    reranker is a reranker (TEI's name for a one-label classifier), another classifier a classifier,
+    anything else (embedders, generators) an embedding model."""
+    labels = info.labels or ("LABEL_0",)
+    classes = {"id2label": {str(i): x for i, x in enumerate(labels)}, "label2id": {x: i for i, x in enumerate(labels)}}
+    if Task.RERANK in info.tasks and Task.EMBED not in info.tasks:
+        return {"reranker": classes}
+    if Task.CLASSIFY in info.tasks:
+        return {"classifier": classes}
+    return {"embedding": {"pooling": info.pooling}}
+
+
+@router.get("/info", response_model=TeiInfo)
+async def info(request: Request):
+    """TEI's Info of the header's model, else of the first served model."""
+    engine = _model_engine(request)
+    config = frontend_of(request).config
+    return JSON({
+        "model_id": engine.info.name,
+        "model_sha": None,
+        "model_dtype": engine.info.dtype,
+        "served_model_name": engine.info.name,
+        "model_type": _model_type(engine.info),
+        "max_concurrent_requests": config.max_concurrent_requests,
+        "max_input_length": engine.info.max_input_tokens,
+        "max_batch_tokens": engine.config.batch_token_budget,
+        "max_batch_requests": engine.config.max_batch_requests,
+        "max_client_batch_size": config.max_client_batch_size,
+        "auto_truncate": False,
+        "tokenization_workers": config.tokenizer_threads,
+        "version": embedserv.__version__,
+        "sha": None,
+        "docker_label": None,
+    })
+
+
+@router.get(
+    "/health",
+    response_class=Response,
+    responses={200: {"description": "Every served model is serving"}, 503: {"model": TeiError}},
+)
+async def health(request: Request):
+    """200 with an empty body when every served model is serving and the server is not draining; else 503."""
+    frontend = frontend_of(request)
+    if frontend.draining:
+        raise NotReady("unhealthy: the server is shutting down")
+    engines = frontend.models.engines
+    waiting = [n for n in frontend.models.names if n not in {e.info.name for e in engines if e.is_serving}]
+    if waiting:
+        raise NotReady(f"unhealthy: not serving yet: {', '.join(waiting)}")
+    return Response(status_code=200)

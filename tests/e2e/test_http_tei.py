@@ -1,0 +1,146 @@
+"""text-embeddings-inference's HTTP API (/embed, /predict, /tokenize, /decode, /info, /health) against the
+session's compat server: TEI's request fields and defaults, TEI's answer shapes holding the native gRPC
+API's numbers, and TEI's error shape and statuses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from tests.helpers.client import RPC_TIMEOUT_S, response_matrix
+from tests.helpers.compat_http import assert_tei_error, http, pb, stub  # noqa: F401 (fixtures)
+from tests.helpers.compat_server import CLASSIFIER, CROSS, EMBEDDER, GENERATOR, MAX_CLIENT_BATCH
+
+TEXTS = ["Hello World, this is TEI!", "zipfile.is_zipfile checks a ZIP archive", "naïve café ☕"]
+
+
+def model_header(name: str) -> dict:
+    return {"x-embedserv-model": name}
+
+
+def native_embed(stub, texts, **fields) -> np.ndarray:
+    request = pb().EmbedRequest(model=EMBEDDER, inputs=texts, **fields)
+    return response_matrix(stub.Embed(request, timeout=RPC_TIMEOUT_S))
+
+
+def test_embed_equals_native(stub, http):
+    """TEI's defaults (normalize true) and options; one text is a batch of one; the first embedder serves."""
+    reply = http.post("/embed", json={"inputs": TEXTS}, headers={"x-request-id": "tei-embed-1"})
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["x-request-id"] == "tei-embed-1"
+    np.testing.assert_allclose(reply.json(), native_embed(stub, TEXTS), atol=1e-6)
+    one = http.post("/embed", json={"inputs": TEXTS[0]}).json()
+    np.testing.assert_allclose(one, native_embed(stub, TEXTS[:1]), atol=1e-6)
+    options = {"normalize": False, "dimensions": 64}
+    raw = http.post("/embed", json={"inputs": TEXTS, **options}).json()
+    np.testing.assert_allclose(raw, native_embed(stub, TEXTS, **options), atol=1e-6)
+    long_text = " ".join(["word"] * 600)
+    left = http.post("/embed", json={"inputs": [long_text + " end"], "truncate": True, "truncation_direction": "LEFT"})
+    native = native_embed(stub, [long_text + " end"], truncate=True,
+                          truncation_direction=pb().TRUNCATION_DIRECTION_LEFT)
+    np.testing.assert_allclose(left.json(), native, atol=1e-6)
+
+
+def test_embed_token_ids(stub, http):
+    """Token-id inputs, alone or beside texts, embed as the texts they tokenize from."""
+    tokens = stub.Tokenize(pb().TokenizeRequest(model=EMBEDDER, inputs=TEXTS[:2]), timeout=RPC_TIMEOUT_S)
+    ids = [[t.id for t in x.tokens] for x in tokens.inputs]
+    expected = native_embed(stub, TEXTS[:2])
+    np.testing.assert_allclose(http.post("/embed", json={"inputs": ids[0]}).json(), expected[:1], atol=1e-5)
+    mixed = http.post("/embed", json={"inputs": [TEXTS[0], ids[1]]}).json()
+    np.testing.assert_allclose(mixed, expected, atol=1e-5)
+
+
+def test_predict_equals_native(stub, http):
+    """Labels best first: a list for one input, a list per input for a batch; a pair is a cross-encoder's
+    score of the pair (the native Rerank's)."""
+    native = stub.Classify(pb().ClassifyRequest(model=CLASSIFIER, inputs=TEXTS), timeout=RPC_TIMEOUT_S)
+    expected = [sorted(((s.score, s.label) for s in c.scores), reverse=True) for c in native.classifications]
+    headers = model_header(CLASSIFIER)
+    one = http.post("/predict", json={"inputs": TEXTS[0]}, headers=headers)
+    assert one.status_code == 200, one.text
+    assert [p["label"] for p in one.json()] == [label for _, label in expected[0]]
+    np.testing.assert_allclose([p["score"] for p in one.json()], [s for s, _ in expected[0]], atol=1e-6)
+    batch = http.post("/predict", json={"inputs": [[t] for t in TEXTS]}, headers=headers).json()
+    for got, want in zip(batch, expected):
+        assert [p["label"] for p in got] == [label for _, label in want]
+        np.testing.assert_allclose([p["score"] for p in got], [s for s, _ in want], atol=1e-6)
+
+    query, document = TEXTS[1], "The zipfile module reads and writes ZIP archives"
+    rerank = stub.Rerank(pb().RerankRequest(model=CROSS, query=query, documents=[document]), timeout=RPC_TIMEOUT_S)
+    pair = http.post("/predict", json={"inputs": [query, document]}).json()  # the first cross-encoder
+    assert len(pair) == 1 and pair[0]["score"] == pytest.approx(rerank.results[0].score, abs=1e-6)
+    mixed = http.post("/predict", json={"inputs": [[query, document], [TEXTS[0]]]}, headers=model_header(CROSS)).json()
+    assert mixed[0][0]["score"] == pytest.approx(rerank.results[0].score, abs=1e-6) and len(mixed[1]) == 1
+
+
+def test_tokenize_equals_native(stub, http):
+    """Ids and special flags as the native Tokenize's; a token's text is the input it covers and its offsets
+    are the native character offsets in UTF-8 bytes (as TEI's); special tokens carry their own text and no
+    offsets."""
+    for add_special in (True, False):
+        reply = http.post("/tokenize", json={"inputs": TEXTS, "add_special_tokens": add_special},
+                          headers=model_header(EMBEDDER))
+        assert reply.status_code == 200, reply.text
+        request = pb().TokenizeRequest(model=EMBEDDER, inputs=TEXTS, add_special_tokens=add_special)
+        native = stub.Tokenize(request, timeout=RPC_TIMEOUT_S)
+        for text, got, want in zip(TEXTS, reply.json(), native.inputs):
+            assert [t["id"] for t in got] == [t.id for t in want.tokens]
+            assert [t["special"] for t in got] == [t.special for t in want.tokens]
+            assert any(t["special"] for t in got) == add_special
+            for token, native_token in zip(got, want.tokens):
+                if token["special"]:
+                    assert token["text"] == native_token.text and token["start"] is token["stop"] is None
+                else:
+                    assert token["text"] == text[native_token.start:native_token.end]
+                    start = len(text[:native_token.start].encode())
+                    assert (token["start"], token["stop"]) == (start, start + len(token["text"].encode()))
+    one = http.post("/tokenize", json={"inputs": TEXTS[0]}).json()
+    assert len(one) == 1 and one[0][0]["text"] == "[CLS]"
+
+
+def test_decode_equals_tokenizer(compat_server, http):
+    tokenizer = Tokenizer.from_file(str(compat_server.models[EMBEDDER] / "tokenizer.json"))
+    ids = [tokenizer.encode(t).ids for t in TEXTS]
+    reply = http.post("/decode", json={"ids": ids}, headers=model_header(EMBEDDER))
+    assert reply.status_code == 200, reply.text
+    assert reply.json() == [tokenizer.decode(x) for x in ids]
+    kept = http.post("/decode", json={"ids": ids[0], "skip_special_tokens": False}).json()
+    assert kept == [tokenizer.decode(ids[0], skip_special_tokens=False)] and kept[0].startswith("[CLS]")
+
+
+def test_info_describes_each_model(stub, http):
+    models = {m.name: m for m in stub.ListModels(pb().ListModelsRequest(), timeout=RPC_TIMEOUT_S).models}
+    info = http.get("/info").json()
+    assert info["model_id"] == EMBEDDER and info["model_type"] == {"embedding": {"pooling": models[EMBEDDER].pooling}}
+    assert info["max_input_length"] == models[EMBEDDER].max_input_tokens
+    assert info["max_client_batch_size"] == MAX_CLIENT_BATCH and info["auto_truncate"] is False
+    labels = list(models[CLASSIFIER].labels)
+    classifier = http.get("/info", headers=model_header(CLASSIFIER)).json()["model_type"]
+    assert classifier == {"classifier": {"id2label": {str(i): x for i, x in enumerate(labels)},
+                                         "label2id": {x: i for i, x in enumerate(labels)}}}
+    assert list(http.get("/info", headers=model_header(CROSS)).json()["model_type"]) == ["reranker"]
+    assert list(http.get("/info", headers=model_header(GENERATOR)).json()["model_type"]) == ["embedding"]
+
+
+def test_health(http):
+    reply = http.get("/health")
+    assert reply.status_code == 200 and reply.content == b""
+
+
+def test_errors_in_tei_shape(http):
+    """Empty batch 400, bad field types and limits 422, unknown model 404, unknown routes 404, TEI's shape."""
+    assert_tei_error(http.post("/embed", json={"inputs": []}), 400, "empty")
+    assert_tei_error(http.post("/embed", json={"inputs": 5}), 422)
+    assert_tei_error(http.post("/embed", json={"inputs": "a", "normalize": "maybe"}), 422)
+    assert_tei_error(http.post("/embed", json={"inputs": "a", "truncation_direction": "middle"}), 422)
+    assert_tei_error(http.post("/embed", json={"inputs": "a", "prompt_name": "nope"}), 422)
+    assert "max-client-batch-size" in assert_tei_error(http.post("/embed", json={"inputs": ["a"] * 33}), 422)
+    assert_tei_error(http.post("/embed", json={"inputs": "a"}, headers=model_header("nope")), 404)
+    assert_tei_error(http.post("/predict", json={"inputs": ["a", "b", "c"]}), 422)
+    assert_tei_error(http.post("/predict", json={"inputs": ["a", "b"]}, headers=model_header(CLASSIFIER)), 422)
+    assert_tei_error(http.post("/tokenize", json={"inputs": []}), 400, "empty")
+    assert_tei_error(http.post("/decode", json={"ids": [[10**9]]}), 422)
+    assert_tei_error(http.post("/decode", json={"ids": "abc"}), 422)
+    assert_tei_error(http.post("/embed_all", json={"inputs": "a"}), 404)

@@ -43,6 +43,6 @@ ENV HOME=/tmp \
 
 USER 10001:10001
 WORKDIR /tmp
-EXPOSE 50051 9090
+EXPOSE 50051 8000 9090
 ENTRYPOINT ["embedserv", "serve"]
-CMD ["--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9090"]
+CMD ["--host", "0.0.0.0", "--port", "50051", "--http-port", "8000", "--metrics-port", "9090"]

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -27,6 +28,9 @@ from embedserv.server.frontend import Frontend
 from embedserv.server.security import ApiKeyInterceptor, server_credentials
 from embedserv.server.servicer import InferenceServicer, add_to_server
 from embedserv.server.tei_grpc import add_tei_services
+
+if TYPE_CHECKING:
+    from embedserv.server.http.app import HttpServer
 
 logger = logging.getLogger(__name__)
 

@@ -24,18 +24,16 @@ from embedserv.errors import InvalidInput
 from embedserv.server.calls import Call, metadata_value, stream_call, unary_call
 from embedserv.server.frontend import MODEL_HEADER, Frontend
 from embedserv.server.streams import answer_in_order
+from embedserv.server.tei_semantics import model_kind, pair_scorer, tei_tokens
 from embedserv.tei.v1 import tei_pb2 as pb
 from embedserv.tei.v1 import tei_pb2_grpc as pb_grpc
 from embedserv.types import (
     ClassifyParams,
     EmbedParams,
-    ModelInfo,
-    RerankMode,
     RerankParams,
     RerankResult,
     Task,
     Timing,
-    TokenizedText,
     TruncationDirection,
 )
 
@@ -75,36 +73,9 @@ def metadata(chars: int, tokens: int, timing: Timing) -> pb.Metadata:
     )
 
 
-def model_type(info: ModelInfo) -> int:
-    """TEI's three kinds: a cross-encoder or yes/no reranker is a RERANKER (as TEI calls a one-label
-    classifier), another classifier a CLASSIFIER, anything else (embedders; generators) an EMBEDDING."""
-    if Task.RERANK in info.tasks and Task.EMBED not in info.tasks:
-        return pb.MODEL_TYPE_RERANKER
-    if Task.CLASSIFY in info.tasks:
-        return pb.MODEL_TYPE_CLASSIFIER
-    return pb.MODEL_TYPE_EMBEDDING
-
-
-def simple_tokens(seen: str, tokenized: TokenizedText) -> list[pb.SimpleToken]:
-    """TEI's tokens: a special token's own text and no offsets; any other token's piece of `seen` (the text
-    the tokenizer read, prompt included) and its UTF-8 byte offsets in it, as TEI (Rust) reports them."""
-    byte_at = [0]
-    for char in seen:
-        byte_at.append(byte_at[-1] + len(char.encode()))
-    tokens = []
-    for token_id, token, (start, stop), special in zip(
-        tokenized.ids, tokenized.tokens, tokenized.offsets, tokenized.special
-    ):
-        if special:
-            tokens.append(pb.SimpleToken(id=token_id, text=token, special=True))
-        else:
-            tokens.append(pb.SimpleToken(id=token_id, text=seen[start:stop], start=byte_at[start], stop=byte_at[stop]))
-    return tokens
-
-
-def _scores_pairs(engine: Engine) -> bool:
-    """A cross-encoder: one score for a (text, text) pair."""
-    return engine.task.rerank_mode is RerankMode.PAIR
+_MODEL_TYPES = {
+    "reranker": pb.MODEL_TYPE_RERANKER, "classifier": pb.MODEL_TYPE_CLASSIFIER, "embedding": pb.MODEL_TYPE_EMBEDDING,
+}
 
 
 def _ranks(result: RerankResult, indices: list[int], texts: list[str], return_text: bool) -> list[pb.Rank]:
@@ -157,7 +128,7 @@ class InfoServicer(_TeiServicer, pb_grpc.InfoServicer):
             version=embedserv.__version__,
             model_id=info.name,
             model_dtype=info.dtype,
-            model_type=model_type(info),
+            model_type=_MODEL_TYPES[model_kind(info)],
             max_concurrent_requests=config.max_concurrent_requests,
             max_input_length=info.max_input_tokens,
             max_batch_tokens=engine.config.batch_token_budget,
@@ -229,18 +200,8 @@ class PredictServicer(_TeiServicer, pb_grpc.PredictServicer):
         )
 
     def _pair_scorer(self, context, call: Call) -> Engine:
-        """The named model, else the first served cross-encoder; refused unless it is a cross-encoder."""
-        name = metadata_value(context, MODEL_HEADER)
-        scorers = [e for e in self.frontend.models.engines if _scores_pairs(e)]
-        engine = self.frontend.engine(name) if name or not scorers else scorers[0]
+        engine = pair_scorer(self.frontend, metadata_value(context, MODEL_HEADER), "metadata key")
         call.model = engine.info.name
-        if not _scores_pairs(engine):
-            named = ", ".join(e.info.name for e in scorers) or "none is served here"
-            raise InvalidInput(
-                f"model {engine.info.name!r} cannot score a text pair: a pair is scored by a cross-encoder (one "
-                f"score per pair; served cross-encoders: {named}), named with the {MODEL_HEADER} metadata key. "
-                "Send one text in inputs to classify it with every label"
-            )
         return engine
 
     async def _predict_pair(self, request: pb.PredictPairRequest, context, call: Call) -> pb.PredictResponse:
@@ -351,10 +312,8 @@ class TokenizeServicer(_TeiServicer, pb_grpc.TokenizeServicer):
         with self.frontend.hold(1):
             [tokenized] = await engine.tokenize([text], request.add_special_tokens, prompt_name)
         call.answered(1, len(tokenized.ids))
-        # Offsets index the text the tokenizer read: the prompt and the text, lower-cased for models that ask.
-        seen = engine.tokenizer.resolve_prompt(prompt_name) + text
-        seen = seen.lower() if engine.tokenizer.do_lower_case else seen
-        return pb.EncodeResponse(tokens=simple_tokens(seen, tokenized))
+        tokens = tei_tokens(engine, text, prompt_name, tokenized)
+        return pb.EncodeResponse(tokens=[pb.SimpleToken(**token._asdict()) for token in tokens])
 
     async def _decode(self, request: pb.DecodeRequest, context, call: Call) -> pb.DecodeResponse:
         engine = self._engine(context, call)

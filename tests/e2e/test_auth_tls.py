@@ -136,29 +136,48 @@ def mtls_server(bundled_dir, tmp_path_factory):
     with_client_cert = grpc.ssl_channel_credentials(
         root_certificates=pems["ca"], private_key=pems["client_key"], certificate_chain=pems["client_cert"]
     )
+    http_port = free_port()
     args = _server_args(
         bundled_dir,
         "--tls-cert", str(directory / "server_cert.pem"), "--tls-key", str(directory / "server_key.pem"),
-        "--tls-client-ca", str(directory / "ca.pem"),
+        "--tls-client-ca", str(directory / "ca.pem"), "--http-port", str(http_port),
     )  # fmt: skip
     with running_server(args, env={"EMBEDSERV_API_KEY": None}, credentials=with_client_cert) as (target, _):
-        yield target, pems, with_client_cert
+        yield target, pems, with_client_cert, directory, http_port
+
+
+def test_http_is_https_with_the_same_mutual_tls(mtls_server):
+    import ssl
+
+    import httpx
+
+    _, _, _, directory, http_port = mtls_server
+    url = f"https://127.0.0.1:{http_port}/v1/embeddings"
+    context = ssl.create_default_context(cafile=str(directory / "ca.pem"))
+    context.load_cert_chain(str(directory / "client_cert.pem"), str(directory / "client_key.pem"))
+    reply = httpx.post(url, json={"input": "over https"}, verify=context, timeout=30)
+    assert reply.status_code == 200 and len(reply.json()["data"][0]["embedding"]) == 384
+    no_client_cert = ssl.create_default_context(cafile=str(directory / "ca.pem"))
+    with pytest.raises(httpx.HTTPError):
+        httpx.post(url, json={"input": "no client certificate"}, verify=no_client_cert, timeout=30)
+    with pytest.raises(httpx.HTTPError):
+        httpx.post(url.replace("https", "http"), json={"input": "plaintext"}, timeout=30)
 
 
 def test_tls_with_a_client_certificate_is_served(mtls_server):
-    target, _, with_client_cert = mtls_server
+    target, _, with_client_cert, _, _ = mtls_server
     with open_channel(target, with_client_cert) as channel:
         assert _embed_code(inference_stub(channel)) == grpc.StatusCode.OK
 
 
 def test_tls_without_a_client_certificate_is_refused(mtls_server):
-    target, pems, _ = mtls_server
+    target, pems, *_ = mtls_server
     with open_channel(target, grpc.ssl_channel_credentials(root_certificates=pems["ca"])) as channel:
         assert _embed_code(inference_stub(channel)) == grpc.StatusCode.UNAVAILABLE
 
 
 def test_plaintext_is_refused_by_a_tls_server(mtls_server):
-    target, _, _ = mtls_server
+    target, *_ = mtls_server
     with grpc.insecure_channel(target) as channel:
         assert _embed_code(inference_stub(channel)) == grpc.StatusCode.UNAVAILABLE
     assert health_status(target) == "UNAVAILABLE"
@@ -166,7 +185,7 @@ def test_plaintext_is_refused_by_a_tls_server(mtls_server):
 
 def test_client_certificate_from_another_ca_is_refused(mtls_server, tmp_path):
     """The server checks the client's certificate against --tls-client-ca, not merely that there is one."""
-    target, pems, _ = mtls_server
+    target, pems, *_ = mtls_server
     other = make_pki(tmp_path)
     credentials = grpc.ssl_channel_credentials(
         root_certificates=pems["ca"], private_key=other["client_key"], certificate_chain=other["client_cert"]

@@ -5,7 +5,6 @@ afterwards."""
 from __future__ import annotations
 
 import httpx
-import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 

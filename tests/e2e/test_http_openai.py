@@ -134,6 +134,10 @@ def test_sdk_raises_its_own_errors(client, compat_server):
         client.embeddings.create(model=EMBEDDER, input="x", dimensions=100000)
     with pytest.raises(openai.BadRequestError, match="chat"):
         client.chat.completions.create(model=EMBEDDER, messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(
+            model=GENERATOR, messages=[{"role": "user", "content": "hi"}], response_format={"type": "json_object"}
+        )
     with pytest.raises(openai.BadRequestError, match="n is not supported"):
         client.completions.create(model=GENERATOR, prompt="x", n=2)
     with pytest.raises(openai.BadRequestError, match="context"):

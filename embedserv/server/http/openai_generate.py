@@ -93,6 +93,7 @@ class ChatBody(SamplingBody):
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[dict] | None = None
     functions: list[dict] | None = None
+    response_format: dict | None = None
 
 
 def _prompts(prompt) -> list[str | list[int]]:
@@ -301,6 +302,8 @@ async def completions(request: Request, body: CompletionBody):
 async def chat_completions(request: Request, body: ChatBody):
     frontend = frontend_of(request)
     engine = engine_named(request, body.model)
+    if body.response_format not in (None, {"type": "text"}):
+        raise InvalidInput("response_format other than {\"type\": \"text\"} is not supported by this server")
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = body.sampling(max_tokens)
     prompt = await engine.chat_prompt(_message_dicts(body, frontend.check_chars))

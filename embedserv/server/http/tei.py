@@ -24,7 +24,7 @@ from starlette.responses import Response
 
 import embedserv
 from embedserv.engine.engine import Engine
-from embedserv.errors import InvalidInput, NotReady
+from embedserv.errors import NotReady
 from embedserv.server.http.common import call_of, engine_for_task, engine_named, frontend_of
 from embedserv.server.http.errors import JSON
 from embedserv.server.http.scoring import score_pairs
@@ -43,7 +43,8 @@ from embedserv.server.http.tei_models import (
     require_some,
 )
 from embedserv.server.frontend import MODEL_HEADER
-from embedserv.types import ClassifyParams, EmbedParams, ModelInfo, RerankMode, RerankParams, Task, TokenizedText
+from embedserv.server.tei_semantics import model_kind, pair_scorer, tei_tokens
+from embedserv.types import ClassifyParams, EmbedParams, ModelInfo, RerankParams, Task
 
 TEI_ERRORS = {"4XX": {"model": TeiError}, "5XX": {"model": TeiError}}
 router = APIRouter(tags=["text-embeddings-inference"], responses=TEI_ERRORS)
@@ -89,18 +90,8 @@ async def embed(request: Request, body: TeiEmbedRequest):
 
 
 def _pair_scorer(request: Request) -> Engine:
-    """The header's model, else the first served cross-encoder; refused unless it is a cross-encoder (as the
-    TEI gRPC face chooses, server/tei_grpc.py)."""
-    name = request.headers.get(MODEL_HEADER)
-    scorers = [e for e in frontend_of(request).models.engines if e.task.rerank_mode is RerankMode.PAIR]
-    engine = engine_named(request, name) if name or not scorers else scorers[0]
+    engine = pair_scorer(frontend_of(request), request.headers.get(MODEL_HEADER), "header")
     call_of(request).model = engine.info.name
-    if engine.task.rerank_mode is not RerankMode.PAIR:
-        named = ", ".join(e.info.name for e in scorers) or "none is served here"
-        raise InvalidInput(
-            f"model {engine.info.name!r} cannot score a pair of texts: a cross-encoder does (served cross-encoders: "
-            f"{named}), named with the {MODEL_HEADER} header. Send single texts to classify them"
-        )
     return engine
 
 
@@ -152,21 +143,6 @@ async def predict(request: Request, body: TeiPredictRequest):
     return JSON(predictions[0] if single else predictions)
 
 
-def _tei_tokens(seen: str, tokenized: TokenizedText) -> list[dict]:
-    """TEI's tokens: a special token's own text and no offsets; any other token's piece of `seen` (the text
-    the tokenizer read) and its UTF-8 byte offsets in it, as TEI (Rust) reports them."""
-    byte_at = [0]
-    for char in seen:
-        byte_at.append(byte_at[-1] + len(char.encode("utf-8", "surrogatepass")))
-    return [
-        {"id": i, "text": token, "special": True, "start": None, "stop": None} if special
-        else {"id": i, "text": seen[start:stop], "special": False, "start": byte_at[start], "stop": byte_at[stop]}
-        for i, token, (start, stop), special in zip(
-            tokenized.ids, tokenized.tokens, tokenized.offsets, tokenized.special
-        )
-    ]
-
-
 @router.post("/tokenize", response_model=list[list[TeiToken]])
 async def tokenize(request: Request, body: TeiTokenizeRequest):
     """Each input's tokens: id, the input's text it covers (the token itself when special), its offsets."""
@@ -178,9 +154,10 @@ async def tokenize(request: Request, body: TeiTokenizeRequest):
     with frontend.hold(len(texts)):
         tokenized = await engine.tokenize(texts, body.add_special_tokens, body.prompt_name)
     call_of(request).answered(len(texts), sum(len(x.ids) for x in tokenized))
-    # Offsets count into the text the model saw: the prompt, then the input.
-    prompt = engine.tokenizer.resolve_prompt(body.prompt_name)
-    return JSON([_tei_tokens(prompt + text, tokens) for text, tokens in zip(texts, tokenized)])
+    return JSON([
+        [token._asdict() for token in tei_tokens(engine, text, body.prompt_name, tokens)]
+        for text, tokens in zip(texts, tokenized)
+    ])
 
 
 @router.post("/decode", response_model=list[str])
@@ -197,16 +174,12 @@ async def decode(request: Request, body: TeiDecodeRequest):
 
 
 def _model_type(info: ModelInfo) -> dict:
-    """TEI's three kinds, as the TEI gRPC face says them (server/tei_grpc.py): a cross-encoder or yes/no
-    reranker is a reranker (TEI's name for a one-label classifier), another classifier a classifier,
-    anything else (embedders, generators) an embedding model."""
+    """TEI's model_type object for the model's kind (tei_semantics.model_kind)."""
+    kind = model_kind(info)
+    if kind == "embedding":
+        return {"embedding": {"pooling": info.pooling}}
     labels = info.labels or ("LABEL_0",)
-    classes = {"id2label": {str(i): x for i, x in enumerate(labels)}, "label2id": {x: i for i, x in enumerate(labels)}}
-    if Task.RERANK in info.tasks and Task.EMBED not in info.tasks:
-        return {"reranker": classes}
-    if Task.CLASSIFY in info.tasks:
-        return {"classifier": classes}
-    return {"embedding": {"pooling": info.pooling}}
+    return {kind: {"id2label": {str(i): x for i, x in enumerate(labels)}, "label2id": {x: i for i, x in enumerate(labels)}}}
 
 
 @router.get("/info", response_model=TeiInfo)

@@ -11,6 +11,7 @@ import asyncio
 import re
 import signal
 import threading
+import time
 
 import httpx
 import openai
@@ -130,6 +131,24 @@ def test_a_400_call_burst_ends_200_or_429_and_the_sdk_raises_rate_limit(edge):
     assert page.total("embedserv_request_inputs_total", **http_calls) >= 8 * statuses.count(200)
 
 
+def _used_blocks(edge) -> float:
+    return scrape(edge["metrics_port"]).total("embedserv_kv_cache_blocks", state="used")
+
+
+def test_a_client_leaving_an_sse_stream_frees_its_kv_blocks_at_once(edge):
+    body = {"model": "tiny-lm", "prompt": "leave early", "max_tokens": 450, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=edge["http"], headers=AUTH, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as reply:
+            lines = reply.iter_lines()
+            assert next(lines).startswith("data: ")
+            assert _used_blocks(edge) > 0
+    for _ in range(100):
+        if _used_blocks(edge) == 0:
+            break
+        time.sleep(0.05)
+    assert _used_blocks(edge) == 0
+
+
 def test_sigterm_lets_http_calls_and_sse_streams_finish_refuses_new_and_exits_0(edge, sdk):
     """Runs last: it stops the module's server."""
     proc = edge["proc"]
@@ -151,7 +170,7 @@ def test_sigterm_lets_http_calls_and_sse_streams_finish_refuses_new_and_exits_0(
     with httpx.Client(base_url=edge["http"], headers=AUTH, timeout=30) as http:
         # Wait until the unary calls are running (their engine streams hold KV blocks), then signal.
         for _ in range(200):
-            if scrape(edge["metrics_port"]).total("embedserv_kv_cache_blocks", state="used") > 0:
+            if _used_blocks(edge) > 0:
                 break
         proc.send_signal(signal.SIGTERM)
         refused = None

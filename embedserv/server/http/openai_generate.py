@@ -18,6 +18,7 @@ import contextlib
 import time
 from typing import AsyncIterator, Literal
 
+import anyio
 import orjson
 from fastapi import APIRouter, Request
 from pydantic import Field
@@ -205,7 +206,9 @@ async def _generate(
         except Exception as exc:  # noqa: BLE001 - the status is sent: the error goes in the stream
             yield _event(error_body("openai", status_of(exc, "openai"), message_of(exc)))
         finally:
-            await _close(runs)
+            # A client that leaves cancels this generator; the streams still end now (their KV blocks).
+            with anyio.CancelScope(shield=True):
+                await _close(runs)
             admitted.close()
         yield b"data: [DONE]\n\n"
 

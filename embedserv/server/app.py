@@ -80,8 +80,8 @@ class EmbedServer:
         self.metrics: MetricsServer | None = None
         self.http: HttpServer | None = None
         self._started = False
-        # The engine whose workers are starting, so that a stop during start-up ends them too.
-        self._loading: Engine | None = None
+        # The engines whose workers are starting, so that a stop during start-up ends them too.
+        self._loading: list[Engine] = []
         self._health_updates: set[asyncio.Task] = set()
 
     async def _set_health(self, status) -> None:
@@ -132,20 +132,30 @@ class EmbedServer:
             "listening on %s:%d%s (NOT_SERVING until the models are warm)", config.host, self.port,
             f" with {' and '.join(security)}" if security else "",
         )
-        loop = asyncio.get_running_loop()
-        for model_config in self.config.models:
-            engine = await loop.run_in_executor(
-                None, Engine.with_worker_processes, model_config, self.config.tokenizer_threads
-            )
-            self._loading = engine
-            await engine.start()
-            self._loading = None
-            self.models.add(engine)
-            engine.add_serving_listener(self._on_serving_change)
-            await self._update_health()
+        # Models load at once, each in its own worker processes; the first failure cancels the others.
+        loads = [asyncio.create_task(self._start_model(m)) for m in self.config.models]
+        try:
+            await asyncio.gather(*loads)
+        except BaseException:
+            for load in loads:
+                load.cancel()
+            await asyncio.gather(*loads, return_exceptions=True)
+            raise
         self._started = True
         await self._update_health()
         logger.info("serving %s", ", ".join(self.models.names))
+
+    async def _start_model(self, model_config) -> None:
+        engine = await asyncio.get_running_loop().run_in_executor(
+            None, Engine.with_worker_processes, model_config, self.config.tokenizer_threads
+        )
+        # Until it serves, stop() finds it here (a signal or another model's failure during start-up).
+        self._loading.append(engine)
+        await engine.start()
+        self._loading.remove(engine)
+        self.models.add(engine)
+        engine.add_serving_listener(self._on_serving_change)
+        await self._update_health()
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """NOT_SERVING, refuse new calls, give those in flight `grace` seconds, then stop the engines.
@@ -162,7 +172,7 @@ class EmbedServer:
         await stopping
         if self.http is not None:
             await self.http.stop()
-        for engine in [*self.models.engines, *([self._loading] if self._loading else [])]:
+        for engine in [*self.models.engines, *self._loading]:
             await engine.stop()
         if self.metrics is not None:
             self.metrics.stop()

@@ -62,7 +62,7 @@ def test_expired_and_cancelled_calls_are_never_computed(server):
     def grew(name: str, **labels) -> float:
         return after.value(name, **labels) - before.value(name, **labels)
 
-    calls = dict(rpc="Embed", model=SERVED)
+    calls = dict(protocol="grpc", rpc="Embed", model=SERVED)
     assert grew("embedserv_requests_total", status="OK", **calls) == BLOCKING_CALLS + 1
     assert grew("embedserv_requests_total", status="DEADLINE_EXCEEDED", **calls) == EXPIRING_CALLS
     assert grew("embedserv_requests_total", status="CANCELLED", **calls) == 1

@@ -84,7 +84,10 @@ def test_predict_equals_native_classify_best_first(tei, native):
         pb.PredictPairRequest(inputs=[TEXT]), metadata=_model(CLASSIFIER), timeout=RPC_TIMEOUT_S
     )
     for other in (*streamed, single):
-        assert list(other.predictions) == list(response.predictions)
+        # Equal up to float32 rounding: a stream's texts may share a batch, which sums in another order.
+        assert [p.label for p in other.predictions] == [p.label for p in response.predictions]
+        np.testing.assert_allclose([p.score for p in other.predictions], [p.score for p in response.predictions],
+                                   rtol=0, atol=1e-6)
 
 
 def test_predict_without_metadata_uses_the_first_classifier(tei):
@@ -100,11 +103,15 @@ def test_predict_pair_is_the_cross_encoder_score(tei, native):
     )
     # No metadata: the first served cross-encoder (minilm reranks by cosine, which scores no pair).
     response = tei["Predict"].PredictPair(pb.PredictPairRequest(inputs=pair), timeout=RPC_TIMEOUT_S)
-    assert [(p.label, p.score) for p in response.predictions] == [("LABEL_0", expected.results[0].score)]
+    assert [p.label for p in response.predictions] == ["LABEL_0"]
+    # Scores equal up to float32 rounding: a stream's pairs may share a batch, which sums in another order.
+    assert response.predictions[0].score == pytest.approx(expected.results[0].score, abs=1e-6)
     streamed = list(
         tei["Predict"].PredictPairStream(iter([pb.PredictPairRequest(inputs=pair)] * 3), timeout=RPC_TIMEOUT_S)
     )
-    assert [list(r.predictions) for r in streamed] == [list(response.predictions)] * 3
+    for r in streamed:
+        assert [p.label for p in r.predictions] == ["LABEL_0"]
+        assert r.predictions[0].score == pytest.approx(response.predictions[0].score, abs=1e-6)
     with pytest.raises(grpc.RpcError) as info:
         tei["Predict"].PredictPair(pb.PredictPairRequest(inputs=pair), metadata=_model(CLASSIFIER))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT

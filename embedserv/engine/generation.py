@@ -29,7 +29,16 @@ from embedserv.executor.base import Worker, WorkerDied
 from embedserv.scheduler.generation import GenerationScheduler
 from embedserv.scheduler.kv_cache_manager import KvCacheManager
 from embedserv.scheduler.request import Request, RequestStatus
-from embedserv.types import FinishReason, TruncationDirection, GenerationDelta, KvCacheUsage, OutputKind, SamplingParams, StepBatch, StepOutput
+from embedserv.types import (
+    FinishReason,
+    GenerationDelta,
+    KvCacheUsage,
+    OutputKind,
+    SamplingParams,
+    StepBatch,
+    StepOutput,
+    TruncationDirection,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -3,8 +3,8 @@
 With --http-port, the HTTP APIs (http/app.py) listen beside gRPC from the start, on the same Frontend.
 
 SIGTERM or SIGINT drains: health turns NOT_SERVING, new calls are refused (HTTP: 503), calls in flight over
-either protocol (SSE streams included) get up to --drain-timeout to finish, then the workers stop and the process exits 0. A second signal cancels what
-is still running.
+either protocol (SSE streams included) get up to --drain-timeout to finish, then the workers stop and the
+process exits 0. A second signal cancels what is still running.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from embedserv.config import ServerConfig
 from embedserv.engine.engine import Engine
 from embedserv.errors import ConfigError
 from embedserv.server.metrics import MetricsServer
-from embedserv.server.registry import InflightLimiter, ServedModels
 from embedserv.server.frontend import Frontend
+from embedserv.server.registry import InflightLimiter, ServedModels
 from embedserv.server.security import ApiKeyInterceptor, server_credentials
 from embedserv.server.servicer import InferenceServicer, add_to_server
 from embedserv.server.tei_grpc import add_tei_services

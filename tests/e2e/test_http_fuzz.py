@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from tests.helpers.compat_server import EMBEDDER, GENERATOR
 
 # Per route: enough to reach every field's edge cases without making the default run slow.
-EXAMPLES = 20
+EXAMPLES = 12
 CALL_TIMEOUT_S = 60
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 

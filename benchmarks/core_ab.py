@@ -81,7 +81,7 @@ def child(tree: str, workload: str, model: str, streams: int, max_tokens: int) -
     return best
 
 
-def _cpu() -> str:
+def cpu_name() -> str:
     name = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
     flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
     isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_vnni") if f in flags]
@@ -123,7 +123,7 @@ def main() -> None:
                     value = json.loads(out.stdout.strip().splitlines()[-1])
                     best[workload, label] = max(best[workload, label], value)
     units = {"embed": "texts/s", "rerank": "pairs/s", "generate": f"tokens/s at {args.streams} streams"}
-    print(f"CPU: {_cpu()}; best of {args.rounds} alternating rounds, float32\n")
+    print(f"CPU: {cpu_name()}; best of {args.rounds} alternating rounds, float32\n")
     print("| workload | base | new | new / base |\n|---|---|---|---|")
     for workload in workloads:
         base, new = best[workload, "base"], best[workload, "new"]

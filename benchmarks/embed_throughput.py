@@ -75,7 +75,7 @@ def bench_engine(model: str, texts: list[str], dtype: str, batch_size: int, repe
     return seconds, sum(r.prompt_tokens for r in results)
 
 
-async def _grpc_run(target: str, calls: list[list[str]], concurrency: int) -> int:
+async def grpc_embed_calls(target: str, calls: list[list[str]], concurrency: int) -> int:
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.InferenceStub(channel)
         gate = asyncio.Semaphore(concurrency)
@@ -95,7 +95,7 @@ def bench_grpc(
     args = ["--model", model, "--served-model-name", "bench", "--dtype", dtype,
             "--max-client-batch-size", str(batch_size)]
     with running_server(args) as (target, _):
-        return best_of(repeats, lambda: asyncio.run(_grpc_run(target, calls, concurrency)))
+        return best_of(repeats, lambda: asyncio.run(grpc_embed_calls(target, calls, concurrency)))
 
 
 def main() -> None:

@@ -267,12 +267,12 @@ class Engine:
         encoded = await self._tokenize_with(
             self.tokenizer.encode_batch, texts, params.truncate, params.truncation_direction, params.prompt_name
         )
+        return await self._pooled(encoded, params, received)
+
+    async def _pooled(self, encoded: list[Encoded], params: EmbedParams, received: float) -> EmbedResult:
         rows, prompt_tokens, timing = await self._infer(encoded, received)
-        return EmbedResult(
-            embeddings=finish_embeddings(rows, params.dimensions, params.normalize),
-            prompt_tokens=prompt_tokens,
-            timing=timing,
-        )
+        embeddings = finish_embeddings(rows, params.dimensions, params.normalize)
+        return EmbedResult(embeddings=embeddings, prompt_tokens=prompt_tokens, timing=timing)
 
     async def embed_token_ids(self, token_ids: list[list[int]], params: EmbedParams) -> EmbedResult:
         """Embeds pre-tokenized inputs, used as given (OpenAI's token-id `input`; no prompt, no special tokens
@@ -285,12 +285,7 @@ class Engine:
         encoded = await self._tokenize_with(
             self.tokenizer.check_token_ids, token_ids, params.truncate, params.truncation_direction
         )
-        rows, prompt_tokens, timing = await self._infer(encoded, received)
-        return EmbedResult(
-            embeddings=finish_embeddings(rows, params.dimensions, params.normalize),
-            prompt_tokens=prompt_tokens,
-            timing=timing,
-        )
+        return await self._pooled(encoded, params, received)
 
     async def rerank(self, query: str, documents: list[str], params: RerankParams) -> RerankResult:
         """Documents scored against the query, best first: by the model's score head (cross-encoders,

@@ -251,15 +251,6 @@ def test_services(chart):
     assert [(p["name"], p["port"]) for p in headless["ports"]] == [("grpc", 50051), ("http", 8000)]
 
 
-def test_http_port_zero_turns_http_off(chart):
-    objects = render(chart, {"service": {"httpPort": 0}})
-    container = server(objects)
-    assert flag(container["args"], "--http-port") == "0"
-    assert "http" not in {p["name"] for p in container["ports"]}
-    for service in (one(objects, "Service"), one(objects, "Service", f"{FULLNAME}-headless")):
-        assert "http" not in {p["name"] for p in service["spec"]["ports"]}
-
-
 def test_servicemonitor_scrapes_only_the_clusterip_service(chart):
     objects = render(chart, FULL)
     monitor = one(objects, "ServiceMonitor")

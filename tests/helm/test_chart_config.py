@@ -22,6 +22,7 @@ from tests.helm.test_chart import (  # noqa: F401 (chart is a fixture)
     KUBE_VERSION,
     NAMESPACE,
     chart,
+    flag,
     one,
     pod_spec,
     render,
@@ -115,3 +116,13 @@ def test_a_changed_config_rolls_the_pods_and_no_config_renders_none(chart):
     assert not [o for o in objects if o["kind"] == "ConfigMap"] and "--config" not in server(objects)["args"]
     assert one(objects, "Deployment")["spec"]["template"]["metadata"]["annotations"] == {"team": "ml"}
     assert "config" not in {m["name"] for m in server(objects)["volumeMounts"]}
+
+
+def test_http_port_zero_turns_http_off(chart):
+    objects = render(chart, {"service": {"httpPort": 0}})
+    container = server(objects)
+    assert flag(container["args"], "--http-port") == "0"
+    assert "http" not in {p["name"] for p in container["ports"]}
+    for service in (one(objects, "Service"), one(objects, "Service", f"{FULLNAME}-headless")):
+        assert "http" not in {p["name"] for p in service["spec"]["ports"]}
+

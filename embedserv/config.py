@@ -9,7 +9,8 @@ from embedserv.errors import ConfigError
 
 LOG_FORMATS = ("text", "json")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-POOLING_MODES = ("cls", "mean", "lasttoken", "max")
+# splade: TEI's sparse pooling of a *ForMaskedLM checkpoint (EmbedSparse).
+POOLING_MODES = ("cls", "mean", "lasttoken", "max", "splade")
 ATTENTION_KINDS = ("causal", "bidirectional")
 # Every attention backend embedserv has; attention/selector.py says where each runs.
 ATTENTION_BACKENDS = ("flash_attn", "varlen", "sdpa", "flex", "naive")

@@ -14,6 +14,23 @@ class Task(str, Enum):
     RERANK = "rerank"
     CLASSIFY = "classify"
     GENERATE = "generate"
+    # Sparse vectors over the vocabulary (EmbedSparse) and several vectors per input (EmbedMultiVector).
+    EMBED_SPARSE = "embed_sparse"
+    EMBED_MULTI_VECTOR = "embed_multi_vector"
+
+
+class EmbedOutput(str, Enum):
+    """What an embedding request wants per input; one forward pass gives all it asks for."""
+
+    # One pooled vector (after the model's Dense layers).
+    DENSE = "dense"
+    # Vocabulary id -> weight, non-zero entries only (SPLADE, bge-m3's sparse head).
+    SPARSE = "sparse"
+    # One vector per token (ColBERT-style heads, or the last hidden states).
+    MULTI_VECTOR = "multi_vector"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class Activation(str, Enum):
@@ -38,6 +55,9 @@ class RerankMode(str, Enum):
     PAIR = "pair"
     # A yes/no reranker's prompt around query and document, scored by the "yes" against "no" logit.
     TEMPLATE = "template"
+    # Late interaction: the sum over the query's token vectors of each one's best dot product with the
+    # document's token vectors (MultiVectorEncoder models).
+    MAXSIM = "maxsim"
 
     def __str__(self) -> str:
         return self.value
@@ -53,6 +73,22 @@ class TruncationDirection(str, Enum):
         return self.value
 
 
+class Encoding(str, Enum):
+    """How dense vectors are returned: float32, float16, or quantized as sentence-transformers'
+    quantize_embeddings does (int8 / uint8 against the model's calibration ranges; binary / ubinary packed
+    bits, 8 dimensions a byte)."""
+
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    INT8 = "int8"
+    UINT8 = "uint8"
+    BINARY = "binary"
+    UBINARY = "ubinary"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class EmbedParams:
     normalize: bool = True
@@ -62,6 +98,15 @@ class EmbedParams:
     dimensions: int | None = None
     # A prompt name from the model's sentence-transformers config; None uses the model's default prompt.
     prompt_name: str | None = None
+    # Which outputs per input (DENSE, SPARSE, MULTI_VECTOR), all from one forward pass.
+    outputs: tuple[EmbedOutput, ...] = (EmbedOutput.DENSE,)
+    # Inputs longer than the model's limit are embedded by windows (token-count-weighted mean of the
+    # windows' pooled vectors) instead of cut or refused. Dense output only.
+    chunking: bool = False
+    # SPARSE: keep only the k largest values per input; None keeps all.
+    sparse_top_k: int | None = None
+    # The dense vectors' encoding (applied after dimensions and normalization).
+    encoding: Encoding = Encoding.FLOAT32
 
 
 @dataclass(frozen=True)
@@ -74,6 +119,8 @@ class RerankParams:
     truncate: bool = False
     # The task instruction of instruction-following rerankers; None uses the model's default.
     instruction: str | None = None
+    # A document that does not fit beside the query is split into windows and scored by its best one.
+    chunking: bool = False
 
 
 @dataclass(frozen=True)
@@ -156,12 +203,24 @@ class Timing:
     total_us: int = 0
 
 
+@dataclass(frozen=True)
+class SparseVector:
+    # Vocabulary ids, ascending, int64; and their float32 values (non-zero only).
+    indices: np.ndarray
+    values: np.ndarray
+
+
 @dataclass
 class EmbedResult:
-    # [num_inputs, dimension] float32, in input order.
-    embeddings: np.ndarray
+    # [num_inputs, dimension] in input order, in EmbedParams.encoding's dtype (float32, float16, int8, uint8;
+    # [num_inputs, ceil(dimension / 8)] int8 / uint8 for the bit encodings); None when DENSE was not asked for.
+    embeddings: np.ndarray | None
     prompt_tokens: int
     timing: Timing = field(default_factory=Timing)
+    # SPARSE: one per input, in order.
+    sparse: list[SparseVector] | None = None
+    # MULTI_VECTOR: one [num_vectors, dim] float32 array per input, in order.
+    multi_vectors: list[np.ndarray] | None = None
 
 
 @dataclass(frozen=True)
@@ -222,6 +281,10 @@ class ModelInfo:
     kv_shared_layers: tuple[tuple[int, int], ...] = ()
     # --kv-sharing-fast-prefill: the layers after the last KV writer run only the rows whose output is read.
     kv_sharing_fast_prefill: bool = False
+    # What Embed can give (empty for models that do not embed), and the sparse and multi-vector widths.
+    outputs: tuple[EmbedOutput, ...] = ()
+    sparse_dimension: int = 0
+    multi_vector_dimension: int = 0
 
 
 class OutputKind(str, Enum):
@@ -257,6 +320,13 @@ class ScheduledSequence:
     # step after admission), else empty; and its length, on every step (cross-attention reads that many keys).
     encoder_token_ids: tuple[int, ...] = ()
     encoder_len: int = 0
+    # POOL: the outputs to compute; empty means DENSE only.
+    outputs: tuple[EmbedOutput, ...] = ()
+
+    @property
+    def wanted(self) -> tuple[EmbedOutput, ...]:
+        """POOL outputs this sequence asks for (DENSE when it names none)."""
+        return self.outputs or (EmbedOutput.DENSE,)
 
 
 @dataclass(frozen=True)
@@ -279,6 +349,37 @@ class StepBatch:
 
 
 @dataclass(frozen=True)
+class RaggedRows:
+    """A variable number of entries per request, packed: token vectors (values [total, dim]) or sparse
+    vectors (values [total] with their vocabulary ids in indices [total])."""
+
+    request_ids: tuple[int, ...]
+    # [len(request_ids)] int64: entries per request, in request_ids' order.
+    counts: np.ndarray
+    # [sum(counts), dim] or [sum(counts)] float32.
+    values: np.ndarray
+    # [sum(counts)] int64 vocabulary ids (sparse), or [0] (token vectors).
+    indices: np.ndarray
+
+    def __post_init__(self) -> None:
+        total = int(self.counts.sum()) if len(self.counts) else 0
+        if len(self.counts) != len(self.request_ids) or len(self.values) != total:
+            raise ValueError(f"{len(self.values)} entries and {len(self.counts)} counts for {len(self.request_ids)} requests")
+        if len(self.indices) not in (0, total):
+            raise ValueError(f"{len(self.indices)} indices for {total} entries")
+
+    def split(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """request id -> (values, indices) of its entries (indices empty for token vectors)."""
+        ends = np.cumsum(self.counts)
+        out = {}
+        for request_id, end, count in zip(self.request_ids, ends.tolist(), self.counts.tolist()):
+            start = end - count
+            indices = self.indices[start:end] if len(self.indices) else self.indices
+            out[request_id] = (self.values[start:end], indices)
+        return out
+
+
+@dataclass(frozen=True)
 class StepOutput:
     """A step's results on the host, in batch order: rows for POOL / SCORE sequences, tokens for SAMPLE ones."""
 
@@ -288,6 +389,9 @@ class StepOutput:
     sampled_request_ids: tuple[int, ...]
     # [len(sampled_request_ids)] int64: the next token of each.
     tokens: np.ndarray
+    # POOL sequences that asked for SPARSE / MULTI_VECTOR outputs.
+    sparse: RaggedRows | None = None
+    vectors: RaggedRows | None = None
 
     def __post_init__(self) -> None:
         # Also checked when a StepDone arrives from a worker (the codec runs __post_init__).

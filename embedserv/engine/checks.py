@@ -5,7 +5,7 @@ from __future__ import annotations
 from embedserv.engine.tokenizer import TextTokenizer
 from embedserv.errors import InvalidInput
 from embedserv.models.tasks import TaskSpec
-from embedserv.types import EmbedParams, ModelInfo, RerankParams, Task, TruncationDirection
+from embedserv.types import EmbedOutput, EmbedParams, ModelInfo, RerankParams, Task, TruncationDirection
 
 
 def require(info: ModelInfo, task: Task, rpc: str) -> None:
@@ -19,7 +19,33 @@ def check_direction(direction: str) -> None:
         raise InvalidInput(f"truncation_direction must be right or left, not {direction!r}")
 
 
+_OUTPUT_RPCS = {EmbedOutput.DENSE: "Embed", EmbedOutput.SPARSE: "EmbedSparse", EmbedOutput.MULTI_VECTOR: "EmbedMultiVector"}
+_OUTPUT_TASKS = {EmbedOutput.DENSE: Task.EMBED, EmbedOutput.SPARSE: Task.EMBED_SPARSE, EmbedOutput.MULTI_VECTOR: Task.EMBED_MULTI_VECTOR}
+
+
+def check_outputs(info: ModelInfo, params: EmbedParams) -> None:
+    """Every output asked for is one the model gives; the options fit the outputs."""
+    if not params.outputs:
+        raise InvalidInput("outputs is empty; ask for at least one of dense, sparse, multi_vector")
+    if len(set(params.outputs)) != len(params.outputs):
+        raise InvalidInput(f"outputs names an output twice: {', '.join(map(str, params.outputs))}")
+    if len(params.outputs) == 1:
+        require(info, _OUTPUT_TASKS[params.outputs[0]], _OUTPUT_RPCS[params.outputs[0]])
+    missing = [str(o) for o in params.outputs if o not in info.outputs]
+    if missing:
+        gives = ", ".join(map(str, info.outputs)) or "none (it does not embed)"
+        raise InvalidInput(f"model {info.name!r} cannot give the {', '.join(missing)} output; its outputs: {gives}")
+    if params.sparse_top_k is not None:
+        if EmbedOutput.SPARSE not in params.outputs:
+            raise InvalidInput("top_k applies to the sparse output; ask for it or leave top_k unset")
+        if params.sparse_top_k < 1:
+            raise InvalidInput(f"top_k must be at least 1 (or unset for every non-zero value), not {params.sparse_top_k}")
+    if params.dimensions is not None and EmbedOutput.DENSE not in params.outputs:
+        raise InvalidInput("dimensions applies to the dense output; leave it unset for sparse and multi-vector outputs")
+
+
 def check_embed(info: ModelInfo, tokenizer: TextTokenizer, texts: list[str], params: EmbedParams) -> None:
+    check_outputs(info, params)
     if not texts:
         raise InvalidInput("inputs is empty; send at least one text")
     if params.dimensions is not None and not 1 <= params.dimensions <= info.dimension:

@@ -22,17 +22,19 @@ import numpy as np
 import torch
 
 from embedserv.config import ModelConfig
-from embedserv.engine import checks, zero_shot
+from embedserv.engine import checks, chunking, embedding, multi_vector, quantize, zero_shot
 from embedserv.engine.generation import GenerationStreams, prepare_prompt
 from embedserv.engine.loading import ServedModel, log_spec, read_served_model
-from embedserv.engine.outputs import activate, cosine_to_first, finish_embeddings, rank
+from embedserv.engine.outputs import activate, cosine_to_first, rank
 from embedserv.engine.tokenizer import Encoded
 from embedserv.models.tasks import Seq2SeqYesNoTemplate
 from embedserv.types import (
     Activation,
     ClassifyParams,
     ClassifyResult,
+    EmbedOutput,
     EmbedParams,
+    Encoding,
     EmbedResult,
     GenerationDelta,
     KvCacheUsage,
@@ -47,7 +49,7 @@ from embedserv.types import (
     Timing,
     TokenizedText,
 )
-from embedserv.engine.prefill import PrefillQueue
+from embedserv.engine.prefill import PrefillQueue, SequenceOutput
 from embedserv.engine.step_loop import WorkerLoop
 from embedserv.errors import ConfigError, InvalidInput, NotReady
 from embedserv.executor.base import Worker, WorkerStats
@@ -73,6 +75,9 @@ class Engine:
         self.info: ModelInfo = served.info
         self.tokenizer = served.tokenizer
         self.task = served.task
+        self.token_rules = embedding.token_rules(served.spec.outputs)
+        # int8 / uint8 ranges, computed once from the built-in calibration texts on first use.
+        self.calibration = quantize.Calibration()
         self.workers = workers
         for worker in workers:
             worker.on_change = self._workers_changed
@@ -80,7 +85,7 @@ class Engine:
         name, budget, max_seqs = self.info.name, config.batch_token_budget, config.max_batch_requests
         self._prefill: PrefillQueue | None = None
         if served.task.tasks != (Task.GENERATE,):
-            output = OutputKind.POOL if Task.EMBED in served.task.tasks else OutputKind.SCORE
+            output = OutputKind.POOL if served.spec.outputs.outputs else OutputKind.SCORE
             self._prefill = PrefillQueue(name, workers, budget, max_seqs, output)
         self._generation: list[GenerationStreams] = []
         if Task.GENERATE in served.task.tasks:
@@ -261,24 +266,30 @@ class Engine:
         )
 
     async def embed(self, texts: list[str], params: EmbedParams) -> EmbedResult:
+        """The outputs `params.outputs` names (dense, sparse, token vectors) per text, from one forward pass."""
         received = time.perf_counter()
-        checks.require(self.info, Task.EMBED, "Embed")
         checks.check_embed(self.info, self.tokenizer, texts, params)
-        encoded = await self._tokenize_with(
-            self.tokenizer.encode_batch, texts, params.truncate, params.truncation_direction, params.prompt_name
-        )
+        if params.chunking:
+            return await self.encoded(await chunking.embed_chunked(self, texts, params, received), params)
+        encoded = await self._tokenize_with(self.token_rules.encode, self.tokenizer, texts, params)
         return await self._pooled(encoded, params, received)
 
     async def _pooled(self, encoded: list[Encoded], params: EmbedParams, received: float) -> EmbedResult:
-        rows, prompt_tokens, timing = await self._infer(encoded, received)
-        embeddings = finish_embeddings(rows, params.dimensions, params.normalize)
-        return EmbedResult(embeddings=embeddings, prompt_tokens=prompt_tokens, timing=timing)
+        outputs, prompt_tokens, timing = await self._infer(encoded, received, params.outputs)
+        result = embedding.assemble(outputs, encoded, params, self.token_rules, prompt_tokens, timing)
+        return await self.encoded(result, params)
+
+    async def encoded(self, result: EmbedResult, params: EmbedParams) -> EmbedResult:
+        """The dense vectors in the encoding the call asked for (float32 ones are returned as they are)."""
+        if result.embeddings is not None and params.encoding is not Encoding.FLOAT32:
+            ranges = await self.calibration.ranges(self, params) if params.encoding in quantize.RANGED else None
+            result.embeddings = quantize.encode(result.embeddings, params.encoding, ranges)
+        return result
 
     async def embed_token_ids(self, token_ids: list[list[int]], params: EmbedParams) -> EmbedResult:
         """Embeds pre-tokenized inputs, used as given (OpenAI's token-id `input`; no prompt, no special tokens
         added)."""
         received = time.perf_counter()
-        checks.require(self.info, Task.EMBED, "Embed")
         checks.check_embed(self.info, self.tokenizer, token_ids, params)
         if params.prompt_name:
             raise InvalidInput("prompt_name applies to texts; token-id inputs are used as given")
@@ -294,6 +305,10 @@ class Engine:
         checks.require(self.info, Task.RERANK, "Rerank")
         checks.check_rerank(self.info, self.task, query, documents, params)
         mode = self.task.rerank_mode
+        if params.chunking:
+            return await chunking.rerank_chunked(self, query, documents, params, received)
+        if mode is RerankMode.MAXSIM:
+            return await multi_vector.rerank_maxsim(self, query, documents, params, received)
         if mode is RerankMode.EMBEDDINGS:
             encoded = await self._tokenize_with(self.tokenizer.encode_for_cosine, query, documents, params.truncate)
         elif mode is RerankMode.PAIR:
@@ -307,7 +322,8 @@ class Engine:
             encoded = await self._tokenize_with(
                 self.tokenizer.encode_templated, self.task.template, instruction, query, documents, params.truncate
             )
-        rows, prompt_tokens, timing = await self._infer(encoded, received)
+        outputs, prompt_tokens, timing = await self._infer(encoded, received)
+        rows = _rows(outputs)
         if mode is RerankMode.EMBEDDINGS:
             scores = cosine_to_first(rows)
         else:
@@ -328,7 +344,8 @@ class Engine:
         encoded = await self._tokenize_with(
             self.tokenizer.encode_batch, texts, params.truncate, params.truncation_direction, None
         )
-        logits, prompt_tokens, timing = await self._infer(encoded, received)
+        outputs, prompt_tokens, timing = await self._infer(encoded, received)
+        logits = _rows(outputs)
         if not params.raw_scores:
             single = logits.shape[1] == 1 or self.task.multi_label
             logits = activate(logits, Activation.SIGMOID if single else Activation.SOFTMAX)
@@ -342,8 +359,8 @@ class Engine:
         encoded = await self._tokenize_with(
             self.tokenizer.encode_premise_pairs, texts, hypotheses, params.truncate, params.truncation_direction
         )
-        logits, prompt_tokens, timing = await self._infer(encoded, received)
-        scores = zero_shot.label_scores(logits, len(texts), entailment, params.multi_label, params.raw_scores)
+        outputs, prompt_tokens, timing = await self._infer(encoded, received)
+        scores = zero_shot.label_scores(_rows(outputs), len(texts), entailment, params.multi_label, params.raw_scores)
         return ClassifyResult(
             scores=scores, labels=tuple(params.candidate_labels), prompt_tokens=prompt_tokens, timing=timing
         )
@@ -352,13 +369,15 @@ class Engine:
         """Runs a tokenizer method in the tokenizer pool (never on the event loop)."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, encode, *args)
 
-    async def _infer(self, encoded: list[Encoded], received: float) -> tuple[np.ndarray, int, Timing]:
-        """Runs every sequence through the scheduler; rows in input order, tokens run, and the call's timing."""
+    async def _infer(
+        self, encoded: list[Encoded], received: float, wanted: tuple[EmbedOutput, ...] = ()
+    ) -> tuple[list[SequenceOutput], int, Timing]:
+        """Runs every sequence through the scheduler; outputs in input order, tokens run, and the call's timing."""
         tokenized = time.perf_counter()
-        requests = [self._request(e) for e in encoded]
+        requests = [self._request(e, wanted) for e in encoded]
         outputs = await self._prefill.run(requests)
-        first_start = min(start for _, start, _ in outputs)
-        last_end = max(end for _, _, end in outputs)
+        first_start = min(output.started for output in outputs)
+        last_end = max(output.finished for output in outputs)
         timing = Timing(
             queue_us=_us(first_start - tokenized),
             tokenization_us=_us(tokenized - received),
@@ -368,9 +387,9 @@ class Engine:
         # Usage counts the input's tokens: an encoder-decoder request's encoder input (its decoder reads the
         # start token or the same input shifted).
         tokens = sum(r.num_encoder_tokens or r.num_tokens for r in requests)
-        return np.stack([row for row, _, _ in outputs]), tokens, timing
+        return outputs, tokens, timing
 
-    def _request(self, encoded: Encoded) -> Request:
+    def _request(self, encoded: Encoded, wanted: tuple[EmbedOutput, ...] = ()) -> Request:
         ids, types = encoded.ids, encoded.token_type_ids
         pad = self.task.strip_trailing_pad_id
         if pad is not None:
@@ -384,7 +403,7 @@ class Engine:
             # reranker's first step) or the input shifted right behind it (BART's classifier).
             decoder = [start] if self.task.prefill_decoder_input == "start" else [start] + ids[:-1]
             return self._prefill.new_request(decoder, encoder_token_ids=ids)
-        return self._prefill.new_request(ids, pool_start=encoded.pool_start, token_type_ids=types)
+        return self._prefill.new_request(ids, pool_start=encoded.pool_start, token_type_ids=types, outputs=wanted)
 
     async def chat_prompt(self, messages: list[dict]) -> str:
         """The prompt text the model's chat template makes of `messages` (refused when it has none)."""
@@ -401,3 +420,8 @@ class Engine:
         return await loop.run_in_executor(
             self._tokenizer_pool, self.tokenizer.tokenize, texts, add_special_tokens, prompt_name
         )
+
+
+def _rows(outputs: list[SequenceOutput]) -> np.ndarray:
+    """[n, width] float32: the sequences' pooled vectors or score logits, in order."""
+    return np.stack([output.row for output in outputs])

@@ -15,6 +15,7 @@ import asyncio
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -25,7 +26,7 @@ from embedserv.executor.base import Worker, WorkerDied
 from embedserv.logs import REQUEST_ID
 from embedserv.scheduler.prefill_only import PrefillOnlyScheduler
 from embedserv.scheduler.request import Request
-from embedserv.types import OutputKind, StepBatch, StepOutput
+from embedserv.types import EmbedOutput, OutputKind, StepBatch, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,19 @@ logger = logging.getLogger(__name__)
 _LOGGED_CALLS = 8
 # A sequence runs at most this many times: its first try, and one retry after its worker died.
 MAX_ATTEMPTS = 2
+
+
+@dataclass(frozen=True)
+class SequenceOutput:
+    """What one sequence's step gave, on the host, and when that step ran (perf_counter seconds)."""
+
+    # The pooled vector or score logits ([dim] float32); None when the sequence asked for no dense output.
+    row: np.ndarray | None
+    started: float
+    finished: float
+    # SPARSE: (values [k] float32, vocabulary ids [k] int64, ascending); MULTI_VECTOR: [tokens, dim] float32.
+    sparse: tuple[np.ndarray, np.ndarray] | None = None
+    vectors: np.ndarray | None = None
 
 
 class WorkerLoopView(Protocol):
@@ -69,11 +83,13 @@ class PrefillQueue:
             loop.wake()
 
     def new_request(
-        self, token_ids: list[int], pool_start: int = 0, token_type_ids=None, encoder_token_ids: list[int] | None = None
+        self, token_ids: list[int], pool_start: int = 0, token_type_ids=None, encoder_token_ids: list[int] | None = None,
+        outputs: tuple[EmbedOutput, ...] = (),
     ) -> Request:
         return Request(
             next(self._ids), token_ids, self.output, pool_start=pool_start, token_type_ids=token_type_ids,
             encoder_token_ids=encoder_token_ids or [], call_id=REQUEST_ID.get(),
+            outputs=() if outputs == (EmbedOutput.DENSE,) else outputs,
         )
 
     @property
@@ -92,8 +108,8 @@ class PrefillQueue:
             for request in self.scheduler.drain():
                 self._fail_request(request.request_id, error)
 
-    async def run(self, requests: list[Request]) -> list[tuple[np.ndarray, float, float]]:
-        """(row, started, finished) per request, in order."""
+    async def run(self, requests: list[Request]) -> list[SequenceOutput]:
+        """Each request's output, in order."""
         if not self.accepting:
             raise NotReady(f"model {self.name} is not running; retry shortly")
         if not any(worker.ready for worker in self.workers):
@@ -138,10 +154,17 @@ class PrefillQueue:
     async def step_done(self, batch: StepBatch, output: StepOutput, worker: Worker, started: float) -> None:
         finished = time.perf_counter()
         self._observe(batch, worker, finished - started)
-        for request_id, row in zip(output.row_request_ids, output.rows):
-            _, future = self._waiting.pop(request_id, (None, None))
+        rows = dict(zip(output.row_request_ids, output.rows))
+        sparse = output.sparse.split() if output.sparse is not None else {}
+        vectors = output.vectors.split() if output.vectors is not None else {}
+        for seq in batch.sequences:
+            _, future = self._waiting.pop(seq.request_id, (None, None))
             if future is not None and not future.done():
-                future.set_result((row, started, finished))
+                own_vectors = vectors.get(seq.request_id)
+                future.set_result(SequenceOutput(
+                    rows.get(seq.request_id), started, finished, sparse.get(seq.request_id),
+                    own_vectors[0] if own_vectors is not None else None,
+                ))
 
     def step_failed(self, batch: StepBatch, exc: Exception) -> None:
         logger.error("batch of %d sequences failed on %s", batch.num_sequences, self.name, exc_info=exc)

@@ -35,6 +35,25 @@ class PoolingInputs:
     token_count: torch.Tensor
 
 
+@dataclass(frozen=True)
+class TokenInputs:
+    """Every token of the sequences that want a per-token output (sparse or multi-vector), sequence by
+    sequence in batch order."""
+
+    # [n] int64: rows of the hidden states; [n] int64: each token's sequence (0 .. num_seqs - 1); [n] int64:
+    # each token's id.
+    rows: torch.Tensor
+    seq: torch.Tensor
+    input_ids: torch.Tensor
+    # Host: the sequences' request ids and token counts ([num_seqs] int64 numpy).
+    request_ids: tuple[int, ...]
+    lengths: object
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.request_ids)
+
+
 class Dense(nn.Module):
     """sentence-transformers' Dense module: Linear then an activation."""
 

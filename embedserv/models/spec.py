@@ -22,10 +22,11 @@ from embedserv.errors import ConfigError
 from embedserv.models import registry
 from embedserv.models.layers import head_dim, num_kv_heads
 from embedserv.models.lm_head import has_lm_head
+from embedserv.models.embed_outputs import OutputSpec, read_output_spec
 from embedserv.models.loader import checkpoint_files, read_hf_config
 from embedserv.models.score_head import DECODER_CLASSIFIERS
 from embedserv.models.st_files import SentenceTransformerFiles, read_sentence_transformers
-from embedserv.models.tasks import TaskSpec, architecture_of, read_task_spec
+from embedserv.models.tasks import TaskSpec, architecture_of, read_task_spec, with_outputs
 from embedserv.types import ModelInfo, Task
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -53,6 +54,8 @@ class ModelSpec:
     dtype: torch.dtype
     # Tokens per KV-cache block: --kv-block-size, else the backend's default (what its paged kernel wants).
     kv_block_size: int
+    # What Embed can return and how (models/embed_outputs.py).
+    outputs: OutputSpec = OutputSpec(())
 
 
 def _max_input_tokens(model_dir: Path, st: SentenceTransformerFiles, max_positions: int) -> int:
@@ -143,6 +146,8 @@ def _check_fast_prefill(config: ModelConfig, layout: _Layout, entry: registry.Mo
 
 
 def _pooling_and_dimension(config: ModelConfig, task: TaskSpec, st: SentenceTransformerFiles, hf_config):
+    if task.tasks and task.tasks[0] in (Task.EMBED_SPARSE, Task.EMBED_MULTI_VECTOR):
+        return ("splade" if task.tasks[0] is Task.EMBED_SPARSE else "", 0)
     if Task.EMBED in task.tasks:
         dimension = st.dense[-1].out_features if st.dense else hf_config.hidden_size
         return config.pooling or st.pooling or DEFAULT_POOLING, dimension
@@ -178,6 +183,10 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
         model_dir, hf_config, is_causal, config.decoder_reranker, has_lm_head(hf_config, files),
         is_encoder_decoder=entry.is_encoder_decoder,
     )
+    outputs = read_output_spec(
+        model_dir, hf_config, st, config.pooling, architecture_of(hf_config), embeds=Task.EMBED in task.tasks
+    )
+    task = with_outputs(task, outputs.tasks)
     max_positions = layout.max_positions
     pooling, dimension = _pooling_and_dimension(config, task, st, hf_config)
     info = ModelInfo(
@@ -196,11 +205,14 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
         is_encoder_decoder=entry.is_encoder_decoder,
         kv_shared_layers=layout.kv_shared_layers,
         kv_sharing_fast_prefill=config.kv_sharing_fast_prefill,
+        outputs=outputs.outputs,
+        sparse_dimension=outputs.sparse_dimension,
+        multi_vector_dimension=outputs.multi_vector_dimension,
     )
     return ModelSpec(
         info=info, task=task, max_model_len=max_positions, model_dir=model_dir, hf_config=hf_config,
         model_class=entry.model_class, st=st, files=files, backend=backend, device=device, dtype=dtype,
-        kv_block_size=_kv_block_size(config, backend, task, device),
+        kv_block_size=_kv_block_size(config, backend, task, device), outputs=outputs,
     )
 
 

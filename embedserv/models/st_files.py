@@ -3,6 +3,12 @@
 Handles both the files sentence-transformers 2.x-5.x wrote (`pooling_mode_*_tokens` flags,
 `max_seq_length` in sentence_bert_config.json) and 6.x (`pooling_mode`, `include_prompt`, the length in
 tokenizer_config.json). A plain Hugging Face directory (no modules.json) is read as Transformer only.
+
+Three module arrangements are understood, and any other stops start-up with a message:
+- SentenceTransformer: Transformer, Pooling, then Dense layers and Normalize (on the pooled vector);
+- SparseEncoder: Transformer (fill-mask) or MLMTransformer, then SpladePooling;
+- MultiVectorEncoder (its config_sentence_transformers.json says so): Transformer, then Dense layers and
+  Normalize on every token's vector, and optionally MultiVectorMask.
 """
 
 from __future__ import annotations
@@ -36,7 +42,31 @@ class DenseSpec:
 
 
 @dataclass(frozen=True)
+class SpladeSpec:
+    """SpladePooling: log1p(activation(MLM logits)) pooled over the tokens."""
+
+    # "max" or "sum" over the tokens; "relu" or "log1p_relu" (a second log1p) before it.
+    pooling: str = "max"
+    activation: str = "relu"
+
+
+@dataclass(frozen=True)
+class MultiVectorFiles:
+    """A MultiVectorEncoder's token-level modules after the Transformer."""
+
+    dense: tuple[DenseSpec, ...] = ()
+    normalize: bool = False
+    # MultiVectorMask's config (skiplist_words, skiplist_tasks, keep_only_token_ids); None without the module.
+    mask: dict | None = None
+
+
+SENTENCE_TRANSFORMER, SPARSE_ENCODER, MULTI_VECTOR_ENCODER = "SentenceTransformer", "SparseEncoder", "MultiVectorEncoder"
+
+
+@dataclass(frozen=True)
 class SentenceTransformerFiles:
+    # SentenceTransformer, SparseEncoder or MultiVectorEncoder (config_sentence_transformers.json's model_type).
+    model_type: str = SENTENCE_TRANSFORMER
     # None when the directory has no Pooling module (a plain Hugging Face model).
     pooling: str | None = None
     # False excludes prompt tokens from pooling.
@@ -47,6 +77,11 @@ class SentenceTransformerFiles:
     do_lower_case: bool = False
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
+    # SparseEncoder: its SpladePooling; MultiVectorEncoder: its token-level modules.
+    splade: SpladeSpec | None = None
+    multi_vector: MultiVectorFiles | None = None
+    # sentence_bert_config.json as saved (the Transformer module's settings: lengths, query expansion, ...).
+    transformer_config: dict = field(default_factory=dict)
 
 
 def _read_json(path: Path) -> dict:
@@ -97,29 +132,95 @@ def read_dense(directory: Path) -> DenseSpec:
     )
 
 
+def read_splade(directory: Path) -> SpladeSpec:
+    config = _read_json(directory / "config.json")
+    spec = SpladeSpec(str(config.get("pooling_strategy", "max")), str(config.get("activation_function", "relu")))
+    if spec.pooling not in ("max", "sum") or spec.activation not in ("relu", "log1p_relu"):
+        raise ConfigError(
+            f"{directory}: SpladePooling {spec.pooling}/{spec.activation} is not supported; pooling_strategy must "
+            "be max or sum and activation_function relu or log1p_relu"
+        )
+    return spec
+
+
+_ARRANGEMENTS = {
+    SENTENCE_TRANSFORMER: "Transformer, Pooling, then Dense and Normalize",
+    SPARSE_ENCODER: "Transformer (fill-mask) or MLMTransformer, then SpladePooling",
+    MULTI_VECTOR_ENCODER: "Transformer, then Dense and Normalize on token vectors, then MultiVectorMask",
+}
+# The modules each arrangement allows after its Transformer, in order (a module may repeat or be absent).
+_ORDER = {
+    SENTENCE_TRANSFORMER: ("Pooling", "Dense", "Normalize"),
+    SPARSE_ENCODER: ("SpladePooling",),
+    MULTI_VECTOR_ENCODER: ("Dense", "Normalize", "MultiVectorMask"),
+}
+
+
+def _check_arrangement(model_type: str, kinds: list[str], modules_path: Path) -> None:
+    """Refuses any module sequence but the arrangements above: one we misread would serve wrong vectors."""
+    order = _ORDER[model_type]
+    rank = [order.index(kind) if kind in order else -1 for kind in kinds[1:]]
+    ok = (
+        bool(kinds) and kinds[0] in ("Transformer", "MLMTransformer") and -1 not in rank and rank == sorted(rank)
+        and (model_type != SENTENCE_TRANSFORMER or not rank or rank[0] == 0)  # Dense/Normalize need a Pooling first
+        and (model_type != SPARSE_ENCODER or rank == [0])
+        and kinds.count("Pooling") <= 1 and kinds.count("Normalize") <= 1 and kinds.count("MultiVectorMask") <= 1
+    )
+    if not ok:
+        raise ConfigError(
+            f"{modules_path}: the modules {' -> '.join(kinds)} are not an arrangement embedserv serves as a "
+            f"{model_type} (it serves {_ARRANGEMENTS[model_type]})"
+        )
+
+
 def read_sentence_transformers(model_dir: Path) -> SentenceTransformerFiles:
     modules_path = model_dir / "modules.json"
     if not modules_path.exists():
         return SentenceTransformerFiles()
-    pooling, include_prompt = None, True
+    prompts_path = model_dir / "config_sentence_transformers.json"
+    prompts_config = _read_json(prompts_path) if prompts_path.exists() else {}
+    model_type = str(prompts_config.get("model_type") or SENTENCE_TRANSFORMER)
+    if model_type not in _ORDER:
+        raise ConfigError(
+            f"{prompts_path}: model_type {model_type!r} is not served; served: {', '.join(_ORDER)} "
+            "(CrossEncoder directories are plain *ForSequenceClassification models)"
+        )
+    bert_config = model_dir / "sentence_bert_config.json"
+    st_config = _read_json(bert_config) if bert_config.exists() else {}
+    pooling, include_prompt, splade, mask, normalize = None, True, None, None, False
     dense: list[DenseSpec] = []
+    kinds = []
     for module in _read_json(modules_path):
         kind = _module_kind(module["type"], modules_path)
+        kinds.append(kind)
         directory = model_dir / module.get("path", "")
-        if kind == "Transformer":
+        if kind in ("Transformer", "MLMTransformer"):
             if module.get("path", ""):
                 raise ConfigError(f"{modules_path}: the Transformer module must sit in the model's root directory")
         elif kind == "Pooling":
             pooling, include_prompt = read_pooling(_read_json(directory / "config.json"), directory)
         elif kind == "Dense":
             dense.append(read_dense(directory))
-        elif kind != "Normalize":  # Normalize needs nothing: requests normalize by default
+        elif kind == "SpladePooling":
+            splade = read_splade(directory)
+        elif kind == "MultiVectorMask":
+            mask = _read_json(directory / "config.json") if (directory / "config.json").exists() else {}
+        elif kind == "Normalize":
+            normalize = True
+        else:
             raise ConfigError(f"{modules_path}: module {module['type']} is not supported")
-    bert_config = model_dir / "sentence_bert_config.json"
-    st_config = _read_json(bert_config) if bert_config.exists() else {}
-    prompts_path = model_dir / "config_sentence_transformers.json"
-    prompts_config = _read_json(prompts_path) if prompts_path.exists() else {}
+    _check_arrangement(model_type, kinds, modules_path)
+    fill_mask = kinds[0] == "MLMTransformer" or st_config.get("transformer_task") == "fill-mask"
+    if (model_type == SPARSE_ENCODER) != fill_mask:
+        raise ConfigError(
+            f"{modules_path}: a {model_type} with a {'fill-mask' if fill_mask else 'feature-extraction'} "
+            "Transformer is not served (SparseEncoder directories need the fill-mask task, others must not use it)"
+        )
+    multi_vector = None
+    if model_type == MULTI_VECTOR_ENCODER:
+        multi_vector, dense = MultiVectorFiles(tuple(dense), normalize, mask), []
     return SentenceTransformerFiles(
+        model_type=model_type,
         pooling=pooling,
         include_prompt=include_prompt,
         dense=tuple(dense),
@@ -127,4 +228,7 @@ def read_sentence_transformers(model_dir: Path) -> SentenceTransformerFiles:
         do_lower_case=bool(st_config.get("do_lower_case", False)),
         prompts=dict(prompts_config.get("prompts") or {}),
         default_prompt_name=prompts_config.get("default_prompt_name") or None,
+        splade=splade,
+        multi_vector=multi_vector,
+        transformer_config=st_config,
     )

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from embedserv.types import Activation, RerankMode, Task
@@ -203,6 +203,21 @@ def _seq2seq_task_spec(model_dir: Path, hf_config, decoder_reranker: bool | None
             decoder_start_token_id=start, prefill_decoder_input="start",
         )
     return TaskSpec(tasks=(Task.GENERATE,), decoder_start_token_id=start)
+
+
+def with_outputs(task: TaskSpec, output_tasks: tuple[Task, ...]) -> TaskSpec:
+    """An embedder's tasks by what it outputs (models/embed_outputs.py): Embed with a dense vector,
+    EmbedSparse and EmbedMultiVector; Rerank by cosine of dense vectors, or by MaxSim of token vectors."""
+    if not output_tasks:
+        return task
+    if Task.EMBED in output_tasks:
+        rerank = (Task.RERANK,), RerankMode.EMBEDDINGS
+    elif Task.EMBED_MULTI_VECTOR in output_tasks:
+        rerank = (Task.RERANK,), RerankMode.MAXSIM
+    else:
+        rerank = (), None
+    others = tuple(t for t in task.tasks if t not in (Task.EMBED, Task.RERANK))
+    return replace(task, tasks=output_tasks + rerank[0] + others, rerank_mode=rerank[1])
 
 
 def _labels(hf_config) -> tuple[str, ...]:

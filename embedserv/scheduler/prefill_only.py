@@ -65,6 +65,7 @@ class PrefillOnlyScheduler:
                     token_type_ids=None if request.token_type_ids is None else tuple(request.token_type_ids),
                     encoder_token_ids=tuple(request.encoder_token_ids),
                     encoder_len=request.num_encoder_tokens,
+                    outputs=request.outputs,
                 )
             )
         if not picked:

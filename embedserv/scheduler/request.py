@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from embedserv.types import OutputKind, SamplingParams
+from embedserv.types import EmbedOutput, OutputKind, SamplingParams
 
 
 class RequestStatus(Enum):
@@ -44,6 +44,8 @@ class Request:
     attempts: int = 0
     # The id of the call it belongs to, for the logs.
     call_id: str = ""
+    # POOL: the outputs to compute (empty: DENSE only).
+    outputs: tuple[EmbedOutput, ...] = ()
 
     @property
     def num_tokens(self) -> int:

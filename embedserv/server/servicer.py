@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import grpc
+import numpy as np
 
 from embedserv import metrics
 from embedserv.config import ServerConfig
@@ -12,14 +13,17 @@ from embedserv.engine.engine import Engine
 from embedserv.engine.outputs import to_little_endian_bytes
 from embedserv.types import (
     ClassifyParams,
+    EmbedOutput,
     EmbedParams,
     EmbedResult,
+    Encoding,
     FinishReason,
     GenerationDelta,
     KvCacheUsage,
     ModelInfo,
     RerankParams,
     SamplingParams,
+    SparseVector,
     Task,
     Timing,
     TruncationDirection,
@@ -40,6 +44,24 @@ _TASKS = {
     Task.RERANK: pb.TASK_RERANK,
     Task.CLASSIFY: pb.TASK_CLASSIFY,
     Task.GENERATE: pb.TASK_GENERATE,
+    Task.EMBED_SPARSE: pb.TASK_EMBED_SPARSE,
+    Task.EMBED_MULTI_VECTOR: pb.TASK_EMBED_MULTI_VECTOR,
+}
+_OUTPUTS = {
+    pb.OUTPUT_DENSE: EmbedOutput.DENSE,
+    pb.OUTPUT_SPARSE: EmbedOutput.SPARSE,
+    pb.OUTPUT_MULTI_VECTOR: EmbedOutput.MULTI_VECTOR,
+}
+_OUTPUT_ENUMS = {output: value for value, output in _OUTPUTS.items()}
+# ENCODING_FLOAT and ENCODING_BYTES both compute float32; they differ only on the wire.
+_ENCODINGS = {
+    pb.ENCODING_FLOAT: Encoding.FLOAT32,
+    pb.ENCODING_BYTES: Encoding.FLOAT32,
+    pb.ENCODING_FLOAT16: Encoding.FLOAT16,
+    pb.ENCODING_INT8: Encoding.INT8,
+    pb.ENCODING_UINT8: Encoding.UINT8,
+    pb.ENCODING_BINARY: Encoding.BINARY,
+    pb.ENCODING_UBINARY: Encoding.UBINARY,
 }
 _FINISH_REASONS = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -51,15 +73,48 @@ _FINISH_REASONS = {
 
 def embed_params(request: pb.EmbedRequest) -> EmbedParams:
     direction = _direction(request.truncation_direction)
-    if request.encoding not in (pb.ENCODING_FLOAT, pb.ENCODING_BYTES):
-        raise InvalidInput(f"unknown encoding {request.encoding}; use ENCODING_FLOAT or ENCODING_BYTES")
+    if request.encoding not in _ENCODINGS:
+        names = ", ".join(pb.Encoding.Name(value) for value in _ENCODINGS)
+        raise InvalidInput(f"unknown encoding {request.encoding}; use one of {names}")
+    unknown = [value for value in request.outputs if value not in _OUTPUTS]
+    if unknown:
+        raise InvalidInput(f"unknown output {unknown[0]}; use OUTPUT_DENSE, OUTPUT_SPARSE or OUTPUT_MULTI_VECTOR")
+    if request.chunking not in (pb.CHUNKING_NONE, pb.CHUNKING_MEAN):
+        raise InvalidInput(f"Embed chunks with CHUNKING_MEAN (or CHUNKING_NONE), not {_chunking_name(request.chunking)}")
     return EmbedParams(
         normalize=request.normalize if request.HasField("normalize") else True,
         truncate=request.truncate,
         truncation_direction=direction,
         dimensions=request.dimensions if request.HasField("dimensions") else None,
         prompt_name=request.prompt_name or None,
+        outputs=tuple(_OUTPUTS[value] for value in request.outputs) or (EmbedOutput.DENSE,),
+        chunking=request.chunking == pb.CHUNKING_MEAN,
+        sparse_top_k=request.sparse_top_k if request.HasField("sparse_top_k") else None,
+        encoding=_ENCODINGS[request.encoding],
     )
+
+
+def _chunking_name(value: int) -> str:
+    try:
+        return pb.Chunking.Name(value)
+    except ValueError:
+        return str(value)
+
+
+def sparse_message(vector: SparseVector) -> pb.SparseEmbedding:
+    return pb.SparseEmbedding(indices=vector.indices.tolist(), values=vector.values.tolist())
+
+
+def multi_vector_message(vectors: np.ndarray) -> pb.MultiVector:
+    return pb.MultiVector(
+        num_vectors=vectors.shape[0], dimension=vectors.shape[1], raw=to_little_endian_bytes(vectors)
+    )
+
+
+def _rerank_chunking(value: int) -> bool:
+    if value not in (pb.CHUNKING_NONE, pb.CHUNKING_MAX):
+        raise InvalidInput(f"Rerank chunks with CHUNKING_MAX (or CHUNKING_NONE), not {_chunking_name(value)}")
+    return value == pb.CHUNKING_MAX
 
 
 def timing_message(timing: Timing, received: float) -> pb.Timing:
@@ -83,11 +138,21 @@ def call_summary(prompt_tokens: int, timing: Timing, model: str, received: float
 
 
 def embed_response(result: EmbedResult, encoding: int, model: str, received: float) -> pb.EmbedResponse:
-    if encoding == pb.ENCODING_BYTES:
-        embeddings = [pb.Embedding(raw=to_little_endian_bytes(row)) for row in result.embeddings]
-    else:
+    embeddings = []
+    if result.embeddings is None:
+        pass
+    elif encoding == pb.ENCODING_FLOAT:
         embeddings = [pb.Embedding(values=row) for row in result.embeddings.tolist()]
-    return pb.EmbedResponse(embeddings=embeddings, **call_summary(result.prompt_tokens, result.timing, model, received))
+    else:
+        # Every other encoding: the row's bytes, little-endian (float32, float16; int8 / uint8 are bytes).
+        rows = result.embeddings.astype(result.embeddings.dtype.newbyteorder("<"), copy=False)
+        embeddings = [pb.Embedding(raw=row.tobytes()) for row in rows]
+    return pb.EmbedResponse(
+        embeddings=embeddings,
+        sparse_embeddings=[sparse_message(v) for v in result.sparse] if result.sparse is not None else [],
+        multi_vectors=[multi_vector_message(v) for v in result.multi_vectors] if result.multi_vectors is not None else [],
+        **call_summary(result.prompt_tokens, result.timing, model, received),
+    )
 
 
 def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
@@ -149,6 +214,9 @@ def model_info(info: ModelInfo, kv_cache: KvCacheUsage | None = None) -> pb.Mode
             shared_layers=[pb.KvSharing.SharedLayer(layer=a, source_layer=b) for a, b in info.kv_shared_layers],
             fast_prefill=info.kv_sharing_fast_prefill,
         ) if info.kv_shared_layers else None,
+        outputs=[_OUTPUT_ENUMS[o] for o in info.outputs],
+        sparse_dimension=info.sparse_dimension,
+        multi_vector_dimension=info.multi_vector_dimension,
     )
 
 
@@ -183,6 +251,40 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         # Requests start as they arrive (up to the window) and are answered in arrival order.
         async for response in answer_in_order(request_iterator, lambda request: self._embed(request, call)):
             yield response
+
+    @unary_call
+    async def EmbedSparse(self, request, context, call):
+        received = time.perf_counter()
+        engine = self._engine(request.model, call)
+        texts = self.frontend.check_inputs(request.inputs)
+        params = EmbedParams(
+            truncate=request.truncate, truncation_direction=_direction(request.truncation_direction),
+            prompt_name=request.prompt_name or None, outputs=(EmbedOutput.SPARSE,),
+            sparse_top_k=request.top_k if request.HasField("top_k") else None,
+        )
+        with self.frontend.hold(len(texts)):
+            result = await engine.embed(texts, params)
+        call.answered(len(texts), result.prompt_tokens, result.timing)
+        return pb.EmbedSparseResponse(
+            embeddings=[sparse_message(v) for v in result.sparse],
+            **call_summary(result.prompt_tokens, result.timing, engine.info.name, received),
+        )
+
+    @unary_call
+    async def EmbedMultiVector(self, request, context, call):
+        received = time.perf_counter()
+        engine = self._engine(request.model, call)
+        texts = self.frontend.check_inputs(request.inputs)
+        params = EmbedParams(
+            truncate=request.truncate, prompt_name=request.prompt_name or None, outputs=(EmbedOutput.MULTI_VECTOR,)
+        )
+        with self.frontend.hold(len(texts)):
+            result = await engine.embed(texts, params)
+        call.answered(len(texts), result.prompt_tokens, result.timing)
+        return pb.EmbedMultiVectorResponse(
+            embeddings=[multi_vector_message(v) for v in result.multi_vectors],
+            **call_summary(result.prompt_tokens, result.timing, engine.info.name, received),
+        )
 
     @unary_call
     async def Tokenize(self, request, context, call):
@@ -220,6 +322,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             raw_scores=request.raw_scores,
             truncate=request.truncate,
             instruction=request.instruction or None,
+            chunking=_rerank_chunking(request.chunking),
         )
         with self.frontend.hold(len(documents)):
             result = await engine.rerank(request.query, documents, params)

@@ -16,6 +16,23 @@ class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ENCODING_FLOAT: _ClassVar[Encoding]
     ENCODING_BYTES: _ClassVar[Encoding]
+    ENCODING_FLOAT16: _ClassVar[Encoding]
+    ENCODING_INT8: _ClassVar[Encoding]
+    ENCODING_UINT8: _ClassVar[Encoding]
+    ENCODING_BINARY: _ClassVar[Encoding]
+    ENCODING_UBINARY: _ClassVar[Encoding]
+
+class Output(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OUTPUT_DENSE: _ClassVar[Output]
+    OUTPUT_SPARSE: _ClassVar[Output]
+    OUTPUT_MULTI_VECTOR: _ClassVar[Output]
+
+class Chunking(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHUNKING_NONE: _ClassVar[Chunking]
+    CHUNKING_MEAN: _ClassVar[Chunking]
+    CHUNKING_MAX: _ClassVar[Chunking]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -32,6 +49,8 @@ class Task(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TASK_RERANK: _ClassVar[Task]
     TASK_CLASSIFY: _ClassVar[Task]
     TASK_GENERATE: _ClassVar[Task]
+    TASK_EMBED_SPARSE: _ClassVar[Task]
+    TASK_EMBED_MULTI_VECTOR: _ClassVar[Task]
 
 class AttentionKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -42,6 +61,17 @@ TRUNCATION_DIRECTION_RIGHT: TruncationDirection
 TRUNCATION_DIRECTION_LEFT: TruncationDirection
 ENCODING_FLOAT: Encoding
 ENCODING_BYTES: Encoding
+ENCODING_FLOAT16: Encoding
+ENCODING_INT8: Encoding
+ENCODING_UINT8: Encoding
+ENCODING_BINARY: Encoding
+ENCODING_UBINARY: Encoding
+OUTPUT_DENSE: Output
+OUTPUT_SPARSE: Output
+OUTPUT_MULTI_VECTOR: Output
+CHUNKING_NONE: Chunking
+CHUNKING_MEAN: Chunking
+CHUNKING_MAX: Chunking
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
@@ -52,6 +82,8 @@ TASK_EMBED: Task
 TASK_RERANK: Task
 TASK_CLASSIFY: Task
 TASK_GENERATE: Task
+TASK_EMBED_SPARSE: Task
+TASK_EMBED_MULTI_VECTOR: Task
 ATTENTION_KIND_UNSPECIFIED: AttentionKind
 ATTENTION_KIND_BIDIRECTIONAL: AttentionKind
 ATTENTION_KIND_CAUSAL: AttentionKind
@@ -77,7 +109,7 @@ class Timing(_message.Message):
     def __init__(self, queue_us: _Optional[int] = ..., tokenization_us: _Optional[int] = ..., inference_us: _Optional[int] = ..., total_us: _Optional[int] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("model", "inputs", "normalize", "truncate", "truncation_direction", "dimensions", "prompt_name", "encoding")
+    __slots__ = ("model", "inputs", "normalize", "truncate", "truncation_direction", "dimensions", "prompt_name", "encoding", "outputs", "chunking", "sparse_top_k")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +118,9 @@ class EmbedRequest(_message.Message):
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKING_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_TOP_K_FIELD_NUMBER: _ClassVar[int]
     model: str
     inputs: _containers.RepeatedScalarFieldContainer[str]
     normalize: bool
@@ -94,7 +129,10 @@ class EmbedRequest(_message.Message):
     dimensions: int
     prompt_name: str
     encoding: Encoding
-    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., normalize: _Optional[bool] = ..., truncate: _Optional[bool] = ..., truncation_direction: _Optional[_Union[TruncationDirection, str]] = ..., dimensions: _Optional[int] = ..., prompt_name: _Optional[str] = ..., encoding: _Optional[_Union[Encoding, str]] = ...) -> None: ...
+    outputs: _containers.RepeatedScalarFieldContainer[Output]
+    chunking: Chunking
+    sparse_top_k: int
+    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., normalize: _Optional[bool] = ..., truncate: _Optional[bool] = ..., truncation_direction: _Optional[_Union[TruncationDirection, str]] = ..., dimensions: _Optional[int] = ..., prompt_name: _Optional[str] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., chunking: _Optional[_Union[Chunking, str]] = ..., sparse_top_k: _Optional[int] = ...) -> None: ...
 
 class Embedding(_message.Message):
     __slots__ = ("values", "raw")
@@ -104,20 +142,94 @@ class Embedding(_message.Message):
     raw: bytes
     def __init__(self, values: _Optional[_Iterable[float]] = ..., raw: _Optional[bytes] = ...) -> None: ...
 
+class SparseEmbedding(_message.Message):
+    __slots__ = ("indices", "values")
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, indices: _Optional[_Iterable[int]] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class MultiVector(_message.Message):
+    __slots__ = ("num_vectors", "dimension", "raw")
+    NUM_VECTORS_FIELD_NUMBER: _ClassVar[int]
+    DIMENSION_FIELD_NUMBER: _ClassVar[int]
+    RAW_FIELD_NUMBER: _ClassVar[int]
+    num_vectors: int
+    dimension: int
+    raw: bytes
+    def __init__(self, num_vectors: _Optional[int] = ..., dimension: _Optional[int] = ..., raw: _Optional[bytes] = ...) -> None: ...
+
 class EmbedResponse(_message.Message):
+    __slots__ = ("embeddings", "usage", "model", "timing", "sparse_embeddings", "multi_vectors")
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    MULTI_VECTORS_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    usage: Usage
+    model: str
+    timing: Timing
+    sparse_embeddings: _containers.RepeatedCompositeFieldContainer[SparseEmbedding]
+    multi_vectors: _containers.RepeatedCompositeFieldContainer[MultiVector]
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., model: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., sparse_embeddings: _Optional[_Iterable[_Union[SparseEmbedding, _Mapping]]] = ..., multi_vectors: _Optional[_Iterable[_Union[MultiVector, _Mapping]]] = ...) -> None: ...
+
+class EmbedSparseRequest(_message.Message):
+    __slots__ = ("model", "inputs", "truncate", "truncation_direction", "prompt_name", "top_k")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATION_DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    inputs: _containers.RepeatedScalarFieldContainer[str]
+    truncate: bool
+    truncation_direction: TruncationDirection
+    prompt_name: str
+    top_k: int
+    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., truncate: _Optional[bool] = ..., truncation_direction: _Optional[_Union[TruncationDirection, str]] = ..., prompt_name: _Optional[str] = ..., top_k: _Optional[int] = ...) -> None: ...
+
+class EmbedSparseResponse(_message.Message):
     __slots__ = ("embeddings", "usage", "model", "timing")
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
-    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    embeddings: _containers.RepeatedCompositeFieldContainer[SparseEmbedding]
     usage: Usage
     model: str
     timing: Timing
-    def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., model: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[SparseEmbedding, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., model: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+
+class EmbedMultiVectorRequest(_message.Message):
+    __slots__ = ("model", "inputs", "truncate", "prompt_name")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    inputs: _containers.RepeatedScalarFieldContainer[str]
+    truncate: bool
+    prompt_name: str
+    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., truncate: _Optional[bool] = ..., prompt_name: _Optional[str] = ...) -> None: ...
+
+class EmbedMultiVectorResponse(_message.Message):
+    __slots__ = ("embeddings", "usage", "model", "timing")
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedCompositeFieldContainer[MultiVector]
+    usage: Usage
+    model: str
+    timing: Timing
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[MultiVector, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., model: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
 
 class RerankRequest(_message.Message):
-    __slots__ = ("model", "query", "documents", "top_n", "return_documents", "raw_scores", "truncate", "instruction")
+    __slots__ = ("model", "query", "documents", "top_n", "return_documents", "raw_scores", "truncate", "instruction", "chunking")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     QUERY_FIELD_NUMBER: _ClassVar[int]
     DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +238,7 @@ class RerankRequest(_message.Message):
     RAW_SCORES_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
+    CHUNKING_FIELD_NUMBER: _ClassVar[int]
     model: str
     query: str
     documents: _containers.RepeatedScalarFieldContainer[str]
@@ -134,7 +247,8 @@ class RerankRequest(_message.Message):
     raw_scores: bool
     truncate: bool
     instruction: str
-    def __init__(self, model: _Optional[str] = ..., query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ..., top_n: _Optional[int] = ..., return_documents: _Optional[bool] = ..., raw_scores: _Optional[bool] = ..., truncate: _Optional[bool] = ..., instruction: _Optional[str] = ...) -> None: ...
+    chunking: Chunking
+    def __init__(self, model: _Optional[str] = ..., query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ..., top_n: _Optional[int] = ..., return_documents: _Optional[bool] = ..., raw_scores: _Optional[bool] = ..., truncate: _Optional[bool] = ..., instruction: _Optional[str] = ..., chunking: _Optional[_Union[Chunking, str]] = ...) -> None: ...
 
 class RerankResult(_message.Message):
     __slots__ = ("index", "score", "document")
@@ -289,7 +403,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "tasks", "architecture", "attention", "pooling", "dimension", "max_input_tokens", "prompt_names", "dtype", "device", "attention_backend", "labels", "kv_cache", "is_encoder_decoder", "kv_sharing")
+    __slots__ = ("name", "tasks", "architecture", "attention", "pooling", "dimension", "max_input_tokens", "prompt_names", "dtype", "device", "attention_backend", "labels", "kv_cache", "is_encoder_decoder", "kv_sharing", "outputs", "sparse_dimension", "multi_vector_dimension")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -305,6 +419,9 @@ class ModelInfo(_message.Message):
     KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     IS_ENCODER_DECODER_FIELD_NUMBER: _ClassVar[int]
     KV_SHARING_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_DIMENSION_FIELD_NUMBER: _ClassVar[int]
+    MULTI_VECTOR_DIMENSION_FIELD_NUMBER: _ClassVar[int]
     name: str
     tasks: _containers.RepeatedScalarFieldContainer[Task]
     architecture: str
@@ -320,7 +437,10 @@ class ModelInfo(_message.Message):
     kv_cache: KvCache
     is_encoder_decoder: bool
     kv_sharing: KvSharing
-    def __init__(self, name: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., architecture: _Optional[str] = ..., attention: _Optional[_Union[AttentionKind, str]] = ..., pooling: _Optional[str] = ..., dimension: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., prompt_names: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., kv_cache: _Optional[_Union[KvCache, _Mapping]] = ..., is_encoder_decoder: _Optional[bool] = ..., kv_sharing: _Optional[_Union[KvSharing, _Mapping]] = ...) -> None: ...
+    outputs: _containers.RepeatedScalarFieldContainer[Output]
+    sparse_dimension: int
+    multi_vector_dimension: int
+    def __init__(self, name: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., architecture: _Optional[str] = ..., attention: _Optional[_Union[AttentionKind, str]] = ..., pooling: _Optional[str] = ..., dimension: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., prompt_names: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., kv_cache: _Optional[_Union[KvCache, _Mapping]] = ..., is_encoder_decoder: _Optional[bool] = ..., kv_sharing: _Optional[_Union[KvSharing, _Mapping]] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., sparse_dimension: _Optional[int] = ..., multi_vector_dimension: _Optional[int] = ...) -> None: ...
 
 class KvSharing(_message.Message):
     __slots__ = ("shared_layers", "fast_prefill")

@@ -44,6 +44,16 @@ class InferenceStub:
                 request_serializer=embedserv_dot_v1_dot_embedserv__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=embedserv_dot_v1_dot_embedserv__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.EmbedSparse = channel.unary_unary(
+                '/embedserv.v1.Inference/EmbedSparse',
+                request_serializer=embedserv_dot_v1_dot_embedserv__pb2.EmbedSparseRequest.SerializeToString,
+                response_deserializer=embedserv_dot_v1_dot_embedserv__pb2.EmbedSparseResponse.FromString,
+                _registered_method=True)
+        self.EmbedMultiVector = channel.unary_unary(
+                '/embedserv.v1.Inference/EmbedMultiVector',
+                request_serializer=embedserv_dot_v1_dot_embedserv__pb2.EmbedMultiVectorRequest.SerializeToString,
+                response_deserializer=embedserv_dot_v1_dot_embedserv__pb2.EmbedMultiVectorResponse.FromString,
+                _registered_method=True)
         self.Rerank = channel.unary_unary(
                 '/embedserv.v1.Inference/Rerank',
                 request_serializer=embedserv_dot_v1_dot_embedserv__pb2.RerankRequest.SerializeToString,
@@ -83,6 +93,20 @@ class InferenceServicer:
 
     def EmbedStream(self, request_iterator, context):
         """One EmbedResponse per EmbedRequest, in the order the requests arrived.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EmbedSparse(self, request, context):
+        """Sparse (SPLADE-style) vectors over the model's vocabulary; models with the sparse output only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EmbedMultiVector(self, request, context):
+        """Several vectors per input (ColBERT-style token vectors); any embedder gives its last hidden states.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -135,6 +159,16 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.EmbedStream,
                     request_deserializer=embedserv_dot_v1_dot_embedserv__pb2.EmbedRequest.FromString,
                     response_serializer=embedserv_dot_v1_dot_embedserv__pb2.EmbedResponse.SerializeToString,
+            ),
+            'EmbedSparse': grpc.unary_unary_rpc_method_handler(
+                    servicer.EmbedSparse,
+                    request_deserializer=embedserv_dot_v1_dot_embedserv__pb2.EmbedSparseRequest.FromString,
+                    response_serializer=embedserv_dot_v1_dot_embedserv__pb2.EmbedSparseResponse.SerializeToString,
+            ),
+            'EmbedMultiVector': grpc.unary_unary_rpc_method_handler(
+                    servicer.EmbedMultiVector,
+                    request_deserializer=embedserv_dot_v1_dot_embedserv__pb2.EmbedMultiVectorRequest.FromString,
+                    response_serializer=embedserv_dot_v1_dot_embedserv__pb2.EmbedMultiVectorResponse.SerializeToString,
             ),
             'Rerank': grpc.unary_unary_rpc_method_handler(
                     servicer.Rerank,
@@ -216,6 +250,60 @@ class Inference:
             '/embedserv.v1.Inference/EmbedStream',
             embedserv_dot_v1_dot_embedserv__pb2.EmbedRequest.SerializeToString,
             embedserv_dot_v1_dot_embedserv__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EmbedSparse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/embedserv.v1.Inference/EmbedSparse',
+            embedserv_dot_v1_dot_embedserv__pb2.EmbedSparseRequest.SerializeToString,
+            embedserv_dot_v1_dot_embedserv__pb2.EmbedSparseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EmbedMultiVector(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/embedserv.v1.Inference/EmbedMultiVector',
+            embedserv_dot_v1_dot_embedserv__pb2.EmbedMultiVectorRequest.SerializeToString,
+            embedserv_dot_v1_dot_embedserv__pb2.EmbedMultiVectorResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -28,8 +28,8 @@ from embedserv.attention.metadata import (
     build_paged_metadata,
     cumulative_offsets,
 )
-from embedserv.models.heads import PoolingInputs
-from embedserv.types import OutputKind, SamplingParams, ScheduledSequence, StepBatch
+from embedserv.models.heads import PoolingInputs, TokenInputs
+from embedserv.types import EmbedOutput, OutputKind, SamplingParams, ScheduledSequence, StepBatch
 from embedserv.worker.prefill_skip import SkipPlan
 
 
@@ -66,6 +66,9 @@ class ModelInputs:
     # then index the kept rows.
     skip_rows: torch.Tensor | None = None
     skip_attention: tuple[CommonAttentionMetadata, ...] | None = None
+    # POOL sequences that want a sparse or a per-token output: their tokens; None when none does.
+    sparse_tokens: TokenInputs | None = None
+    vector_tokens: TokenInputs | None = None
 
 
 class InputBuilder:
@@ -109,7 +112,12 @@ class InputBuilder:
             positions + self.position_offset,
             cu,
         ]
-        rows = [i for i, s in enumerate(seqs) if s.produces_output and s.output is not OutputKind.SAMPLE]
+        rows = [i for i, s in enumerate(seqs) if s.produces_output and _wants_row(s)]
+        token_plans = {
+            kind: _TokenPlan(seqs, members, packed_start, lens_q)
+            for kind in (EmbedOutput.SPARSE, EmbedOutput.MULTI_VECTOR)
+            if (members := [i for i, s in enumerate(seqs) if s.output is OutputKind.POOL and kind in s.outputs])
+        }
         samples = [i for i, s in enumerate(seqs) if s.produces_output and s.output is OutputKind.SAMPLE]
         # Where outputs read their rows: the packed batch, or the rows the prefill skip keeps.
         out_start, out_len, dropped, out_pos = packed_start, lens_q, np.zeros(len(seqs), np.int64), pos_in_step
@@ -126,6 +134,10 @@ class InputBuilder:
             parts += pooling.parts
         if samples:
             parts.append(out_start[samples] + out_len[samples] - 1)
+        for plan in token_plans.values():
+            if skip is not None:
+                raise ValueError("per-token outputs need every row; they cannot run with the prefill skip")
+            parts += plan.parts
         has_types = any(s.token_type_ids is not None for s in seqs)
         if has_types:
             parts.append(_token_types([seqs[i] for i in order], num_tokens))
@@ -141,6 +153,7 @@ class InputBuilder:
         skip_parts = [next(device_parts) for _ in skip.parts] if skip is not None else None
         pooling_inputs = pooling.inputs(device_parts) if pooling is not None else None
         sample_rows = next(device_parts) if samples else None
+        tokens = {kind: plan.inputs(device_parts) for kind, plan in token_plans.items()}
         token_type_ids = next(device_parts) if has_types else None
         encoder_inputs = encoder.inputs(device_parts) if encoder is not None else (None, None, None)
         cross = None
@@ -171,7 +184,33 @@ class InputBuilder:
             cross_attention=cross,
             skip_rows=skip_rows,
             skip_attention=skip_attention,
+            sparse_tokens=tokens.get(EmbedOutput.SPARSE),
+            vector_tokens=tokens.get(EmbedOutput.MULTI_VECTOR),
         )
+
+
+def _wants_row(seq: ScheduledSequence) -> bool:
+    """SCORE sequences, and POOL ones that want the dense vector."""
+    return seq.output is OutputKind.SCORE or (seq.output is OutputKind.POOL and EmbedOutput.DENSE in seq.wanted)
+
+
+class _TokenPlan:
+    """Every token of the `members` sequences (in batch order) for a per-token output."""
+
+    def __init__(self, seqs, members: list[int], packed_start, lens_q) -> None:
+        lens = lens_q[members]
+        cu = cumulative_offsets(lens)
+        self.request_ids = tuple(seqs[i].request_id for i in members)
+        self.lengths = lens
+        total = int(cu[-1])
+        rows = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1] - packed_start[members], lens)
+        seq = np.repeat(np.arange(len(members), dtype=np.int64), lens)
+        ids = np.fromiter(chain.from_iterable(seqs[i].token_ids for i in members), dtype=np.int64, count=total)
+        self.parts = [rows, seq, ids]
+
+    def inputs(self, device_parts) -> TokenInputs:
+        rows, seq, ids = next(device_parts), next(device_parts), next(device_parts)
+        return TokenInputs(rows, seq, ids, self.request_ids, self.lengths)
 
 
 class _EncoderPlan:

@@ -2,12 +2,14 @@
 
 One runner per replica, whatever the step holds: POOL / SCORE sequences end in the row head (an
 EmbeddingPooler for embedders, a ScoreHead for cross-encoders, classifiers and yes/no rerankers), SAMPLE
-sequences in the LM head and the sampler, over the paged KV cache.
+sequences in the LM head and the sampler, over the paged KV cache. POOL sequences that ask for a sparse or
+a per-token output also go through the sparse head (hidden -> sorted (sequence, vocabulary id, value)
+triplets of the non-zero entries) or the token head (hidden rows -> one vector per token).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -15,9 +17,10 @@ from torch import nn
 
 from embedserv.attention.backends.base import AttentionBackend
 from embedserv.forward_context import ForwardContext, PrefillSkip, set_forward_context
+from embedserv.models.heads import TokenInputs
 from embedserv.models.sampler import sample
 from embedserv.scheduler.kv_cache_manager import KvCacheLayout
-from embedserv.types import OutputKind, SamplingParams, ScheduledSequence, StepBatch, StepOutput
+from embedserv.types import EmbedOutput, OutputKind, RaggedRows, SamplingParams, ScheduledSequence, StepBatch, StepOutput
 from embedserv.worker.input_builder import InputBuilder, ModelInputs
 from embedserv.worker.kv_cache import KvCache
 
@@ -25,6 +28,7 @@ from embedserv.worker.kv_cache import KvCache
 _GENERATION_WARM_UP_TOKENS = 64
 _NO_ROWS = np.zeros((0, 0), dtype=np.float32)
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
+_NO_IDS = np.zeros(0, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -48,11 +52,16 @@ class ModelRunner:
         kv_cache: KvCache | None = None,
         kv_sharing_fast_prefill: bool = False,
         rows_read_last: bool = False,
+        sparse_head: nn.Module | None = None,
+        token_head: nn.Module | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
         self.device = device
         self.row_head = row_head
+        self.sparse_head = sparse_head
+        # None: a sequence's token vectors are its last hidden states (float32).
+        self.token_head = token_head
         self.lm_head = lm_head
         self.kv_cache = kv_cache
         block_size = kv_cache.block_size if kv_cache is not None else 0
@@ -115,7 +124,29 @@ class ModelRunner:
         if inputs.sample_rows is not None:
             logits = self.lm_head(hidden.index_select(0, inputs.sample_rows)).float()
             tokens = sample(logits, inputs.sampling, inputs.sample_lengths).cpu().numpy()
-        return StepOutput(inputs.row_request_ids, rows, inputs.sampled_request_ids, tokens)
+        sparse = vectors = None
+        if inputs.sparse_tokens is not None:
+            sparse = self._sparse(hidden, inputs.sparse_tokens)
+        if inputs.vector_tokens is not None:
+            vectors = self._vectors(hidden, inputs.vector_tokens)
+        return StepOutput(inputs.row_request_ids, rows, inputs.sampled_request_ids, tokens, sparse, vectors)
+
+    def _sparse(self, hidden: torch.Tensor, tokens: TokenInputs) -> RaggedRows:
+        if self.sparse_head is None:
+            raise ValueError("this model has no sparse output")
+        seq, index, value = self.sparse_head(hidden, tokens)
+        counts = torch.bincount(seq, minlength=tokens.num_seqs)
+        return RaggedRows(
+            tokens.request_ids, counts.cpu().numpy().astype(np.int64), value.float().cpu().numpy(),
+            index.cpu().numpy().astype(np.int64),
+        )
+
+    def _vectors(self, hidden: torch.Tensor, tokens: TokenInputs) -> RaggedRows:
+        rows = hidden.index_select(0, tokens.rows)
+        vectors = rows if self.token_head is None else self.token_head(rows)
+        return RaggedRows(
+            tokens.request_ids, np.asarray(tokens.lengths, dtype=np.int64), vectors.float().cpu().numpy(), _NO_IDS
+        )
 
     def _skip(self, inputs: ModelInputs) -> PrefillSkip | None:
         if inputs.skip_rows is None:
@@ -126,12 +157,18 @@ class ModelRunner:
     def warm_up(self, max_tokens: int, max_batch_tokens: int) -> None:
         """Runs the shapes first requests would otherwise pay one-time costs for (oneDNN primitives per
         shape; the flex backend compiles a kernel per size class)."""
-        if self.row_head is not None:
+        # A model without a row head warms up its sparse or token output.
+        outputs = () if self.row_head is not None else (EmbedOutput.SPARSE,) if self.sparse_head is not None else (
+            (EmbedOutput.MULTI_VECTOR,) if self.token_head is not None else None
+        )
+        if outputs is not None:
             kind = OutputKind.POOL
             for size in warm_up_sizes(max_batch_tokens):
                 full, rest = divmod(size, max_tokens)
                 lengths = [max_tokens] * full + ([rest] if rest else [])
-                self.execute(StepBatch(tuple(self._warm_up_sequence(-1 - i, n, kind) for i, n in enumerate(lengths))))
+                self.execute(StepBatch(tuple(
+                    replace(self._warm_up_sequence(-1 - i, n, kind), outputs=outputs) for i, n in enumerate(lengths)
+                )))
         if self.lm_head is not None and self.kv_cache is not None:
             self._warm_up_generation(_GENERATION_WARM_UP_TOKENS)
 

@@ -70,6 +70,32 @@ def _row_head(config: ModelConfig, spec: ModelSpec):
     return head.to(spec.device)
 
 
+def _sparse_head(config: ModelConfig, spec: ModelSpec):
+    """SPLADE over the MLM logits, or bge-m3's sparse head; None for models without the sparse output."""
+    if spec.outputs.sparse == "splade":
+        from embedserv.models.sparse import build_splade_head
+
+        return build_splade_head(spec)
+    if spec.outputs.sparse == "bge_m3":
+        from embedserv.models.bge_m3 import build_sparse_head
+
+        return build_sparse_head(spec, config.allow_pickle)
+    return None
+
+
+def _token_head(config: ModelConfig, spec: ModelSpec):
+    """A MultiVectorEncoder's token modules or bge-m3's colbert head; None: token vectors are the hidden states."""
+    if spec.outputs.multi_vector == "multi_vector_encoder":
+        from embedserv.models.multi_vector import build_token_head
+
+        return build_token_head(spec, config.allow_pickle)
+    if spec.outputs.multi_vector == "bge_m3":
+        from embedserv.models.bge_m3 import build_colbert_head
+
+        return build_colbert_head(spec, config.allow_pickle)
+    return None
+
+
 def _kv_cache(config: ModelConfig, spec: ModelSpec, model) -> KvCache:
     groups = kv_cache_groups(model, spec.kv_block_size, spec.dtype)
     num_blocks = num_kv_blocks(config.kv_cache_memory_or_default, groups, spec.device)
@@ -92,4 +118,5 @@ def build_runner(config: ModelConfig, spec: ModelSpec) -> ModelRunner:
         model, spec.backend, spec.device, spec.info.is_causal,
         row_head=_row_head(config, spec), lm_head=lm_head, kv_cache=kv_cache,
         kv_sharing_fast_prefill=config.kv_sharing_fast_prefill, rows_read_last=spec.info.pooling == "lasttoken",
+        sparse_head=_sparse_head(config, spec), token_head=_token_head(config, spec),
     )

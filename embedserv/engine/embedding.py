@@ -9,13 +9,17 @@ tokenized (engine/multi_vector.py).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from embedserv.engine.outputs import finish_embeddings
 from embedserv.engine.prefill import SequenceOutput
 from embedserv.engine.tokenizer import Encoded, TextTokenizer
-from embedserv.models.embed_outputs import OutputSpec
 from embedserv.types import EmbedOutput, EmbedParams, EmbedResult, SparseVector, Timing
+
+if TYPE_CHECKING:
+    from embedserv.engine.loading import ServedModel
 
 
 class TokenRules:
@@ -36,13 +40,16 @@ class SkipFirstToken(TokenRules):
     skip_first = 1
 
 
-def token_rules(outputs: OutputSpec) -> TokenRules:
-    if outputs.multi_vector == "bge_m3":
+def token_rules(served: ServedModel) -> TokenRules:
+    spec = served.spec
+    if spec.outputs.multi_vector == "bge_m3":
         return SkipFirstToken()
-    if outputs.multi_vector == "multi_vector_encoder":
+    if spec.outputs.multi_vector == "multi_vector_encoder":
         from embedserv.engine.multi_vector import MultiVectorRules
+        from embedserv.models.multi_vector import read_multi_vector_settings
 
-        return MultiVectorRules()
+        settings = read_multi_vector_settings(spec.model_dir, spec.st, spec.hf_config.hidden_size)
+        return MultiVectorRules(served.tokenizer, settings, spec.max_model_len, str(spec.model_dir))
     return TokenRules()
 
 

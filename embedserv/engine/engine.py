@@ -75,7 +75,7 @@ class Engine:
         self.info: ModelInfo = served.info
         self.tokenizer = served.tokenizer
         self.task = served.task
-        self.token_rules = embedding.token_rules(served.spec.outputs)
+        self.token_rules = embedding.token_rules(served)
         # int8 / uint8 ranges, computed once from the built-in calibration texts on first use.
         self.calibration = quantize.Calibration()
         self.workers = workers

@@ -81,6 +81,10 @@ def read_output_spec(
     if not embeds:
         return OutputSpec(())
     if st.model_type == MULTI_VECTOR_ENCODER:
+        from embedserv.models.multi_vector import read_multi_vector_settings
+
+        # Refuses at start-up what would not give the library's vectors (models/multi_vector.py).
+        read_multi_vector_settings(model_dir, st, hidden)
         dense = st.multi_vector.dense
         dimension = dense[-1].out_features if dense else hidden
         return OutputSpec(

@@ -108,9 +108,14 @@ def _refusal_reason(exc: pickle.UnpicklingError) -> str:
     torch's advice to load the file unsafely."""
     text = str(exc)
     _, found, rest = text.partition("WeightsUnpickler error:")
-    if not found:
-        return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-    return rest.strip().split(". ")[0].split("\n")[0].strip()
+    if found:
+        return rest.strip().split(". ")[0].split("\n")[0].strip()
+    # A global of a module torch blocks outright is worded apart, after the advice paragraph: "Trying to
+    # load unsupported GLOBAL posix.getcwd whose module posix is blocked."
+    blocked = [line.strip().rstrip(".") for line in text.splitlines() if line.startswith("Trying to load")]
+    if blocked:
+        return blocked[0]
+    return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
 
 
 def _pickle_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -168,6 +173,32 @@ def read_tensor(files: list[Path], name: str, rows: slice | None = None) -> torc
             if found == name:
                 return tensor[rows] if rows is not None else tensor
     return None
+
+
+def read_tensors(files: list[Path], names: set[str]) -> dict[str, torch.Tensor]:
+    """The named tensors the checkpoint files hold (each file opened once; names it lacks are left out)."""
+    found: dict[str, torch.Tensor] = {}
+    for path in files:
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                found.update((name, f.get_tensor(name)) for name in names & set(f.keys()))
+        else:
+            found.update((name, tensor) for name, tensor in _pickle_tensors(path) if name in names)
+    return found
+
+
+def read_head_file(path: Path, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """A head's weights saved beside the model (bge-m3's sparse_linear / colbert_linear): safetensors, or a
+    torch.save'd state dict only with `allow_pickle`, under the same policy as the checkpoint."""
+    if path.suffix != ".safetensors" and not allow_pickle:
+        raise ConfigError(
+            f"{path} is a pickle file, and loading a pickle can run code hidden in it. Convert it to safetensors "
+            f"(safetensors.torch.save_file of its state dict, where you trust it, as {path.stem}.safetensors), or "
+            "pass --allow-pickle if you trust this checkpoint"
+        )
+    if path.suffix != ".safetensors":
+        logger.warning("loading the pickle file %s (--allow-pickle), tensors only; convert it to safetensors", path)
+    return dict(iterate_weights([path]))
 
 
 def load_into(model: nn.Module, files: list[Path]) -> None:

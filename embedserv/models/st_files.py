@@ -4,11 +4,12 @@ Handles both the files sentence-transformers 2.x-5.x wrote (`pooling_mode_*_toke
 `max_seq_length` in sentence_bert_config.json) and 6.x (`pooling_mode`, `include_prompt`, the length in
 tokenizer_config.json). A plain Hugging Face directory (no modules.json) is read as Transformer only.
 
-Three module arrangements are understood, and any other stops start-up with a message:
+Four module arrangements are understood, and any other stops start-up with a message:
 - SentenceTransformer: Transformer, Pooling, then Dense layers and Normalize (on the pooled vector);
 - SparseEncoder: Transformer (fill-mask) or MLMTransformer, then SpladePooling;
 - MultiVectorEncoder (its config_sentence_transformers.json says so): Transformer, then Dense layers and
   Normalize on every token's vector, and optionally MultiVectorMask.
+- CrossEncoder: the Transformer alone (its *ForSequenceClassification checkpoint does the rest).
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ class MultiVectorFiles:
 
 
 SENTENCE_TRANSFORMER, SPARSE_ENCODER, MULTI_VECTOR_ENCODER = "SentenceTransformer", "SparseEncoder", "MultiVectorEncoder"
+# A CrossEncoder directory (v6 saves modules.json too) is its *ForSequenceClassification checkpoint.
+CROSS_ENCODER = "CrossEncoder"
 
 
 @dataclass(frozen=True)
@@ -147,19 +150,24 @@ _ARRANGEMENTS = {
     SENTENCE_TRANSFORMER: "Transformer, Pooling, then Dense and Normalize",
     SPARSE_ENCODER: "Transformer (fill-mask) or MLMTransformer, then SpladePooling",
     MULTI_VECTOR_ENCODER: "Transformer, then Dense and Normalize on token vectors, then MultiVectorMask",
+    CROSS_ENCODER: "Transformer alone",
 }
 # The modules each arrangement allows after its Transformer, in order (a module may repeat or be absent).
 _ORDER = {
     SENTENCE_TRANSFORMER: ("Pooling", "Dense", "Normalize"),
     SPARSE_ENCODER: ("SpladePooling",),
     MULTI_VECTOR_ENCODER: ("Dense", "Normalize", "MultiVectorMask"),
+    CROSS_ENCODER: (),
 }
 
 
 def _check_arrangement(model_type: str, kinds: list[str], modules_path: Path) -> None:
     """Refuses any module sequence but the arrangements above: one we misread would serve wrong vectors."""
     order = _ORDER[model_type]
-    rank = [order.index(kind) if kind in order else -1 for kind in kinds[1:]]
+    # MultiVectorMask only rewrites which tokens score, so it may sit anywhere after the Transformer (the
+    # library's own default puts it before Normalize).
+    ranked = [kind for kind in kinds[1:] if not (model_type == MULTI_VECTOR_ENCODER and kind == "MultiVectorMask")]
+    rank = [order.index(kind) if kind in order else -1 for kind in ranked]
     ok = (
         bool(kinds) and kinds[0] in ("Transformer", "MLMTransformer") and -1 not in rank and rank == sorted(rank)
         and (model_type != SENTENCE_TRANSFORMER or not rank or rank[0] == 0)  # Dense/Normalize need a Pooling first
@@ -181,10 +189,7 @@ def read_sentence_transformers(model_dir: Path) -> SentenceTransformerFiles:
     prompts_config = _read_json(prompts_path) if prompts_path.exists() else {}
     model_type = str(prompts_config.get("model_type") or SENTENCE_TRANSFORMER)
     if model_type not in _ORDER:
-        raise ConfigError(
-            f"{prompts_path}: model_type {model_type!r} is not served; served: {', '.join(_ORDER)} "
-            "(CrossEncoder directories are plain *ForSequenceClassification models)"
-        )
+        raise ConfigError(f"{prompts_path}: model_type {model_type!r} is not served; served: {', '.join(_ORDER)}")
     bert_config = model_dir / "sentence_bert_config.json"
     st_config = _read_json(bert_config) if bert_config.exists() else {}
     pooling, include_prompt, splade, mask, normalize = None, True, None, None, False

@@ -55,6 +55,9 @@ def _row_head(config: ModelConfig, spec: ModelSpec):
     tasks = spec.task.tasks
     if Task.EMBED in tasks:
         return _embedding_pooler(config, spec)
+    if spec.outputs.outputs:
+        # Sparse-only and multi-vector-only models have no pooled vector: their heads are the sparse and token heads.
+        return None
     if tasks == (Task.GENERATE,):
         return None
     hidden = spec.hf_config.hidden_size

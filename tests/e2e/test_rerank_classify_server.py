@@ -119,7 +119,7 @@ def test_classify_labels_and_softmax(stub, model_dirs, documents):
 def test_list_models_reports_tasks_and_labels(stub):
     pb = _pb()
     models = {m.name: m for m in stub.ListModels(pb.ListModelsRequest(), timeout=30).models}
-    assert list(models[EMBEDDER].tasks) == [pb.TASK_EMBED, pb.TASK_RERANK]
+    assert list(models[EMBEDDER].tasks) == [pb.TASK_EMBED, pb.TASK_EMBED_MULTI_VECTOR, pb.TASK_RERANK]
     assert list(models[CROSS].tasks) == [pb.TASK_RERANK, pb.TASK_CLASSIFY]
     assert list(models[CLASSIFIER].tasks) == [pb.TASK_CLASSIFY]
     assert list(models[YES_NO].tasks) == [pb.TASK_RERANK]

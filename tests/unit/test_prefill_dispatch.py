@@ -148,7 +148,7 @@ async def drain(workers, tasks) -> None:
 
 
 def values(results) -> list[float]:
-    return [float(row[0]) for row, _, _ in results]
+    return [float(output.row[0]) for output in results]
 
 
 @run_async
@@ -157,7 +157,7 @@ async def test_rows_come_back_in_request_order_for_every_concurrent_call():
     loop = make_loop(workers, max_batch_requests=3)
     _, results = await call(loop, [1], [2, 3], [10], [4, 4, 4], [7])
     assert values(results) == [1.0, 5.0, 10.0, 12.0, 7.0]
-    assert all(started <= finished for _, started, finished in results)
+    assert all(output.started <= output.finished for output in results)
     outcomes = await asyncio.gather(*(call(loop, [i], [i, 100]) for i in range(30)))
     assert [values(results) for _, results in outcomes] == [[float(i), float(i + 100)] for i in range(30)]
     assert sum(len(ids) for w in workers for ids in w.calls) == 65

@@ -5,7 +5,7 @@ from __future__ import annotations
 from embedserv.engine.tokenizer import TextTokenizer
 from embedserv.errors import InvalidInput
 from embedserv.models.tasks import TaskSpec
-from embedserv.types import EmbedOutput, EmbedParams, ModelInfo, RerankParams, Task, TruncationDirection
+from embedserv.types import EmbedOutput, EmbedParams, ModelInfo, RerankMode, RerankParams, Task, TruncationDirection
 
 
 def require(info: ModelInfo, task: Task, rpc: str) -> None:
@@ -68,4 +68,31 @@ def check_rerank(info: ModelInfo, task: TaskSpec, query: str, documents: list[st
         raise InvalidInput(
             f"model {info.name!r} takes no instruction (only instruction-following rerankers do); "
             "leave instruction empty"
+        )
+
+
+def check_embed_chunking(info: ModelInfo, params: EmbedParams) -> None:
+    """Chunking averages the windows' dense vectors: it needs a model with a dense output, asked for alone."""
+    gives = ", ".join(map(str, info.outputs)) or "none (it does not embed)"
+    if EmbedOutput.DENSE not in info.outputs:
+        raise InvalidInput(
+            f"model {info.name!r} cannot embed by windows (chunking averages dense vectors); its outputs: {gives}"
+        )
+    if tuple(params.outputs) != (EmbedOutput.DENSE,):
+        raise InvalidInput(
+            f"chunking gives the dense output only; ask for outputs [dense] alone, or leave chunking off "
+            f"(model {info.name!r}'s outputs: {gives})"
+        )
+
+
+_RERANKERS = {RerankMode.TEMPLATE: "a yes/no reranker", RerankMode.MAXSIM: "a late-interaction (MaxSim) reranker"}
+
+
+def check_rerank_chunking(info: ModelInfo, mode: RerankMode | None) -> None:
+    """Windows are scored by cross-encoders and embedding models; other rerankers only cut documents."""
+    if mode not in (RerankMode.PAIR, RerankMode.EMBEDDINGS):
+        raise InvalidInput(
+            f"model {info.name!r} is {_RERANKERS.get(mode, 'not a reranker')} and cannot score documents by "
+            "windows (chunking works with cross-encoders and embedding models); leave chunking off and set "
+            "truncate to cut documents that do not fit"
         )

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from embedserv.engine.outputs import finish_embeddings
-from embedserv.engine.prefill import SequenceOutput
+from embedserv.engine.prefill import SequenceOutput, stack_rows
 from embedserv.engine.tokenizer import Encoded, TextTokenizer
 from embedserv.types import EmbedOutput, EmbedParams, EmbedResult, SparseVector, Timing
 
@@ -68,7 +68,7 @@ def assemble(
     """Each output the call asked for, in input order."""
     result = EmbedResult(embeddings=None, prompt_tokens=prompt_tokens, timing=timing)
     if EmbedOutput.DENSE in params.outputs:
-        rows = np.stack([output.row for output in outputs])
+        rows = stack_rows(outputs)
         result.embeddings = finish_embeddings(rows, params.dimensions, params.normalize)
     if EmbedOutput.SPARSE in params.outputs:
         result.sparse = [top_k(*output.sparse, params.sparse_top_k) for output in outputs]

@@ -18,16 +18,14 @@ from contextlib import aclosing
 from dataclasses import replace
 from typing import AsyncIterator, Callable
 
-import numpy as np
 import torch
 
 from embedserv.config import ModelConfig
-from embedserv.engine import checks, chunking, embedding, multi_vector, quantize, zero_shot
+from embedserv.engine import checks, chunking, embedding, multi_vector, quantize, reranking, zero_shot
 from embedserv.engine.generation import GenerationStreams, prepare_prompt
 from embedserv.engine.loading import ServedModel, log_spec, read_served_model
-from embedserv.engine.outputs import activate, cosine_to_first, rank
+from embedserv.engine.outputs import activate
 from embedserv.engine.tokenizer import Encoded
-from embedserv.models.tasks import Seq2SeqYesNoTemplate
 from embedserv.types import (
     Activation,
     ClassifyParams,
@@ -40,7 +38,6 @@ from embedserv.types import (
     KvCacheUsage,
     ModelInfo,
     OutputKind,
-    RankedDocument,
     RerankMode,
     RerankParams,
     RerankResult,
@@ -49,7 +46,7 @@ from embedserv.types import (
     Timing,
     TokenizedText,
 )
-from embedserv.engine.prefill import PrefillQueue, SequenceOutput
+from embedserv.engine.prefill import PrefillQueue, SequenceOutput, stack_rows
 from embedserv.engine.step_loop import WorkerLoop
 from embedserv.errors import ConfigError, InvalidInput, NotReady
 from embedserv.executor.base import Worker, WorkerStats
@@ -271,11 +268,11 @@ class Engine:
         checks.check_embed(self.info, self.tokenizer, texts, params)
         if params.chunking:
             return await self.encoded(await chunking.embed_chunked(self, texts, params, received), params)
-        encoded = await self._tokenize_with(self.token_rules.encode, self.tokenizer, texts, params)
+        encoded = await self.tokenize_with(self.token_rules.encode, self.tokenizer, texts, params)
         return await self._pooled(encoded, params, received)
 
     async def _pooled(self, encoded: list[Encoded], params: EmbedParams, received: float) -> EmbedResult:
-        outputs, prompt_tokens, timing = await self._infer(encoded, received, params.outputs)
+        outputs, prompt_tokens, timing = await self.infer(encoded, received, params.outputs)
         result = embedding.assemble(outputs, encoded, params, self.token_rules, prompt_tokens, timing)
         return await self.encoded(result, params)
 
@@ -293,14 +290,15 @@ class Engine:
         checks.check_embed(self.info, self.tokenizer, token_ids, params)
         if params.prompt_name:
             raise InvalidInput("prompt_name applies to texts; token-id inputs are used as given")
-        encoded = await self._tokenize_with(
+        encoded = await self.tokenize_with(
             self.tokenizer.check_token_ids, token_ids, params.truncate, params.truncation_direction
         )
         return await self._pooled(encoded, params, received)
 
     async def rerank(self, query: str, documents: list[str], params: RerankParams) -> RerankResult:
         """Documents scored against the query, best first: by the model's score head (cross-encoders,
-        yes/no rerankers) or by cosine similarity of embeddings (embedders)."""
+        yes/no rerankers), by cosine similarity of embeddings (embedders), or by MaxSim of token vectors
+        (late-interaction models); with chunking, by each document's best window."""
         received = time.perf_counter()
         checks.require(self.info, Task.RERANK, "Rerank")
         checks.check_rerank(self.info, self.task, query, documents, params)
@@ -309,27 +307,7 @@ class Engine:
             return await chunking.rerank_chunked(self, query, documents, params, received)
         if mode is RerankMode.MAXSIM:
             return await multi_vector.rerank_maxsim(self, query, documents, params, received)
-        if mode is RerankMode.EMBEDDINGS:
-            encoded = await self._tokenize_with(self.tokenizer.encode_for_cosine, query, documents, params.truncate)
-        elif mode is RerankMode.PAIR:
-            encoded = await self._tokenize_with(self.tokenizer.encode_pairs, query, documents, params.truncate)
-        elif isinstance(self.task.template, Seq2SeqYesNoTemplate):
-            encoded = await self._tokenize_with(
-                self.tokenizer.encode_seq2seq_template, self.task.template, query, documents, params.truncate
-            )
-        else:
-            instruction = params.instruction or self.task.template.default_instruction
-            encoded = await self._tokenize_with(
-                self.tokenizer.encode_templated, self.task.template, instruction, query, documents, params.truncate
-            )
-        outputs, prompt_tokens, timing = await self._infer(encoded, received)
-        rows = _rows(outputs)
-        if mode is RerankMode.EMBEDDINGS:
-            scores = cosine_to_first(rows)
-        else:
-            scores = rows[:, 0] if params.raw_scores else activate(rows, self.task.rerank_activation)[:, 0]
-        results = [RankedDocument(index, score) for index, score in rank(scores, params.top_n)]
-        return RerankResult(results=results, prompt_tokens=prompt_tokens, timing=timing)
+        return await reranking.rerank_whole(self, query, documents, params, received)
 
     async def classify(self, texts: list[str], params: ClassifyParams) -> ClassifyResult:
         """Every label's score per input; with candidate_labels, those labels' zero-shot scores (an NLI model)."""
@@ -341,11 +319,11 @@ class Engine:
         zero_shot.check_options(params.candidate_labels, params.hypothesis_template, params.multi_label)
         if params.candidate_labels:
             return await self._classify_zero_shot(texts, params, received)
-        encoded = await self._tokenize_with(
+        encoded = await self.tokenize_with(
             self.tokenizer.encode_batch, texts, params.truncate, params.truncation_direction, None
         )
-        outputs, prompt_tokens, timing = await self._infer(encoded, received)
-        logits = _rows(outputs)
+        outputs, prompt_tokens, timing = await self.infer(encoded, received)
+        logits = stack_rows(outputs)
         if not params.raw_scores:
             single = logits.shape[1] == 1 or self.task.multi_label
             logits = activate(logits, Activation.SIGMOID if single else Activation.SOFTMAX)
@@ -356,20 +334,22 @@ class Engine:
         input-major, so the pairs batch with every other call's sequences."""
         entailment = zero_shot.require_entailment(self.task.labels, self.info.name)
         hypotheses = zero_shot.hypotheses(params.candidate_labels, params.hypothesis_template)
-        encoded = await self._tokenize_with(
+        encoded = await self.tokenize_with(
             self.tokenizer.encode_premise_pairs, texts, hypotheses, params.truncate, params.truncation_direction
         )
-        outputs, prompt_tokens, timing = await self._infer(encoded, received)
-        scores = zero_shot.label_scores(_rows(outputs), len(texts), entailment, params.multi_label, params.raw_scores)
+        outputs, prompt_tokens, timing = await self.infer(encoded, received)
+        scores = zero_shot.label_scores(
+            stack_rows(outputs), len(texts), entailment, params.multi_label, params.raw_scores
+        )
         return ClassifyResult(
             scores=scores, labels=tuple(params.candidate_labels), prompt_tokens=prompt_tokens, timing=timing
         )
 
-    async def _tokenize_with(self, encode, *args) -> list[Encoded]:
+    async def tokenize_with(self, encode, *args) -> list[Encoded]:
         """Runs a tokenizer method in the tokenizer pool (never on the event loop)."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, encode, *args)
 
-    async def _infer(
+    async def infer(
         self, encoded: list[Encoded], received: float, wanted: tuple[EmbedOutput, ...] = ()
     ) -> tuple[list[SequenceOutput], int, Timing]:
         """Runs every sequence through the scheduler; outputs in input order, tokens run, and the call's timing."""
@@ -408,10 +388,10 @@ class Engine:
     async def chat_prompt(self, messages: list[dict]) -> str:
         """The prompt text the model's chat template makes of `messages` (refused when it has none)."""
         checks.require(self.info, Task.GENERATE, "chat")
-        return await self._tokenize_with(self.tokenizer.apply_chat_template, messages)
+        return await self.tokenize_with(self.tokenizer.apply_chat_template, messages)
 
     async def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return await self._tokenize_with(self.tokenizer.decode, ids, skip_special_tokens)
+        return await self.tokenize_with(self.tokenizer.decode, ids, skip_special_tokens)
 
     async def tokenize(
         self, texts: list[str], add_special_tokens: bool, prompt_name: str | None
@@ -420,8 +400,3 @@ class Engine:
         return await loop.run_in_executor(
             self._tokenizer_pool, self.tokenizer.tokenize, texts, add_special_tokens, prompt_name
         )
-
-
-def _rows(outputs: list[SequenceOutput]) -> np.ndarray:
-    """[n, width] float32: the sequences' pooled vectors or score logits, in order."""
-    return np.stack([output.row for output in outputs])

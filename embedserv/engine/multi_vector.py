@@ -222,8 +222,8 @@ async def rerank_maxsim(
 ) -> RerankResult:
     """Documents scored against the query by MaxSim of their token vectors, best first."""
     rules: MultiVectorRules = engine.token_rules
-    encoded = await engine._tokenize_with(rules.encode_for_maxsim, engine.tokenizer, query, documents, params.truncate)
-    outputs, prompt_tokens, timing = await engine._infer(encoded, received, (EmbedOutput.MULTI_VECTOR,))
+    encoded = await engine.tokenize_with(rules.encode_for_maxsim, engine.tokenizer, query, documents, params.truncate)
+    outputs, prompt_tokens, timing = await engine.infer(encoded, received, (EmbedOutput.MULTI_VECTOR,))
     tasks = [QUERY] + [DOCUMENT] * len(documents)
     vectors = [o.vectors[rules.keep_for(e.ids, task)] for o, e, task in zip(outputs, encoded, tasks)]
     scores = maxsim_scores(vectors[0], vectors[1:], rules.settings.mean_maxsim)

@@ -11,9 +11,10 @@ _NORM_EPS = 1e-12
 
 
 def finish_embeddings(rows: np.ndarray, dimensions: int | None, normalize: bool) -> np.ndarray:
-    """[n, dim] float32 pooled rows -> the vectors the caller asked for (truncate first, then normalize)."""
+    """[n, dim] float32 pooled rows -> the vectors the caller asked for (truncate first, then normalize), in a
+    new array: `rows` is never changed (the calibration rows of int8 ranges are finished many ways)."""
     out = rows[:, :dimensions] if dimensions is not None else rows
-    out = np.ascontiguousarray(out, dtype=np.float32)
+    out = np.array(out, dtype=np.float32, order="C", copy=True)
     if normalize:
         norms = np.linalg.norm(out, axis=1, keepdims=True)
         out /= np.maximum(norms, _NORM_EPS)

@@ -49,6 +49,11 @@ class SequenceOutput:
     vectors: np.ndarray | None = None
 
 
+def stack_rows(outputs: list[SequenceOutput]) -> np.ndarray:
+    """[n, width] float32: the sequences' pooled vectors or score logits, in order."""
+    return np.stack([output.row for output in outputs])
+
+
 class WorkerLoopView(Protocol):
     """What the queue sees of a worker's step loop (engine/step_loop.py)."""
 

@@ -40,7 +40,9 @@ def calibration_texts() -> list[str]:
 def ranges_of(rows: np.ndarray, dimensions: int | None, normalize: bool) -> np.ndarray:
     """[2, dim] float32: per-dimension minimum and maximum of the calibration vectors, finished as a request
     with these dimensions and normalization finishes its vectors."""
-    finished = finish_embeddings(rows, dimensions, normalize)
+    # A copy: finish_embeddings normalizes a float32 array in place when it keeps every dimension, and these
+    # rows are the model's cached calibration vectors.
+    finished = finish_embeddings(rows.copy(), dimensions, normalize)
     return np.vstack((finished.min(axis=0), finished.max(axis=0))).astype(np.float32)
 
 

@@ -202,13 +202,7 @@ class TextTokenizer:
 
     def encode_pairs(self, query: str, documents: list[str], truncate: bool) -> list[Encoded]:
         """Query and document in one sequence each (cross-encoders); only documents are ever cut."""
-        query_encoding = self._backend.encode(self._prepare(query), add_special_tokens=False)
-        room = self.max_input_tokens - self._num_pair_special - len(query_encoding.ids)
-        if room < 1:
-            raise InvalidInput(
-                f"the query has {len(query_encoding.ids)} tokens, which leaves no room for a document within the "
-                f"model's limit of {self.max_input_tokens} tokens; shorten the query"
-            )
+        query_encoding, room = self._pair_room(query)
         encodings = self._backend.encode_batch([self._prepare(d) for d in documents], add_special_tokens=False)
         out = []
         for index, document in enumerate(encodings):
@@ -217,25 +211,85 @@ class TextTokenizer:
                     total = len(document.ids) + len(query_encoding.ids) + self._num_pair_special
                     raise self._too_long(f"the query with document {index}", total, self.max_input_tokens)
                 document.truncate(room, direction="right")
-            pair = self._backend.post_process(query_encoding, document, True)
-            types = list(pair.type_ids) if self._feeds_token_types else None
-            out.append(Encoded(ids=pair.ids, token_type_ids=types))
+            out.append(self._pair(query_encoding, document))
+        return out
+
+    def encode_pair_windows(self, query: str, documents: list[str]) -> list[list[Encoded]]:
+        """Chunked Rerank's cross-encoder inputs: per document, the query paired with each window of the
+        document that fits beside it (no overlap). A document that fits is one pair, as encode_pairs makes it."""
+        query_encoding, room = self._pair_room(query)
+        encodings = self._backend.encode_batch([self._prepare(d) for d in documents], add_special_tokens=False)
+        return [[self._pair(query_encoding, window) for window in _windows(d, room)] for d in encodings]
+
+    def _pair_room(self, query: str) -> tuple[tokenizers.Encoding, int]:
+        """The query's tokens and the room they leave for a document; refused when they leave none."""
+        query_encoding = self._backend.encode(self._prepare(query), add_special_tokens=False)
+        room = self.max_input_tokens - self._num_pair_special - len(query_encoding.ids)
+        if room < 1:
+            raise InvalidInput(
+                f"the query has {len(query_encoding.ids)} tokens, which leaves no room for a document within the "
+                f"model's limit of {self.max_input_tokens} tokens; shorten the query"
+            )
+        return query_encoding, room
+
+    def _pair(self, query: tokenizers.Encoding, document: tokenizers.Encoding) -> Encoded:
+        pair = self._backend.post_process(query, document, True)
+        types = list(pair.type_ids) if self._feeds_token_types else None
+        return Encoded(ids=pair.ids, token_type_ids=types)
+
+    def encode_windows(self, texts: list[str], prompt_name: str | None = None) -> list[list[Encoded]]:
+        """Chunked Embed's inputs: each text as windows of at most the model's limit, each window wrapped in
+        the special tokens and led by the prompt (pooled from pool_start, as encode_batch does). A text that
+        fits is one window, exactly as encode_batch makes it; a longer one is split, without overlap, into
+        windows of (limit - special tokens - prompt tokens) of its own tokens."""
+        prompt = self.resolve_prompt(prompt_name)
+        pool_start = self._prompt_pool_start(prompt)
+        room = self.max_input_tokens - self._num_special
+        prompt_encoding = self._backend.encode(self._prepare(prompt), add_special_tokens=False)
+        size = room - len(prompt_encoding.ids)
+        if size < 1:
+            raise InvalidInput(
+                f"the prompt takes {len(prompt_encoding.ids)} tokens, which leaves no room for text within the "
+                f"model's limit of {self.max_input_tokens} tokens; use a shorter prompt_name"
+            )
+        encodings = self._backend.encode_batch([self._prepare(prompt + t) for t in texts], add_special_tokens=False)
+        out = []
+        for text, encoding in zip(texts, encodings):
+            pieces = [encoding]
+            if len(encoding.ids) > room:
+                content = self._backend.encode(self._prepare(text), add_special_tokens=False)
+                pieces = [tokenizers.Encoding.merge([prompt_encoding, w]) for w in _windows(content, size)]
+            out.append([Encoded(self._backend.post_process(p, None, True).ids, pool_start) for p in pieces])
         return out
 
     def encode_for_cosine(self, query: str, documents: list[str], truncate: bool) -> list[Encoded]:
         """The query (never cut) and the documents with the prompts sentence-transformers' encode_query /
         encode_document pick: "query"; "document", "passage" or "corpus"; else the default prompt."""
+        query_prompt, document_prompt = self._cosine_prompts()
+        return self._cosine_query(query, query_prompt) + self.encode_batch(
+            documents, truncate, TruncationDirection.RIGHT, document_prompt
+        )
+
+    def encode_cosine_windows(self, query: str, documents: list[str]) -> tuple[Encoded, list[list[Encoded]]]:
+        """Chunked Rerank's embedder inputs: the query as encode_for_cosine makes it, and each document's
+        windows (encode_windows) with the document prompt."""
+        query_prompt, document_prompt = self._cosine_prompts()
+        return self._cosine_query(query, query_prompt)[0], self.encode_windows(documents, document_prompt)
+
+    def _cosine_prompts(self) -> tuple[str | None, str | None]:
         prompts = self.prompts
         query_prompt = "query" if "query" in prompts else None
         document_prompt = next((n for n in ("document", "passage", "corpus") if n in prompts), None)
+        return query_prompt, document_prompt
+
+    def _cosine_query(self, query: str, prompt_name: str | None) -> list[Encoded]:
         try:
-            encoded_query = self.encode_batch([query], False, TruncationDirection.RIGHT, query_prompt)
+            return self.encode_batch([query], False, TruncationDirection.RIGHT, prompt_name)
         except InvalidInput:
             raise InvalidInput(
                 f"the query is longer than the model's limit of {self.max_input_tokens} tokens "
                 "(queries are never truncated); shorten the query"
             ) from None
-        return encoded_query + self.encode_batch(documents, truncate, TruncationDirection.RIGHT, document_prompt)
 
     def encode_premise_pairs(
         self, premises: list[str], hypotheses: list[str], truncate: bool, direction: TruncationDirection
@@ -328,3 +382,11 @@ class TextTokenizer:
             )
             for e in encodings
         ]
+
+
+def _windows(encoding: tokenizers.Encoding, size: int) -> list[tokenizers.Encoding]:
+    """The encoding cut into consecutive pieces of `size` tokens (the last one shorter), without overlap."""
+    if len(encoding.ids) <= size:
+        return [encoding]
+    encoding.truncate(size, stride=0, direction="right")
+    return [encoding, *encoding.overflowing]

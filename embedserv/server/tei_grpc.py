@@ -6,10 +6,11 @@ TEI serves one model and its messages name none; we serve several, so a call pic
 Tokenize and Decode: the first served model). Each unary RPC answers one text; a stream answers its
 requests in order but runs up to a window of them at once, so that they batch on the engine.
 
+EmbedSparse and EmbedAll are answered by models with the sparse and multi-vector outputs (the first such, or
+the metadata's model; a model without the output is refused with INVALID_ARGUMENT naming what it serves).
 Where TEI would do something embedserv cannot, the call is refused with a message that says what is
-supported, never answered differently: sparse and per-token embeddings (UNIMPLEMENTED, not served yet),
-LEFT truncation of rerank documents and text pairs (we cut a document from its end, beside a whole
-query), and pairs for models that are not cross-encoders.
+supported, never answered differently: LEFT truncation of rerank documents and text pairs (we cut a
+document from its end, beside a whole query), and pairs for models that are not cross-encoders.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from embedserv.tei.v1 import tei_pb2 as pb
 from embedserv.tei.v1 import tei_pb2_grpc as pb_grpc
 from embedserv.types import (
     ClassifyParams,
+    EmbedOutput,
     EmbedParams,
     RerankParams,
     RerankResult,
@@ -41,10 +43,9 @@ _DIRECTIONS = {
     pb.TRUNCATION_DIRECTION_RIGHT: TruncationDirection.RIGHT,
     pb.TRUNCATION_DIRECTION_LEFT: TruncationDirection.LEFT,
 }
-_NOT_SERVED_YET = (
-    "{rpc} is not served yet: embedserv answers pooled embeddings (tei.v1.Embed/Embed and EmbedStream); "
-    "sparse and per-token embeddings come in a later release"
-)
+
+
+_OUTPUT_TASKS = {EmbedOutput.SPARSE: Task.EMBED_SPARSE, EmbedOutput.MULTI_VECTOR: Task.EMBED_MULTI_VECTOR}
 
 
 def direction(value: int) -> TruncationDirection:
@@ -166,18 +167,49 @@ class EmbedServicer(_TeiServicer, pb_grpc.EmbedServicer):
         async for response in answer_in_order(request_iterator, lambda r: self._embed(r, context, call)):
             yield response
 
-    # Not wrapped in unary_call/stream_call: they answer at once, without a model or the engine.
-    async def EmbedSparse(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, _NOT_SERVED_YET.format(rpc="tei.v1.Embed/EmbedSparse"))
+    async def _output(self, request, context, call: Call, output: EmbedOutput):
+        """One text's sparse vector (EmbedSparse: non-zero values, index ascending) or its token vectors
+        (EmbedAll: the multi-vector output), from the metadata's model, else the first that gives it."""
+        engine = self._engine(context, call, _OUTPUT_TASKS[output])
+        text = self._text(request.inputs)
+        params = EmbedParams(
+            truncate=request.truncate,
+            truncation_direction=direction(request.truncation_direction),
+            prompt_name=request.prompt_name or None,
+            outputs=(output,),
+        )
+        with self.frontend.hold(1):
+            result = await engine.embed([text], params)
+        call.answered(1, result.prompt_tokens, result.timing)
+        meta = metadata(len(text), result.prompt_tokens, result.timing)
+        if output is EmbedOutput.SPARSE:
+            [vector] = result.sparse
+            pairs = zip(vector.indices.tolist(), vector.values.tolist())
+            values = [pb.SparseValue(index=i, value=v) for i, v in pairs]
+            return pb.EmbedSparseResponse(sparse_embeddings=values, metadata=meta)
+        [vectors] = result.multi_vectors
+        tokens = [pb.TokenEmbedding(embeddings=row) for row in vectors.tolist()]
+        return pb.EmbedAllResponse(token_embeddings=tokens, metadata=meta)
 
-    async def EmbedSparseStream(self, request_iterator, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, _NOT_SERVED_YET.format(rpc="tei.v1.Embed/EmbedSparseStream"))
+    @unary_call
+    async def EmbedSparse(self, request, context, call):
+        return await self._output(request, context, call, EmbedOutput.SPARSE)
 
-    async def EmbedAll(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, _NOT_SERVED_YET.format(rpc="tei.v1.Embed/EmbedAll"))
+    @stream_call
+    async def EmbedSparseStream(self, request_iterator, context, call):
+        sparse = EmbedOutput.SPARSE
+        async for response in answer_in_order(request_iterator, lambda r: self._output(r, context, call, sparse)):
+            yield response
 
-    async def EmbedAllStream(self, request_iterator, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, _NOT_SERVED_YET.format(rpc="tei.v1.Embed/EmbedAllStream"))
+    @unary_call
+    async def EmbedAll(self, request, context, call):
+        return await self._output(request, context, call, EmbedOutput.MULTI_VECTOR)
+
+    @stream_call
+    async def EmbedAllStream(self, request_iterator, context, call):
+        vectors = EmbedOutput.MULTI_VECTOR
+        async for response in answer_in_order(request_iterator, lambda r: self._output(r, context, call, vectors)):
+            yield response
 
 
 class PredictServicer(_TeiServicer, pb_grpc.PredictServicer):

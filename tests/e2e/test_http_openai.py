@@ -1,6 +1,6 @@
 """The official openai SDK against our OpenAI-compatible routes: the same answers as gRPC from the same
-server (embeddings float and base64 with `dimensions`; greedy completions and chat, streamed and not), and
-the SDK's own exception for each error."""
+server (embeddings float and base64 with `dimensions`, compact `embedding_type`s and `chunking`; greedy
+completions and chat, streamed and not), and the SDK's own exception for each error."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import openai
 import pytest
 
 from tests.helpers.client import RPC_TIMEOUT_S
-from tests.helpers.compat_http import stub  # noqa: F401 - the fixture
-from tests.helpers.compat_server import EMBEDDER, GENERATOR
+from tests.helpers.compat_http import assert_openai_error, http, stub  # noqa: F401 - the fixtures
+from tests.helpers.compat_server import EMBEDDER, GENERATOR, SPARSE
 
 TEXTS = ["The quick brown fox.", "Servers answer over HTTP and gRPC alike.", "ein kurzer deutscher Satz"]
 
@@ -60,6 +60,46 @@ def test_embeddings_base64_with_dimensions_equal_grpc(client, stub):
     assert got.shape == (2, 64)
     np.testing.assert_array_equal(got, expected)
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-6)
+
+
+EMBEDDING_TYPES = {"float16": "<f2", "int8": "i1", "uint8": "u1", "binary": "i1", "ubinary": "u1"}
+
+
+def test_embedding_types_are_grpcs_bytes(client, stub, http):
+    """encoding_format base64: the bytes gRPC Embed sends in that encoding; float: those values as JSON
+    numbers (ints for the integer encodings); float16 is the float32 vector cast."""
+    floats, _ = _grpc_embed(stub, TEXTS)
+    for name, dtype in EMBEDDING_TYPES.items():
+        wire = _pb().Encoding.Value(f"ENCODING_{name.upper()}")
+        request = _pb().EmbedRequest(model=EMBEDDER, inputs=TEXTS, encoding=wire)
+        raw = [e.raw for e in stub.Embed(request, timeout=RPC_TIMEOUT_S).embeddings]
+        encoded = client.embeddings.create(
+            model=EMBEDDER, input=TEXTS, encoding_format="base64", extra_body={"embedding_type": name}
+        )
+        assert [base64.b64decode(d.embedding) for d in encoded.data] == raw, name
+        listed = http.post("/v1/embeddings", json={"model": EMBEDDER, "input": TEXTS, "embedding_type": name}).json()
+        vectors = [d["embedding"] for d in listed["data"]]
+        assert all(isinstance(x, float if name == "float16" else int) for x in vectors[0]), name
+        np.testing.assert_array_equal(np.array(vectors).astype(dtype), [np.frombuffer(r, dtype) for r in raw])
+        if name == "float16":
+            np.testing.assert_array_equal(np.array(vectors, dtype=np.float16), floats.astype(np.float16))
+    assert len(vectors[0]) == 48  # ubinary: 384 bits
+
+
+def test_chunking_and_refusals(client, stub, http):
+    """chunking "mean" equals gRPC's CHUNKING_MEAN; a model without the dense output, chunked token ids and
+    an unknown embedding_type are 400s in OpenAI's shape, the first naming what the model serves."""
+    long_text = "Chunked text goes on. " * 150
+    reply = client.embeddings.create(model=EMBEDDER, input=[long_text, TEXTS[0]], extra_body={"chunking": "mean"})
+    expected, tokens = _grpc_embed(stub, [long_text, TEXTS[0]], chunking=_pb().CHUNKING_MEAN)
+    np.testing.assert_array_equal(np.array([d.embedding for d in reply.data], dtype=np.float32), expected)
+    assert reply.usage.prompt_tokens == tokens > 256
+    error = assert_openai_error(http.post("/v1/embeddings", json={"model": SPARSE, "input": "x"}), 400)
+    assert "cannot serve Embed; it serves: embed_sparse" in error["message"]
+    ids = http.post("/v1/embeddings", json={"model": EMBEDDER, "input": [101, 102], "chunking": "mean"})
+    assert "token-id" in assert_openai_error(ids, 400)["message"]
+    unknown = http.post("/v1/embeddings", json={"input": "x", "embedding_type": "int4"})
+    assert_openai_error(unknown, 400, "embedding_type")
 
 
 def test_embeddings_of_token_ids_equal_the_text_they_encode(client, stub, compat_server):

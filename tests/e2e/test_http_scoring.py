@@ -74,6 +74,23 @@ def test_tei_rerank_equals_native(stub, http, model):
     assert all(set(r) == {"index", "score"} for r in plain)
 
 
+def test_rerank_chunking_max_equals_native(stub, http):
+    """chunking "max" on a Cohere body and a TEI body: the native CHUNKING_MAX scores, the long document
+    echoed whole; without it the long document is refused."""
+    documents = [DOCUMENTS[0] + " more about zip files" * 200, *DOCUMENTS[1:3]]
+    native = native_rerank(stub, CROSS, QUERY, documents, chunking=pb().CHUNKING_MAX).results
+    cohere = http.post("/v1/rerank", json={"model": CROSS, "query": QUERY, "documents": documents, "chunking": "max"})
+    assert cohere.status_code == 200, cohere.text
+    results = cohere.json()["results"]
+    assert [(r["index"], r["document"]["text"]) for r in results] == [(r.index, documents[r.index]) for r in native]
+    np.testing.assert_allclose([r["relevance_score"] for r in results], [r.score for r in native], atol=1e-6)
+    tei = http.post("/rerank", json={"query": QUERY, "texts": documents, "chunking": "max"},
+                    headers={"x-embedserv-model": CROSS}).json()
+    assert [r["index"] for r in tei] == [r.index for r in native]
+    np.testing.assert_allclose([r["score"] for r in tei], [r.score for r in native], atol=1e-6)
+    assert_openai_error(http.post("/v1/rerank", json={"model": CROSS, "query": QUERY, "documents": documents}), 400)
+
+
 def test_rerank_errors_answer_in_the_body_api_shape(http):
     """On the shared /rerank a TEI body errs as TEI does (422 bad field, 400 empty, 404 unknown model), a
     Cohere body as OpenAI does (400, 404 model_not_found); a body that is not JSON gets OpenAI's 400."""

@@ -1,4 +1,5 @@
-"""text-embeddings-inference's HTTP API (/embed, /predict, /tokenize, /decode, /info, /health) against the
+"""text-embeddings-inference's HTTP API (/embed, /embed_sparse, /embed_all, /predict, /tokenize, /decode,
+/info, /health) against the
 session's compat server: TEI's request fields and defaults, TEI's answer shapes holding the native gRPC
 API's numbers, and TEI's error shape and statuses."""
 
@@ -10,7 +11,7 @@ from tokenizers import Tokenizer
 
 from tests.helpers.client import RPC_TIMEOUT_S, response_matrix
 from tests.helpers.compat_http import assert_tei_error, http, pb, stub  # noqa: F401 (fixtures)
-from tests.helpers.compat_server import CLASSIFIER, CROSS, EMBEDDER, GENERATOR, MAX_CLIENT_BATCH
+from tests.helpers.compat_server import CLASSIFIER, CROSS, EMBEDDER, GENERATOR, MAX_CLIENT_BATCH, SPARSE
 
 TEXTS = ["Hello World, this is TEI!", "zipfile.is_zipfile checks a ZIP archive", "naïve café ☕"]
 
@@ -50,6 +51,35 @@ def test_embed_token_ids(stub, http):
     np.testing.assert_allclose(http.post("/embed", json={"inputs": ids[0]}).json(), expected[:1], atol=1e-5)
     mixed = http.post("/embed", json={"inputs": [TEXTS[0], ids[1]]}).json()
     np.testing.assert_allclose(mixed, expected, atol=1e-5)
+
+
+def test_embed_all_and_embed_sparse_equal_native(stub, http):
+    """/embed_all: each input's token vectors, the native EmbedMultiVector's (the first model with them:
+    MiniLM's last hidden states); /embed_sparse: TEI's [{index, value}] per input, the native EmbedSparse's
+    (the first sparse model), token-id inputs beside texts; a model without the output is TEI's 422."""
+    request = pb().EmbedMultiVectorRequest(model=EMBEDDER, inputs=TEXTS)
+    native = [np.frombuffer(m.raw, "<f4").reshape(m.num_vectors, m.dimension)
+              for m in stub.EmbedMultiVector(request, timeout=RPC_TIMEOUT_S).embeddings]
+    reply = http.post("/embed_all", json={"inputs": TEXTS})
+    assert reply.status_code == 200, reply.text
+    for got, want in zip(reply.json(), native, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+    assert np.asarray(http.post("/embed_all", json={"inputs": TEXTS[0]}).json()).shape == (1, *native[0].shape)
+
+    sparse = stub.EmbedSparse(pb().EmbedSparseRequest(model=SPARSE, inputs=TEXTS), timeout=RPC_TIMEOUT_S).embeddings
+    tokenized = stub.Tokenize(pb().TokenizeRequest(model=SPARSE, inputs=TEXTS[1:2]), timeout=RPC_TIMEOUT_S)
+    ids = [t.id for t in tokenized.inputs[0].tokens]
+    reply = http.post("/embed_sparse", json={"inputs": [TEXTS[0], ids]})
+    assert reply.status_code == 200, reply.text
+    for got, want in zip(reply.json(), sparse[:2], strict=True):
+        assert set(got[0]) == {"index", "value"} and [x["index"] for x in got] == list(want.indices)
+        np.testing.assert_allclose([x["value"] for x in got], want.values, atol=1e-6)
+    assert "cannot serve EmbedSparse; it serves: embed, embed_multi_vector" in assert_tei_error(
+        http.post("/embed_sparse", json={"inputs": "a"}, headers=model_header(EMBEDDER)), 422
+    )
+    assert "it serves: embed_sparse" in assert_tei_error(
+        http.post("/embed_all", json={"inputs": "a"}, headers=model_header(SPARSE)), 422
+    )
 
 
 def test_predict_equals_native(stub, http):
@@ -130,7 +160,7 @@ def test_health(http):
 
 
 def test_errors_in_tei_shape(http):
-    """Empty batch 400, bad field types and limits 422, unknown model 404, unknown routes 404, TEI's shape."""
+    """Empty batch 400, bad field types and limits 422, unknown model 404, TEI's shape."""
     assert_tei_error(http.post("/embed", json={"inputs": []}), 400, "empty")
     assert_tei_error(http.post("/embed", json={"inputs": 5}), 422)
     assert_tei_error(http.post("/embed", json={"inputs": "a", "normalize": "maybe"}), 422)
@@ -143,4 +173,4 @@ def test_errors_in_tei_shape(http):
     assert_tei_error(http.post("/tokenize", json={"inputs": []}), 400, "empty")
     assert_tei_error(http.post("/decode", json={"ids": [[10**9]]}), 422)
     assert_tei_error(http.post("/decode", json={"ids": "abc"}), 422)
-    assert_tei_error(http.post("/embed_all", json={"inputs": "a"}), 404)
+    assert_tei_error(http.post("/embed_all", json={"inputs": []}), 400, "empty")

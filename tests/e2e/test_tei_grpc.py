@@ -1,6 +1,7 @@
 """TEI's gRPC API (tei.v1) on our gRPC port: on the shared compat server, each TEI call answers what our own
 embedserv.v1 call answers for the same text and model; the model is picked with x-embedserv-model metadata
-(else the first served model that can do the task); what we do not serve is refused with the right code."""
+(else the first served model that can do the task: EmbedSparse the tiny SPLADE model's, EmbedAll MiniLM's
+token vectors); what we do not serve is refused with the right code."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from embedserv.tei.v1 import tei_pb2 as pb
 from embedserv.tei.v1 import tei_pb2_grpc as pb_grpc
 from embedserv.v1 import embedserv_pb2 as native_pb
 from tests.helpers.client import RPC_TIMEOUT_S, inference_stub
-from tests.helpers.compat_server import CLASSIFIER, CROSS, EMBEDDER, MAX_CLIENT_BATCH, MAX_CONCURRENT
+from tests.helpers.compat_server import CLASSIFIER, CROSS, EMBEDDER, MAX_CLIENT_BATCH, MAX_CONCURRENT, SPARSE
 
 TEXT = "Check whether a file is a ZIP file"
 DOCUMENTS = ["zipfile.is_zipfile tests a path", "The weather is nice today", "Open a tar archive", "ZIP it"]
@@ -64,6 +65,31 @@ def test_embed_stream_answers_each_request_in_order(tei, native):
     got = np.array([r.embeddings for r in responses], dtype=np.float32)
     np.testing.assert_allclose(got, _native_embeddings(native, TEXTS), atol=1e-6)
     assert [r.metadata.compute_chars for r in responses] == [len(t) for t in TEXTS]
+
+
+def test_embed_all_equals_native_multi_vector(tei, native):
+    response = tei["Embed"].EmbedAll(pb.EmbedAllRequest(inputs=TEXT), timeout=RPC_TIMEOUT_S)
+    request = native_pb.EmbedMultiVectorRequest(model=EMBEDDER, inputs=[TEXT, *TEXTS[:2]])
+    reply = native.EmbedMultiVector(request, timeout=RPC_TIMEOUT_S)
+    want = [np.frombuffer(m.raw, "<f4").reshape(m.num_vectors, m.dimension) for m in reply.embeddings]
+    np.testing.assert_allclose([t.embeddings for t in response.token_embeddings], want[0], atol=1e-5)
+    assert response.metadata.compute_chars == len(TEXT) and response.metadata.compute_tokens == len(want[0])
+    streamed = tei["Embed"].EmbedAllStream(iter(pb.EmbedAllRequest(inputs=t) for t in TEXTS[:2]), timeout=RPC_TIMEOUT_S)
+    for got, expected in zip(streamed, want[1:], strict=True):
+        np.testing.assert_allclose([t.embeddings for t in got.token_embeddings], expected, atol=1e-5)
+
+
+def test_embed_sparse_equals_native_sparse(tei, native):
+    """Without metadata, the first served model with the sparse output answers."""
+    request = native_pb.EmbedSparseRequest(model=SPARSE, inputs=[TEXT, *TEXTS[:2]])
+    want = native.EmbedSparse(request, timeout=RPC_TIMEOUT_S).embeddings
+    response = tei["Embed"].EmbedSparse(pb.EmbedSparseRequest(inputs=TEXT), timeout=RPC_TIMEOUT_S)
+    streamed = list(tei["Embed"].EmbedSparseStream(
+        iter(pb.EmbedSparseRequest(inputs=t) for t in TEXTS[:2]), timeout=RPC_TIMEOUT_S
+    ))
+    for got, expected in zip([response, *streamed], want, strict=True):
+        assert [v.index for v in got.sparse_embeddings] == list(expected.indices) and expected.indices
+        np.testing.assert_allclose([v.value for v in got.sparse_embeddings], expected.values, atol=1e-6)
 
 
 def test_predict_equals_native_classify_best_first(tei, native):
@@ -232,12 +258,13 @@ BAD_CALLS = {
         lambda t: t["Predict"].PredictPair(pb.PredictPairRequest(inputs=["a", "b", "c"])), "INVALID_ARGUMENT", "pair"
     ),
     "no ids": (lambda t: t["Tokenize"].Decode(pb.DecodeRequest()), "INVALID_ARGUMENT", "ids"),
-    "sparse": (
-        lambda t: t["Embed"].EmbedSparse(pb.EmbedSparseRequest(inputs=TEXT)), "UNIMPLEMENTED", "not served yet"
+    "sparse from a dense model": (
+        lambda t: t["Embed"].EmbedSparse(pb.EmbedSparseRequest(inputs=TEXT), metadata=_model(EMBEDDER)),
+        "INVALID_ARGUMENT", "cannot serve embedsparse; it serves: embed, embed_multi_vector",
     ),
-    "token embeddings stream": (
-        lambda t: list(t["Embed"].EmbedAllStream(iter([pb.EmbedAllRequest(inputs=TEXT)]))),
-        "UNIMPLEMENTED", "not served yet",
+    "token embeddings from a sparse model": (
+        lambda t: list(t["Embed"].EmbedAllStream(iter([pb.EmbedAllRequest(inputs=TEXT)]), metadata=_model(SPARSE))),
+        "INVALID_ARGUMENT", "it serves: embed_sparse",
     ),
 }
 

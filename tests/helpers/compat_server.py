@@ -3,8 +3,9 @@ ports, and a model for each task, built once a session.
 
 Models in --model order (TEI's routes pick the first that serves their task unless the x-embedserv-model
 header names one): the bundled MiniLM (embed, and rerank by cosine), a tiny BERT cross-encoder (rerank), a
-tiny 3-label XLM-R classifier (classify) and a tiny Qwen2 LM with a chat template and a tokenizer that adds
-no special tokens (generate), so a chat prompt's tokens equal the rendered template's.
+tiny 3-label XLM-R classifier (classify), a tiny Qwen2 LM with a chat template and a tokenizer that adds
+no special tokens (generate), so a chat prompt's tokens equal the rendered template's, and a tiny SPLADE
+SparseEncoder over MiniLM's vocabulary (the sparse output; MiniLM gives dense and multi-vector).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from pathlib import Path
 
 from tests.helpers.models import build_tiny_generator, bundled_model_dir
 from tests.helpers.scorers import build_cross_encoder
+from tests.helpers.sparse_models import build_splade_encoder
 
-EMBEDDER, CROSS, CLASSIFIER, GENERATOR = "minilm", "tiny-ce", "tiny-cls", "tiny-lm"
+EMBEDDER, CROSS, CLASSIFIER, GENERATOR, SPARSE = "minilm", "tiny-ce", "tiny-cls", "tiny-lm", "tiny-splade"
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
@@ -55,6 +57,7 @@ def build_models(root: Path) -> dict[str, Path]:
         CROSS: build_cross_encoder(root, "bert"),
         CLASSIFIER: build_cross_encoder(root, "xlm-roberta", num_labels=3),
         GENERATOR: build_chat_generator(root),
+        SPARSE: build_splade_encoder(root, "bert", "max", "relu"),
     }
 
 

@@ -13,12 +13,14 @@ from embedserv_client.options import NO_RETRY, RetryPolicy, Tls
 from embedserv_client.streams import AsyncTextStream, TextStream
 from embedserv_client.types import (
     Classification,
+    EmbedOutputs,
     EmbedservError,
     KvCache,
     KvSharing,
     Limits,
     ModelInfo,
     RerankResult,
+    SparseEmbedding,
     Token,
     Usage,
 )
@@ -31,6 +33,7 @@ __all__ = [
     "AsyncTextStream",
     "Classification",
     "Client",
+    "EmbedOutputs",
     "EmbedservError",
     "KvCache",
     "KvSharing",
@@ -38,6 +41,7 @@ __all__ = [
     "ModelInfo",
     "RerankResult",
     "RetryPolicy",
+    "SparseEmbedding",
     "TextStream",
     "Tls",
     "Token",

@@ -15,7 +15,16 @@ from embedserv_client import plans
 from embedserv_client.base import ClientSettings
 from embedserv_client.options import RetryPolicy, Tls, time_left
 from embedserv_client.streams import AsyncTextStream
-from embedserv_client.types import Classification, Limits, ModelInfo, RerankResult, Token, error_from
+from embedserv_client.types import (
+    Classification,
+    EmbedOutputs,
+    Limits,
+    ModelInfo,
+    RerankResult,
+    SparseEmbedding,
+    Token,
+    error_from,
+)
 from embedserv_client.v1 import embedserv_pb2 as pb
 from embedserv_client.v1 import embedserv_pb2_grpc as pb_grpc
 
@@ -57,11 +66,16 @@ class AsyncClient(ClientSettings):
         truncation_direction: str = "right",
         dimensions: int | None = None,
         prompt_name: str | None = None,
+        encoding: str = "float32",
+        outputs: Sequence[str] | str | None = None,
+        chunking: str | None = None,
+        sparse_top_k: int | None = None,
         timeout: float | None = None,
-    ) -> np.ndarray:
+    ) -> np.ndarray | EmbedOutputs:
         items, single = plans.as_list(texts, "texts")
         fields = plans.embed_fields(
-            self.model_name(model), normalize, truncate, truncation_direction, dimensions, prompt_name
+            self.model_name(model), normalize, truncate, truncation_direction, dimensions, prompt_name,
+            encoding, outputs, chunking, sparse_top_k,
         )
         deadline = self.deadline(timeout)
         return await self._run(plans.embed_plan(items, await self._batch_size(deadline), single, **fields), deadline)
@@ -76,14 +90,47 @@ class AsyncClient(ClientSettings):
         raw_scores: bool = False,
         truncate: bool = False,
         instruction: str = "",
+        chunking: str | None = None,
         model: str | None = None,
         timeout: float | None = None,
     ) -> list[RerankResult]:
         items, _ = plans.as_list(documents, "documents")
-        fields = self.rerank_fields(model, return_documents, raw_scores, truncate, instruction)
+        fields = self.rerank_fields(model, return_documents, raw_scores, truncate, instruction, chunking)
         deadline = self.deadline(timeout)
         size = await self._batch_size(deadline)
         return await self._run(plans.rerank_plan(query, items, size, top_n, **fields), deadline)
+
+    async def embed_sparse(
+        self,
+        texts: str | Sequence[str],
+        *,
+        top_k: int | None = None,
+        truncate: bool = False,
+        truncation_direction: str = "right",
+        prompt_name: str | None = None,
+        model: str | None = None,
+        timeout: float | None = None,
+    ) -> SparseEmbedding | list[SparseEmbedding]:
+        items, single = plans.as_list(texts, "texts")
+        fields = self.sparse_fields(model, top_k, truncate, truncation_direction, prompt_name)
+        deadline = self.deadline(timeout)
+        size = await self._batch_size(deadline)
+        return await self._run(plans.embed_sparse_plan(items, size, single, **fields), deadline)
+
+    async def embed_multi_vector(
+        self,
+        texts: str | Sequence[str],
+        *,
+        prompt_name: str | None = None,
+        truncate: bool = False,
+        model: str | None = None,
+        timeout: float | None = None,
+    ) -> np.ndarray | list[np.ndarray]:
+        items, single = plans.as_list(texts, "texts")
+        fields = self.multi_vector_fields(model, truncate, prompt_name)
+        deadline = self.deadline(timeout)
+        size = await self._batch_size(deadline)
+        return await self._run(plans.embed_multi_vector_plan(items, size, single, **fields), deadline)
 
     async def classify(
         self,
@@ -160,19 +207,19 @@ class AsyncClient(ClientSettings):
         async def requests():
             if isinstance(batches, AsyncIterable):
                 async for batch in batches:
-                    yield pb.EmbedRequest(inputs=list(batch), encoding=pb.ENCODING_BYTES, **fields)
+                    yield pb.EmbedRequest(inputs=list(batch), **fields)
             else:
                 for batch in batches:
-                    yield pb.EmbedRequest(inputs=list(batch), encoding=pb.ENCODING_BYTES, **fields)
+                    yield pb.EmbedRequest(inputs=list(batch), **fields)
 
         call = self._stub.EmbedStream(requests(), timeout=time_left(self.deadline(timeout)), metadata=self.metadata)
-        return self._stream_matrices(call)
+        return self._stream_matrices(call, fields["encoding"])
 
     @staticmethod
-    async def _stream_matrices(call) -> AsyncIterator[np.ndarray]:
+    async def _stream_matrices(call, wire: int) -> AsyncIterator[np.ndarray]:
         try:
             async for reply in call:
-                yield plans.embedding_matrix([reply])
+                yield plans.embedding_matrix([reply], wire)
         except grpc.RpcError as err:
             raise error_from(err) from None
         finally:

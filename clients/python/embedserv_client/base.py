@@ -70,9 +70,15 @@ class ClientSettings:
             params.pop("truncation_direction", "right"),
             params.pop("dimensions", None),
             params.pop("prompt_name", None),
+            params.pop("encoding", "float32"),
+            None,
+            params.pop("chunking", None),
         )
         if params:
-            raise TypeError(f"embed_stream() got unexpected arguments: {', '.join(sorted(params))}")
+            raise TypeError(
+                f"embed_stream() got unexpected arguments: {', '.join(sorted(params))} (it returns dense matrices: "
+                "embed()'s options but outputs and sparse_top_k)"
+            )
         return fields
 
     def requests_in_flight(self, plan: plans.Plan) -> int:
@@ -84,7 +90,13 @@ class ClientSettings:
         return max(1, min(self.parallel_requests, fits))
 
     def rerank_fields(
-        self, model: str | None, return_documents: bool, raw_scores: bool, truncate: bool, instruction: str
+        self,
+        model: str | None,
+        return_documents: bool,
+        raw_scores: bool,
+        truncate: bool,
+        instruction: str,
+        chunking: str | None = None,
     ) -> dict:
         return dict(
             model=self.model_name(model),
@@ -92,7 +104,31 @@ class ClientSettings:
             raw_scores=raw_scores,
             truncate=truncate,
             instruction=instruction,
+            chunking=plans.chunking(chunking, "rerank"),
         )
+
+    def sparse_fields(
+        self,
+        model: str | None,
+        top_k: int | None,
+        truncate: bool,
+        truncation_direction: str,
+        prompt_name: str | None,
+    ) -> dict:
+        fields = dict(
+            model=self.model_name(model), truncate=truncate, truncation_direction=plans.direction(truncation_direction)
+        )
+        if top_k is not None:
+            fields["top_k"] = top_k
+        if prompt_name:
+            fields["prompt_name"] = prompt_name
+        return fields
+
+    def multi_vector_fields(self, model: str | None, truncate: bool, prompt_name: str | None) -> dict:
+        fields = dict(model=self.model_name(model), truncate=truncate)
+        if prompt_name:
+            fields["prompt_name"] = prompt_name
+        return fields
 
     def classify_fields(
         self,

@@ -15,6 +15,7 @@ import sys
 
 from embedserv_client.client import Client
 from embedserv_client.options import Tls
+from embedserv_client.plans import ENCODINGS
 from embedserv_client.types import EmbedservError
 
 
@@ -40,12 +41,25 @@ def _parser() -> argparse.ArgumentParser:
     embed.add_argument("--no-normalize", action="store_true")
     embed.add_argument("--truncate", action="store_true")
     embed.add_argument("--prompt-name")
+    embed.add_argument("--encoding", default="float32", choices=list(ENCODINGS), help="default: float32")
+    embed.add_argument("--chunking", choices=["mean"], help="embed inputs past the model's limit by windows")
+
+    sparse = commands.add_parser("embed-sparse", help="sparse vectors: {indices, values} per text")
+    sparse.add_argument("texts", nargs="+", metavar="TEXT")
+    sparse.add_argument("--top-k", type=int, help="keep each text's largest values")
+    sparse.add_argument("--truncate", action="store_true")
+
+    multi = commands.add_parser("embed-multi-vector", help="token vectors: a [num_vectors, dim] list per text")
+    multi.add_argument("texts", nargs="+", metavar="TEXT")
+    multi.add_argument("--prompt-name", help='"query" or "document" for late-interaction models')
+    multi.add_argument("--truncate", action="store_true")
 
     rerank = commands.add_parser("rerank", help="score documents against a query, best first")
     rerank.add_argument("query")
     rerank.add_argument("documents", nargs="+", metavar="DOCUMENT")
     rerank.add_argument("--top-n", type=int)
     rerank.add_argument("--truncate", action="store_true")
+    rerank.add_argument("--chunking", choices=["max"], help="score a too-long document by its best window")
 
     classify = commands.add_parser("classify", help="label texts")
     classify.add_argument("texts", nargs="+", metavar="TEXT")
@@ -87,10 +101,20 @@ def _run(client: Client, args: argparse.Namespace) -> tuple[dict, int]:
             truncate=args.truncate,
             dimensions=args.dimensions,
             prompt_name=args.prompt_name,
+            encoding=args.encoding,
+            chunking=args.chunking,
         )
         return {"embeddings": matrix.tolist()}, 0
+    if args.command == "embed-sparse":
+        vectors = client.embed_sparse(args.texts, top_k=args.top_k, truncate=args.truncate)
+        return {"embeddings": [{"indices": i.tolist(), "values": v.tolist()} for i, v in vectors]}, 0
+    if args.command == "embed-multi-vector":
+        arrays = client.embed_multi_vector(args.texts, prompt_name=args.prompt_name, truncate=args.truncate)
+        return {"embeddings": [a.tolist() for a in arrays]}, 0
     if args.command == "rerank":
-        results = client.rerank(args.query, args.documents, top_n=args.top_n, truncate=args.truncate)
+        results = client.rerank(
+            args.query, args.documents, top_n=args.top_n, truncate=args.truncate, chunking=args.chunking
+        )
         return {"results": [dataclasses.asdict(r) | {"document": args.documents[r.index]} for r in results]}, 0
     if args.command == "classify":
         classifications = client.classify(

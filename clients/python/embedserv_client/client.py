@@ -15,7 +15,16 @@ from embedserv_client import plans
 from embedserv_client.base import ClientSettings
 from embedserv_client.options import RetryPolicy, Tls, time_left
 from embedserv_client.streams import TextStream
-from embedserv_client.types import Classification, Limits, ModelInfo, RerankResult, Token, error_from
+from embedserv_client.types import (
+    Classification,
+    EmbedOutputs,
+    Limits,
+    ModelInfo,
+    RerankResult,
+    SparseEmbedding,
+    Token,
+    error_from,
+)
 from embedserv_client.v1 import embedserv_pb2 as pb
 from embedserv_client.v1 import embedserv_pb2_grpc as pb_grpc
 
@@ -69,12 +78,21 @@ class Client(ClientSettings):
         truncation_direction: str = "right",
         dimensions: int | None = None,
         prompt_name: str | None = None,
+        encoding: str = "float32",
+        outputs: Sequence[str] | str | None = None,
+        chunking: str | None = None,
+        sparse_top_k: int | None = None,
         timeout: float | None = None,
-    ) -> np.ndarray:
-        """float32 embeddings: [len(texts), dimension], or [dimension] for one string."""
+    ) -> np.ndarray | EmbedOutputs:
+        """Embeddings: [len(texts), dimension], or [dimension] for one string, float32 unless `encoding` says
+        "float16", "int8" / "uint8" (the model's calibration ranges) or "binary" / "ubinary" (packed bits,
+        int8 / uint8, [n, ceil(dimension / 8)]). `chunking="mean"` embeds inputs past the model's limit by
+        windows. `outputs` (some of "dense", "sparse", "multi_vector", from one forward pass) returns an
+        EmbedOutputs instead; `sparse_top_k` keeps the largest values of the sparse output."""
         items, single = plans.as_list(texts, "texts")
         fields = plans.embed_fields(
-            self.model_name(model), normalize, truncate, truncation_direction, dimensions, prompt_name
+            self.model_name(model), normalize, truncate, truncation_direction, dimensions, prompt_name,
+            encoding, outputs, chunking, sparse_top_k,
         )
         deadline = self.deadline(timeout)
         return self._run(plans.embed_plan(items, self._batch_size(deadline), single, **fields), deadline)
@@ -89,14 +107,51 @@ class Client(ClientSettings):
         raw_scores: bool = False,
         truncate: bool = False,
         instruction: str = "",
+        chunking: str | None = None,
         model: str | None = None,
         timeout: float | None = None,
     ) -> list[RerankResult]:
-        """The documents scored against the query, best first (the best `top_n` if given)."""
+        """The documents scored against the query, best first (the best `top_n` if given). `chunking="max"`
+        scores a document that does not fit beside the query by its best window."""
         items, _ = plans.as_list(documents, "documents")
-        fields = self.rerank_fields(model, return_documents, raw_scores, truncate, instruction)
+        fields = self.rerank_fields(model, return_documents, raw_scores, truncate, instruction, chunking)
         deadline = self.deadline(timeout)
         return self._run(plans.rerank_plan(query, items, self._batch_size(deadline), top_n, **fields), deadline)
+
+    def embed_sparse(
+        self,
+        texts: str | Sequence[str],
+        *,
+        top_k: int | None = None,
+        truncate: bool = False,
+        truncation_direction: str = "right",
+        prompt_name: str | None = None,
+        model: str | None = None,
+        timeout: float | None = None,
+    ) -> SparseEmbedding | list[SparseEmbedding]:
+        """Sparse vectors over the vocabulary (models with the sparse output): a SparseEmbedding(indices,
+        values) per text, or one for one string; `top_k` keeps each text's largest values."""
+        items, single = plans.as_list(texts, "texts")
+        fields = self.sparse_fields(model, top_k, truncate, truncation_direction, prompt_name)
+        deadline = self.deadline(timeout)
+        return self._run(plans.embed_sparse_plan(items, self._batch_size(deadline), single, **fields), deadline)
+
+    def embed_multi_vector(
+        self,
+        texts: str | Sequence[str],
+        *,
+        prompt_name: str | None = None,
+        truncate: bool = False,
+        model: str | None = None,
+        timeout: float | None = None,
+    ) -> np.ndarray | list[np.ndarray]:
+        """Token vectors: a [num_vectors, dim] float32 array per text, or one for one string. `prompt_name`:
+        "query" or "document" for late-interaction models, else the model's own prompt names."""
+        items, single = plans.as_list(texts, "texts")
+        fields = self.multi_vector_fields(model, truncate, prompt_name)
+        deadline = self.deadline(timeout)
+        plan = plans.embed_multi_vector_plan(items, self._batch_size(deadline), single, **fields)
+        return self._run(plan, deadline)
 
     def classify(
         self,
@@ -169,15 +224,15 @@ class Client(ClientSettings):
         """One EmbedStream call: a matrix per batch, in order. Batches are sent as given (each must fit
         the server's batch limit) and the stream is not retried. `params` as for embed()."""
         fields = self.stream_fields(params)
-        requests = (pb.EmbedRequest(inputs=list(b), encoding=pb.ENCODING_BYTES, **fields) for b in batches)
+        requests = (pb.EmbedRequest(inputs=list(b), **fields) for b in batches)
         replies = self._stub.EmbedStream(requests, timeout=time_left(self.deadline(timeout)), metadata=self.metadata)
-        return self._stream_matrices(replies)
+        return self._stream_matrices(replies, fields["encoding"])
 
     @staticmethod
-    def _stream_matrices(replies) -> Iterator[np.ndarray]:
+    def _stream_matrices(replies, wire: int) -> Iterator[np.ndarray]:
         try:
             for reply in replies:
-                yield plans.embedding_matrix([reply])
+                yield plans.embedding_matrix([reply], wire)
         except grpc.RpcError as err:
             raise error_from(err) from None
         finally:

@@ -11,10 +11,30 @@ from typing import Any
 
 import numpy as np
 
-from embedserv_client.types import Classification, RerankResult, Token
+from embedserv_client.types import (
+    OUTPUTS,
+    Classification,
+    EmbedOutputs,
+    RerankResult,
+    SparseEmbedding,
+    Token,
+    multi_vector,
+)
 from embedserv_client.v1 import embedserv_pb2 as pb
 
 _DIRECTIONS = {"right": pb.TRUNCATION_DIRECTION_RIGHT, "left": pb.TRUNCATION_DIRECTION_LEFT}
+# encoding name -> (the wire encoding, the dtype of Embedding.raw). binary / ubinary are packed bits, 8
+# dimensions a byte (most significant bit first), as int8 (each byte minus 128) / uint8.
+ENCODINGS = {
+    "float32": (pb.ENCODING_BYTES, "<f4"),
+    "float16": (pb.ENCODING_FLOAT16, "<f2"),
+    "int8": (pb.ENCODING_INT8, "i1"),
+    "uint8": (pb.ENCODING_UINT8, "u1"),
+    "binary": (pb.ENCODING_BINARY, "i1"),
+    "ubinary": (pb.ENCODING_UBINARY, "u1"),
+}
+_RAW_DTYPES = {wire: np.dtype(dtype) for wire, dtype in ENCODINGS.values()}
+_CHUNKING = {"embed": ("mean", pb.CHUNKING_MEAN), "rerank": ("max", pb.CHUNKING_MAX)}
 
 
 @dataclass(frozen=True)
@@ -47,20 +67,56 @@ def direction(value: str) -> int:
     return _DIRECTIONS[value]
 
 
-def embedding_matrix(replies: list[pb.EmbedResponse]) -> np.ndarray:
-    """[n, d] float32 from ENCODING_BYTES replies (little-endian float32 rows)."""
-    rows = [np.frombuffer(e.raw, dtype="<f4") for reply in replies for e in reply.embeddings]
+def encoding(name: str) -> int:
+    if name not in ENCODINGS:
+        raise ValueError(f"encoding must be one of {', '.join(ENCODINGS)}, not {name!r}")
+    return ENCODINGS[name][0]
+
+
+def chunking(value: str | None, call: str) -> int:
+    """None / "none", or the call's one mode: "mean" for embed, "max" for rerank."""
+    mode, wire = _CHUNKING[call]
+    if value in (None, "none"):
+        return pb.CHUNKING_NONE
+    if value != mode:
+        raise ValueError(f"{call} chunking must be {mode!r} (or None), not {value!r}")
+    return wire
+
+
+def outputs(names: Sequence[str] | str) -> list[int]:
+    names = [names] if isinstance(names, str) else list(names)
+    unknown = [n for n in names if n not in OUTPUTS]
+    if unknown or not names:
+        raise ValueError(f"outputs must name some of {', '.join(OUTPUTS)}, not {names!r}")
+    return [OUTPUTS[n] for n in names]
+
+
+def embedding_matrix(replies: list[pb.EmbedResponse], wire: int = pb.ENCODING_BYTES) -> np.ndarray:
+    """[n, d] from replies in the raw encoding `wire`: float32, float16, int8 or uint8 (packed bits: d / 8)."""
+    dtype = _RAW_DTYPES[wire]
+    rows = [np.frombuffer(e.raw, dtype=dtype) for reply in replies for e in reply.embeddings]
     if not rows:
-        return np.zeros((0, 0), dtype=np.float32)
-    return np.stack(rows).astype(np.float32, copy=False)
+        return np.zeros((0, 0), dtype=dtype.newbyteorder("="))
+    return np.stack(rows).astype(dtype.newbyteorder("="), copy=False)
 
 
 def embed_plan(texts: list[str], size: int, single: bool, **fields) -> Plan:
-    requests = [pb.EmbedRequest(inputs=part, encoding=pb.ENCODING_BYTES, **fields) for part in chunks(texts, size)]
+    """Without `outputs` in fields, the call's result is the dense matrix; with them, an EmbedOutputs."""
+    requests = [pb.EmbedRequest(inputs=part, **fields) for part in chunks(texts, size)]
+    wire, wanted = fields["encoding"], fields.get("outputs")
 
-    def merge(replies: list[pb.EmbedResponse]) -> np.ndarray:
-        matrix = embedding_matrix(replies)
-        return matrix[0] if single else matrix
+    def merge(replies: list[pb.EmbedResponse]) -> np.ndarray | EmbedOutputs:
+        matrix = embedding_matrix(replies, wire)
+        if not wanted:
+            return matrix[0] if single else matrix
+        sparse = [SparseEmbedding.from_proto(e) for reply in replies for e in reply.sparse_embeddings]
+        vectors = [multi_vector(m) for reply in replies for m in reply.multi_vectors]
+        pick = (lambda items: items[0]) if single else (lambda items: items)
+        return EmbedOutputs(
+            dense=pick(matrix) if pb.OUTPUT_DENSE in wanted else None,
+            sparse=pick(sparse) if pb.OUTPUT_SPARSE in wanted else None,
+            multi_vector=pick(vectors) if pb.OUTPUT_MULTI_VECTOR in wanted else None,
+        )
 
     return Plan("Embed", requests, merge, min(size, len(texts)))
 
@@ -72,15 +128,49 @@ def embed_fields(
     truncation_direction: str,
     dimensions: int | None,
     prompt_name: str | None,
+    encoding_name: str = "float32",
+    output_names: Sequence[str] | str | None = None,
+    chunking_mode: str | None = None,
+    sparse_top_k: int | None = None,
 ) -> dict:
-    fields = dict(model=model, truncate=truncate, truncation_direction=direction(truncation_direction))
+    fields = dict(
+        model=model,
+        truncate=truncate,
+        truncation_direction=direction(truncation_direction),
+        encoding=encoding(encoding_name),
+        chunking=chunking(chunking_mode, "embed"),
+    )
     if normalize is not None:
         fields["normalize"] = normalize
     if dimensions is not None:
         fields["dimensions"] = dimensions
     if prompt_name:
         fields["prompt_name"] = prompt_name
+    if output_names is not None:
+        fields["outputs"] = outputs(output_names)
+    if sparse_top_k is not None:
+        fields["sparse_top_k"] = sparse_top_k
     return fields
+
+
+def embed_sparse_plan(texts: list[str], size: int, single: bool, **fields) -> Plan:
+    requests = [pb.EmbedSparseRequest(inputs=part, **fields) for part in chunks(texts, size)]
+
+    def merge(replies: list[pb.EmbedSparseResponse]) -> SparseEmbedding | list[SparseEmbedding]:
+        results = [SparseEmbedding.from_proto(e) for reply in replies for e in reply.embeddings]
+        return results[0] if single else results
+
+    return Plan("EmbedSparse", requests, merge, min(size, len(texts)))
+
+
+def embed_multi_vector_plan(texts: list[str], size: int, single: bool, **fields) -> Plan:
+    requests = [pb.EmbedMultiVectorRequest(inputs=part, **fields) for part in chunks(texts, size)]
+
+    def merge(replies: list[pb.EmbedMultiVectorResponse]) -> np.ndarray | list[np.ndarray]:
+        results = [multi_vector(m) for reply in replies for m in reply.embeddings]
+        return results[0] if single else results
+
+    return Plan("EmbedMultiVector", requests, merge, min(size, len(texts)))
 
 
 def rerank_plan(query: str, documents: list[str], size: int, top_n: int | None, **fields) -> Plan:

@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import grpc
+import numpy as np
 
 from embedserv_client.v1 import embedserv_pb2 as pb
 
-_TASKS = {pb.TASK_EMBED: "embed", pb.TASK_RERANK: "rerank", pb.TASK_CLASSIFY: "classify", pb.TASK_GENERATE: "generate"}
+_TASKS = {
+    pb.TASK_EMBED: "embed",
+    pb.TASK_RERANK: "rerank",
+    pb.TASK_CLASSIFY: "classify",
+    pb.TASK_GENERATE: "generate",
+    pb.TASK_EMBED_SPARSE: "embed_sparse",
+    pb.TASK_EMBED_MULTI_VECTOR: "embed_multi_vector",
+}
+# Embed's outputs by the names the client takes and reports.
+OUTPUTS = {"dense": pb.OUTPUT_DENSE, "sparse": pb.OUTPUT_SPARSE, "multi_vector": pb.OUTPUT_MULTI_VECTOR}
+_OUTPUT_NAMES = {value: name for name, value in OUTPUTS.items()}
 _ATTENTION = {pb.ATTENTION_KIND_BIDIRECTIONAL: "bidirectional", pb.ATTENTION_KIND_CAUSAL: "causal"}
 FINISH_REASONS = {
     pb.FINISH_REASON_LENGTH: "length",
@@ -92,6 +104,11 @@ class ModelInfo:
     kv_cache: KvCache | None = None
     is_encoder_decoder: bool = False
     kv_sharing: KvSharing | None = None
+    # What embed() can return ("dense", "sparse", "multi_vector"; empty for models that do not embed), the
+    # sparse output's dimension (the vocabulary size) and the multi-vector output's per-vector dimension.
+    outputs: tuple[str, ...] = ()
+    sparse_dimension: int = 0
+    multi_vector_dimension: int = 0
 
     @classmethod
     def from_proto(cls, m: pb.ModelInfo) -> ModelInfo:
@@ -122,7 +139,45 @@ class ModelInfo:
                 if m.HasField("kv_sharing")
                 else None
             ),
+            outputs=tuple(_OUTPUT_NAMES[o] for o in m.outputs if o in _OUTPUT_NAMES),
+            sparse_dimension=m.sparse_dimension,
+            multi_vector_dimension=m.multi_vector_dimension,
         )
+
+
+class SparseEmbedding(NamedTuple):
+    """One input's sparse vector: vocabulary ids (int64, ascending) and their float32 values, non-zero only.
+    A tuple, so `indices, values = client.embed_sparse(text)` works."""
+
+    indices: np.ndarray
+    values: np.ndarray
+
+    @classmethod
+    def from_proto(cls, e: pb.SparseEmbedding) -> SparseEmbedding:
+        return cls(np.asarray(e.indices, dtype=np.int64), np.asarray(e.values, dtype=np.float32))
+
+    def to_dense(self, dimension: int) -> np.ndarray:
+        """The vector as a float32 array of `dimension` (the model's sparse_dimension)."""
+        dense = np.zeros(dimension, dtype=np.float32)
+        dense[self.indices] = self.values
+        return dense
+
+
+def multi_vector(m: pb.MultiVector) -> np.ndarray:
+    """[num_vectors, dimension] float32 from a MultiVector (little-endian float32 rows), writable."""
+    return np.frombuffer(m.raw, dtype="<f4").reshape(m.num_vectors, m.dimension).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class EmbedOutputs:
+    """What embed(outputs=[...]) returns: each output asked for, in input order; None for those not asked.
+
+    `dense`: [n, d] in the call's encoding's dtype; `sparse`: a SparseEmbedding per input; `multi_vector`: a
+    [num_vectors, dim] float32 array per input. For one string: [d], one SparseEmbedding, one array."""
+
+    dense: np.ndarray | None = None
+    sparse: list[SparseEmbedding] | SparseEmbedding | None = None
+    multi_vector: list[np.ndarray] | np.ndarray | None = None
 
 
 @dataclass(frozen=True)

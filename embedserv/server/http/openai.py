@@ -2,8 +2,9 @@
 
 Shapes follow OpenAI's API reference, so the openai SDK, LangChain, LlamaIndex and Haystack clients work by
 changing their base URL. Extensions a client may send beside OpenAI's fields: `truncate` (cut inputs past
-the model's limit instead of refusing them), `prompt_name` (a sentence-transformers prompt) and
-`normalize` (default true, as OpenAI's vectors are unit length).
+the model's limit instead of refusing them), `prompt_name` (a sentence-transformers prompt),
+`normalize` (default true, as OpenAI's vectors are unit length), `embedding_type` (a compact encoding of the
+vectors, see `embeddings`) and `chunking` ("mean": texts past the model's limit are embedded by windows).
 """
 
 from __future__ import annotations
@@ -12,15 +13,15 @@ import base64
 import time
 from typing import Literal
 
+import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import Field
 
-from embedserv.engine.outputs import to_little_endian_bytes
-from embedserv.errors import ModelNotFound
+from embedserv.errors import InvalidInput, ModelNotFound
 from embedserv.server.http.common import Body, call_of, engine_named, frontend_of
 from embedserv.server.http.errors import JSON
 from embedserv.server.http.openai_generate import router as generation_router
-from embedserv.types import EmbedParams, ModelInfo, TruncationDirection
+from embedserv.types import EmbedParams, Encoding, ModelInfo, TruncationDirection
 
 router = APIRouter()
 router.include_router(generation_router)
@@ -38,12 +39,21 @@ class EmbeddingsBody(Body):
     truncate: bool = Field(False, description="Extension: cut inputs past the model's limit instead of refusing.")
     prompt_name: str | None = Field(None, description="Extension: a prompt of the model's sentence-transformers config.")
     normalize: bool = Field(True, description="Extension: L2-normalize each vector.")
+    embedding_type: Literal["float32", "float16", "int8", "uint8", "binary", "ubinary"] = Field(
+        "float32",
+        description="Extension: the vectors' encoding (float32, float16, int8/uint8 against the model's calibration "
+        "ranges, binary/ubinary packed bits); with encoding_format float integers come as lists of ints, with base64 "
+        "the raw little-endian bytes.",
+    )
+    chunking: Literal["mean"] | None = Field(
+        None, description="Extension: mean embeds texts past the model's limit by windows (token-count-weighted mean)."
+    )
 
 
 class EmbeddingItem(Body):
     object: Literal["embedding"] = "embedding"
     index: int
-    embedding: list[float] | str
+    embedding: list[float] | list[int] | str
 
 
 class Usage(Body):
@@ -64,6 +74,13 @@ def _is_token_ids(value: object) -> bool:
 
 @router.post("/v1/embeddings", response_model=EmbeddingsResponse, tags=["OpenAI"])
 async def embeddings(request: Request, body: EmbeddingsBody):
+    """OpenAI's embeddings. `embedding_type` (an extension; default float32) picks the vectors' encoding:
+    float16 (the float32 values cast), int8 / uint8 (each dimension's bucket of 256 between the model's
+    calibration minimum and maximum, as sentence-transformers' quantize_embeddings), binary / ubinary (one bit
+    per dimension, value > 0, packed 8 to a byte, most significant bit first: [ceil(dimension / 8)] int8 /
+    uint8). With encoding_format float each embedding is a list of numbers (floats for float32 / float16,
+    ints for the rest); with base64, the base64 of its raw little-endian bytes (4, 2 or 1 per value).
+    `chunking: "mean"` (an extension, text inputs only) embeds texts past the model's limit by windows."""
     frontend = frontend_of(request)
     engine = engine_named(request, body.model)
     params = EmbedParams(
@@ -72,9 +89,13 @@ async def embeddings(request: Request, body: EmbeddingsBody):
         truncation_direction=TruncationDirection.RIGHT,
         dimensions=body.dimensions,
         prompt_name=body.prompt_name,
+        chunking=body.chunking == "mean",
+        encoding=Encoding(body.embedding_type),
     )
     inputs = body.input if isinstance(body.input, list) else [body.input]
     if _is_token_ids(inputs):
+        if params.chunking:
+            raise InvalidInput("chunking applies to text inputs; token-id inputs are used as given")
         token_ids = [inputs] if isinstance(inputs[0], int) else inputs
         frontend.check_batch(len(token_ids), "input")
         with frontend.hold(len(token_ids)):
@@ -85,9 +106,10 @@ async def embeddings(request: Request, body: EmbeddingsBody):
             result = await engine.embed(texts, params)
     call_of(request).answered(len(result.embeddings), result.prompt_tokens, result.timing)
     if body.encoding_format == "base64":
-        vectors = [base64.b64encode(to_little_endian_bytes(row)).decode("ascii") for row in result.embeddings]
+        rows = result.embeddings.astype(result.embeddings.dtype.newbyteorder("<"), copy=False)
+        vectors = [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
     else:
-        vectors = list(result.embeddings)  # float32 rows; orjson writes each value's shortest repr
+        vectors = list(np.ascontiguousarray(result.embeddings))  # orjson writes each value's shortest repr
     data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
     usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
     return JSON({"object": "list", "data": data, "model": engine.info.name, "usage": usage})

@@ -3,7 +3,9 @@
 - POST /v1/rerank: Cohere's, Jina's and vLLM's rerank: `query` + `documents` (texts or {"text"} objects),
   `top_n`, `return_documents` -> {id, model, results: [{index, relevance_score, document?}], usage}, best
   first. Documents are echoed by default, as Jina and vLLM do (Cohere's v1 default is off and v2 has no
-  such field: Cohere clients ignore the extra `document`, or send return_documents=false).
+  such field: Cohere clients ignore the extra `document`, or send return_documents=false). An extra
+  `chunking: "max"` (here and on TEI's body) scores a document too long to fit beside the query by its best
+  window of the model's limit instead of cutting or refusing it.
 - POST /rerank: the same, or TEI's rerank when the body has `texts` instead of `documents` (TEI's body,
   answer and error shape, tei.py's module docstring). The body decides, since both APIs own the path.
 - POST /v1/classify: vLLM's classify (what vLLM's and SGLang's docs show): `input` -> {id, object: list,
@@ -105,7 +107,8 @@ async def _documents_rerank(request: Request, body: RerankRequest) -> JSON:
     documents = [d if isinstance(d, str) else d.text for d in body.documents]
     frontend_of(request).check_inputs(documents, "documents")
     params = RerankParams(
-        top_n=body.top_n or None, raw_scores=body.raw_scores, truncate=body.truncate, instruction=body.instruction
+        top_n=body.top_n or None, raw_scores=body.raw_scores, truncate=body.truncate, instruction=body.instruction,
+        chunking=body.chunking == "max",
     )
     result = await rerank_documents(request, engine, body.query, documents, params)
     results = []
@@ -128,9 +131,8 @@ async def _tei_rerank(request: Request, body: TeiRerankRequest) -> JSON:
     frontend_of(request).check_inputs(body.texts, "texts")
     truncate = bool(body.truncate)
     check_direction(body.truncation_direction, truncate, "rerank")
-    result = await rerank_documents(
-        request, engine, body.query, body.texts, RerankParams(raw_scores=body.raw_scores, truncate=truncate)
-    )
+    params = RerankParams(raw_scores=body.raw_scores, truncate=truncate, chunking=body.chunking == "max")
+    result = await rerank_documents(request, engine, body.query, body.texts, params)
     ranks = []
     for ranked in result.results:
         rank = {"index": ranked.index, "score": ranked.score}

@@ -9,7 +9,7 @@ from typing import Literal, Union
 from pydantic import BaseModel, Field, StrictBool, StrictStr
 
 from embedserv.server.http.common import Body
-from embedserv.server.http.tei_models import NON_EMPTY, NonEmptyText, NonNegativeInt
+from embedserv.server.http.tei_models import CHUNKING, NON_EMPTY, NonEmptyText, NonNegativeInt
 
 _MODEL = "A served model's name; unset: the x-embedserv-model header's, else the first that serves the task"
 _TRUNCATE = "Cut inputs longer than the model's limit instead of refusing them (an embedserv extra)"
@@ -34,6 +34,7 @@ class RerankRequest(Body):
     truncate: StrictBool = Field(False, description=_TRUNCATE)
     raw_scores: StrictBool = Field(False, description=_RAW)
     instruction: str | None = Field(None, description="The task instruction of instruction-following rerankers")
+    chunking: Literal["max"] | None = Field(None, description=CHUNKING)
 
 
 class ClassifyRequest(Body):

@@ -1,5 +1,6 @@
-"""text-embeddings-inference's HTTP API (router/src/http/server.rs): /embed, /predict, /tokenize, /decode,
-/info and /health, with TEI's fields, defaults and answers; TEI's /rerank is served by scoring.py.
+"""text-embeddings-inference's HTTP API (router/src/http/server.rs): /embed, /embed_sparse, /embed_all,
+/predict, /tokenize, /decode, /info and /health, with TEI's fields, defaults and answers; TEI's /rerank is
+served by scoring.py.
 
 TEI serves one model and its bodies name none: each route takes the model the `x-embedserv-model` header
 names, else the first served model that can do the route's task (/tokenize, /decode and /info: the first
@@ -9,13 +10,15 @@ for an empty batch, 404 for an unknown model, 429 when overloaded, 503 when unhe
 Model choice and TEI semantics follow the TEI gRPC face (server/tei_grpc.py). Where we differ from TEI:
 a pair in /predict is scored by a cross-encoder (the first one served, or the header's), not by any
 classifier; /info's model_id is the served name; /rerank's and pairs' truncation_direction left is refused
-when truncating (a document is cut from its end); /embed_all, /embed_sparse, /similarity and /vertex are
-not served.
+when truncating (a document is cut from its end); /embed_sparse and /embed_all are served by models with the
+sparse and multi-vector outputs (the first such, or the header's; a model without the output is refused
+with what it serves named); /similarity and /vertex are not served.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import numpy as np
 from fastapi import APIRouter
@@ -30,11 +33,14 @@ from embedserv.server.http.errors import JSON
 from embedserv.server.http.scoring import score_pairs
 from embedserv.server.http.tei_models import (
     TeiDecodeRequest,
+    TeiEmbedAllRequest,
     TeiEmbedRequest,
+    TeiEmbedSparseRequest,
     TeiError,
     TeiInfo,
     TeiPrediction,
     TeiPredictRequest,
+    TeiSparseValue,
     TeiToken,
     TeiTokenizeRequest,
     check_direction,
@@ -44,7 +50,7 @@ from embedserv.server.http.tei_models import (
 )
 from embedserv.server.frontend import MODEL_HEADER
 from embedserv.server.tei_semantics import model_kind, pair_scorer, tei_tokens
-from embedserv.types import ClassifyParams, EmbedParams, ModelInfo, RerankParams, Task
+from embedserv.types import ClassifyParams, EmbedOutput, EmbedParams, EmbedResult, ModelInfo, RerankParams, Task
 
 TEI_ERRORS = {"4XX": {"model": TeiError}, "5XX": {"model": TeiError}}
 router = APIRouter(tags=["text-embeddings-inference"], responses=TEI_ERRORS)
@@ -55,10 +61,13 @@ def _model_engine(request: Request) -> Engine:
     return engine_named(request, request.headers.get(MODEL_HEADER))
 
 
-@router.post("/embed", response_model=list[list[float]])
-async def embed(request: Request, body: TeiEmbedRequest):
-    """Pooled embeddings, one per input, in input order. Token-id inputs are used as given."""
-    engine = engine_for_task(request, Task.EMBED)
+async def _embed_parts(
+    request: Request, task: Task, body: TeiEmbedAllRequest, params: EmbedParams
+) -> tuple[int, list[tuple[list[int], EmbedResult]]]:
+    """The inputs embedded by the header's model, else the first serving `task`: texts in one engine call,
+    token-id lists (used as given) in another. Returns the number of inputs and (input positions, result)
+    per call made."""
+    engine = engine_for_task(request, task)
     frontend = frontend_of(request)
     inputs = embed_inputs(body.inputs)
     require_some(inputs, "inputs")
@@ -67,6 +76,37 @@ async def embed(request: Request, body: TeiEmbedRequest):
     ids = [(i, x) for i, x in enumerate(inputs) if not isinstance(x, str)]
     for index, text in texts:
         frontend.check_chars(text, f"inputs[{index}]")
+    with frontend.hold(len(inputs)):
+        calls = [engine.embed([x for _, x in texts], params)] if texts else []
+        if ids:
+            calls.append(engine.embed_token_ids([x for _, x in ids], params))
+        results = await asyncio.gather(*calls)
+    call_of(request).answered(len(inputs), sum(r.prompt_tokens for r in results), results[0].timing)
+    positions = [[index for index, _ in part] for part in (texts, ids) if part]
+    return len(inputs), list(zip(positions, results))
+
+
+def _in_input_order(
+    count: int, parts: list[tuple[list[int], EmbedResult]], pick: Callable[[EmbedResult], list]
+) -> list:
+    """Each input's item (`pick`: one result's items, in its inputs' order) at the input's position."""
+    items: list = [None] * count
+    for positions, result in parts:
+        for index, item in zip(positions, pick(result)):
+            items[index] = item
+    return items
+
+
+def _text_params(body: TeiEmbedAllRequest, output: EmbedOutput) -> EmbedParams:
+    return EmbedParams(
+        truncate=bool(body.truncate), truncation_direction=body.truncation_direction, prompt_name=body.prompt_name,
+        outputs=(output,),
+    )
+
+
+@router.post("/embed", response_model=list[list[float]])
+async def embed(request: Request, body: TeiEmbedRequest):
+    """Pooled embeddings, one per input, in input order. Token-id inputs are used as given."""
     params = EmbedParams(
         normalize=body.normalize,
         truncate=bool(body.truncate),
@@ -74,19 +114,33 @@ async def embed(request: Request, body: TeiEmbedRequest):
         dimensions=body.dimensions,
         prompt_name=body.prompt_name,
     )
-    with frontend.hold(len(inputs)):
-        calls = [engine.embed([x for _, x in texts], params)] if texts else []
-        if ids:
-            calls.append(engine.embed_token_ids([x for _, x in ids], params))
-        results = await asyncio.gather(*calls)
-    call_of(request).answered(len(inputs), sum(r.prompt_tokens for r in results), results[0].timing)
-    if len(results) == 1:
-        return JSON(np.ascontiguousarray(results[0].embeddings))
-    rows = [None] * len(inputs)
-    for part, result in zip([p for p in (texts, ids) if p], results):
-        for (index, _), row in zip(part, result.embeddings.tolist()):
-            rows[index] = row
-    return JSON(rows)
+    count, parts = await _embed_parts(request, Task.EMBED, body, params)
+    if len(parts) == 1:
+        return JSON(np.ascontiguousarray(parts[0][1].embeddings))
+    return JSON(_in_input_order(count, parts, lambda result: result.embeddings.tolist()))
+
+
+@router.post("/embed_sparse", response_model=list[list[TeiSparseValue]])
+async def embed_sparse(request: Request, body: TeiEmbedSparseRequest):
+    """Sparse vectors over the vocabulary, one list of {index, value} per input (non-zero values, index
+    ascending), as TEI's SPLADE models answer: the header's model, else the first with the sparse output."""
+    count, parts = await _embed_parts(request, Task.EMBED_SPARSE, body, _text_params(body, EmbedOutput.SPARSE))
+
+    def pick(result: EmbedResult) -> list:
+        return [
+            [{"index": i, "value": v} for i, v in zip(s.indices.tolist(), s.values.tolist())] for s in result.sparse
+        ]
+
+    return JSON(_in_input_order(count, parts, pick))
+
+
+@router.post("/embed_all", response_model=list[list[list[float]]])
+async def embed_all(request: Request, body: TeiEmbedAllRequest):
+    """Token embeddings, one [tokens, dimension] list per input: the multi-vector output of the header's
+    model, else of the first with it (an embedder's last hidden states, as TEI's /embed_all)."""
+    params = _text_params(body, EmbedOutput.MULTI_VECTOR)
+    count, parts = await _embed_parts(request, Task.EMBED_MULTI_VECTOR, body, params)
+    return JSON(_in_input_order(count, parts, lambda result: result.multi_vectors))
 
 
 def _pair_scorer(request: Request) -> Engine:

@@ -7,7 +7,7 @@ Defaults are TEI's: normalize and add_special_tokens and skip_special_tokens tru
 
 from __future__ import annotations
 
-from typing import Annotated, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, StrictBool, StrictStr, WithJsonSchema
 
@@ -40,6 +40,10 @@ Direction = Annotated[
 ]
 _TRUNCATE = "Cut inputs longer than the model's limit instead of refusing them (null: false, TEI's default)."
 TokenIds = list[NonNegativeInt]
+CHUNKING = (
+    "An embedserv extra: max scores a document that does not fit beside the query by its best window (windows of "
+    "the model's limit) instead of cutting or refusing it; the document is still returned whole"
+)
 # Documented, not enforced: an empty batch or query gets the route's own answer (TEI's 400 "empty"), while
 # schema-driven clients and fuzzers learn not to send one.
 NON_EMPTY = {"minItems": 1}
@@ -50,13 +54,22 @@ Sequence = Annotated[
 ]
 
 
-class TeiEmbedRequest(Body):
+class TeiEmbedAllRequest(Body):
+    """/embed_all's body, and /embed_sparse's; /embed's adds normalize and dimensions."""
+
     inputs: Union[StrictStr, TokenIds, list[Union[StrictStr, TokenIds]]] = Field(
         description="A text, a list of token ids, or a batch of texts and token-id lists", json_schema_extra=NON_EMPTY
     )
     truncate: StrictBool | None = Field(None, description=_TRUNCATE)
     truncation_direction: Direction = TruncationDirection.RIGHT
     prompt_name: str | None = Field(None, description="A prompt of the model's sentence-transformers config")
+
+
+class TeiEmbedSparseRequest(TeiEmbedAllRequest):
+    pass
+
+
+class TeiEmbedRequest(TeiEmbedAllRequest):
     normalize: StrictBool = True
     dimensions: PositiveInt | None = Field(None, description="Keep the first N dimensions (Matryoshka)")
 
@@ -78,6 +91,7 @@ class TeiRerankRequest(Body):
     truncation_direction: Direction = TruncationDirection.RIGHT
     raw_scores: StrictBool = False
     return_text: StrictBool = False
+    chunking: Literal["max"] | None = Field(None, description=CHUNKING)
 
 
 class TeiTokenizeRequest(Body):
@@ -99,6 +113,11 @@ class TeiError(BaseModel):
 class TeiPrediction(BaseModel):
     score: float
     label: str
+
+
+class TeiSparseValue(BaseModel):
+    index: int = Field(description="A vocabulary id")
+    value: float
 
 
 class TeiRank(BaseModel):

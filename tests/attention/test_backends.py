@@ -100,8 +100,18 @@ _FLEX_FAST = [
 ]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype,head_size,heads,kv_heads,lens,causal", _FLEX_FAST)
+# CPU serves with sdpa, and compiling flex there costs seconds a case: the default run compiles one case on
+# CPU (the first below) and every case on CUDA; the other compiled-flex tests run on CPU with --run-slow.
+COMPILED_FLEX_DEVICES = [pytest.param("cpu", marks=pytest.mark.slow)] + DEVICES[1:]
+
+
+def _compiled_flex_cases():
+    for device in DEVICES:
+        for index, case in enumerate(_FLEX_FAST):
+            yield pytest.param(device, *case, marks=pytest.mark.slow if device == "cpu" and index else ())
+
+
+@pytest.mark.parametrize("device,dtype,head_size,heads,kv_heads,lens,causal", list(_compiled_flex_cases()))
 def test_compiled_flex_matches_naive(device, dtype, head_size, heads, kv_heads, lens, causal):
     check_against_naive("flex", device, lens, causal, heads, kv_heads, head_size, dtype)
 

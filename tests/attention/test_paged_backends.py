@@ -16,7 +16,7 @@ from embedserv.attention.backends.naive import NaiveBackend, future_mask
 from embedserv.attention.layer import Attention
 from embedserv.attention.metadata import build_common_metadata, build_paged_metadata, cumulative_offsets
 from embedserv.forward_context import ForwardContext, set_forward_context
-from tests.attention.test_backends import DEVICES, HEAD_IDS, HEADS, TOLERANCE, make_backend
+from tests.attention.test_backends import COMPILED_FLEX_DEVICES, DEVICES, HEAD_IDS, HEADS, TOLERANCE, make_backend
 
 BLOCK_SIZE = 16
 # Blocks in the test cache: at least this many, and twice what the sequences need (so most are unowned).
@@ -238,7 +238,7 @@ def test_a_step_sees_only_its_own_blocks(name, device):
 _LONG_MIX = [(300, 200), (0, 150), (40, 1), (130, 1)]
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", COMPILED_FLEX_DEVICES)
 @pytest.mark.parametrize(
     "dtype,block_size,shared",
     [(torch.float32, 16, 0), (torch.bfloat16, 12, 0), (torch.bfloat16, 48, 0), (torch.float32, 16, 3)],
@@ -254,7 +254,7 @@ def test_compiled_flex_reads_the_paged_cache(device, dtype, block_size, shared):
     torch.testing.assert_close(step.run(backend, shared=True), out, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", COMPILED_FLEX_DEVICES)
 def test_compiled_flex_is_not_recompiled_as_the_batch_changes(device):
     """Steps of one query size class over one cache compile once, whatever their sequences and tables:
     torch stops compiling after a few entries and falls back to eager FlexAttention over the whole cache."""

@@ -14,7 +14,7 @@ from embedserv.attention.relative_bias import RelativePositionBias
 from embedserv.attention.selector import AttentionSpec, select_backend, unsupported_reason
 from embedserv.errors import ConfigError
 from embedserv.forward_context import ForwardContext, set_forward_context
-from tests.attention.test_backends import DEVICES, TOLERANCE, make_backend
+from tests.attention.test_backends import COMPILED_FLEX_DEVICES, DEVICES, TOLERANCE, make_backend
 from tests.attention.test_cross_and_bias import (
     CROSS_MIXES, HEADS_DTYPE_IDS, HEADS_DTYPES, PAGED_CROSS_MIXES, CrossStep, _paged_backend, _to, _tolerance,
     check_cross,
@@ -178,12 +178,12 @@ def test_the_stack_shares_one_table_a_step():
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", COMPILED_FLEX_DEVICES)
 def test_compiled_flex_kv_free_cross(device):
     check_cross("flex", device, "mixed", 8, 2, 64, torch.float32)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", COMPILED_FLEX_DEVICES)
 def test_compiled_flex_relative_bias_kv_free(device):
     check_bias("flex", device, True, 8, 2, 64, torch.float32, 1.0)
 
@@ -214,13 +214,13 @@ def _compile_once(device, cross: bool):
     assert counters["stats"]["unique_graphs"] == graphs
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", COMPILED_FLEX_DEVICES)
 def test_compiled_flex_paged_bias_compiles_once(device):
     _compile_once(device, cross=False)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", COMPILED_FLEX_DEVICES)
 def test_compiled_flex_paged_cross_compiles_once(device):
     """The paged mask_mod is self-attention's (only each query's limit differs), so by default the
     compiled kernel is checked there (test_paged_backends.py) and cross-attention eagerly."""
@@ -236,7 +236,7 @@ _COMPILED_MATRIX = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", COMPILED_FLEX_DEVICES)
 @pytest.mark.parametrize("dtype,block_size,heads,kv_heads", _COMPILED_MATRIX)
 def test_compiled_flex_everywhere(device, dtype, block_size, heads, kv_heads):
     for mix in CROSS_MIXES:

@@ -22,7 +22,7 @@ from embedserv.attention.metadata import build_common_metadata, build_suffix_met
 from embedserv.attention.selector import AttentionSpec, select_backend, unsupported_reason
 from embedserv.errors import ConfigError
 from embedserv.forward_context import ForwardContext, set_forward_context
-from tests.attention.test_backends import DEVICES, TOLERANCE
+from tests.attention.test_backends import COMPILED_FLEX_DEVICES, DEVICES, TOLERANCE
 from tests.attention.test_cross_and_bias import _paged_backend
 from tests.attention.test_paged_backends import Step, _backend
 from tests.attention.test_relative_bias import biased_layer, make_bias
@@ -289,7 +289,7 @@ _COMPILED = {
 _LONG_MIX = [(300, 200), (0, 150), (40, 1), (130, 1)]
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", COMPILED_FLEX_DEVICES)
 @pytest.mark.parametrize(
     "kind", ["whole-causal", pytest.param("whole-bidirectional", marks=pytest.mark.slow), "suffix-causal"]
 )
@@ -301,7 +301,7 @@ def test_compiled_flex_kv_free(device, kind):
         torch.testing.assert_close(out, step.reference(window), **_tolerance(torch.float32))
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", COMPILED_FLEX_DEVICES)
 @pytest.mark.parametrize(
     "block_size,dtype",
     [(16, torch.float32), pytest.param(12, torch.bfloat16, marks=pytest.mark.slow)], ids=["16-fp32", "12-bf16"],
@@ -314,7 +314,7 @@ def test_compiled_flex_paged(device, block_size, dtype):
         torch.testing.assert_close(out, paged_reference(step, window), **_tolerance(dtype))
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", COMPILED_FLEX_DEVICES)
 def test_compiled_flex_is_not_recompiled_for_another_window(device):
     """The window is an input of the compiled kernel: new values and new batches of one size class reuse
     the windowed layers' kernel (torch stops compiling after a few entries)."""

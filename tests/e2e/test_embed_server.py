@@ -253,12 +253,12 @@ def test_tasks_the_embedder_cannot_do(stub, pb):
     message = _expect_error(
         lambda: stub.Classify(pb.ClassifyRequest(inputs=["x"]), timeout=30), grpc.StatusCode.INVALID_ARGUMENT
     )
-    assert "it serves: embed, rerank" in message
+    assert "it serves: embed, embed_multi_vector, rerank" in message
     message = _expect_error(
         lambda: list(stub.Generate(pb.GenerateRequest(prompt="hi", max_tokens=4), timeout=30)),
         grpc.StatusCode.INVALID_ARGUMENT,
     )
-    assert "cannot serve Generate; it serves: embed, rerank" in message
+    assert "cannot serve Generate; it serves: embed, embed_multi_vector, rerank" in message
 
 
 # --- metadata, streaming, health, reflection -------------------------------------------------------

@@ -188,7 +188,7 @@ def test_list_models_reports_generation(server):
         (dict(top_p=-0.1), "top_p must be in (0, 1]"),
         (dict(max_tokens=600), "more than the model's context of 512 tokens"),
         (dict(stop=[""]), "stop strings must not be empty"),
-        (dict(model=EMBEDDER), "cannot serve Generate; it serves: embed, rerank"),
+        (dict(model=EMBEDDER), "cannot serve Generate; it serves: embed, embed_multi_vector, rerank"),
     ],
 )
 def test_bad_generate_requests_are_invalid_argument(server, fields, message):

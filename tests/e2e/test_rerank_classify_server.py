@@ -152,7 +152,7 @@ def test_bad_rerank_requests_are_invalid_argument(stub, fields, message):
     ("fields", "message"),
     [
         (dict(model=CLASSIFIER), "inputs is empty"),
-        (dict(model=EMBEDDER, inputs=["a"]), "cannot serve Classify; it serves: embed, rerank"),
+        (dict(model=EMBEDDER, inputs=["a"]), "cannot serve Classify; it serves: embed, embed_multi_vector, rerank"),
         (dict(model=CLASSIFIER, inputs=["a"], truncation_direction=7), "unknown truncation_direction 7"),
     ],
 )

@@ -85,5 +85,5 @@ def test_each_model_refuses_the_tasks_it_cannot_do(models, bundled_dir, engine_f
         classifier.rerank("query", ["document"])
     with pytest.raises(InvalidInput, match="cannot serve Embed; it serves: classify"):
         classifier.embed(["text"], EmbedParams())
-    with pytest.raises(InvalidInput, match="cannot serve Classify; it serves: embed, rerank"):
+    with pytest.raises(InvalidInput, match="cannot serve Classify; it serves: embed, embed_multi_vector, rerank"):
         embedder.classify(["text"])

@@ -236,6 +236,7 @@ def test_attention_override_wins_over_the_config(tiny_decoder, engine_for, texts
     )
 
 
+@pytest.mark.slow  # compiles flex on CPU; the attention tests cover flex against naive on causal GQA
 def test_flex_backend_on_a_causal_gqa_decoder(tiny_decoder, reference, engine_for, texts):
     """Compiled FlexAttention with the causal document mask and grouped KV heads, through the whole model."""
     model_dir = tiny_decoder("qwen3", "lasttoken", max_seq_length=MAX_SEQ_LENGTH)

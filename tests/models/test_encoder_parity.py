@@ -175,8 +175,12 @@ def test_batch_invariance_across_concurrent_calls(tiny_encoder, engine_for):
     np.testing.assert_allclose(singles, together, atol=1e-5, err_msg="51 calls of one input != one call of 51")
 
 
-@pytest.mark.parametrize("backend", ["naive", "flex"])
-@pytest.mark.parametrize("arch", ["roberta", "bert"])
+# Compiled flex on CPU takes seconds per model (CPU serves with sdpa): --run-slow; the attention tests compare
+# one compiled flex case against naive in the default run.
+@pytest.mark.parametrize(
+    "arch,backend",
+    [("roberta", "naive"), ("bert", "naive")] + [pytest.param(a, "flex", marks=pytest.mark.slow) for a in ("roberta", "bert")],
+)
 def test_other_backends_equal_sdpa(arch, backend, tiny_encoder, engine_for, texts):
     model_dir = tiny_encoder(arch, "mean", max_seq_length=MAX_SEQ_LENGTH)
     params = _params(truncate=True)

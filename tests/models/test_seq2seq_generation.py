@@ -150,7 +150,8 @@ def test_greedy_matches_transformers_under_preemption(name, seq2seq_dir, engine_
     assert usage.used_blocks == 0
 
 
-@pytest.mark.parametrize("backend", ["naive", "flex"])
+# Compiled flex on CPU costs half a minute here; it runs with --run-slow, and on CUDA in make gpu-check.
+@pytest.mark.parametrize("backend", ["naive", pytest.param("flex", marks=pytest.mark.slow)])
 def test_greedy_matches_with_other_backends(backend, seq2seq_dir, engine_for, prompts):
     """T5's relative position bias and cross attention through the oracle and FlexAttention (paged)."""
     if backend == "flex":

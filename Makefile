@@ -31,8 +31,11 @@ $(VENV)/.installed-test: pyproject.toml clients/python/pyproject.toml $(VENV)/.t
 serve: $(VENV)/.installed
 	$(BIN)/embedserv serve --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT)
 
+# Two pytest workers, each test module on one of them (its module-scoped servers start once).
+TEST_WORKERS ?= 2
+
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-all: $(VENV)/.installed-test
 	$(BIN)/python -m pytest --run-slow $(PYTEST_ARGS)

@@ -173,7 +173,7 @@ def main() -> None:
         rows = [
             ("sparse (SPLADE max)", "SparseEncoder.encode", isolated(st_sparse, paths["sparse"], texts, bs, n),
              isolated(engine_outputs, paths["sparse"], texts, bs, n, [dict(outputs=sparse)])),
-            ("multi-vector (Dense 128 + Normalize)", "MultiVectorEncoder.encode_document",
+            ("multi-vector (token Dense 128)", "MultiVectorEncoder.encode_document",
              isolated(st_multi_vector, paths["multi_vector"], texts, bs, n),
              isolated(engine_outputs, paths["multi_vector"], texts, bs, n, [dict(outputs=multi, prompt_name="document")])),
             ("bge-m3-shaped, 3 outputs in one call", "transformers + heads, one forward",

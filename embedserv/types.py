@@ -323,11 +323,6 @@ class ScheduledSequence:
     # POOL: the outputs to compute; empty means DENSE only.
     outputs: tuple[EmbedOutput, ...] = ()
 
-    @property
-    def wanted(self) -> tuple[EmbedOutput, ...]:
-        """POOL outputs this sequence asks for (DENSE when it names none)."""
-        return self.outputs or (EmbedOutput.DENSE,)
-
 
 @dataclass(frozen=True)
 class StepBatch:

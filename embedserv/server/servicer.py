@@ -139,11 +139,9 @@ def call_summary(prompt_tokens: int, timing: Timing, model: str, received: float
 
 def embed_response(result: EmbedResult, encoding: int, model: str, received: float) -> pb.EmbedResponse:
     embeddings = []
-    if result.embeddings is None:
-        pass
-    elif encoding == pb.ENCODING_FLOAT:
+    if result.embeddings is not None and encoding == pb.ENCODING_FLOAT:
         embeddings = [pb.Embedding(values=row) for row in result.embeddings.tolist()]
-    else:
+    elif result.embeddings is not None:
         # Every other encoding: the row's bytes, little-endian (float32, float16; int8 / uint8 are bytes).
         rows = result.embeddings.astype(result.embeddings.dtype.newbyteorder("<"), copy=False)
         embeddings = [pb.Embedding(raw=row.tobytes()) for row in rows]

@@ -191,7 +191,8 @@ class InputBuilder:
 
 def _wants_row(seq: ScheduledSequence) -> bool:
     """SCORE sequences, and POOL ones that want the dense vector."""
-    return seq.output is OutputKind.SCORE or (seq.output is OutputKind.POOL and EmbedOutput.DENSE in seq.wanted)
+    wants_dense = not seq.outputs or EmbedOutput.DENSE in seq.outputs
+    return seq.output is OutputKind.SCORE or (seq.output is OutputKind.POOL and wants_dense)
 
 
 class _TokenPlan:

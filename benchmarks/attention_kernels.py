@@ -3,8 +3,8 @@
     python benchmarks/attention_kernels.py [--heads 12] [--head-size 32] [--repeats 20]
 
 Times, per dtype and (sequences, length): torch's SDPA (the flash kernel on CPU), the same attention as
-two batched matmuls, and our sdpa backend on a packed batch. The `_CPU_BF16_MATMUL_MIN_LENGTH` switch
-in embedserv/attention/backends/sdpa.py comes from this table. Prints markdown.
+two batched matmuls, and our sdpa backend on a packed batch. The bf16 matmul-attention switch in
+embedserv/cpu_isa.py (per ISA class) comes from this table. Prints markdown.
 """
 
 from __future__ import annotations

@@ -12,13 +12,13 @@ from embedserv import logs
 from embedserv.config import (
     ATTENTION_BACKENDS,
     ATTENTION_KINDS,
-    CPU_BATCH_TOKENS,
     CPU_KV_CACHE_BYTES,
     CUDA_BATCH_TOKENS,
     CUDA_KV_CACHE_FRACTION,
     DTYPES,
     LOG_FORMATS,
     POOLING_MODES,
+    QUANTIZATIONS,
     ModelConfig,
     ServerConfig,
     default_of,
@@ -62,8 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help=_server("port"))
     serve.add_argument("--device", help=f"cpu, cuda or cuda:N {_model('device')}")
     serve.add_argument("--dtype", choices=DTYPES, help=f"auto is float32 on CPU and bfloat16 on CUDA {_model('dtype')}")
+    serve.add_argument("--quantization", choices=QUANTIZATIONS,
+                       help="int8: the model's linear layers in int8 on CPU (per-token activation and "
+                            "per-channel weight scales); float32 embedders, rerankers and classifiers only "
+                            "(default: none)")
     serve.add_argument("--max-batch-tokens", type=int,
-                       help=f"token budget of one forward pass (default: {CPU_BATCH_TOKENS} on CPU, "
+                       help="token budget of one forward pass (default: per CPU ISA, 4096 on AVX2/AVX-512; "
                             f"{CUDA_BATCH_TOKENS} on CUDA)")
     serve.add_argument("--max-batch-requests", type=int,
                        help=f"sequences in one forward pass at most {_model('max_batch_requests')}")

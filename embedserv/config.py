@@ -9,14 +9,14 @@ from embedserv.errors import ConfigError
 
 LOG_FORMATS = ("text", "json")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# int8: dynamic int8 linears on CPU (per-token activations, per-channel weights; models/layers.py).
+QUANTIZATIONS = ("int8",)
 # splade: TEI's sparse pooling of a *ForMaskedLM checkpoint (EmbedSparse).
 POOLING_MODES = ("cls", "mean", "lasttoken", "max", "splade")
 ATTENTION_KINDS = ("causal", "bidirectional")
 # Every attention backend embedserv has; attention/selector.py says where each runs.
 ATTENTION_BACKENDS = ("flash_attn", "varlen", "sdpa", "flex", "naive")
-# Default token budgets of one forward pass. On CPU, batches past ~4k tokens spill the activations out
-# of cache and run slower per token (docs/PERFORMANCE.md).
-CPU_BATCH_TOKENS = 4096
+# Default token budget of one forward pass on CUDA; on CPU it depends on the ISA (cpu_isa.py).
 CUDA_BATCH_TOKENS = 16384
 # KV cache of a generating model: bytes on CPU; on CUDA a fraction of the memory free after loading.
 CPU_KV_CACHE_BYTES = 2**30
@@ -72,6 +72,8 @@ class ModelConfig:
     served_name: str
     device: str = "cpu"
     dtype: str = "auto"
+    # "int8": the model's linears in int8 (CPU, float32 models that do not generate); None: as dtype says.
+    quantization: str | None = None
     # None lets the selector pick the fastest backend that can run here.
     attention_backend: str | None = None
     # None takes causality from the model's config; "causal" or "bidirectional" overrides it.
@@ -111,6 +113,7 @@ class ModelConfig:
         _check_device(self.device)
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        self._check_quantization()
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(
                 f"unknown --attention-backend {self.attention_backend!r}; "
@@ -138,11 +141,30 @@ class ModelConfig:
         if not self.worker_timeout > 0:
             raise ConfigError(f"--worker-timeout must be above 0 seconds, not {self.worker_timeout}")
 
+    def _check_quantization(self) -> None:
+        if self.quantization is None:
+            return
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, not {self.quantization!r}")
+        if self.device != "cpu":
+            raise ConfigError(
+                f"--quantization int8 runs on CPU (oneDNN's int8 matmuls), not on {self.device}; on a GPU serve "
+                "--dtype bfloat16 or float16 instead"
+            )
+        if self.dtype not in ("auto", "float32"):
+            raise ConfigError(
+                f"--quantization int8 quantizes a float32 model; leave --dtype at auto or float32, not {self.dtype}"
+            )
+
     @property
     def batch_token_budget(self) -> int:
         if self.max_batch_tokens is not None:
             return self.max_batch_tokens
-        return CPU_BATCH_TOKENS if self.device == "cpu" else CUDA_BATCH_TOKENS
+        if self.device == "cpu":
+            from embedserv import cpu_isa
+
+            return cpu_isa.cpu_batch_tokens()
+        return CUDA_BATCH_TOKENS
 
     @property
     def kv_cache_memory_or_default(self) -> float:

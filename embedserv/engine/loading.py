@@ -83,6 +83,13 @@ def log_spec(served: ServedModel, config: ModelConfig) -> None:
         "from --attention" if config.attention else "from the model config", info.attention_backend,
         info.pooling, info.dimension, info.max_input_tokens, info.dtype, info.device,
     )
+    if info.device == "cpu":
+        from embedserv import cpu_isa
+
+        logger.info("model %s: CPU %s", info.name, cpu_isa.detect().summary())
+        warning = cpu_isa.dtype_warning(config.torch_dtype_name)
+        if warning:
+            logger.warning("model %s: %s", info.name, warning)
     if info.kv_shared_layers:
         logger.info(
             "model %s: %d layers reuse an earlier layer's KV cache (%s); --kv-sharing-fast-prefill is %s",

@@ -105,6 +105,18 @@ def _check_dtype(hf_config, dtype: torch.dtype, model_dir: Path) -> None:
         )
 
 
+def _check_quantization(config: ModelConfig, task: TaskSpec, model_dir: Path) -> None:
+    if config.quantization is None:
+        return
+    if Task.GENERATE in task.tasks:
+        raise ConfigError(
+            f"{model_dir}: --quantization int8 serves embedders, rerankers and classifiers; this model generates "
+            "text, whose token-by-token sampling it was not validated for. Serve it without --quantization"
+        )
+    if not torch.backends.mkldnn.is_available():
+        raise ConfigError("--quantization int8 needs torch built with oneDNN (mkldnn), which this torch lacks")
+
+
 @dataclass(frozen=True)
 class _Layout:
     """What a weightless (meta) instance of the model says about its attention layers."""
@@ -187,6 +199,7 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
         model_dir, hf_config, st, config.pooling, architecture_of(hf_config), embeds=Task.EMBED in task.tasks
     )
     task = with_outputs(task, outputs.tasks)
+    _check_quantization(config, task, model_dir)
     max_positions = layout.max_positions
     pooling, dimension = _pooling_and_dimension(config, task, st, hf_config)
     info = ModelInfo(
@@ -198,7 +211,7 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
         dimension=dimension,
         max_input_tokens=_max_input_tokens(model_dir, st, max_positions),
         prompt_names=tuple(sorted(st.prompts)),
-        dtype=config.torch_dtype_name,
+        dtype=config.quantization or config.torch_dtype_name,
         device=str(device),
         attention_backend=backend.name,
         labels=task.labels,

@@ -6,9 +6,11 @@ import logging
 
 from transformers import AutoTokenizer
 
+from embedserv import cpu_isa
 from embedserv.config import ModelConfig
 from embedserv.errors import ConfigError
 from embedserv.models.heads import Dense, EmbeddingPooler
+from embedserv.models.layers import quantize_linears
 from embedserv.models.lm_head import build_lm_head, logit_softcap
 from embedserv.models.loader import build_model, load_dense_weights
 from embedserv.models.score_head import (
@@ -113,6 +115,8 @@ def _kv_cache(config: ModelConfig, spec: ModelSpec, model) -> KvCache:
 def build_runner(config: ModelConfig, spec: ModelSpec) -> ModelRunner:
     """Loads the weights onto spec.device; the runner with its heads (and the KV cache of a generating model)."""
     model = build_model(spec.model_class, spec.hf_config, spec.files, spec.device, spec.dtype)
+    if config.quantization == "int8":
+        quantize_linears(model, cpu_isa.int8_weight_levels())
     lm_head = kv_cache = None
     if Task.GENERATE in spec.task.tasks:
         lm_head = build_lm_head(spec.hf_config, spec.files, spec.device, spec.dtype)

@@ -53,6 +53,7 @@ CASES = {
 BAD_VALUES = {
     "gpu-count-0": {"gpu": {"count": 0}},
     "dtype-fp8": {"server": {"dtype": "fp8"}},
+    "quantization-int4": {"server": {"quantization": "int4"}},
     "unknown-top-level-key": {"replicas": 3},
     "model-source-s3": {"model": {"source": "s3"}},
     "typo-in-server": {"server": {"maxBatchToken": 8192}},
@@ -297,9 +298,10 @@ def test_args_carry_values_and_omit_unset_ones(chart):
     for absent in ("--max-concurrent-requests", "--max-client-batch-size", "--api-key"):
         assert absent not in args
     default_args = server(render(chart, {}))["args"]
-    for absent in ("--model", "--served-model-name", "--dtype", "--max-batch-tokens", "--data-parallel-size",
-                   "--max-concurrent-requests", "--max-client-batch-size"):
+    for absent in ("--model", "--served-model-name", "--dtype", "--quantization", "--max-batch-tokens",
+                   "--data-parallel-size", "--max-concurrent-requests", "--max-client-batch-size"):
         assert absent not in default_args
+    assert flag(server(render(chart, {"server": {"quantization": "int8"}}))["args"], "--quantization") == "int8"
     big = server(render(chart, {"server": {"maxConcurrentRequests": 1000000, "logLevel": None,
                                             "maxConnectionAge": None}}))["args"]
     assert flag(big, "--max-concurrent-requests") == "1000000" and "--log-level" not in big

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from embedserv import cpu_isa
 from embedserv.attention.backends.base import (
     PagedBackendBase, gather_blocks, relative_bias_table, write_kv,
 )
@@ -49,10 +50,9 @@ from embedserv.attention.backends.windows import (
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
 
 
-# On CPU in bfloat16 two batched matmuls beat the flash kernel from this length on, as long as the
-# materialized scores stay in cache: runs are cut into chunks of at most _SCORES_BYTES of scores.
-# Measured with benchmarks/attention_kernels.py.
-_CPU_BF16_MATMUL_MIN_LENGTH = 64
+# On CPU in bfloat16, where bf16 is native, two batched matmuls beat the flash kernel from a length on
+# (cpu_isa.bf16_matmul_attention_min_length), as long as the materialized scores stay in cache: runs are
+# cut into chunks of at most _SCORES_BYTES of scores. Measured with benchmarks/attention_kernels.py.
 _SCORES_BYTES = 2_500_000
 
 
@@ -147,7 +147,9 @@ class SdpaBackend(PagedBackendBase):
 
 
 def _uses_matmuls(q: torch.Tensor, len_q: int) -> bool:
-    return q.device.type == "cpu" and q.dtype == torch.bfloat16 and len_q >= _CPU_BF16_MATMUL_MIN_LENGTH
+    return (
+        q.device.type == "cpu" and q.dtype == torch.bfloat16 and len_q >= cpu_isa.bf16_matmul_attention_min_length()
+    )
 
 
 def _attend_batched(scale: float, qb, kb, vb, is_causal: bool, gqa: bool, mask=None) -> torch.Tensor:

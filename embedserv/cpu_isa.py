@@ -1,0 +1,126 @@
+"""What this CPU computes natively, and the CPU constants that depend on it.
+
+Machines differ: an AVX2-only EPYC emulates bfloat16 (7x slower than float32 there) and saturates
+int8 products of 8-bit weights, while AVX-512 parts with avx512_bf16 or AMX run bfloat16 in
+hardware and VNNI multiplies int8 exactly. `detect()` reads the flags once; everything that depends on
+them asks here, so tests fake one probe (monkeypatch `detect`) to exercise another machine.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+# Flags that matter here, in the order the start-up log names them.
+_NAMED_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "avx512_fp16", "amx_fp16")
+
+# bfloat16 emulated (no avx512_bf16/AMX): MiniLM ran about 7x slower than float32 on an AVX2 EPYC
+# (docs/PERFORMANCE.md, issue 22); float16 has no compute path on CPUs without avx512_fp16/AMX-FP16.
+EMULATED_BF16_SLOWDOWN = 7
+
+
+@dataclass(frozen=True)
+class CpuIsa:
+    model_name: str
+    flags: frozenset[str]
+
+    @property
+    def avx512(self) -> bool:
+        return "avx512f" in self.flags
+
+    @property
+    def native_bf16(self) -> bool:
+        return bool({"avx512_bf16", "amx_bf16"} & self.flags)
+
+    @property
+    def native_fp16(self) -> bool:
+        return bool({"avx512_fp16", "amx_fp16"} & self.flags)
+
+    @property
+    def vnni(self) -> bool:
+        """int8 dot products that accumulate in 32 bits (no 16-bit intermediate that can saturate)."""
+        return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & self.flags)
+
+    @property
+    def level(self) -> str:
+        """The coarse class tuned constants are keyed by: amx, avx512_bf16, avx512, avx2 or baseline."""
+        if "amx_bf16" in self.flags:
+            return "amx"
+        if "avx512_bf16" in self.flags:
+            return "avx512_bf16"
+        if self.avx512:
+            return "avx512"
+        return "avx2" if "avx2" in self.flags else "baseline"
+
+    def summary(self) -> str:
+        present = [flag for flag in _NAMED_FLAGS if flag in self.flags]
+        bf16 = "native bf16" if self.native_bf16 else "bf16 emulated"
+        return f"{self.model_name}: {' '.join(present) or 'no AVX2'} ({bf16}, int8 {'VNNI' if self.vnni else 'without VNNI'})"
+
+
+def _read_cpuinfo(path: Path = Path("/proc/cpuinfo")) -> CpuIsa:
+    model_name, flags = platform.processor() or platform.machine(), frozenset()
+    try:
+        text = path.read_text()
+    except OSError:
+        return CpuIsa(model_name, flags)
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and model_name == (platform.processor() or platform.machine()):
+            model_name = value.strip()
+        elif key == "flags" and not flags:
+            flags = frozenset(value.split())
+    return CpuIsa(model_name, flags)
+
+
+@functools.cache
+def detect() -> CpuIsa:
+    return _read_cpuinfo()
+
+
+def dtype_warning(dtype: str) -> str | None:
+    """Why a CPU dtype will run slowly on this machine, or None."""
+    isa = detect()
+    if dtype == "bfloat16" and not isa.native_bf16:
+        return (
+            f"--dtype bfloat16 on a CPU without native bfloat16 ({isa.summary()}): it is emulated and ran about "
+            f"{EMULATED_BF16_SLOWDOWN}x slower than float32 on such a machine. Use --dtype float32 (what auto "
+            "means on CPU), or --quantization int8 for a faster reduced-precision model"
+        )
+    if dtype == "float16" and not isa.native_fp16:
+        return (
+            f"--dtype float16 on a CPU without native float16 ({isa.summary()}): most of its matmuls fall back "
+            "to slow reference kernels. Use --dtype float32 (what auto means on CPU)"
+        )
+    return None
+
+
+# --- Constants tuned per ISA class (measured where docs/PERFORMANCE.md says; the rest inherit). ---
+
+# Token budget of one CPU forward pass. Past it the activations spill out of cache and the time per token
+# rises; the sweep in benchmarks/cpu_efficiency.py measured it per class.
+_CPU_BATCH_TOKENS = {"amx": 4096, "avx512_bf16": 4096, "avx512": 4096, "avx2": 4096, "baseline": 2048}
+
+# bfloat16 attention on CPU: from this run length on, two batched matmuls beat SDPA's flash kernel.
+# Measured on an AVX-512-bf16 machine; where bf16 is emulated the matmuls are as slow as the kernel's
+# own emulated math, so the flash kernel (less memory) stays.
+_BF16_MATMUL_ATTENTION_MIN_LENGTH = {"amx": 64, "avx512_bf16": 64}
+_NEVER = 1 << 30
+
+
+def cpu_batch_tokens() -> int:
+    return _CPU_BATCH_TOKENS[detect().level]
+
+
+def bf16_matmul_attention_min_length() -> int:
+    return _BF16_MATMUL_ATTENTION_MIN_LENGTH.get(detect().level, _NEVER)
+
+
+def int8_weight_levels() -> int:
+    """int8 weights span [-levels, levels]. Without VNNI, oneDNN multiplies the unsigned 8-bit activations
+    by the signed weights with vpmaddubsw, whose 16-bit sums of two products saturate past 32767
+    (255 * 127 * 2 does): 7-bit weights (63) keep every product exact there; VNNI takes the full 127."""
+    return 127 if detect().vnni else 63

@@ -1,0 +1,128 @@
+"""--quantization int8: int8 linears on CPU, per-token activation and per-channel weight scales.
+
+The int8 product must be exact integer arithmetic (no saturation on CPUs without VNNI), the model must
+stay close to float32 on real texts, a text's vector must not depend on its batch, and what int8 does
+not serve is refused at start-up.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks.corpus import stdlib_texts
+from embedserv import cpu_isa
+from embedserv.config import ModelConfig
+from embedserv.errors import ConfigError
+from embedserv.models.layers import Int8Weight, Linear
+from embedserv.models.spec import read_model_spec
+from embedserv.types import EmbedParams
+
+
+def _exact(float_weight: torch.Tensor, levels: int, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """What Int8Weight.matmul must give: the same integers (rounded in float32 as it rounds them), their
+    products summed exactly (float64 holds these sums exactly), mapped back."""
+    low = x.amin(dim=1, keepdim=True)
+    spread = x.amax(dim=1, keepdim=True) - low
+    q = torch.round((x - low) * (255 / spread)).double()
+    scales = float_weight.abs().amax(dim=1) / levels
+    w = torch.round(float_weight / scales[:, None]).double() * scales.double()[:, None]
+    return (q / 255 * spread.double()) @ w.T + low.double() @ w.sum(dim=1)[None, :] + bias.double()
+
+
+@pytest.mark.parametrize("levels", [63, pytest.param(127, id="127-needs-vnni")])
+def test_the_int8_product_is_exact_integer_arithmetic(levels):
+    """Rows of very different scales and offsets; 384 -> 1536 as in MiniLM's FFN. On a CPU without VNNI,
+    8-bit weights saturate oneDNN's 16-bit pair sums: that is why such CPUs get 63 levels."""
+    if levels == 127 and not cpu_isa.detect().vnni:
+        pytest.skip(f"127 levels are used only with VNNI; this CPU: {cpu_isa.detect().summary()}")
+    torch.manual_seed(0)
+    x = torch.randn(300, 384) * torch.rand(300, 1) * 10 + torch.randn(300, 1)
+    float_weight = torch.randn(1536, 384) * 0.05
+    bias = torch.randn(1536)
+
+    got = Int8Weight(float_weight, levels).matmul(x, bias)
+
+    torch.testing.assert_close(got.double(), _exact(float_weight, levels, x, bias), rtol=1e-5, atol=1e-4)
+    cosine = torch.nn.functional.cosine_similarity(got, torch.nn.functional.linear(x, float_weight, bias), dim=1)
+    assert cosine.min() > 0.999
+
+
+def test_an_int8_linear_keeps_its_activation_and_residual_and_drops_the_float_weight():
+    torch.manual_seed(1)
+    gelu, plain = Linear(64, 128, activation="gelu"), Linear(128, 64)
+    for linear in (gelu, plain):
+        torch.nn.init.normal_(linear.weight, std=0.05)
+        torch.nn.init.normal_(linear.bias)
+    x, residual = torch.randn(20, 64), torch.randn(20, 64)
+    expected = plain(gelu(x), residual=residual)
+
+    for linear in (gelu, plain):
+        linear.quantize_int8(cpu_isa.int8_weight_levels())
+    got = plain(gelu(x), residual=residual)
+
+    assert gelu.weight.numel() == 0 and plain.weight.numel() == 0
+    assert torch.nn.functional.cosine_similarity(got, expected, dim=1).min() > 0.999
+
+
+@pytest.fixture(scope="module")
+def minilm_pair(bundled_dir, engine_for):
+    return engine_for(bundled_dir), engine_for(bundled_dir, quantization="int8")
+
+
+def test_minilm_int8_stays_within_0_99_cosine_of_float32_on_real_texts(minilm_pair):
+    """The documented accuracy: every one of 200 real texts of mixed length at cosine >= 0.99."""
+    fp32, int8 = minilm_pair
+    texts = stdlib_texts(200, seed=3)
+    params = EmbedParams(truncate=True)
+    a, b = fp32.embed(texts, params).embeddings, int8.embed(texts, params).embeddings
+
+    cosines = np.sum(a * b, axis=1)  # both normalized
+    assert cosines.min() >= 0.99, f"lowest cosine {cosines.min():.4f}"
+    assert cosines.mean() >= 0.995, f"mean cosine {cosines.mean():.4f}"
+    assert int8.info.dtype == "int8" and fp32.info.dtype == "float32"
+
+
+def test_minilm_int8_gives_a_text_the_same_vector_alone_or_in_any_batch(minilm_pair):
+    _, int8 = minilm_pair
+    pool = stdlib_texts(40, seed=11)
+    target, others = pool[0], pool[1:31]
+    params = EmbedParams(truncate=True)
+
+    alone = int8.embed([target], params).embeddings[0]
+    for position in (0, 15, 30):
+        batch = others[:position] + [target] + others[position:]
+        packed = int8.embed(batch, params).embeddings[position]
+        np.testing.assert_allclose(packed, alone, rtol=0, atol=1e-6, err_msg=f"position {position}")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        (dict(device="cuda"), "runs on CPU"),
+        (dict(device="cuda:1"), "runs on CPU"),
+        (dict(dtype="bfloat16"), "float32"),
+        (dict(dtype="float16"), "float32"),
+        (dict(quantization="int4"), "must be one of int8"),
+    ],
+)
+def test_int8_is_refused_off_cpu_and_off_float32(kwargs, words):
+    options = dict(quantization="int8") | kwargs
+    with pytest.raises(ConfigError, match=words):
+        ModelConfig(path="/nowhere", served_name="m", **options)
+
+
+def test_int8_refuses_a_model_that_generates(tiny_generator):
+    config = ModelConfig(path=str(tiny_generator("llama")), served_name="m", quantization="int8")
+    with pytest.raises(ConfigError, match="generates text"):
+        read_model_spec(config)
+
+
+def test_the_flag_reaches_the_model_config():
+    from embedserv.cli import build_parser, server_config
+
+    config = server_config(build_parser().parse_args(["serve", "--model", "/m", "--quantization", "int8"]))
+    assert config.models[0].quantization == "int8"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--quantization", "int4"])

@@ -1,0 +1,102 @@
+"""The CPU probe and what depends on it, on faked machines: the start-up warning for a dtype the CPU
+emulates, and the constants chosen per ISA class."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from embedserv import cpu_isa
+from embedserv.attention.backends import sdpa
+from embedserv.config import ModelConfig
+from embedserv.engine.loading import log_spec, read_served_model
+
+AVX2_EPYC = cpu_isa.CpuIsa("AMD EPYC 7B13", frozenset({"sse4_2", "avx", "avx2", "fma"}))
+AVX512_BF16 = cpu_isa.CpuIsa("Intel Xeon 8375C", frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}))
+AMX = cpu_isa.CpuIsa("Intel Xeon 8480+", frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8"}))
+AVX512_ONLY = cpu_isa.CpuIsa("Intel Xeon 8175M", frozenset({"avx2", "avx512f"}))
+
+
+@pytest.fixture
+def fake_cpu(monkeypatch):
+    def use(isa: cpu_isa.CpuIsa) -> None:
+        monkeypatch.setattr(cpu_isa, "detect", lambda: isa)
+
+    return use
+
+
+def test_cpuinfo_is_read_for_the_model_name_and_flags(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu sse4_2 avx avx2 fma\n\n"
+        "processor\t: 1\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu sse4_2 avx avx2 fma\n"
+    )
+    isa = cpu_isa._read_cpuinfo(cpuinfo)
+    assert isa.model_name == "AMD EPYC 7B13"
+    assert isa.flags == {"fpu", "sse4_2", "avx", "avx2", "fma"}
+    assert (isa.level, isa.native_bf16, isa.vnni) == ("avx2", False, False)
+
+
+def test_a_missing_cpuinfo_gives_an_empty_probe(tmp_path):
+    isa = cpu_isa._read_cpuinfo(tmp_path / "absent")
+    assert isa.flags == frozenset() and isa.level == "baseline" and isa.model_name
+
+
+@pytest.mark.parametrize(
+    ("isa", "level", "bf16", "vnni"),
+    [(AVX2_EPYC, "avx2", False, False), (AVX512_ONLY, "avx512", False, False),
+     (AVX512_BF16, "avx512_bf16", True, True), (AMX, "amx", True, True)],
+)
+def test_levels_and_capabilities(isa, level, bf16, vnni):
+    assert (isa.level, isa.native_bf16, isa.vnni) == (level, bf16, vnni)
+    assert isa.model_name in isa.summary() and ("native bf16" in isa.summary()) == bf16
+
+
+def test_bfloat16_without_native_bf16_warns_with_the_measured_cost(fake_cpu):
+    fake_cpu(AVX2_EPYC)
+    warning = cpu_isa.dtype_warning("bfloat16")
+    assert warning and "emulated" in warning and f"{cpu_isa.EMULATED_BF16_SLOWDOWN}x slower" in warning
+    assert "--dtype float32" in warning and "AMD EPYC 7B13" in warning
+    assert cpu_isa.dtype_warning("float16") and cpu_isa.dtype_warning("float32") is None
+
+    fake_cpu(AMX)
+    assert cpu_isa.dtype_warning("bfloat16") is None
+
+
+@pytest.mark.parametrize(("isa", "warns"), [(AVX2_EPYC, True), (AVX512_BF16, False)])
+def test_serving_bfloat16_logs_the_warning_at_start_up(isa, warns, fake_cpu, bundled_dir, caplog):
+    fake_cpu(isa)
+    config = ModelConfig(path=str(bundled_dir), served_name="m", dtype="bfloat16")
+    with caplog.at_level(logging.INFO, logger="embedserv"):
+        log_spec(read_served_model(config), config)
+
+    assert f"CPU {isa.summary()}" in caplog.text  # the ISA is always logged
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "bfloat16" in r.getMessage()]
+    assert bool(warnings) == warns
+
+
+def test_constants_follow_the_isa(fake_cpu):
+    fake_cpu(AVX2_EPYC)
+    assert cpu_isa.int8_weight_levels() == 63
+    assert cpu_isa.bf16_matmul_attention_min_length() > 1_000_000  # emulated: the flash kernel always
+    assert ModelConfig(path="m", served_name="m").batch_token_budget == cpu_isa.cpu_batch_tokens()
+    fake_cpu(AMX)
+    assert cpu_isa.int8_weight_levels() == 127
+    assert cpu_isa.bf16_matmul_attention_min_length() == 64
+    assert ModelConfig(path="m", served_name="m", max_batch_tokens=100).batch_token_budget == 100
+
+
+@pytest.mark.parametrize("isa", [AVX2_EPYC, AMX])
+def test_bfloat16_attention_on_either_path_matches_float32(isa, fake_cpu):
+    """On a native-bf16 CPU long runs take the two-matmul path, elsewhere SDPA's kernel: both compute the
+    same attention (compared with float32 SDPA, at bfloat16's tolerance)."""
+    fake_cpu(isa)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, 4, 96, 32) for _ in range(3))
+    assert sdpa._uses_matmuls(q.bfloat16(), 96) == isa.native_bf16
+
+    got = sdpa._attend_batched(32**-0.5, q.bfloat16(), k.bfloat16(), v.bfloat16(), False, False, None)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=3e-2)

@@ -25,7 +25,7 @@ def _exact(float_weight: torch.Tensor, levels: int, x: torch.Tensor, bias: torch
     products summed exactly (float64 holds these sums exactly), mapped back."""
     low = x.amin(dim=1, keepdim=True)
     spread = x.amax(dim=1, keepdim=True) - low
-    q = torch.round((x - low) * (255 / spread)).double()
+    q = torch.addcmul(low * -(255 / spread), x, 255 / spread).round().double()
     scales = float_weight.abs().amax(dim=1) / levels
     w = torch.round(float_weight / scales[:, None]).double() * scales.double()[:, None]
     return (q / 255 * spread.double()) @ w.T + low.double() @ w.sum(dim=1)[None, :] + bias.double()
@@ -42,7 +42,7 @@ def test_the_int8_product_is_exact_integer_arithmetic(levels):
     float_weight = torch.randn(1536, 384) * 0.05
     bias = torch.randn(1536)
 
-    got = Int8Weight(float_weight, levels).matmul(x, bias)
+    got = Int8Weight(float_weight, bias, levels).matmul(x)
 
     torch.testing.assert_close(got.double(), _exact(float_weight, levels, x, bias), rtol=1e-5, atol=1e-4)
     cosine = torch.nn.functional.cosine_similarity(got, torch.nn.functional.linear(x, float_weight, bias), dim=1)

@@ -111,6 +111,32 @@ def embed_engine(model: str, texts: list[str], dtype: str, device: str, batch_si
     return {"seconds": seconds, "tokens": sum(r.prompt_tokens for r in results), "note": backend}
 
 
+# Dense float16/bfloat16 tensor-core peaks (no sparsity), TFLOP/s, from the vendors' data sheets.
+PEAK_TFLOPS = {"H100": 989, "H200": 989, "A100": 312, "L40S": 362, "L4": 121, "A10": 125}
+
+
+def bert_flops_per_token(shape: BertShape, length: int) -> float:
+    """Forward FLOPs per token of a sequence of `length`: the linears (2 per weight) and attention's two
+    matmuls (2 * length * hidden each), per layer."""
+    linear_weights = 4 * shape.hidden**2 + 2 * shape.hidden * shape.intermediate
+    return shape.layers * (2 * linear_weights + 4 * length * shape.hidden)
+
+
+def embed_mfu(model: str, shape: BertShape, dtype: str, device: str, repeats: int) -> dict:
+    """embedserv in process on 512-token inputs (256 texts cut at the model's 512-token limit), as TFLOP/s
+    and the share of the GPU's dense peak (model FLOPs utilization)."""
+    import torch
+
+    texts = ["token " * (2 * shape.max_length)] * 256
+    result = embed_engine(model, texts, dtype, device, 32, repeats)
+    length = result["tokens"] // len(texts)
+    tflops = result["tokens"] * bert_flops_per_token(shape, length) / result["seconds"] / 1e12
+    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+    peak = next((value for key, value in PEAK_TFLOPS.items() if key in name), None)
+    mfu = f", MFU {tflops / peak:.0%} of {name}'s {peak} TFLOP/s" if peak else f" ({name}: peak unknown)"
+    return result | {"note": f"{length}-token inputs: {tflops:.3g} TFLOP/s{mfu}"}
+
+
 def embed_sentence_transformers(model: str, texts: list[str], device: str, batch_size: int, repeats: int) -> dict:
     """sentence-transformers in float16 (`.half()`), its usual GPU setting."""
     from sentence_transformers import SentenceTransformer

@@ -11,6 +11,7 @@
 2. Benchmarks, each system in a fresh process, one untimed pass then the best of --repeats:
    - embedding: all-MiniLM-L6-v2 and a random BERT in bge-base's shape; embedserv in process (float16,
      bfloat16) against sentence-transformers float16 (`.half()`), same texts (benchmarks/corpus.py);
+     and the bge-base shape on 512-token inputs with its model FLOPs utilization (MFU);
    - generation: a random Llama (hidden 1024, 8 layers, 16/4 heads) at 1, 8 and 32 concurrent streams,
      greedy, --max-tokens new tokens each; embedserv against transformers' batched generate, same dtype.
 3. One Markdown table (device, torch, commit and date above it), also written to --out (default $OUT
@@ -286,6 +287,20 @@ def bench_embedding(args, report: Report, name: str, model: Path, texts: list[st
         report.add(**row)
 
 
+def bench_mfu(args, report: Report, name: str, model: Path, shape) -> None:
+    """embedserv on 512-token inputs: achieved TFLOP/s and the share of the GPU's peak."""
+    from benchmarks import gpu_bench
+
+    for dtype in ("float16", "bfloat16"):
+        result = _attempt(args.in_process, gpu_bench.embed_mfu, str(model), shape, dtype, args.device, args.repeats)
+        row = dict(task="embed 512-token inputs", model=name, dtype=dtype, system="embedserv engine (in process)")
+        if "error" in result:
+            report.add(**row, note=result["error"])
+            continue
+        report.add(**row, work=f"256 texts, {result['tokens']} tokens", seconds=f"{result['seconds']:.2f}",
+                   **{"tokens/s": _rate(result["tokens"], result["seconds"])}, note=result["note"])
+
+
 def bench_generation(args, report: Report, name: str, model: Path, streams: int) -> None:
     """transformers' batched generate, then embedserv, at `streams` concurrent greedy generations."""
     from benchmarks import gpu_bench
@@ -327,6 +342,7 @@ def run_benchmarks(args, model_dir: Path, report: Report) -> None:
             bert = gpu_bench.build_bert(Path(tmp) / "bert", model_dir, bert_shape)
             bench_embedding(args, report, "all-MiniLM-L6-v2", model_dir, texts)
             bench_embedding(args, report, f"bge-base shape: {bert_shape.describe()}", bert, texts)
+            bench_mfu(args, report, f"bge-base shape: {bert_shape.describe()}", bert, bert_shape)
         if "generate" in chosen:
             llama = gpu_bench.build_llama(Path(tmp) / "llama", model_dir, llama_shape)
             for streams in args.streams:

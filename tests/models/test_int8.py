@@ -25,7 +25,7 @@ def _exact(float_weight: torch.Tensor, levels: int, x: torch.Tensor, bias: torch
     products summed exactly (float64 holds these sums exactly), mapped back."""
     low = x.amin(dim=1, keepdim=True)
     spread = x.amax(dim=1, keepdim=True) - low
-    q = torch.addcmul(low * -(255 / spread), x, 255 / spread).round().double()
+    q = torch.addcmul(0.5 - low * (255 / spread), x, 255 / spread).floor().double()
     scales = float_weight.abs().amax(dim=1) / levels
     w = torch.round(float_weight / scales[:, None]).double() * scales.double()[:, None]
     return (q / 255 * spread.double()) @ w.T + low.double() @ w.sum(dim=1)[None, :] + bias.double()

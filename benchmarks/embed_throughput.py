@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import multiprocessing
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ import grpc  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.corpus import stdlib_texts  # noqa: E402
+from embedserv import cpu_isa  # noqa: E402
 from embedserv.config import ModelConfig, bundled_model_path  # noqa: E402
 from embedserv.engine.sync import SyncEngine  # noqa: E402
 from embedserv.types import EmbedParams  # noqa: E402
@@ -111,7 +111,7 @@ def main() -> None:
 
     texts = stdlib_texts(args.texts)
     print(f"# {len(texts)} texts, batch {args.batch_size}, gRPC concurrency {args.concurrency}, best of {args.repeats}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_isa.detect().summary()}")
     rows = []
     for dtype in args.dtypes.split(","):
         engine_s, tokens = isolated(bench_engine, args.model, texts, dtype, args.batch_size, args.repeats)

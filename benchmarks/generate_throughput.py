@@ -17,7 +17,6 @@ then --repeats timed passes; the fastest counts. Prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 import tempfile
@@ -31,6 +30,7 @@ import torch  # noqa: E402
 
 from benchmarks.corpus import stdlib_texts  # noqa: E402
 from benchmarks.embed_throughput import isolated  # noqa: E402
+from embedserv import cpu_isa  # noqa: E402
 from embedserv.config import ModelConfig, bundled_model_path  # noqa: E402
 
 
@@ -144,7 +144,7 @@ def main() -> None:
                 rows.append((dtype, streams, ours, theirs))
                 print(f"done {dtype} x{streams}", file=sys.stderr, flush=True)
 
-    print(f"\n{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"\n{cpu_isa.detect().summary()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"{args.max_tokens} new tokens per stream; best of {args.repeats}\n")
     print("| dtype | streams | transformers tok/s | embedserv tok/s | speed-up | transformers TTFT ms | embedserv TTFT ms |")
     print("|---|---:|---:|---:|---:|---:|---:|")

@@ -144,7 +144,9 @@ def describe(device: str) -> list[str]:
     except Exception:  # noqa: BLE001 - a missing package only blanks a line of the report
         st_version = "not installed"
     if device == "cpu":
-        name = f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+        from embedserv import cpu_isa
+
+        name = f"CPU {cpu_isa.detect().summary()}, {torch.get_num_threads()} threads"
     else:
         props = torch.cuda.get_device_properties(0)
         name = f"{props.name}, {props.total_memory / 2**30:.0f} GiB, {torch.cuda.device_count()} visible"

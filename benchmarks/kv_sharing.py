@@ -20,7 +20,6 @@ Prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import tempfile
 import time
@@ -33,6 +32,7 @@ import torch  # noqa: E402
 
 from benchmarks.corpus import stdlib_texts  # noqa: E402
 from benchmarks.embed_throughput import isolated  # noqa: E402
+from embedserv import cpu_isa  # noqa: E402
 from embedserv.config import ModelConfig  # noqa: E402
 
 E2B_SHAPE = dict(
@@ -142,7 +142,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {args.dtype} on {args.device}")
+    print(f"{cpu_isa.detect().summary()}, torch {torch.__version__}, {args.dtype} on {args.device}")
     with tempfile.TemporaryDirectory() as tmp:
         models = build_models(Path(tmp), args.prompt_tokens + 256, args.prompt_tokens // 2)
         rows = [

@@ -16,7 +16,6 @@ untimed pass, then --repeats timed passes; the fastest counts. Prints a markdown
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch  # noqa: E402
 
 from benchmarks.corpus import stdlib_texts  # noqa: E402
 from benchmarks.embed_throughput import best_of, isolated  # noqa: E402
+from embedserv import cpu_isa  # noqa: E402
 from embedserv.config import ModelConfig, bundled_model_path  # noqa: E402
 from embedserv.engine.sync import SyncEngine  # noqa: E402
 from embedserv.types import RerankParams  # noqa: E402
@@ -93,7 +93,7 @@ def main() -> None:
     args = parser.parse_args()
     queries, documents = workload(args.queries, args.documents)
     pairs = len(queries) * len(documents)
-    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+    print(f"# {cpu_isa.detect().summary()}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; {len(queries)} queries x {len(documents)} documents = {pairs} pairs")
     print("| model | dtype | system | seconds | pairs/s | vs sentence-transformers |")
     print("|---|---|---|---:|---:|---:|")

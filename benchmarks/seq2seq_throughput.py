@@ -20,7 +20,6 @@ Each system runs in its own process: one untimed pass, then --repeats timed pass
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ import torch  # noqa: E402
 from benchmarks.corpus import stdlib_texts  # noqa: E402
 from benchmarks.embed_throughput import isolated  # noqa: E402
 from benchmarks.generate_throughput import _timed  # noqa: E402
+from embedserv import cpu_isa  # noqa: E402
 from embedserv.config import ModelConfig  # noqa: E402
 
 FLAN_T5_SMALL = dict(
@@ -162,7 +162,7 @@ def main() -> None:
             isolated(bench_transformers_rerank, monot5, args.pairs, *common),
         )
 
-    print(f"\n{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+    print(f"\n{cpu_isa.detect().summary()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{args.device}, {args.dtype}; best of {args.repeats}\n")
     print(f"Generation (Flan-T5-small shape), {args.max_tokens} new tokens per stream:\n")
     print("| streams | transformers tok/s | embedserv tok/s | speed-up | backend |")

@@ -1,6 +1,6 @@
 """What this CPU computes natively, and the CPU constants that depend on it.
 
-Machines differ: an AVX2-only EPYC emulates bfloat16 (7x slower than float32 there) and saturates
+Machines differ: an AVX2-only EPYC emulates bfloat16 (6x slower than float32 there) and saturates
 int8 products of 8-bit weights, while AVX-512 parts with avx512_bf16 or AMX run bfloat16 in
 hardware and VNNI multiplies int8 exactly. `detect()` reads the flags once; everything that depends on
 them asks here, so tests fake one probe (monkeypatch `detect`) to exercise another machine.
@@ -16,9 +16,9 @@ from pathlib import Path
 # Flags that matter here, in the order the start-up log names them.
 _NAMED_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "avx512_fp16", "amx_fp16")
 
-# bfloat16 emulated (no avx512_bf16/AMX): MiniLM ran about 7x slower than float32 on an AVX2 EPYC
-# (docs/PERFORMANCE.md, issue 22); float16 has no compute path on CPUs without avx512_fp16/AMX-FP16.
-EMULATED_BF16_SLOWDOWN = 7
+# bfloat16 emulated (no avx512_bf16/AMX): MiniLM served 772 against 4,449 tokens/s in float32 on an AVX2
+# EPYC, about 6x slower (docs/PERFORMANCE.md, issue 22); float16 has no fast path without avx512_fp16/AMX-FP16.
+EMULATED_BF16_SLOWDOWN = 6
 
 
 @dataclass(frozen=True)
@@ -101,8 +101,9 @@ def dtype_warning(dtype: str) -> str | None:
 # --- Constants tuned per ISA class (measured where docs/PERFORMANCE.md says; the rest inherit). ---
 
 # Token budget of one CPU forward pass. Past it the activations spill out of cache and the time per token
-# rises; the sweep in benchmarks/cpu_efficiency.py measured it per class.
-_CPU_BATCH_TOKENS = {"amx": 4096, "avx512_bf16": 4096, "avx512": 4096, "avx2": 4096, "baseline": 2048}
+# rises. 4096 was measured on an AVX-512-bf16 machine (docs/PERFORMANCE.md) and is kept for the other
+# classes until benchmarks/cpu_efficiency.py's sweep on one of them says otherwise.
+_CPU_BATCH_TOKENS = {"amx": 4096, "avx512_bf16": 4096, "avx512": 4096, "avx2": 4096, "baseline": 4096}
 
 # bfloat16 attention on CPU: from this run length on, two batched matmuls beat SDPA's flash kernel.
 # Measured on an AVX-512-bf16 machine; where bf16 is emulated the matmuls are as slow as the kernel's

@@ -61,19 +61,17 @@ class CpuIsa:
 
 
 def _read_cpuinfo(path: Path = Path("/proc/cpuinfo")) -> CpuIsa:
-    model_name, flags = platform.processor() or platform.machine(), frozenset()
+    """The first core's model name and flags (cores of one machine report the same)."""
+    fields: dict[str, str] = {}
     try:
-        text = path.read_text()
+        lines = path.read_text().splitlines()
     except OSError:
-        return CpuIsa(model_name, flags)
-    for line in text.splitlines():
+        lines = []
+    for line in lines:
         key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and model_name == (platform.processor() or platform.machine()):
-            model_name = value.strip()
-        elif key == "flags" and not flags:
-            flags = frozenset(value.split())
-    return CpuIsa(model_name, flags)
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    return CpuIsa(name, frozenset(fields.get("flags", "").split()))
 
 
 @functools.cache

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
+from embedserv import cpu_isa
 from embedserv.errors import ConfigError
 
 LOG_FORMATS = ("text", "json")
@@ -161,8 +162,6 @@ class ModelConfig:
         if self.max_batch_tokens is not None:
             return self.max_batch_tokens
         if self.device == "cpu":
-            from embedserv import cpu_isa
-
             return cpu_isa.cpu_batch_tokens()
         return CUDA_BATCH_TOKENS
 

@@ -43,6 +43,12 @@ def best_of(repeats: int, run: Callable[[], Any]) -> tuple[float, Any]:
     return best, result
 
 
+def warm_then_best_of(job: dict, encode: Callable[[list[str]], Any], texts: list[str]) -> tuple[float, Any]:
+    """One untimed encode of the job's warm-up texts, then best_of its repeats over all texts."""
+    encode(texts[: job["warmup_texts"]])
+    return best_of(job["repeats"], lambda: encode(texts))
+
+
 def percentile(values: list[float], q: float) -> float:
     """The nearest-rank q-th percentile (0 < q <= 100) of a non-empty list."""
     ordered = sorted(values)

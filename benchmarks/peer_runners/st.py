@@ -19,7 +19,7 @@ import shutil
 import time
 from pathlib import Path
 
-from .common import best_of, cpu_info, ort_int8_config, read_job, read_texts, write_result
+from .common import cpu_info, ort_int8_config, read_job, read_texts, warm_then_best_of, write_result
 
 BACKENDS = {"st-torch": "torch", "st-onnx": "onnx", "st-openvino": "openvino"}
 
@@ -114,8 +114,7 @@ def main() -> None:
     def encode(batch: list[str]):
         return model.encode(batch, batch_size=job["batch_size"], convert_to_numpy=True)
 
-    encode(texts[: job["warmup_texts"]])
-    seconds, vectors = best_of(job["repeats"], lambda: encode(texts))
+    seconds, vectors = warm_then_best_of(job, encode, texts)
     write_result(job, vectors, seconds=seconds, load_seconds=load_seconds,
                  setup=f"{setup}; encode(batch_size={job['batch_size']})")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from .common import best_of, read_job, read_texts, write_result
+from .common import read_job, read_texts, warm_then_best_of, write_result
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
@@ -31,8 +31,7 @@ def main() -> None:
         outputs = llm.embed(batch, use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": -1})
         return [output.outputs.embedding for output in outputs]
 
-    embed(texts[: job["warmup_texts"]])
-    seconds, vectors = best_of(job["repeats"], lambda: embed(texts))
+    seconds, vectors = warm_then_best_of(job, embed, texts)
     write_result(job, vectors, seconds=seconds, load_seconds=load_seconds,
                  setup=f"LLM.embed(all texts), dtype {DTYPES[job['precision']]}, max_model_len {job['max_seq_length']}")
 

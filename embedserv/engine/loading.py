@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from embedserv import cpu_isa
 from embedserv.config import ModelConfig
 from embedserv.engine.tokenizer import TextTokenizer
 from embedserv.models.spec import ModelSpec, read_model_spec
@@ -84,8 +85,6 @@ def log_spec(served: ServedModel, config: ModelConfig) -> None:
         info.pooling, info.dimension, info.max_input_tokens, info.dtype, info.device,
     )
     if info.device == "cpu":
-        from embedserv import cpu_isa
-
         logger.info("model %s: CPU %s", info.name, cpu_isa.detect().summary())
         warning = cpu_isa.dtype_warning(config.torch_dtype_name)
         if warning:

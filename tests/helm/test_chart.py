@@ -385,21 +385,3 @@ def test_topology_spread_gets_the_selector(chart):
     objects = render(chart, FULL)
     (constraint,) = pod_spec(objects)["topologySpreadConstraints"]
     assert constraint["labelSelector"]["matchLabels"] == one(objects, "Deployment")["spec"]["selector"]["matchLabels"]
-
-
-def test_labels(chart):
-    deployment = one(render(chart, {}), "Deployment")
-    labels = deployment["metadata"]["labels"]
-    assert labels == {"helm.sh/chart": "embedserv-0.1.0", "app.kubernetes.io/name": "embedserv",
-                      "app.kubernetes.io/instance": RELEASE, "app.kubernetes.io/version": "0.1.0",
-                      "app.kubernetes.io/managed-by": "Helm"}
-    assert deployment["spec"]["selector"]["matchLabels"] == {
-        "app.kubernetes.io/name": "embedserv", "app.kubernetes.io/instance": RELEASE}
-
-
-def test_notes(chart):
-    notes = render_raw(chart, {})["embedserv/templates/NOTES.txt"]
-    assert f"dns:///{FULLNAME}-headless.{NAMESPACE}.svc.cluster.local:50051" in notes
-    assert f"port-forward svc/{FULLNAME} 50051:50051" in notes
-    assert 'embedserv-client --target 127.0.0.1:50051 embed "hello"' in notes
-    assert f"helm test {RELEASE}" in notes

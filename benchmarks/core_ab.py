@@ -1,11 +1,15 @@
 """Before/after of the engine core between two checkouts, in one run: embed, rerank and generate.
 
     python benchmarks/core_ab.py BASE_TREE NEW_TREE [--rounds 3] [--streams 32] [--max-tokens 32]
+        [--workloads embed,embed-fresh,rerank,generate] [--dtype float32]
 
 BASE_TREE is e.g. a `git worktree` of the base commit. Each measurement runs in a fresh process that imports
 embedserv from one tree; the trees alternate, round after round, and the best of the rounds counts (this
-machine drifts between runs). Workloads, all in-process engines on the CPU in float32:
-- embed: 1,000 real texts in calls of 32, bundled all-MiniLM-L6-v2 (texts/s);
+machine drifts between runs). Workloads, all in-process engines on the CPU in float32 (or --dtype):
+- embed: 1,000 real texts in calls of 32, bundled all-MiniLM-L6-v2 (texts/s); every pass the same texts,
+  so every pass runs the same batch shapes;
+- embed-fresh: the same, but each pass (warm-up included) other texts, as a server sees them: batch shapes
+  a pass has not seen before;
 - rerank: a random cross-encoder of ms-marco-MiniLM-L6-v2's shape, 10 queries x 100 documents, all calls
   at once (pairs/s);
 - generate: a random Llama in SmolLM2-135M's shape, N concurrent greedy streams of --max-tokens tokens
@@ -16,6 +20,7 @@ Prints a markdown table with the CPU's name and flags.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import subprocess
@@ -35,7 +40,7 @@ def _types():
     return types
 
 
-def child(tree: str, workload: str, model: str, streams: int, max_tokens: int) -> float:
+def child(tree: str, workload: str, model: str, streams: int, max_tokens: int, dtype: str) -> float:
     sys.path.insert(0, tree)
     sys.path.insert(1, str(REPO_ROOT))
     import embedserv
@@ -48,13 +53,16 @@ def child(tree: str, workload: str, model: str, streams: int, max_tokens: int) -
 
     types = _types()
     path = model or str(bundled_model_path())
-    config = ModelConfig(path=path, served_name="m", kv_cache_memory=2**30 if workload == "generate" else None)
+    config = ModelConfig(
+        path=path, served_name="m", kv_cache_memory=2**30 if workload == "generate" else None, dtype=dtype
+    )
     with SyncEngine(config) as engine:
-        if workload == "embed":
-            texts = stdlib_texts(1000, seed=0)
-            calls = [texts[i : i + 32] for i in range(0, len(texts), 32)]
+        if workload.startswith("embed"):
+            seeds = itertools.count() if workload == "embed-fresh" else itertools.repeat(0)
 
             def run() -> int:
+                texts = stdlib_texts(1000, seed=next(seeds))
+                calls = [texts[i : i + 32] for i in range(0, len(texts), 32)]
                 engine.embed_concurrently(calls, types.EmbedParams(truncate=True))
                 return len(texts)
         elif workload == "rerank":
@@ -96,11 +104,12 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--workloads", default="embed,rerank,generate")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--child", nargs=2, metavar=("TREE", "WORKLOAD"), help=argparse.SUPPRESS)
     parser.add_argument("--model", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(*args.child, args.model, args.streams, args.max_tokens)))
+        print(json.dumps(child(*args.child, args.model, args.streams, args.max_tokens, args.dtype)))
         return
     sys.path.insert(0, str(REPO_ROOT))
     from benchmarks.generate_throughput import build_model
@@ -109,7 +118,7 @@ def main() -> None:
     workloads = args.workloads.split(",")
     best = {(w, t): 0.0 for w in workloads for t in ("base", "new")}
     with tempfile.TemporaryDirectory() as tmp:
-        models = {"embed": "", "rerank": str(build_minilm_cross_encoder(Path(tmp) / "ce")),
+        models = {"embed": "", "embed-fresh": "", "rerank": str(build_minilm_cross_encoder(Path(tmp) / "ce")),
                   "generate": str(build_model(Path(tmp) / "llama"))}  # fmt: skip
         for _ in range(args.rounds):
             for workload in workloads:
@@ -117,13 +126,14 @@ def main() -> None:
                     out = subprocess.run(
                         [sys.executable, __file__, args.base, args.new, "--child", str(Path(tree).resolve()), workload,
                          "--model", models[workload], "--streams", str(args.streams),
-                         "--max-tokens", str(args.max_tokens)],
+                         "--max-tokens", str(args.max_tokens), "--dtype", args.dtype],
                         check=True, capture_output=True, text=True,
                     )  # fmt: skip
                     value = json.loads(out.stdout.strip().splitlines()[-1])
                     best[workload, label] = max(best[workload, label], value)
-    units = {"embed": "texts/s", "rerank": "pairs/s", "generate": f"tokens/s at {args.streams} streams"}
-    print(f"CPU: {cpu_name()}; best of {args.rounds} alternating rounds, float32\n")
+    units = {"embed": "texts/s", "embed-fresh": "texts/s", "rerank": "pairs/s",
+             "generate": f"tokens/s at {args.streams} streams"}
+    print(f"CPU: {cpu_name()}; best of {args.rounds} alternating rounds, {args.dtype}\n")
     print("| workload | base | new | new / base |\n|---|---|---|---|")
     for workload in workloads:
         base, new = best[workload, "base"], best[workload, "new"]

@@ -88,18 +88,29 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
         context = get_forward_context()
         kv_cache = context.kv_cache_for(self)
+        meta = context.metadata_for(self)
+        # Padding rows (worker/padding.py) follow the real ones: the backend never sees them.
+        rows, num_queries = q.shape[0], meta.common.num_query_rows
         if k is not None:
-            k = k.view(-1, self.num_kv_heads, self.head_size)
-            v = v.view(-1, self.num_kv_heads, self.head_size)
+            k = _real_rows(k, meta.common.num_key_rows).view(-1, self.num_kv_heads, self.head_size)
+            v = _real_rows(v, meta.common.num_key_rows).view(-1, self.num_kv_heads, self.head_size)
         if kv_cache is None and self.kind is not AttentionKind.CROSS:
             if self.kv_source_layer is not None:
                 k, v = context.shared_kv[self.kv_source_layer]
             elif self.is_kv_source:
                 context.shared_kv[self.layer_index] = (k, v)
         out = context.attn_backend.forward(
-            self, q.view(-1, self.num_heads, self.head_size), k, v, kv_cache, context.metadata_for(self)
-        )
-        return out.reshape(-1, self.num_heads * self.head_size)
+            self, _real_rows(q, num_queries).view(-1, self.num_heads, self.head_size), k, v, kv_cache, meta
+        ).reshape(-1, self.num_heads * self.head_size)
+        if num_queries < rows:
+            # Zeros, not garbage: the padding rows run on through the layers after this one.
+            out = torch.cat((out, out.new_zeros(rows - num_queries, out.shape[1])))
+        return out
+
+
+def _real_rows(x: torch.Tensor, count: int) -> torch.Tensor:
+    """The first `count` rows; `x` itself when it has no padding rows (a compiled backend sees no new view)."""
+    return x if x.shape[0] == count else x[:count]
 
 
 def attention_layers(model: nn.Module) -> list[Attention]:

@@ -61,6 +61,19 @@ class CommonAttentionMetadata:
         return self.slot_mapping is not None
 
     @property
+    def num_query_rows(self) -> int:
+        """Rows of q that belong to sequences; q may carry padding rows after them (worker/padding.py)."""
+        return int(self.seq_lens_q_cpu.sum())
+
+    @property
+    def num_key_rows(self) -> int:
+        """Rows of this step's k and v that belong to sequences (padding rows may follow): the new tokens
+        written to the cache (slot_mapping), or, KV-free, every key."""
+        if self.slot_mapping is not None:
+            return self.slot_mapping.shape[0]
+        return int(self.seq_lens_k_cpu.sum())
+
+    @property
     def context_lens_cpu(self) -> np.ndarray:
         """[num_seqs] tokens of each sequence already in the cache before this step."""
         return self.seq_lens_k_cpu - self.seq_lens_q_cpu

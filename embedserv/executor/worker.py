@@ -1,7 +1,7 @@
 """A worker process: one replica of one model, fed steps over zmq by its engine's ProcessWorker.
 
-Started as `python -m embedserv.executor.worker '<json WorkerArgs>'`. It loads and warms the model,
-says ready, then runs two threads:
+Started as `python -m embedserv.executor.worker '<json WorkerArgs>'`. It sets its allocator up for steps
+(worker/allocator.py), loads and warms the model, says ready, then runs two threads:
 - the receiver takes each step off the inbox and prepares it (packed inputs already on the device), so
   step k+1 is ready when step k ends;
 - the main thread runs prepared steps in order and sends each result to the outbox.
@@ -79,12 +79,15 @@ def _load(args: WorkerArgs):
     import torch
 
     from embedserv.models.spec import read_model_spec
+    from embedserv.worker import allocator
     from embedserv.worker.replica import build_runner
 
+    allocator.keep_step_memory()
     torch.set_num_threads(args.placement.threads)
     spec = read_model_spec(args.config)
     runner = build_runner(args.config, spec)
     runner.warm_up(spec.info.max_input_tokens, args.config.batch_token_budget)
+    allocator.release_free_memory()
     return runner
 
 

@@ -6,6 +6,9 @@ a KV cache). All integers of a step go into one int64 host buffer (pinned on CUD
 non-blocking copy, and are sliced apart on the device: ids, positions, offsets, pooling indices, sampled
 rows, and per KV-cache group the slot of every new token and the block tables [num_seqs, max_blocks].
 
+On CPU the rows are padded to a bounded set of counts (worker/padding.py); padding rows come after the
+real ones and belong to no sequence.
+
 Encoder-decoder steps also carry the encoder inputs of the sequences whose encoder runs now, packed in
 the decoder's sequence order with their own offsets (the encoder's metadata); cross-attention reads, per
 sequence, its encoder's keys: packed ones on KV-free steps, its cross block table on paged ones (where
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
+from typing import Callable
 
 import numpy as np
 import torch
@@ -30,23 +34,26 @@ from embedserv.attention.metadata import (
 )
 from embedserv.models.heads import PoolingInputs, TokenInputs
 from embedserv.types import EmbedOutput, OutputKind, SamplingParams, ScheduledSequence, StepBatch
+from embedserv.worker.padding import pad, padded_rows
 from embedserv.worker.prefill_skip import SkipPlan
 
 
 @dataclass(frozen=True)
 class ModelInputs:
-    # [num_tokens] int64
+    # [padded] int64: the step's num_tokens token ids, then padding rows (id 0) up to the padded count
+    # (equal to num_tokens where rows are not padded: off CPU)
     input_ids: torch.Tensor
-    # [num_tokens] int64, already shifted by the model's position offset
+    # [padded] int64, already shifted by the model's position offset (padding rows: position 0)
     positions: torch.Tensor
-    # [num_tokens] int64, or None when every token is type 0
+    # [padded] int64, or None when every token is type 0
     token_type_ids: torch.Tensor | None
     # One per KV-cache group; one KV-free entry when the step keeps no KV.
     attention: tuple[CommonAttentionMetadata, ...]
     # Rows for POOL / SCORE sequences (None when none yields a row), in batch order.
     pooling: PoolingInputs | None
     row_request_ids: tuple[int, ...]
-    # [num_samples] int64: the rows whose hidden state predicts the next token; None when none samples.
+    # [num_samples, padded on CPU] int64: the rows whose hidden state predicts the next token (padding: row 0
+    # again); None when none samples.
     sample_rows: torch.Tensor | None
     sampled_request_ids: tuple[int, ...]
     sampling: tuple[SamplingParams, ...]
@@ -54,8 +61,8 @@ class ModelInputs:
     sample_lengths: tuple[int, ...]
     # Per KV-cache group, the host copy of the block tables [num_seqs, max_blocks] (empty without KV).
     block_tables_cpu: tuple[np.ndarray, ...] = ()
-    # Encoder-decoder steps: the encoder inputs run now ([num_encoder_tokens] ids and shifted positions)
-    # and their metadata; None when no encoder runs.
+    # Encoder-decoder steps: the encoder inputs run now ([num_encoder_tokens, padded on CPU] ids and shifted
+    # positions) and their metadata; None when no encoder runs.
     encoder_input_ids: torch.Tensor | None = None
     encoder_positions: torch.Tensor | None = None
     encoder_attention: CommonAttentionMetadata | None = None
@@ -69,13 +76,16 @@ class ModelInputs:
     # POOL sequences that want a sparse or a per-token output: their tokens; None when none does.
     sparse_tokens: TokenInputs | None = None
     vector_tokens: TokenInputs | None = None
+    # Rows of the model's output that are real (the step's tokens, or the prefill skip's kept rows); the
+    # padding rows after them are dropped before the heads. None: every row is real.
+    num_output_rows: int | None = None
 
 
 class InputBuilder:
     def __init__(
         self, device: torch.device, position_offset: int, is_causal: bool, block_size: int = 0,
         fixed_groups: tuple[bool, ...] = (), is_encoder_decoder: bool = False, prefill_skip: bool = False,
-        rows_read_last: bool = False,
+        rows_read_last: bool = False, pad_rows: bool = False,
     ) -> None:
         self.device = device
         self.position_offset = position_offset
@@ -87,6 +97,8 @@ class InputBuilder:
         # Plan the prefill skip; `rows_read_last`: the row head reads only each sequence's last token.
         self.prefill_skip = prefill_skip
         self.rows_read_last = rows_read_last
+        # Pad the model's rows to padded_rows() (CPU: oneDNN keeps state per row count).
+        self.padded = padded_rows if pad_rows else _unpadded
 
     def build(self, batch: StepBatch) -> ModelInputs:
         seqs = batch.sequences
@@ -107,9 +119,10 @@ class InputBuilder:
         pos_in_step = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu[:-1], packed_lens)
         positions = pos_in_step + np.repeat(starts[order], packed_lens)
         lens_k = packed_lens + starts[order]
+        padded = self.padded(num_tokens)
         parts = [
-            np.fromiter(chain.from_iterable(seqs[i].token_ids for i in order), dtype=np.int64, count=num_tokens),
-            positions + self.position_offset,
+            pad(np.fromiter(chain.from_iterable(seqs[i].token_ids for i in order), np.int64, count=num_tokens), padded),
+            pad(positions, padded) + self.position_offset,
             cu,
         ]
         rows = [i for i, s in enumerate(seqs) if s.produces_output and _wants_row(s)]
@@ -123,7 +136,7 @@ class InputBuilder:
         out_start, out_len, dropped, out_pos = packed_start, lens_q, np.zeros(len(seqs), np.int64), pos_in_step
         skip = None
         if self.prefill_skip:
-            skip = SkipPlan(seqs, order, packed_lens, lens_k, self.rows_read_last, batch.uses_kv_cache)
+            skip = SkipPlan(seqs, order, packed_lens, lens_k, self.rows_read_last, batch.uses_kv_cache, self.padded)
             if skip.active:
                 parts += skip.parts
                 out_start, out_len, dropped, out_pos = skip.out_start, skip.out_len, skip.dropped, skip.pos_in_step()
@@ -133,15 +146,16 @@ class InputBuilder:
         if pooling is not None:
             parts += pooling.parts
         if samples:
-            parts.append(out_start[samples] + out_len[samples] - 1)
+            # Padding rows sample row 0 again (the LM head runs a bounded set of row counts); dropped after.
+            parts.append(pad(out_start[samples] + out_len[samples] - 1, self.padded(len(samples))))
         for plan in token_plans.values():
             if skip is not None:
                 raise ValueError("per-token outputs need every row; they cannot run with the prefill skip")
             parts += plan.parts
         has_types = any(s.token_type_ids is not None for s in seqs)
         if has_types:
-            parts.append(_token_types([seqs[i] for i in order], num_tokens))
-        encoder = _EncoderPlan(seqs, order, self.position_offset) if self.is_encoder_decoder else None
+            parts.append(pad(_token_types([seqs[i] for i in order], num_tokens), padded))
+        encoder = _EncoderPlan(seqs, order, self.position_offset, self.padded) if self.is_encoder_decoder else None
         if encoder is not None:
             parts += encoder.parts
         paged = None
@@ -186,7 +200,12 @@ class InputBuilder:
             skip_attention=skip_attention,
             sparse_tokens=tokens.get(EmbedOutput.SPARSE),
             vector_tokens=tokens.get(EmbedOutput.MULTI_VECTOR),
+            num_output_rows=skip.num_kept_rows if skip is not None else num_tokens,
         )
+
+
+def _unpadded(num_rows: int) -> int:
+    return num_rows
 
 
 def _wants_row(seq: ScheduledSequence) -> bool:
@@ -217,7 +236,7 @@ class _TokenPlan:
 class _EncoderPlan:
     """The encoder inputs of the sequences whose encoder runs in this step, in the decoder's packed order."""
 
-    def __init__(self, seqs, order, position_offset: int) -> None:
+    def __init__(self, seqs, order, position_offset: int, padded: Callable[[int], int]) -> None:
         self.num_seqs = len(seqs)
         # Packed positions (index into `order`) of the sequences whose encoder runs.
         self.members = np.fromiter((p for p, i in enumerate(order) if seqs[i].encoder_token_ids), dtype=np.int64)
@@ -228,7 +247,8 @@ class _EncoderPlan:
         ids = np.fromiter(chain.from_iterable(s.encoder_token_ids for s in member_seqs), dtype=np.int64, count=total)
         positions = np.arange(total, dtype=np.int64) - np.repeat(self.cu[:-1], self.lens)
         self.positions = positions
-        self.parts = [ids, positions + position_offset, self.cu] if total else []
+        rows = padded(total)
+        self.parts = [pad(ids, rows), pad(positions, rows) + position_offset, self.cu] if total else []
 
     def inputs(self, device_parts):
         """(ids, positions, metadata) on the device; all None when no encoder runs."""

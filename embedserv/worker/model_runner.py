@@ -54,7 +54,9 @@ class ModelRunner:
         rows_read_last: bool = False,
         sparse_head: nn.Module | None = None,
         token_head: nn.Module | None = None,
+        pad_rows: bool = True,
     ) -> None:
+        """`pad_rows`: on CPU, run padded row counts (worker/padding.py); tests that count rows turn it off."""
         self.model = model
         self.backend = backend
         self.device = device
@@ -74,6 +76,7 @@ class ModelRunner:
         self.input_builder = InputBuilder(
             device, model.position_offset, is_causal, block_size, fixed, self.is_encoder_decoder,
             prefill_skip=self.skip_layer is not None, rows_read_last=rows_read_last,
+            pad_rows=pad_rows and device.type == "cpu",
         )
 
     def kv_cache_layout(self) -> KvCacheLayout | None:
@@ -117,12 +120,14 @@ class ModelRunner:
                 )
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions, inputs.token_type_ids)
+        if inputs.num_output_rows is not None:
+            hidden = hidden[: inputs.num_output_rows]  # the padding rows (worker/padding.py)
         rows, tokens = _NO_ROWS, _NO_TOKENS
         # One device-to-host copy per kind of output.
         if inputs.pooling is not None:
             rows = self.row_head(hidden, inputs.pooling).cpu().numpy()
         if inputs.sample_rows is not None:
-            logits = self.lm_head(hidden.index_select(0, inputs.sample_rows)).float()
+            logits = self.lm_head(hidden.index_select(0, inputs.sample_rows))[: len(inputs.sampling)].float()
             tokens = sample(logits, inputs.sampling, inputs.sample_lengths).cpu().numpy()
         sparse = vectors = None
         if inputs.sparse_tokens is not None:

@@ -11,9 +11,12 @@ The kept rows are a new packing of the batch (in the batch's packed order): each
 paged, the kept sequences' rows of the block tables with one query each (a decode's shape) or their whole
 chunk; KV-free, queries that are the last `keep` of their sequence's keys (metadata.build_suffix_metadata).
 Outputs are then indexed in the kept packing: `out_start` and `out_len` give each sequence's rows there.
+The kept rows are padded like the step's (worker/padding.py), with row 0 again.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 import torch
@@ -22,13 +25,16 @@ from embedserv.attention.metadata import (
     CommonAttentionMetadata, build_paged_metadata, build_suffix_metadata, cumulative_offsets, ranges,
 )
 from embedserv.types import OutputKind
+from embedserv.worker.padding import pad
 
 
 class SkipPlan:
     def __init__(
-        self, seqs, order: np.ndarray, packed_lens: np.ndarray, lens_k: np.ndarray, rows_read_last: bool, paged: bool
+        self, seqs, order: np.ndarray, packed_lens: np.ndarray, lens_k: np.ndarray, rows_read_last: bool, paged: bool,
+        padded: Callable[[int], int],
     ) -> None:
-        """`packed_lens`, `lens_k`: each sequence's queries and keys, in packed order."""
+        """`packed_lens`, `lens_k`: each sequence's queries and keys, in packed order; `padded`: the rows
+        run for a number of kept rows."""
         keep = np.empty(len(seqs), dtype=np.int64)
         for p, i in enumerate(order):
             seq, length = seqs[i], int(packed_lens[p])
@@ -51,6 +57,7 @@ class SkipPlan:
         ends = cumulative_offsets(packed_lens)[1:][self.kept]
         counts = keep[self.kept]
         self.rows = np.repeat(ends - counts, counts) + ranges(counts)
+        self.num_kept_rows = len(self.rows)
         self.out_len = np.empty(len(seqs), dtype=np.int64)
         self.out_len[order] = keep
         starts = np.zeros(len(seqs), dtype=np.int64)
@@ -61,7 +68,7 @@ class SkipPlan:
         self.dropped[order] = packed_lens - keep
         self.paged = paged
         self.lens_k = lens_k[self.kept]
-        self.parts = [self.rows, self.cu, self.kept]
+        self.parts = [pad(self.rows, padded(self.num_kept_rows)), self.cu, self.kept]
         if paged:
             # The kept sequences' key offsets, in the step's one host-to-device copy.
             self.parts.append(cumulative_offsets(self.lens_k))
@@ -73,7 +80,8 @@ class SkipPlan:
     def metadata(
         self, device_parts, full: tuple[CommonAttentionMetadata, ...], is_causal: bool
     ) -> tuple[torch.Tensor, tuple[CommonAttentionMetadata, ...]]:
-        """(kept rows [num_kept] int64, per-group metadata of the kept queries over all of their keys)."""
+        """(kept rows [num_kept, padded on CPU] int64, per-group metadata of the kept queries over all of their
+        keys)."""
         rows, cu_q, kept = next(device_parts), next(device_parts), next(device_parts)
         lens_q = self.keep[self.kept]
         if not self.paged:

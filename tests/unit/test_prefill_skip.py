@@ -18,6 +18,7 @@ from embedserv.models.heads import EmbeddingPooler
 from embedserv.types import OutputKind, SamplingParams, ScheduledSequence, StepBatch
 from embedserv.worker.kv_cache import KvCache, allocate_kv_caches, kv_cache_groups
 from embedserv.worker.model_runner import ModelRunner
+from embedserv.worker.padding import padded_rows
 
 HIDDEN, HEADS, HEAD_SIZE, VOCAB, BLOCK = 32, 2, 16, 61, 4
 CPU = torch.device("cpu")
@@ -65,7 +66,8 @@ class ToyModel(nn.Module):
         return hidden
 
 
-def _runner(backend, skip: bool, pooling: str | None = None, kv: bool = True):
+def _runner(backend, skip: bool, pooling: str | None = None, kv: bool = True, pad_rows: bool = False):
+    """Rows unpadded unless `pad_rows` (worker/padding.py): these tests count the rows each layer runs."""
     torch.manual_seed(0)
     model = ToyModel().eval()
     kv_cache = None
@@ -76,7 +78,7 @@ def _runner(backend, skip: bool, pooling: str | None = None, kv: bool = True):
     row_head = EmbeddingPooler(pooling, []) if pooling else None
     return ModelRunner(
         model, backend, CPU, True, row_head=row_head, lm_head=lm_head, kv_cache=kv_cache,
-        kv_sharing_fast_prefill=skip, rows_read_last=pooling == "lasttoken",
+        kv_sharing_fast_prefill=skip, rows_read_last=pooling == "lasttoken", pad_rows=pad_rows,
     )
 
 
@@ -161,6 +163,36 @@ def test_prefill_only_steps_keep_the_rows_the_head_reads(pooling, kept, backend)
     assert got.row_request_ids == want.row_request_ids
     assert abs(got.rows - want.rows).max() <= 1e-5
     assert rows[2] == rows[3] == kept and rows[1] == [15]
+
+
+@pytest.mark.parametrize("backend", [NaiveBackend(), SdpaBackend()], ids=["naive", "sdpa"])
+def test_padded_rows_change_no_output(backend):
+    """On CPU the runner pads the step's rows, the kept rows and the sampled rows (worker/padding.py): with
+    the skip and padding it samples what the unpadded full run samples, from the same LM-head rows."""
+    full, padded = _runner(backend, skip=False), _runner(backend, skip=True, pad_rows=True)
+    rows = _count_rows(padded)
+    full_lm, padded_lm = _lm_inputs(full), _lm_inputs(padded)
+    for step in _steps():
+        want, got = full.execute(step), padded.execute(step)
+        assert got.sampled_request_ids == want.sampled_request_ids
+        assert got.tokens.tolist() == want.tokens.tolist()
+    for before, after in zip(full_lm, padded_lm, strict=True):
+        assert after.shape[0] == padded_rows(before.shape[0])
+        torch.testing.assert_close(after[: before.shape[0]], before, rtol=0, atol=1e-5)
+    # 14, 11 and 6 tokens; 1, 2 and 3 kept rows: every layer ran 16.
+    assert all(counts == [16, 16, 16] for counts in rows.values())
+
+
+@pytest.mark.parametrize("pooling", ["lasttoken", "mean"])
+def test_padded_rows_change_no_pooled_row(pooling):
+    batch = StepBatch(tuple(
+        ScheduledSequence(i, tuple(range(3 + i, 3 + i + n)), OutputKind.POOL) for i, n in enumerate((7, 5, 3))
+    ))
+    full = _runner(SdpaBackend(), skip=False, pooling=pooling, kv=False)
+    padded = _runner(SdpaBackend(), skip=True, pooling=pooling, kv=False, pad_rows=True)
+    want, got = full.execute(batch), padded.execute(batch)
+    assert got.row_request_ids == want.row_request_ids
+    assert abs(got.rows - want.rows).max() <= 1e-5
 
 
 def test_the_flag_is_refused_for_a_model_without_shared_layers():

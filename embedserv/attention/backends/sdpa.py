@@ -54,6 +54,10 @@ from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetad
 # (cpu_isa.bf16_matmul_attention_min_length), as long as the materialized scores stay in cache: runs are
 # cut into chunks of at most _SCORES_BYTES of scores. Measured with benchmarks/attention_kernels.py.
 _SCORES_BYTES = 2_500_000
+# ... with lengths padded to a multiple of this (padded keys masked, padded queries dropped): oneDNN keeps a
+# primitive per matmul shape, and every length and chunk size churned its caches and grew the heap without
+# bound (worker/padding.py says how). Padded, a 256-token model has about 160 shapes.
+_MATMUL_LENGTH_STEP = 8
 
 
 @dataclass(frozen=True)
@@ -158,7 +162,8 @@ def _attend_batched(scale: float, qb, kb, vb, is_causal: bool, gqa: bool, mask=N
     _mask_dtype (added to the scores); never together with is_causal."""
     num_seqs, heads, len_q, _ = qb.shape
     if _uses_matmuls(qb, len_q):
-        per_chunk = max(1, _SCORES_BYTES // (heads * len_q * kb.shape[2] * qb.element_size()))
+        scores_bytes = heads * _padded_length(len_q) * _padded_length(kb.shape[2]) * qb.element_size()
+        per_chunk = max(1, _SCORES_BYTES // scores_bytes)
         per_seq = mask is not None and mask.shape[0] > 1
         return _concat([
             _attend_with_matmuls(qb[i : i + per_chunk], kb[i : i + per_chunk], vb[i : i + per_chunk], scale,
@@ -199,22 +204,37 @@ def _concat(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def _padded_length(length: int) -> int:
+    return -(-length // _MATMUL_LENGTH_STEP) * _MATMUL_LENGTH_STEP
+
+
+def _pad_length(x: torch.Tensor) -> torch.Tensor:
+    """[n, heads, L, d] -> [n, heads, _padded_length(L), d], zeros after the real rows."""
+    padding = _padded_length(x.shape[2]) - x.shape[2]
+    return F.pad(x, (0, 0, 0, padding)) if padding else x
+
+
 def _attend_with_matmuls(q, k, v, scale: float, is_causal: bool, mask=None) -> torch.Tensor:
     """[n, heads, Lq, d] over [n, kv_heads, Lk, d] as two batched matmuls: the same function, materialized
-    scores. `mask` as _attend_batched takes it."""
+    scores. `mask` as _attend_batched takes it. Lengths are padded (_MATMUL_LENGTH_STEP): padded keys are
+    masked out, and the padded queries' rows are dropped."""
+    len_q, len_k = q.shape[2], k.shape[2]
+    q, k, v = _pad_length(q), _pad_length(k), _pad_length(v)
     if k.shape[1] != q.shape[1]:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    if mask is not None and mask.dtype != torch.bool:
+        # A float32 bias: the sum and its softmax in float32 (bfloat16 would round the bias).
+        scores = scores.float()
+        scores[..., :len_q, :len_k] += mask
+    scores[..., len_k:] = float("-inf")
+    real = scores[..., :len_q, :len_k]
     if is_causal:
-        scores.masked_fill_(future_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            scores.masked_fill_(~mask, float("-inf"))
-        else:
-            # A float32 bias: the sum and its softmax in float32 (bfloat16 would round the bias).
-            scores = scores + mask
-    return torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)
+        real.masked_fill_(future_mask(len_q, len_k, q.device), float("-inf"))
+    if mask is not None and mask.dtype == torch.bool:
+        real.masked_fill_(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)[:, :, :len_q]
 
 
 def plan_paged(common: CommonAttentionMetadata) -> _PagedPlan:

@@ -1,7 +1,7 @@
 """Before/after of the engine core between two checkouts, in one run: embed, rerank and generate.
 
     python benchmarks/core_ab.py BASE_TREE NEW_TREE [--rounds 3] [--streams 32] [--max-tokens 32]
-        [--workloads embed,embed-fresh,rerank,generate] [--dtype float32]
+        [--workloads embed,embed-fresh,grpc-embed,rerank,generate] [--dtype float32]
 
 BASE_TREE is e.g. a `git worktree` of the base commit. Each measurement runs in a fresh process that imports
 embedserv from one tree; the trees alternate, round after round, and the best of the rounds counts (this
@@ -10,6 +10,8 @@ machine drifts between runs). Workloads, all in-process engines on the CPU in fl
   so every pass runs the same batch shapes;
 - embed-fresh: the same, but each pass (warm-up included) other texts, as a server sees them: batch shapes
   a pass has not seen before;
+- grpc-embed: embed-fresh through a gRPC server started from the tree (`embedserv serve`, its model in a
+  worker process as users run it), 4 calls in flight;
 - rerank: a random cross-encoder of ms-marco-MiniLM-L6-v2's shape, 10 queries x 100 documents, all calls
   at once (pairs/s);
 - generate: a random Llama in SmolLM2-135M's shape, N concurrent greedy streams of --max-tokens tokens
@@ -40,7 +42,29 @@ def _types():
     return types
 
 
+def grpc_child(tree: str, dtype: str) -> float:
+    """texts/s of embed-fresh through a server running `tree`'s embedserv (this process is only the client)."""
+    import asyncio
+
+    sys.path.insert(0, str(REPO_ROOT))
+    from benchmarks.corpus import stdlib_texts
+    from benchmarks.embed_throughput import grpc_embed_calls
+    from tests.helpers.server import running_server
+
+    best = 0.0
+    with running_server(["--dtype", dtype], cwd=Path(tree)) as (target, _):
+        for seed in range(3):  # the first pass warms up
+            texts = stdlib_texts(1000, seed=seed)
+            start = time.perf_counter()
+            asyncio.run(grpc_embed_calls(target, [texts[i : i + 32] for i in range(0, len(texts), 32)], 4))
+            if seed:
+                best = max(best, len(texts) / (time.perf_counter() - start))
+    return best
+
+
 def child(tree: str, workload: str, model: str, streams: int, max_tokens: int, dtype: str) -> float:
+    if workload == "grpc-embed":
+        return grpc_child(tree, dtype)
     sys.path.insert(0, tree)
     sys.path.insert(1, str(REPO_ROOT))
     import embedserv
@@ -118,7 +142,8 @@ def main() -> None:
     workloads = args.workloads.split(",")
     best = {(w, t): 0.0 for w in workloads for t in ("base", "new")}
     with tempfile.TemporaryDirectory() as tmp:
-        models = {"embed": "", "embed-fresh": "", "rerank": str(build_minilm_cross_encoder(Path(tmp) / "ce")),
+        models = {"embed": "", "embed-fresh": "", "grpc-embed": "",
+                  "rerank": str(build_minilm_cross_encoder(Path(tmp) / "ce")),
                   "generate": str(build_model(Path(tmp) / "llama"))}  # fmt: skip
         for _ in range(args.rounds):
             for workload in workloads:
@@ -131,7 +156,7 @@ def main() -> None:
                     )  # fmt: skip
                     value = json.loads(out.stdout.strip().splitlines()[-1])
                     best[workload, label] = max(best[workload, label], value)
-    units = {"embed": "texts/s", "embed-fresh": "texts/s", "rerank": "pairs/s",
+    units = {"embed": "texts/s", "embed-fresh": "texts/s", "grpc-embed": "texts/s", "rerank": "pairs/s",
              "generate": f"tokens/s at {args.streams} streams"}
     print(f"CPU: {cpu_name()}; best of {args.rounds} alternating rounds, {args.dtype}\n")
     print("| workload | base | new | new / base |\n|---|---|---|---|")

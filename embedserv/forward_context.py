@@ -70,7 +70,7 @@ class PrefillSkip:
 
     # Attention layer_index of the first layer that runs the kept rows (the model's `prefill_skip_layer`).
     first_layer: int
-    # [num_kept] int64 (padded on CPU, worker/padding.py): the kept rows, indices into the step's packed
+    # [num_kept] int64 (padded on CPU, embedserv/padding.py): the kept rows, indices into the step's packed
     # tokens, in packed order.
     rows: torch.Tensor
     # Per KV-cache group (as attn_metadata): each kept sequence's kept queries over all of its keys.

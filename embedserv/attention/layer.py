@@ -89,7 +89,7 @@ class Attention(nn.Module):
         context = get_forward_context()
         kv_cache = context.kv_cache_for(self)
         meta = context.metadata_for(self)
-        # Padding rows (worker/padding.py) follow the real ones: the backend never sees them.
+        # Padding rows (embedserv/padding.py) follow the real ones: the backend never sees them.
         rows, num_queries = q.shape[0], meta.common.num_query_rows
         if k is not None:
             k = _real_rows(k, meta.common.num_key_rows).view(-1, self.num_kv_heads, self.head_size)
@@ -109,7 +109,7 @@ class Attention(nn.Module):
 
 
 def _real_rows(x: torch.Tensor, count: int) -> torch.Tensor:
-    """The first `count` rows; `x` itself when it has no padding rows (a compiled backend sees no new view)."""
+    """The first `count` rows (`x` itself when it has no padding rows: off CPU)."""
     return x if x.shape[0] == count else x[:count]
 
 

@@ -62,7 +62,7 @@ class CommonAttentionMetadata:
 
     @property
     def num_query_rows(self) -> int:
-        """Rows of q that belong to sequences; q may carry padding rows after them (worker/padding.py)."""
+        """Rows of q that belong to sequences; q may carry padding rows after them (embedserv/padding.py)."""
         return int(self.seq_lens_q_cpu.sum())
 
     @property

@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 
 from embedserv.errors import ConfigError
 from embedserv.models.heads import TokenInputs
+from embedserv.models.layers import on_padded_rows
 from embedserv.models.loader import read_head_file
 from embedserv.models.spec import ModelSpec
 
@@ -70,7 +71,7 @@ class LexicalWeightsHead(nn.Module):
         self.vocab_size = vocab_size
 
     def forward(self, hidden: torch.Tensor, tokens: TokenInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        weights = torch.relu(self.linear(hidden.index_select(0, tokens.rows))).squeeze(-1).float()
+        weights = torch.relu(on_padded_rows(self.linear, hidden.index_select(0, tokens.rows))).squeeze(-1).float()
         keep = (weights > 0) & ~torch.isin(tokens.input_ids, self.special_ids)
         # One key per (sequence, id): unique sorts them, so the entries come out sorted, and the max per key
         # needs no [num_seqs, vocab] tensor (bge-m3's vocabulary has 250k ids).
@@ -89,7 +90,7 @@ class ColbertHead(nn.Module):
         self.linear = linear
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        return F.normalize(self.linear(rows).float(), dim=-1)
+        return F.normalize(on_padded_rows(self.linear, rows).float(), dim=-1)
 
 
 def build_sparse_head(spec: ModelSpec, allow_pickle: bool) -> LexicalWeightsHead:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from embedserv.models.layers import on_padded_rows
 from embedserv.models.st_files import DenseSpec
 
 _DENSE_ACTIVATIONS = {
@@ -63,7 +64,7 @@ class Dense(nn.Module):
         self.activation = _DENSE_ACTIVATIONS[spec.activation]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.activation(self.linear(x))
+        return self.activation(on_padded_rows(self.linear, x))
 
 
 class EmbeddingPooler(nn.Module):

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from embedserv.padding import padded_rows
+
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
@@ -136,6 +138,17 @@ class Linear(nn.Module):
         if residual is not None:
             out = out + residual
         return out
+
+
+def on_padded_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)` for a module that maps each row on its own (a head's linear), run on CPU over x padded
+    with zero rows to padded_rows(len(x)) and cut back: heads whose row counts follow the sequences or tokens
+    of a step keep to a bounded set of oneDNN shapes (embedserv/padding.py)."""
+    rows = x.shape[0]
+    padded = padded_rows(rows)
+    if x.device.type != "cpu" or padded == rows:
+        return module(x)
+    return module(F.pad(x, (0, 0, 0, padded - rows)))[:rows]
 
 
 def pack_linears(model: nn.Module) -> None:

@@ -23,7 +23,7 @@ from torch import nn
 
 from embedserv.errors import ConfigError
 from embedserv.models.heads import TokenInputs
-from embedserv.models.layers import Linear
+from embedserv.models.layers import Linear, on_padded_rows
 from embedserv.models.loader import read_tensors
 from embedserv.models.spec import ModelSpec
 from embedserv.models.st_files import SpladeSpec
@@ -96,7 +96,7 @@ class SpladeHead(nn.Module):
 
     def _weights(self, rows: torch.Tensor) -> torch.Tensor:
         """log1p(relu(logits)) per token and vocabulary id, in float32 (as SpladePooling computes it)."""
-        weights = self.mlm(rows).float().relu_().log1p_()
+        weights = on_padded_rows(self.mlm, rows).float().relu_().log1p_()
         return weights.log1p_() if self.activation == "log1p_relu" else weights
 
     def _pool(self, weights: torch.Tensor, seq: torch.Tensor, num_seqs: int) -> torch.Tensor:

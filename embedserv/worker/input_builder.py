@@ -6,7 +6,7 @@ a KV cache). All integers of a step go into one int64 host buffer (pinned on CUD
 non-blocking copy, and are sliced apart on the device: ids, positions, offsets, pooling indices, sampled
 rows, and per KV-cache group the slot of every new token and the block tables [num_seqs, max_blocks].
 
-On CPU the rows are padded to a bounded set of counts (worker/padding.py); padding rows come after the
+On CPU the rows are padded to a bounded set of counts (embedserv/padding.py); padding rows come after the
 real ones and belong to no sequence.
 
 Encoder-decoder steps also carry the encoder inputs of the sequences whose encoder runs now, packed in
@@ -34,7 +34,7 @@ from embedserv.attention.metadata import (
 )
 from embedserv.models.heads import PoolingInputs, TokenInputs
 from embedserv.types import EmbedOutput, OutputKind, SamplingParams, ScheduledSequence, StepBatch
-from embedserv.worker.padding import pad, padded_rows
+from embedserv.padding import pad, padded_rows
 from embedserv.worker.prefill_skip import SkipPlan
 
 

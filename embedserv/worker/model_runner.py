@@ -56,7 +56,7 @@ class ModelRunner:
         token_head: nn.Module | None = None,
         pad_rows: bool = True,
     ) -> None:
-        """`pad_rows`: on CPU, run padded row counts (worker/padding.py); tests that count rows turn it off."""
+        """`pad_rows`: on CPU, run padded row counts (embedserv/padding.py); tests that count rows turn it off."""
         self.model = model
         self.backend = backend
         self.device = device
@@ -121,7 +121,7 @@ class ModelRunner:
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions, inputs.token_type_ids)
         if inputs.num_output_rows is not None:
-            hidden = hidden[: inputs.num_output_rows]  # the padding rows (worker/padding.py)
+            hidden = hidden[: inputs.num_output_rows]  # the padding rows (embedserv/padding.py)
         rows, tokens = _NO_ROWS, _NO_TOKENS
         # One device-to-host copy per kind of output.
         if inputs.pooling is not None:

@@ -11,7 +11,7 @@ The kept rows are a new packing of the batch (in the batch's packed order): each
 paged, the kept sequences' rows of the block tables with one query each (a decode's shape) or their whole
 chunk; KV-free, queries that are the last `keep` of their sequence's keys (metadata.build_suffix_metadata).
 Outputs are then indexed in the kept packing: `out_start` and `out_len` give each sequence's rows there.
-The kept rows are padded like the step's (worker/padding.py), with row 0 again.
+The kept rows are padded like the step's (embedserv/padding.py), with row 0 again.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from embedserv.attention.metadata import (
     CommonAttentionMetadata, build_paged_metadata, build_suffix_metadata, cumulative_offsets, ranges,
 )
 from embedserv.types import OutputKind
-from embedserv.worker.padding import pad
+from embedserv.padding import pad
 
 
 class SkipPlan:

@@ -1,4 +1,4 @@
-"""Row padding on CPU (worker/padding.py).
+"""Row padding on CPU (embedserv/padding.py).
 
 A worker's memory grew without bound under steady load: oneDNN builds and caches a primitive for every
 row count a linear sees, and steps of every size churned its caches and fragmented the heap. The runner
@@ -11,14 +11,17 @@ library's: every parity test in tests/models runs padded.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
 from embedserv.config import ModelConfig
+from embedserv.models.heads import Dense
 from embedserv.models.layers import Linear
+from embedserv.models.st_files import DenseSpec
 from embedserv.types import OutputKind, SamplingParams, ScheduledSequence, StepBatch
-from embedserv.worker.padding import padded_rows
+from embedserv.padding import padded_rows
 from tests.helpers.models import load_in_process
 
 MAX_STEP_TOKENS = 2048
@@ -87,6 +90,19 @@ def test_generation_steps_run_padded_row_counts(tiny_generator):
         results = engine.generate_concurrently(prompts, params)
     assert [sum(len(d.token_ids) for d in deltas) for deltas in results] == [p.max_tokens for p in params]
     assert seen and all(padded_rows(n) == n for n in seen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_heads_run_padded_row_counts(dtype):
+    """Heads whose rows are a step's sequences or tokens (here a Dense pooler layer) pad them too."""
+    torch.manual_seed(0)
+    dense = Dense(DenseSpec(16, 8, True, "Tanh", Path("unused"))).to(dtype)
+    seen = []
+    dense.linear.register_forward_pre_hook(lambda _module, args: seen.append(args[0].shape[0]))
+    for rows in (1, 17, 37, 300):
+        x = torch.randn(rows, 16, dtype=dtype)
+        torch.testing.assert_close(dense(x), torch.tanh(dense.linear(x)))
+    assert seen[::2] == [16, 32, 48, 304] and seen[1::2] == [1, 17, 37, 300]
 
 
 def _rss_mib() -> float:

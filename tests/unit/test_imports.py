@@ -36,7 +36,9 @@ BELOW: dict[str, set[str]] = {
     "tei": set(),  # TEI's generated gRPC stubs (tei.v1)
 }
 # Anyone may import these; they import only each other. "embedserv" is the root __init__ (__version__).
-SHARED = {"embedserv", "types", "scheduler", "config", "errors", "logs", "metrics", "forward_context", "cpu_isa"}
+SHARED = {
+    "embedserv", "types", "scheduler", "config", "errors", "logs", "metrics", "forward_context", "cpu_isa", "padding",
+}
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -1,15 +1,17 @@
-"""Row padding on CPU: the model runs a bounded set of row counts.
+"""Row padding on CPU: the model and its heads run a bounded set of row counts. Shared (no torch): the
+input builder pads a step's rows, heads pad theirs (models/layers.on_padded_rows).
 
-oneDNN, which runs our CPU linears (int8 too), builds a primitive for every row count it is given and keeps
-it in two caches of 1,024 entries each (oneDNN's own and ideep's; about 0.3 MiB an entry on MiniLM's
-shapes). Steps of every possible size churned both caches without end, and their long-lived entries
-interleaved with each step's activations in the heap, which then grew without bound: 80 MiB a minute under
-steady load (docs/PERFORMANCE.md, "Memory under steady load"). Padded to a bounded set of sizes, every
-primitive is built once and stays cached, and the heap stops growing.
+oneDNN, which runs our CPU linears (int8 too) and torch's bfloat16 matmuls, builds a primitive for every
+shape it is given and keeps it in two caches of 1,024 entries each (oneDNN's own and ideep's; about 0.3 MiB
+an entry on MiniLM's shapes). Steps of every possible size churned both caches without end, and their
+long-lived entries interleaved with each step's activations in the heap, which then grew without bound: 80
+to 125 MiB a minute under steady load (docs/PERFORMANCE.md, "Memory under steady load"). Padded to a
+bounded set of sizes, every primitive is built once and stays cached, and the heap stops growing.
 
 The input builder pads the step's token rows (and the encoder's, the prefill skip's kept rows and the
 sampled rows); padding rows belong to no sequence: attention leaves them out and yields zeros there, and
-the runner drops them before the heads.
+the runner drops them before the heads. Heads whose rows are sequences or tokens (Dense poolers, token,
+sparse and colbert heads) pad and cut back their own.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ bounded set of sizes, every primitive is built once and stays cached, and the he
 The input builder pads the step's token rows (and the encoder's, the prefill skip's kept rows and the
 sampled rows); padding rows belong to no sequence: attention leaves them out and yields zeros there, and
 the runner drops them before the heads. Heads whose rows are sequences or tokens (Dense poolers, token,
-sparse and colbert heads) pad and cut back their own.
+sparse and colbert heads) pad and cut back their own. A worker's warm-up runs the model's linears at every
+count (row_counts; models/layers.warm_linear_row_counts), so no primitive is built mid-step.
 """
 
 from __future__ import annotations
@@ -27,6 +28,14 @@ def padded_rows(num_rows: int) -> int:
     1/16 of the power of two below it: at most 6.25% more rows from 256 on, 80 sizes from 1 to 4,096."""
     step = max(_MIN_STEP, 1 << max(0, num_rows.bit_length() - 5))
     return -(-num_rows // step) * step
+
+
+def row_counts(max_rows: int) -> list[int]:
+    """Every count padded_rows() gives for 1..max_rows rows (the last may exceed max_rows)."""
+    counts = [padded_rows(1)]
+    while counts[-1] < max_rows:
+        counts.append(padded_rows(counts[-1] + 1))
+    return counts
 
 
 def pad(values: np.ndarray, rows: int, fill: int = 0) -> np.ndarray:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -100,6 +102,7 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, activation: str | None = None) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.activation = activation
@@ -149,6 +152,41 @@ def on_padded_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if x.device.type != "cpu" or padded == rows:
         return module(x)
     return module(F.pad(x, (0, 0, 0, padded - rows)))[:rows]
+
+
+def warm_linear_row_counts(model: nn.Module, run: Callable[[], None], row_counts: Iterable[int]) -> int:
+    """Runs `run()` (steps through `model`), then each distinct Linear call it made once at every row count
+    in `row_counts`, on zeros; returns the calls made. oneDNN builds and caches a primitive per shape, and
+    one built mid-step lands between the step's buffers in the heap and keeps that memory: a worker's RSS
+    rose in 10-20 MiB steps for every row count it met for the first time (embedserv/padding.py)."""
+    calls: dict[tuple, tuple[Linear, bool]] = {}
+
+    def record(module: Linear, args: tuple, kwargs: dict) -> None:
+        x, residual = args[0], kwargs.get("residual", args[1] if len(args) > 1 else None)
+        signature = (
+            module.in_features, module.out_features, module.bias is None, module._int8 is not None,
+            module._packed is not None, module.activation, x.dtype, residual is not None,
+        )
+        calls.setdefault(signature, (module, residual is not None))
+
+    linears = [module for module in model.modules() if isinstance(module, Linear)]
+    hooks = [module.register_forward_pre_hook(record, with_kwargs=True) for module in linears]
+    try:
+        run()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    made = 0
+    counts = sorted(row_counts, reverse=True)
+    with torch.inference_mode():
+        for signature, (module, with_residual) in calls.items():
+            dtype = signature[-2]
+            x = torch.zeros(counts[0], module.in_features, dtype=dtype)
+            residual = torch.zeros(counts[0], module.out_features, dtype=dtype) if with_residual else None
+            for rows in counts:
+                module(x[:rows], residual=None if residual is None else residual[:rows])
+                made += 1
+    return made
 
 
 def pack_linears(model: nn.Module) -> None:

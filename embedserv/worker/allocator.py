@@ -3,7 +3,7 @@
 A step allocates and frees the same large buffers again and again (embedserv/padding.py keeps their sizes to a
 bounded set). With glibc's defaults the heap's top is handed back to the kernel whenever more than twice
 the largest freed block lies free there, which is after nearly every step, and the next step faults the
-same pages in again: about 4,500 page faults a step on MiniLM at 4,096 tokens, 2-3% of its time
+same pages in again: 4,500 to 9,000 page faults a step on MiniLM at 4,096 tokens, 2-4% of its time
 (docs/PERFORMANCE.md, "Memory under steady load"). Settings:
 - mmap threshold 32 MiB (glibc's ceiling; fixed, where glibc would adapt it): blocks below it come from
   the heap, as they do after glibc's own adaptation;

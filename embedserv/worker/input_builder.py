@@ -18,9 +18,9 @@ length, then encoder length, so that equal shapes sit together.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
-from typing import Callable
 
 import numpy as np
 import torch
@@ -33,8 +33,8 @@ from embedserv.attention.metadata import (
     cumulative_offsets,
 )
 from embedserv.models.heads import PoolingInputs, TokenInputs
-from embedserv.types import EmbedOutput, OutputKind, SamplingParams, ScheduledSequence, StepBatch
 from embedserv.padding import pad, padded_rows
+from embedserv.types import EmbedOutput, OutputKind, SamplingParams, ScheduledSequence, StepBatch
 from embedserv.worker.prefill_skip import SkipPlan
 
 

@@ -9,6 +9,7 @@ triplets of the non-zero entries) or the token head (hidden rows -> one vector p
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -18,11 +19,15 @@ from torch import nn
 from embedserv.attention.backends.base import AttentionBackend
 from embedserv.forward_context import ForwardContext, PrefillSkip, set_forward_context
 from embedserv.models.heads import TokenInputs
+from embedserv.models.layers import warm_linear_row_counts
 from embedserv.models.sampler import sample
+from embedserv.padding import padded_rows, row_counts
 from embedserv.scheduler.kv_cache_manager import KvCacheLayout
 from embedserv.types import EmbedOutput, OutputKind, RaggedRows, SamplingParams, ScheduledSequence, StepBatch, StepOutput
 from embedserv.worker.input_builder import InputBuilder, ModelInputs
 from embedserv.worker.kv_cache import KvCache
+
+logger = logging.getLogger(__name__)
 
 # Prompt length of the generation warm-up (one prefill, then a few decode steps).
 _GENERATION_WARM_UP_TOKENS = 64
@@ -161,7 +166,16 @@ class ModelRunner:
 
     def warm_up(self, max_tokens: int, max_batch_tokens: int) -> None:
         """Runs the shapes first requests would otherwise pay one-time costs for (oneDNN primitives per
-        shape; the flex backend compiles a kernel per size class)."""
+        shape; the flex backend compiles a kernel per size class). With padded rows (CPU), then every
+        linear of the model once at every row count a step can have (layers.warm_linear_row_counts)."""
+        if self.input_builder.padded is not padded_rows:
+            self._warm_up_steps(max_tokens, max_batch_tokens)
+            return
+        counts = row_counts(max_batch_tokens)
+        made = warm_linear_row_counts(self.model, lambda: self._warm_up_steps(max_tokens, max_batch_tokens), counts)
+        logger.info("warmed up %d linear calls over %d row counts", made, len(counts))
+
+    def _warm_up_steps(self, max_tokens: int, max_batch_tokens: int) -> None:
         # A model without a row head warms up its sparse or token output.
         outputs = () if self.row_head is not None else (EmbedOutput.SPARSE,) if self.sparse_head is not None else (
             (EmbedOutput.MULTI_VECTOR,) if self.token_head is not None else None

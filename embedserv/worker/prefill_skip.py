@@ -16,7 +16,7 @@ The kept rows are padded like the step's (embedserv/padding.py), with row 0 agai
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -24,8 +24,8 @@ import torch
 from embedserv.attention.metadata import (
     CommonAttentionMetadata, build_paged_metadata, build_suffix_metadata, cumulative_offsets, ranges,
 )
-from embedserv.types import OutputKind
 from embedserv.padding import pad
+from embedserv.types import OutputKind
 
 
 class SkipPlan:

@@ -20,8 +20,8 @@ from embedserv.config import ModelConfig
 from embedserv.models.heads import Dense
 from embedserv.models.layers import Linear
 from embedserv.models.st_files import DenseSpec
+from embedserv.padding import padded_rows, row_counts
 from embedserv.types import OutputKind, SamplingParams, ScheduledSequence, StepBatch
-from embedserv.padding import padded_rows
 from tests.helpers.models import load_in_process
 
 MAX_STEP_TOKENS = 2048
@@ -38,6 +38,7 @@ def test_padded_rows_are_few_and_close():
     assert len(set(sizes[:4096])) == 80
     # 16 sizes per power of two above 256: a token budget of 16k adds 32 more.
     assert len(set(sizes[:16384])) == 80 + 32
+    assert row_counts(4096) == sorted(set(sizes[:4096])) and row_counts(4000)[-1] == 4096
 
 
 def _random_steps(seed: int, count: int, max_tokens: int = MAX_STEP_TOKENS) -> list[StepBatch]:
@@ -90,6 +91,36 @@ def test_generation_steps_run_padded_row_counts(tiny_generator):
         results = engine.generate_concurrently(prompts, params)
     assert [sum(len(d.token_ids) for d in deltas) for deltas in results] == [p.max_tokens for p in params]
     assert seen and all(padded_rows(n) == n for n in seen)
+
+
+def _linear_calls(model: torch.nn.Module) -> dict[tuple, set[int]]:
+    """Row counts each kind of Linear call (shape, activation, fused residual) ran at, as the model runs."""
+    calls: dict[tuple, set[int]] = {}
+
+    def record(module, args, kwargs):
+        residual = kwargs.get("residual", args[1] if len(args) > 1 else None)
+        kind = (module.in_features, module.out_features, module.activation, residual is not None)
+        calls.setdefault(kind, set()).add(args[0].shape[0])
+
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.register_forward_pre_hook(record, with_kwargs=True)
+    return calls
+
+
+def test_warm_up_runs_every_linear_call_at_every_row_count(tiny_encoder):
+    """A worker builds every oneDNN primitive its steps can need before it serves: one built mid-step sits
+    between the step's buffers and keeps heap memory (docs/PERFORMANCE.md, "Memory under steady load")."""
+    runner = load_in_process(ModelConfig(path=str(tiny_encoder("bert", "mean")), served_name="m"))
+    calls = _linear_calls(runner.model)
+    runner.warm_up(max_tokens=128, max_batch_tokens=512)
+    warmed = {kind: set(rows) for kind, rows in calls.items()}
+    calls.clear()
+    for step in _random_steps(seed=4, count=20, max_tokens=512):
+        runner.execute(step)
+    assert any(kind[3] for kind in calls) and any(not kind[3] for kind in calls)  # fused residuals and not
+    for kind, rows in calls.items():
+        assert rows <= warmed[kind] and warmed[kind] >= set(row_counts(512)), kind
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -38,8 +38,8 @@ def row_counts(max_rows: int) -> list[int]:
     return counts
 
 
-def pad(values: np.ndarray, rows: int, fill: int = 0) -> np.ndarray:
-    """`values` followed by `fill` up to `rows` entries."""
+def pad(values: np.ndarray, rows: int) -> np.ndarray:
+    """`values` followed by zeros up to `rows` entries."""
     if len(values) >= rows:
         return values
-    return np.concatenate((values, np.full(rows - len(values), fill, dtype=values.dtype)))
+    return np.concatenate((values, np.zeros(rows - len(values), dtype=values.dtype)))

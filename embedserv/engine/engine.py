@@ -25,35 +25,20 @@ from embedserv.engine import checks, chunking, embedding, multi_vector, quantize
 from embedserv.engine.generation import GenerationStreams, prepare_prompt
 from embedserv.engine.loading import ServedModel, log_spec, read_served_model
 from embedserv.engine.outputs import activate
-from embedserv.engine.tokenizer import Encoded
-from embedserv.types import (
-    Activation,
-    ClassifyParams,
-    ClassifyResult,
-    EmbedOutput,
-    EmbedParams,
-    Encoding,
-    EmbedResult,
-    GenerationDelta,
-    KvCacheUsage,
-    ModelInfo,
-    OutputKind,
-    RerankMode,
-    RerankParams,
-    RerankResult,
-    SamplingParams,
-    Task,
-    Timing,
-    TokenizedText,
-)
 from embedserv.engine.prefill import PrefillQueue, SequenceOutput, stack_rows
 from embedserv.engine.step_loop import WorkerLoop
+from embedserv.engine.tokenizer import Encoded
 from embedserv.errors import ConfigError, InvalidInput, NotReady
 from embedserv.executor.base import Worker, WorkerStats
 from embedserv.executor.local_worker import LocalWorker
 from embedserv.executor.placement import available_cores, place_workers
 from embedserv.executor.process_worker import ProcessWorker
 from embedserv.scheduler.request import Request
+from embedserv.types import (
+    Activation, ClassifyParams, ClassifyResult, EmbedOutput, EmbedParams, EmbedResult, Encoding, GenerationDelta,
+    KvCacheUsage, ModelInfo, OutputKind, RerankMode, RerankParams, RerankResult, SamplingParams, Task, Timing,
+    TokenizedText,
+)
 from embedserv.worker.replica import build_runner
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from sentence_transformers import quantize_embeddings
 
-from embedserv.engine import quantize
+from embedserv.engine.tasks import quantize
 from embedserv.types import EmbedParams, EmbedResult, Encoding
 
 

@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from embedserv.engine import zero_shot
+from embedserv.engine.tasks import zero_shot
 from embedserv.errors import InvalidInput
 
 

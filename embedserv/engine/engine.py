@@ -51,7 +51,7 @@ class Engine:
         served = read_served_model(config)
         log_spec(served, config)
         worker = worker_builders.load_local_worker(config, served.spec, warm_up)
-        return cls(config, served, [worker], tokenizer_threads)
+        return cls(config, served, [worker], tokenizer_threads, config.pipeline_depth)
 
     @classmethod
     def with_worker_processes(cls, config: ModelConfig, tokenizer_threads: int = 1) -> Engine:

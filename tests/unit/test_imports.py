@@ -207,10 +207,9 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
                 if work:
                     low[work[-1][0]] = min(low[work[-1][0]], low[node])
                 if low[node] == index[node]:
-                    component = set()
-                    while not component or member != node:
-                        member = stack.pop()
-                        component.add(member)
+                    component = {stack.pop()}
+                    while node not in component:
+                        component.add(stack.pop())
                     components.append(component)
             elif child not in index:
                 index[child] = low[child] = len(index)

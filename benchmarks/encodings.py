@@ -4,7 +4,7 @@
 
 Real texts (benchmarks/corpus.py): each multi-line stdlib docstring gives a query (its first line) and a
 document (the rest). The engine embeds documents and queries in every encoding (int8 / uint8 against the
-model's calibration ranges, engine/quantize.py), and each query ranks every document:
+model's calibration ranges, engine/tasks/quantize.py), and each query ranks every document:
 
 - float32 / float16: dot product (the vectors are normalized);
 - int8 / uint8 "int dot": the dot product of the integers as they come, as a vector store without the

@@ -4,7 +4,7 @@
 
 Real texts (benchmarks/corpus.py): each multi-line stdlib docstring gives a query (its first line) and a
 document (the rest). The engine embeds documents and queries in every encoding (int8 / uint8 against the
-model's calibration ranges, engine/quantize.py), and each query ranks every document:
+model's calibration ranges, engine/tasks/quantize.py), and each query ranks every document:
 
 - float32 / float16: dot product (the vectors are normalized);
 - int8 / uint8 "int dot": the dot product of the integers as they come, as a vector store without the
@@ -33,7 +33,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 
 from benchmarks.corpus import stdlib_texts  # noqa: E402
-from embedserv.engine import quantize  # noqa: E402
+from embedserv.engine.tasks import quantize  # noqa: E402
 from embedserv.types import EmbedParams, Encoding  # noqa: E402
 
 K = 10
@@ -133,7 +133,7 @@ async def _measure(engine, documents: list[str], queries: list[str]) -> list[tup
             encoded[encoding] = [
                 (await engine.encoded(replace(result), params)).embeddings for result in embedded
             ]
-        ranges = await engine.calibration.ranges(engine, EmbedParams(encoding=Encoding.INT8))
+        ranges = await engine.encodings.ranges(EmbedParams(encoding=Encoding.INT8))
     finally:
         await engine.stop()
     float_queries = encoded[Encoding.FLOAT32][0]

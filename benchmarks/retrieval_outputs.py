@@ -151,7 +151,7 @@ def engine_outputs(model: str, texts: list[str], batch_size: int, repeats: int, 
 
 
 def encoding_sizes(dimension: int) -> list[tuple[str, int]]:
-    from embedserv.engine.quantize import encode
+    from embedserv.engine.tasks.quantize import encode
 
     vector = np.random.default_rng(0).standard_normal((1, dimension)).astype(np.float32)
     ranges = np.vstack((np.full(dimension, -3.0), np.full(dimension, 3.0))).astype(np.float32)

@@ -34,7 +34,7 @@ class EmbedOutput(str, Enum):
 
 
 class Activation(str, Enum):
-    """What turns a model's logits into the scores Rerank and Classify return (engine/outputs.py: activate)."""
+    """What turns a model's logits into the scores Rerank and Classify return (engine/tasks/outputs.py: activate)."""
 
     SIGMOID = "sigmoid"
     # Per row: the labels of one input sum to 1.
@@ -130,7 +130,7 @@ class ClassifyParams:
     # Logits instead of softmax (sigmoid for multi-label models) probabilities; with candidate_labels, the
     # entailment logits.
     raw_scores: bool = False
-    # Zero-shot classification with an NLI model (engine/zero_shot.py): these labels, in this order, are
+    # Zero-shot classification with an NLI model (engine/tasks/zero_shot.py): these labels, in this order, are
     # scored instead of the model's. Empty: ordinary classification.
     candidate_labels: tuple[str, ...] = ()
     # Turns a label into the hypothesis (str.format with the label); empty means "This example is {}.".

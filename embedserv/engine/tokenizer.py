@@ -53,7 +53,7 @@ class TextTokenizer:
         self._backend = tokenizers.Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str())
         self._backend.no_padding()
         self._backend.no_truncation()
-        # Decoding generated text (engine/detokenizer.py) goes through transformers' own decode.
+        # Decoding generated text (engine/core/detokenizer.py) goes through transformers' own decode.
         self.hf_tokenizer = hf_tokenizer
         self.eos_token_id: int | None = hf_tokenizer.eos_token_id
         self._special_ids = set(hf_tokenizer.all_special_ids)

@@ -1,5 +1,11 @@
 """The in-process worker: the replica on one model thread of this process (library use and most tests).
 
+It pipelines as a worker process does (executor/worker.py): a prepare thread packs each step's inputs in
+the order the steps came, and queues the step on the model thread, so with a pipeline depth of 2 step k+1
+is prepared while step k runs and starts as soon as step k ends, without waiting on the event loop.
+Preparing touches no OpenMP-parallel torch op (host arrays, one copy to the device), so the model
+thread's OpenMP team stays the only one.
+
 It never dies; a batch that raises fails only its own requests.
 """
 
@@ -8,12 +14,12 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from embedserv.executor.base import WorkerStats
 from embedserv.scheduler.kv_cache_manager import KvCacheLayout
 from embedserv.types import StepBatch, StepOutput
-from embedserv.worker.model_runner import ModelRunner
+from embedserv.worker.model_runner import ModelRunner, PreparedStep
 
 
 class LocalWorker:
@@ -26,6 +32,7 @@ class LocalWorker:
         # Never called: this worker is always ready.
         self.on_change = lambda: None
         self._model_thread = model_thread
+        self._prepare_thread = ThreadPoolExecutor(1, thread_name_prefix="prepare")
         self._batches = 0
         self._busy_seconds = 0.0
 
@@ -40,15 +47,34 @@ class LocalWorker:
         return None
 
     async def stop(self) -> None:
+        self._prepare_thread.shutdown(wait=True)
         self._model_thread.shutdown(wait=True)
 
     async def wait_ready(self) -> None:
         return None
 
     async def execute(self, batch: StepBatch) -> StepOutput:
-        started = time.perf_counter()
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._model_thread, self.runner.execute, batch)
+            run = await asyncio.get_running_loop().run_in_executor(self._prepare_thread, self._prepare_and_queue, batch)
+            return await asyncio.wrap_future(run)
         finally:
             self._batches += 1
+
+    def _prepare_and_queue(self, batch: StepBatch) -> Future:
+        """Prepare thread: the step's inputs, then the step queued on the model thread. Steps are prepared
+        and queued in the order they came (one prepare thread), so they run in that order too (and the KV
+        cache's fresh blocks are marked in step order)."""
+        try:
+            prepared = self.runner.prepare(batch)
+        except Exception as exc:
+            failed: Future = Future()
+            failed.set_exception(exc)
+            return failed
+        return self._model_thread.submit(self._run, prepared)
+
+    def _run(self, prepared: PreparedStep) -> StepOutput:
+        started = time.perf_counter()
+        try:
+            return self.runner.run(prepared)
+        finally:
             self._busy_seconds += time.perf_counter() - started

@@ -10,7 +10,7 @@ import numpy as np
 from embedserv import metrics
 from embedserv.config import ServerConfig
 from embedserv.engine.engine import Engine
-from embedserv.engine.outputs import to_little_endian_bytes
+from embedserv.engine.tasks.outputs import to_little_endian_bytes
 from embedserv.types import (
     ClassifyParams,
     EmbedOutput,

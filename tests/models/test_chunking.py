@@ -1,4 +1,4 @@
-"""Long inputs by windows (engine/chunking.py), against references computed here with transformers and
+"""Long inputs by windows (engine/tasks/chunking.py), against references computed here with transformers and
 sentence-transformers on the same random weights, float32.
 
 The tiny models take 32 tokens, so a text of about 80 word-pieces is three windows. The reference splits

@@ -14,7 +14,7 @@ from sentence_transformers import quantize_embeddings
 
 from benchmarks.corpus import stdlib_texts
 from benchmarks.encodings import overlap_at_k, recall_at_k, retrieval_set, scores, top_k
-from embedserv.engine.quantize import calibration_texts
+from embedserv.engine.tasks.quantize import calibration_texts
 from embedserv.types import EmbedParams, Encoding
 
 BITS = (Encoding.BINARY, Encoding.UBINARY)

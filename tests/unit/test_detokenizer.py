@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from embedserv.engine.detokenizer import IncrementalDetokenizer
+from embedserv.engine.core.detokenizer import IncrementalDetokenizer
 from tests.helpers.models import bundled_model_dir
 
 REPLACEMENT_CHAR = "\ufffd"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from embedserv.engine import checks
-from embedserv.engine.embedding import top_k
+from embedserv.engine.tasks.embedding import top_k
 from embedserv.errors import ConfigError, InvalidInput
 from embedserv.executor.messages import CODEC, StepDone
 from embedserv.models.st_files import read_sentence_transformers

@@ -18,15 +18,15 @@ def engine(bundled_dir):
 
 def test_failed_batch_fails_its_calls_and_the_engine_goes_on(engine):
     runner = engine.engine.workers[0].runner
-    execute = runner.execute
+    run = runner.run
 
-    def broken(batch):
+    def broken(prepared):
         raise RuntimeError("device fell over")
 
-    runner.execute = broken
+    runner.run = broken
     with pytest.raises(RuntimeError, match="inference failed: device fell over"):
         engine.embed(["hello"], EmbedParams())
-    runner.execute = execute
+    runner.run = run
     assert engine.embed(["hello"]).embeddings.shape == (1, 384)
 
 
@@ -34,7 +34,7 @@ def test_crashed_loop_fails_pending_calls_instead_of_hanging(engine):
     def broken():
         raise RuntimeError("scheduler bug")
 
-    engine.engine._prefill.scheduler.schedule = broken
+    engine.engine.core.prefill.scheduler.schedule = broken
     with pytest.raises(NotReady, match="stopped after an internal error"):
         engine.embed(["hello"], EmbedParams())
     # Later calls are refused at once (UNAVAILABLE), not queued forever.

@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from embedserv.engine.generation import GenerationStreams, PreparedPrompt
-from embedserv.engine.step_loop import WorkerLoop
+from embedserv.engine.core.generation import GenerationStreams, PreparedPrompt
+from embedserv.engine.core.step_loop import WorkerLoop
 from embedserv.errors import NotReady
 from embedserv.executor.base import WorkerDied, WorkerStats
 from embedserv.scheduler.kv_cache_manager import KvCacheLayout, KvGroup
@@ -107,7 +107,7 @@ def pool():
 async def make_loop(pool, worker) -> tuple[GenerationStreams, WorkerLoop]:
     """The worker's streams and its loop, wired as Engine wires them (no prefill-only work)."""
     streams = GenerationStreams("m", worker, pool, frozenset({2}), 100, 64, 8, False)
-    loop = WorkerLoop("m", worker, None, streams, 1)
+    loop = WorkerLoop("m", worker, [streams], 1)
 
     def workers_changed() -> None:
         streams.workers_changed()

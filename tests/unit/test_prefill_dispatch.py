@@ -8,8 +8,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from embedserv.engine.prefill import MAX_ATTEMPTS, PrefillQueue
-from embedserv.engine.step_loop import WorkerLoop
+from embedserv.engine.core.prefill import MAX_ATTEMPTS, PrefillQueue
+from embedserv.engine.core.step_loop import WorkerLoop
 from embedserv.errors import NotReady
 from embedserv.executor.base import WorkerDied, WorkerStats
 from embedserv.types import OutputKind, StepBatch, StepOutput
@@ -89,7 +89,7 @@ class Dispatch:
     def __init__(self, workers, depth: int, max_batch_tokens: int, max_batch_requests: int) -> None:
         self.workers = workers
         self.queue = PrefillQueue("m", workers, max_batch_tokens, max_batch_requests, OutputKind.POOL)
-        self.loops = [WorkerLoop("m", worker, self.queue, None, depth) for worker in workers]
+        self.loops = [WorkerLoop("m", worker, [self.queue], depth) for worker in workers]
         for worker in workers:
             worker.on_change = self.workers_changed
 

@@ -1,4 +1,4 @@
-"""Compact encodings (engine/quantize.py) give the bytes sentence-transformers' quantize_embeddings gives, and
+"""Compact encodings (engine/tasks/quantize.py) give the bytes sentence-transformers' quantize_embeddings gives, and
 the model's calibration ranges are computed once from the built-in texts, per dimensions / normalization."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from sentence_transformers import quantize_embeddings
 
-from embedserv.engine import quantize
+from embedserv.engine.tasks import quantize
 from embedserv.types import EmbedParams, EmbedResult, Encoding
 
 

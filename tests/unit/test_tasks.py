@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from embedserv.engine.outputs import activate, rank
+from embedserv.engine.tasks.outputs import activate, rank
 from embedserv.models.tasks import QWEN3_RERANKER, read_task_spec, rerank_activation
 from embedserv.types import Task
 from embedserv.errors import ConfigError

@@ -1,4 +1,4 @@
-"""engine/zero_shot.py's pure functions against the arithmetic of transformers' zero-shot pipeline
+"""engine/tasks/zero_shot.py's pure functions against the arithmetic of transformers' zero-shot pipeline
 (ZeroShotClassificationPipeline.entailment_id and .postprocess), written out here as it is there."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from embedserv.engine import zero_shot
+from embedserv.engine.tasks import zero_shot
 from embedserv.errors import InvalidInput
 
 

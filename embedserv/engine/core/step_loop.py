@@ -1,10 +1,11 @@
 """One dispatch loop per worker: every step a worker runs, prefill-only batches and generation steps alike.
 
-The loop takes work when its worker is ready and has room (fewer than `pipeline_depth` steps in flight):
-first the next generation step of this worker's streams (one at a time: a step is scheduled only after
-the previous one's tokens are in), then the next batch of the engine's shared prefill queue. Each step
-goes through `worker.execute(StepBatch) -> StepOutput`; its source (PrefillQueue or GenerationStreams)
-then resolves what waited on it. Both sources share the worker and its device; neither knows the other.
+The loop takes work when its worker is ready and has room (fewer than `pipeline_depth` steps in flight),
+from the first of its step sources (step_source.py) that has some: the engine gives a worker's loop its
+generation streams first, then the model's shared prefill queue. A source that runs one step at a time
+(generation: a step is scheduled only after the previous one's tokens are in) is skipped while its step
+is in flight. Each step goes through `worker.execute(StepBatch) -> StepOutput`; its source then resolves
+what waited on it. The sources share the worker and its device; none knows the others.
 """
 
 from __future__ import annotations
@@ -12,35 +13,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 
-from embedserv.engine.generation import GenerationStreams
-from embedserv.engine.prefill import PrefillQueue
+from embedserv.engine.core.step_source import StepSource
 from embedserv.errors import NotReady
 from embedserv.executor.base import Worker, WorkerDied
-from embedserv.types import FinishReason, StepBatch
+from embedserv.types import StepBatch
 
 logger = logging.getLogger(__name__)
 
 
 class WorkerLoop:
-    def __init__(
-        self, name: str, worker: Worker, prefill: PrefillQueue | None, generation: GenerationStreams | None,
-        pipeline_depth: int,
-    ) -> None:
+    def __init__(self, name: str, worker: Worker, sources: Sequence[StepSource], pipeline_depth: int) -> None:
+        """`sources` in priority order: the loop takes its next step from the first one that has one."""
         self.name = name
         self.worker = worker
-        self.prefill = prefill
-        self.generation = generation
+        self.sources = tuple(sources)
         self.pipeline_depth = pipeline_depth
         self._in_flight = 0
-        self._generating = False
+        # The one-step-at-a-time sources with a step in flight.
+        self._stepping: set[StepSource] = set()
         self._changed = asyncio.Event()
         self._steps: set[asyncio.Task] = set()
         self._task: asyncio.Task | None = None
-        if prefill is not None:
-            prefill.add_loop(self)
-        if generation is not None:
-            generation.add_listener(self.wake)
+        for source in self.sources:
+            source.add_loop(self)
 
     @property
     def is_running(self) -> bool:
@@ -56,43 +53,36 @@ class WorkerLoop:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"steps-{self.name}/{self.worker.index}")
         self._task.add_done_callback(self._on_exit)
-        if self.generation is not None:
-            self.generation.running = True
-            self.generation.follow_worker()
+        for source in self.sources:
+            source.loop_started()
 
     async def stop(self) -> None:
         tasks = [t for t in (self._task, *self._steps) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self.generation is not None:
-            self.generation.running = False
-            self.generation.end_all(FinishReason.CANCELLED)
+        for source in self.sources:
+            source.loop_stopped()
 
     def _on_exit(self, task: asyncio.Task) -> None:
         """A crashed loop must not leave callers waiting forever: fail what waits on it."""
-        if self.generation is not None:
-            self.generation.running = False
         if task.cancelled() or task.exception() is None:
             return
         logger.error("step loop of %s worker %d died", self.name, self.worker.index, exc_info=task.exception())
         error = NotReady(f"model {self.name} stopped after an internal error; retry later")
-        if self.prefill is not None:
-            self.prefill.fail_all(error)
-        if self.generation is not None:
-            self.generation.fail_all(error)
+        for source in self.sources:
+            source.fail_all(error)
+            source.loop_stopped()
 
-    def _next(self) -> tuple[StepBatch, PrefillQueue | GenerationStreams] | None:
+    def _next(self) -> tuple[StepBatch, StepSource] | None:
         if not self.worker.ready or self._in_flight >= self.pipeline_depth:
             return None
-        if self.generation is not None and not self._generating:
-            batch = self.generation.schedule()
+        for source in self.sources:
+            if source in self._stepping:
+                continue
+            batch = source.schedule(self)
             if batch is not None:
-                return batch, self.generation
-        if self.prefill is not None:
-            batch = self.prefill.schedule(self)
-            if batch is not None:
-                return batch, self.prefill
+                return batch, source
         return None
 
     async def _run(self) -> None:
@@ -105,12 +95,13 @@ class WorkerLoop:
                 continue
             batch, source = work
             self._in_flight += 1
-            self._generating |= source is self.generation
+            if source.one_step_at_a_time:
+                self._stepping.add(source)
             task = asyncio.create_task(self._step(batch, source))
             self._steps.add(task)
             task.add_done_callback(self._steps.discard)
 
-    async def _step(self, batch: StepBatch, source: PrefillQueue | GenerationStreams) -> None:
+    async def _step(self, batch: StepBatch, source: StepSource) -> None:
         started = time.perf_counter()
         try:
             output = await self.worker.execute(batch)
@@ -121,6 +112,5 @@ class WorkerLoop:
             source.step_failed(batch, exc)
         finally:
             self._in_flight -= 1
-            if source is self.generation:
-                self._generating = False
+            self._stepping.discard(source)
             self._changed.set()

@@ -20,13 +20,12 @@ one window and gets exactly what the call without chunking gives.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from embedserv.engine import checks
-from embedserv.engine.outputs import activate, cosine_to_first, finish_embeddings, rank
-from embedserv.engine.prefill import stack_rows
+from embedserv.engine.loading import ServedModel
+from embedserv.engine.ports import Infer, stack_rows
+from embedserv.engine.tasks.outputs import activate, cosine_to_first, finish_embeddings, rank
 from embedserv.types import (
     EmbedParams,
     EmbedResult,
@@ -36,18 +35,17 @@ from embedserv.types import (
     RerankResult,
 )
 
-if TYPE_CHECKING:
-    from embedserv.engine.engine import Engine
 
-
-async def embed_chunked(engine: Engine, texts: list[str], params: EmbedParams, received: float) -> EmbedResult:
+async def embed_chunked(
+    infer: Infer, served: ServedModel, texts: list[str], params: EmbedParams, received: float
+) -> EmbedResult:
     """Each text's embedding as the token-count-weighted mean of its windows' pooled vectors (weight: the
     window's length in tokens, special tokens and prompt included), then dimensions and normalization; float32
-    (the engine applies the call's encoding after)."""
-    checks.check_embed_chunking(engine.info, params)
-    windows = await engine.tokenize_with(engine.tokenizer.encode_windows, texts, params.prompt_name)
+    (quantize.py applies the call's encoding after)."""
+    checks.check_embed_chunking(served.info, params)
+    windows = await infer.tokenize_with(served.tokenizer.encode_windows, texts, params.prompt_name)
     flat = [window for text_windows in windows for window in text_windows]
-    outputs, prompt_tokens, timing = await engine.infer(flat, received, params.outputs)
+    outputs, prompt_tokens, timing = await infer.infer(flat, received, params.outputs)
     rows = stack_rows(outputs)
     weights = np.array([len(window.ids) for window in flat], dtype=np.float64)
     means = weighted_means(rows, weights, [len(w) for w in windows])
@@ -56,22 +54,22 @@ async def embed_chunked(engine: Engine, texts: list[str], params: EmbedParams, r
 
 
 async def rerank_chunked(
-    engine: Engine, query: str, documents: list[str], params: RerankParams, received: float
+    infer: Infer, served: ServedModel, query: str, documents: list[str], params: RerankParams, received: float
 ) -> RerankResult:
     """Documents scored against the query by their best window, best first."""
-    mode = engine.task.rerank_mode
-    checks.check_rerank_chunking(engine.info, mode)
-    tokenizer = engine.tokenizer
+    mode = served.task.rerank_mode
+    checks.check_rerank_chunking(served.info, mode)
+    tokenizer = served.tokenizer
     if mode is RerankMode.PAIR:
-        windows = await engine.tokenize_with(tokenizer.encode_pair_windows, query, documents)
+        windows = await infer.tokenize_with(tokenizer.encode_pair_windows, query, documents)
         flat = [window for document_windows in windows for window in document_windows]
-        outputs, prompt_tokens, timing = await engine.infer(flat, received)
+        outputs, prompt_tokens, timing = await infer.infer(flat, received)
         logits = stack_rows(outputs)
-        scores = logits[:, 0] if params.raw_scores else activate(logits, engine.task.rerank_activation)[:, 0]
+        scores = logits[:, 0] if params.raw_scores else activate(logits, served.task.rerank_activation)[:, 0]
     else:
-        encoded_query, windows = await engine.tokenize_with(tokenizer.encode_cosine_windows, query, documents)
+        encoded_query, windows = await infer.tokenize_with(tokenizer.encode_cosine_windows, query, documents)
         flat = [window for document_windows in windows for window in document_windows]
-        outputs, prompt_tokens, timing = await engine.infer([encoded_query, *flat], received)
+        outputs, prompt_tokens, timing = await infer.infer([encoded_query, *flat], received)
         scores = cosine_to_first(stack_rows(outputs))
     best = best_windows(scores, [len(w) for w in windows])
     results = [RankedDocument(index, score) for index, score in rank(best, params.top_n)]

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 from embedserv import metrics
-from embedserv.engine.detokenizer import IncrementalDetokenizer
+from embedserv.engine.core.step_source import LoopView
+from embedserv.engine.core.detokenizer import IncrementalDetokenizer
 from embedserv.engine.tokenizer import TextTokenizer
 from embedserv.errors import InvalidInput, NotReady
 from embedserv.executor.base import Worker, WorkerDied
@@ -111,7 +112,10 @@ async def prepare_prompt(
 
 
 class GenerationStreams:
-    """One worker's streams and the scheduler over its KV cache; its WorkerLoop runs the steps."""
+    """One worker's streams and the scheduler over its KV cache: a StepSource (step_source.py) of that
+    worker's loop alone, one step at a time (a step's sampled tokens are the next step's input)."""
+
+    one_step_at_a_time = True
 
     def __init__(
         self,
@@ -133,7 +137,7 @@ class GenerationStreams:
         # Built for each worker process once it is ready (its KV cache), see _reset.
         self.kv_cache: KvCacheManager | None = None
         self.scheduler: GenerationScheduler | None = None
-        # Set by the worker's loop while it runs.
+        # True while the worker's loop runs.
         self.running = False
         self._incarnation = 0
         # Counters of the schedulers of earlier worker processes.
@@ -146,8 +150,16 @@ class GenerationStreams:
         self._ids = itertools.count()
         self._wake = lambda: None
 
-    def add_listener(self, wake) -> None:
-        self._wake = wake
+    def add_loop(self, loop: LoopView) -> None:
+        self._wake = loop.wake
+
+    def loop_started(self) -> None:
+        self.running = True
+        self.follow_worker()
+
+    def loop_stopped(self) -> None:
+        self.running = False
+        self.end_all(FinishReason.CANCELLED)
 
     @property
     def is_accepting(self) -> bool:
@@ -203,8 +215,8 @@ class GenerationStreams:
             self.fail_all(self._worker_gone())
             self._reset()
 
-    def schedule(self) -> StepBatch | None:
-        """The next step; call on a ready worker only."""
+    def schedule(self, loop: LoopView) -> StepBatch | None:
+        """The next step; call on a ready worker only (this source has one worker: `loop` is its loop)."""
         self.follow_worker()
         return self.scheduler.schedule()
 

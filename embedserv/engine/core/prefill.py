@@ -15,12 +15,10 @@ import asyncio
 import itertools
 import logging
 import time
-from dataclasses import dataclass
-from typing import Protocol
-
-import numpy as np
 
 from embedserv import metrics
+from embedserv.engine.core.step_source import LoopView
+from embedserv.engine.ports import SequenceOutput
 from embedserv.errors import NotReady
 from embedserv.executor.base import Worker, WorkerDied
 from embedserv.logs import REQUEST_ID
@@ -36,36 +34,11 @@ _LOGGED_CALLS = 8
 MAX_ATTEMPTS = 2
 
 
-@dataclass(frozen=True)
-class SequenceOutput:
-    """What one sequence's step gave, on the host, and when that step ran (perf_counter seconds)."""
-
-    # The pooled vector or score logits ([dim] float32); None when the sequence asked for no dense output.
-    row: np.ndarray | None
-    started: float
-    finished: float
-    # SPARSE: (values [k] float32, vocabulary ids [k] int64, ascending); MULTI_VECTOR: [tokens, dim] float32.
-    sparse: tuple[np.ndarray, np.ndarray] | None = None
-    vectors: np.ndarray | None = None
-
-
-def stack_rows(outputs: list[SequenceOutput]) -> np.ndarray:
-    """[n, width] float32: the sequences' pooled vectors or score logits, in order."""
-    return np.stack([output.row for output in outputs])
-
-
-class WorkerLoopView(Protocol):
-    """What the queue sees of a worker's step loop (engine/step_loop.py)."""
-
-    worker: Worker
-
-    @property
-    def in_flight(self) -> int: ...
-
-    def wake(self) -> None: ...
-
-
 class PrefillQueue:
+    """A StepSource (step_source.py) shared by every worker's loop."""
+
+    one_step_at_a_time = False
+
     def __init__(
         self, name: str, workers: list[Worker], max_batch_tokens: int, max_batch_requests: int, output: OutputKind
     ) -> None:
@@ -78,10 +51,17 @@ class PrefillQueue:
         self._ids = itertools.count()
         self._waiting: dict[int, tuple[Request, asyncio.Future]] = {}
         # The workers' step loops: woken whenever there is new work.
-        self._loops: list[WorkerLoopView] = []
+        self._loops: list[LoopView] = []
 
-    def add_loop(self, loop: WorkerLoopView) -> None:
+    def add_loop(self, loop: LoopView) -> None:
         self._loops.append(loop)
+
+    def loop_started(self) -> None:
+        return None
+
+    def loop_stopped(self) -> None:
+        """Nothing to do per loop: the engine fails what is queued once every loop has stopped."""
+        return None
 
     def _wake(self) -> None:
         for loop in self._loops:
@@ -137,7 +117,7 @@ class PrefillQueue:
                 future.cancel()
             raise
 
-    def schedule(self, loop: WorkerLoopView) -> StepBatch | None:
+    def schedule(self, loop: LoopView) -> StepBatch | None:
         """The next batch for `loop`'s worker, or None while a less busy ready worker can take it (that
         worker's loop was woken too): the least busy worker gets the work."""
         if any(other.worker.ready and other.in_flight < loop.in_flight for other in self._loops):

@@ -14,20 +14,17 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-from embedserv.engine.outputs import finish_embeddings
-from embedserv.types import EmbedOutput, EmbedParams, Encoding
-
-if TYPE_CHECKING:
-    from embedserv.engine.engine import Engine
+from embedserv.engine.tasks.outputs import finish_embeddings
+from embedserv.types import EmbedOutput, EmbedParams, EmbedResult, Encoding
 
 # The encodings that need the model's per-dimension ranges.
 RANGED = (Encoding.INT8, Encoding.UINT8)
 CALIBRATION_FILE = Path(__file__).with_name("calibration.txt")
-# Texts embedded at once while calibrating (the engine batches them under its own token budget).
+# Texts embedded at once while calibrating (the scheduler batches them under its own token budget).
 _CALIBRATION_BATCH = 64
 
 
@@ -67,6 +64,31 @@ def encode(vectors: np.ndarray, encoding: Encoding, ranges: np.ndarray | None = 
     raise ValueError(f"unknown encoding {encoding!r}")
 
 
+class Embedder(Protocol):
+    """The port calibration embeds through: float32 results, never encoded (embedding.Embedding)."""
+
+    async def embed(self, texts: list[str], params: EmbedParams) -> EmbedResult: ...
+
+
+class Encodings:
+    """A call's dense vectors in the encoding it asked for; int8 / uint8 ranges calibrated through `embedder`."""
+
+    def __init__(self, embedder: Embedder) -> None:
+        self._embedder = embedder
+        self.calibration = Calibration()
+
+    async def ranges(self, params: EmbedParams) -> np.ndarray:
+        """[2, dim] float32: the model's int8 / uint8 ranges for this call's dimensions and normalization."""
+        return await self.calibration.ranges(self._embedder, params)
+
+    async def apply(self, result: EmbedResult, params: EmbedParams) -> EmbedResult:
+        """`result` with its dense vectors encoded (float32 ones are returned as they are)."""
+        if result.embeddings is not None and params.encoding is not Encoding.FLOAT32:
+            ranges = await self.ranges(params) if params.encoding in RANGED else None
+            result.embeddings = encode(result.embeddings, params.encoding, ranges)
+        return result
+
+
 class Calibration:
     """One model's calibration vectors (pooled, before dimensions and normalization), computed once."""
 
@@ -75,21 +97,21 @@ class Calibration:
         self._lock = asyncio.Lock()
         self._ranges: dict[tuple[int | None, bool], np.ndarray] = {}
 
-    async def ranges(self, engine: Engine, params: EmbedParams) -> np.ndarray:
+    async def ranges(self, embedder: Embedder, params: EmbedParams) -> np.ndarray:
         key = (params.dimensions, params.normalize)
         if key not in self._ranges:
-            rows = await self._calibration_rows(engine)
+            rows = await self._calibration_rows(embedder)
             self._ranges[key] = ranges_of(rows, params.dimensions, params.normalize)
         return self._ranges[key]
 
-    async def _calibration_rows(self, engine: Engine) -> np.ndarray:
+    async def _calibration_rows(self, embedder: Embedder) -> np.ndarray:
         async with self._lock:
             if self._rows is None:
                 raw = EmbedParams(normalize=False, truncate=True, outputs=(EmbedOutput.DENSE,))
                 texts = calibration_texts()
                 parts = []
                 for start in range(0, len(texts), _CALIBRATION_BATCH):
-                    result = await engine.embed(texts[start : start + _CALIBRATION_BATCH], raw)
+                    result = await embedder.embed(texts[start : start + _CALIBRATION_BATCH], raw)
                     parts.append(result.embeddings)
                 self._rows = np.concatenate(parts)
             return self._rows

@@ -19,13 +19,12 @@ are returned, and MaxSim rerank, all as sentence-transformers 6.2 does them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import tokenizers
 
-from embedserv.engine.embedding import TokenRules
-from embedserv.engine.outputs import rank
+from embedserv.engine.ports import Infer
+from embedserv.engine.tasks.outputs import rank
+from embedserv.engine.tasks.token_rules import TokenRules
 from embedserv.engine.tokenizer import Encoded, TextTokenizer
 from embedserv.errors import ConfigError, InvalidInput
 from embedserv.models.multi_vector import MultiVectorSettings
@@ -37,9 +36,6 @@ from embedserv.types import (
     RerankResult,
     TruncationDirection,
 )
-
-if TYPE_CHECKING:
-    from embedserv.engine.engine import Engine
 
 QUERY, DOCUMENT = "query", "document"
 # sentence-transformers' score for a document with no vector to take a maximum over.
@@ -218,12 +214,12 @@ def maxsim_scores(query: np.ndarray, documents: list[np.ndarray], mean: bool) ->
 
 
 async def rerank_maxsim(
-    engine: Engine, query: str, documents: list[str], params: RerankParams, received: float
+    infer: Infer, tokenizer: TextTokenizer, rules: MultiVectorRules, query: str, documents: list[str],
+    params: RerankParams, received: float,
 ) -> RerankResult:
     """Documents scored against the query by MaxSim of their token vectors, best first."""
-    rules: MultiVectorRules = engine.token_rules
-    encoded = await engine.tokenize_with(rules.encode_for_maxsim, engine.tokenizer, query, documents, params.truncate)
-    outputs, prompt_tokens, timing = await engine.infer(encoded, received, (EmbedOutput.MULTI_VECTOR,))
+    encoded = await infer.tokenize_with(rules.encode_for_maxsim, tokenizer, query, documents, params.truncate)
+    outputs, prompt_tokens, timing = await infer.infer(encoded, received, (EmbedOutput.MULTI_VECTOR,))
     tasks = [QUERY] + [DOCUMENT] * len(documents)
     vectors = [o.vectors[rules.keep_for(e.ids, task)] for o, e, task in zip(outputs, encoded, tasks)]
     scores = maxsim_scores(vectors[0], vectors[1:], rules.settings.mean_maxsim)

@@ -1,0 +1,98 @@
+"""Embed's host side: how a model's inputs are tokenized per output, and how each sequence's step outputs
+become the dense, sparse and multi-vector results a call returns (float32; quantize.py encodes them after).
+
+A model's `TokenRules` (token_rules.py) decide what is model-specific about token vectors: which tokens'
+vectors are returned (all of them for last hidden states, all but the first for bge-m3's colbert head, the
+MultiVectorEncoder's masks for its models) and, for late-interaction models, how queries and documents are
+tokenized (multi_vector.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from embedserv.engine import checks
+from embedserv.engine.loading import ServedModel
+from embedserv.engine.ports import Infer, SequenceOutput, stack_rows
+from embedserv.engine.tasks import chunking
+from embedserv.engine.tasks.multi_vector import MultiVectorRules
+from embedserv.engine.tasks.outputs import finish_embeddings
+from embedserv.engine.tasks.token_rules import SkipFirstToken, TokenRules
+from embedserv.engine.tokenizer import Encoded
+from embedserv.errors import InvalidInput
+from embedserv.models.multi_vector import read_multi_vector_settings
+from embedserv.types import EmbedOutput, EmbedParams, EmbedResult, SparseVector, Timing
+
+
+def token_rules(served: ServedModel) -> TokenRules:
+    spec = served.spec
+    if spec.outputs.multi_vector == "bge_m3":
+        return SkipFirstToken()
+    if spec.outputs.multi_vector == "multi_vector_encoder":
+        settings = read_multi_vector_settings(spec.model_dir, spec.st, spec.hf_config.hidden_size)
+        return MultiVectorRules(served.tokenizer, settings, spec.max_model_len, str(spec.model_dir))
+    return TokenRules()
+
+
+class Embedding:
+    """Embed and its token-id form, through the engine core's port; results in float32."""
+
+    def __init__(self, infer: Infer, served: ServedModel) -> None:
+        self._infer = infer
+        self._served = served
+        self.token_rules = token_rules(served)
+
+    async def embed(self, texts: list[str], params: EmbedParams) -> EmbedResult:
+        """The outputs `params.outputs` names (dense, sparse, token vectors) per text, from one forward pass."""
+        received = time.perf_counter()
+        tokenizer = self._served.tokenizer
+        checks.check_embed(self._served.info, tokenizer, texts, params)
+        if params.chunking:
+            return await chunking.embed_chunked(self._infer, self._served, texts, params, received)
+        encoded = await self._infer.tokenize_with(self.token_rules.encode, tokenizer, texts, params)
+        return await self._pooled(encoded, params, received)
+
+    async def embed_token_ids(self, token_ids: list[list[int]], params: EmbedParams) -> EmbedResult:
+        """Embeds pre-tokenized inputs, used as given (no prompt, no special tokens added)."""
+        received = time.perf_counter()
+        tokenizer = self._served.tokenizer
+        checks.check_embed(self._served.info, tokenizer, token_ids, params)
+        if params.prompt_name:
+            raise InvalidInput("prompt_name applies to texts; token-id inputs are used as given")
+        encoded = await self._infer.tokenize_with(
+            tokenizer.check_token_ids, token_ids, params.truncate, params.truncation_direction
+        )
+        return await self._pooled(encoded, params, received)
+
+    async def _pooled(self, encoded: list[Encoded], params: EmbedParams, received: float) -> EmbedResult:
+        outputs, prompt_tokens, timing = await self._infer.infer(encoded, received, params.outputs)
+        return assemble(outputs, encoded, params, self.token_rules, prompt_tokens, timing)
+
+
+def top_k(values: np.ndarray, indices: np.ndarray, k: int | None) -> SparseVector:
+    """The k largest values (all when k is None), indices ascending; ties keep the smaller index."""
+    if k is not None and len(values) > k:
+        chosen = np.sort(np.argsort(-values, kind="stable")[:k])
+        values, indices = values[chosen], indices[chosen]
+    return SparseVector(indices=np.asarray(indices, dtype=np.int64), values=np.asarray(values, dtype=np.float32))
+
+
+def assemble(
+    outputs: list[SequenceOutput], encoded: list[Encoded], params: EmbedParams, rules: TokenRules,
+    prompt_tokens: int, timing: Timing,
+) -> EmbedResult:
+    """Each output the call asked for, in input order."""
+    result = EmbedResult(embeddings=None, prompt_tokens=prompt_tokens, timing=timing)
+    if EmbedOutput.DENSE in params.outputs:
+        rows = stack_rows(outputs)
+        result.embeddings = finish_embeddings(rows, params.dimensions, params.normalize)
+    if EmbedOutput.SPARSE in params.outputs:
+        result.sparse = [top_k(*output.sparse, params.sparse_top_k) for output in outputs]
+    if EmbedOutput.MULTI_VECTOR in params.outputs:
+        result.multi_vectors = [
+            np.ascontiguousarray(output.vectors[rules.keep(e, params)], dtype=np.float32)
+            for output, e in zip(outputs, encoded)
+        ]
+    return result

@@ -1,0 +1,64 @@
+"""Rerank: cross-encoders and yes/no rerankers score each (query, document) sequence with their score head;
+embedding models score by the cosine of the query's and each document's embeddings; late-interaction
+models by MaxSim (multi_vector.py); with chunking, each document by its best window (chunking.py)."""
+
+from __future__ import annotations
+
+import time
+
+from embedserv.engine import checks
+from embedserv.engine.loading import ServedModel
+from embedserv.engine.ports import Infer, stack_rows
+from embedserv.engine.tasks import chunking, multi_vector
+from embedserv.engine.tasks.outputs import activate, cosine_to_first, rank
+from embedserv.engine.tasks.token_rules import TokenRules
+from embedserv.models.tasks import Seq2SeqYesNoTemplate
+from embedserv.types import RankedDocument, RerankMode, RerankParams, RerankResult, Task
+
+
+class Reranking:
+    def __init__(self, infer: Infer, served: ServedModel, rules: TokenRules) -> None:
+        """`rules`: the model's token rules (MultiVectorRules for a model that reranks by MaxSim)."""
+        self._infer = infer
+        self._served = served
+        self._rules = rules
+
+    async def rerank(self, query: str, documents: list[str], params: RerankParams) -> RerankResult:
+        """Documents scored against the query, best first."""
+        received = time.perf_counter()
+        served = self._served
+        checks.require(served.info, Task.RERANK, "Rerank")
+        checks.check_rerank(served.info, served.task, query, documents, params)
+        if params.chunking:
+            return await chunking.rerank_chunked(self._infer, served, query, documents, params, received)
+        if served.task.rerank_mode is RerankMode.MAXSIM:
+            return await multi_vector.rerank_maxsim(
+                self._infer, served.tokenizer, self._rules, query, documents, params, received
+            )
+        return await self._rerank_whole(query, documents, params, received)
+
+    async def _rerank_whole(
+        self, query: str, documents: list[str], params: RerankParams, received: float
+    ) -> RerankResult:
+        """Each document is one sequence (cut only with truncate)."""
+        task, tokenizer, tokenize = self._served.task, self._served.tokenizer, self._infer.tokenize_with
+        mode = task.rerank_mode
+        if mode is RerankMode.EMBEDDINGS:
+            encoded = await tokenize(tokenizer.encode_for_cosine, query, documents, params.truncate)
+        elif mode is RerankMode.PAIR:
+            encoded = await tokenize(tokenizer.encode_pairs, query, documents, params.truncate)
+        elif isinstance(task.template, Seq2SeqYesNoTemplate):
+            encoded = await tokenize(tokenizer.encode_seq2seq_template, task.template, query, documents, params.truncate)
+        else:
+            instruction = params.instruction or task.template.default_instruction
+            encoded = await tokenize(
+                tokenizer.encode_templated, task.template, instruction, query, documents, params.truncate
+            )
+        outputs, prompt_tokens, timing = await self._infer.infer(encoded, received)
+        rows = stack_rows(outputs)
+        if mode is RerankMode.EMBEDDINGS:
+            scores = cosine_to_first(rows)
+        else:
+            scores = rows[:, 0] if params.raw_scores else activate(rows, task.rerank_activation)[:, 0]
+        results = [RankedDocument(index, score) for index, score in rank(scores, params.top_n)]
+        return RerankResult(results=results, prompt_tokens=prompt_tokens, timing=timing)

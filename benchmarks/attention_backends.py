@@ -23,7 +23,8 @@ from embedserv.attention.layer import Attention
 from embedserv.attention.metadata import build_common_metadata, cumulative_offsets
 from embedserv.attention.selector import AttentionSpec, backend_class, unsupported_reason
 from embedserv.config import ATTENTION_BACKENDS
-from embedserv.forward_context import ForwardContext, set_forward_context
+from embedserv.forward_context import set_forward_context
+from embedserv.worker.layer_routes import forward_context_for
 
 LAYERS = 6
 
@@ -74,7 +75,7 @@ def packed_us(name, lens, heads, kv_heads, head_size, causal, dtype, device, rep
     def metadata():
         return backend.build_metadata(common)
 
-    context = ForwardContext(attn_metadata=metadata(), attn_backend=backend)
+    context = forward_context_for([layer], backend, metadata())
 
     def forward():
         with set_forward_context(context):

@@ -23,7 +23,8 @@ import torch.nn.functional as F  # noqa: E402
 from embedserv.attention.backends.sdpa import SdpaBackend, _attend_with_matmuls  # noqa: E402
 from embedserv.attention.layer import Attention  # noqa: E402
 from embedserv.attention.metadata import build_common_metadata  # noqa: E402
-from embedserv.forward_context import ForwardContext, set_forward_context  # noqa: E402
+from embedserv.forward_context import set_forward_context  # noqa: E402
+from embedserv.worker.layer_routes import forward_context_for  # noqa: E402
 
 SHAPES = [(1, 32), (1, 64), (1, 128), (1, 256), (16, 64), (16, 128), (16, 256)]
 
@@ -44,7 +45,7 @@ def packed_backend_us(num_seqs: int, length: int, heads: int, head_size: int, dt
     layer = Attention(heads, head_size)
     backend = SdpaBackend()
     meta = backend.build_metadata(build_common_metadata(np.full(num_seqs, length), is_causal=False))
-    context = ForwardContext(attn_metadata=meta, attn_backend=backend)
+    context = forward_context_for([layer], backend, meta)
 
     def run():
         with set_forward_context(context):

@@ -39,8 +39,8 @@ class Attention(nn.Module):
     prefill skip), queries are the last len_q of the len_k positions.
 
     KV sharing on KV-free steps (no cache to read): a source layer (one a later layer names as its
-    `kv_source_layer`; `is_kv_source`, set by `link_kv_sharing`) leaves its step's k and v in the forward
-    context, and the sharing layer attends over them.
+    `kv_source_layer`; `is_kv_source`, set by `link_kv_sharing`) puts its step's k and v in the context's
+    SharedKv (attention/shared_kv.py), and the sharing layer attends over them.
     """
 
     def __init__(
@@ -87,8 +87,12 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
         context = get_forward_context()
-        kv_cache = context.kv_cache_for(self)
-        meta = context.metadata_for(self)
+        # The runner resolved both for this layer once per step (worker/layer_routes.py).
+        meta = context.attn_metadata[self.layer_index]
+        kv_cache = context.kv_caches[self.layer_index]
+        if meta is None:
+            # The one way a routed layer gets none: a cross layer in a KV-free step without encoder inputs.
+            raise RuntimeError(f"{self.kind.value} attention layer {self.layer_index} ran in a step without its inputs")
         # Padding rows (embedserv/padding.py) follow the real ones: the backend never sees them.
         rows, num_queries = q.shape[0], meta.common.num_query_rows
         if k is not None:
@@ -96,9 +100,9 @@ class Attention(nn.Module):
             v = _real_rows(v, meta.common.num_key_rows).view(-1, self.num_kv_heads, self.head_size)
         if kv_cache is None and self.kind is not AttentionKind.CROSS:
             if self.kv_source_layer is not None:
-                k, v = context.shared_kv[self.kv_source_layer]
+                k, v = context.shared_kv.get(self.kv_source_layer)
             elif self.is_kv_source:
-                context.shared_kv[self.layer_index] = (k, v)
+                context.shared_kv.put(self.layer_index, k, v)
         out = context.attn_backend.forward(
             self, _real_rows(q, num_queries).view(-1, self.num_heads, self.head_size), k, v, kv_cache, meta
         ).reshape(-1, self.num_heads * self.head_size)

@@ -13,7 +13,7 @@ Gemma 3's block (gemma.py) with these changes, each as transformers' modeling_ge
   last earlier non-shared layer of its type (`kv_source_layer`), owns no cache, and (with
   `use_double_wide_mlp`) has an MLP twice as wide.
 The model's first shared layer is its `prefill_skip_layer`: with --kv-sharing-fast-prefill the layers
-from there on run only the rows whose output is read (forward_context.prefill_skip_rows).
+from there on run only the rows whose output is read (the runner passes them as `prefill_skip_rows`).
 MoE configs (`enable_moe_block`) are refused.
 """
 
@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from embedserv.attention.layer import Attention, link_kv_sharing
-from embedserv.forward_context import prefill_skip_rows
 from embedserv.models.gemma import (
     FusedShards,
     GemmaMLP,
@@ -160,8 +159,9 @@ _HEADS = r"lm_head\.|score\.|rotary_emb\."
 
 
 class Gemma4Model(nn.Module):
-    """`forward(input_ids, positions[, token_type_ids]) -> [num_tokens, hidden]`, final norm applied (fewer
-    rows under the prefill skip: those it keeps)."""
+    """`forward(input_ids, positions[, token_type_ids][, prefill_skip_rows]) -> [num_tokens, hidden]`, final
+    norm applied; with `prefill_skip_rows` ([num_kept] int64, indices into the packed tokens), the layers
+    from `prefill_skip_layer` on run only those rows, and so do the returned states."""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -220,17 +220,15 @@ class Gemma4Model(nn.Module):
         projected = self.per_layer_projection_norm(projected.reshape(shape))
         return (projected + tokens) * 2.0**-0.5
 
-    def forward(self, input_ids, positions, token_type_ids=None) -> torch.Tensor:
+    def forward(self, input_ids, positions, token_type_ids=None, prefill_skip_rows=None) -> torch.Tensor:
         embeds = self.embed_tokens(input_ids)
         hidden = embeds * embedding_scale(self.config.hidden_size**0.5, embeds.dtype)
         per_layer = self._per_layer_inputs(input_ids, hidden) if self.per_layer_size else None
         rope = {kind: rotary(positions) for kind, rotary in self.rotary.items()}
         for i, layer in enumerate(self.layers):
-            if i == self.prefill_skip_layer:
-                rows = prefill_skip_rows()
-                if rows is not None:
-                    # The shared layers change no cache: only the rows whose output is read run on.
-                    hidden, per_layer, rope = _keep(rows, hidden, per_layer, rope)
+            if i == self.prefill_skip_layer and prefill_skip_rows is not None:
+                # The shared layers change no cache: only the rows whose output is read run on.
+                hidden, per_layer, rope = _keep(prefill_skip_rows, hidden, per_layer, rope)
             hidden = layer(hidden, per_layer[:, i] if per_layer is not None else None, *rope[layer.layer_type])
         return self.norm(hidden)
 

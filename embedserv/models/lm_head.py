@@ -19,8 +19,7 @@ from torch import nn
 
 from embedserv.errors import ConfigError
 from embedserv.models.layers import Linear
-from embedserv.models.loader import has_tensor, read_tensor
-from embedserv.models.score_head import read_first_tensor
+from embedserv.models.loader import has_tensor, read_first_tensor, read_tensor
 from embedserv.models.t5 import output_scale
 
 _EMBEDDINGS = ("model.embed_tokens.weight", "embed_tokens.weight")

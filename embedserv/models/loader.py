@@ -175,6 +175,15 @@ def read_tensor(files: list[Path], name: str, rows: slice | None = None) -> torc
     return None
 
 
+def read_first_tensor(files: list[Path], names: tuple[str, ...], rows: slice | None = None) -> torch.Tensor:
+    """The first of `names` the checkpoint holds (a head's tensor under its families' names)."""
+    for name in names:
+        tensor = read_tensor(files, name, rows)
+        if tensor is not None:
+            return tensor
+    raise ConfigError(f"checkpoint {files[0].parent} lacks the head tensor {names[0]!r}")
+
+
 def read_tensors(files: list[Path], names: set[str]) -> dict[str, torch.Tensor]:
     """The named tensors the checkpoint files hold (each file opened once; names it lacks are left out)."""
     found: dict[str, torch.Tensor] = {}

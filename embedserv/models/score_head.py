@@ -27,7 +27,8 @@ from torch import nn
 
 from embedserv.errors import ConfigError
 from embedserv.models.heads import PoolingInputs
-from embedserv.models.loader import read_tensor
+from embedserv.models.lm_head import seq2seq_final_logits_bias, seq2seq_head_weight
+from embedserv.models.loader import read_first_tensor
 
 _BERT_CLASSIFIERS = ("BertForSequenceClassification",)
 _ROBERTA_CLASSIFIERS = (
@@ -70,14 +71,6 @@ class ScoreHead(nn.Module):
         if self.dense is not None:
             rows = torch.tanh(self.dense(rows))
         return self.out(rows)
-
-
-def read_first_tensor(files: list[Path], names: tuple[str, ...], rows: slice | None = None) -> torch.Tensor:
-    for name in names:
-        tensor = read_tensor(files, name, rows)
-        if tensor is not None:
-            return tensor
-    raise ConfigError(f"checkpoint {files[0].parent} lacks the head tensor {names[0]!r}")
 
 
 def _classifier_sources(architecture: str) -> dict[str, tuple[str, ...]]:
@@ -158,9 +151,6 @@ def build_seq2seq_yes_no_head(hf_config, files: list[Path], true_id: int, false_
     """logit(true) - logit(false) of an encoder-decoder LM (monoT5) at the last (first and only) decoder
     token: the difference of the two LM-head rows, with T5's tied output scale folded in, plus the
     difference of BART's final_logits_bias entries where there is one."""
-    # lm_head.py reads its tensors with read_first_tensor from here: imported late to keep one direction.
-    from embedserv.models.lm_head import seq2seq_final_logits_bias, seq2seq_head_weight
-
     true = seq2seq_head_weight(hf_config, files, slice(true_id, true_id + 1))
     false = seq2seq_head_weight(hf_config, files, slice(false_id, false_id + 1))
     bias = seq2seq_final_logits_bias(hf_config, files)

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from embedserv.attention.backends.base import AttentionBackend
-from embedserv.forward_context import ForwardContext, PrefillSkip, set_forward_context
+from embedserv.attention.layer import attention_layers
+from embedserv.forward_context import set_forward_context
 from embedserv.models.heads import TokenInputs
 from embedserv.models.layers import warm_linear_row_counts
 from embedserv.models.sampler import sample
@@ -26,6 +27,8 @@ from embedserv.scheduler.kv_cache_manager import KvCacheLayout
 from embedserv.types import EmbedOutput, OutputKind, RaggedRows, SamplingParams, ScheduledSequence, StepBatch, StepOutput
 from embedserv.worker.input_builder import InputBuilder, ModelInputs
 from embedserv.worker.kv_cache import KvCache
+from embedserv.worker.layer_routes import LayerRoutes
+from embedserv.worker.prefill_skip import PrefillSkip
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +81,9 @@ class ModelRunner:
         self.skip_layer = getattr(model, "prefill_skip_layer", None) if kv_sharing_fast_prefill else None
         if kv_sharing_fast_prefill and self.skip_layer is None:
             raise ValueError("--kv-sharing-fast-prefill needs a model whose last layers share an earlier layer's KV")
+        self.routes = LayerRoutes(attention_layers(model))
+        # Resolved once: a KvCache keeps its tensors for its lifetime.
+        self.layer_kv_caches = self.routes.kv_caches(kv_cache.tensors) if kv_cache is not None else None
         self.input_builder = InputBuilder(
             device, model.position_offset, is_causal, block_size, fixed, self.is_encoder_decoder,
             prefill_skip=self.skip_layer is not None, rows_read_last=rows_read_last,
@@ -109,22 +115,19 @@ class ModelRunner:
         if prepared.fresh_blocks is not None:
             self.kv_cache.zero(prepared.fresh_blocks)
         build = self.backend.build_metadata
-        context = ForwardContext(
-            attn_backend=self.backend,
-            attn_metadata=tuple(build(common) for common in inputs.attention),
-            kv_caches=self.kv_cache.tensors if inputs.attention[0].reads_kv_cache else (),
+        skip = self._skip(inputs)
+        context = self.routes.context(
+            self.backend,
+            tuple(build(common) for common in inputs.attention),
+            layer_kv_caches=self.layer_kv_caches if inputs.attention[0].reads_kv_cache else None,
             encoder_metadata=build(inputs.encoder_attention) if inputs.encoder_attention is not None else None,
             cross_metadata=build(inputs.cross_attention) if inputs.cross_attention is not None else None,
-            skip=self._skip(inputs),
+            skip=skip,
         )
         with set_forward_context(context):
-            if self.is_encoder_decoder:
-                hidden = self.model(
-                    inputs.input_ids, inputs.positions, inputs.token_type_ids,
-                    encoder_input_ids=inputs.encoder_input_ids, encoder_positions=inputs.encoder_positions,
-                )
-            else:
-                hidden = self.model(inputs.input_ids, inputs.positions, inputs.token_type_ids)
+            hidden = self.model(
+                inputs.input_ids, inputs.positions, inputs.token_type_ids, **self._model_inputs(inputs, skip)
+            )
         if inputs.num_output_rows is not None:
             hidden = hidden[: inputs.num_output_rows]  # the padding rows (embedserv/padding.py)
         rows, tokens = _NO_ROWS, _NO_TOKENS
@@ -157,6 +160,15 @@ class ModelRunner:
         return RaggedRows(
             tokens.request_ids, np.asarray(tokens.lengths, dtype=np.int64), vectors.float().cpu().numpy(), _NO_IDS
         )
+
+    def _model_inputs(self, inputs: ModelInputs, skip: PrefillSkip | None) -> dict:
+        """What a model takes beyond ids, positions and token types: an encoder-decoder's encoder inputs,
+        and with the prefill skip the rows its layers from `prefill_skip_layer` on run."""
+        if self.is_encoder_decoder:
+            return {"encoder_input_ids": inputs.encoder_input_ids, "encoder_positions": inputs.encoder_positions}
+        if self.skip_layer is not None:
+            return {"prefill_skip_rows": skip.rows if skip is not None else None}
+        return {}
 
     def _skip(self, inputs: ModelInputs) -> PrefillSkip | None:
         if inputs.skip_rows is None:

@@ -16,16 +16,35 @@ The kept rows are padded like the step's (embedserv/padding.py), with row 0 agai
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from embedserv.attention.metadata import (
-    CommonAttentionMetadata, build_paged_metadata, build_suffix_metadata, cumulative_offsets, ranges,
+    AttentionMetadata, CommonAttentionMetadata, build_paged_metadata, build_suffix_metadata, cumulative_offsets,
+    ranges,
 )
 from embedserv.padding import pad
 from embedserv.types import OutputKind
+
+
+@dataclass(frozen=True)
+class PrefillSkip:
+    """--kv-sharing-fast-prefill: the layers after the last one that writes KV (they only read it) run only
+    the rows whose output is read: each sampled row, or each last token a last-token head pools. Their
+    queries are those rows; their keys stay every token (read from the cache, or the source layers' k and v
+    on KV-free steps)."""
+
+    # Attention layer_index of the first layer that runs the kept rows (the model's `prefill_skip_layer`).
+    first_layer: int
+    # [num_kept] int64 (padded on CPU, embedserv/padding.py): the kept rows, indices into the step's packed
+    # tokens, in packed order. The runner hands them to the model (`prefill_skip_rows=`), which keeps
+    # them at its `prefill_skip_layer`.
+    rows: torch.Tensor
+    # Per KV-cache group (as the step's metadata): each kept sequence's kept queries over all of its keys.
+    attn_metadata: Sequence[AttentionMetadata]
 
 
 class SkipPlan:

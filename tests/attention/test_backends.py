@@ -14,7 +14,8 @@ from embedserv.attention.backends.sdpa import SdpaBackend, plan_runs
 from embedserv.attention.layer import Attention
 from embedserv.attention.metadata import build_common_metadata
 from embedserv.attention.selector import AttentionSpec, backend_class, unsupported_reason
-from embedserv.forward_context import ForwardContext, set_forward_context
+from embedserv.forward_context import set_forward_context
+from embedserv.worker.layer_routes import forward_context_for
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # flex-eager: FlexAttention uncompiled, the same mask logic without a compile per shape (fast to test).
@@ -56,7 +57,7 @@ def attend(backend, lens, heads, kv_heads, head_size, causal, dtype, device="cpu
     layer = Attention(heads, head_size, num_kv_heads=kv_heads)
     cu = torch.from_numpy(np.concatenate(([0], np.cumsum(lens)))).to(device)
     common = build_common_metadata(np.array(lens), is_causal=causal, cu_seqlens=cu)
-    context = ForwardContext(attn_metadata=backend.build_metadata(common), attn_backend=backend)
+    context = forward_context_for([layer], backend, backend.build_metadata(common))
     with set_forward_context(context):
         return layer(q, k, v).float().cpu()
 
@@ -142,7 +143,7 @@ def test_sequences_do_not_attend_across_the_pack(backend):
     layer = Attention(2, 32)
     for start, n in ((0, 4), (4, 9)):
         meta = backend.build_metadata(build_common_metadata(np.array([n]), is_causal=False))
-        with set_forward_context(ForwardContext(attn_metadata=meta, attn_backend=backend)):
+        with set_forward_context(forward_context_for([layer], backend, meta)):
             alone = layer(q[start : start + n], k[start : start + n], v[start : start + n])
         torch.testing.assert_close(packed[start : start + n], alone, atol=1e-5, rtol=1e-5)
 

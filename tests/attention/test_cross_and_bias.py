@@ -18,7 +18,8 @@ from embedserv.attention.layer import Attention, AttentionKind
 from embedserv.attention.metadata import (
     build_common_metadata, build_cross_metadata, build_paged_metadata, cumulative_offsets,
 )
-from embedserv.forward_context import ForwardContext, set_forward_context
+from embedserv.forward_context import set_forward_context
+from embedserv.worker.layer_routes import forward_context_for
 from tests.attention.test_backends import DEVICES, TOLERANCE, make_backend
 from tests.attention.test_paged_backends import MIXES, Step, _backend, _block_tables, _padded, _slots
 
@@ -70,7 +71,7 @@ def attend_cross(backend, pairs, heads, kv_heads, head_size, dtype, device="cpu"
     )
     meta = backend.build_metadata(common)
     # A KV-free step's cross layers read the context's cross metadata; the self-attention one is unused.
-    context = ForwardContext(attn_metadata=meta, attn_backend=backend, cross_metadata=meta)
+    context = forward_context_for([layer], backend, meta, cross_metadata=meta)
     with set_forward_context(context):
         return layer(q, k, v).float().cpu()
 
@@ -157,8 +158,8 @@ class CrossStep:
         self.device = device
 
     def run(self, backend) -> torch.Tensor:
-        context = ForwardContext(
-            attn_metadata=backend.build_metadata(self.common), attn_backend=backend, kv_caches=[self.cache]
+        context = forward_context_for(
+            [self.layer], backend, backend.build_metadata(self.common), kv_caches=[self.cache]
         )
         with set_forward_context(context):
             return self.layer(self.q, self.k, self.v).float().cpu()
@@ -171,7 +172,7 @@ class CrossStep:
             _to(cumulative_offsets(self.lens_k), self.device),
         )
         meta = oracle.build_metadata(common)
-        with set_forward_context(ForwardContext(attn_metadata=meta, attn_backend=oracle, cross_metadata=meta)):
+        with set_forward_context(forward_context_for([self.layer], oracle, meta, cross_metadata=meta)):
             return self.layer(self.q, self.k_all, self.v_all).float().cpu()
 
 

@@ -15,7 +15,8 @@ from embedserv.attention.backends.base import kv_cache_shape
 from embedserv.attention.backends.naive import NaiveBackend, future_mask
 from embedserv.attention.layer import Attention
 from embedserv.attention.metadata import build_common_metadata, build_paged_metadata, cumulative_offsets
-from embedserv.forward_context import ForwardContext, set_forward_context
+from embedserv.forward_context import set_forward_context
+from embedserv.worker.layer_routes import forward_context_for
 from tests.attention.test_backends import COMPILED_FLEX_DEVICES, DEVICES, HEAD_IDS, HEADS, TOLERANCE, make_backend
 
 BLOCK_SIZE = 16
@@ -108,8 +109,8 @@ class Step:
     def run(self, backend, shared: bool = False) -> torch.Tensor:
         """The step's output [num_new, H*D] as float32 on CPU; `shared`: as a layer that reads this cache
         and brings no keys of its own (the keys must have been written by an earlier run)."""
-        context = ForwardContext(
-            attn_metadata=backend.build_metadata(self.common), attn_backend=backend, kv_caches=[self.cache]
+        context = forward_context_for(
+            [self.layer], backend, backend.build_metadata(self.common), kv_caches=[self.cache]
         )
         with set_forward_context(context):
             k, v = (None, None) if shared else (self.k, self.v)
@@ -121,7 +122,7 @@ class Step:
         expected = []
         for q_full, k_full, v_full, start, total in zip(self.qs, self.ks, self.vs, self.starts, self.totals):
             meta = oracle.build_metadata(build_common_metadata(np.array([total]), is_causal=True))
-            with set_forward_context(ForwardContext(attn_metadata=meta, attn_backend=oracle)):
+            with set_forward_context(forward_context_for([self.layer], oracle, meta)):
                 expected.append(self.layer(q_full, k_full, v_full)[start:].float().cpu())
         return torch.cat(expected)
 

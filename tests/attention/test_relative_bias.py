@@ -13,7 +13,8 @@ from embedserv.attention.metadata import build_common_metadata, cumulative_offse
 from embedserv.attention.relative_bias import RelativePositionBias
 from embedserv.attention.selector import AttentionSpec, select_backend, unsupported_reason
 from embedserv.errors import ConfigError
-from embedserv.forward_context import ForwardContext, set_forward_context
+from embedserv.forward_context import set_forward_context
+from embedserv.worker.layer_routes import forward_context_for
 from tests.attention.test_backends import COMPILED_FLEX_DEVICES, DEVICES, TOLERANCE, make_backend
 from tests.attention.test_cross_and_bias import (
     CROSS_MIXES, HEADS_DTYPE_IDS, HEADS_DTYPES, PAGED_CROSS_MIXES, CrossStep, _paged_backend, _to, _tolerance,
@@ -58,7 +59,7 @@ def attend_biased(backend, lens, heads, kv_heads, head_size, causal, dtype, devi
     v = torch.randn(sum(lens), kv_heads * head_size, generator=gen).to(device, dtype)
     layer = biased_layer(heads, kv_heads, head_size, bias, scale)
     common = build_common_metadata(np.array(lens), is_causal=causal, cu_seqlens=_to(cumulative_offsets(lens), device))
-    context = ForwardContext(attn_metadata=backend.build_metadata(common), attn_backend=backend)
+    context = forward_context_for([layer], backend, backend.build_metadata(common))
     with torch.inference_mode(), set_forward_context(context):
         return layer(q, k, v).float().cpu()
 
@@ -167,7 +168,7 @@ def test_the_stack_shares_one_table_a_step():
         meta = backend.build_metadata(common)
         layers = [biased_layer(4, 4, 32, bias, 1.0) for _ in range(3)]
         q = torch.randn(65, 128)
-        with torch.inference_mode(), set_forward_context(ForwardContext(attn_metadata=meta, attn_backend=backend)):
+        with torch.inference_mode(), set_forward_context(forward_context_for(layers, backend, meta)):
             outs = [layer(q, q, q) for layer in layers]
         assert len(calls) == 1, backend.name
         torch.testing.assert_close(outs[0], outs[2])

@@ -21,7 +21,8 @@ from embedserv.attention.layer import Attention
 from embedserv.attention.metadata import build_common_metadata, build_suffix_metadata, cumulative_offsets
 from embedserv.attention.selector import AttentionSpec, select_backend, unsupported_reason
 from embedserv.errors import ConfigError
-from embedserv.forward_context import ForwardContext, set_forward_context
+from embedserv.forward_context import set_forward_context
+from embedserv.worker.layer_routes import forward_context_for
 from tests.attention.test_backends import COMPILED_FLEX_DEVICES, DEVICES, TOLERANCE
 from tests.attention.test_cross_and_bias import _paged_backend
 from tests.attention.test_paged_backends import Step, _backend
@@ -85,14 +86,10 @@ def run_layers(backend, common, q, k, v, windows, kv_cache=None):
     """One layer per window, all over one metadata object (a step of windowed and full layers); each
     layer's output [num_q, H * D] as float32 on CPU."""
     meta = backend.build_metadata(common)
-    context = ForwardContext(
-        attn_metadata=meta, attn_backend=backend, kv_caches=None if kv_cache is None else [kv_cache]
-    )
+    layers = [Attention(HEADS, HEAD_SIZE, num_kv_heads=KV_HEADS, sliding_window=w) for w in windows]
+    context = forward_context_for(layers, backend, meta, kv_caches=None if kv_cache is None else [kv_cache])
     with set_forward_context(context):
-        return [
-            Attention(HEADS, HEAD_SIZE, num_kv_heads=KV_HEADS, sliding_window=w)(q, k, v).float().cpu()
-            for w in windows
-        ]
+        return [layer(q, k, v).float().cpu() for layer in layers]
 
 
 class KvFreeStep:

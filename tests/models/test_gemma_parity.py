@@ -19,11 +19,12 @@ from embedserv.attention.metadata import build_common_metadata
 from embedserv.attention.selector import backend_class
 from embedserv.config import ModelConfig
 from embedserv.errors import ConfigError
-from embedserv.forward_context import ForwardContext, set_forward_context
+from embedserv.forward_context import set_forward_context
 from embedserv.models import registry
 from embedserv.models.lm_head import SoftcappedLMHead, build_lm_head
 from embedserv.models.loader import build_model, checkpoint_files, read_hf_config
 from embedserv.models.spec import read_model_spec
+from embedserv.worker.layer_routes import forward_context_for
 from tests.helpers import gemma_models
 from tests.helpers.models import load_in_process
 from tests.models.test_generate_parity import _check_greedy, hf_generations  # noqa: F401 (a fixture)
@@ -129,7 +130,7 @@ def test_logits_match_transformers(name, backend, gemma_lm, prompts):
     positions = torch.cat([torch.arange(n) for n in lengths])
     attn = backend_class(backend)()
     metadata = attn.build_metadata(build_common_metadata(np.array(lengths), is_causal=True))
-    with torch.inference_mode(), set_forward_context(ForwardContext(attn_backend=attn, attn_metadata=metadata)):
+    with torch.inference_mode(), set_forward_context(forward_context_for(model, attn, metadata)):
         logits = head(model(ids, positions))
 
     reference = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager").eval()

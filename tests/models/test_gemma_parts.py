@@ -16,11 +16,13 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
 from embedserv.attention.backends.naive import NaiveBackend
 from embedserv.attention.layer import attention_layers
 from embedserv.attention.metadata import build_common_metadata, build_suffix_metadata
-from embedserv.forward_context import ForwardContext, PrefillSkip, set_forward_context
+from embedserv.forward_context import ForwardContext, set_forward_context
 from embedserv.models import registry
 from embedserv.models.gemma import Gemma3Model
 from embedserv.models.gemma4 import Gemma4Model
 from embedserv.models.rotary import inverse_frequencies, rope_parameters
+from embedserv.worker.layer_routes import forward_context_for
+from embedserv.worker.prefill_skip import PrefillSkip
 from tests.helpers.gemma_models import GEMMA3_WINDOW, GEMMA4_WINDOW, gemma3_config, gemma4_config
 
 VOCAB = 512
@@ -49,10 +51,10 @@ def _packed(lengths, vocab: int = VOCAB):
     return sequences, torch.cat(sequences), torch.cat([torch.arange(n) for n in lengths])
 
 
-def _context(lengths, causal: bool = True, skip: PrefillSkip | None = None) -> ForwardContext:
+def _context(model, lengths, causal: bool = True, skip: PrefillSkip | None = None) -> ForwardContext:
     backend = NaiveBackend()
     metadata = backend.build_metadata(build_common_metadata(np.array(lengths), is_causal=causal))
-    return ForwardContext(attn_backend=backend, attn_metadata=metadata, skip=skip)
+    return forward_context_for(model, backend, metadata, skip=skip)
 
 
 def test_rotary_frequencies_per_layer_type_equal_transformers():
@@ -171,7 +173,7 @@ def test_other_gemma4_variants_equal_transformers(overrides):
     reference = Gemma4TextModel(config).eval()
     reference.load_state_dict(state)
     sequences, ids, positions = _packed(LENGTHS)
-    with torch.inference_mode(), set_forward_context(_context(LENGTHS)):
+    with torch.inference_mode(), set_forward_context(_context(model, LENGTHS)):
         hidden = model(ids, positions)
         for sequence, got in zip(sequences, hidden.split(LENGTHS)):
             expected = reference(input_ids=sequence[None]).last_hidden_state[0]
@@ -179,11 +181,11 @@ def test_other_gemma4_variants_equal_transformers(overrides):
 
 
 def test_prefill_skip_runs_the_shared_layers_on_the_kept_rows_only():
-    """With a PrefillSkip in the context, the output is the full pass's rows at `rows`."""
+    """With a PrefillSkip routed and its rows handed to the model, the output is the full pass's rows at `rows`."""
     config = gemma4_config(VOCAB)
     model = _loaded(Gemma4Model, config, _state(Gemma4TextModel, config))
     _, ids, positions = _packed(LENGTHS)
-    with torch.inference_mode(), set_forward_context(_context(LENGTHS)):
+    with torch.inference_mode(), set_forward_context(_context(model, LENGTHS)):
         full = model(ids, positions)
 
     # Keep each sequence's last token, and the whole of the first one.
@@ -195,6 +197,6 @@ def test_prefill_skip_runs_the_shared_layers_on_the_kept_rows_only():
     backend = NaiveBackend()
     suffix = backend.build_metadata(build_suffix_metadata(keep, np.array(LENGTHS), cu_q, cu_k, is_causal=True))
     skip = PrefillSkip(first_layer=model.prefill_skip_layer, rows=rows, attn_metadata=(suffix,))
-    with torch.inference_mode(), set_forward_context(_context(LENGTHS, skip=skip)):
-        kept = model(ids, positions)
+    with torch.inference_mode(), set_forward_context(_context(model, LENGTHS, skip=skip)):
+        kept = model(ids, positions, prefill_skip_rows=skip.rows)
     torch.testing.assert_close(kept, full[rows], atol=1e-5, rtol=0)

@@ -23,6 +23,7 @@ from embedserv.models.lm_head import build_lm_head
 from embedserv.models.loader import build_model, checkpoint_files, read_hf_config
 from embedserv.models.score_head import build_classifier_head, build_seq2seq_yes_no_head
 from embedserv.models.t5 import T5EncoderModel, T5Model
+from embedserv.worker.layer_routes import forward_context_for
 from tests.helpers import seq2seq_models as builders
 
 ATOL = 1e-4
@@ -87,15 +88,16 @@ def _packed(sequences: list[torch.Tensor], offset: int) -> tuple[torch.Tensor, t
     return ids, positions
 
 
-def _context(decoder_lens, encoder_lens) -> ForwardContext:
+def _context(model, decoder_lens, encoder_lens) -> ForwardContext:
     """KV-free: causal decoder self-attention, bidirectional encoder, cross by the packed encoder lengths."""
     backend = NaiveBackend()
     decoder = build_common_metadata(np.array(decoder_lens), is_causal=True)
     encoder = build_common_metadata(np.array(encoder_lens), is_causal=False)
     cross = build_cross_metadata(np.array(decoder_lens), np.array(encoder_lens), decoder.cu_seqlens_q, encoder.cu_seqlens_q)
-    return ForwardContext(
-        attn_backend=backend,
-        attn_metadata=backend.build_metadata(decoder),
+    return forward_context_for(
+        model,
+        backend,
+        backend.build_metadata(decoder),
         encoder_metadata=backend.build_metadata(encoder),
         cross_metadata=backend.build_metadata(cross),
     )
@@ -106,7 +108,8 @@ def _run(model, pairs):
     offset = model.position_offset
     encoder_ids, encoder_positions = _packed([e for e, _ in pairs], offset)
     decoder_ids, decoder_positions = _packed([d for _, d in pairs], offset)
-    with torch.inference_mode(), set_forward_context(_context([len(d) for _, d in pairs], [len(e) for e, _ in pairs])):
+    context = _context(model, [len(d) for _, d in pairs], [len(e) for e, _ in pairs])
+    with torch.inference_mode(), set_forward_context(context):
         hidden = model(decoder_ids, decoder_positions, encoder_input_ids=encoder_ids, encoder_positions=encoder_positions)
         encoded = model.encode(encoder_ids, encoder_positions)
     return hidden, encoded
@@ -179,7 +182,7 @@ def _encoder_only_check(model, reference, model_dir, texts):
     lengths = [len(s) for s in sequences]
     backend = NaiveBackend()
     metadata = backend.build_metadata(build_common_metadata(np.array(lengths), is_causal=False))
-    context = ForwardContext(attn_backend=backend, attn_metadata=metadata)
+    context = forward_context_for(model, backend, metadata)
     with torch.inference_mode(), set_forward_context(context):
         hidden = model(ids, positions)
         for sequence, got in zip(sequences, _split(hidden, lengths)):
@@ -333,9 +336,10 @@ def test_paged_generation_steps_match_teacher_forcing(kind, model_root, texts):
             encoder_ids, encoder_positions = _packed([e for e, _ in full], offset)
             kwargs = dict(encoder_input_ids=encoder_ids, encoder_positions=encoder_positions)
             encoder_meta = backend.build_metadata(build_common_metadata(np.array(encoder_lens), is_causal=False))
-        context = ForwardContext(
-            attn_backend=backend,
-            attn_metadata=(backend.build_metadata(self_meta), backend.build_metadata(cross_meta)),
+        context = forward_context_for(
+            model,
+            backend,
+            (backend.build_metadata(self_meta), backend.build_metadata(cross_meta)),
             kv_caches=caches,
             encoder_metadata=encoder_meta,
         )

@@ -11,12 +11,12 @@ from torch import nn
 
 from embedserv.attention.backends.naive import NaiveBackend
 from embedserv.attention.layer import Attention, AttentionKind
-from embedserv.forward_context import ForwardContext
 from embedserv.scheduler.generation import GenerationScheduler
 from embedserv.scheduler.kv_cache_manager import KvCacheManager, KvGroup
 from embedserv.scheduler.request import Request, RequestStatus
 from embedserv.types import OutputKind, SamplingParams
 from embedserv.worker.kv_cache import KvCache, allocate_kv_caches, kv_cache_groups, num_kv_blocks
+from embedserv.worker.layer_routes import forward_context_for
 
 HEADS, HEAD_SIZE, BLOCK = 2, 8, 4
 CPU = torch.device("cpu")
@@ -47,9 +47,9 @@ def test_a_layer_reading_another_layers_cache_allocates_nothing():
     assert num_kv_blocks(memory, [shared_group], CPU) == 9, "the same memory holds more blocks"
     caches = allocate_kv_caches(shared, [shared_group], 9, NaiveBackend(), CPU)
     assert caches[2] is None and caches[0] is not None and caches[1] is not None
-    context = ForwardContext(attn_backend=NaiveBackend(), attn_metadata=object(), kv_caches=caches)
-    assert context.kv_cache_for(shared.layers[2]) is caches[1], "the shared layer reads its source's cache"
-    assert context.kv_cache_for(shared.layers[1]) is caches[1]
+    context = forward_context_for(shared, NaiveBackend(), object(), kv_caches=caches)
+    assert context.kv_caches[shared.layers[2].layer_index] is caches[1], "the shared layer reads its source's cache"
+    assert context.kv_caches[shared.layers[1].layer_index] is caches[1]
 
 
 def test_groups_come_from_the_layers_kind_and_group():

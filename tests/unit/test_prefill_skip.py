@@ -13,7 +13,6 @@ from torch import nn
 from embedserv.attention.backends.naive import NaiveBackend
 from embedserv.attention.backends.sdpa import SdpaBackend
 from embedserv.attention.layer import Attention, link_kv_sharing
-from embedserv.forward_context import prefill_skip_rows
 from embedserv.models.heads import EmbeddingPooler
 from embedserv.types import OutputKind, SamplingParams, ScheduledSequence, StepBatch
 from embedserv.worker.kv_cache import KvCache, allocate_kv_caches, kv_cache_groups
@@ -57,11 +56,11 @@ class ToyModel(nn.Module):
         )
         link_kv_sharing([layer.attn for layer in self.layers])
 
-    def forward(self, input_ids, positions, token_type_ids=None) -> torch.Tensor:
+    def forward(self, input_ids, positions, token_type_ids=None, prefill_skip_rows=None) -> torch.Tensor:
         hidden = self.embed(input_ids) + self.positions(positions)
         for index, layer in enumerate(self.layers):
-            if index == self.prefill_skip_layer and (rows := prefill_skip_rows()) is not None:
-                hidden = hidden.index_select(0, rows)
+            if index == self.prefill_skip_layer and prefill_skip_rows is not None:
+                hidden = hidden.index_select(0, prefill_skip_rows)
             hidden = layer(hidden)
         return hidden
 

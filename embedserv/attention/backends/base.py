@@ -14,9 +14,24 @@ import torch
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
 
 if TYPE_CHECKING:
-    from embedserv.attention.layer import Attention
+    from embedserv.attention.relative_bias import RelativePositionBias
 
 _T = TypeVar("_T")
+
+
+class AttentionLayer(Protocol):
+    """What a backend reads of the layer it runs (attention/layer.py's Attention is one); the rest of a
+    layer (kind, group, cache) is the runner's routing, already resolved into the metadata and cache."""
+
+    # Names the layer in errors.
+    layer_index: int
+    # Multiplies q . k.
+    scale: float
+    # W: a query at position p sees the key at j only when |p - j| < W (attention/backends/windows.py);
+    # None: every key.
+    sliding_window: int | None
+    # T5's per-head score bias by distance (one table per stack); None for other models.
+    relative_bias: RelativePositionBias | None
 
 
 class AttentionBackend(Protocol):
@@ -29,7 +44,7 @@ class AttentionBackend(Protocol):
 
     def forward(
         self,
-        layer: Attention,
+        layer: AttentionLayer,
         q: torch.Tensor,
         k: torch.Tensor | None,
         v: torch.Tensor | None,
@@ -135,7 +150,7 @@ def step_memo(memo: dict, key: Hashable, make: Callable[[], _T]) -> _T:
     return value
 
 
-def relative_bias_table(layer: Attention, memo: dict) -> torch.Tensor | None:
+def relative_bias_table(layer: AttentionLayer, memo: dict) -> torch.Tensor | None:
     """[num_heads, 2 * max_distance + 1] float32: the layer's T5 distance table, once per step and stack
     (every layer of a stack holds the same RelativePositionBias); None for a layer without one.
 
@@ -146,7 +161,7 @@ def relative_bias_table(layer: Attention, memo: dict) -> torch.Tensor | None:
     return step_memo(memo, ("bias-table", bias), lambda: bias.distance_table().detach())
 
 
-def refuse_relative_bias(layer: Attention, backend: str) -> None:
+def refuse_relative_bias(layer: AttentionLayer, backend: str) -> None:
     """For kernels that cannot add a per-head score bias: the selector never picks them for such a model
     (attention/selector.py); reaching one anyway is a bug, not a wrong answer."""
     if getattr(layer, "relative_bias", None) is not None:

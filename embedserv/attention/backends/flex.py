@@ -47,7 +47,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from embedserv.attention.backends.base import PagedBackendBase, relative_bias_table, step_memo, write_kv
+from embedserv.attention.backends.base import (
+    AttentionLayer, PagedBackendBase, relative_bias_table, step_memo, write_kv,
+)
 from embedserv.attention.backends.flex_masks import (
     BLOCK_SIZE, document_block_mask, ordered_blocks, suffix_query_keys,
 )
@@ -192,7 +194,7 @@ class FlexBackend(PagedBackendBase):
             documents_k=_documents(common.cu_seqlens_k, key_size), query_keys=query_keys,
         )
 
-    def forward(self, layer, q, k, v, kv_cache, meta: FlexMetadata) -> torch.Tensor:
+    def forward(self, layer: AttentionLayer, q, k, v, kv_cache, meta: FlexMetadata) -> torch.Tensor:
         attend = _compiled_flex() if self.compile else flex_attention
         if kv_cache is not None:
             return _forward_paged(attend, layer, q, k, v, kv_cache, meta)
@@ -205,7 +207,7 @@ class FlexBackend(PagedBackendBase):
         return out[0, :, : q.shape[0]].transpose(0, 1)
 
 
-def _packed_bias_mod(layer, meta: FlexMetadata):
+def _packed_bias_mod(layer: AttentionLayer, meta: FlexMetadata):
     """KV-free self-attention's bias score_mod (queries are their own keys), or None without a bias."""
     table = relative_bias_table(layer, meta.memo)
     if table is None:
@@ -231,7 +233,7 @@ def _batch(x: torch.Tensor, size: int) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, 0, 0, size - x.shape[0])).transpose(0, 1).unsqueeze(0)
 
 
-def _forward_paged(attend, layer, q, k, v, kv_cache, meta: FlexMetadata) -> torch.Tensor:
+def _forward_paged(attend, layer: AttentionLayer, q, k, v, kv_cache, meta: FlexMetadata) -> torch.Tensor:
     """Queries over the whole physical cache as one key sequence, through the paged block mask."""
     common, plan = meta.common, meta.paged
     write_kv(k, v, kv_cache, common)

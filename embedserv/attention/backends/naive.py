@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from embedserv.attention.backends.base import PagedBackendBase, write_kv
+from embedserv.attention.backends.base import AttentionLayer, PagedBackendBase, write_kv
 from embedserv.attention.backends.windows import visible_keys
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
 
@@ -25,7 +25,7 @@ class NaiveBackend(PagedBackendBase):
     def build_metadata(self, common: CommonAttentionMetadata) -> AttentionMetadata:
         return AttentionMetadata(common=common)
 
-    def forward(self, layer, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, layer: AttentionLayer, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         common = meta.common
         if kv_cache is not None:
             write_kv(k, v, kv_cache, common)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from embedserv import cpu_isa
 from embedserv.attention.backends.base import (
-    PagedBackendBase, gather_blocks, relative_bias_table, write_kv,
+    AttentionLayer, PagedBackendBase, gather_blocks, relative_bias_table, write_kv,
 )
 from embedserv.attention.backends.naive import future_mask
 from embedserv.attention.backends.sdpa_bias import chunk_bias, decode_bias, mask_dtype, run_bias
@@ -116,7 +116,7 @@ class SdpaBackend(PagedBackendBase):
             return SdpaMetadata(common=common, runs=runs, suffix=suffix)
         return SdpaMetadata(common=common, runs=plan_runs(common.seq_lens_q_cpu))
 
-    def forward(self, layer, q, k, v, kv_cache, meta: SdpaMetadata) -> torch.Tensor:
+    def forward(self, layer: AttentionLayer, q, k, v, kv_cache, meta: SdpaMetadata) -> torch.Tensor:
         if kv_cache is not None:
             return _forward_paged(layer, q, k, v, kv_cache, meta)
         gqa = q.shape[1] != k.shape[1]
@@ -140,7 +140,7 @@ class SdpaBackend(PagedBackendBase):
         return _concat(parts)
 
     @staticmethod
-    def _attend(layer, q, k, v, run: Run, is_causal: bool, gqa: bool, mask=None) -> torch.Tensor:
+    def _attend(layer: AttentionLayer, q, k, v, run: Run, is_causal: bool, gqa: bool, mask=None) -> torch.Tensor:
         """Rows of one run -> [rows, heads, head_size]; `mask` as _attend_batched takes it."""
         shape = (run.num_seqs, run.length)
         qb = q.view(*shape, *q.shape[1:]).transpose(1, 2)
@@ -173,7 +173,9 @@ def _attend_batched(scale: float, qb, kb, vb, is_causal: bool, gqa: bool, mask=N
     return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
 
 
-def _attend_cross(layer, q, k, v, run: CrossRun, gqa: bool, is_causal: bool = False, mask=None) -> torch.Tensor:
+def _attend_cross(
+    layer: AttentionLayer, q, k, v, run: CrossRun, gqa: bool, is_causal: bool = False, mask=None
+) -> torch.Tensor:
     """One run of KV-free cross-attention (or suffix queries) -> [run's query rows, heads, head_size].
     `mask` replaces the run's key mask (and must hide its padding); is_causal only for a view."""
     qb = q[run.q_rows].view(run.num_seqs, run.len_q, *q.shape[1:]).transpose(1, 2)
@@ -186,7 +188,7 @@ def _attend_cross(layer, q, k, v, run: CrossRun, gqa: bool, is_causal: bool = Fa
     return out.transpose(1, 2).reshape(-1, *q.shape[1:])
 
 
-def _attend_suffix(layer, q, k, v, meta: SdpaMetadata, index: int, gqa: bool) -> torch.Tensor:
+def _attend_suffix(layer: AttentionLayer, q, k, v, meta: SdpaMetadata, index: int, gqa: bool) -> torch.Tensor:
     """Suffix-query run `index`: each sequence's last len_q queries over all of its keys."""
     run = meta.runs[index]
     window = window_within(layer, run.len_k)
@@ -268,7 +270,7 @@ def plan_paged(common: CommonAttentionMetadata) -> _PagedPlan:
     )
 
 
-def _forward_paged(layer, q, k, v, kv_cache, meta: SdpaMetadata) -> torch.Tensor:
+def _forward_paged(layer: AttentionLayer, q, k, v, kv_cache, meta: SdpaMetadata) -> torch.Tensor:
     write_kv(k, v, kv_cache, meta.common)
     plan = meta.paged
     gqa = q.shape[1] != kv_cache.shape[-2]
@@ -303,7 +305,7 @@ def _forward_paged(layer, q, k, v, kv_cache, meta: SdpaMetadata) -> torch.Tensor
     return out
 
 
-def _attend_chunk(layer, q, k, v, kv_cache, chunk: _Chunk, gqa: bool, whole=None) -> torch.Tensor:
+def _attend_chunk(layer: AttentionLayer, q, k, v, kv_cache, chunk: _Chunk, gqa: bool, whole=None) -> torch.Tensor:
     """One prompt chunk: [len_q, heads, d]. A whole prompt with its own keys never touches the cache.
     `whole`: the chunk's whole mask, causal included, in place of its own: [1, heads, len_q, len_k]
     float (mask_dtype, T5's bias) or [1, 1, len_q, len_k] bool (a sliding window)."""

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from embedserv.attention.backends.base import step_memo
+from embedserv.attention.backends.base import AttentionLayer, step_memo
 from embedserv.attention.backends.naive import future_mask
 
 if TYPE_CHECKING:
@@ -22,7 +22,9 @@ def mask_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float32 if q.device.type == "cpu" else q.dtype
 
 
-def run_bias(layer, table: torch.Tensor, meta: SdpaMetadata, length: int, dtype: torch.dtype) -> torch.Tensor:
+def run_bias(
+    layer: AttentionLayer, table: torch.Tensor, meta: SdpaMetadata, length: int, dtype: torch.dtype
+) -> torch.Tensor:
     """[1, heads, length, length]: the bias of a KV-free run (every sequence of it alike), causal included."""
     bias = layer.relative_bias
 
@@ -36,7 +38,9 @@ def run_bias(layer, table: torch.Tensor, meta: SdpaMetadata, length: int, dtype:
     return step_memo(meta.memo, ("run", bias, length, dtype), make)
 
 
-def chunk_bias(layer, table: torch.Tensor, meta: SdpaMetadata, index: int, dtype: torch.dtype) -> torch.Tensor:
+def chunk_bias(
+    layer: AttentionLayer, table: torch.Tensor, meta: SdpaMetadata, index: int, dtype: torch.dtype
+) -> torch.Tensor:
     """[1, heads, len_q, len_k]: the bias of paged chunk `index`, its queries the last len_q positions."""
     bias, chunk = layer.relative_bias, meta.paged.chunks[index]
 
@@ -50,7 +54,7 @@ def chunk_bias(layer, table: torch.Tensor, meta: SdpaMetadata, index: int, dtype
     return step_memo(meta.memo, ("chunk", bias, index, dtype), make)
 
 
-def decode_bias(layer, table: torch.Tensor, meta: SdpaMetadata, dtype: torch.dtype) -> torch.Tensor:
+def decode_bias(layer: AttentionLayer, table: torch.Tensor, meta: SdpaMetadata, dtype: torch.dtype) -> torch.Tensor:
     """[num_decodes, heads, 1, blocks * block_size]: each decode's bias over its keys, -inf past its length."""
     bias, plan = layer.relative_bias, meta.paged
 

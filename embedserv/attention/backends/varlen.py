@@ -29,7 +29,7 @@ import torch
 from torch.nn.attention.varlen import varlen_attn
 
 from embedserv.attention.backends.base import (
-    PagedBackendBase, gather_kv, packed_key_slots, refuse_relative_bias, write_kv,
+    AttentionLayer, PagedBackendBase, gather_kv, packed_key_slots, refuse_relative_bias, write_kv,
 )
 from embedserv.attention.backends.windows import flash_window
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
@@ -64,7 +64,7 @@ class VarlenBackend(PagedBackendBase):
             return VarlenMetadata(common=common, gather_slots=packed_key_slots(common))
         return VarlenMetadata(common=common)
 
-    def forward(self, layer, q, k, v, kv_cache, meta: VarlenMetadata) -> torch.Tensor:
+    def forward(self, layer: AttentionLayer, q, k, v, kv_cache, meta: VarlenMetadata) -> torch.Tensor:
         refuse_relative_bias(layer, self.name)
         common = meta.common
         kwargs = {}

@@ -18,10 +18,10 @@ import torch
 from embedserv.attention.metadata import CommonAttentionMetadata
 
 if TYPE_CHECKING:
-    from embedserv.attention.layer import Attention
+    from embedserv.attention.backends.base import AttentionLayer
 
 
-def window_within(layer: Attention, longest: int) -> int | None:
+def window_within(layer: AttentionLayer, longest: int) -> int | None:
     """The layer's window where it hides a key of a sequence of `longest` positions, else None."""
     window = layer.sliding_window
     return window if window is not None and window < longest else None
@@ -58,7 +58,7 @@ def has_suffix_queries(common: CommonAttentionMetadata) -> bool:
     )
 
 
-def refuse_biased_window(layer: Attention, backend: str) -> None:
+def refuse_biased_window(layer: AttentionLayer, backend: str) -> None:
     """No model has both T5's bias and a window, and the selector refuses the pair (selector.py);
     reaching a backend with both is a bug, not a wrong answer."""
     if layer.sliding_window is not None and getattr(layer, "relative_bias", None) is not None:
@@ -68,7 +68,7 @@ def refuse_biased_window(layer: Attention, backend: str) -> None:
         )
 
 
-def refuse_biased_suffix(layer: Attention, backend: str) -> None:
+def refuse_biased_suffix(layer: AttentionLayer, backend: str) -> None:
     """The prefill skip serves decoder models that share KV; T5 shares none, so no step has T5's bias
     over suffix queries and the backends do not place it there."""
     if getattr(layer, "relative_bias", None) is not None:

@@ -42,19 +42,6 @@ SHARED = {
     "embedserv", "types", "scheduler", "config", "errors", "logs", "metrics", "forward_context", "cpu_isa", "padding",
 }
 REPO = Path(__file__).resolve().parents[2]
-# Imports that close a module cycle in code other branches own and are reworking; each entry is one edge
-# (importer, imported), left out of the graph so that any other cycle, or a longer one through these
-# modules, still fails. Drop an entry once its cycle is gone.
-KNOWN_CYCLE_EDGES = {
-    # models/lm_head.py <-> models/score_head.py (a local import in score_head), being split apart.
-    ("embedserv.models.score_head", "embedserv.models.lm_head"),
-    # sdpa.py's metadata type, read by its helper modules under TYPE_CHECKING.
-    ("embedserv.attention.backends.sdpa_bias", "embedserv.attention.backends.sdpa"),
-    ("embedserv.attention.backends.sdpa_window", "embedserv.attention.backends.sdpa"),
-    # forward_context.py names the attention layer and backend under TYPE_CHECKING (forward context rework).
-    ("embedserv.forward_context", "embedserv.attention.layer"),
-    ("embedserv.forward_context", "embedserv.attention.backends.base"),
-}
 
 
 def _raise(name: str) -> None:
@@ -226,10 +213,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_module_import_cycles() -> None:
-    graph = {
-        module: {target for target in internal_imports(module) if (module, target) not in KNOWN_CYCLE_EDGES}
-        for module in modules()
-    }
+    graph = {module: internal_imports(module) for module in modules()}
     report = [" -> ".join(cycle) for cycle in _cycles(graph)]
     assert not report, "import cycles between modules (TYPE_CHECKING and local imports count):\n" + "\n".join(report)
 
@@ -239,7 +223,6 @@ def test_the_cycle_finder_finds_a_cycle_behind_a_local_import() -> None:
     assert _cycles(graph) == [["a", "b", "c", "a"]]
 
 
-@pytest.mark.xfail(strict=True, reason="forward context rework in progress (another branch)")
 def test_model_code_does_not_import_the_forward_context() -> None:
     """Models know nothing of attention metadata or KV caches (DESIGN.md, "Forward context"): only
     attention/layer.py reads the context."""

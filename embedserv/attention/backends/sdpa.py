@@ -28,7 +28,6 @@ window, or whose window no sequence outgrows, runs as above with no mask.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -40,7 +39,9 @@ from embedserv.attention.backends.base import (
 )
 from embedserv.attention.backends.naive import future_mask
 from embedserv.attention.backends.sdpa_bias import chunk_bias, decode_bias, mask_dtype, run_bias
-from embedserv.attention.backends.sdpa_runs import CrossRun, Run, plan_cross_runs, plan_runs
+from embedserv.attention.backends.sdpa_runs import (
+    Chunk, CrossRun, PagedPlan, Run, SdpaMetadata, plan_cross_runs, plan_runs,
+)
 from embedserv.attention.backends.sdpa_window import (
     chunk_window_mask, decode_window_mask, run_window_mask, suffix_mask,
 )
@@ -58,50 +59,6 @@ _SCORES_BYTES = 2_500_000
 # primitive per matmul shape, and every length and chunk size churned its caches and grew the heap without
 # bound (embedserv/padding.py says how). Padded, a 256-token model has about 160 shapes.
 _MATMUL_LENGTH_STEP = 8
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    """A sequence with more than one query (a prompt or a prompt chunk): one SDPA call of its own."""
-
-    rows: slice
-    len_q: int
-    len_k: int
-    # [ceil(len_k / block_size)] int32: its blocks, for reading its keys from the cache.
-    table: torch.Tensor
-    # [len_q, len_k] bool, True where a query sees a key; None when it sees every key up to its own
-    # position with no context (plain causal), or every key (cross).
-    mask: torch.Tensor | None
-    causal: bool = True
-    # A whole prompt of self-attention: its keys are this step's rows of k (when given), the cache
-    # need not be read.
-    own_keys: bool = False
-
-
-@dataclass(frozen=True)
-class _PagedPlan:
-    """How a step over the paged cache splits into SDPA calls; built once per step, used by every layer."""
-
-    # [num_decodes] int64: the query row of each one-token sequence; None when there is none.
-    decode_rows: torch.Tensor | None
-    # [num_decodes, blocks of the longest decode] int32: their block tables (padding entries are masked).
-    decode_tables: torch.Tensor | None
-    # [num_decodes, 1, 1, blocks * block_size] bool: True for each decode's real keys.
-    decode_mask: torch.Tensor | None
-    chunks: tuple[_Chunk, ...]
-    # [num_decodes] int64: each decode's query position (its key count - 1), for the relative bias.
-    decode_positions: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class SdpaMetadata(AttentionMetadata):
-    runs: tuple[Run, ...] | tuple[CrossRun, ...]
-    paged: _PagedPlan | None = None
-    # KV-free suffix queries (the prefill skip): `runs` are CrossRuns over self-attention keys.
-    suffix: bool = False
-    # What a step's layers share and only the first that needs it makes (bias and window masks):
-    # base.step_memo.
-    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 class SdpaBackend(PagedBackendBase):
@@ -239,7 +196,7 @@ def _attend_with_matmuls(q, k, v, scale: float, is_causal: bool, mask=None) -> t
     return torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)[:, :, :len_q]
 
 
-def plan_paged(common: CommonAttentionMetadata) -> _PagedPlan:
+def plan_paged(common: CommonAttentionMetadata) -> PagedPlan:
     """Host-side planning from the host lengths; device tensors are sliced or copied here, once per step."""
     lens_q, lens_k, size = common.seq_lens_q_cpu, common.seq_lens_k_cpu, common.block_size
     starts_q = np.concatenate(([0], np.cumsum(lens_q)[:-1]))
@@ -259,13 +216,13 @@ def plan_paged(common: CommonAttentionMetadata) -> _PagedPlan:
         # Cross: every key of the cross table, no mask. Causal: a whole prompt (no context) sees its own
         # keys under the plain causal mask; a chunk with context its keys up to each query's position.
         causal = not common.cross
-        chunks.append(_Chunk(
+        chunks.append(Chunk(
             rows=slice(int(starts_q[i]), int(starts_q[i]) + len_q), len_q=len_q, len_k=len_k,
             table=common.block_tables[int(i), : -(-len_k // size)],
             mask=None if not causal or len_q == len_k else ~future_mask(len_q, len_k, device),
             causal=causal, own_keys=causal and len_q == len_k,
         ))
-    return _PagedPlan(
+    return PagedPlan(
         decode_rows=rows, decode_tables=tables, decode_mask=mask, chunks=tuple(chunks), decode_positions=positions,
     )
 
@@ -305,7 +262,7 @@ def _forward_paged(layer: AttentionLayer, q, k, v, kv_cache, meta: SdpaMetadata)
     return out
 
 
-def _attend_chunk(layer: AttentionLayer, q, k, v, kv_cache, chunk: _Chunk, gqa: bool, whole=None) -> torch.Tensor:
+def _attend_chunk(layer: AttentionLayer, q, k, v, kv_cache, chunk: Chunk, gqa: bool, whole=None) -> torch.Tensor:
     """One prompt chunk: [len_q, heads, d]. A whole prompt with its own keys never touches the cache.
     `whole`: the chunk's whole mask, causal included, in place of its own: [1, heads, len_q, len_k]
     float (mask_dtype, T5's bias) or [1, 1, len_q, len_k] bool (a sliding window)."""

@@ -4,15 +4,11 @@ metadata (keyed by the stack's bias module) for the others. -inf where causal at
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from embedserv.attention.backends.base import AttentionLayer, step_memo
+from embedserv.attention.backends.sdpa_runs import SdpaMetadata
 from embedserv.attention.backends.naive import future_mask
-
-if TYPE_CHECKING:
-    from embedserv.attention.backends.sdpa import SdpaMetadata
 
 
 def mask_dtype(q: torch.Tensor) -> torch.dtype:

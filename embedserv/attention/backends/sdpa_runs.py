@@ -1,13 +1,16 @@
-"""How the sdpa backend splits a KV-free packed batch into calls of one shape each, planned on the host
-once per step: runs of sequences of one length (self-attention), or of one query length (cross-attention
-and suffix queries, whose keys are packed apart)."""
+"""How the sdpa backend splits a step into calls of one shape each, planned on the host once per step: on
+KV-free steps runs of sequences of one length (self-attention), or of one query length (cross-attention
+and suffix queries, whose keys are packed apart); over the paged cache, one padded call for the decodes
+and one per prompt chunk. SdpaMetadata carries the plan to every layer."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from embedserv.attention.metadata import AttentionMetadata
 
 
 @dataclass(frozen=True)
@@ -91,3 +94,47 @@ def plan_cross_runs(lens_q: np.ndarray, lens_k: np.ndarray, device: torch.device
             k_start=int(starts_k[first]), len_k=longest, key_rows=rows, key_mask=mask,
         ))
     return tuple(runs)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A sequence with more than one query (a prompt or a prompt chunk): one SDPA call of its own."""
+
+    rows: slice
+    len_q: int
+    len_k: int
+    # [ceil(len_k / block_size)] int32: its blocks, for reading its keys from the cache.
+    table: torch.Tensor
+    # [len_q, len_k] bool, True where a query sees a key; None when it sees every key up to its own
+    # position with no context (plain causal), or every key (cross).
+    mask: torch.Tensor | None
+    causal: bool = True
+    # A whole prompt of self-attention: its keys are this step's rows of k (when given), the cache
+    # need not be read.
+    own_keys: bool = False
+
+
+@dataclass(frozen=True)
+class PagedPlan:
+    """How a step over the paged cache splits into SDPA calls; built once per step, used by every layer."""
+
+    # [num_decodes] int64: the query row of each one-token sequence; None when there is none.
+    decode_rows: torch.Tensor | None
+    # [num_decodes, blocks of the longest decode] int32: their block tables (padding entries are masked).
+    decode_tables: torch.Tensor | None
+    # [num_decodes, 1, 1, blocks * block_size] bool: True for each decode's real keys.
+    decode_mask: torch.Tensor | None
+    chunks: tuple[Chunk, ...]
+    # [num_decodes] int64: each decode's query position (its key count - 1), for the relative bias.
+    decode_positions: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class SdpaMetadata(AttentionMetadata):
+    runs: tuple[Run, ...] | tuple[CrossRun, ...]
+    paged: PagedPlan | None = None
+    # KV-free suffix queries (the prefill skip): `runs` are CrossRuns over self-attention keys.
+    suffix: bool = False
+    # What a step's layers share and only the first that needs it makes (bias and window masks):
+    # base.step_memo.
+    memo: dict = field(default_factory=dict, compare=False, repr=False)

@@ -7,15 +7,11 @@ without a window (or whose window no sequence outgrows) takes none of them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from embedserv.attention.backends.base import step_memo
+from embedserv.attention.backends.sdpa_runs import SdpaMetadata
 from embedserv.attention.backends.windows import in_window, visible_keys
-
-if TYPE_CHECKING:
-    from embedserv.attention.backends.sdpa import SdpaMetadata
 
 
 def run_window_mask(meta: SdpaMetadata, window: int, length: int) -> torch.Tensor:

@@ -24,9 +24,11 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 	touch $@
 
 # The client package (clients/python) is tested against live servers, so tests install it too.
+# '.[test]' installs all that `make serve` needs too: mark that done, so that test_make_serve after
+# `make test` serves at once instead of installing the project again.
 $(VENV)/.installed-test: pyproject.toml clients/python/pyproject.toml $(VENV)/.torch
 	$(BIN)/pip install -e '.[test]' -e clients/python
-	touch $@
+	touch $@ $(VENV)/.installed
 
 serve: $(VENV)/.installed
 	$(BIN)/embedserv serve --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT)

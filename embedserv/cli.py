@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allow-pickle", action="store_true", default=None,
                        help="load pytorch_model.bin (pickle) checkpoints when a model has no safetensors; "
                             f"pickles can run code, so only for checkpoints you trust {_model('allow_pickle')}")
+    serve.add_argument("--warm-up", action=argparse.BooleanOptionalAction,
+                       help="run every step shape once in each worker before serving; --no-warm-up starts "
+                            f"sooner, and the first calls of each shape are slower (for tests) {_model('warm_up')}")
     serve.add_argument("--tokenizer-threads", type=int,
                        help=f"tokenizer threads per model {_server('tokenizer_threads')}")
     serve.add_argument("--drain-timeout", type=float, metavar="SECONDS",

@@ -107,6 +107,9 @@ class ModelConfig:
     worker_timeout: float = 120.0
     # Load pickle checkpoints (pytorch_model.bin) when there is no safetensors file; off: pickles can run code.
     allow_pickle: bool = False
+    # Each worker runs every step shape once before it serves, so that no request pays for a shape's first
+    # run; tests turn it off (--no-warm-up): their servers start sooner and serve a handful of calls.
+    warm_up: bool = True
 
     def __post_init__(self) -> None:
         if not self.served_name:

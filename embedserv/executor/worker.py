@@ -86,7 +86,8 @@ def _load(args: WorkerArgs):
     torch.set_num_threads(args.placement.threads)
     spec = read_model_spec(args.config)
     runner = build_runner(args.config, spec)
-    runner.warm_up(spec.info.max_input_tokens, args.config.batch_token_budget)
+    if args.config.warm_up:
+        runner.warm_up(spec.info.max_input_tokens, args.config.batch_token_budget)
     allocator.release_free_memory()
     return runner
 

@@ -55,8 +55,11 @@ def server_options(config: ServerConfig) -> list[tuple[str, int]]:
 
 
 class EmbedServer:
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, worker_processes: bool = True) -> None:
+        """`worker_processes` False runs each model in this process (Engine.load, one replica): the tests'
+        in-process servers, which then pay no worker process start."""
         self.config = config
+        self.worker_processes = worker_processes
         self.models = ServedModels([m.served_name for m in config.models])
         self.limiter = InflightLimiter(config.max_concurrent_requests)
         self.health = health.aio.HealthServicer()
@@ -146,9 +149,7 @@ class EmbedServer:
         logger.info("serving %s", ", ".join(self.models.names))
 
     async def _start_model(self, model_config) -> None:
-        engine = await asyncio.get_running_loop().run_in_executor(
-            None, Engine.with_worker_processes, model_config, self.config.tokenizer_threads
-        )
+        engine = await asyncio.get_running_loop().run_in_executor(None, self._load_engine, model_config)
         # Until it serves, stop() finds it here (a signal or another model's failure during start-up).
         self._loading.append(engine)
         await engine.start()
@@ -156,6 +157,11 @@ class EmbedServer:
         self.models.add(engine)
         engine.add_serving_listener(self._on_serving_change)
         await self._update_health()
+
+    def _load_engine(self, model_config) -> Engine:
+        if self.worker_processes:
+            return Engine.with_worker_processes(model_config, self.config.tokenizer_threads)
+        return Engine.load(model_config, self.config.tokenizer_threads, warm_up=model_config.warm_up)
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """NOT_SERVING, refuse new calls, give those in flight `grace` seconds, then stop the engines.

@@ -24,11 +24,12 @@ def stub(target):
 
 @pytest.fixture(scope="session")
 def compat_server(tmp_path_factory):
-    """One server with gRPC and HTTP for every API-compatibility test (tests/helpers/compat_server.py)."""
+    """One in-process server with gRPC and HTTP for every API-compatibility test (tests/helpers/compat_server.py)."""
     from tests.helpers.compat_server import CompatServer, build_models, server_args
-    from tests.helpers.server import free_port, running_server
+    from tests.helpers.inprocess import in_process_server
+    from tests.helpers.server import free_port
 
     models = build_models(tmp_path_factory.mktemp("compat-models"))
     http_port = free_port()
-    with running_server(server_args(models, http_port)) as (target, proc):
-        yield CompatServer(target, f"http://127.0.0.1:{http_port}", http_port, models, proc.log_path)
+    with in_process_server(server_args(models, http_port)) as (target, handle):
+        yield CompatServer(target, f"http://127.0.0.1:{http_port}", http_port, models, handle.log_path)

@@ -3,26 +3,22 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers.server import REPO_ROOT, free_port, server_env
+from tests.helpers.inprocess import serve_main
+from tests.helpers.server import free_port
 
 
-def test_pickle_only_model_exits_2_naming_allow_pickle(tiny_encoder, tmp_path):
+def test_pickle_only_model_exits_2_naming_allow_pickle(tiny_encoder, tmp_path, monkeypatch, caplog):
+    """Through cli.main in this process: the refusal comes before any worker starts."""
     source = tiny_encoder("bert", "mean")
     model_dir = tmp_path / "pickled"
     shutil.copytree(source, model_dir)
     torch.save(load_file(str(model_dir / "model.safetensors")), model_dir / "pytorch_model.bin")
     (model_dir / "model.safetensors").unlink()
-    cmd = [
-        sys.executable, "-m", "embedserv", "serve", "--host", "127.0.0.1", "--port", str(free_port()),
-        "--model", str(model_dir), "--device", "cpu",
-    ]  # fmt: skip
-    result = subprocess.run(cmd, cwd=REPO_ROOT, env=server_env(), capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert "--allow-pickle" in result.stderr and "pytorch_model.bin" in result.stderr, result.stderr[-2000:]
-    assert "Traceback" not in result.stderr
+    code, log = serve_main(["--port", str(free_port()), "--model", str(model_dir), "--device", "cpu"], monkeypatch, caplog)
+    assert code == 2, log[-2000:]
+    assert "--allow-pickle" in log and "pytorch_model.bin" in log, log[-2000:]
+    assert "Traceback" not in log

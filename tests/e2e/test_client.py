@@ -21,9 +21,10 @@ import pytest
 from embedserv_client import AsyncClient, Client, EmbedservError
 from tests.helpers.client import response_matrix
 from tests.helpers.client_drivers import driver
+from tests.helpers.inprocess import in_process_server
 from tests.helpers.metrics import scrape
 from tests.helpers.scorers import every_task_models
-from tests.helpers.server import free_port, running_server
+from tests.helpers.server import free_port
 
 EMBEDDER, CROSS, CLASSIFIER, GEN = "minilm", "cross", "classifier", "gen"
 SERVER_BATCH = 4
@@ -42,7 +43,7 @@ def server(tmp_path_factory, bundled_dir):
             "--kv-cache-memory", "64MiB", "--metrics-port", str(metrics_port)]  # fmt: skip
     for name, path in models.items():
         args += ["--model", str(path), "--served-model-name", name]
-    with running_server(args) as (target, _proc):
+    with in_process_server(args) as (target, _proc):
         yield target, metrics_port
 
 

@@ -7,14 +7,14 @@ those of the calls that succeeded, and that the others were dropped from the que
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 
 from tests.helpers.client import embed_request, inference_stub, outcome, response_matrix
+from tests.helpers.inprocess import in_process_server
 from tests.helpers.metrics import scrape
-from tests.helpers.server import free_port, running_server
+from tests.helpers.processes import wait_for
+from tests.helpers.server import free_port
 
 SERVED = "minilm"
 # Three calls of 64 texts near the model's 256-token limit: several seconds of work on 2 CPU cores.
@@ -29,15 +29,27 @@ CANCELLED_INPUTS = 3
 def server(bundled_dir):
     metrics_port = free_port()
     args = ["--model", str(bundled_dir), "--served-model-name", SERVED, "--metrics-port", str(metrics_port)]
-    with running_server(args) as (target, proc):
+    with in_process_server(args) as (target, proc):
         with grpc.insecure_channel(target) as channel:
             yield inference_stub(channel), metrics_port, proc
 
 
-# Timing-sensitive (expiry against batch time): it flakes when the two test workers (make test runs pytest
-# -n 2) share the CPU.
-@pytest.mark.slow
+def _queued_behind_the_blockers(metrics_port: int) -> bool:
+    """More sequences wait than two blocking calls hold: all three are queued, most of their work ahead."""
+    return scrape(metrics_port).value("embedserv_queue_depth", model=SERVED) > (BLOCKING_CALLS - 1) * BLOCKING_TEXTS
+
+
+def _admitted_beyond(metrics_port: int, blockers: list) -> bool:
+    """More inputs are in flight than the unanswered blockers hold: the call sent after them is admitted.
+    (The server releases a call's inputs before its client sees the answer, so the blockers' share can only
+    be overcounted here, never under.)"""
+    held = BLOCKING_TEXTS * sum(not f.done() for f in blockers)
+    return scrape(metrics_port).value("embedserv_inputs_in_flight") > held
+
+
 def test_expired_and_cancelled_calls_are_never_computed(server):
+    """Load-tolerant: each step waits for the server's queue or admission to show what the next one needs,
+    and the strict FIFO queue keeps the short calls behind the blockers however slow the machine is."""
     stub, metrics_port, proc = server
     before = scrape(metrics_port)
     long_text = "a long text that keeps the model busy " * 30
@@ -45,12 +57,12 @@ def test_expired_and_cancelled_calls_are_never_computed(server):
         stub.Embed.future(embed_request([f"{i} {long_text}"] * BLOCKING_TEXTS, truncate=True), timeout=120)
         for i in range(BLOCKING_CALLS)
     ]
-    time.sleep(0.3)
+    wait_for(lambda: _queued_behind_the_blockers(metrics_port), 60, interval=0.02, what="the blockers queued")
+    cancelled = stub.Embed.future(embed_request(["cancelled call"] * CANCELLED_INPUTS), timeout=120)
+    wait_for(lambda: _admitted_beyond(metrics_port, blockers), 60, interval=0.02, what="the call to cancel admitted")
     expiring = [
         stub.Embed.future(embed_request([f"expiring call {i}"]), timeout=EXPIRY_S) for i in range(EXPIRING_CALLS)
     ]
-    cancelled = stub.Embed.future(embed_request(["cancelled call"] * CANCELLED_INPUTS), timeout=120)
-    time.sleep(0.2)
     assert cancelled.cancel()
 
     assert [outcome(f) for f in expiring] == [grpc.StatusCode.DEADLINE_EXCEEDED] * EXPIRING_CALLS

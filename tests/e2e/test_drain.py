@@ -119,7 +119,8 @@ def test_what_outlives_the_drain_is_cancelled_and_the_exit_is_0(bundled_dir, dra
 
 def test_sigterm_while_loading_stops_at_once_and_exits_0(bundled_dir):
     """A pod stopped while its model still loads must not finish the load first (it could take minutes)."""
-    with launched_server(_args(bundled_dir, 60)) as (target, proc):
+    # With the warm-up, as a production server loads: long enough to tell stopping at once from loading first.
+    with launched_server([*_args(bundled_dir, 60), "--warm-up"]) as (target, proc):
         # Listening, a worker process started, the model not yet warm.
         wait_for(lambda: worker_pids(proc.pid) and health_status(target, timeout=1.0) == "NOT_SERVING",
                  timeout=60, interval=0.05, what="a worker loading behind a NOT_SERVING server")

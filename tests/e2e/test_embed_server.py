@@ -17,8 +17,9 @@ import pytest
 from benchmarks.corpus import stdlib_texts
 from tests.helpers.client import RPC_TIMEOUT_S, embed_all, embed_request, inference_stub, response_matrix
 from tests.helpers.compare import assert_cosine_at_least, assert_unit_norm, cosines, normalized
+from tests.helpers.inprocess import in_process_server
 from tests.helpers.models import reference_token_counts
-from tests.helpers.server import health_status, running_server
+from tests.helpers.server import health_status
 
 SERVED = "minilm"
 DIMENSION = 384
@@ -34,7 +35,7 @@ def server(bundled_dir):
         "--model", str(bundled_dir), "--served-model-name", SERVED,
         "--max-client-batch-size", str(CLIENT_BATCH), "--dtype", "float32", "--device", "cpu",
     ]  # fmt: skip
-    with running_server(args) as (target, proc):
+    with in_process_server(args) as (target, proc):
         yield target, proc
 
 

@@ -12,7 +12,6 @@ EMBEDSERV_FUZZ_EXAMPLES sets the examples per RPC (default 30) for a deeper fuzz
 from __future__ import annotations
 
 import os
-import subprocess
 import threading
 import time
 from collections import Counter
@@ -45,8 +44,9 @@ from tests.helpers.fuzz_requests import (
     rerank_requests,
     tokenize_requests,
 )
+from tests.helpers.inprocess import InProcessServer, in_process_server
 from tests.helpers.scorers import every_task_models
-from tests.helpers.server import health_status, log_tail, running_server
+from tests.helpers.server import health_status, log_tail
 
 CALL_TIMEOUT_S = 30.0
 EXAMPLES = int(os.environ.get("EMBEDSERV_FUZZ_EXAMPLES", "30"))
@@ -70,7 +70,7 @@ FUZZ_SETTINGS = settings(
 @dataclass
 class Served:
     target: str
-    proc: subprocess.Popen
+    proc: InProcessServer
     stub: object
     outcomes: Counter = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -115,7 +115,7 @@ def served(tmp_path_factory, bundled_dir):
             "--max-batch-tokens", "1024", "--kv-cache-memory", "64MiB"]
     for name, path in model_dirs.items():
         args += ["--model", str(path), "--served-model-name", name]
-    with running_server(args) as (target, proc):
+    with in_process_server(args) as (target, proc):
         with grpc.insecure_channel(target) as channel:
             yield Served(target, proc, inference_stub(channel))
 

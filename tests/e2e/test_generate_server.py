@@ -18,8 +18,8 @@ import torch
 
 from tests.helpers.client import RPC_TIMEOUT_S, inference_stub
 from tests.helpers.models import build_tiny_generator
+from tests.helpers.inprocess import in_process_server
 from tests.helpers.processes import cmdline, wait_for, worker_pids
-from tests.helpers.server import running_server
 
 GEN, EMBEDDER = "tiny-llama", "minilm"
 PROMPT = "The quick brown fox jumps over the lazy dog"
@@ -62,10 +62,10 @@ def generator_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(generator_dir, bundled_dir):
-    """(stub, server process)."""
+    """(stub, server handle). In this process, but with worker processes: the last test kills one."""
     args = ["--dtype", "float32", "--model", str(generator_dir[0]), "--served-model-name", GEN,
             "--model", str(bundled_dir), "--served-model-name", EMBEDDER]
-    with running_server(args) as (target, proc):
+    with in_process_server(args, worker_processes=True) as (target, proc):
         with grpc.insecure_channel(target) as channel:
             yield inference_stub(channel), proc
 

@@ -10,13 +10,13 @@ from sentence_transformers import util
 
 from benchmarks.corpus import stdlib_texts
 from tests.helpers.client import RPC_TIMEOUT_S, inference_stub
+from tests.helpers.inprocess import in_process_server
 from tests.helpers.scorers import (
     build_cross_encoder,
     build_decoder_reranker,
     classifier_reference,
     qwen3_reranker_reference,
 )
-from tests.helpers.server import running_server
 
 EMBEDDER, CROSS, CLASSIFIER, YES_NO = "minilm", "tiny-ce", "tiny-cls", "tiny-yes-no"
 QUERY = "Check whether a file is a ZIP file"
@@ -41,7 +41,7 @@ def stub(model_dirs):
     args = ["--dtype", "float32", "--device", "cpu", "--max-client-batch-size", "32", "--decoder-reranker"]
     for name, path in model_dirs.items():
         args += ["--model", str(path), "--served-model-name", name]
-    with running_server(args) as (target, _):
+    with in_process_server(args) as (target, _):
         with grpc.insecure_channel(target) as channel:
             yield inference_stub(channel)
 

@@ -10,8 +10,9 @@ import pytest
 from benchmarks.corpus import stdlib_texts
 from tests.helpers.client import RPC_TIMEOUT_S, embed_request, inference_stub, response_matrix
 from tests.helpers.compare import assert_cosine_at_least, assert_unit_norm
+from tests.helpers.inprocess import in_process_server
 from tests.helpers.models import reference_token_counts
-from tests.helpers.server import health_status, running_server
+from tests.helpers.server import health_status
 
 FIRST, SECOND = "minilm", "tiny-qwen3-last"
 
@@ -29,7 +30,7 @@ def server(bundled_dir, tiny_dir):
         "--model", str(tiny_dir), "--served-model-name", SECOND,
         "--dtype", "float32", "--device", "cpu",
     ]  # fmt: skip
-    with running_server(args) as (target, proc):
+    with in_process_server(args) as (target, proc):
         yield target, proc
 
 

@@ -15,10 +15,10 @@ import pytest
 
 from tests.helpers.client import RPC_TIMEOUT_S
 from tests.helpers.client_drivers import driver
+from tests.helpers.inprocess import in_process_server
 from tests.helpers.models import build_tiny_generator
 from tests.helpers.nli_models import build_nli_classifier, zero_shot_reference
 from tests.helpers.seq2seq_models import build_tiny_t5
-from tests.helpers.server import running_server
 
 NLI, SENTIMENT, GEN, T5 = "nli", "sentiment", "gen", "t5"
 SERVER_BATCH = 8
@@ -47,7 +47,7 @@ def target(model_dirs):
             "--kv-cache-memory", "64MiB"]  # fmt: skip
     for name, path in model_dirs.items():
         args += ["--model", str(path), "--served-model-name", name]
-    with running_server(args) as (target, _):
+    with in_process_server(args) as (target, _):
         yield target
 
 

@@ -127,7 +127,8 @@ def launched_server(
     port: int | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """Start `python -m embedserv serve --host HOST --port P *args` without waiting for it; yield
-    ("HOST:P", process) with `process.log_path`, and always stop it.
+    ("HOST:P", process) with `process.log_path`, and always stop it. Without --warm-up in `args` it
+    serves with --no-warm-up.
 
     `env` overrides the server's environment (None removes a variable); `cwd` is the checkout whose
     embedserv runs (`-m` imports from the working directory first). `host` is a loopback address
@@ -136,7 +137,9 @@ def launched_server(
     # HTTP is on by default (port 8000); tests that want it pass --http-port, the others turn it off so
     # that servers never contend for one port.
     http = [] if "--http-port" in args else ["--http-port", "0"]
-    cmd = [sys.executable, "-m", "embedserv", "serve", "--host", host, "--port", str(port), *http, *args]
+    # Test servers serve a few calls: the warm-up would cost more than it saves, unless a test asks for it.
+    warm = [] if "--warm-up" in args else ["--no-warm-up"]
+    cmd = [sys.executable, "-m", "embedserv", "serve", "--host", host, "--port", str(port), *http, *warm, *args]
     log_path = Path(tempfile.mkdtemp(prefix="embedserv-test-")) / "server.log"
     proc_env = server_env()
     for name, value in (env or {}).items():

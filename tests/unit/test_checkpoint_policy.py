@@ -53,7 +53,8 @@ def expected(safetensors_dir) -> np.ndarray:
 
 
 def _embed(model_dir: Path, allow_pickle: bool = False, worker_processes: bool = False) -> np.ndarray:
-    config = ModelConfig(path=str(model_dir), served_name="m", allow_pickle=allow_pickle)
+    # warm_up=False in the config too: worker processes read it there.
+    config = ModelConfig(path=str(model_dir), served_name="m", allow_pickle=allow_pickle, warm_up=False)
     with SyncEngine(config, warm_up=False, worker_processes=worker_processes) as engine:
         return engine.embed(TEXTS).embeddings
 

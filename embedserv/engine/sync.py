@@ -27,7 +27,7 @@ class SyncEngine:
         self, config: ModelConfig, tokenizer_threads: int = 1, warm_up: bool = True, worker_processes: bool = False
     ) -> None:
         """The model runs in this process, or with `worker_processes` in config.data_parallel_size worker
-        processes, as the server runs it (worker processes always warm up)."""
+        processes, as the server runs it (worker processes warm up unless config.warm_up is off)."""
         if worker_processes:
             self.engine = Engine.with_worker_processes(config, tokenizer_threads=tokenizer_threads)
         else:

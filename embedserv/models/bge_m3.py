@@ -5,7 +5,7 @@ state dicts, `.pt` as FlagEmbedding saves them with torch.save, or converted to 
 - lexical weights: per token relu(sparse_linear(hidden)); per (sequence, token id) the largest weight of
   that id's tokens, special tokens (cls, eos/sep, pad, unk) left out, only weights above 0;
 - colbert vectors: normalize(colbert_linear(hidden)) for every token but the first (the engine drops the
-  first: engine/embedding.py SkipFirstToken).
+  first: engine/tasks/embedding.py SkipFirstToken).
 The dense output is the ordinary pooler (CLS, Normalize) of the sentence-transformers files.
 """
 

@@ -12,7 +12,7 @@ MultiVectorMask then picks the tokens that are returned and scored. What it read
 
 Whatever would make the library's vectors differ from ours stops start-up with a ConfigError that says
 what and why, rather than serving other vectors. The tokenizer-dependent checks (the expansion token, the
-skiplist) are made by the engine's MultiVectorRules (engine/multi_vector.py), also at start-up.
+skiplist) are made by the engine's MultiVectorRules (engine/tasks/multi_vector.py), also at start-up.
 """
 
 from __future__ import annotations

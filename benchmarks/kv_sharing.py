@@ -123,8 +123,8 @@ def bench(kind: str, model: Path, skip: bool, prompt_tokens: int, repeats: int, 
 
 
 def blocks_per_gib(model: Path, shared: bool, dtype: torch.dtype, block_size: int = 16) -> int:
-    from embedserv.models.gemma4 import Gemma4Model
-    from embedserv.models.loader import read_hf_config
+    from embedserv.models.families.gemma4 import Gemma4Model
+    from embedserv.models.loading.hf_config import read_hf_config
     from embedserv.worker.kv_cache import kv_cache_groups
 
     config = read_hf_config(model)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from embedserv.engine.tokenizer import TextTokenizer
 from embedserv.errors import InvalidInput
-from embedserv.models.tasks import TaskSpec
+from embedserv.models.loading.tasks import TaskSpec
 from embedserv.types import EmbedOutput, EmbedParams, ModelInfo, RerankMode, RerankParams, Task, TruncationDirection
 
 

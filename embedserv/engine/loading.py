@@ -1,4 +1,4 @@
-"""The engine's side of a served model: its ModelSpec (models/spec.py) plus the tokenizer and EOS ids.
+"""The engine's side of a served model: its ModelSpec (models/loading/spec.py) plus the tokenizer and EOS ids.
 
 Workers build their replicas from the ModelSpec alone (worker/replica.py); only the engine tokenizes.
 """
@@ -13,8 +13,8 @@ from pathlib import Path
 from embedserv import cpu_isa
 from embedserv.config import ModelConfig
 from embedserv.engine.tokenizer import TextTokenizer
-from embedserv.models.spec import ModelSpec, read_model_spec
-from embedserv.models.tasks import TaskSpec
+from embedserv.models.loading.spec import ModelSpec, read_model_spec
+from embedserv.models.loading.tasks import TaskSpec
 from embedserv.types import ModelInfo, Task
 
 logger = logging.getLogger(__name__)

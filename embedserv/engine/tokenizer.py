@@ -15,7 +15,7 @@ from pathlib import Path
 import tokenizers
 from transformers import AutoTokenizer
 
-from embedserv.models.tasks import Seq2SeqYesNoTemplate, YesNoTemplate
+from embedserv.models.loading.tasks import Seq2SeqYesNoTemplate, YesNoTemplate
 from embedserv.types import TokenizedText, TruncationDirection
 from embedserv.errors import InvalidInput
 

@@ -100,6 +100,10 @@ class Linear(nn.Module):
     post-ops (one pass over the output instead of three). Elsewhere it is F.linear plus plain ops.
     """
 
+    # A packed Linear (q/k/v in one qkv, gate/up in one gate_up) stacks its checkpoint's shards, of these
+    # output sizes in order; the weight loader (loading/weights.py) fills each shard's rows.
+    shard_sizes: tuple[int, ...] = ()
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, activation: str | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -187,6 +191,13 @@ def warm_linear_row_counts(model: nn.Module, run: Callable[[], None], row_counts
                 module(x[:rows], residual=None if residual is None else residual[:rows])
                 made += 1
     return made
+
+
+def packed_linear(in_features: int, shard_sizes: tuple[int, ...], bias: bool = True, activation: str | None = None) -> Linear:
+    """A Linear whose output stacks checkpoint shards of `shard_sizes` (q/k/v, gate/up): one matmul for all."""
+    linear = Linear(in_features, sum(shard_sizes), bias=bias, activation=activation)
+    linear.shard_sizes = tuple(shard_sizes)
+    return linear
 
 
 def pack_linears(model: nn.Module) -> None:

@@ -1,67 +1,51 @@
-"""Which native class runs which Hugging Face model type, and what attention it uses by default."""
+"""Which family runs which Hugging Face model type, and which heads make a model's sparse and token vectors.
+
+Adding a model family is one file in models/families/ (exporting its FAMILY record) and one line in
+FAMILIES; adding a head kind is one file in models/heads/ and one entry in HEAD_KINDS.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
 
 from embedserv.errors import ConfigError
-from embedserv.models.bart import BartModel
-from embedserv.models.bert import BertModel
-from embedserv.models.gemma import Gemma3Model
-from embedserv.models.gemma4 import Gemma4Model
-from embedserv.models.llama import LlamaModel
-from embedserv.models.t5 import T5EncoderModel, T5Model
+from embedserv.models.families import bart, bert, gemma, gemma4, llama, t5
+from embedserv.models.heads import bge_m3, multi_vector, splade
+from embedserv.models.loading.family import Family
+from embedserv.models.loading.multi_vector_files import MultiVectorSettings, read_multi_vector_settings
 
-
-@dataclass(frozen=True)
-class ModelEntry:
-    model_class: type[nn.Module]
-    # Encoders attend both ways; decoders are causal unless their config says otherwise.
-    is_encoder: bool
-    # Encoder-decoders (T5, BART): an encoder over the encoder inputs, a causal decoder reading it.
-    is_encoder_decoder: bool = False
-
-
-_MODELS: dict[str, ModelEntry] = {
-    "bert": ModelEntry(BertModel, is_encoder=True),
-    "roberta": ModelEntry(BertModel, is_encoder=True),
-    "xlm-roberta": ModelEntry(BertModel, is_encoder=True),
-    "camembert": ModelEntry(BertModel, is_encoder=True),
-    "llama": ModelEntry(LlamaModel, is_encoder=False),
-    "mistral": ModelEntry(LlamaModel, is_encoder=False),
-    "qwen2": ModelEntry(LlamaModel, is_encoder=False),
-    "qwen3": ModelEntry(LlamaModel, is_encoder=False),
-    "gemma3_text": ModelEntry(Gemma3Model, is_encoder=False),
-    "gemma4_text": ModelEntry(Gemma4Model, is_encoder=False),
-    "t5": ModelEntry(T5Model, is_encoder=False, is_encoder_decoder=True),
-    "mt5": ModelEntry(T5Model, is_encoder=False, is_encoder_decoder=True),
-    "bart": ModelEntry(BartModel, is_encoder=False, is_encoder_decoder=True),
-    "mbart": ModelEntry(BartModel, is_encoder=False, is_encoder_decoder=True),
-}
+FAMILIES: tuple[Family, ...] = (
+    bert.FAMILY,
+    llama.FAMILY,
+    gemma.FAMILY,
+    gemma4.FAMILY,
+    t5.FAMILY,
+    bart.FAMILY,
+)
+_BY_MODEL_TYPE: dict[str, Family] = {model_type: family for family in FAMILIES for model_type in family.model_types}
 
 # T5 checkpoints served by their encoder alone: T5EncoderModel ones, and sentence-transformers models
 # (sentence-T5, GTR), which sentence-transformers loads as T5EncoderModel whatever the architecture says.
-_T5_ENCODER = ModelEntry(T5EncoderModel, is_encoder=True)
-_T5_TYPES = ("t5", "mt5")
 _T5_ENCODER_ARCHITECTURES = ("T5EncoderModel", "MT5EncoderModel")
 
 
-def lookup(model_type: str, architecture: str = "", sentence_transformers: bool = False) -> ModelEntry:
-    """The native class for a model type; `architecture` (config.json's first) and `sentence_transformers`
-    (the directory has modules.json) pick the encoder alone for T5 embedders."""
-    entry = _MODELS.get(model_type)
-    if entry is None:
+def lookup(model_type: str, architecture: str = "", sentence_transformers: bool = False) -> Family:
+    """The family of a model type; `architecture` (config.json's first) and `sentence_transformers` (the
+    directory has modules.json) pick the encoder alone for T5 embedders."""
+    family = _BY_MODEL_TYPE.get(model_type)
+    if family is None:
         raise ConfigError(
-            f"model type {model_type!r} is not supported; supported: {', '.join(sorted(_MODELS))}"
+            f"model type {model_type!r} is not supported; supported: {', '.join(sorted(_BY_MODEL_TYPE))}"
         )
-    if model_type in _T5_TYPES and (architecture in _T5_ENCODER_ARCHITECTURES or sentence_transformers):
-        return _T5_ENCODER
-    return entry
+    if family is t5.FAMILY and (architecture in _T5_ENCODER_ARCHITECTURES or sentence_transformers):
+        return t5.ENCODER_FAMILY
+    return family
 
 
-def is_causal(hf_config, entry: ModelEntry, override: str | None = None) -> bool:
+def is_causal(hf_config, family: Family, override: str | None = None) -> bool:
     """Causality from the config: encoders are bidirectional; decoders causal unless `is_causal: false`
     or `use_bidirectional_attention` says so (Gemma 3 and EmbeddingGemma: true; Gemma 4: "all", while
     "vision" leaves text causal).
@@ -70,9 +54,49 @@ def is_causal(hf_config, entry: ModelEntry, override: str | None = None) -> bool
     """
     if override is not None:
         return override == "causal"
-    if entry.is_encoder:
+    if family.is_encoder:
         return False
     bidirectional = getattr(hf_config, "use_bidirectional_attention", None)
     if bidirectional is True or bidirectional == "all":
         return False
     return bool(getattr(hf_config, "is_causal", True))
+
+
+# (ModelSpec, allow_pickle) -> the head module, on the spec's device.
+HeadBuilder = Callable[[object, bool], nn.Module]
+
+
+@dataclass(frozen=True)
+class HeadKind:
+    """How a model's sparse and token vectors are made (loading/outputs.py names the kind). The worker builds
+    its heads from this entry; the engine reads its token rules from the same entry."""
+
+    # None: the model has no sparse output.
+    sparse_head: HeadBuilder | None = None
+    # None: token vectors are the last hidden states.
+    token_head: HeadBuilder | None = None
+    # Leading tokens whose vectors are left out (bge-m3's colbert head skips the CLS token).
+    skip_first_tokens: int = 0
+    # A MultiVectorEncoder's query/document prompts, lengths and masks (engine/tasks/multi_vector.py).
+    token_settings: Callable[[object], MultiVectorSettings] | None = None
+
+
+def _multi_vector_settings(spec) -> MultiVectorSettings:
+    return read_multi_vector_settings(spec.model_dir, spec.st, spec.hf_config.hidden_size)
+
+
+HEAD_KINDS: dict[str, HeadKind] = {
+    # A plain embedder: the pooled vector, and its hidden states as token vectors.
+    "hidden": HeadKind(),
+    "splade": HeadKind(sparse_head=lambda spec, allow_pickle: splade.build_splade_head(spec)),
+    "multi_vector_encoder": HeadKind(token_head=multi_vector.build_token_head, token_settings=_multi_vector_settings),
+    "bge_m3": HeadKind(
+        sparse_head=bge_m3.build_sparse_head, token_head=bge_m3.build_colbert_head, skip_first_tokens=1
+    ),
+}
+_NO_HEADS = HeadKind()
+
+
+def head_kind(name: str | None) -> HeadKind:
+    """The entry of a model's head kind (OutputSpec.head_kind); models without such outputs get no heads."""
+    return HEAD_KINDS[name] if name is not None else _NO_HEADS

@@ -32,7 +32,7 @@ from embedserv.attention.metadata import (
     build_paged_metadata,
     cumulative_offsets,
 )
-from embedserv.models.heads import PoolingInputs, TokenInputs
+from embedserv.models.heads.pooling import PoolingInputs, TokenInputs
 from embedserv.padding import pad, padded_rows
 from embedserv.types import EmbedOutput, OutputKind, SamplingParams, ScheduledSequence, StepBatch
 from embedserv.worker.prefill_skip import SkipPlan

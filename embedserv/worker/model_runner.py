@@ -19,9 +19,9 @@ from torch import nn
 from embedserv.attention.backends.base import AttentionBackend
 from embedserv.attention.layer import attention_layers
 from embedserv.forward_context import set_forward_context
-from embedserv.models.heads import TokenInputs
+from embedserv.models.heads.pooling import TokenInputs
 from embedserv.models.layers import warm_linear_row_counts
-from embedserv.models.sampler import sample
+from embedserv.models.heads.sampler import sample
 from embedserv.padding import padded_rows, row_counts
 from embedserv.scheduler.kv_cache_manager import KvCacheLayout
 from embedserv.types import EmbedOutput, OutputKind, RaggedRows, SamplingParams, ScheduledSequence, StepBatch, StepOutput

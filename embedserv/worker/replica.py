@@ -9,18 +9,20 @@ from transformers import AutoTokenizer
 from embedserv import cpu_isa
 from embedserv.config import ModelConfig
 from embedserv.errors import ConfigError
-from embedserv.models.heads import Dense, EmbeddingPooler
+from embedserv.models import registry
+from embedserv.models.heads.lm import build_lm_head, logit_softcap
+from embedserv.models.heads.pooling import Dense, EmbeddingPooler
 from embedserv.models.layers import quantize_linears
-from embedserv.models.lm_head import build_lm_head, logit_softcap
-from embedserv.models.loader import build_model, load_dense_weights
-from embedserv.models.score_head import (
+from embedserv.models.heads.score import (
     YesNoTokens,
     build_classifier_head,
     build_seq2seq_yes_no_head,
     build_yes_no_head,
 )
-from embedserv.models.spec import DEFAULT_POOLING, ModelSpec
-from embedserv.models.tasks import Seq2SeqYesNoTemplate, architecture_of
+from embedserv.models.loading.model_spec import ModelSpec
+from embedserv.models.loading.spec import DEFAULT_POOLING
+from embedserv.models.loading.tasks import Seq2SeqYesNoTemplate, architecture_of
+from embedserv.models.loading.weights import build_model, load_dense_weights
 from embedserv.types import Task
 from embedserv.worker.kv_cache import KvCache, allocate_kv_caches, kv_cache_groups, num_kv_blocks
 from embedserv.worker.model_runner import ModelRunner
@@ -66,39 +68,15 @@ def _row_head(config: ModelConfig, spec: ModelSpec):
     if isinstance(spec.task.template, Seq2SeqYesNoTemplate):
         template = spec.task.template
         yes_id, no_id = _token_ids(spec, template.yes_token, template.no_token)
-        head = build_seq2seq_yes_no_head(spec.hf_config, spec.files, yes_id, no_id)
+        head = build_seq2seq_yes_no_head(spec.family, spec.hf_config, spec.files, yes_id, no_id)
     elif spec.task.template is not None:
         tied = bool(getattr(spec.hf_config, "tie_word_embeddings", True))
-        head = build_yes_no_head(hidden, _yes_no_tokens(spec), tied, spec.files, logit_softcap(spec.hf_config))
+        tokens = _yes_no_tokens(spec)
+        head = build_yes_no_head(spec.family, hidden, tokens, tied, spec.files, logit_softcap(spec.hf_config))
     else:
-        head = build_classifier_head(architecture_of(spec.hf_config), hidden, len(spec.task.labels), spec.files)
+        architecture = architecture_of(spec.hf_config)
+        head = build_classifier_head(spec.family, architecture, hidden, len(spec.task.labels), spec.files)
     return head.to(spec.device)
-
-
-def _sparse_head(config: ModelConfig, spec: ModelSpec):
-    """SPLADE over the MLM logits, or bge-m3's sparse head; None for models without the sparse output."""
-    if spec.outputs.sparse == "splade":
-        from embedserv.models.sparse import build_splade_head
-
-        return build_splade_head(spec)
-    if spec.outputs.sparse == "bge_m3":
-        from embedserv.models.bge_m3 import build_sparse_head
-
-        return build_sparse_head(spec, config.allow_pickle)
-    return None
-
-
-def _token_head(config: ModelConfig, spec: ModelSpec):
-    """A MultiVectorEncoder's token modules or bge-m3's colbert head; None: token vectors are the hidden states."""
-    if spec.outputs.multi_vector == "multi_vector_encoder":
-        from embedserv.models.multi_vector import build_token_head
-
-        return build_token_head(spec, config.allow_pickle)
-    if spec.outputs.multi_vector == "bge_m3":
-        from embedserv.models.bge_m3 import build_colbert_head
-
-        return build_colbert_head(spec, config.allow_pickle)
-    return None
 
 
 def _kv_cache(config: ModelConfig, spec: ModelSpec, model) -> KvCache:
@@ -114,16 +92,19 @@ def _kv_cache(config: ModelConfig, spec: ModelSpec, model) -> KvCache:
 
 def build_runner(config: ModelConfig, spec: ModelSpec) -> ModelRunner:
     """Loads the weights onto spec.device; the runner with its heads (and the KV cache of a generating model)."""
-    model = build_model(spec.model_class, spec.hf_config, spec.files, spec.device, spec.dtype)
+    model = build_model(spec.family, spec.hf_config, spec.files, spec.device, spec.dtype)
     if config.quantization == "int8":
         quantize_linears(model, cpu_isa.int8_weight_levels())
     lm_head = kv_cache = None
     if Task.GENERATE in spec.task.tasks:
-        lm_head = build_lm_head(spec.hf_config, spec.files, spec.device, spec.dtype)
+        lm_head = build_lm_head(spec.family, spec.hf_config, spec.files, spec.device, spec.dtype)
         kv_cache = _kv_cache(config, spec, model)
+    # The heads that make sparse and token vectors (SPLADE, a MultiVectorEncoder's, bge-m3's), if any.
+    heads = registry.head_kind(spec.outputs.head_kind)
     return ModelRunner(
         model, spec.backend, spec.device, spec.info.is_causal,
         row_head=_row_head(config, spec), lm_head=lm_head, kv_cache=kv_cache,
         kv_sharing_fast_prefill=config.kv_sharing_fast_prefill, rows_read_last=spec.info.pooling == "lasttoken",
-        sparse_head=_sparse_head(config, spec), token_head=_token_head(config, spec),
+        sparse_head=heads.sparse_head(spec, config.allow_pickle) if heads.sparse_head else None,
+        token_head=heads.token_head(spec, config.allow_pickle) if heads.token_head else None,
     )

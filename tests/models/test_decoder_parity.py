@@ -16,8 +16,8 @@ import torch
 
 from benchmarks.corpus import stdlib_texts
 from embedserv.attention.layer import attention_layers
-from embedserv.models.llama import LlamaModel
-from embedserv.models.loader import read_hf_config
+from embedserv.models.families.llama import LlamaModel
+from embedserv.models.loading.hf_config import read_hf_config
 from embedserv.types import EmbedParams
 from tests.helpers.compare import assert_cosine_at_least, assert_unit_norm, cosines, normalized
 from tests.helpers.models import (

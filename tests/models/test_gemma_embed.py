@@ -15,7 +15,7 @@ import torch
 
 from embedserv.attention.layer import attention_layers
 from embedserv.models import registry
-from embedserv.models.loader import read_hf_config
+from embedserv.models.loading.hf_config import read_hf_config
 from tests.helpers import gemma_models
 from tests.helpers.models import reference_token_counts
 from tests.models.test_decoder_parity import _check_parity

@@ -21,9 +21,11 @@ from embedserv.config import ModelConfig
 from embedserv.errors import ConfigError
 from embedserv.forward_context import set_forward_context
 from embedserv.models import registry
-from embedserv.models.lm_head import SoftcappedLMHead, build_lm_head
-from embedserv.models.loader import build_model, checkpoint_files, read_hf_config
-from embedserv.models.spec import read_model_spec
+from embedserv.models.heads.lm import SoftcappedLMHead, build_lm_head
+from embedserv.models.loading.checkpoint import checkpoint_files
+from embedserv.models.loading.hf_config import read_hf_config
+from embedserv.models.loading.weights import build_model
+from embedserv.models.loading.spec import read_model_spec
 from embedserv.worker.layer_routes import forward_context_for
 from tests.helpers import gemma_models
 from tests.helpers.models import load_in_process
@@ -120,8 +122,9 @@ def test_logits_match_transformers(name, backend, gemma_lm, prompts):
     model_dir = gemma_lm(name)
     hf_config = read_hf_config(model_dir)
     files = checkpoint_files(model_dir)
-    model = build_model(registry.lookup(hf_config.model_type).model_class, hf_config, files, CPU, torch.float32)
-    head = build_lm_head(hf_config, files, CPU, torch.float32)
+    family = registry.lookup(hf_config.model_type)
+    model = build_model(family, hf_config, files, CPU, torch.float32)
+    head = build_lm_head(family, hf_config, files, CPU, torch.float32)
     assert isinstance(head, SoftcappedLMHead) and head.cap == gemma_models.SOFTCAP
 
     sequences = _prompt_ids(model_dir, prompts)

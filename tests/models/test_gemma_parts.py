@@ -18,8 +18,9 @@ from embedserv.attention.layer import attention_layers
 from embedserv.attention.metadata import build_common_metadata, build_suffix_metadata
 from embedserv.forward_context import ForwardContext, set_forward_context
 from embedserv.models import registry
-from embedserv.models.gemma import Gemma3Model
-from embedserv.models.gemma4 import Gemma4Model
+from embedserv.models.families.gemma import Gemma3Model
+from embedserv.models.families.gemma4 import Gemma4Model
+from embedserv.models.loading.weights import load_weights
 from embedserv.models.rotary import inverse_frequencies, rope_parameters
 from embedserv.worker.layer_routes import forward_context_for
 from embedserv.worker.prefill_skip import PrefillSkip
@@ -40,7 +41,7 @@ def _state(model_class, config, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def _loaded(model_class, config, state) -> torch.nn.Module:
     model = model_class(config)
-    loaded = model.load_weights(state.items())
+    loaded = load_weights(model, registry.lookup(config.model_type), state.items())
     assert set(dict(model.named_parameters())) <= loaded
     return model.eval().requires_grad_(False)
 
@@ -152,7 +153,7 @@ def test_loading_ignores_shared_kv_tensors_and_takes_bare_names():
     assert all(float(layer.layer_scalar) == 1.0 for layer in model.layers)
     with pytest.raises(ValueError, match="unexpected checkpoint tensor"):
         # Layer 2 is a full layer whose values are its keys (attention_k_eq_v): it has no value projection.
-        Gemma4Model(config).load_weights([("model.layers.2.self_attn.v_proj.weight", torch.zeros(32, 64))])
+        load_weights(Gemma4Model(config), registry.lookup(config.model_type), [("model.layers.2.self_attn.v_proj.weight", torch.zeros(32, 64))])
     biased = gemma3_config(VOCAB, attention_bias=True)
     _loaded(Gemma3Model, biased, _state(Gemma3ForCausalLM, biased))
 

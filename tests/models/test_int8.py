@@ -16,7 +16,7 @@ from embedserv import cpu_isa
 from embedserv.config import ModelConfig
 from embedserv.errors import ConfigError
 from embedserv.models.layers import Int8Weight, Linear
-from embedserv.models.spec import read_model_spec
+from embedserv.models.loading.spec import read_model_spec
 from embedserv.types import EmbedParams
 
 

@@ -13,7 +13,9 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 
 from embedserv.config import ModelConfig
 from embedserv.errors import ConfigError
-from embedserv.models.llama import LlamaModel
+from embedserv.models.families import llama
+from embedserv.models.families.llama import LlamaModel
+from embedserv.models.loading.weights import load_weights
 from embedserv.models.rotary import RotaryEmbedding, apply_rotary, inverse_frequencies, rope_parameters
 from tests.helpers.models import LINEAR_ROPE, LLAMA3_ROPE
 from tests.helpers.models import load_in_process
@@ -113,7 +115,7 @@ def test_load_weights_fills_every_parameter_and_skips_the_lm_head():
     state["model.rotary_emb.inv_freq"] = torch.ones(8)
     model = LlamaModel(config)
 
-    loaded = model.load_weights(state.items())
+    loaded = load_weights(model, llama.FAMILY, state.items())
 
     assert loaded == set(dict(model.named_parameters()))
     attn = model.layers[1].self_attn
@@ -126,7 +128,7 @@ def test_load_weights_fills_every_parameter_and_skips_the_lm_head():
 def test_a_missing_shard_leaves_the_fused_parameter_unfilled():
     config = LlamaConfig(**SMALL)
     state = {k: v for k, v in _causal_lm_state(config).items() if k != "model.layers.0.self_attn.v_proj.weight"}
-    loaded = LlamaModel(config).load_weights(state.items())
+    loaded = load_weights(LlamaModel(config), llama.FAMILY, state.items())
     assert "layers.0.self_attn.qkv.weight" not in loaded
     assert "layers.1.self_attn.qkv.weight" in loaded
 
@@ -143,15 +145,15 @@ def test_a_missing_shard_leaves_the_fused_parameter_unfilled():
 def test_unexpected_tensors_are_refused(name):
     model = LlamaModel(LlamaConfig(**SMALL))
     with pytest.raises(ValueError, match="unexpected checkpoint tensor"):
-        model.load_weights([(name, torch.zeros(4))])
+        load_weights(model, llama.FAMILY, [(name, torch.zeros(4))])
 
 
 def test_a_tensor_of_the_wrong_shape_is_refused():
     model = LlamaModel(LlamaConfig(**SMALL))
     with pytest.raises(ValueError, match="shape"):
-        model.load_weights([("model.layers.0.self_attn.k_proj.weight", torch.zeros(64, 64))])
+        load_weights(model, llama.FAMILY, [("model.layers.0.self_attn.k_proj.weight", torch.zeros(64, 64))])
     with pytest.raises(ValueError, match="shape"):
-        model.load_weights([("norm.weight", torch.zeros(1))])
+        load_weights(model, llama.FAMILY, [("norm.weight", torch.zeros(1))])
 
 
 def test_an_unsupported_rope_type_stops_loading_with_a_config_error(tiny_decoder, tmp_path):

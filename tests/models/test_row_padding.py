@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from embedserv.config import ModelConfig
-from embedserv.models.heads import Dense
+from embedserv.models.heads.pooling import Dense
 from embedserv.models.layers import Linear
-from embedserv.models.st_files import DenseSpec
+from embedserv.models.loading.st_files import DenseSpec
 from embedserv.padding import padded_rows, row_counts
 from embedserv.types import OutputKind, SamplingParams, ScheduledSequence, StepBatch
 from tests.helpers.models import load_in_process

@@ -17,12 +17,14 @@ from embedserv.attention.backends.naive import NaiveBackend
 from embedserv.attention.metadata import build_common_metadata, build_cross_metadata
 from embedserv.forward_context import ForwardContext, set_forward_context
 from embedserv.models import registry
-from embedserv.models.bart import BartModel
-from embedserv.models.heads import PoolingInputs
-from embedserv.models.lm_head import build_lm_head
-from embedserv.models.loader import build_model, checkpoint_files, read_hf_config
-from embedserv.models.score_head import build_classifier_head, build_seq2seq_yes_no_head
-from embedserv.models.t5 import T5EncoderModel, T5Model
+from embedserv.models.families.bart import BartModel
+from embedserv.models.heads.pooling import PoolingInputs
+from embedserv.models.heads.lm import build_lm_head
+from embedserv.models.loading.checkpoint import checkpoint_files
+from embedserv.models.loading.hf_config import read_hf_config
+from embedserv.models.loading.weights import build_model
+from embedserv.models.heads.score import build_classifier_head, build_seq2seq_yes_no_head
+from embedserv.models.families.t5 import T5EncoderModel, T5Model
 from embedserv.worker.layer_routes import forward_context_for
 from tests.helpers import seq2seq_models as builders
 
@@ -63,7 +65,7 @@ def _load_ours(model_dir, architecture: str | None = None, sentence_transformers
     architecture = architecture or (hf_config.architectures or [""])[0]
     entry = registry.lookup(hf_config.model_type, architecture, sentence_transformers=sentence_transformers)
     files = checkpoint_files(model_dir)
-    model = build_model(entry.model_class, hf_config, files, CPU, torch.float32)
+    model = build_model(entry, hf_config, files, CPU, torch.float32)
     return model, hf_config, files, entry
 
 
@@ -144,7 +146,7 @@ def test_decoder_logits_and_encoder_match_transformers(kind, model_root, texts):
     assert isinstance(model, BartModel if "bart" in kind else T5Model)
     pairs = _token_batches(model_dir, texts, model.decoder_start_token_id)
     hidden, encoded = _run(model, pairs)
-    logits = build_lm_head(hf_config, files, CPU, torch.float32)(hidden)
+    logits = build_lm_head(registry.lookup(hf_config.model_type), hf_config, files, CPU, torch.float32)(hidden)
 
     reference = _reference(model_dir)
     ours_logits = _split(logits, [len(d) for _, d in pairs])
@@ -161,7 +163,7 @@ def test_decoder_logits_and_encoder_match_transformers(kind, model_root, texts):
 
 def test_t5_scaling_rule_follows_the_config(model_root):
     """The tied-head scaling of T5 v1.0 is on, v1.1 (tie_word_embeddings false) and mT5 off."""
-    from embedserv.models.t5 import output_scale
+    from embedserv.models.families.t5 import output_scale
 
     tied = read_hf_config(builders.build_tiny_t5(model_root, variant="v1.0", tied=True))
     untied = read_hf_config(builders.build_tiny_t5(model_root, variant="v1.1", tied=False))
@@ -211,7 +213,8 @@ def test_bart_sequence_classification_matches_transformers(model_root, texts):
 
     model_dir = builders.build_tiny_bart_nli(model_root)
     model, hf_config, files, _ = _load_ours(model_dir)
-    head = build_classifier_head("BartForSequenceClassification", hf_config.d_model, hf_config.num_labels, files)
+    bart = registry.lookup("bart")
+    head = build_classifier_head(bart, "BartForSequenceClassification", hf_config.d_model, hf_config.num_labels, files)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -233,7 +236,7 @@ def test_monot5_head_matches_transformers(model_root, texts):
     model_dir = builders.build_tiny_monot5(model_root)
     true_id, false_id = builders.t5_true_false_ids(model_dir)
     model, hf_config, files, _ = _load_ours(model_dir)
-    head = build_seq2seq_yes_no_head(hf_config, files, true_id, false_id)
+    head = build_seq2seq_yes_no_head(registry.lookup(hf_config.model_type), hf_config, files, true_id, false_id)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -303,7 +306,7 @@ def test_paged_generation_steps_match_teacher_forcing(kind, model_root, texts):
     builder, options = SEQ2SEQ[kind]
     model_dir = builder(model_root, **options)
     model, hf_config, files, _ = _load_ours(model_dir)
-    head = build_lm_head(hf_config, files, CPU, torch.float32)
+    head = build_lm_head(registry.lookup(hf_config.model_type), hf_config, files, CPU, torch.float32)
     full = _token_batches(model_dir, texts, model.decoder_start_token_id)[1:3]  # decoders of 7 and 26 tokens
     prompt_lens, steps, block_size = [5, 1], 2, 4
     encoder_lens = [len(e) for e, _ in full]

@@ -22,7 +22,7 @@ from embedserv.config import ModelConfig
 from embedserv.engine.loading import read_served_model
 from embedserv.engine.sync import SyncEngine
 from embedserv.errors import ConfigError
-from embedserv.models.loader import checkpoint_files
+from embedserv.models.loading.checkpoint import checkpoint_files
 from tests.helpers.models import load_in_process
 
 TEXTS = ["the cat sat on the mat", "a pickle is a program", "safetensors holds only tensors"]
@@ -244,9 +244,9 @@ def test_a_custom_module_named_like_ours_is_refused_not_taken_for_ours(safetenso
 
 def test_dense_layer_follows_the_same_policy(tmp_path):
     """A sentence-transformers Dense folder with only pytorch_model.bin: refused, or with allow_pickle loaded."""
-    from embedserv.models.heads import Dense
-    from embedserv.models.loader import load_dense_weights
-    from embedserv.models.st_files import DenseSpec
+    from embedserv.models.heads.pooling import Dense
+    from embedserv.models.loading.weights import load_dense_weights
+    from embedserv.models.loading.st_files import DenseSpec
 
     spec = DenseSpec(in_features=4, out_features=2, bias=True, activation="Tanh", directory=tmp_path)
     weights = {"linear.weight": torch.randn(2, 4), "linear.bias": torch.randn(2)}

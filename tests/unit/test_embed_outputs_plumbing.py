@@ -15,7 +15,7 @@ from embedserv.engine import checks
 from embedserv.engine.tasks.embedding import top_k
 from embedserv.errors import ConfigError, InvalidInput
 from embedserv.executor.messages import CODEC, StepDone
-from embedserv.models.st_files import read_sentence_transformers
+from embedserv.models.loading.st_files import read_sentence_transformers
 from embedserv.types import (
     EmbedOutput,
     EmbedParams,

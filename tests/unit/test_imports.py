@@ -233,6 +233,30 @@ def test_model_code_does_not_import_the_forward_context() -> None:
     assert not report, "model code that imports embedserv.forward_context:\n" + "\n".join(report)
 
 
+_LOADING_TYPES = {"embedserv.models.loading", "embedserv.models.loading.family"}
+
+
+def _layout_breaches(module: str) -> set[str]:
+    imported = internal_imports(module)
+    if module.startswith("embedserv.models.families."):
+        return {
+            m for m in imported
+            if m.startswith(("embedserv.models.heads", "embedserv.models.registry"))
+            or (m.startswith("embedserv.models.loading") and m not in _LOADING_TYPES)
+        }
+    if module.startswith("embedserv.models.heads."):
+        return {m for m in imported if m.startswith(("embedserv.models.families", "embedserv.models.registry"))}
+    return set()
+
+
+def test_families_and_heads_stay_apart() -> None:
+    """A family file (models/families/) imports no head, not the registry, and of models/loading only the
+    record types; a head (models/heads/) imports no family and not the registry. So a new family is one
+    file plus a registry line, and a new head one file plus its registry entry (DESIGN.md, "Layout")."""
+    report = [f"{module} imports {', '.join(sorted(bad))}" for module in modules() if (bad := _layout_breaches(module))]
+    assert not report, "models/ layout breaches:\n" + "\n".join(report)
+
+
 def _defines_class(module: str, names: set[str]) -> bool:
     tree = ast.parse(modules()[module][0].read_text())
     return any(isinstance(node, ast.ClassDef) and node.name in names for node in tree.body)

@@ -13,7 +13,7 @@ from torch import nn
 from embedserv.attention.backends.naive import NaiveBackend
 from embedserv.attention.backends.sdpa import SdpaBackend
 from embedserv.attention.layer import Attention, link_kv_sharing
-from embedserv.models.heads import EmbeddingPooler
+from embedserv.models.heads.pooling import EmbeddingPooler
 from embedserv.types import OutputKind, SamplingParams, ScheduledSequence, StepBatch
 from embedserv.worker.kv_cache import KvCache, allocate_kv_caches, kv_cache_groups
 from embedserv.worker.model_runner import ModelRunner

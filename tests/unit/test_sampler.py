@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from embedserv.types import SamplingParams
-from embedserv.models.sampler import _cut, sample
+from embedserv.models.heads.sampler import _cut, sample
 
 
 def _logits(rows=4, vocab=50, seed=0):

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from embedserv.engine.tasks.outputs import activate, rank
-from embedserv.models.tasks import QWEN3_RERANKER, read_task_spec, rerank_activation
+from embedserv.models import registry
+from embedserv.models.loading.tasks import QWEN3_RERANKER, read_task_spec, rerank_activation
 from embedserv.types import Task
 from embedserv.errors import ConfigError
 
@@ -19,18 +20,23 @@ def _config(architecture: str, **fields) -> SimpleNamespace:
     return SimpleNamespace(architectures=[architecture], **fields)
 
 
+def _family(config: SimpleNamespace):
+    """The family a test config's architecture belongs to (Qwen3 ones: Llama's; the rest: BERT's)."""
+    return registry.lookup("qwen3" if config.architectures[0].startswith("Qwen3") else "bert")
+
+
 def _labels(*names: str) -> dict[int, str]:
     return dict(enumerate(names))
 
 
 def test_embedder_embeds_and_reranks_by_cosine(tmp_path):
-    spec = read_task_spec(tmp_path, _config("BertModel"), is_causal=False, decoder_reranker=None)
+    spec = read_task_spec(tmp_path, _config("BertModel"), _family(_config("BertModel")), is_causal=False, decoder_reranker=None)
     assert spec.tasks == (Task.EMBED, Task.RERANK) and spec.rerank_mode == "embeddings"
 
 
 def test_one_label_classifier_is_a_cross_encoder(tmp_path):
     config = _config("BertForSequenceClassification", id2label=_labels("LABEL_0"))
-    spec = read_task_spec(tmp_path, config, is_causal=False, decoder_reranker=None)
+    spec = read_task_spec(tmp_path, config, _family(config), is_causal=False, decoder_reranker=None)
     assert spec.tasks == (Task.RERANK, Task.CLASSIFY)
     assert (spec.rerank_mode, spec.rerank_activation, spec.strip_trailing_pad_id) == ("pair", "sigmoid", None)
 
@@ -41,15 +47,15 @@ def test_many_label_classifier_only_classifies(tmp_path):
         id2label={2: "c", 0: "a", 1: "b"},
         problem_type="multi_label_classification",
     )
-    spec = read_task_spec(tmp_path, config, is_causal=False, decoder_reranker=None)
+    spec = read_task_spec(tmp_path, config, _family(config), is_causal=False, decoder_reranker=None)
     assert spec.tasks == (Task.CLASSIFY,) and spec.rerank_mode is None
     assert spec.labels == ("a", "b", "c") and spec.multi_label
 
 
 def test_decoder_classifier_strips_trailing_padding_only_when_causal(tmp_path):
     config = _config("Qwen3ForSequenceClassification", id2label=_labels("x"), pad_token_id=7)
-    assert read_task_spec(tmp_path, config, is_causal=True, decoder_reranker=None).strip_trailing_pad_id == 7
-    assert read_task_spec(tmp_path, config, is_causal=False, decoder_reranker=None).strip_trailing_pad_id is None
+    assert read_task_spec(tmp_path, config, _family(config), is_causal=True, decoder_reranker=None).strip_trailing_pad_id == 7
+    assert read_task_spec(tmp_path, config, _family(config), is_causal=False, decoder_reranker=None).strip_trailing_pad_id is None
 
 
 @pytest.mark.parametrize(
@@ -62,13 +68,13 @@ def test_decoder_classifier_strips_trailing_padding_only_when_causal(tmp_path):
     ],
 )
 def test_causal_lm_is_a_yes_no_reranker_by_path_or_flag(tmp_path, directory, flag, expected):
-    spec = read_task_spec(tmp_path / directory, _config("Qwen3ForCausalLM"), is_causal=True, decoder_reranker=flag)
+    spec = read_task_spec(tmp_path / directory, _config("Qwen3ForCausalLM"), _family(_config("Qwen3ForCausalLM")), is_causal=True, decoder_reranker=flag)
     assert (spec.template is QWEN3_RERANKER) is expected
     assert spec.tasks == ((Task.RERANK,) if expected else (Task.EMBED, Task.RERANK))
 
 
 def test_the_flag_leaves_other_models_alone(tmp_path):
-    spec = read_task_spec(tmp_path / "reranker", _config("BertModel"), is_causal=False, decoder_reranker=True)
+    spec = read_task_spec(tmp_path / "reranker", _config("BertModel"), _family(_config("BertModel")), is_causal=False, decoder_reranker=True)
     assert spec.template is None and Task.EMBED in spec.tasks
 
 

@@ -19,21 +19,20 @@ from embedserv.engine.ports import Infer, SequenceOutput, stack_rows
 from embedserv.engine.tasks import chunking
 from embedserv.engine.tasks.multi_vector import MultiVectorRules
 from embedserv.engine.tasks.outputs import finish_embeddings
-from embedserv.engine.tasks.token_rules import SkipFirstToken, TokenRules
+from embedserv.engine.tasks.token_rules import TokenRules
 from embedserv.engine.tokenizer import Encoded
 from embedserv.errors import InvalidInput
-from embedserv.models.multi_vector import read_multi_vector_settings
+from embedserv.models import registry
 from embedserv.types import EmbedOutput, EmbedParams, EmbedResult, SparseVector, Timing
 
 
 def token_rules(served: ServedModel) -> TokenRules:
+    """The rules of the model's head kind (models/registry.HEAD_KINDS), whose heads the worker runs."""
     spec = served.spec
-    if spec.outputs.multi_vector == "bge_m3":
-        return SkipFirstToken()
-    if spec.outputs.multi_vector == "multi_vector_encoder":
-        settings = read_multi_vector_settings(spec.model_dir, spec.st, spec.hf_config.hidden_size)
-        return MultiVectorRules(served.tokenizer, settings, spec.max_model_len, str(spec.model_dir))
-    return TokenRules()
+    heads = registry.head_kind(spec.outputs.head_kind)
+    if heads.token_settings is not None:
+        return MultiVectorRules(served.tokenizer, heads.token_settings(spec), spec.max_model_len, str(spec.model_dir))
+    return TokenRules(skip_first=heads.skip_first_tokens)
 
 
 class Embedding:

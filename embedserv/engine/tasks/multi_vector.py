@@ -8,7 +8,7 @@ are returned, and MaxSim rerank, all as sentence-transformers 6.2 does them.
   the model's limit. Longer inputs are refused unless the call sets truncate, as for Embed.
 - Query expansion pads queries shorter than its length with the expansion token ([MASK] by default) on the
   tokenizer's padding side; "fixed" also makes `length` the queries' cap. The model attends to those tokens
-  (attend true; models/multi_vector.py refuses attend false) and they are returned.
+  (attend true; models/loading/multi_vector_files.py refuses attend false) and they are returned.
 - Returned: every token's vector, special and prompt tokens included, except on the skiplist tasks (a call
   without a task counts as "document") the skiplist words' tokens, and outside queries the tokens not in
   keep_only_token_ids when the model sets it (MultiVectorMask).
@@ -27,7 +27,7 @@ from embedserv.engine.tasks.outputs import rank
 from embedserv.engine.tasks.token_rules import TokenRules
 from embedserv.engine.tokenizer import Encoded, TextTokenizer
 from embedserv.errors import ConfigError, InvalidInput
-from embedserv.models.multi_vector import MultiVectorSettings
+from embedserv.models.loading.multi_vector_files import MultiVectorSettings
 from embedserv.types import (
     EmbedOutput,
     EmbedParams,

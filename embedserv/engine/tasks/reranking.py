@@ -12,7 +12,7 @@ from embedserv.engine.ports import Infer, stack_rows
 from embedserv.engine.tasks import chunking, multi_vector
 from embedserv.engine.tasks.outputs import activate, cosine_to_first, rank
 from embedserv.engine.tasks.token_rules import TokenRules
-from embedserv.models.tasks import Seq2SeqYesNoTemplate
+from embedserv.models.loading.tasks import Seq2SeqYesNoTemplate
 from embedserv.types import RankedDocument, RerankMode, RerankParams, RerankResult, Task
 
 

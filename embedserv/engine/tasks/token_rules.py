@@ -11,10 +11,13 @@ from embedserv.types import EmbedParams
 
 
 class TokenRules:
-    """Token vectors are the vectors of every token; inputs are tokenized as for Embed."""
+    """Token vectors are the vectors of every token but the first `skip_first` (bge-m3's colbert head skips
+    the CLS token); inputs are tokenized as for Embed."""
 
-    # Leading tokens whose vectors are left out (bge-m3's colbert head skips the CLS token).
     skip_first = 0
+
+    def __init__(self, skip_first: int = 0) -> None:
+        self.skip_first = skip_first
 
     def encode(self, tokenizer: TextTokenizer, texts: list[str], params: EmbedParams) -> list[Encoded]:
         return tokenizer.encode_batch(texts, params.truncate, params.truncation_direction, params.prompt_name)
@@ -23,6 +26,3 @@ class TokenRules:
         """Which of the sequence's token vectors the caller gets: a boolean mask or a slice."""
         return slice(self.skip_first, None)
 
-
-class SkipFirstToken(TokenRules):
-    skip_first = 1

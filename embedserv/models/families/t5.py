@@ -11,21 +11,19 @@ weights at training). The members differ in the feed-forward: v1.0 `relu(x wi) w
 inputs (when there are any) and the decoder over the decoder tokens, whose cross-attention reads the
 encoder output (or, on later generation steps, the cross KV cache). `T5EncoderModel` is the encoder alone
 (sentence-T5, GTR, T5EncoderModel checkpoints); given a full checkpoint it skips the decoder's tensors.
-The LM head, and T5's d_model**-0.5 scaling of a tied head's input, live in lm_head.py.
+The LM head, and T5's d_model**-0.5 scaling of a tied head's input (`output_scale`), live in models/heads/lm.py.
 """
 
 from __future__ import annotations
-
-import re
-from typing import Iterable
 
 import torch
 from torch import nn
 
 from embedserv.attention.layer import Attention, AttentionKind
 from embedserv.attention.relative_bias import RelativePositionBias
-from embedserv.models.layers import Linear, copy_checked, get_activation
-from embedserv.models.llama import RMSNorm
+from embedserv.models.layers import Linear, get_activation, packed_linear
+from embedserv.models.loading.family import CheckpointNames, Family
+from embedserv.models.families.llama import RMSNorm
 
 # T5 has no position limit; the tokenizer's model_max_length bounds inputs.
 _UNLIMITED_POSITIONS = 1 << 20
@@ -62,7 +60,7 @@ class T5SelfAttention(nn.Module):
         super().__init__()
         self.inner_size = config.num_heads * config.d_kv
         # Query, key and value in one matmul; the loader stacks their weights.
-        self.qkv = Linear(config.d_model, 3 * self.inner_size, bias=False)
+        self.qkv = packed_linear(config.d_model, (self.inner_size,) * 3, bias=False)
         self.attn = Attention(
             config.num_heads, config.d_kv, scale=1.0, layer_index=layer_index, kind=kind, relative_bias=relative_bias
         )
@@ -80,7 +78,7 @@ class T5CrossAttention(nn.Module):
         self.inner_size = config.num_heads * config.d_kv
         self.q = Linear(config.d_model, self.inner_size, bias=False)
         # Key and value of the encoder output in one matmul; the loader stacks their weights.
-        self.kv = Linear(config.d_model, 2 * self.inner_size, bias=False)
+        self.kv = packed_linear(config.d_model, (self.inner_size,) * 2, bias=False)
         self.attn = Attention(
             config.num_heads, config.d_kv, scale=1.0, layer_index=layer_index, kind=AttentionKind.CROSS, kv_group=1
         )
@@ -100,7 +98,7 @@ class T5FeedForward(nn.Module):
         activation, self.gated = feed_forward(config)
         if self.gated:
             # wi_0 (through the activation) and wi_1 in one matmul; the loader stacks their weights.
-            self.wi = Linear(config.d_model, 2 * config.d_ff, bias=False)
+            self.wi = packed_linear(config.d_model, (config.d_ff,) * 2, bias=False)
             self.act = get_activation(activation)
         else:
             self.wi = Linear(config.d_model, config.d_ff, bias=False, activation=activation)
@@ -186,93 +184,6 @@ class T5Stack(nn.Module):
         return self.final_norm(hidden)
 
 
-# Checkpoint names -> ours, after the `encoder.` / `decoder.` stack prefix (stacked projections are separate).
-_RENAMES = [
-    (r"^block\.0\.layer\.0\.SelfAttention\.relative_attention_bias\.", "relative_bias.relative_attention_bias."),
-    (r"^block\.(\d+)\.layer\.0\.layer_norm\.", r"layers.\1.self_attn_norm."),
-    (r"^block\.(\d+)\.layer\.0\.SelfAttention\.o\.", r"layers.\1.self_attn.o."),
-    (r"^final_layer_norm\.", "final_norm."),
-]
-# The feed-forward block and its norm are layer.1 in the encoder, layer.2 in the decoder (after cross).
-_ENCODER_RENAMES = [
-    (r"^block\.(\d+)\.layer\.1\.layer_norm\.", r"layers.\1.mlp_norm."),
-    (r"^block\.(\d+)\.layer\.1\.DenseReluDense\.(wi|wo)\.", r"layers.\1.mlp.\2."),
-]
-_DECODER_RENAMES = [
-    (r"^block\.(\d+)\.layer\.1\.layer_norm\.", r"layers.\1.cross_attn_norm."),
-    (r"^block\.(\d+)\.layer\.1\.EncDecAttention\.(q|o)\.", r"layers.\1.cross_attn.\2."),
-    (r"^block\.(\d+)\.layer\.2\.layer_norm\.", r"layers.\1.mlp_norm."),
-    (r"^block\.(\d+)\.layer\.2\.DenseReluDense\.(wi|wo)\.", r"layers.\1.mlp.\2."),
-]
-# (stack-relative name) -> (our stacked parameter, shard, index of the shard in it).
-_STACKED = [
-    (re.compile(r"^block\.(\d+)\.layer\.0\.SelfAttention\.(q|k|v)\.weight$"), "layers.{}.self_attn.qkv.weight", "qkv"),
-    (re.compile(r"^block\.(\d+)\.layer\.1\.EncDecAttention\.(k|v)\.weight$"), "layers.{}.cross_attn.kv.weight", "kv"),
-    (re.compile(r"^block\.(\d+)\.layer\.[12]\.DenseReluDense\.(wi_0|wi_1)\.weight$"), "layers.{}.mlp.wi.weight", "wi"),
-]
-_SHARDS = {"qkv": ("q", "k", "v"), "kv": ("k", "v"), "wi": ("wi_0", "wi_1")}
-# Token embeddings: one matrix (`shared`); older checkpoints repeat it per stack.
-_EMBEDDINGS = ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
-# transformers ignores the cross-attention bias some checkpoints carry (cross-attention takes none).
-_UNUSED = re.compile(r"^decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.")
-
-
-class _T5Loader:
-    """Checkpoint names -> our parameters, for the stacks a model has; `load` returns what it filled."""
-
-    def __init__(self, model: nn.Module, stacks: tuple[str, ...], ignored: re.Pattern) -> None:
-        self.params = dict(model.named_parameters())
-        self.stacks = stacks
-        self.ignored = ignored
-
-    def _rename(self, stack: str, name: str) -> str:
-        for pattern, replacement in _RENAMES + (_DECODER_RENAMES if stack == "decoder" else _ENCODER_RENAMES):
-            name = re.sub(pattern, replacement, name)
-        return f"{stack}.{name}"
-
-    def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loaded: set[str] = set()
-        shards: dict[str, set[str]] = {}
-        for name, tensor in weights:
-            if self.ignored.match(name) or _UNUSED.match(name):
-                continue
-            if name in _EMBEDDINGS:
-                copy_checked(self.params["shared.weight"].data, tensor, name)
-                loaded.add("shared.weight")
-                continue
-            stack, _, rest = name.partition(".")
-            if stack not in self.stacks:
-                raise ValueError(f"unexpected checkpoint tensor {name!r}")
-            stacked = self._stacked_target(stack, rest)
-            if stacked is not None:
-                target, shard, index = stacked
-                if target not in self.params:
-                    raise ValueError(f"unexpected checkpoint tensor {name!r}: this model has no {target}")
-                rows = self.params[target].shape[0] // len(_SHARDS[shard[0]])
-                copy_checked(self.params[target].data[index * rows : (index + 1) * rows], tensor, name)
-                shards.setdefault(target, set()).add(shard[1])
-                continue
-            ours = self._rename(stack, rest)
-            if ours not in self.params:
-                raise ValueError(f"unexpected checkpoint tensor {name!r}")
-            copy_checked(self.params[ours].data, tensor, name)
-            loaded.add(ours)
-        # A stacked parameter is filled only when every one of its shards was.
-        for target, parts in shards.items():
-            kind = target.rsplit(".", 2)[-2]
-            if parts == set(_SHARDS[kind]):
-                loaded.add(target)
-        return loaded
-
-    def _stacked_target(self, stack: str, name: str) -> tuple[str, tuple[str, str], int] | None:
-        for pattern, template, kind in _STACKED:
-            match = pattern.match(name)
-            if match is not None:
-                layer, part = match.groups()
-                return f"{stack}.{template.format(layer)}", (kind, part), _SHARDS[kind].index(part)
-        return None
-
-
 class T5Model(nn.Module):
     """T5 / mT5 encoder-decoder: `forward(input_ids, positions, encoder_input_ids=..., ...) ->
     [num_decoder_tokens, d_model]`, the decoder's final norm applied.
@@ -313,11 +224,6 @@ class T5Model(nn.Module):
             encoder_hidden = self.encode(encoder_input_ids, encoder_positions)
         return self.decoder(self.shared(input_ids), encoder_hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copies checkpoint tensors in; returns the names of our parameters it filled. The LM head
-        (lm_head.weight) is not the backbone's: lm_head.py reads it."""
-        return _T5Loader(self, ("encoder", "decoder"), re.compile(r"^lm_head\.")).load(weights)
-
 
 class T5EncoderModel(nn.Module):
     """The T5 / mT5 encoder alone: `forward(input_ids, positions) -> [num_tokens, d_model]`, final norm applied.
@@ -343,6 +249,67 @@ class T5EncoderModel(nn.Module):
     def forward(self, input_ids, positions, token_type_ids=None) -> torch.Tensor:
         return self.encoder(self.shared(input_ids))
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copies the encoder's tensors in (a full T5 checkpoint's decoder and LM head are skipped)."""
-        return _T5Loader(self, ("encoder",), re.compile(r"^(decoder\.|lm_head\.)")).load(weights)
+
+def _stack_renames(stack: str, mlp_layer: int) -> tuple[tuple[str, str], ...]:
+    """One stack's block names -> ours; the feed-forward block is layer.1 in the encoder, layer.2 in the
+    decoder (after cross-attention, layer.1)."""
+    block = rf"^{stack}\.block\.(\d+)\.layer"
+    bias = rf"^{stack}\.block\.0\.layer\.0\.SelfAttention\.relative_attention_bias\."
+    return (
+        (bias, f"{stack}.relative_bias.relative_attention_bias."),
+        (rf"{block}\.0\.layer_norm\.", rf"{stack}.layers.\1.self_attn_norm."),
+        (rf"{block}\.0\.SelfAttention\.", rf"{stack}.layers.\1.self_attn."),
+        (rf"{block}\.{mlp_layer}\.layer_norm\.", rf"{stack}.layers.\1.mlp_norm."),
+        (rf"{block}\.{mlp_layer}\.DenseReluDense\.", rf"{stack}.layers.\1.mlp."),
+        (rf"^{stack}\.final_layer_norm\.", f"{stack}.final_norm."),
+    )
+
+
+# Token embeddings: one matrix (`shared`); older checkpoints repeat it per stack.
+_SHARED = (r"^(encoder|decoder)\.embed_tokens\.weight$", "shared.weight")
+_PACKED = (
+    ("SelfAttention.q.", "SelfAttention.qkv.", 0),
+    ("SelfAttention.k.", "SelfAttention.qkv.", 1),
+    ("SelfAttention.v.", "SelfAttention.qkv.", 2),
+    ("EncDecAttention.k.", "EncDecAttention.kv.", 0),
+    ("EncDecAttention.v.", "EncDecAttention.kv.", 1),
+    ("DenseReluDense.wi_0.", "DenseReluDense.wi.", 0),
+    ("DenseReluDense.wi_1.", "DenseReluDense.wi.", 1),
+)
+CHECKPOINT = CheckpointNames(
+    # The LM head is models/heads/lm.py's; transformers ignores the cross-attention bias some checkpoints
+    # carry (cross-attention takes none).
+    ignored=r"^(lm_head\.|decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.)",
+    packed=_PACKED,
+    renames=(
+        _SHARED,
+        *_stack_renames("encoder", mlp_layer=1),
+        (r"^decoder\.block\.(\d+)\.layer\.1\.layer_norm\.", r"decoder.layers.\1.cross_attn_norm."),
+        (r"^decoder\.block\.(\d+)\.layer\.1\.EncDecAttention\.", r"decoder.layers.\1.cross_attn."),
+        *_stack_renames("decoder", mlp_layer=2),
+    ),
+)
+# The encoder alone skips a full checkpoint's decoder and LM head.
+ENCODER_CHECKPOINT = CheckpointNames(
+    ignored=r"^(decoder\.|lm_head\.)", packed=_PACKED, renames=(_SHARED, *_stack_renames("encoder", mlp_layer=1))
+)
+
+FAMILY = Family(
+    name="t5",
+    model_types=("t5", "mt5"),
+    model_class=T5Model,
+    checkpoint=CHECKPOINT,
+    is_encoder=False,
+    is_encoder_decoder=True,
+    embeddings=("shared.weight", "encoder.embed_tokens.weight"),
+    lm_head_scale=output_scale,
+)
+# T5 checkpoints served by their encoder alone (models/registry.py decides which).
+ENCODER_FAMILY = Family(
+    name="t5-encoder",
+    model_types=("t5", "mt5"),
+    model_class=T5EncoderModel,
+    checkpoint=ENCODER_CHECKPOINT,
+    is_encoder=True,
+    embeddings=("shared.weight", "encoder.embed_tokens.weight"),
+)

@@ -1,4 +1,5 @@
-"""sentence-transformers MultiVectorEncoder directories (ColBERT-style): their settings and their token head.
+"""sentence-transformers MultiVectorEncoder directories (ColBERT-style): their settings (heads/multi_vector.py
+builds the token head from them).
 
 A MultiVectorEncoder runs its Transformer, then its Dense layers and Normalize on every token's vector;
 MultiVectorMask then picks the tokens that are returned and scored. What it reads (as 6.2 saves it):
@@ -22,14 +23,8 @@ import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
 from embedserv.errors import ConfigError
-from embedserv.models.heads import Dense
-from embedserv.models.loader import load_dense_weights
-from embedserv.models.st_files import DenseSpec, SentenceTransformerFiles
+from embedserv.models.loading.st_files import DenseSpec, SentenceTransformerFiles
 
 logger = logging.getLogger(__name__)
 
@@ -236,29 +231,3 @@ def read_multi_vector_settings(model_dir: Path, st: SentenceTransformerFiles, hi
         # Saved names it does not support (cosine, dot from a converted model) fall back to maxsim there too.
         mean_maxsim=similarity == "meanmaxsim",
     )
-
-
-class TokenHead(nn.Module):
-    """A MultiVectorEncoder's token modules: [n, hidden] rows -> [n, dim] float32 vectors."""
-
-    def __init__(self, dense: list[Dense], normalize: bool) -> None:
-        super().__init__()
-        self.dense = nn.ModuleList(dense)
-        self.normalize = normalize
-
-    def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        for layer in self.dense:
-            rows = layer(rows.to(layer.linear.weight.dtype))
-        rows = rows.float()
-        return F.normalize(rows, p=2, dim=-1) if self.normalize else rows
-
-
-def build_token_head(spec, allow_pickle: bool) -> nn.Module:
-    """The token head of a MultiVectorEncoder ModelSpec, on its device and in its dtype."""
-    settings = read_multi_vector_settings(spec.model_dir, spec.st, spec.hf_config.hidden_size)
-    dense = []
-    for dense_spec in settings.dense:
-        layer = Dense(dense_spec)
-        load_dense_weights(layer, dense_spec.directory, allow_pickle)
-        dense.append(layer.to(device=spec.device, dtype=spec.dtype))
-    return TokenHead(dense, settings.normalize).eval().requires_grad_(False)

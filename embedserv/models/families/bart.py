@@ -8,21 +8,19 @@ BART normalizes after each residual (post-LN); mBART before each sublayer (pre-L
 end of each stack (`layer_norm`). Encoder and decoder read one token embedding matrix (`shared`).
 
 `BartModel` serves BartForConditionalGeneration, BartForSequenceClassification and
-MBartForConditionalGeneration checkpoints; the LM head (with `final_logits_bias`) is in lm_head.py and the
-classification head in score_head.py.
+MBartForConditionalGeneration checkpoints; the LM head (with `final_logits_bias`) is in heads/lm.py and the
+classification head in heads/score.py (this file's FAMILY record names their tensors).
 """
 
 from __future__ import annotations
 
 import math
-import re
-from typing import Iterable
-
 import torch
 from torch import nn
 
 from embedserv.attention.layer import Attention, AttentionKind
-from embedserv.models.layers import Linear, copy_checked
+from embedserv.models.layers import Linear, packed_linear
+from embedserv.models.loading.family import CheckpointNames, Classifier, Family
 
 # fairseq reserved the first two rows of the position table: position p is row p + 2.
 POSITION_OFFSET = 2
@@ -33,7 +31,7 @@ class BartSelfAttention(nn.Module):
         super().__init__()
         self.d_model = d_model
         # Query, key and value in one matmul; the loader stacks their weights.
-        self.qkv = Linear(d_model, 3 * d_model)
+        self.qkv = packed_linear(d_model, (d_model,) * 3)
         self.attn = Attention(num_heads, d_model // num_heads, layer_index=layer_index, kind=kind)
         self.out_proj = Linear(d_model, d_model)
 
@@ -48,7 +46,7 @@ class BartCrossAttention(nn.Module):
         self.d_model = d_model
         self.q_proj = Linear(d_model, d_model)
         # Key and value of the encoder output in one matmul; the loader stacks their weights.
-        self.kv = Linear(d_model, 2 * d_model)
+        self.kv = packed_linear(d_model, (d_model,) * 2)
         self.attn = Attention(
             num_heads, d_model // num_heads, layer_index=layer_index, kind=AttentionKind.CROSS, kv_group=1
         )
@@ -146,17 +144,6 @@ class BartStack(nn.Module):
         return hidden if self.layer_norm is None else self.layer_norm(hidden)
 
 
-# Checkpoint names (after the `model.` prefix) of the tensors stacked into one of our parameters.
-_STACKED = re.compile(
-    r"^(encoder|decoder)\.layers\.(\d+)\.(self_attn\.(q|k|v)_proj|encoder_attn\.(k|v)_proj)\.(weight|bias)$"
-)
-# Token embeddings: one matrix (`shared`); many checkpoints repeat it per stack.
-_EMBEDDINGS = ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
-# Tensors the backbone does not hold: the heads (lm_head.py and score_head.py read them).
-_IGNORED = re.compile(r"^(lm_head\.|final_logits_bias$|classification_head\.)")
-_PREFIX = "model."
-
-
 class BartModel(nn.Module):
     """BART / mBART encoder-decoder: `forward(input_ids, positions, encoder_input_ids=..., ...) ->
     [num_decoder_tokens, d_model]`, the decoder's last norm applied. Positions come offset by 2.
@@ -205,49 +192,44 @@ class BartModel(nn.Module):
             encoder_hidden = self.encode(encoder_input_ids, encoder_positions)
         return self.decoder(self._embed(input_ids), positions, encoder_hidden)
 
-    def _stacked_target(self, name: str) -> tuple[str, str, slice] | None:
-        """(our parameter, shard label, rows) for a q/k/v projection tensor; None for any other."""
-        match = _STACKED.match(name)
-        if match is None:
-            return None
-        stack, layer, _, self_part, cross_part, kind = match.groups()
-        size = self.config.d_model
-        if self_part:
-            index = "qkv".index(self_part)
-            return f"{stack}.layers.{layer}.self_attn.qkv.{kind}", self_part, slice(index * size, (index + 1) * size)
-        if stack != "decoder":
-            return None
-        index = "kv".index(cross_part)
-        return f"decoder.layers.{layer}.encoder_attn.kv.{kind}", cross_part, slice(index * size, (index + 1) * size)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copies checkpoint tensors in; returns the names of our parameters it filled.
+# *ForConditionalGeneration / *ForSequenceClassification names (`model.` prefix), or bare BartModel names.
+CHECKPOINT = CheckpointNames(
+    prefixes=("model.",),
+    # The heads (models/heads/lm.py and score.py read them).
+    ignored=r"^(lm_head\.|final_logits_bias$|classification_head\.)",
+    packed=(
+        ("self_attn.q_proj.", "self_attn.qkv.", 0),
+        ("self_attn.k_proj.", "self_attn.qkv.", 1),
+        ("self_attn.v_proj.", "self_attn.qkv.", 2),
+        ("encoder_attn.k_proj.", "encoder_attn.kv.", 0),
+        ("encoder_attn.v_proj.", "encoder_attn.kv.", 1),
+    ),
+    # Token embeddings: one matrix (`shared`); many checkpoints repeat it per stack.
+    renames=((r"^(encoder|decoder)\.embed_tokens\.weight$", "shared.weight"),),
+)
+# BartForSequenceClassification reads the decoder's last token (transformers pools the decoder state at the
+# input's last EOS; fed the input shifted right, the decoder's last position holds it) through
+# dense + tanh + out_proj. (MBartForSequenceClassification feeds its decoder mBART's own shift of the input,
+# its last token first: not served yet.)
+_CLASSIFIER = Classifier(
+    token="last",
+    pooler=True,
+    sources={
+        f"{ours}.{kind}": (f"classification_head.{theirs}.{kind}", f"model.classification_head.{theirs}.{kind}")
+        for ours, theirs in (("dense", "dense"), ("out", "out_proj"))
+        for kind in ("weight", "bias")
+    },
+)
 
-        Takes *ForConditionalGeneration / *ForSequenceClassification names (`model.` prefix) and bare
-        BartModel names alike."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        shards: dict[str, set[str]] = {}
-        for name, tensor in weights:
-            name = name.removeprefix(_PREFIX)
-            if _IGNORED.match(name):
-                continue
-            if name in _EMBEDDINGS:
-                copy_checked(params["shared.weight"].data, tensor, name)
-                loaded.add("shared.weight")
-                continue
-            stacked = self._stacked_target(name)
-            if stacked is not None:
-                target, shard, rows = stacked
-                if target not in params:
-                    raise ValueError(f"unexpected checkpoint tensor {name!r}: this model has no {target}")
-                copy_checked(params[target].data[rows], tensor, name)
-                shards.setdefault(target, set()).add(shard)
-                continue
-            if name not in params:
-                raise ValueError(f"unexpected checkpoint tensor {name!r}")
-            copy_checked(params[name].data, tensor, name)
-            loaded.add(name)
-        # A stacked parameter is filled only when every one of its shards was.
-        loaded.update(t for t, parts in shards.items() if parts == ({"k", "v"} if ".kv." in t else {"q", "k", "v"}))
-        return loaded
+FAMILY = Family(
+    name="bart",
+    model_types=("bart", "mbart"),
+    model_class=BartModel,
+    checkpoint=CHECKPOINT,
+    is_encoder=False,
+    is_encoder_decoder=True,
+    classifiers={"BartForSequenceClassification": _CLASSIFIER},
+    embeddings=("model.shared.weight", "shared.weight", "model.encoder.embed_tokens.weight", "encoder.embed_tokens.weight"),
+    final_logits_bias=("final_logits_bias", "model.final_logits_bias"),
+)

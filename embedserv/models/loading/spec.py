@@ -1,6 +1,6 @@
 """What a served model is, read without its weights or tokenizer: the server process and every worker read it.
 
-config.json through transformers' AutoConfig (no remote code), the architecture in models/registry.py,
+config.json through transformers' AutoConfig (no remote code), the family in models/registry.py,
 the sentence-transformers files, causality (config, then --attention), the attention backend for the
 model's shapes on its device, the task (tasks.py), the position limit (off a weightless instance) and the
 input limit. ModelInfo is what ListModels reports.
@@ -21,12 +21,14 @@ from embedserv.config import ModelConfig
 from embedserv.errors import ConfigError
 from embedserv.models import registry
 from embedserv.models.layers import head_dim, num_kv_heads
-from embedserv.models.lm_head import has_lm_head
-from embedserv.models.embed_outputs import OutputSpec, read_output_spec
-from embedserv.models.loader import checkpoint_files, read_hf_config
-from embedserv.models.score_head import DECODER_CLASSIFIERS
-from embedserv.models.st_files import SentenceTransformerFiles, read_sentence_transformers
-from embedserv.models.tasks import TaskSpec, architecture_of, read_task_spec, with_outputs
+from embedserv.models.heads.lm import has_lm_head
+from embedserv.models.loading.checkpoint import checkpoint_files
+from embedserv.models.loading.family import Family
+from embedserv.models.loading.hf_config import read_hf_config
+from embedserv.models.loading.model_spec import ModelSpec
+from embedserv.models.loading.outputs import read_output_spec
+from embedserv.models.loading.st_files import SentenceTransformerFiles, read_sentence_transformers
+from embedserv.models.loading.tasks import TaskSpec, architecture_of, read_task_spec, with_outputs
 from embedserv.types import ModelInfo, Task
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -34,28 +36,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 DEFAULT_POOLING = "mean"
 # Tokenizers without a real limit report a huge model_max_length.
 _NO_LIMIT = 1_000_000
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A model without its weights: what the engine needs, and what a worker builds its replica from."""
-
-    info: ModelInfo
-    task: TaskSpec
-    # Prompt plus generated tokens may not pass this (the model's positions).
-    max_model_len: int
-    model_dir: Path
-    hf_config: object
-    model_class: type
-    st: SentenceTransformerFiles
-    files: list[Path]
-    backend: AttentionBackend
-    device: torch.device
-    dtype: torch.dtype
-    # Tokens per KV-cache block: --kv-block-size, else the backend's default (what its paged kernel wants).
-    kv_block_size: int
-    # What Embed can return and how (models/embed_outputs.py).
-    outputs: OutputSpec = OutputSpec(())
 
 
 def _max_input_tokens(model_dir: Path, st: SentenceTransformerFiles, max_positions: int) -> int:
@@ -147,17 +127,17 @@ def _layout(model_class: type, hf_config, model_dir: Path) -> _Layout:
     )
 
 
-def _check_fast_prefill(config: ModelConfig, layout: _Layout, entry: registry.ModelEntry) -> None:
+def _check_fast_prefill(config: ModelConfig, layout: _Layout, family: Family) -> None:
     if not config.kv_sharing_fast_prefill:
         return
-    if layout.prefill_skip_layer is None or entry.is_encoder_decoder:
+    if layout.prefill_skip_layer is None or family.is_encoder_decoder:
         raise ConfigError(
             f"--kv-sharing-fast-prefill: {config.path} has no layers that reuse an earlier layer's KV cache "
             "(Gemma 3n / Gemma 4 with num_kv_shared_layers do); leave the flag off for this model"
         )
 
 
-def _pooling_and_dimension(config: ModelConfig, task: TaskSpec, st: SentenceTransformerFiles, hf_config):
+def _pooling_and_dimension(config: ModelConfig, task: TaskSpec, st: SentenceTransformerFiles, hf_config, family: Family):
     if task.tasks and task.tasks[0] in (Task.EMBED_SPARSE, Task.EMBED_MULTI_VECTOR):
         return ("splade" if task.tasks[0] is Task.EMBED_SPARSE else "", 0)
     if Task.EMBED in task.tasks:
@@ -166,10 +146,15 @@ def _pooling_and_dimension(config: ModelConfig, task: TaskSpec, st: SentenceTran
     if task.tasks != (Task.GENERATE,):
         reads_last = (
             task.template is not None or task.prefill_decoder_input is not None
-            or architecture_of(hf_config) in DECODER_CLASSIFIERS
+            or (not family.is_encoder_decoder and _classifier_token(family, hf_config) == "last")
         )
         return "lasttoken" if reads_last else "cls", 0
     return "", 0
+
+
+def _classifier_token(family: Family, hf_config) -> str | None:
+    classifier = family.classifiers.get(architecture_of(hf_config))
+    return classifier.token if classifier is not None else None
 
 
 def read_model_spec(config: ModelConfig) -> ModelSpec:
@@ -178,22 +163,21 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
         raise ConfigError(f"--model {config.path}: no config.json there; give a local Hugging Face model directory")
     hf_config = read_hf_config(model_dir)
     st = read_sentence_transformers(model_dir)
-    entry = registry.lookup(
+    family = registry.lookup(
         hf_config.model_type, architecture_of(hf_config), sentence_transformers=(model_dir / "modules.json").exists()
     )
     device = _device(config.device)
     dtype = _DTYPES[config.torch_dtype_name]
     _check_dtype(hf_config, dtype, model_dir)
-    is_causal = registry.is_causal(hf_config, entry, config.attention)
-    layout = _layout(entry.model_class, hf_config, model_dir)
-    _check_fast_prefill(config, layout, entry)
+    is_causal = registry.is_causal(hf_config, family, config.attention)
+    layout = _layout(family.model_class, hf_config, model_dir)
+    _check_fast_prefill(config, layout, family)
     backend = select_backend(
         config.attention_backend, _attention_spec(hf_config, device, dtype, is_causal, layout.sliding_window)
     )
     files = checkpoint_files(model_dir, config.allow_pickle)
     task = read_task_spec(
-        model_dir, hf_config, is_causal, config.decoder_reranker, has_lm_head(hf_config, files),
-        is_encoder_decoder=entry.is_encoder_decoder,
+        model_dir, hf_config, family, is_causal, config.decoder_reranker, has_lm_head(family, hf_config, files)
     )
     outputs = read_output_spec(
         model_dir, hf_config, st, config.pooling, architecture_of(hf_config), embeds=Task.EMBED in task.tasks
@@ -201,11 +185,11 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
     task = with_outputs(task, outputs.tasks)
     _check_quantization(config, task, model_dir)
     max_positions = layout.max_positions
-    pooling, dimension = _pooling_and_dimension(config, task, st, hf_config)
+    pooling, dimension = _pooling_and_dimension(config, task, st, hf_config, family)
     info = ModelInfo(
         name=config.served_name,
         tasks=task.tasks,
-        architecture=architecture_of(hf_config) or entry.model_class.__name__,
+        architecture=architecture_of(hf_config) or family.model_class.__name__,
         is_causal=is_causal,
         pooling=pooling,
         dimension=dimension,
@@ -215,7 +199,7 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
         device=str(device),
         attention_backend=backend.name,
         labels=task.labels,
-        is_encoder_decoder=entry.is_encoder_decoder,
+        is_encoder_decoder=family.is_encoder_decoder,
         kv_shared_layers=layout.kv_shared_layers,
         kv_sharing_fast_prefill=config.kv_sharing_fast_prefill,
         outputs=outputs.outputs,
@@ -224,7 +208,7 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
     )
     return ModelSpec(
         info=info, task=task, max_model_len=max_positions, model_dir=model_dir, hf_config=hf_config,
-        model_class=entry.model_class, st=st, files=files, backend=backend, device=device, dtype=dtype,
+        family=family, st=st, files=files, backend=backend, device=device, dtype=dtype,
         kv_block_size=_kv_block_size(config, backend, task, device), outputs=outputs,
     )
 

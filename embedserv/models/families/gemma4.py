@@ -19,21 +19,13 @@ MoE configs (`enable_moe_block`) are refused.
 
 from __future__ import annotations
 
-import re
-from typing import Iterable
-
 import torch
 from torch import nn
 
 from embedserv.attention.layer import Attention, link_kv_sharing
-from embedserv.models.gemma import (
-    FusedShards,
-    GemmaMLP,
-    check_layer_types,
-    embedding_scale,
-    load_gemma_weights,
-)
-from embedserv.models.layers import Linear, get_activation
+from embedserv.models.families.gemma import EMBEDDINGS, HEADS, GemmaMLP, check_layer_types, embedding_scale
+from embedserv.models.layers import Linear, get_activation, packed_linear
+from embedserv.models.loading.family import QKV_GATE_UP, CheckpointNames, Family
 from embedserv.models.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -96,7 +88,7 @@ class Gemma4Attention(nn.Module):
             self.sizes = (q_size, kv_size)  # values are the raw key projection
         else:
             self.sizes = (q_size, kv_size, kv_size)
-        self.qkv = Linear(config.hidden_size, sum(self.sizes), bias=config.attention_bias)
+        self.qkv = packed_linear(config.hidden_size, self.sizes, bias=config.attention_bias)
         eps = config.rms_norm_eps
         self.q_norm = Gemma4RMSNorm(self.head_dim, eps)
         self.k_norm = None if self.shared else Gemma4RMSNorm(self.head_dim, eps)
@@ -139,7 +131,7 @@ class Gemma4DecoderLayer(nn.Module):
             self.post_per_layer_input_norm = Gemma4RMSNorm(hidden, eps)
         else:
             self.per_layer_input_gate = None
-        # A buffer, not a parameter: checkpoints that lack it keep transformers' initial 1 (load_weights).
+        # A buffer, not a parameter: checkpoints that lack it keep transformers' initial 1 (FAMILY.fill_defaults).
         self.register_buffer("layer_scalar", torch.empty(1))
 
     def forward(self, hidden: torch.Tensor, per_layer_input: torch.Tensor | None, cos, sin) -> torch.Tensor:
@@ -151,11 +143,6 @@ class Gemma4DecoderLayer(nn.Module):
             gated = self.act(self.per_layer_input_gate(hidden)) * per_layer_input
             hidden = hidden + self.post_per_layer_input_norm(self.per_layer_projection(gated))
         return hidden * self.layer_scalar
-
-
-# Tensors the backbone does not hold: the LM head (lm_head.py reads it), a classifier's `score`, rotary
-# buffers some checkpoints carry.
-_HEADS = r"lm_head\.|score\.|rotary_emb\."
 
 
 class Gemma4Model(nn.Module):
@@ -192,20 +179,6 @@ class Gemma4Model(nn.Module):
             kind: RotaryEmbedding(config, config.per_layer_config[kind].head_dim, self.max_positions, layer_type=kind)
             for kind in sorted(set(types))
         }
-        self.shards = self._fused_shards()
-        # transformers drops shared layers' key/value projections and norms from checkpoints on load.
-        shared_kv = rf"|layers\.({'|'.join(map(str, shared))})\.self_attn\.(k|v)_(proj|norm)\." if shared else ""
-        self.ignored = re.compile(rf"^({_HEADS}{shared_kv})")
-
-    def _fused_shards(self) -> FusedShards:
-        shards = FusedShards()
-        kinds = ("weight", "bias") if self.config.attention_bias else ("weight",)
-        for i, layer in enumerate(self.layers):
-            names = [f"layers.{i}.self_attn.{p}_proj" for p in "qkv"]
-            shards.add(f"layers.{i}.self_attn.qkv", zip(names, layer.self_attn.sizes), kinds)
-            width = layer.mlp.down_proj.weight.shape[1]
-            shards.add(f"layers.{i}.mlp.gate_up", ((f"layers.{i}.mlp.{p}_proj", width) for p in ("gate", "up")))
-        return shards
 
     @property
     def max_positions(self) -> int:
@@ -232,14 +205,33 @@ class Gemma4Model(nn.Module):
             hidden = layer(hidden, per_layer[:, i] if per_layer is not None else None, *rope[layer.layer_type])
         return self.norm(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        for layer in self.layers:
-            layer.layer_scalar.fill_(1.0)
-        return load_gemma_weights(self, weights, self.shards, self.ignored)
-
 
 def _keep(rows: torch.Tensor, hidden: torch.Tensor, per_layer: torch.Tensor | None, rope: dict):
     """The hidden states, per-layer inputs and every layer type's cos/sin of `rows` only."""
     per_layer = per_layer.index_select(0, rows) if per_layer is not None else None
     rope = {kind: (cos.index_select(0, rows), sin.index_select(0, rows)) for kind, (cos, sin) in rope.items()}
     return hidden.index_select(0, rows), per_layer, rope
+
+
+def checkpoint_names(config) -> CheckpointNames:
+    """Gemma 3's names; transformers also drops shared layers' key/value projections and norms on load."""
+    shared = [str(i) for i, source in enumerate(kv_sources(config)) if source is not None]
+    shared_kv = rf"|layers\.({'|'.join(shared)})\.self_attn\.(k|v)_(proj|norm)\." if shared else ""
+    return CheckpointNames(prefixes=("model.",), ignored=rf"^({HEADS}{shared_kv})", packed=QKV_GATE_UP)
+
+
+def _unit_layer_scalars(model: Gemma4Model) -> None:
+    """Checkpoints that lack the layer scalars keep transformers' initial 1."""
+    for layer in model.layers:
+        layer.layer_scalar.fill_(1.0)
+
+
+FAMILY = Family(
+    name="gemma4",
+    model_types=("gemma4_text",),
+    model_class=Gemma4Model,
+    checkpoint=checkpoint_names,
+    is_encoder=False,
+    embeddings=EMBEDDINGS,
+    fill_defaults=_unit_layer_scalars,
+)

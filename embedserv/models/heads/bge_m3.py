@@ -5,7 +5,7 @@ state dicts, `.pt` as FlagEmbedding saves them with torch.save, or converted to 
 - lexical weights: per token relu(sparse_linear(hidden)); per (sequence, token id) the largest weight of
   that id's tokens, special tokens (cls, eos/sep, pad, unk) left out, only weights above 0;
 - colbert vectors: normalize(colbert_linear(hidden)) for every token but the first (the engine drops the
-  first: engine/tasks/embedding.py SkipFirstToken).
+  first, as bge-m3's entry in models/registry.HEAD_KINDS says).
 The dense output is the ordinary pooler (CLS, Normalize) of the sentence-transformers files.
 """
 
@@ -19,10 +19,10 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from embedserv.errors import ConfigError
-from embedserv.models.heads import TokenInputs
+from embedserv.models.heads.pooling import TokenInputs
 from embedserv.models.layers import on_padded_rows
-from embedserv.models.loader import read_head_file
-from embedserv.models.spec import ModelSpec
+from embedserv.models.loading.checkpoint import read_head_file
+from embedserv.models.loading.model_spec import ModelSpec
 
 # The tokenizer's special tokens FlagEmbedding leaves out of the lexical weights (sep: eos for BERT-style
 # tokenizers; bge-m3's XLM-R tokenizer has the same </s> for both).

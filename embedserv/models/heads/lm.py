@@ -3,8 +3,8 @@
 Causal LMs: `lm_head.weight`, or the embeddings when tied. Encoder-decoders follow transformers 5, which
 ties the head to the token embeddings unless the checkpoint holds a head of its own, so `lm_head.weight`
 when the files have it, else the shared embeddings; on top of that
-- T5 v1.0 scales the decoder output by d_model**-0.5 before a head tied by its config (t5.output_scale):
-  folded into the weight here, so the head stays one matmul;
+- T5 v1.0 scales the decoder output by d_model**-0.5 before a head tied by its config (its family's
+  `lm_head_scale`): folded into the weight here, so the head stays one matmul;
 - BART and mBART add `final_logits_bias` ([1, vocab], zeros when the checkpoint lacks it).
 Gemma 3 and 4 cap the logits softly, `cap * tanh(logits / cap)` (`final_logit_softcapping`): the head
 does it, so the sampler reads the capped logits as transformers' generate does.
@@ -19,50 +19,36 @@ from torch import nn
 
 from embedserv.errors import ConfigError
 from embedserv.models.layers import Linear
-from embedserv.models.loader import has_tensor, read_first_tensor, read_tensor
-from embedserv.models.t5 import output_scale
-
-_EMBEDDINGS = ("model.embed_tokens.weight", "embed_tokens.weight")
-# Where each encoder-decoder family keeps its token embeddings (with and without the `model.` prefix).
-_SEQ2SEQ_EMBEDDINGS = {
-    "t5": ("shared.weight", "encoder.embed_tokens.weight"),
-    "mt5": ("shared.weight", "encoder.embed_tokens.weight"),
-    "bart": ("model.shared.weight", "shared.weight", "model.encoder.embed_tokens.weight", "encoder.embed_tokens.weight"),
-    "mbart": ("model.shared.weight", "shared.weight", "model.encoder.embed_tokens.weight", "encoder.embed_tokens.weight"),
-}
-_FINAL_LOGITS_BIAS = ("final_logits_bias", "model.final_logits_bias")
+from embedserv.models.loading.checkpoint import has_tensor, read_first_tensor, read_tensor
+from embedserv.models.loading.family import Family
 
 
-def is_seq2seq(hf_config) -> bool:
-    return getattr(hf_config, "model_type", None) in _SEQ2SEQ_EMBEDDINGS
-
-
-def has_lm_head(hf_config, files: list[Path]) -> bool:
+def has_lm_head(family: Family, hf_config, files: list[Path]) -> bool:
     """A checkpoint can generate when its head is the embedding matrix (tied) or is saved beside it."""
-    return is_seq2seq(hf_config) or is_tied(hf_config) or has_tensor(files, "lm_head.weight")
+    return family.is_encoder_decoder or is_tied(hf_config) or has_tensor(files, "lm_head.weight")
 
 
 def is_tied(hf_config) -> bool:
     return bool(getattr(hf_config, "tie_word_embeddings", True))
 
 
-def seq2seq_head_weight(hf_config, files: list[Path], rows: slice | None = None) -> torch.Tensor:
+def seq2seq_head_weight(family: Family, hf_config, files: list[Path], rows: slice | None = None) -> torch.Tensor:
     """An encoder-decoder's LM head matrix (or some of its rows) in float32, T5's output scale folded in."""
-    names = ("lm_head.weight",) + _SEQ2SEQ_EMBEDDINGS[hf_config.model_type]
+    names = ("lm_head.weight",) + family.embeddings
     weight = read_first_tensor(files, names, rows).float()
     if weight.shape[-1] != hf_config.d_model:
         raise ConfigError(
             f"{files[0].parent}: the LM head has shape {tuple(weight.shape)}, not [vocab, {hf_config.d_model}]"
         )
-    scale = output_scale(hf_config)
+    scale = family.output_scale(hf_config)
     return weight * scale if scale != 1.0 else weight
 
 
-def seq2seq_final_logits_bias(hf_config, files: list[Path]) -> torch.Tensor | None:
+def seq2seq_final_logits_bias(family: Family, hf_config, files: list[Path]) -> torch.Tensor | None:
     """BART's and mBART's [vocab] float32 logits bias (zeros when the checkpoint lacks it); None for T5."""
-    if hf_config.model_type not in ("bart", "mbart"):
+    if not family.final_logits_bias:
         return None
-    for name in _FINAL_LOGITS_BIAS:
+    for name in family.final_logits_bias:
         bias = read_tensor(files, name)
         if bias is not None:
             return bias.reshape(-1).float()
@@ -70,9 +56,9 @@ def seq2seq_final_logits_bias(hf_config, files: list[Path]) -> torch.Tensor | No
     return torch.zeros(hf_config.vocab_size)
 
 
-def _seq2seq_lm_head(hf_config, files: list[Path]) -> Linear:
-    weight = seq2seq_head_weight(hf_config, files)
-    bias = seq2seq_final_logits_bias(hf_config, files)
+def _seq2seq_lm_head(family: Family, hf_config, files: list[Path]) -> Linear:
+    weight = seq2seq_head_weight(family, hf_config, files)
+    bias = seq2seq_final_logits_bias(family, hf_config, files)
     if bias is not None and bias.shape[0] != weight.shape[0]:
         raise ConfigError(
             f"{files[0].parent}: final_logits_bias has {bias.shape[0]} entries, the vocabulary {weight.shape[0]}"
@@ -102,13 +88,15 @@ class SoftcappedLMHead(nn.Module):
         return torch.tanh(self.head(hidden).float() / self.cap) * self.cap
 
 
-def build_lm_head(hf_config, files: list[Path], device: torch.device, dtype: torch.dtype) -> nn.Module:
+def build_lm_head(
+    family: Family, hf_config, files: list[Path], device: torch.device, dtype: torch.dtype
+) -> nn.Module:
     """[hidden] -> [vocab]: a Linear of `lm_head.weight`, or of the embeddings when tied (plus what the
     encoder-decoder families add, and Gemma's softcapping: see the module docstring)."""
-    if is_seq2seq(hf_config):
-        head = _seq2seq_lm_head(hf_config, files)
+    if family.is_encoder_decoder:
+        head = _seq2seq_lm_head(family, hf_config, files)
     else:
-        names = _EMBEDDINGS if is_tied(hf_config) else ("lm_head.weight",)
+        names = family.embeddings if is_tied(hf_config) else ("lm_head.weight",)
         weight = read_first_tensor(files, names)
         if weight.shape[1] != hf_config.hidden_size:
             raise ConfigError(

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from embedserv.models.layers import on_padded_rows
-from embedserv.models.st_files import DenseSpec
+from embedserv.models.loading.st_files import DenseSpec
 
 _DENSE_ACTIVATIONS = {
     "Identity": nn.Identity,

@@ -6,25 +6,23 @@ and after the MLP as well as before them ("sandwich" norms), per-head RMSNorm on
 GeLU-gated MLP, embeddings scaled by sqrt(hidden_size), and attention scaled by
 `query_pre_attn_scalar ** -0.5` instead of the head size. Layers are "sliding_attention" or
 "full_attention" (`layer_types`); each type has its own rotary settings (`rope_parameters[type]`), and
-sliding layers attend within the window below. The final logit softcapping is the LM head's (lm_head.py).
+sliding layers attend within the window below. The final logit softcapping is the LM head's (heads/lm.py).
 Gemma 2's attention logit softcapping would need every attention backend to cap scores: refused.
 """
 
 from __future__ import annotations
 
-import re
 from functools import lru_cache
-from typing import Iterable
 
 import torch
 from torch import nn
 
 from embedserv.attention.layer import Attention
-from embedserv.models.layers import Linear, copy_checked, get_activation, head_dim
+from embedserv.models.layers import Linear, get_activation, head_dim, packed_linear
+from embedserv.models.loading.family import QKV_GATE_UP, CheckpointNames, Family
 from embedserv.models.rotary import RotaryEmbedding, apply_rotary
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
-_PREFIX = "model."
 
 
 def gemma3_sliding_window(config) -> int:
@@ -75,64 +73,13 @@ class GemmaMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str) -> None:
         super().__init__()
-        self.gate_up = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.gate_up = packed_linear(hidden_size, (intermediate_size,) * 2, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
         self.act = get_activation(activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
-
-
-class FusedShards:
-    """Checkpoint tensors stacked into one of our parameters (q/k/v into qkv, gate/up into gate_up)."""
-
-    def __init__(self) -> None:
-        # checkpoint name -> (our parameter, its rows)
-        self.rows: dict[str, tuple[str, slice]] = {}
-        # our parameter -> the checkpoint names that fill it
-        self.sources: dict[str, set[str]] = {}
-
-    def add(self, target: str, parts: Iterable[tuple[str, int]], kinds: tuple[str, ...] = ("weight",)) -> None:
-        """`target` ("layers.0.self_attn.qkv") stacks `parts` (checkpoint module name, rows) in order."""
-        parts = list(parts)
-        for kind in kinds:
-            start = 0
-            for source, size in parts:
-                self.rows[f"{source}.{kind}"] = (f"{target}.{kind}", slice(start, start + size))
-                self.sources.setdefault(f"{target}.{kind}", set()).add(f"{source}.{kind}")
-                start += size
-
-
-def load_gemma_weights(
-    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], shards: FusedShards, ignored: re.Pattern
-) -> set[str]:
-    """Copies checkpoint tensors in; returns the names of our parameters (and buffers) it filled.
-
-    Takes ForCausalLM names (`model.` prefix) and bare backbone names (what sentence-transformers saves)
-    alike; names matching `ignored` (heads, tensors transformers drops on load) are skipped.
-    """
-    targets = dict(model.named_parameters()) | dict(model.named_buffers())
-    loaded: set[str] = set()
-    filled: dict[str, set[str]] = {}
-    for name, tensor in weights:
-        name = name.removeprefix(_PREFIX)
-        if ignored.match(name):
-            continue
-        if name in shards.rows:
-            target, rows = shards.rows[name]
-            if target not in targets:
-                raise ValueError(f"unexpected checkpoint tensor {name!r}: this model has no {target}")
-            copy_checked(targets[target].data[rows], tensor, name)
-            filled.setdefault(target, set()).add(name)
-            continue
-        if name not in targets:
-            raise ValueError(f"unexpected checkpoint tensor {name!r}")
-        copy_checked(targets[name].data, tensor, name)
-        loaded.add(name)
-    # A stacked parameter is filled only when every one of its parts was.
-    loaded.update(target for target, names in filled.items() if names == shards.sources[target])
-    return loaded
 
 
 class Gemma3Attention(nn.Module):
@@ -142,7 +89,7 @@ class Gemma3Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim(config)
         self.sizes = (self.num_heads * self.head_dim,) + (self.num_kv_heads * self.head_dim,) * 2
-        self.qkv = Linear(config.hidden_size, sum(self.sizes), bias=config.attention_bias)
+        self.qkv = packed_linear(config.hidden_size, self.sizes, bias=config.attention_bias)
         self.q_norm = Gemma3RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = Gemma3RMSNorm(self.head_dim, config.rms_norm_eps)
         self.attn = Attention(
@@ -177,11 +124,6 @@ class Gemma3DecoderLayer(nn.Module):
         return hidden + self.post_feedforward_layernorm(mlp)
 
 
-# Tensors the backbone does not hold: the LM head (lm_head.py reads it), a classifier's `score`, rotary
-# buffers some checkpoints carry.
-_IGNORED = re.compile(r"^(lm_head\.|score\.|rotary_emb\.)")
-
-
 class Gemma3Model(nn.Module):
     """`forward(input_ids, positions[, token_type_ids]) -> [num_tokens, hidden]`, final norm applied."""
 
@@ -205,15 +147,6 @@ class Gemma3Model(nn.Module):
             kind: RotaryEmbedding(config, head_dim(config), self.max_positions, layer_type=kind)
             for kind in sorted(set(self.layer_types))
         }
-        self.shards = FusedShards()
-        attn = self.layers[0].self_attn
-        kinds = ("weight", "bias") if config.attention_bias else ("weight",)
-        for i in range(len(self.layers)):
-            prefix = f"layers.{i}"
-            qkv = zip((f"{prefix}.self_attn.{p}_proj" for p in "qkv"), attn.sizes)
-            self.shards.add(f"{prefix}.self_attn.qkv", qkv, kinds)
-            mlp = ((f"{prefix}.mlp.{p}_proj", config.intermediate_size) for p in ("gate", "up"))
-            self.shards.add(f"{prefix}.mlp.gate_up", mlp)
 
     @property
     def max_positions(self) -> int:
@@ -227,5 +160,19 @@ class Gemma3Model(nn.Module):
             hidden = layer(hidden, *rope[layer.layer_type])
         return self.norm(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_gemma_weights(self, weights, self.shards, _IGNORED)
+
+# ForCausalLM names (`model.` prefix) or bare backbone names (what sentence-transformers saves). Not the
+# backbone's: the LM head (models/heads/lm.py reads it), a classifier's `score`, rotary buffers some
+# checkpoints carry.
+HEADS = r"lm_head\.|score\.|rotary_emb\."
+CHECKPOINT = CheckpointNames(prefixes=("model.",), ignored=rf"^({HEADS})", packed=QKV_GATE_UP)
+EMBEDDINGS = ("model.embed_tokens.weight", "embed_tokens.weight")
+
+FAMILY = Family(
+    name="gemma3",
+    model_types=("gemma3_text",),
+    model_class=Gemma3Model,
+    checkpoint=CHECKPOINT,
+    is_encoder=False,
+    embeddings=EMBEDDINGS,
+)

@@ -15,18 +15,18 @@ The logits are made a chunk of tokens at a time, so a 16k-token batch never hold
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
 from embedserv.errors import ConfigError
-from embedserv.models.heads import TokenInputs
+from embedserv.models.heads.pooling import TokenInputs
 from embedserv.models.layers import Linear, on_padded_rows
-from embedserv.models.loader import read_tensors
-from embedserv.models.spec import ModelSpec
-from embedserv.models.st_files import SpladeSpec
+from embedserv.models.loading.checkpoint import read_tensors
+from embedserv.models.loading.family import MlmHeadNames
+from embedserv.models.loading.model_spec import ModelSpec
+from embedserv.models.loading.st_files import SpladeSpec
 
 # index_reduce_ (the max per sequence) is marked beta; it is the fastest max of rows by index (2x
 # scatter_reduce_ here) and its call is stable since torch 1.13.
@@ -34,40 +34,6 @@ warnings.filterwarnings("ignore", message=r"index_reduce\(\) is in beta")
 # Elements of one chunk's [tokens, vocab] float32 logits (128 MiB): 1099 tokens of BERT's vocabulary,
 # 133 of XLM-R's.
 _LOGITS_PER_CHUNK = 1 << 25
-
-
-@dataclass(frozen=True)
-class _MlmNames:
-    """Where a family keeps its MLM head in a *ForMaskedLM checkpoint (first name found wins)."""
-
-    dense: str
-    norm: str
-    decoder: str
-    # The head's bias, then the decoder's.
-    bias: tuple[str, ...]
-    embeddings: tuple[str, ...]
-    # None: config.hidden_act (BERT); RoBERTa's head always uses gelu.
-    activation: str | None
-
-
-_BERT = _MlmNames(
-    dense="cls.predictions.transform.dense",
-    norm="cls.predictions.transform.LayerNorm",
-    decoder="cls.predictions.decoder.weight",
-    bias=("cls.predictions.bias", "cls.predictions.decoder.bias"),
-    embeddings=("bert.embeddings.word_embeddings.weight", "embeddings.word_embeddings.weight"),
-    activation=None,
-)
-_ROBERTA = _MlmNames(
-    dense="lm_head.dense",
-    norm="lm_head.layer_norm",
-    decoder="lm_head.decoder.weight",
-    bias=("lm_head.bias", "lm_head.decoder.bias"),
-    embeddings=("roberta.embeddings.word_embeddings.weight", "embeddings.word_embeddings.weight"),
-    activation="gelu",
-)
-# Model types our registry serves that have a masked-LM head we can read.
-_FAMILIES = {"bert": _BERT, "roberta": _ROBERTA, "xlm-roberta": _ROBERTA, "camembert": _ROBERTA}
 
 
 class MlmHead(nn.Module):
@@ -164,7 +130,7 @@ def _norm_names(prefix: str, kind: str) -> tuple[str, ...]:
     return (f"{prefix}.{kind}", f"{prefix}.{'gamma' if kind == 'weight' else 'beta'}")
 
 
-def _mlm_tensors(spec: ModelSpec, names: _MlmNames) -> dict[str, torch.Tensor]:
+def _mlm_tensors(spec: ModelSpec, names: MlmHeadNames) -> dict[str, torch.Tensor]:
     """Our MlmHead's state dict from the checkpoint; a missing tensor is a start-up error."""
     tied = bool(getattr(spec.hf_config, "tie_word_embeddings", True))
     sources = {
@@ -193,11 +159,11 @@ def _mlm_tensors(spec: ModelSpec, names: _MlmNames) -> dict[str, torch.Tensor]:
 def build_splade_head(spec: ModelSpec) -> SpladeHead:
     """The SPLADE head of a *ForMaskedLM checkpoint on spec.device in spec.dtype (pooling in float32)."""
     config = spec.hf_config
-    names = _FAMILIES.get(config.model_type)
+    names = spec.family.mlm_heads.get(config.model_type)
     if names is None:
         raise ConfigError(
-            f"{spec.model_dir}: the sparse (SPLADE) output reads a masked-LM head of model type "
-            f"{', '.join(sorted(_FAMILIES))}, not {config.model_type!r}"
+            f"{spec.model_dir}: the sparse (SPLADE) output reads a masked-LM head, and embedserv knows none for "
+            f"model type {config.model_type!r}"
         )
     activation = names.activation or config.hidden_act
     try:

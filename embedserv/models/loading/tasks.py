@@ -20,9 +20,9 @@ import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from embedserv.types import Activation, RerankMode, Task
 from embedserv.errors import ConfigError
-from embedserv.models.score_head import DECODER_CLASSIFIERS, SEQUENCE_CLASSIFIERS
+from embedserv.models.loading.family import Family
+from embedserv.types import Activation, RerankMode, Task
 
 logger = logging.getLogger(__name__)
 
@@ -153,22 +153,24 @@ def rerank_activation(model_dir: Path, hf_config, num_labels: int) -> Activation
 
 
 def read_task_spec(
-    model_dir: Path, hf_config, is_causal: bool, decoder_reranker: bool | None, has_lm_head: bool = False,
-    is_encoder_decoder: bool = False,
+    model_dir: Path, hf_config, family: Family, is_causal: bool, decoder_reranker: bool | None,
+    has_lm_head: bool = False,
 ) -> TaskSpec:
     architecture = architecture_of(hf_config)
-    if is_encoder_decoder:
-        return _seq2seq_task_spec(model_dir, hf_config, decoder_reranker)
+    if family.is_encoder_decoder:
+        return _seq2seq_task_spec(model_dir, hf_config, family, decoder_reranker)
     if is_decoder_reranker(model_dir, architecture, decoder_reranker):
         return TaskSpec(tasks=(Task.RERANK,), rerank_mode=RerankMode.TEMPLATE, template=QWEN3_RERANKER)
     if architecture.endswith("ForCausalLM") and is_causal and has_lm_head:
         if (model_dir / "modules.json").exists():
             return TaskSpec(tasks=(Task.EMBED, Task.RERANK, Task.GENERATE), rerank_mode=RerankMode.EMBEDDINGS)
         return TaskSpec(tasks=(Task.GENERATE,))
-    if architecture not in SEQUENCE_CLASSIFIERS:
+    classifier = family.classifiers.get(architecture)
+    if classifier is None:
         return TaskSpec(tasks=(Task.EMBED, Task.RERANK), rerank_mode=RerankMode.EMBEDDINGS)
     labels = _labels(hf_config)
-    is_decoder = architecture in DECODER_CLASSIFIERS
+    # Decoder classifiers score the last token.
+    is_decoder = classifier.token == "last"
     single = len(labels) == 1
     return TaskSpec(
         tasks=(Task.RERANK, Task.CLASSIFY) if single else (Task.CLASSIFY,),
@@ -180,12 +182,12 @@ def read_task_spec(
     )
 
 
-def _seq2seq_task_spec(model_dir: Path, hf_config, decoder_reranker: bool | None) -> TaskSpec:
+def _seq2seq_task_spec(model_dir: Path, hf_config, family: Family, decoder_reranker: bool | None) -> TaskSpec:
     architecture = architecture_of(hf_config)
     start = getattr(hf_config, "decoder_start_token_id", None)
     if start is None:
         raise ConfigError(f"{model_dir}: an encoder-decoder config needs decoder_start_token_id")
-    if architecture in SEQUENCE_CLASSIFIERS:
+    if architecture in family.classifiers:
         labels = _labels(hf_config)
         return TaskSpec(
             tasks=(Task.CLASSIFY,), labels=labels,
@@ -195,7 +197,7 @@ def _seq2seq_task_spec(model_dir: Path, hf_config, decoder_reranker: bool | None
     if architecture not in SEQ2SEQ_GENERATORS:
         raise ConfigError(
             f"{model_dir}: encoder-decoder architecture {architecture or '(none)'} is not supported; supported: "
-            f"{', '.join(SEQ2SEQ_GENERATORS + ('BartForSequenceClassification',))}"
+            f"{', '.join(SEQ2SEQ_GENERATORS + tuple(family.classifiers))}"
         )
     if is_decoder_reranker(model_dir, architecture, decoder_reranker):
         return TaskSpec(
@@ -206,7 +208,7 @@ def _seq2seq_task_spec(model_dir: Path, hf_config, decoder_reranker: bool | None
 
 
 def with_outputs(task: TaskSpec, output_tasks: tuple[Task, ...]) -> TaskSpec:
-    """An embedder's tasks by what it outputs (models/embed_outputs.py): Embed with a dense vector,
+    """An embedder's tasks by what it outputs (models/loading/outputs.py): Embed with a dense vector,
     EmbedSparse and EmbedMultiVector; Rerank by cosine of dense vectors, or by MaxSim of token vectors."""
     if not output_tasks:
         return task

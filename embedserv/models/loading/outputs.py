@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from embedserv.errors import ConfigError
-from embedserv.models.st_files import (
+from embedserv.models.loading.multi_vector_files import read_multi_vector_settings
+from embedserv.models.loading.st_files import (
     MULTI_VECTOR_ENCODER,
     SPARSE_ENCODER,
     SentenceTransformerFiles,
@@ -34,12 +35,12 @@ SPLADE_POOLING = "splade"
 @dataclass(frozen=True)
 class OutputSpec:
     outputs: tuple[EmbedOutput, ...]
-    # How the sparse output is made: "splade" or "bge_m3"; None without one.
-    sparse: str | None = None
+    # Which heads make the sparse and token vectors, an entry of models/registry.HEAD_KINDS: "hidden" (no
+    # sparse output, the last hidden states as token vectors), "splade", "multi_vector_encoder" or "bge_m3";
+    # None for a model without these outputs.
+    head_kind: str | None = None
     splade: SpladeSpec | None = None
     sparse_dimension: int = 0
-    # How token vectors are made: "hidden" (last hidden states), "multi_vector_encoder" or "bge_m3".
-    multi_vector: str | None = None
     multi_vector_dimension: int = 0
     # bge-m3: its head files (sparse_linear, colbert_linear), .safetensors or .pt.
     head_files: tuple[Path, ...] = ()
@@ -77,18 +78,16 @@ def read_output_spec(
             raise ConfigError(
                 f"{model_dir}: --pooling splade needs a masked-LM checkpoint (*ForMaskedLM), not {architecture or 'this model'}"
             )
-        return OutputSpec((EmbedOutput.SPARSE,), sparse="splade", splade=st.splade or SpladeSpec(), sparse_dimension=vocab)
+        return OutputSpec((EmbedOutput.SPARSE,), head_kind="splade", splade=st.splade or SpladeSpec(), sparse_dimension=vocab)
     if not embeds:
         return OutputSpec(())
     if st.model_type == MULTI_VECTOR_ENCODER:
-        from embedserv.models.multi_vector import read_multi_vector_settings
-
-        # Refuses at start-up what would not give the library's vectors (models/multi_vector.py).
+        # Refuses at start-up what would not give the library's vectors (loading/multi_vector_files.py).
         read_multi_vector_settings(model_dir, st, hidden)
         dense = st.multi_vector.dense
         dimension = dense[-1].out_features if dense else hidden
         return OutputSpec(
-            (EmbedOutput.MULTI_VECTOR,), multi_vector="multi_vector_encoder", multi_vector_dimension=dimension
+            (EmbedOutput.MULTI_VECTOR,), head_kind="multi_vector_encoder", multi_vector_dimension=dimension
         )
     heads = [head_file(model_dir, name) for name in BGE_M3_HEADS]
     if any(heads):
@@ -96,9 +95,9 @@ def read_output_spec(
             missing = [name for name, path in zip(BGE_M3_HEADS, heads) if path is None]
             raise ConfigError(f"{model_dir}: a bge-m3 checkpoint needs both head files; {', '.join(missing)} is missing")
         return OutputSpec(
-            (EmbedOutput.DENSE, EmbedOutput.SPARSE, EmbedOutput.MULTI_VECTOR), sparse="bge_m3",
-            sparse_dimension=vocab, multi_vector="bge_m3", multi_vector_dimension=hidden, head_files=tuple(heads),
+            (EmbedOutput.DENSE, EmbedOutput.SPARSE, EmbedOutput.MULTI_VECTOR), head_kind="bge_m3",
+            sparse_dimension=vocab, multi_vector_dimension=hidden, head_files=tuple(heads),
         )
     return OutputSpec(
-        (EmbedOutput.DENSE, EmbedOutput.MULTI_VECTOR), multi_vector="hidden", multi_vector_dimension=hidden
+        (EmbedOutput.DENSE, EmbedOutput.MULTI_VECTOR), head_kind="hidden", multi_vector_dimension=hidden
     )

@@ -1,9 +1,8 @@
-"""Builds a native model from a Hugging Face directory and fills it from its checkpoint files.
+"""A model directory's checkpoint files and the tensors in them (loading/weights.py copies them in).
 
 Safetensors is the format: it holds only tensors. A pickle checkpoint (pytorch_model.bin) can run code
 when it is read, so it is loaded only with --allow-pickle, and even then through torch's weights-only
-unpickler, which refuses anything but tensors and plain containers. Code a model directory ships
-(config.json's auto_map) is never imported.
+unpickler, which refuses anything but tensors and plain containers.
 """
 
 from __future__ import annotations
@@ -18,47 +17,13 @@ from typing import Iterator
 
 import torch
 from safetensors import safe_open
-from torch import nn
-from transformers import AutoConfig
 
 from embedserv.errors import ConfigError
-from embedserv.models import registry
-from embedserv.models.layers import pack_linears
 
 logger = logging.getLogger(__name__)
 
 _SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
 _PICKLE = ("pytorch_model.bin", "pytorch_model.bin.index.json")
-
-
-def read_hf_config(model_dir: Path):
-    """config.json through transformers' AutoConfig, never importing code the directory ships."""
-    try:
-        raw = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read {model_dir / 'config.json'}: {exc}") from None
-    custom = raw.get("auto_map") if isinstance(raw, dict) else None
-    try:
-        hf_config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False)
-    except ValueError as exc:
-        if not custom:
-            raise ConfigError(f"{model_dir}/config.json: {exc}") from exc
-        try:
-            registry.lookup(str(raw.get("model_type")))
-        except ConfigError as unsupported:
-            raise ConfigError(
-                f"{model_dir}: {unsupported}. Its config.json points at custom code (auto_map), which embedserv "
-                "never runs"
-            ) from None
-        raise ConfigError(f"{model_dir}/config.json: {exc}") from exc
-    if custom:
-        # Such a config also names a transformers type; we run our own implementation of that type. A model
-        # whose custom code differs from it fails to load (unexpected tensors) or must be checked by its user.
-        logger.warning(
-            "%s: config.json names custom code (auto_map: %s); embedserv never runs it and serves the model as "
-            "model type %r with its own implementation", model_dir, ", ".join(sorted(custom)), hf_config.model_type,
-        )
-    return hf_config
 
 
 def _indexed_files(model_dir: Path, index_name: str, single_name: str) -> list[Path] | None:
@@ -208,35 +173,3 @@ def read_head_file(path: Path, allow_pickle: bool = False) -> dict[str, torch.Te
     if path.suffix != ".safetensors":
         logger.warning("loading the pickle file %s (--allow-pickle), tensors only; convert it to safetensors", path)
     return dict(iterate_weights([path]))
-
-
-def load_into(model: nn.Module, files: list[Path]) -> None:
-    """Fills every parameter of `model` (built on the target device) or says what is missing."""
-    loaded = model.load_weights(iterate_weights(files))
-    missing = sorted(set(dict(model.named_parameters())) - loaded)
-    if missing:
-        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise ConfigError(f"checkpoint {files[0].parent} lacks {len(missing)} parameters: {shown}")
-
-
-def build_model(model_class: type[nn.Module], hf_config, files: list[Path], device: torch.device, dtype) -> nn.Module:
-    """Constructs without initializing (meta device), then allocates on `device` and loads weights."""
-    try:
-        with torch.device("meta"):
-            model = model_class(hf_config)
-        model = model.to_empty(device=device).to(dtype)
-        load_into(model, files)
-    except ValueError as exc:
-        # What the model classes refuse (an unsupported rope type, a tensor the config does not fit) is a
-        # start-up error about this model, not a crash.
-        raise ConfigError(f"{files[0].parent}: {exc}") from exc
-    model.eval().requires_grad_(False)
-    pack_linears(model)
-    return model
-
-
-def load_dense_weights(dense: nn.Module, directory: Path, allow_pickle: bool = False) -> None:
-    """sentence-transformers Dense: `linear.weight` / `linear.bias` in the module's own folder, under the
-    same checkpoint policy as the model."""
-    state = dict(iterate_weights(checkpoint_files(directory, allow_pickle)))
-    dense.load_state_dict(state)

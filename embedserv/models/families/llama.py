@@ -9,14 +9,12 @@ the model's business: it comes from the forward context.
 
 from __future__ import annotations
 
-import re
-from typing import Iterable
-
 import torch
 from torch import nn
 
 from embedserv.attention.layer import Attention
-from embedserv.models.layers import Linear, copy_checked, get_activation, head_dim, num_kv_heads
+from embedserv.models.layers import Linear, get_activation, head_dim, num_kv_heads, packed_linear
+from embedserv.models.loading.family import QKV_GATE_UP, CheckpointNames, Classifier, Family
 from embedserv.models.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -79,7 +77,7 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         qkv_bias, o_bias, _ = _biases(config)
         # Query, key and value in one matmul; the loader stacks their weights.
-        self.qkv = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.qkv = packed_linear(config.hidden_size, (self.q_size, self.kv_size, self.kv_size), bias=qkv_bias)
         if config.model_type == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -112,7 +110,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         _, _, bias = _biases(config)
         # Gate and up projections in one matmul; the loader stacks their weights.
-        self.gate_up = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.gate_up = packed_linear(config.hidden_size, (config.intermediate_size,) * 2, bias=bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act = get_activation(config.hidden_act)
 
@@ -132,14 +130,6 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         hidden = self.self_attn(self.input_layernorm(hidden), hidden, cos, sin)
         return self.mlp(self.post_attention_layernorm(hidden), hidden)
-
-
-# Checkpoint names (after the `model.` prefix) of the tensors stacked into one of our parameters.
-_FUSED = re.compile(r"^layers\.(\d+)\.(self_attn\.(q|k|v)_proj|mlp\.(gate|up)_proj)\.(weight|bias)$")
-# Tensors the backbone does not hold: heads (the LM head, a classifier's `score`; score_head.py reads
-# what it needs) and rotary buffers some checkpoints carry.
-_IGNORED = re.compile(r"^(lm_head\.|score\.|(layers\.\d+\.self_attn\.)?rotary_emb\.)")
-_PREFIX = "model."
 
 
 class LlamaModel(nn.Module):
@@ -165,46 +155,27 @@ class LlamaModel(nn.Module):
             hidden = layer(hidden, cos, sin)
         return self.norm(hidden)
 
-    def _fused_target(self, name: str) -> tuple[str, str, slice] | None:
-        """(our parameter, shard label, rows) for a q/k/v or gate/up tensor; None for any other."""
-        match = _FUSED.match(name)
-        if match is None:
-            return None
-        layer, _, qkv_part, mlp_part, kind = match.groups()
-        if qkv_part:
-            attn = self.layers[0].self_attn  # every layer has the same sizes
-            start = {"q": 0, "k": attn.q_size, "v": attn.q_size + attn.kv_size}[qkv_part]
-            size = attn.q_size if qkv_part == "q" else attn.kv_size
-            return f"layers.{layer}.self_attn.qkv.{kind}", qkv_part, slice(start, start + size)
-        size = self.config.intermediate_size
-        start = 0 if mlp_part == "gate" else size
-        return f"layers.{layer}.mlp.gate_up.{kind}", mlp_part, slice(start, start + size)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copies checkpoint tensors in; returns the names of our parameters it filled.
+# Names a ForCausalLM / ForSequenceClassification checkpoint uses (with `model.`), or sentence-transformers
+# (bare backbone names). Heads (the LM head, a classifier's `score`) are read by models/heads; some
+# checkpoints carry rotary buffers.
+CHECKPOINT = CheckpointNames(
+    prefixes=("model.",),
+    ignored=r"^(lm_head\.|score\.|(layers\.\d+\.self_attn\.)?rotary_emb\.)",
+    packed=QKV_GATE_UP,
+)
+# Decoder classifiers read the last token through a bias-free linear `score`.
+SCORE_CLASSIFIER = Classifier(token="last", pooler=False, sources={"out.weight": ("score.weight",)})
+EMBEDDINGS = ("model.embed_tokens.weight", "embed_tokens.weight")
 
-        Takes AutoModel / ForCausalLM names (`model.` prefix) and bare backbone names (what
-        sentence-transformers saves) alike.
-        """
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        shards: dict[str, set[str]] = {}
-        for name, tensor in weights:
-            name = name.removeprefix(_PREFIX)
-            if _IGNORED.match(name):
-                continue
-            fused = self._fused_target(name)
-            if fused is not None:
-                target, shard, rows = fused
-                if target not in params:
-                    raise ValueError(f"unexpected checkpoint tensor {name!r}: this model has no {target}")
-                copy_checked(params[target].data[rows], tensor, name)
-                shards.setdefault(target, set()).add(shard)
-                continue
-            if name not in params:
-                raise ValueError(f"unexpected checkpoint tensor {name!r}")
-            copy_checked(params[name].data, tensor, name)
-            loaded.add(name)
-        # A fused parameter is filled only when every one of its shards was.
-        loaded.update(t for t, parts in shards.items() if parts in ({"q", "k", "v"}, {"gate", "up"}))
-        return loaded
+FAMILY = Family(
+    name="llama",
+    model_types=("llama", "mistral", "qwen2", "qwen3"),
+    model_class=LlamaModel,
+    checkpoint=CHECKPOINT,
+    is_encoder=False,
+    classifiers={
+        f"{name}ForSequenceClassification": SCORE_CLASSIFIER for name in ("Llama", "Mistral", "Qwen2", "Qwen3")
+    },
+    embeddings=EMBEDDINGS,
+)

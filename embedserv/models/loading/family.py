@@ -1,0 +1,100 @@
+"""The record each model family exports (models/families/*.py, listed in models/registry.py).
+
+A family says, as data, everything outside its own forward pass that depends on it: which Hugging Face
+model types it runs, whether its attention is an encoder's, how its checkpoint's tensor names become its
+parameters (loading/weights.py reads that), and where its heads keep their tensors (models/heads/ read
+those). Nothing here imports a family or a head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class CheckpointNames:
+    """How checkpoint tensor names become our parameter names, in this order:
+
+    1. the first of `prefixes` the name starts with is stripped (`model.`, `bert.`: head classes nest the
+       backbone under one);
+    2. a name matching `ignored` is skipped (heads, which models/heads read themselves; buffers transformers
+       drops on load);
+    3. `packed` (fragment, packed fragment, shard): the tensor is one shard of a packed parameter, such as
+       q/k/v in one `qkv` and gate/up in one `gate_up` (one matmul instead of three); the packed linear's
+       `shard_sizes` say where each shard's rows go;
+    4. `renames` (regex, replacement), applied in order.
+    """
+
+    prefixes: tuple[str, ...] = ()
+    ignored: str | None = None
+    packed: tuple[tuple[str, str, int], ...] = ()
+    renames: tuple[tuple[str, str], ...] = ()
+
+
+# The packed fragments of a Llama-style attention and gated MLP, which most decoders share.
+QKV_GATE_UP = (
+    ("self_attn.q_proj.", "self_attn.qkv.", 0),
+    ("self_attn.k_proj.", "self_attn.qkv.", 1),
+    ("self_attn.v_proj.", "self_attn.qkv.", 2),
+    ("mlp.gate_proj.", "mlp.gate_up.", 0),
+    ("mlp.up_proj.", "mlp.gate_up.", 1),
+)
+
+
+@dataclass(frozen=True)
+class Classifier:
+    """A *ForSequenceClassification head (heads/score.py): which token's state it reads, whether a dense +
+    tanh pooler comes before the output layer (with biases), and our head parameter -> checkpoint names,
+    the first found wins."""
+
+    token: str
+    pooler: bool
+    sources: Mapping[str, tuple[str, ...]]
+
+
+@dataclass(frozen=True)
+class MlmHeadNames:
+    """Where a *ForMaskedLM checkpoint keeps its MLM head (heads/splade.py); the first name found wins."""
+
+    dense: str
+    norm: str
+    decoder: str
+    # The head's bias, then the decoder's.
+    bias: tuple[str, ...]
+    embeddings: tuple[str, ...]
+    # None: config.hidden_act (BERT); RoBERTa's head always uses gelu.
+    activation: str | None
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]
+    model_class: type[nn.Module]
+    # Checkpoint names, or a function of the config where they depend on it (Gemma 4's shared layers).
+    checkpoint: CheckpointNames | Callable[[object], CheckpointNames]
+    # Encoders attend both ways; decoders are causal unless their config says otherwise.
+    is_encoder: bool
+    # Encoder-decoders (T5, BART): an encoder over the encoder inputs, a causal decoder reading it.
+    is_encoder_decoder: bool = False
+    # Architecture (config.json's first) -> its classification head.
+    classifiers: Mapping[str, Classifier] = field(default_factory=dict)
+    # The token embeddings' checkpoint names: a tied LM head's (and a yes/no reranker's) rows.
+    embeddings: tuple[str, ...] = ()
+    # Model type -> its MLM head, for SPLADE over a *ForMaskedLM checkpoint.
+    mlm_heads: Mapping[str, MlmHeadNames] = field(default_factory=dict)
+    # BART's logits bias, added by its LM head (zeros when the checkpoint lacks it).
+    final_logits_bias: tuple[str, ...] = ()
+    # What the LM head multiplies the last hidden states by (T5 v1.0's tied-head scale); None: 1.
+    lm_head_scale: Callable[[object], float] | None = None
+    # Fills what checkpoints may leave out (Gemma 4's layer scalars), after allocation, before loading.
+    fill_defaults: Callable[[nn.Module], None] | None = None
+
+    def checkpoint_names(self, hf_config) -> CheckpointNames:
+        return self.checkpoint if isinstance(self.checkpoint, CheckpointNames) else self.checkpoint(hf_config)
+
+    def output_scale(self, hf_config) -> float:
+        return self.lm_head_scale(hf_config) if self.lm_head_scale is not None else 1.0

@@ -1,0 +1,45 @@
+"""config.json through transformers' AutoConfig. Code a model directory ships (config.json's auto_map) is
+never imported."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from transformers import AutoConfig
+
+from embedserv.errors import ConfigError
+from embedserv.models import registry
+
+logger = logging.getLogger(__name__)
+
+
+def read_hf_config(model_dir: Path):
+    """config.json through transformers' AutoConfig, never importing code the directory ships."""
+    try:
+        raw = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {model_dir / 'config.json'}: {exc}") from None
+    custom = raw.get("auto_map") if isinstance(raw, dict) else None
+    try:
+        hf_config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False)
+    except ValueError as exc:
+        if not custom:
+            raise ConfigError(f"{model_dir}/config.json: {exc}") from exc
+        try:
+            registry.lookup(str(raw.get("model_type")))
+        except ConfigError as unsupported:
+            raise ConfigError(
+                f"{model_dir}: {unsupported}. Its config.json points at custom code (auto_map), which embedserv "
+                "never runs"
+            ) from None
+        raise ConfigError(f"{model_dir}/config.json: {exc}") from exc
+    if custom:
+        # Such a config also names a transformers type; we run our own implementation of that type. A model
+        # whose custom code differs from it fails to load (unexpected tensors) or must be checked by its user.
+        logger.warning(
+            "%s: config.json names custom code (auto_map: %s); embedserv never runs it and serves the model as "
+            "model type %r with its own implementation", model_dir, ", ".join(sorted(custom)), hf_config.model_type,
+        )
+    return hf_config

@@ -23,7 +23,7 @@ from embedserv.engine.engine import Engine
 from embedserv.errors import ConfigError
 from embedserv.server.metrics import MetricsServer
 from embedserv.server.frontend import Frontend
-from embedserv.server.registry import InflightLimiter, ServedModels
+from embedserv.server.served_models import InflightLimiter, ServedModels
 from embedserv.server.grpc.services import add_services
 from embedserv.server.security import ApiKeyInterceptor, server_credentials
 

@@ -29,7 +29,7 @@ import embedserv
 from embedserv.engine.engine import Engine
 from embedserv.errors import NotReady
 from embedserv.server.http.common import call_of, engine_for_task, engine_named, frontend_of
-from embedserv.server.http.errors import JSON
+from embedserv.server.http.error_responses import JSON
 from embedserv.server.http.scoring import score_pairs
 from embedserv.server.http.tei_models import (
     TeiDecodeRequest,

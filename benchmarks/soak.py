@@ -200,7 +200,7 @@ def sample_processes(server_pid: int) -> dict[str, dict]:
     for pid in [server_pid, *child_pids(server_pid)]:
         argv, label = cmdline(pid), "server" if pid == server_pid else f"pid {pid}"
         with contextlib.suppress(ValueError, IndexError, KeyError, TypeError):
-            label = json.loads(argv[argv.index("embedserv.executor.worker") + 1])["name"]
+            label = json.loads(argv[argv.index("embedserv.executor.worker_main") + 1])["name"]
         with contextlib.suppress(OSError, ValueError, KeyError):  # gone, or a zombie (no VmRSS), since listed
             status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
             samples[label if label not in samples else f"{label} (pid {pid})"] = {

@@ -1,6 +1,6 @@
 """The in-process worker: the replica on one model thread of this process (library use and most tests).
 
-It pipelines as a worker process does (executor/worker.py): a prepare thread packs each step's inputs in
+It pipelines as a worker process does (executor/worker_main.py): a prepare thread packs each step's inputs in
 the order the steps came, and queues the step on the model thread, so with a pipeline depth of 2 step k+1
 is prepared while step k runs and starts as soon as step k ends, without waiting on the event loop.
 Preparing touches no OpenMP-parallel torch op (host arrays, one copy to the device), so the model

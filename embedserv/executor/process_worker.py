@@ -30,7 +30,7 @@ from embedserv.errors import ConfigError, NotReady
 from embedserv.executor.base import WorkerDied, WorkerStats
 from embedserv.executor.messages import CODEC, LoadFailed, Ready, RunStep, StepDone, StepFailed
 from embedserv.executor.placement import Placement
-from embedserv.executor.worker import WorkerArgs
+from embedserv.executor.worker_main import WorkerArgs
 from embedserv.scheduler.kv_cache_manager import KvCacheLayout
 from embedserv.types import StepBatch, StepOutput
 
@@ -143,7 +143,7 @@ class ProcessWorker:
         env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false")
         # Its own session: a terminal's Ctrl-C reaches only the server, which then stops the workers in order.
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "embedserv.executor.worker", args.to_json()], env=env, start_new_session=True
+            [sys.executable, "-m", "embedserv.executor.worker_main", args.to_json()], env=env, start_new_session=True
         )
         self._failure = None
         self._receiver = asyncio.create_task(self._receive(outbox), name=f"receive-{self.name}")

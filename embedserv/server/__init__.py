@@ -1,1 +1,2 @@
-"""The gRPC surface: servicers, error mapping, health and reflection."""
+"""The server's faces, gRPC (grpc/) and HTTP (http/), on what they share (frontend.py, calls.py, security.py);
+app.py builds and runs them."""

@@ -16,18 +16,16 @@ import signal
 from typing import TYPE_CHECKING
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 
 from embedserv.config import ServerConfig
 from embedserv.engine.engine import Engine
 from embedserv.errors import ConfigError
 from embedserv.server.metrics import MetricsServer
 from embedserv.server.frontend import Frontend
-from embedserv.server.registry import InflightLimiter, ServedModels
+from embedserv.server.served_models import InflightLimiter, ServedModels
+from embedserv.server.grpc.services import add_services
 from embedserv.server.security import ApiKeyInterceptor, server_credentials
-from embedserv.server.servicer import InferenceServicer, add_to_server
-from embedserv.server.tei_grpc import add_tei_services
 
 if TYPE_CHECKING:
     from embedserv.server.http.app import HttpServer
@@ -68,17 +66,7 @@ class EmbedServer:
             options=server_options(config),
         )
         self.frontend = Frontend(self.models, config, self.limiter)
-        self.servicer = InferenceServicer(self.frontend)
-        service = add_to_server(self.servicer, self.server)
-        tei_services = add_tei_services(self.frontend, self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (
-                service, *tei_services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
-            self.server,
-        )
+        self.servicer = add_services(self.frontend, self.server, self.health)
         self.port: int | None = None
         self.metrics: MetricsServer | None = None
         self.http: HttpServer | None = None

@@ -20,7 +20,7 @@ import grpc
 from embedserv import metrics
 from embedserv.types import Timing
 from embedserv.logs import REQUEST_ID
-from embedserv.server.errors import message_for, status_for
+from embedserv.server.grpc.status import message_for, status_for
 
 logger = logging.getLogger("embedserv.server.calls")
 

@@ -13,7 +13,7 @@ from typing import Iterable
 from embedserv.config import ServerConfig
 from embedserv.engine.engine import Engine
 from embedserv.errors import InvalidInput, ModelNotFound, NotReady
-from embedserv.server.registry import InflightLimiter, ServedModels
+from embedserv.server.served_models import InflightLimiter, ServedModels
 from embedserv.types import Task
 
 # TEI's API names no model: a client picks one with this header (HTTP) or metadata key (gRPC).

@@ -10,7 +10,7 @@ from prometheus_client.registry import Collector
 
 from embedserv import metrics
 from embedserv.errors import ConfigError
-from embedserv.server.registry import InflightLimiter, ServedModels
+from embedserv.server.served_models import InflightLimiter, ServedModels
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""What TEI's two faces, gRPC (tei_grpc.py) and HTTP (http/tei.py), decide alike: a model's TEI kind, which
+"""What TEI's two faces, gRPC (grpc/tei.py) and HTTP (http/tei.py), decide alike: a model's TEI kind, which
 model scores a text pair, and tokens as TEI reports them."""
 
 from __future__ import annotations

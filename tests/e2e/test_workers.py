@@ -7,7 +7,7 @@ back to two, and afterwards everything is served as before. Two more servers, on
 SIGTERM stops the server and its workers and that SIGKILL of the server takes its workers down too.
 
 Workers are found through /proc (tests/helpers/processes.py): children of the server pid whose command
-line names `embedserv.executor.worker`. Any worker a failed test leaves behind is SIGKILLed by pid.
+line names `embedserv.executor.worker_main`. Any worker a failed test leaves behind is SIGKILLed by pid.
 """
 
 from __future__ import annotations

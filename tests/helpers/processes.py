@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
-# Every worker process is started as `python -m embedserv.executor.worker ...`.
-WORKER_MARKER = "embedserv.executor.worker"
+# Every worker process is started as `python -m embedserv.executor.worker_main ...`.
+WORKER_MARKER = "embedserv.executor.worker_main"
 
 T = TypeVar("T")
 
@@ -86,7 +86,7 @@ def pids_with_cmdline(marker: str) -> list[int]:
 
 
 def worker_pids(server_pid: int) -> list[int]:
-    """The live worker processes of the server `server_pid`: its children started as embedserv.executor.worker."""
+    """The live worker processes of the server `server_pid`: its children started as embedserv.executor.worker_main."""
     return [pid for pid in child_pids(server_pid) if has_marker(pid)]
 
 

@@ -72,7 +72,7 @@ def test_fast_prefill_is_refused_for_a_model_without_shared_layers(tiny_generato
 def test_list_models_reports_the_shared_layers_and_the_skip():
     """The server's ModelInfo message and the client's ModelInfo carry (layer, source) pairs and the flag;
     a model without shared layers leaves kv_sharing unset."""
-    from embedserv.server.servicer import model_info
+    from embedserv.server.grpc.inference import model_info
     from embedserv.types import ModelInfo, Task
     from embedserv_client.types import KvSharing
     from embedserv_client.types import ModelInfo as ClientModelInfo

@@ -15,7 +15,7 @@ from embedserv.config import ModelConfig, ServerConfig
 from embedserv.errors import ConfigError, Overloaded
 from embedserv.logs import REQUEST_ID, JsonFormatter
 from embedserv.server.app import server_options
-from embedserv.server.registry import InflightLimiter
+from embedserv.server.served_models import InflightLimiter
 
 MODEL = (ModelConfig(path="/models/m", served_name="m"),)
 

@@ -28,7 +28,7 @@ import embedserv
 from embedserv.errors import ConfigError, EmbedservError
 from embedserv.server.http import openai, scoring, tei
 from embedserv.server.http.edge import Edge
-from embedserv.server.http.errors import (
+from embedserv.server.http.error_responses import (
     JSON,
     HttpError,
     error_response,

@@ -15,7 +15,7 @@ import logging
 
 from starlette.requests import Request
 
-from embedserv.server.http.errors import BodyTooLarge, error_response, error_style, exception_response
+from embedserv.server.http.error_responses import BodyTooLarge, error_response, error_style, exception_response
 from embedserv.logs import REQUEST_ID
 from embedserv.server.calls import Call, request_id_or_new
 from embedserv.server.frontend import Frontend

@@ -19,7 +19,7 @@ from pydantic import Field
 
 from embedserv.errors import InvalidInput, ModelNotFound
 from embedserv.server.http.common import Body, call_of, engine_named, frontend_of
-from embedserv.server.http.errors import JSON
+from embedserv.server.http.error_responses import JSON
 from embedserv.server.http.openai_generate import router as generation_router
 from embedserv.types import EmbedParams, Encoding, ModelInfo, TruncationDirection
 

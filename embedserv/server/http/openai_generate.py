@@ -28,7 +28,7 @@ from embedserv import metrics
 from embedserv.engine.engine import Engine
 from embedserv.errors import InvalidInput
 from embedserv.server.http.common import Body, call_of, engine_named, frontend_of, refuse_unsupported
-from embedserv.server.http.errors import JSON, error_body, message_of, status_of
+from embedserv.server.http.error_responses import JSON, error_body, message_of, status_of
 from embedserv.types import FinishReason, GenerationDelta, SamplingParams
 
 router = APIRouter()

@@ -32,7 +32,7 @@ from starlette.requests import Request
 from embedserv.engine.engine import Engine
 from embedserv.errors import InvalidInput
 from embedserv.server.http.common import call_of, engine_for_task, frontend_of
-from embedserv.server.http.errors import JSON, OPENAI, TEI, HttpError
+from embedserv.server.http.error_responses import JSON, OPENAI, TEI, HttpError
 from embedserv.server.http.scoring_models import (
     ClassifyRequest,
     ClassifyResponse,

@@ -7,7 +7,7 @@ names, else the first served model that can do the route's task (/tokenize, /dec
 served model). Errors come in TEI's shape, {"error", "error_type"}: 422 for an invalid body or input, 400
 for an empty batch, 404 for an unknown model, 429 when overloaded, 503 when unhealthy.
 
-Model choice and TEI semantics follow the TEI gRPC face (server/tei_grpc.py). Where we differ from TEI:
+Model choice and TEI semantics follow the TEI gRPC face (server/grpc/tei.py). Where we differ from TEI:
 a pair in /predict is scored by a cross-encoder (the first one served, or the header's), not by any
 classifier; /info's model_id is the served name; /rerank's and pairs' truncation_direction left is refused
 when truncating (a document is cut from its end); /embed_sparse and /embed_all are served by models with the
@@ -29,7 +29,7 @@ import embedserv
 from embedserv.engine.engine import Engine
 from embedserv.errors import NotReady
 from embedserv.server.http.common import call_of, engine_for_task, engine_named, frontend_of
-from embedserv.server.http.errors import JSON
+from embedserv.server.http.error_responses import JSON
 from embedserv.server.http.scoring import score_pairs
 from embedserv.server.http.tei_models import (
     TeiDecodeRequest,

@@ -13,7 +13,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, StrictBo
 
 from embedserv.errors import InvalidInput
 from embedserv.server.http.common import Body
-from embedserv.server.http.errors import HttpError
+from embedserv.server.http.error_responses import HttpError
 from embedserv.types import TruncationDirection
 
 

@@ -1,6 +1,6 @@
 """A worker process: one replica of one model, fed steps over zmq by its engine's ProcessWorker.
 
-Started as `python -m embedserv.executor.worker '<json WorkerArgs>'`. It sets its allocator up for steps
+Started as `python -m embedserv.executor.worker_main '<json WorkerArgs>'`. It sets its allocator up for steps
 (worker/allocator.py), loads and warms the model, says ready, then runs two threads:
 - the receiver takes each step off the inbox and prepares it (packed inputs already on the device), so
   step k+1 is ready when step k ends;
@@ -30,7 +30,7 @@ from embedserv.executor.messages import CODEC, LoadFailed, Ready, RunStep, StepD
 from embedserv.executor.placement import Placement
 
 # Named, not __name__: run with -m, this module is __main__.
-logger = logging.getLogger("embedserv.executor.worker")
+logger = logging.getLogger("embedserv.executor.worker_main")
 
 _PR_SET_PDEATHSIG = 1
 

@@ -24,7 +24,7 @@ from embedserv.engine.engine import Engine
 from embedserv.errors import InvalidInput
 from embedserv.server.calls import Call, metadata_value, stream_call, unary_call
 from embedserv.server.frontend import MODEL_HEADER, Frontend
-from embedserv.server.streams import answer_in_order
+from embedserv.server.grpc.streams import answer_in_order
 from embedserv.server.tei_semantics import model_kind, pair_scorer, tei_tokens
 from embedserv.tei.v1 import tei_pb2 as pb
 from embedserv.tei.v1 import tei_pb2_grpc as pb_grpc

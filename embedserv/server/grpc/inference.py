@@ -31,7 +31,7 @@ from embedserv.types import (
 from embedserv.errors import InvalidInput
 from embedserv.server.calls import Call, stream_call, unary_call
 from embedserv.server.frontend import Frontend
-from embedserv.server.streams import answer_in_order
+from embedserv.server.grpc.streams import answer_in_order
 from embedserv.v1 import embedserv_pb2 as pb
 from embedserv.v1 import embedserv_pb2_grpc as pb_grpc
 

@@ -2,7 +2,7 @@
 
 What code observes as it happens lives here: calls, tokens, latencies, batches. What is a state of the
 moment (queue depth, KV cache, workers, inputs in flight) is read when Prometheus scrapes, by the
-server's collector (server/metrics.py), so nothing has to keep a gauge in step.
+server's collector (server/metrics_endpoint.py), so nothing has to keep a gauge in step.
 """
 
 from __future__ import annotations

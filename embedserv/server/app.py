@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2
 from embedserv.config import ServerConfig
 from embedserv.engine.engine import Engine
 from embedserv.errors import ConfigError
-from embedserv.server.metrics import MetricsServer
+from embedserv.server.metrics_endpoint import MetricsServer
 from embedserv.server.frontend import Frontend
 from embedserv.server.served_models import InflightLimiter, ServedModels
 from embedserv.server.grpc.services import add_services

@@ -47,12 +47,11 @@ def _admitted_beyond(metrics_port: int, blockers: list) -> bool:
     return scrape(metrics_port).value("embedserv_inputs_in_flight") > held
 
 
-# Still behind --run-slow: under a loaded machine an expiring call can pass its deadline before the server
-# sees it at all, and then no DEADLINE_EXCEEDED is counted for it (seen in a full run: 4 of 5).
-@pytest.mark.slow
 def test_expired_and_cancelled_calls_are_never_computed(server):
     """Load-tolerant: each step waits for the server's queue or admission to show what the next one needs,
-    and the strict FIFO queue keeps the short calls behind the blockers however slow the machine is."""
+    and the strict FIFO queue keeps the short calls behind the blockers however slow the machine is. (An
+    expired call's client resets the stream a little before the server's copy of the deadline ends; the
+    server still counts it DEADLINE_EXCEEDED: server/calls.py, _DEADLINE_SKEW_S.)"""
     stub, metrics_port, proc = server
     before = scrape(metrics_port)
     long_text = "a long text that keeps the model busy " * 30

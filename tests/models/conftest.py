@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,11 @@ def texts() -> list[str]:
     return stdlib_texts(40, seed=1)
 
 
+# With worker processes, at most this many engines stay started in a module (each holds N processes, and a
+# module can ask for a dozen models): the least recently used one is closed first.
+_LIVE_PROCESS_ENGINES = 3
+
+
 @pytest.fixture(scope="module")
 def engine_for(request):
     """Factory: engine_for(model_dir, **ModelConfig kwargs) -> a started SyncEngine, shared in the module.
@@ -25,18 +29,25 @@ def engine_for(request):
     from embedserv.config import ModelConfig
     from embedserv.engine.sync import SyncEngine
 
-    engines: dict[tuple, object] = {}
-    with contextlib.ExitStack() as stack:
+    engines: dict[tuple, SyncEngine] = {}
 
-        def get(model_dir: Path, attention_backend: str = "sdpa", dtype: str = "float32", **kwargs):
-            key = (str(model_dir), attention_backend, dtype, tuple(sorted(kwargs.items())))
-            if key not in engines:
-                if data_parallel_size:
-                    kwargs["data_parallel_size"] = data_parallel_size
-                config = ModelConfig(
-                    path=str(model_dir), served_name="m", attention_backend=attention_backend, dtype=dtype, **kwargs
-                )
-                engines[key] = stack.enter_context(SyncEngine(config, worker_processes=data_parallel_size > 0))
+    def get(model_dir: Path, attention_backend: str = "sdpa", dtype: str = "float32", **kwargs):
+        key = (str(model_dir), attention_backend, dtype, tuple(sorted(kwargs.items())))
+        if key in engines:
+            engines[key] = engines.pop(key)  # now the most recently used
             return engines[key]
+        if data_parallel_size:
+            kwargs["data_parallel_size"] = data_parallel_size
+            while len(engines) >= _LIVE_PROCESS_ENGINES:
+                engines.pop(next(iter(engines))).close()
+        config = ModelConfig(
+            path=str(model_dir), served_name="m", attention_backend=attention_backend, dtype=dtype, **kwargs
+        )
+        engines[key] = SyncEngine(config, worker_processes=data_parallel_size > 0)
+        return engines[key]
 
+    try:
         yield get
+    finally:
+        for engine in engines.values():
+            engine.close()

@@ -6,6 +6,7 @@ FAMILIES; adding a head kind is one file in models/heads/ and one entry in HEAD_
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,17 +33,48 @@ _BY_MODEL_TYPE: dict[str, Family] = {model_type: family for family in FAMILIES f
 _T5_ENCODER_ARCHITECTURES = ("T5EncoderModel", "MT5EncoderModel")
 
 
+# Unserved model types whose architecture is (nearly) one we serve: named in the refusal, as a hint of what
+# to convert the model to or which family to ask for. Close spellings are found without this table.
+_CLOSEST: dict[str, str] = {
+    "jina_bert": "bert (JinaBERT adds ALiBi, which we do not serve)",
+    "deberta": "deberta-v2 (DeBERTa v1 has no log buckets)",
+    "qwen3_moe": "qwen3 (without mixture-of-experts layers)",
+    "mixtral": "mistral (without mixture-of-experts layers)",
+}
+
+
+def _closest(model_type: str) -> str:
+    if model_type in _CLOSEST:
+        return _CLOSEST[model_type]
+    close = difflib.get_close_matches(model_type.lower().replace("_", "-"), list(_BY_MODEL_TYPE), n=1, cutoff=0.6)
+    return close[0] if close else ""
+
+
 def lookup(model_type: str, architecture: str = "", sentence_transformers: bool = False) -> Family:
     """The family of a model type; `architecture` (config.json's first) and `sentence_transformers` (the
     directory has modules.json) pick the encoder alone for T5 embedders."""
     family = _BY_MODEL_TYPE.get(model_type)
     if family is None:
+        closest = _closest(model_type)
         raise ConfigError(
-            f"model type {model_type!r} is not supported; supported: {', '.join(sorted(_BY_MODEL_TYPE))}"
+            f"model type {model_type!r} is not supported"
+            + (f"; the closest served architecture is {closest}" if closest else "")
+            + f"; supported: {', '.join(sorted(_BY_MODEL_TYPE))}"
         )
     if family is t5.FAMILY and (architecture in _T5_ENCODER_ARCHITECTURES or sentence_transformers):
         return t5.ENCODER_FAMILY
     return family
+
+
+def native_config(raw: dict) -> dict | None:
+    """A published config.json dict in a form one of our families reads (loading/family.py config_forms)
+    as the native transformers config dict; None when no family reads it as such (AutoConfig reads it)."""
+    for family in FAMILIES:
+        convert = family.config_forms.get(str(raw.get("model_type")))
+        native = convert(raw) if convert is not None else None
+        if native is not None:
+            return native
+    return None
 
 
 def is_causal(hf_config, family: Family, override: str | None = None) -> bool:

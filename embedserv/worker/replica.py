@@ -21,7 +21,7 @@ from embedserv.models.heads.score import (
 )
 from embedserv.models.loading.model_spec import ModelSpec
 from embedserv.models.loading.spec import DEFAULT_POOLING
-from embedserv.models.loading.tasks import Seq2SeqYesNoTemplate, architecture_of
+from embedserv.models.loading.tasks import Seq2SeqYesNoTemplate
 from embedserv.models.loading.weights import build_model, load_dense_weights
 from embedserv.types import Task
 from embedserv.worker.kv_cache import KvCache, allocate_kv_caches, kv_cache_groups, num_kv_blocks
@@ -74,8 +74,7 @@ def _row_head(config: ModelConfig, spec: ModelSpec):
         tokens = _yes_no_tokens(spec)
         head = build_yes_no_head(spec.family, hidden, tokens, tied, spec.files, logit_softcap(spec.hf_config))
     else:
-        architecture = architecture_of(spec.hf_config)
-        head = build_classifier_head(spec.family, architecture, hidden, len(spec.task.labels), spec.files)
+        head = build_classifier_head(spec.family, spec.hf_config, len(spec.task.labels), spec.files)
     return head.to(spec.device)
 
 

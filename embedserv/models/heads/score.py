@@ -24,8 +24,10 @@ from torch import nn
 from embedserv.errors import ConfigError
 from embedserv.models.heads.pooling import PoolingInputs
 from embedserv.models.heads.lm import seq2seq_final_logits_bias, seq2seq_head_weight
-from embedserv.models.loading.checkpoint import read_first_tensor
+from embedserv.models.layers import get_activation
+from embedserv.models.loading.checkpoint import read_first_tensor, read_tensor
 from embedserv.models.loading.family import Family
+from embedserv.models.loading.tasks import architecture_of
 
 
 @dataclass(frozen=True)
@@ -35,42 +37,68 @@ class YesNoTokens:
 
 
 class ScoreHead(nn.Module):
-    """`forward(hidden, pooling) -> [num_seqs, num_labels]` float32 logits."""
+    """`forward(hidden, pooling) -> [num_seqs, num_labels]` float32 logits.
 
-    def __init__(self, hidden_size: int, num_labels: int, token: str, pooler: bool, bias: bool) -> None:
+    token: "first", "last" or "mean" (over each sequence's tokens); pooler: a dense layer and `activation`
+    (then a LayerNorm of `norm_eps` when given) before the output layer.
+    """
+
+    def __init__(
+        self, hidden_size: int, num_labels: int, token: str, pooler: bool, bias: bool,
+        activation: str = "tanh", norm_eps: float | None = None,
+    ) -> None:
         super().__init__()
-        if token not in ("first", "last"):
-            raise ValueError(f"token must be first or last, not {token!r}")
+        if token not in ("first", "last", "mean"):
+            raise ValueError(f"token must be first, last or mean, not {token!r}")
         self.token = token
         self.dense = nn.Linear(hidden_size, hidden_size) if pooler else None
+        self.activation = get_activation(activation) if pooler else None
+        self.norm = nn.LayerNorm(hidden_size, eps=norm_eps) if pooler and norm_eps is not None else None
         self.out = nn.Linear(hidden_size, num_labels, bias=bias)
 
     def forward(self, hidden: torch.Tensor, pooling: PoolingInputs) -> torch.Tensor:
-        index = pooling.first_index if self.token == "first" else pooling.last_index
-        rows = hidden.index_select(0, index).float()
+        if self.token == "mean":
+            rows = hidden if pooling.token_index is None else hidden.index_select(0, pooling.token_index)
+            sums = rows.new_zeros(len(pooling.token_count), rows.shape[1], dtype=torch.float32)
+            rows = sums.index_add_(0, pooling.token_seq, rows.float()) / pooling.token_count[:, None]
+        else:
+            index = pooling.first_index if self.token == "first" else pooling.last_index
+            rows = hidden.index_select(0, index).float()
         if self.dense is not None:
-            rows = torch.tanh(self.dense(rows))
+            rows = self.activation(self.dense(rows))
+            if self.norm is not None:
+                rows = self.norm(rows)
         return self.out(rows)
 
 
-def build_classifier_head(
-    family: Family, architecture: str, hidden_size: int, num_labels: int, files: list[Path]
-) -> ScoreHead:
+def build_classifier_head(family: Family, hf_config, num_labels: int, files: list[Path]) -> ScoreHead:
     """The head of a *ForSequenceClassification checkpoint (its family's Classifier), filled from its files."""
+    architecture = architecture_of(hf_config)
     classifier = family.classifiers.get(architecture)
     if classifier is None:
         supported = ", ".join(family.classifiers) or "none"
         raise ConfigError(f"architecture {architecture} has no score head; supported for {family.name}: {supported}")
-    head = ScoreHead(hidden_size, num_labels, token=classifier.token, pooler=classifier.pooler, bias=classifier.pooler)
+    norm_eps = None
+    if classifier.norm:
+        norm_eps = getattr(hf_config, "norm_eps", None) or getattr(hf_config, "layer_norm_eps", 1e-12)
+    head = ScoreHead(
+        hf_config.hidden_size, num_labels, token=classifier.token_for(hf_config), pooler=classifier.pooler,
+        bias=classifier.pooler or "out.bias" in classifier.sources,
+        activation=classifier.activation_for(hf_config), norm_eps=norm_eps,
+    )
     params = dict(head.named_parameters())
-    for ours, names in classifier.sources.items():
+    for ours, param in params.items():
+        names = classifier.sources.get(ours, ())
+        if ours in classifier.optional and all(read_tensor(files, name) is None for name in names):
+            param.data.zero_()
+            continue
         tensor = read_first_tensor(files, names)
-        if tensor.shape != params[ours].shape:
+        if tensor.shape != param.shape:
             raise ConfigError(
                 f"checkpoint {files[0].parent}: {names[0]} has shape {tuple(tensor.shape)}, "
-                f"the config says {tuple(params[ours].shape)} (num_labels {num_labels})"
+                f"the config says {tuple(param.shape)} (num_labels {num_labels})"
             )
-        params[ours].data.copy_(tensor)
+        param.data.copy_(tensor)
     return head.eval().requires_grad_(False)
 
 

@@ -46,13 +46,30 @@ QKV_GATE_UP = (
 
 @dataclass(frozen=True)
 class Classifier:
-    """A *ForSequenceClassification head (heads/score.py): which token's state it reads, whether a dense +
-    tanh pooler comes before the output layer (with biases), and our head parameter -> checkpoint names,
-    the first found wins."""
+    """A *ForSequenceClassification head (heads/score.py): which token's state it reads, whether a pooler
+    (dense, activation, optionally a LayerNorm) comes before the output layer, and our head parameter ->
+    checkpoint names, the first found wins.
 
-    token: str
+    Our parameters: `dense.weight`, `dense.bias`, `norm.weight`, `norm.bias`, `out.weight`, `out.bias`.
+    """
+
+    # "first" (CLS), "last", or "mean" (over every token), or a function of the config giving one
+    # (ModernBERT's classifier_pooling).
+    token: str | Callable[[object], str]
     pooler: bool
     sources: Mapping[str, tuple[str, ...]]
+    # The pooler's activation (a models/layers.ACTIVATIONS name), or a function of the config giving one.
+    activation: str | Callable[[object], str] = "tanh"
+    # A LayerNorm after the activation (ModernBERT), with the config's epsilon.
+    norm: bool = False
+    # Our parameters a checkpoint may lack (bias-free heads): they stay zero.
+    optional: tuple[str, ...] = ()
+
+    def token_for(self, hf_config) -> str:
+        return self.token(hf_config) if callable(self.token) else self.token
+
+    def activation_for(self, hf_config) -> str:
+        return self.activation(hf_config) if callable(self.activation) else self.activation
 
 
 @dataclass(frozen=True)
@@ -92,6 +109,14 @@ class Family:
     lm_head_scale: Callable[[object], float] | None = None
     # Fills what checkpoints may leave out (Gemma 4's layer scalars), after allocation, before loading.
     fill_defaults: Callable[[nn.Module], None] | None = None
+    # Published config.json forms this family also reads (custom-code configs): config.json's model_type ->
+    # a function of its raw dict giving the native transformers config dict (with its model_type), or None
+    # when the dict is not that form. Only the dict is read; the code it points at never runs.
+    config_forms: Mapping[str, Callable[[dict], dict | None]] = field(default_factory=dict)
+    # For docs/MODELS.md (scripts/models_table.py): published model ids it serves, and the test files
+    # that show it equals the reference.
+    examples: tuple[str, ...] = ()
+    tested_by: tuple[str, ...] = ()
 
     def checkpoint_names(self, hf_config) -> CheckpointNames:
         return self.checkpoint if isinstance(self.checkpoint, CheckpointNames) else self.checkpoint(hf_config)

@@ -7,7 +7,7 @@ import json
 import logging
 from pathlib import Path
 
-from transformers import AutoConfig
+from transformers import CONFIG_MAPPING, AutoConfig
 
 from embedserv.errors import ConfigError
 from embedserv.models import registry
@@ -21,7 +21,12 @@ def read_hf_config(model_dir: Path):
         raw = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read {model_dir / 'config.json'}: {exc}") from None
-    custom = raw.get("auto_map") if isinstance(raw, dict) else None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{model_dir / 'config.json'} holds no JSON object")
+    custom = raw.get("auto_map")
+    native = registry.native_config(raw)
+    if native is not None:
+        return _from_native_dict(model_dir, raw, native)
     try:
         hf_config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False)
     except ValueError as exc:
@@ -42,4 +47,19 @@ def read_hf_config(model_dir: Path):
             "%s: config.json names custom code (auto_map: %s); embedserv never runs it and serves the model as "
             "model type %r with its own implementation", model_dir, ", ".join(sorted(custom)), hf_config.model_type,
         )
+    return hf_config
+
+
+def _from_native_dict(model_dir: Path, raw: dict, native: dict):
+    """A published custom-code config, converted by its family (config_forms), as the native config."""
+    native = dict(native)
+    model_type = native.pop("model_type")
+    try:
+        hf_config = CONFIG_MAPPING[model_type](**native)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{model_dir}/config.json (read as {model_type}): {exc}") from exc
+    logger.info(
+        "%s: config.json in its published form (model_type %r%s) read as transformers' %r; its code never runs",
+        model_dir, raw.get("model_type"), ", auto_map" if raw.get("auto_map") else "", model_type,
+    )
     return hf_config

@@ -57,13 +57,11 @@ def _device(name: str) -> torch.device:
     return device
 
 
-# Model types whose attention adds T5's relative position bias.
-_RELATIVE_BIAS_TYPES = ("t5", "mt5")
+# Model types whose activations overflow float16.
+_FLOAT32_FEED_FORWARD_TYPES = ("t5", "mt5")
 
 
-def _attention_spec(
-    hf_config, device: torch.device, dtype: torch.dtype, is_causal: bool, sliding_window: bool
-) -> AttentionSpec:
+def _attention_spec(hf_config, device: torch.device, dtype: torch.dtype, is_causal: bool, layout) -> AttentionSpec:
     return AttentionSpec(
         device=device,
         dtype=dtype,
@@ -71,15 +69,15 @@ def _attention_spec(
         num_heads=hf_config.num_attention_heads,
         num_kv_heads=num_kv_heads(hf_config),
         is_causal=is_causal,
-        relative_bias=hf_config.model_type in _RELATIVE_BIAS_TYPES,
-        sliding_window=sliding_window,
+        relative_bias=layout.relative_bias,
+        sliding_window=layout.sliding_window,
     )
 
 
 def _check_dtype(hf_config, dtype: torch.dtype, model_dir: Path) -> None:
     # transformers keeps T5's feed-forward output in float32 and clamps infinities in float16; we do
     # neither, and T5 v1.1 / Flan-T5 activations overflow float16's range.
-    if dtype == torch.float16 and hf_config.model_type in _RELATIVE_BIAS_TYPES:
+    if dtype == torch.float16 and hf_config.model_type in _FLOAT32_FEED_FORWARD_TYPES:
         raise ConfigError(
             f"{model_dir}: T5 models overflow float16 (their activations pass its range); use --dtype bfloat16 or float32"
         )
@@ -103,6 +101,8 @@ class _Layout:
 
     max_positions: int
     sliding_window: bool
+    # At least one layer adds a relative position bias (T5, MPNet).
+    relative_bias: bool
     # (layer, the layer whose KV it reads) for every layer that shares another's KV cache.
     kv_shared_layers: tuple[tuple[int, int], ...]
     # The model's first layer after its last KV writer (None: no layer shares KV).
@@ -120,6 +120,7 @@ def _layout(model_class: type, hf_config, model_dir: Path) -> _Layout:
     return _Layout(
         max_positions=model.max_positions,
         sliding_window=any(layer.sliding_window is not None for layer in layers),
+        relative_bias=any(layer.relative_bias is not None for layer in layers),
         kv_shared_layers=tuple(
             (layer.layer_index, layer.kv_source_layer) for layer in layers if layer.kv_source_layer is not None
         ),
@@ -154,7 +155,7 @@ def _pooling_and_dimension(config: ModelConfig, task: TaskSpec, st: SentenceTran
 
 def _classifier_token(family: Family, hf_config) -> str | None:
     classifier = family.classifiers.get(architecture_of(hf_config))
-    return classifier.token if classifier is not None else None
+    return classifier.token_for(hf_config) if classifier is not None else None
 
 
 def read_model_spec(config: ModelConfig) -> ModelSpec:
@@ -173,7 +174,7 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
     layout = _layout(family.model_class, hf_config, model_dir)
     _check_fast_prefill(config, layout, family)
     backend = select_backend(
-        config.attention_backend, _attention_spec(hf_config, device, dtype, is_causal, layout.sliding_window)
+        config.attention_backend, _attention_spec(hf_config, device, dtype, is_causal, layout)
     )
     files = checkpoint_files(model_dir, config.allow_pickle)
     task = read_task_spec(

@@ -170,7 +170,7 @@ def read_task_spec(
         return TaskSpec(tasks=(Task.EMBED, Task.RERANK), rerank_mode=RerankMode.EMBEDDINGS)
     labels = _labels(hf_config)
     # Decoder classifiers score the last token.
-    is_decoder = classifier.token == "last"
+    is_decoder = classifier.token_for(hf_config) == "last"
     single = len(labels) == 1
     return TaskSpec(
         tasks=(Task.RERANK, Task.CLASSIFY) if single else (Task.CLASSIFY,),

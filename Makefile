@@ -10,7 +10,7 @@ PORT ?= 50051
 HTTP_PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-all proto bench clean
+.PHONY: serve test test-all proto models-doc bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ test-all: $(VENV)/.installed-test
 
 proto: $(VENV)/.installed-test
 	$(BIN)/python proto/generate.py
+
+# docs/MODELS.md from the model registry (a test fails when it is stale).
+models-doc: $(VENV)/.installed-test
+	$(BIN)/python docs/models_table.py
 
 bench: $(VENV)/.installed-test
 	$(BIN)/python benchmarks/embed_throughput.py

@@ -232,4 +232,8 @@ FAMILY = Family(
     classifiers={"BartForSequenceClassification": _CLASSIFIER},
     embeddings=("model.shared.weight", "shared.weight", "model.encoder.embed_tokens.weight", "encoder.embed_tokens.weight"),
     final_logits_bias=("final_logits_bias", "model.final_logits_bias"),
+    examples=("facebook/bart-large-mnli", "facebook/bart-large-cnn", "facebook/mbart-large-50"),
+    tested_by=tuple(
+        f"tests/models/test_{name}.py" for name in ("seq2seq_models", "seq2seq_prefill", "seq2seq_generation", "zero_shot")
+    ),
 )

@@ -152,4 +152,13 @@ FAMILY = Family(
         "CamembertForSequenceClassification": _ROBERTA_CLASSIFIER,
     },
     mlm_heads={"bert": _BERT_MLM} | {model_type: _ROBERTA_MLM for model_type in ROBERTA_TYPES},
+    examples=(
+        "sentence-transformers/all-MiniLM-L6-v2", "BAAI/bge-base-en-v1.5", "intfloat/multilingual-e5-large",
+        "BAAI/bge-m3", "cross-encoder/ms-marco-MiniLM-L-6-v2", "BAAI/bge-reranker-v2-m3",
+        "naver/splade-cocondenser-ensembledistil", "colbert-ir/colbertv2.0",
+    ),
+    tested_by=tuple(
+        f"tests/models/test_{name}.py"
+        for name in ("encoder_parity", "classify_parity", "rerank_parity", "zero_shot", "sparse", "bge_m3", "multi_vector", "int8")
+    ),
 )

@@ -175,4 +175,6 @@ FAMILY = Family(
     checkpoint=CHECKPOINT,
     is_encoder=False,
     embeddings=EMBEDDINGS,
+    examples=("google/embeddinggemma-300m", "google/gemma-3-1b-it"),
+    tested_by=tuple(f"tests/models/test_{name}.py" for name in ("gemma_parity", "gemma_embed", "gemma_parts")),
 )

@@ -234,4 +234,7 @@ FAMILY = Family(
     is_encoder=False,
     embeddings=EMBEDDINGS,
     fill_defaults=_unit_layer_scalars,
+    tested_by=tuple(
+        f"tests/models/test_{name}.py" for name in ("gemma_parity", "gemma_embed", "gemma_parts", "kv_sharing")
+    ),
 )

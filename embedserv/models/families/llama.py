@@ -178,4 +178,11 @@ FAMILY = Family(
         f"{name}ForSequenceClassification": SCORE_CLASSIFIER for name in ("Llama", "Mistral", "Qwen2", "Qwen3")
     },
     embeddings=EMBEDDINGS,
+    examples=(
+        "intfloat/e5-mistral-7b-instruct", "Alibaba-NLP/gte-Qwen2-1.5B-instruct", "Qwen/Qwen3-Embedding-0.6B",
+        "Qwen/Qwen3-Reranker-0.6B", "meta-llama/Llama-3.2-1B-Instruct",
+    ),
+    tested_by=tuple(
+        f"tests/models/test_{name}.py" for name in ("decoder_parity", "llama_parts", "classify_parity", "generate_parity")
+    ),
 )

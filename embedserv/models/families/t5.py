@@ -303,6 +303,13 @@ FAMILY = Family(
     is_encoder_decoder=True,
     embeddings=("shared.weight", "encoder.embed_tokens.weight"),
     lm_head_scale=output_scale,
+    examples=(
+        "sentence-transformers/sentence-t5-base", "sentence-transformers/gtr-t5-base", "castorini/monot5-base-msmarco",
+        "google/flan-t5-base",
+    ),
+    tested_by=tuple(
+        f"tests/models/test_{name}.py" for name in ("seq2seq_models", "seq2seq_prefill", "seq2seq_generation")
+    ),
 )
 # T5 checkpoints served by their encoder alone (models/registry.py decides which).
 ENCODER_FAMILY = Family(

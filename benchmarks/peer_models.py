@@ -1,5 +1,6 @@
 """The models benchmarks/peers.py runs every peer on: the bundled all-MiniLM-L6-v2, and random-weight models in
-the exact shapes of bge-base-en-v1.5, bge-large-en-v1.5 and Qwen3-Embedding-0.6B.
+the exact shapes of bge-base-en-v1.5, bge-large-en-v1.5, Qwen3-Embedding-0.6B, modernbert-embed-base and
+all-mpnet-base-v2.
 
 Nothing is downloaded. A random model is a sentence-transformers directory (modules.json, 1_Pooling,
 sentence_bert_config.json, config.json, model.safetensors and the bundled model's WordPiece tokenizer),
@@ -32,7 +33,7 @@ POOLING_KEYS = {
 class Shape:
     """A published model's architecture, with the pooling its sentence-transformers files name."""
 
-    model_type: str  # "bert" or "qwen3"
+    model_type: str  # "bert", "qwen3", "modernbert" or "mpnet"
     config: dict
     pooling: str
     max_seq_length: int
@@ -52,6 +53,16 @@ SHAPES = {
                                       num_key_value_heads=8, head_dim=128, intermediate_size=3072,
                                       max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
                                       tie_word_embeddings=True), "lasttoken", 512),
+    # modernbert-embed-base (ModernBERT-base): 22 layers, every third global, the others see 128 tokens; 8,192
+    # positions, of which the benchmark truncates at 512 as for the other shapes.
+    "modernbert-base": Shape("modernbert", dict(hidden_size=768, num_hidden_layers=22, num_attention_heads=12,
+                                                intermediate_size=1152, global_attn_every_n_layers=3,
+                                                local_attention=128, max_position_embeddings=8192,
+                                                initializer_range=BERT_INIT_STD), "mean", 512),
+    # all-mpnet-base-v2: BERT-base sizes with MPNet's shared relative position bias; 384 tokens.
+    "mpnet-base": Shape("mpnet", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                                      intermediate_size=3072, max_position_embeddings=514,
+                                      initializer_range=BERT_INIT_STD), "mean", 384),
 }  # fmt: skip
 MODEL_NAMES = (MINILM, *SHAPES)
 
@@ -108,11 +119,18 @@ def _vocab_size(directory: Path) -> int:
 
 
 def _hf_config(shape: Shape, vocab_size: int):
-    from transformers import BertConfig, Qwen3Config
+    from transformers import BertConfig, ModernBertConfig, MPNetConfig, Qwen3Config
 
     if shape.model_type == "bert":
         return BertConfig(vocab_size=vocab_size, max_position_embeddings=512, type_vocab_size=2, pad_token_id=0,
                           hidden_act="gelu", layer_norm_eps=1e-12, **shape.config)  # fmt: skip
+    # The WordPiece tokenizer's ids: [PAD] 0, [CLS] 101, [SEP] 102.
+    if shape.model_type == "modernbert":
+        return ModernBertConfig(vocab_size=vocab_size, pad_token_id=0, bos_token_id=101, eos_token_id=102,
+                                cls_token_id=101, sep_token_id=102, **shape.config)  # fmt: skip
+    if shape.model_type == "mpnet":
+        return MPNetConfig(vocab_size=vocab_size, pad_token_id=0, bos_token_id=101, eos_token_id=102,
+                           hidden_act="gelu", layer_norm_eps=1e-5, **shape.config)  # fmt: skip
     options = dict(shape.config)
     rope_theta = options.pop("rope_theta")
     # The WordPiece tokenizer's [PAD] is 0; Qwen3's own ids do not exist in this vocabulary.
@@ -128,6 +146,13 @@ def _write_portable_config(path: Path, shape: Shape) -> None:
     to 10000. vLLM has no class for the bare `Qwen3Model`, and Qwen3-Embedding-0.6B itself names
     `Qwen3ForCausalLM` over bare backbone weights, so this does too."""
     config = json.loads(path.read_text())
+    if shape.model_type == "modernbert":
+        # 4.x reads one theta per layer kind from these keys; 5.x from rope_parameters, kept beside them.
+        rope = config["rope_parameters"]
+        config["global_rope_theta"] = rope["full_attention"]["rope_theta"]
+        config["local_rope_theta"] = rope["sliding_attention"]["rope_theta"]
+        path.write_text(json.dumps(config, indent=2))
+        return
     rope = config.pop("rope_parameters", None)
     if rope is not None:
         config["rope_theta"] = rope["rope_theta"]

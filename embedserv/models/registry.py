@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from embedserv.errors import ConfigError
-from embedserv.models.families import bart, bert, gemma, gemma4, llama, t5
+from embedserv.models.families import bart, bert, gemma, gemma4, gte, llama, nomic_bert, t5
 from embedserv.models.heads import bge_m3, multi_vector, splade
 from embedserv.models.loading.family import Family
 from embedserv.models.loading.multi_vector_files import MultiVectorSettings, read_multi_vector_settings
@@ -25,6 +25,7 @@ FAMILIES: tuple[Family, ...] = (
     gemma4.FAMILY,
     t5.FAMILY,
     bart.FAMILY,
+    nomic_bert.FAMILY, gte.FAMILY,
 )
 _BY_MODEL_TYPE: dict[str, Family] = {model_type: family for family in FAMILIES for model_type in family.model_types}
 

@@ -5,7 +5,9 @@ transformers 5 keeps every RoPE setting in `config.rope_parameters` (`rope_type`
 that dict when it loads them; configs built by older transformers still carry the two apart, so both
 are read. Models with layer types (Gemma) keep one such dict per type (`rope_parameters[layer_type]`).
 The inverse frequencies use transformers' float32 formulas op for op, so on CPU the cos/sin
-tables hold the same bits as the reference's.
+tables hold the same bits as the reference's. One type transformers lacks: "ntk", the fixed (and mixed)
+NTK scaling of Alibaba's GTE v1.5 configs (`rope_scaling: {"type": "ntk", "factor": 2.0}`), computed as
+their published code (Alibaba-NLP/new-impl, NTKScalingRotaryEmbedding) computes it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import math
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "proportional")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "proportional", "ntk")
 # transformers' RotaryEmbeddingConfigMixin.default_theta, for configs that name no base.
 DEFAULT_THETA = 10_000.0
 
@@ -65,7 +67,25 @@ def inverse_frequencies(params: dict, head_dim: int) -> torch.Tensor:
         return _llama3_scaling(params, inv_freq)
     if params["rope_type"] == "proportional":
         return _proportional(params, head_dim)
+    if params["rope_type"] == "ntk":
+        return _ntk(params, head_dim)
     return inv_freq
+
+
+def _ntk(params: dict, head_dim: int) -> torch.Tensor:
+    """GTE v1.5's NTK scaling (https://kexue.fm/archives/9706), as Alibaba-NLP/new-impl computes it at every
+    length (its table is built past max_position_embeddings, where the scaling applies). Fixed: the base
+    times `factor`, every frequency over factor ** (2 / head_dim). Mixed (`mixed_b`): the unscaled base,
+    pair i's frequency over exp(a * i ** mixed_b) with a = log(factor) / (head_dim / 2) ** mixed_b."""
+    factor = _require(params, "factor")
+    mixed_b = params.get("mixed_b")
+    base = params["rope_theta"] * (factor if mixed_b is None else 1)
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float) / head_dim
+    inv_freq = 1.0 / (base**exponents)
+    if mixed_b is None:
+        return inv_freq / factor ** (2 / head_dim)
+    a = torch.tensor(factor).log() / (head_dim / 2) ** mixed_b
+    return inv_freq / (a * torch.arange(1, head_dim // 2 + 1).float() ** mixed_b).exp()
 
 
 def _proportional(params: dict, head_dim: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from embedserv.attention.layer import Attention
+from embedserv.attention.relative_bias import RelativePositionBias
 from embedserv.models.layers import Linear, packed_linear
 from embedserv.models.loading.family import CheckpointNames, Classifier, Family, MlmHeadNames
 
@@ -18,12 +19,14 @@ ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
 
 
 class BertEmbeddings(nn.Module):
-    def __init__(self, config) -> None:
+    # `size`: the embedding width where it differs from hidden_size (ELECTRA's embedding_size).
+    def __init__(self, config, size: int | None = None) -> None:
         super().__init__()
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        size = size or config.hidden_size
+        self.word_embeddings = nn.Embedding(config.vocab_size, size)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, size)
+        self.norm = nn.LayerNorm(size, eps=config.layer_norm_eps)
 
     def forward(self, input_ids, positions, token_type_ids=None) -> torch.Tensor:
         hidden = self.word_embeddings(input_ids) + self.position_embeddings(positions)
@@ -35,14 +38,15 @@ class BertEmbeddings(nn.Module):
 
 
 class BertLayer(nn.Module):
-    def __init__(self, config, layer_index: int) -> None:
+    # `relative_bias`: MPNet's layers are BERT's plus one bias table their stack shares.
+    def __init__(self, config, layer_index: int, relative_bias: RelativePositionBias | None = None) -> None:
         super().__init__()
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
         self.hidden_size = hidden
         # Query, key and value in one matmul; the loader stacks their weights.
         self.qkv = packed_linear(hidden, (hidden,) * 3)
-        self.attn = Attention(num_heads, hidden // num_heads, layer_index=layer_index)
+        self.attn = Attention(num_heads, hidden // num_heads, layer_index=layer_index, relative_bias=relative_bias)
         self.attn_out = Linear(hidden, hidden)
         self.attn_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
         self.ffn_in = Linear(hidden, config.intermediate_size, activation=config.hidden_act)

@@ -7,6 +7,7 @@ from enum import Enum
 import torch
 from torch import nn
 
+from embedserv.attention.disentangled import DisentangledPositions, PositionProjections
 from embedserv.attention.relative_bias import RelativePositionBias
 from embedserv.forward_context import get_forward_context
 
@@ -38,6 +39,11 @@ class Attention(nn.Module):
     sequence: with a paged cache, or on a KV-free step whose queries are fewer than their keys (the
     prefill skip), queries are the last len_q of the len_k positions.
 
+    `disentangled` (DeBERTa-v2/v3): the layer adds a content-dependent relative position bias
+    (attention/disentangled.py) made from the position projections each call passes as `positions`
+    ([2 * span, num_heads * head_size] each, or None for a term the model does not use). Encoder layers
+    only: bidirectional, no window, no T5 bias.
+
     KV sharing on KV-free steps (no cache to read): a source layer (one a later layer names as its
     `kv_source_layer`; `is_kv_source`, set by `link_kv_sharing`) puts its step's k and v in the context's
     SharedKv (attention/shared_kv.py), and the sharing layer attends over them.
@@ -55,6 +61,7 @@ class Attention(nn.Module):
         kv_source_layer: int | None = None,
         relative_bias: RelativePositionBias | None = None,
         sliding_window: int | None = None,
+        disentangled: DisentangledPositions | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -72,6 +79,11 @@ class Attention(nn.Module):
         if sliding_window is not None and (sliding_window < 1 or self.kind is AttentionKind.CROSS):
             raise ValueError(f"a sliding window of {sliding_window} on a {self.kind.value} attention layer")
         self.sliding_window = sliding_window
+        if disentangled is not None and (
+            self.kind is not AttentionKind.ENCODER or sliding_window is not None or relative_bias is not None
+        ):
+            raise ValueError("disentangled attention serves encoder layers without a window or T5's bias")
+        self.disentangled = disentangled
         self.is_kv_source = False
         # Not a submodule: the stack owns it (one table for all its layers).
         self.__dict__["relative_bias"] = relative_bias
@@ -85,7 +97,15 @@ class Attention(nn.Module):
         """The layer whose cache this one reads (its own unless it shares another's)."""
         return self.layer_index if self.kv_source_layer is None else self.kv_source_layer
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        positions: PositionProjections | None = None,
+    ) -> torch.Tensor:
+        if (positions is None) != (self.disentangled is None):
+            raise ValueError(f"attention layer {self.layer_index}: position projections go with disentangled attention")
         context = get_forward_context()
         # The runner resolved both for this layer once per step (worker/layer_routes.py).
         meta = context.attn_metadata[self.layer_index]
@@ -103,8 +123,14 @@ class Attention(nn.Module):
                 k, v = context.shared_kv.get(self.kv_source_layer)
             elif self.is_kv_source:
                 context.shared_kv.put(self.layer_index, k, v)
+        if positions is not None:
+            positions = PositionProjections(*(
+                None if p is None else p.view(-1, self.num_heads, self.head_size)
+                for p in (positions.keys, positions.queries)
+            ))
         out = context.attn_backend.forward(
-            self, _real_rows(q, num_queries).view(-1, self.num_heads, self.head_size), k, v, kv_cache, meta
+            self, _real_rows(q, num_queries).view(-1, self.num_heads, self.head_size), k, v, kv_cache, meta,
+            positions=positions,
         ).reshape(-1, self.num_heads * self.head_size)
         if num_queries < rows:
             # Zeros, not garbage: the padding rows run on through the layers after this one.

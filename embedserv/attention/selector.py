@@ -33,6 +33,8 @@ class AttentionSpec:
     relative_bias: bool = False
     # At least one layer attends within a sliding window (Attention.sliding_window).
     sliding_window: bool = False
+    # DeBERTa-v2/v3: a content-dependent relative position bias (attention/disentangled.py).
+    disentangled: bool = False
 
 
 def _has_module(name: str) -> bool:
@@ -60,6 +62,11 @@ def _relative_bias_reason(what: str) -> str:
     """Why a kernel without a per-head score bias cannot run a T5 model. Checked before the device and
     packages: no GPU or install would change it."""
     return f"{what} cannot add T5's relative position bias; use sdpa or flex"
+
+
+def _disentangled_reason(what: str) -> str:
+    """Why a kernel without a score bias cannot run DeBERTa; checked before the device and packages too."""
+    return f"{what} cannot add DeBERTa's disentangled position bias; use sdpa, flex or naive"
 
 
 def _varlen_takes_window() -> bool:
@@ -99,6 +106,8 @@ def _flex_reason(spec: AttentionSpec) -> str | None:
 def _varlen_reason(spec: AttentionSpec) -> str | None:
     if spec.relative_bias:
         return _relative_bias_reason("torch.nn.attention.varlen")
+    if spec.disentangled:
+        return _disentangled_reason("torch.nn.attention.varlen")
     if not _has_module("torch.nn.attention.varlen"):
         return f"torch {torch.__version__} has no torch.nn.attention.varlen (2.10+)"
     if spec.sliding_window and not _varlen_takes_window():
@@ -109,6 +118,8 @@ def _varlen_reason(spec: AttentionSpec) -> str | None:
 def _flash_attn_reason(spec: AttentionSpec) -> str | None:
     if spec.relative_bias:
         return _relative_bias_reason("flash-attn")
+    if spec.disentangled:
+        return _disentangled_reason("flash-attn")
     if not _has_module("flash_attn"):
         return "the flash-attn package is not installed (pip install 'embedserv[flash]')"
     return _flash_kernel_reason(spec, "flash-attn")
@@ -138,6 +149,9 @@ def unsupported_reason(name: str, spec: AttentionSpec) -> str | None:
         # Refused, not ignored: no model has both, sdpa and flex (the backends that add the bias) do not
         # place it inside a window, and dropping either would give wrong answers silently.
         return "T5's relative position bias does not combine with a sliding window"
+    if spec.disentangled and (spec.sliding_window or spec.relative_bias or spec.is_causal):
+        # The Attention layer refuses these too: DeBERTa is a bidirectional encoder with neither.
+        return "DeBERTa's disentangled attention serves bidirectional encoders without a window or T5's bias"
     return _REGISTRY[name][2](spec)
 
 

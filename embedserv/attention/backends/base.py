@@ -14,6 +14,7 @@ import torch
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
 
 if TYPE_CHECKING:
+    from embedserv.attention.disentangled import DisentangledPositions, PositionProjections
     from embedserv.attention.relative_bias import RelativePositionBias
 
 _T = TypeVar("_T")
@@ -32,6 +33,8 @@ class AttentionLayer(Protocol):
     sliding_window: int | None
     # T5's per-head score bias by distance (one table per stack); None for other models.
     relative_bias: RelativePositionBias | None
+    # DeBERTa's disentangled position bias (its positions come with each call); None for other models.
+    disentangled: DisentangledPositions | None
 
 
 class AttentionBackend(Protocol):
@@ -50,12 +53,14 @@ class AttentionBackend(Protocol):
         v: torch.Tensor | None,
         kv_cache: torch.Tensor | None,
         meta: AttentionMetadata,
+        positions: PositionProjections | None = None,
     ) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size].
 
         With a cache, k and v are this step's new keys and values, written to their slots first; both are
         None for a layer that shares another layer's cache: it writes nothing and reads every key from the
-        cache. Returns [num_tokens, num_heads, head_size] in q's dtype.
+        cache. `positions`: a disentangled layer's position projections, [2 * span, num_heads, head_size]
+        each (attention/disentangled.py). Returns [num_tokens, num_heads, head_size] in q's dtype.
         """
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
@@ -168,4 +173,14 @@ def refuse_relative_bias(layer: AttentionLayer, backend: str) -> None:
         raise NotImplementedError(
             f"attention layer {layer.layer_index}: the {backend} attention backend cannot add T5's relative "
             "position bias; use sdpa or flex"
+        )
+
+
+def refuse_score_bias(layer: AttentionLayer, backend: str) -> None:
+    """refuse_relative_bias, and the same for DeBERTa's disentangled bias."""
+    refuse_relative_bias(layer, backend)
+    if getattr(layer, "disentangled", None) is not None:
+        raise NotImplementedError(
+            f"attention layer {layer.layer_index}: the {backend} attention backend cannot add DeBERTa's "
+            "disentangled position bias; use sdpa, flex or naive"
         )

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from flash_attn import flash_attn_varlen_func
 
-from embedserv.attention.backends.base import AttentionLayer, PagedBackendBase, refuse_relative_bias, write_kv
+from embedserv.attention.backends.base import AttentionLayer, PagedBackendBase, refuse_score_bias, write_kv
 from embedserv.attention.backends.windows import flash_window
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
 
@@ -35,8 +35,8 @@ class FlashAttnBackend(PagedBackendBase):
     def build_metadata(self, common: CommonAttentionMetadata) -> AttentionMetadata:
         return AttentionMetadata(common=common)
 
-    def forward(self, layer: AttentionLayer, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        refuse_relative_bias(layer, self.name)
+    def forward(self, layer: AttentionLayer, q, k, v, kv_cache, meta: AttentionMetadata, positions=None) -> torch.Tensor:
+        refuse_score_bias(layer, self.name)
         common = meta.common
         paged = {}
         if kv_cache is not None:

@@ -27,7 +27,10 @@ document mask compares a query's sequence with a key's; paged, the mask_mod is t
 self-attention with each query's limit the last key of its sequence (its encoder length - 1) instead of
 its own position. T5's relative position bias is a score_mod that indexes the step's distance table by
 the clamped distance between a key's position and the query's; the table and positions are inputs of the
-compiled kernel, so a new step compiles nothing.
+compiled kernel, so a new step compiles nothing. DeBERTa's disentangled bias is a score_mod too: each
+layer scores every packed query and key against every relative embedding row ([heads, padded, 2 * span],
+inputs of the kernel, fixed by the size class), and the score_mod adds the two scores of the pair's row,
+looked up through the step's distance -> row table.
 
 Suffix queries (the prefill skip: KV-free, each sequence's last len_q tokens over all of its keys) are
 packed apart from their keys as in cross-attention, and each carries its own key row for the causal
@@ -50,12 +53,14 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from embedserv.attention.backends.base import (
     AttentionLayer, PagedBackendBase, relative_bias_table, step_memo, write_kv,
 )
+from embedserv.attention.backends.flex_bias import disentangled_mod, packed_positions, relative_bias_mod
 from embedserv.attention.backends.flex_masks import (
     BLOCK_SIZE, document_block_mask, ordered_blocks, suffix_query_keys,
 )
 from embedserv.attention.backends.windows import (
     has_suffix_queries, refuse_biased_suffix, refuse_biased_window, window_within,
 )
+from embedserv.attention.disentangled import PositionProjections, refuse_disentangled
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata, ranges
 
 # On CUDA the Triton kernel tiles the keys BLOCK_N at a time; a tile must lie inside one cache block, and
@@ -155,17 +160,6 @@ def padded_size(num_tokens: int) -> int:
     return max(BLOCK_SIZE, 1 << (num_tokens - 1).bit_length())
 
 
-def relative_bias_mod(table: torch.Tensor, max_distance: int, q_pos: torch.Tensor, key_position):
-    """score_mod adding T5's bias: table[h, clamp(key - query position, -M, M) + M]. `key_position(kv)`
-    maps a key index to its position in its sequence (packed rows or paged cache slots)."""
-
-    def biased(score, b, h, q, kv):
-        distance = (key_position(kv) - q_pos[q]).clamp(-max_distance, max_distance)
-        return score + table[h, distance + max_distance]
-
-    return biased
-
-
 class FlexBackend(PagedBackendBase):
     name = "flex"
 
@@ -194,15 +188,23 @@ class FlexBackend(PagedBackendBase):
             documents_k=_documents(common.cu_seqlens_k, key_size), query_keys=query_keys,
         )
 
-    def forward(self, layer: AttentionLayer, q, k, v, kv_cache, meta: FlexMetadata) -> torch.Tensor:
+    def forward(
+        self, layer: AttentionLayer, q, k, v, kv_cache, meta: FlexMetadata, positions: PositionProjections | None = None
+    ) -> torch.Tensor:
         attend = _compiled_flex() if self.compile else flex_attention
+        if kv_cache is not None or meta.common.cross or meta.query_keys is not None or meta.is_causal:
+            refuse_disentangled(layer, self.name, "paged, cross, suffix or causal attention")
         if kv_cache is not None:
             return _forward_paged(attend, layer, q, k, v, kv_cache, meta)
         block_mask = meta.block_mask(window_within(layer, meta.common.max_seqlen_k))
+        qb, kb = _batch(q, meta.padded_tokens), _batch(k, meta.padded_keys)
+        if positions is None:
+            score_mod = _packed_bias_mod(layer, meta)
+        else:
+            score_mod = disentangled_mod(layer, meta, qb, kb, positions)
         out = attend(
-            _batch(q, meta.padded_tokens), _batch(k, meta.padded_keys), _batch(v, meta.padded_keys),
-            score_mod=_packed_bias_mod(layer, meta), block_mask=block_mask, scale=layer.scale,
-            enable_gqa=q.shape[1] != k.shape[1],
+            qb, kb, _batch(v, meta.padded_keys),
+            score_mod=score_mod, block_mask=block_mask, scale=layer.scale, enable_gqa=q.shape[1] != k.shape[1],
         )
         return out[0, :, : q.shape[0]].transpose(0, 1)
 
@@ -218,13 +220,7 @@ def _packed_bias_mod(layer: AttentionLayer, meta: FlexMetadata):
         refuse_biased_suffix(layer, "flex")
     refuse_biased_window(layer, "flex")
 
-    def positions() -> torch.Tensor:
-        # Each packed row's position in its sequence; padding rows get rows past the end (never seen).
-        cu = meta.common.cu_seqlens_q.long()
-        rows = torch.arange(meta.padded_tokens, device=cu.device)
-        return rows - cu[meta.documents.long()]
-
-    pos = step_memo(meta.memo, "positions", positions)
+    pos = packed_positions(meta)
     return relative_bias_mod(table, layer.relative_bias.max_distance, pos, lambda kv: pos[kv])
 
 

@@ -4,7 +4,8 @@ With a paged KV cache each sequence reads all of its keys (context and this step
 the cache through its own row of the block tables, so the oracle checks the block tables too. Cross
 attention (decoder queries over encoder keys) is the same loop without the causal mask; T5's relative
 position bias is added to each sequence's scores by distance, and a sliding window hides the keys too far
-from a query. Queries are the last len_q of their sequence's len_k positions on every path: KV-free with
+from a query. DeBERTa's disentangled bias is computed here straight from its definition, gathering each
+pair's position projections (memory Lq * Lk * heads * head_size; the other backends gather scores). Queries are the last len_q of their sequence's len_k positions on every path: KV-free with
 len_q == len_k, KV-free suffix queries (the prefill skip) and paged steps alike.
 """
 
@@ -16,6 +17,7 @@ import torch
 
 from embedserv.attention.backends.base import AttentionLayer, PagedBackendBase, write_kv
 from embedserv.attention.backends.windows import visible_keys
+from embedserv.attention.disentangled import PositionProjections, refuse_disentangled
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
 
 
@@ -25,14 +27,20 @@ class NaiveBackend(PagedBackendBase):
     def build_metadata(self, common: CommonAttentionMetadata) -> AttentionMetadata:
         return AttentionMetadata(common=common)
 
-    def forward(self, layer: AttentionLayer, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, layer: AttentionLayer, q, k, v, kv_cache, meta: AttentionMetadata, positions: PositionProjections | None = None
+    ) -> torch.Tensor:
         common = meta.common
+        if kv_cache is not None or common.cross or meta.is_causal:
+            refuse_disentangled(layer, self.name, "paged, cross or causal attention")
         if kv_cache is not None:
             write_kv(k, v, kv_cache, common)
         scale = layer.scale if layer.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         kv_heads = kv_cache.shape[-2] if kv_cache is not None else k.shape[1]
         bias = getattr(layer, "relative_bias", None)
         table = bias.distance_table() if bias is not None else None
+        disentangled = getattr(layer, "disentangled", None)
+        rows_table = disentangled.index_table(q.device) if disentangled is not None else None
         group = q.shape[1] // kv_heads
         out = torch.empty_like(q)
         q_start = k_start = 0
@@ -50,6 +58,10 @@ class NaiveBackend(PagedBackendBase):
             if bias is not None:
                 key_positions = torch.arange(len_k, device=q.device)
                 scores = scores + bias.bias(key_positions[len_k - len_q :], key_positions, table)
+            if disentangled is not None:
+                key_positions = torch.arange(len_k, device=q.device)
+                rows_ij = disentangled.rows(rows_table, key_positions[len_k - len_q :], key_positions)
+                scores = scores + _disentangled_scores(qs, ks, positions, rows_ij) * scale
             if meta.is_causal or layer.sliding_window is not None:
                 seen = visible_keys(len_q, len_k, meta.is_causal, layer.sliding_window, q.device)
                 scores = scores.masked_fill(~seen, float("-inf"))
@@ -57,6 +69,16 @@ class NaiveBackend(PagedBackendBase):
             q_start += len_q
             k_start += len_k
         return out
+
+
+def _disentangled_scores(qs, ks, positions: PositionProjections, rows: torch.Tensor) -> torch.Tensor:
+    """[H, Lq, Lk]: q_i . pos_key[rows[i, j]] + k_j . pos_query[rows[i, j]] (qs, ks: [H, L, D])."""
+    scores = qs.new_zeros(qs.shape[0], *rows.shape)
+    if positions.keys is not None:
+        scores += torch.einsum("hid,ijhd->hij", qs, positions.keys.float()[rows])
+    if positions.queries is not None:
+        scores += torch.einsum("hjd,ijhd->hij", ks, positions.queries.float()[rows])
+    return scores
 
 
 def read_sequence(

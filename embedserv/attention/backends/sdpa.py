@@ -21,7 +21,9 @@ Suffix queries (the prefill skip: KV-free, each sequence's last len_q tokens ove
 KV-free cross-attention does, with a mask aligned at the end (causal, window, padded keys) where one is
 needed: a single last query sees every key of its sequence unless a window hides some.
 
-T5's relative position bias goes in as a float mask, [heads, len_q, len_k] by distance (sdpa_bias.py). A
+T5's relative position bias goes in as a float mask, [heads, len_q, len_k] by distance (sdpa_bias.py);
+DeBERTa's disentangled bias as a float mask per sequence, made by each layer from its position
+projections (sdpa_bias.disentangled_bias), a bounded number of sequences at a time. A
 sliding window is a bool mask (sdpa_window.py), made once per step, window and shape; a layer without a
 window, or whose window no sequence outgrows, runs as above with no mask.
 """
@@ -38,7 +40,9 @@ from embedserv.attention.backends.base import (
     AttentionLayer, PagedBackendBase, gather_blocks, relative_bias_table, write_kv,
 )
 from embedserv.attention.backends.naive import future_mask
-from embedserv.attention.backends.sdpa_bias import chunk_bias, decode_bias, mask_dtype, run_bias
+from embedserv.attention.backends.sdpa_bias import (
+    chunk_bias, decode_bias, disentangled_bias, disentangled_groups, mask_dtype, run_bias,
+)
 from embedserv.attention.backends.sdpa_runs import (
     Chunk, CrossRun, PagedPlan, Run, SdpaMetadata, plan_cross_runs, plan_runs,
 )
@@ -48,6 +52,7 @@ from embedserv.attention.backends.sdpa_window import (
 from embedserv.attention.backends.windows import (
     has_suffix_queries, refuse_biased_suffix, refuse_biased_window, window_within,
 )
+from embedserv.attention.disentangled import PositionProjections, refuse_disentangled
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
 
 
@@ -73,7 +78,11 @@ class SdpaBackend(PagedBackendBase):
             return SdpaMetadata(common=common, runs=runs, suffix=suffix)
         return SdpaMetadata(common=common, runs=plan_runs(common.seq_lens_q_cpu))
 
-    def forward(self, layer: AttentionLayer, q, k, v, kv_cache, meta: SdpaMetadata) -> torch.Tensor:
+    def forward(
+        self, layer: AttentionLayer, q, k, v, kv_cache, meta: SdpaMetadata, positions: PositionProjections | None = None
+    ) -> torch.Tensor:
+        if kv_cache is not None or meta.common.cross or meta.suffix or meta.is_causal:
+            refuse_disentangled(layer, self.name, "paged, cross, suffix or causal attention")
         if kv_cache is not None:
             return _forward_paged(layer, q, k, v, kv_cache, meta)
         gqa = q.shape[1] != k.shape[1]
@@ -82,6 +91,12 @@ class SdpaBackend(PagedBackendBase):
         if meta.suffix:
             refuse_biased_suffix(layer, self.name)
             return _concat([_attend_suffix(layer, q, k, v, meta, i, gqa) for i in range(len(meta.runs))])
+        if positions is not None:
+            return _concat([
+                self._attend(layer, q[g.rows], k[g.rows], v[g.rows], g, False, gqa,
+                             disentangled_bias(layer, q[g.rows], k[g.rows], positions, meta, g, mask_dtype(q)))
+                for r in meta.runs for g in disentangled_groups(r, q.shape[1])
+            ])
         table = relative_bias_table(layer, meta.memo)
         if table is not None:
             refuse_biased_window(layer, self.name)

@@ -1,13 +1,18 @@
 """T5's relative position bias for the sdpa backend, as float masks added to the scores: one per KV-free
 run length, paged chunk or decode batch, made by the step's first layer of a stack and kept in the step's
-metadata (keyed by the stack's bias module) for the others. -inf where causal attention hides a key."""
+metadata (keyed by the stack's bias module) for the others. -inf where causal attention hides a key.
+
+DeBERTa's disentangled bias depends on each layer's queries and keys: every layer makes its own, one
+[n, heads, L, L] mask per group of sequences of a run (attention/disentangled.py); only the embedding
+row of each pair is shared by the step's layers."""
 
 from __future__ import annotations
 
 import torch
 
 from embedserv.attention.backends.base import AttentionLayer, step_memo
-from embedserv.attention.backends.sdpa_runs import SdpaMetadata
+from embedserv.attention.backends.sdpa_runs import Run, SdpaMetadata
+from embedserv.attention.disentangled import PositionProjections, content_position_scores, sequence_bias
 from embedserv.attention.backends.naive import future_mask
 
 
@@ -62,3 +67,35 @@ def decode_bias(layer: AttentionLayer, table: torch.Tensor, meta: SdpaMetadata, 
         return mask.masked_fill(~plan.decode_mask, float("-inf")).to(dtype)
 
     return step_memo(meta.memo, ("decode", bias, dtype), make)
+
+
+# A disentangled mask (and each of its two score terms) of a group of sequences stays under this many
+# bytes: a run of long sequences is cut into groups rather than materialized at once.
+_DISENTANGLED_BYTES = 64 << 20
+
+
+def disentangled_groups(run: Run, heads: int) -> list[Run]:
+    """`run` cut into consecutive groups whose [n, heads, L, L] float32 mask fits _DISENTANGLED_BYTES."""
+    per_group = max(1, _DISENTANGLED_BYTES // (heads * run.length * run.length * 4))
+    return [
+        Run(token_start=run.token_start + first * run.length, num_seqs=min(per_group, run.num_seqs - first),
+            length=run.length)
+        for first in range(0, run.num_seqs, per_group)
+    ]
+
+
+def disentangled_bias(
+    layer: AttentionLayer, q, k, positions: PositionProjections, meta: SdpaMetadata, run: Run, dtype: torch.dtype
+) -> torch.Tensor:
+    """[num_seqs, heads, L, L]: the disentangled bias of the run's sequences, from their rows q, k."""
+    disentangled, length = layer.disentangled, run.length
+
+    def rows() -> torch.Tensor:
+        table = step_memo(meta.memo, ("disentangled-table", disentangled), lambda: disentangled.index_table(q.device))
+        positions_ = torch.arange(length, device=q.device)
+        return disentangled.rows(table, positions_, positions_)
+
+    shape = (run.num_seqs, length, *q.shape[1:])
+    c2p, p2c = content_position_scores(q.view(shape), k.view(shape), positions, layer.scale)
+    pairs = step_memo(meta.memo, ("disentangled-rows", disentangled, length), rows)
+    return sequence_bias(c2p, p2c, pairs).to(dtype)

@@ -29,7 +29,7 @@ import torch
 from torch.nn.attention.varlen import varlen_attn
 
 from embedserv.attention.backends.base import (
-    AttentionLayer, PagedBackendBase, gather_kv, packed_key_slots, refuse_relative_bias, write_kv,
+    AttentionLayer, PagedBackendBase, gather_kv, packed_key_slots, refuse_score_bias, write_kv,
 )
 from embedserv.attention.backends.windows import flash_window
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
@@ -64,8 +64,8 @@ class VarlenBackend(PagedBackendBase):
             return VarlenMetadata(common=common, gather_slots=packed_key_slots(common))
         return VarlenMetadata(common=common)
 
-    def forward(self, layer: AttentionLayer, q, k, v, kv_cache, meta: VarlenMetadata) -> torch.Tensor:
-        refuse_relative_bias(layer, self.name)
+    def forward(self, layer: AttentionLayer, q, k, v, kv_cache, meta: VarlenMetadata, positions=None) -> torch.Tensor:
+        refuse_score_bias(layer, self.name)
         common = meta.common
         kwargs = {}
         if kv_cache is not None:

@@ -71,6 +71,7 @@ def _attention_spec(hf_config, device: torch.device, dtype: torch.dtype, is_caus
         is_causal=is_causal,
         relative_bias=layout.relative_bias,
         sliding_window=layout.sliding_window,
+        disentangled=layout.disentangled,
     )
 
 
@@ -103,6 +104,8 @@ class _Layout:
     sliding_window: bool
     # At least one layer adds a relative position bias (T5, MPNet).
     relative_bias: bool
+    # At least one layer adds DeBERTa's disentangled position bias.
+    disentangled: bool
     # (layer, the layer whose KV it reads) for every layer that shares another's KV cache.
     kv_shared_layers: tuple[tuple[int, int], ...]
     # The model's first layer after its last KV writer (None: no layer shares KV).
@@ -121,6 +124,7 @@ def _layout(model_class: type, hf_config, model_dir: Path) -> _Layout:
         max_positions=model.max_positions,
         sliding_window=any(layer.sliding_window is not None for layer in layers),
         relative_bias=any(layer.relative_bias is not None for layer in layers),
+        disentangled=any(layer.disentangled is not None for layer in layers),
         kv_shared_layers=tuple(
             (layer.layer_index, layer.kv_source_layer) for layer in layers if layer.kv_source_layer is not None
         ),

@@ -8,6 +8,8 @@ Two variants cover the configuration switches transformers' DebertaV2Model reads
   256 and 512) so that the tiny models' 128-token inputs pass the bucket range.
 - "v2" (the older v2 layout): plain clamped distances (max_relative_positions 32), separate pos_key /
   pos_query projections, absolute positions added to the input, two token types, no embedding norm.
+- "absolute": "v2" with relative_attention off: BERT-like attention, which transformers still scales by
+  the pos_att_type terms it lists.
 
 The saved tokenizer is the bundled BertTokenizer(Fast): transformers loads what tokenizer_config.json
 names, so our engine and the references (sentence-transformers, transformers) tokenize alike, without
@@ -22,7 +24,7 @@ from tests.helpers.models import _bundled_tokenizer, _perturb_constant_parameter
 from tests.helpers.nli_models import NLI_HEAD_SCALE, _center_head
 from tests.helpers.scorers import CROSS_ENCODER_HEAD_SCALE, _activation_module, _label_maps, _scale_classifier_output
 
-VARIANTS = ("v3", "v2")
+VARIANTS = ("v3", "v2", "absolute")
 
 
 def deberta_config(variant: str, vocab_size: int):
@@ -50,7 +52,8 @@ def deberta_config(variant: str, vocab_size: int):
             position_buckets=16, max_relative_positions=64, share_att_key=True, pos_att_type="p2c|c2p",
             norm_rel_ebd="layer_norm", position_biased_input=False, type_vocab_size=0, **common,
         )
-    if variant == "v2":
+    if variant in ("v2", "absolute"):
+        common["relative_attention"] = variant == "v2"
         return DebertaV2Config(
             max_relative_positions=32, share_att_key=False, pos_att_type="c2p|p2c", position_biased_input=True,
             type_vocab_size=2, **common,

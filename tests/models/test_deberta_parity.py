@@ -2,7 +2,7 @@
 sentence-transformers (mean and CLS pooling, cosine >= 0.9999), cross-encoder scores and classifier
 logits equal DebertaV2ForSequenceClassification (1e-4), zero-shot scores equal transformers'
 zero-shot-classification pipeline, on the `texts` fixture (some past the 128-token limit and every bucket
-range). The "v3" and "v2" variants are described in tests/helpers/deberta_models.py. Also: the naive and
+range). The "v3", "v2" and "absolute" variants are described in tests/helpers/deberta_models.py. Also: the naive and
 flex backends, int8 (cosine >= 0.99 to float32), varlen refused at start-up naming the backends that run
 it, and what we do not serve refused at start-up.
 """
@@ -59,7 +59,7 @@ def _embed(engine, texts):
     return engine.embed(texts, EmbedParams(truncate=True)).embeddings
 
 
-@pytest.mark.parametrize("variant,pooling", [("v3", "mean"), ("v2", "cls")])
+@pytest.mark.parametrize("variant,pooling", [("v3", "mean"), ("v2", "cls"), ("absolute", "mean")])
 def test_embeddings_equal_sentence_transformers(built, engine_for, texts, variant, pooling):
     model_dir = built("embed", variant, pooling)
     expected = _st_embeddings(model_dir, texts)

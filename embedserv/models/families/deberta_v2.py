@@ -71,7 +71,9 @@ class DebertaV2Layer(nn.Module):
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
         self.hidden_size = hidden
-        self.terms = _pos_att_type(config) if disentangled is not None else ()
+        # transformers scales by every listed term, even with relative attention off (then it adds none).
+        listed = _pos_att_type(config)
+        self.terms = listed if disentangled is not None else ()
         if not self.terms:
             # Relative attention with no term to score is plain attention (transformers adds nothing).
             disentangled = None
@@ -84,7 +86,7 @@ class DebertaV2Layer(nn.Module):
         self.pos_query_proj = Linear(hidden, hidden) if separate and "p2c" in self.terms else None
         head_size = hidden // num_heads
         self.attn = Attention(
-            num_heads, head_size, scale=(head_size * (1 + len(self.terms))) ** -0.5, layer_index=layer_index,
+            num_heads, head_size, scale=(head_size * (1 + len(listed))) ** -0.5, layer_index=layer_index,
             kind=AttentionKind.ENCODER, disentangled=disentangled,
         )
         self.attn_out = Linear(hidden, hidden)
@@ -130,7 +132,6 @@ class DebertaV2Model(nn.Module):
         self.embeddings = DebertaV2Embeddings(config)
         disentangled = None
         if config.relative_attention:
-            _pos_att_type(config)  # refuses unknown terms by name now
             max_relative = config.max_relative_positions
             if max_relative < 1:
                 max_relative = config.max_position_embeddings

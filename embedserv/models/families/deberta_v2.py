@@ -118,6 +118,10 @@ class DebertaV2Layer(nn.Module):
 class DebertaV2Model(nn.Module):
     """`forward(input_ids, positions[, token_type_ids]) -> [num_tokens, hidden]`."""
 
+    # For docs/models_table.py: published DeBERTa models add a score bias (the default config, which it
+    # builds, has relative attention off), so the bias-free kernels cannot run them.
+    score_bias = True
+
     def __init__(self, config) -> None:
         super().__init__()
         if getattr(config, "conv_kernel_size", 0) > 0:

@@ -172,6 +172,7 @@ def test_varlen_is_refused_at_start_up_naming_the_backends_that_run_it(built):
     [
         ({"conv_kernel_size": 3}, "conv_kernel_size"),
         ({"pos_att_type": "p2c|c2p|p2p"}, "pos_att_type p2p"),
+        ({"attention_head_size": 8}, "attention_head_size"),
     ],
 )
 def test_unserved_configs_are_refused_at_start_up(built, root, change, reason):

@@ -128,8 +128,12 @@ class DebertaV2Model(nn.Module):
             raise ValueError("conv_kernel_size > 0 (DeBERTa-v2's ConvLayer after the first layer) is not supported")
         if getattr(config, "pooler_hidden_size", config.hidden_size) != config.hidden_size:
             raise ValueError("a pooler_hidden_size other than hidden_size is not supported")
-        if config.hidden_size % config.num_attention_heads:
-            raise ValueError(f"hidden_size {config.hidden_size} does not split into {config.num_attention_heads} heads")
+        head_size = config.hidden_size // config.num_attention_heads
+        if config.hidden_size % config.num_attention_heads or getattr(config, "attention_head_size", head_size) != head_size:
+            # transformers' attention output projection is hidden_size wide: heads * head size must be that.
+            raise ValueError(
+                f"hidden_size {config.hidden_size} is not {config.num_attention_heads} heads of attention_head_size"
+            )
         self.config = config
         # Absolute positions (v2's, when position_biased_input) count from 0.
         self.position_offset = 0

@@ -214,7 +214,8 @@ def test_bart_sequence_classification_matches_transformers(model_root, texts):
     model_dir = builders.build_tiny_bart_nli(model_root)
     model, hf_config, files, _ = _load_ours(model_dir)
     bart = registry.lookup("bart")
-    head = build_classifier_head(bart, "BartForSequenceClassification", hf_config.d_model, hf_config.num_labels, files)
+    assert hf_config.architectures[0] == "BartForSequenceClassification"
+    head = build_classifier_head(bart, hf_config, hf_config.num_labels, files)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

@@ -154,3 +154,32 @@ def test_published_form_loads_as_the_native_one(models, reference, engine_for, t
     native = engine_for(native_dir).embed(texts, _embed()).embeddings
     np.testing.assert_allclose(got, native, atol=1e-6)
     assert_cosine_at_least(got, reference(published).encode(texts, convert_to_numpy=True), MIN_COSINE, texts)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_banded_local_attention_equals_naive(is_causal):
+    """ModernBERT's real window (65) over runs long enough for the sdpa backend's banded path (blocks of
+    queries over the keys they reach), two sequences of one length among others, grouped KV heads too."""
+    from embedserv.attention.backends.naive import NaiveBackend
+    from embedserv.attention.backends.sdpa import SdpaBackend
+    from embedserv.attention.backends.sdpa_window import is_banded
+    from embedserv.attention.layer import Attention
+    from embedserv.attention.metadata import build_common_metadata
+    from embedserv.forward_context import set_forward_context
+    from embedserv.worker.layer_routes import forward_context_for
+
+    lengths = [1100, 1100, 1030, 100, 3]
+    assert is_banded(65, 1030) and not is_banded(65, 1000)
+    torch.manual_seed(0)
+    layers = [Attention(4, 16, num_kv_heads=kv, layer_index=i, sliding_window=65) for i, kv in enumerate((4, 2))]
+    outputs = {}
+    for backend in (SdpaBackend(), NaiveBackend()):
+        metadata = backend.build_metadata(build_common_metadata(np.array(lengths), is_causal=is_causal))
+        with torch.inference_mode(), set_forward_context(forward_context_for(layers, backend, metadata)):
+            generator = torch.Generator().manual_seed(1)
+            outputs[backend.name] = [
+                layer(*(torch.randn(sum(lengths), 16 * n, generator=generator) for n in (4, layer.num_kv_heads, layer.num_kv_heads)))
+                for layer in layers
+            ]
+    for got, expected in zip(outputs["sdpa"], outputs["naive"]):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

@@ -1,4 +1,4 @@
-"""Tiny random-weight ModernBERT models for the parity tests (float32, seeded).
+"""Tiny random-weight ModernBERT and EuroBERT models for the parity tests (float32, seeded).
 
 - `build_modernbert_embedder`: a ModernBertModel as a sentence-transformers directory (CLS or mean pooling),
   four layers alternating global and local attention (global_attn_every_n_layers 2) with a local window of
@@ -145,4 +145,80 @@ def published_form(model_dir: Path, out: Path) -> Path:
     renamed["head.norm.weight"] = torch.randn(hidden, generator=generator)
     renamed["decoder.bias"] = torch.randn(vocab, generator=generator)
     save_file(renamed, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+# EuroBERT (Llama's architecture as a bidirectional encoder): grouped KV heads, a RoPE theta of its own.
+EUROBERT_THETA = 250_000.0
+
+
+def eurobert_config(vocab_size: int, **overrides):
+    from transformers import EuroBertConfig
+
+    settings = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": EUROBERT_THETA},
+        initializer_range=0.15,
+        pad_token_id=0, bos_token_id=101, eos_token_id=102, mask_token_id=103,
+    )
+    settings.update(overrides)
+    return EuroBertConfig(**settings)
+
+
+def build_eurobert_embedder(tmp_dir: Path | str, pooling: str, seed: int = 0, max_seq_length: int = 128) -> Path:
+    from transformers import AutoModel
+
+    name = f"eurobert-{pooling}-s{seed}-L{max_seq_length}"
+    hf_dir = _save_hf(
+        eurobert_config(len(_bundled_tokenizer(max_seq_length))), Path(tmp_dir) / f"{name}-hf", AutoModel, seed,
+        max_seq_length,
+    )
+    out = Path(tmp_dir) / name
+    _save_sentence_transformer(hf_dir, out, pooling, max_seq_length, prompts=None)
+    return out
+
+
+def build_eurobert_classifier(
+    tmp_dir: Path | str, pooling: str, num_labels: int = 3, seed: int = 0, max_seq_length: int = 128
+) -> Path:
+    """A EuroBertForSequenceClassification with `classifier_pooling` = pooling ("bos", "mean" or "late")."""
+    from transformers import AutoModelForSequenceClassification
+
+    config = eurobert_config(
+        len(_bundled_tokenizer(max_seq_length)), classifier_pooling=pooling, num_labels=num_labels,
+        **_label_maps(num_labels),
+    )
+    return _save_hf(
+        config, Path(tmp_dir) / f"eurobert-cls-{pooling}-n{num_labels}-s{seed}",
+        AutoModelForSequenceClassification, seed, max_seq_length, head_scale=CROSS_ENCODER_HEAD_SCALE,
+    )
+
+
+def eurobert_published_form(model_dir: Path, out: Path) -> Path:
+    """A copy of a EuroBERT directory with config.json as the published checkpoints carry it: custom code
+    (auto_map), `rope_theta` / `rope_scaling` instead of rope_parameters, `clf_pooling` for the classifier's
+    pooling, and the other keys its custom config class keeps."""
+    shutil.copytree(model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config.update(
+        auto_map={
+            "AutoConfig": "configuration_eurobert.EuroBertConfig",
+            "AutoModel": "modeling_eurobert.EuroBertModel",
+            "AutoModelForMaskedLM": "modeling_eurobert.EuroBertForMaskedLM",
+            "AutoModelForSequenceClassification": "modeling_eurobert.EuroBertForSequenceClassification",
+        },
+        rope_theta=rope["rope_theta"],
+        rope_scaling=None,
+        clf_pooling=config.pop("classifier_pooling", "late"),
+        pretraining_tp=1,
+        transformers_version="4.48.0",
+    )
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     return out

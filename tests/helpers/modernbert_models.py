@@ -203,7 +203,7 @@ def build_eurobert_classifier(
 def eurobert_published_form(model_dir: Path, out: Path) -> Path:
     """A copy of a EuroBERT directory with config.json as the published checkpoints carry it: custom code
     (auto_map), `rope_theta` / `rope_scaling` instead of rope_parameters, `clf_pooling` for the classifier's
-    pooling, and the other keys its custom config class keeps."""
+    pooling, and the other keys its custom config class keeps; a classifier's output layer as `out_proj`."""
     shutil.copytree(model_dir, out)
     config = json.loads((out / "config.json").read_text())
     rope = config.pop("rope_parameters")
@@ -221,4 +221,14 @@ def eurobert_published_form(model_dir: Path, out: Path) -> Path:
         transformers_version="4.48.0",
     )
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    _rename_tensors(out / "model.safetensors", "classifier.", "out_proj.")
     return out
+
+
+def _rename_tensors(path: Path, prefix: str, new_prefix: str) -> None:
+    """The first published custom code names the classifier's output layer `out_proj`."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(path))
+    renamed = {new_prefix + name[len(prefix):] if name.startswith(prefix) else name: t for name, t in weights.items()}
+    save_file(renamed, str(path), metadata={"format": "pt"})

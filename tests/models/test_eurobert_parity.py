@@ -127,10 +127,15 @@ def test_published_config_reads_as_the_native_one(models, engine_for, texts, tmp
 
 
 def test_published_classifier_keeps_its_clf_pooling(models, engine_for, texts, tmp_path):
-    """`clf_pooling: "bos"` is the classifier's pooling (transformers alone would read the default, "late")."""
+    """`clf_pooling: "bos"` is the classifier's pooling (transformers alone would read the default, "late"),
+    and its output layer is `out_proj`."""
+    from safetensors import safe_open
+
     native_dir = models("classifier", "bos", seed=1)
     published = modernbert_models.eurobert_published_form(native_dir, tmp_path / "classifier")
     assert read_hf_config(published).classifier_pooling == "bos"
+    with safe_open(str(published / "model.safetensors"), "pt") as weights:
+        assert {"out_proj.weight", "out_proj.bias"} <= set(weights.keys())
 
     raw = engine_for(published).classify(texts, _classify(raw_scores=True))
 

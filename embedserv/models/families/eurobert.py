@@ -7,8 +7,8 @@ family is an encoder (bidirectional attention, no KV cache) and its classificati
 
 Published checkpoints (EuroBERT/EuroBERT-210m, ...) predate transformers' native `eurobert` type: their
 config.json points at custom code (auto_map) and spells some settings the pre-5 way (`rope_theta`,
-`rope_scaling`, `clf_pooling`). `native_config` reads that form as the native one; their tensor names are
-the native ones already (`model.` under *ForMaskedLM / *ForSequenceClassification).
+`rope_scaling`, `clf_pooling`). `native_config` reads that form as the native one; their backbone tensor names are the
+native ones already (`model.` under *ForMaskedLM / *ForSequenceClassification).
 """
 
 from __future__ import annotations
@@ -48,10 +48,11 @@ def native_config(raw: dict) -> dict | None:
 
 
 # Names a ForMaskedLM / ForSequenceClassification checkpoint uses (with `model.`), or sentence-transformers
-# (bare backbone names). The MLM head and the classifier (`dense`, `classifier`) are not backbone weights.
+# (bare backbone names). The MLM head and the classifier (`dense`, `classifier` or `out_proj`) are not
+# backbone weights.
 CHECKPOINT = CheckpointNames(
     prefixes=("model.",),
-    ignored=r"^(lm_head\.|dense\.|classifier\.|rotary_emb\.)",
+    ignored=r"^(lm_head\.|dense\.|classifier\.|out_proj\.|rotary_emb\.)",
     packed=QKV_GATE_UP,
 )
 
@@ -68,15 +69,16 @@ def _classifier_token(config) -> str:
     return "first" if pooling == "bos" else "mean"
 
 
-# EuroBertForSequenceClassification: pooled token(s) -> dense (with bias) -> exact GELU -> classifier.
+# EuroBertForSequenceClassification: pooled token(s) -> dense (with bias) -> exact GELU -> classifier (named
+# `out_proj` by the first published custom code).
 CLASSIFIER = Classifier(
     token=_classifier_token,
     pooler=True,
     sources={
         "dense.weight": ("dense.weight",),
         "dense.bias": ("dense.bias",),
-        "out.weight": ("classifier.weight",),
-        "out.bias": ("classifier.bias",),
+        "out.weight": ("classifier.weight", "out_proj.weight"),
+        "out.bias": ("classifier.bias", "out_proj.bias"),
     },
     activation="gelu",
 )

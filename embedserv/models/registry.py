@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from torch import nn
 
 from embedserv.errors import ConfigError
-from embedserv.models.families import bart, bert, gemma, gemma4, gte, llama, nomic_bert, t5
-from embedserv.models.families import distilbert, electra, mpnet
-from embedserv.models.families import deberta_v2
+from embedserv.models.families import (
+    bart, bert, deberta_v2, distilbert, electra, eurobert, gemma, gemma4, gte, llama, modernbert, mpnet, nomic_bert, t5,
+)
 from embedserv.models.heads import bge_m3, multi_vector, splade
 from embedserv.models.loading.family import Family
 from embedserv.models.loading.multi_vector_files import MultiVectorSettings, read_multi_vector_settings
@@ -27,9 +27,14 @@ FAMILIES: tuple[Family, ...] = (
     gemma4.FAMILY,
     t5.FAMILY,
     bart.FAMILY,
-    nomic_bert.FAMILY, gte.FAMILY,
-    mpnet.FAMILY, distilbert.FAMILY, electra.FAMILY,
+    nomic_bert.FAMILY,
+    gte.FAMILY,
+    mpnet.FAMILY,
+    distilbert.FAMILY,
+    electra.FAMILY,
     deberta_v2.FAMILY,
+    modernbert.FAMILY,
+    eurobert.FAMILY,
 )
 _BY_MODEL_TYPE: dict[str, Family] = {model_type: family for family in FAMILIES for model_type in family.model_types}
 

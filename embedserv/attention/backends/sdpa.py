@@ -47,7 +47,7 @@ from embedserv.attention.backends.sdpa_runs import (
     Chunk, CrossRun, PagedPlan, Run, SdpaMetadata, plan_cross_runs, plan_runs,
 )
 from embedserv.attention.backends.sdpa_window import (
-    chunk_window_mask, decode_window_mask, run_window_mask, suffix_mask,
+    attend_banded, chunk_window_mask, decode_window_mask, is_banded, run_window_mask, suffix_mask,
 )
 from embedserv.attention.backends.windows import (
     has_suffix_queries, refuse_biased_suffix, refuse_biased_window, window_within,
@@ -106,6 +106,12 @@ class SdpaBackend(PagedBackendBase):
             is_causal, mask, window = meta.is_causal, None, window_within(layer, r.length)
             if table is not None:
                 is_causal, mask = False, run_bias(layer, table, meta, r.length, mask_dtype(q))
+            elif window is not None and is_banded(window, r.length):
+                parts.append(attend_banded(
+                    lambda qb, kb, vb, mask: _attend_batched(layer.scale, qb, kb, vb, False, gqa, mask),
+                    q[r.rows], k[r.rows], v[r.rows], r.num_seqs, r.length, window, meta, mask_dtype(q),
+                ))
+                continue
             elif window is not None:
                 is_causal, mask = False, run_window_mask(meta, window, r.length)
             parts.append(self._attend(layer, q[r.rows], k[r.rows], v[r.rows], r, is_causal, gqa, mask))

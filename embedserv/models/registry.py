@@ -15,6 +15,7 @@ from torch import nn
 from embedserv.errors import ConfigError
 from embedserv.models.families import bart, bert, gemma, gemma4, gte, llama, nomic_bert, t5
 from embedserv.models.families import distilbert, electra, mpnet
+from embedserv.models.families import jina_v3
 from embedserv.models.heads import bge_m3, multi_vector, splade
 from embedserv.models.loading.family import Family
 from embedserv.models.loading.multi_vector_files import MultiVectorSettings, read_multi_vector_settings
@@ -28,6 +29,7 @@ FAMILIES: tuple[Family, ...] = (
     bart.FAMILY,
     nomic_bert.FAMILY, gte.FAMILY,
     mpnet.FAMILY, distilbert.FAMILY, electra.FAMILY,
+    jina_v3.FAMILY,
 )
 _BY_MODEL_TYPE: dict[str, Family] = {model_type: family for family in FAMILIES for model_type in family.model_types}
 

@@ -1,0 +1,255 @@
+"""jina-embeddings-v3: XLM-RoBERTa with rotary positions and one LoRA adapter per task, over a flat packed batch.
+
+Post-norm blocks as in BERT (attention -> add -> LayerNorm -> MLP -> add -> LayerNorm), but positions are
+rotary (no position embeddings) and every linear and embedding carries low-rank updates, one per task
+(`lora_adaptations`: retrieval.query, retrieval.passage, separation, classification, text-matching). A
+token of task t computes `W x + scaling * B_t (A_t x)`, scaling = lora_alpha / lora_rank: the published code
+merges `W + scaling * B_t A_t` into the weight, which is the same product. A token without a task uses the
+base weights, as the published `encode(task=None)` and transformers' class (which has no adapters) do.
+
+The step's tokens may belong to different tasks: `adapter_ids` gives each token's adapter index (-1: none),
+and each low-rank update runs once per task present, over that task's rows (rank 4: a few thin matmuls
+beside each full one, instead of merging a weight per task per step).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from embedserv.attention.layer import Attention
+from embedserv.models.layers import Linear, get_activation, packed_linear
+from embedserv.models.loading.family import CheckpointNames, Classifier, Family
+from embedserv.models.rotary import RotaryEmbedding, apply_rotary
+
+# (adapter index, the rows of that task or None for every row) for each task present in a step.
+Routes = list[tuple[int, torch.Tensor | None]]
+
+
+def routes_of(adapter_ids: torch.Tensor | None) -> Routes:
+    """Each task present among the tokens and its rows; one host sync per step, not per layer."""
+    if adapter_ids is None:
+        return []
+    present = torch.unique(adapter_ids).tolist()
+    if present == [-1]:
+        return []
+    if len(present) == 1:
+        return [(present[0], None)]
+    return [(a, (adapter_ids == a).nonzero().squeeze(1)) for a in present if a >= 0]
+
+
+class LowRank(nn.Module):
+    """The low-rank updates of one linear, one per adapter: `lora_A` [adapters, rank, in], `lora_B`
+    [adapters, out, rank], as the published checkpoint stores them."""
+
+    def __init__(self, in_features: int, out_features: int, num_adapters: int, rank: int, scaling: float) -> None:
+        super().__init__()
+        self.lora_A = nn.Parameter(torch.empty(num_adapters, rank, in_features))
+        self.lora_B = nn.Parameter(torch.empty(num_adapters, out_features, rank))
+        self.scaling = scaling
+
+    def add_to(self, out: torch.Tensor, x: torch.Tensor, routes: Routes) -> torch.Tensor:
+        """`out` (the base linear's output for `x`) plus each row's task update, in place."""
+        for adapter, rows in routes:
+            a, b = self.lora_A[adapter], self.lora_B[adapter]
+            if rows is None:
+                out.addmm_(x @ a.T, b.T, alpha=self.scaling)
+            else:
+                out.index_add_(0, rows, (x.index_select(0, rows) @ a.T) @ b.T, alpha=self.scaling)
+        return out
+
+
+class LowRankEmbedding(nn.Module):
+    """An embedding table's low-rank updates: row i of task t gains `scaling * lora_A[t, i] @ lora_B[t]`
+    (`lora_A` [adapters, rows, rank], `lora_B` [adapters, rank, dim]: the published layout for embeddings)."""
+
+    def __init__(self, num_rows: int, dim: int, num_adapters: int, rank: int, scaling: float) -> None:
+        super().__init__()
+        self.lora_A = nn.Parameter(torch.empty(num_adapters, num_rows, rank))
+        self.lora_B = nn.Parameter(torch.empty(num_adapters, rank, dim))
+        self.scaling = scaling
+
+    def add_to(self, out: torch.Tensor, ids: torch.Tensor, routes: Routes) -> torch.Tensor:
+        for adapter, rows in routes:
+            a, b = self.lora_A[adapter], self.lora_B[adapter]
+            if rows is None:
+                out.addmm_(a[ids], b, alpha=self.scaling)
+            else:
+                out.index_add_(0, rows, a[ids.index_select(0, rows)] @ b, alpha=self.scaling)
+        return out
+
+
+def _low_rank(config, in_features: int, out_features: int, cls=LowRank):
+    """The linear's adapters, or None for a checkpoint without them (transformers' native form)."""
+    tasks = getattr(config, "lora_adaptations", None)
+    if not tasks:
+        return None
+    return cls(in_features, out_features, len(tasks), config.lora_rank, config.lora_alpha / config.lora_rank)
+
+
+def _plus(lora, out: torch.Tensor, x: torch.Tensor, routes: Routes) -> torch.Tensor:
+    return out if lora is None or not routes else lora.add_to(out, x, routes)
+
+
+class JinaEmbeddings(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.word_embeddings = nn.Embedding(config.vocab_size, hidden)
+        self.word_embeddings_lora = _low_rank(config, config.vocab_size, hidden, LowRankEmbedding)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, hidden)
+        self.token_type_embeddings_lora = _low_rank(config, config.type_vocab_size, hidden, LowRankEmbedding)
+        self.LayerNorm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
+
+    def forward(self, input_ids, token_type_ids, routes: Routes) -> torch.Tensor:
+        hidden = _plus(self.word_embeddings_lora, self.word_embeddings(input_ids), input_ids, routes)
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        types = _plus(self.token_type_embeddings_lora, self.token_type_embeddings(token_type_ids), token_type_ids, routes)
+        return self.LayerNorm(hidden + types)
+
+
+class JinaAttention(nn.Module):
+    def __init__(self, config, layer_index: int) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.head_dim = hidden // self.num_heads
+        # Query, key and value in one matmul, as the published `Wqkv`; the loader stacks the native q/k/v.
+        self.qkv = packed_linear(hidden, (hidden,) * 3)
+        self.qkv_lora = _low_rank(config, hidden, 3 * hidden)
+        self.attn = Attention(self.num_heads, self.head_dim, layer_index=layer_index)
+        self.o_proj = Linear(hidden, hidden)
+        self.o_proj_lora = _low_rank(config, hidden, hidden)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, routes: Routes) -> torch.Tensor:
+        """Attention of `x`, plus `x` (the residual, fused into the output projection)."""
+        qkv = _plus(self.qkv_lora, self.qkv(x), x, routes)
+        qk, v = qkv.split((2 * self.num_heads * self.head_dim, self.num_heads * self.head_dim), dim=-1)
+        # Queries and keys sit side by side in the fused output: one rotation covers both.
+        qk = apply_rotary(qk.view(-1, 2 * self.num_heads, self.head_dim), cos, sin)
+        out = self.attn(qk[:, : self.num_heads].flatten(1), qk[:, self.num_heads :].flatten(1), v)
+        return _plus(self.o_proj_lora, self.o_proj(out, residual=x), out, routes)
+
+
+class JinaMLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        hidden, inner = config.hidden_size, config.intermediate_size
+        # The activation follows the adapters' update, so it is not fused into fc1.
+        self.fc1 = Linear(hidden, inner)
+        self.fc1_lora = _low_rank(config, hidden, inner)
+        self.act = get_activation(config.hidden_act)
+        self.fc2 = Linear(inner, hidden)
+        self.fc2_lora = _low_rank(config, inner, hidden)
+
+    def forward(self, x: torch.Tensor, routes: Routes) -> torch.Tensor:
+        """fc2(act(fc1 x)), plus `x`."""
+        inner = self.act(_plus(self.fc1_lora, self.fc1(x), x, routes))
+        return _plus(self.fc2_lora, self.fc2(inner, residual=x), inner, routes)
+
+
+class JinaLayer(nn.Module):
+    def __init__(self, config, layer_index: int) -> None:
+        super().__init__()
+        self.self_attn = JinaAttention(config, layer_index)
+        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.mlp = JinaMLP(config)
+        self.post_mlp_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, routes: Routes) -> torch.Tensor:
+        hidden = self.post_attention_layernorm(self.self_attn(hidden, cos, sin, routes))
+        return self.post_mlp_layernorm(self.mlp(hidden, routes))
+
+
+class JinaEmbeddingsV3Model(nn.Module):
+    """`forward(input_ids, positions[, token_type_ids][, adapter_ids]) -> [num_tokens, hidden]`."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        # Positions are rotary and start at 0 (no RoBERTa padding offset: there is no position table).
+        self.position_offset = 0
+        self.embeddings = JinaEmbeddings(config)
+        self.layers = nn.ModuleList(JinaLayer(config, i) for i in range(config.num_hidden_layers))
+        self.rotary = RotaryEmbedding(config, config.hidden_size // config.num_attention_heads, self.max_positions)
+
+    @property
+    def max_positions(self) -> int:
+        return self.config.max_position_embeddings
+
+    def forward(self, input_ids, positions, token_type_ids=None, adapter_ids=None) -> torch.Tensor:
+        routes = routes_of(adapter_ids)
+        hidden = self.embeddings(input_ids, token_type_ids, routes)
+        cos, sin = self.rotary(positions)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, routes)
+        return hidden
+
+
+def published_config(raw: dict) -> dict | None:
+    """jinaai/jina-embeddings-v3's config.json (model_type xlm-roberta, custom code with rotary positions and
+    LoRA adapters) as transformers' jina_embeddings_v3 config; None for a plain XLM-RoBERTa config."""
+    if raw.get("position_embedding_type") != "rotary":
+        return None
+    keys = (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
+        "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "pad_token_id", "bos_token_id",
+        "eos_token_id", "lora_adaptations", "task_instructions", "lora_rank", "lora_alpha",
+    )
+    native = {key: raw[key] for key in keys if key in raw}
+    # The published code's default base when the config names none (its XLMRobertaFlashConfig).
+    native["rope_parameters"] = {"rope_type": "default", "rope_theta": float(raw.get("rotary_emb_base", 10000.0))}
+    native["architectures"] = ["JinaEmbeddingsV3Model"]
+    native["model_type"] = "jina_embeddings_v3"
+    return native
+
+
+# Native names (JinaEmbeddingsV3Model, bare or under `roberta.`), and the published checkpoint's:
+# `roberta.encoder.layers.N.mixer.Wqkv.parametrizations.weight.original` (the base weight) and
+# `...parametrizations.weight.0.lora_A` / `lora_B` (the adapters), `emb_ln`, `norm1`, `norm2`.
+CHECKPOINT = CheckpointNames(
+    prefixes=("roberta.",),
+    # Pooler and task heads (models/heads read the ones they serve), and buffers.
+    ignored=r"^(pooler\.|classifier\.|lm_head\.|embeddings\.(position_ids|token_type_ids)$)",
+    packed=(
+        ("self_attn.q_proj.", "self_attn.qkv.", 0),
+        ("self_attn.k_proj.", "self_attn.qkv.", 1),
+        ("self_attn.v_proj.", "self_attn.qkv.", 2),
+    ),
+    renames=(
+        (r"\.parametrizations\.weight\.original$", ".weight"),
+        (r"\.parametrizations\.weight\.0\.(lora_[AB])$", r"_lora.\1"),
+        (r"^emb_ln\.", "embeddings.LayerNorm."),
+        (r"^encoder\.layers\.", "layers."),
+        (r"\.mixer\.Wqkv", ".self_attn.qkv"),
+        (r"\.mixer\.out_proj", ".self_attn.o_proj"),
+        (r"\.norm1\.", ".post_attention_layernorm."),
+        (r"\.norm2\.", ".post_mlp_layernorm."),
+    ),
+)
+
+# As XLM-RoBERTa's: the first token through dense + tanh, then `out_proj`.
+CLASSIFIER = Classifier(
+    token="first",
+    pooler=True,
+    sources={
+        "dense.weight": ("classifier.dense.weight",),
+        "dense.bias": ("classifier.dense.bias",),
+        "out.weight": ("classifier.out_proj.weight",),
+        "out.bias": ("classifier.out_proj.bias",),
+    },
+)
+
+FAMILY = Family(
+    name="jina_v3",
+    model_types=("jina_embeddings_v3",),
+    model_class=JinaEmbeddingsV3Model,
+    checkpoint=CHECKPOINT,
+    is_encoder=True,
+    classifiers={"JinaEmbeddingsV3ForSequenceClassification": CLASSIFIER},
+    config_forms={"xlm-roberta": published_config},
+    examples=("jinaai/jina-embeddings-v3", "jinaai/jina-embeddings-v3-hf"),
+    tested_by=("tests/models/test_jina_v3_parity.py",),
+)

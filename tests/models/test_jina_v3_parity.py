@@ -1,0 +1,140 @@
+"""jina-embeddings-v3 (models/families/jina_v3.py): per-request task adapters equal transformers with that
+adapter merged, on tiny random-weight models (tests/helpers/jina_models.py).
+
+The engine serves the published form (xlm-roberta config, `parametrizations` tensor names, adapters); the
+references are sentence-transformers over transformers' JinaEmbeddingsV3Model with the base weights (no
+task) or one task's adapter merged into them (`W + alpha / rank * B A`), fed the task's instruction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from tests.helpers.compare import assert_cosine_at_least, cosines
+from tests.helpers.jina_models import INSTRUCTIONS, TASKS, build_jina
+from tests.helpers.models import load_reference
+
+MIN_COSINE = 0.9999
+
+
+def _params(**kwargs):
+    from embedserv.types import EmbedParams
+
+    return EmbedParams(truncate=True, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def jina(tmp_path_factory):
+    """pooling -> the model's directories (built once per module)."""
+    built = {}
+
+    def get(pooling: str) -> dict:
+        if pooling not in built:
+            built[pooling] = build_jina(tmp_path_factory.mktemp("jina"), pooling)
+        return built[pooling]
+
+    return get
+
+
+def _reference(model_dir, texts, task=None) -> np.ndarray:
+    prompt = INSTRUCTIONS[task] if task else None
+    return load_reference(model_dir).encode(texts, prompt=prompt, convert_to_numpy=True, normalize_embeddings=True)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_each_task_equals_transformers_with_its_adapter(pooling, jina, engine_for, texts):
+    dirs = jina(pooling)
+    engine = engine_for(dirs["published"])
+    assert engine.info.adapters == TASKS
+    base = _reference(dirs["native"], texts)
+
+    assert_cosine_at_least(engine.embed(texts, _params()).embeddings, base, MIN_COSINE, texts, what="no task: ")
+    for task in TASKS:
+        expected = _reference(dirs["merged"][task], texts, task)
+        got = engine.embed(texts, _params(task=task)).embeddings
+        assert_cosine_at_least(got, expected, MIN_COSINE, texts, what=f"{pooling}/{task}: ")
+        # The adapters must matter, or the comparison above would say nothing.
+        assert cosines(got, base).min() < 0.99, f"{task}: the adapter did not change the embeddings"
+
+
+def test_prompt_name_of_a_task_picks_its_adapter_and_prompt(jina, engine_for, texts):
+    engine = engine_for(jina("mean")["published"])
+    for task in ("retrieval.query", "text-matching"):
+        by_task = engine.embed(texts, _params(task=task)).embeddings
+        by_prompt = engine.embed(texts, _params(prompt_name=task)).embeddings
+        np.testing.assert_allclose(by_prompt, by_task, atol=1e-6)
+    # An explicit prompt_name beside the task: that prompt, the task's adapter.
+    query_prompt_on_passages = engine.embed(texts, _params(task="retrieval.passage", prompt_name="retrieval.query"))
+    expected = load_reference(jina("mean")["merged"]["retrieval.passage"]).encode(
+        texts, prompt=INSTRUCTIONS["retrieval.query"], convert_to_numpy=True, normalize_embeddings=True
+    )
+    assert_cosine_at_least(query_prompt_on_passages.embeddings, expected, MIN_COSINE, texts)
+
+
+def test_a_batch_mixing_tasks_equals_the_texts_run_task_by_task(jina, engine_for, texts, monkeypatch, request):
+    from embedserv.models.families import jina_v3
+
+    engine = engine_for(jina("mean")["published"])
+    calls = [(texts[i::4], task) for i, task in enumerate(("retrieval.query", None, "separation", "text-matching"))]
+    alone = [engine.embed(part, _params(task=task)).embeddings for part, task in calls]
+
+    # In this process, count the tasks each step's model saw (worker processes run their own copy).
+    seen = []
+    routes_of = jina_v3.routes_of
+    monkeypatch.setattr(jina_v3, "routes_of", lambda ids: seen.append(routes_of(ids)) or seen[-1])
+
+    async def together():
+        return await asyncio.gather(*(engine.engine.embed(part, _params(task=task)) for part, task in calls))
+
+    mixed = engine._call(together())
+
+    for (part, task), result, expected in zip(calls, mixed, alone):
+        assert_cosine_at_least(result.embeddings, expected, 0.99999, part, what=f"{task} in a mixed batch: ")
+    if not request.config.getoption("--data-parallel-size"):
+        assert max(len(routes) for routes in seen) >= 2, "no step mixed the calls' tasks"
+
+
+def test_bad_tasks_are_refused_naming_the_model_tasks(jina, engine_for):
+    from embedserv.errors import InvalidInput
+
+    dirs = jina("mean")
+    with pytest.raises(InvalidInput, match=r"unknown task 'retrieval'.*retrieval\.query, retrieval\.passage"):
+        engine_for(dirs["published"]).embed(["a"], _params(task="retrieval"))
+    with pytest.raises(InvalidInput, match="has no task adapters"):
+        engine_for(dirs["native"]).embed(["a"], _params(task="retrieval.query"))
+    with pytest.raises(InvalidInput, match="unknown prompt_name"):
+        engine_for(dirs["published"]).embed(["a"], _params(prompt_name="nope"))
+
+
+def test_the_published_form_equals_the_native_form(jina, engine_for, texts):
+    from embedserv.models.families.jina_v3 import published_config
+
+    dirs = jina("mean")
+    native = engine_for(dirs["native"]).embed(texts, _params()).embeddings
+    published = engine_for(dirs["published"]).embed(texts, _params()).embeddings
+    assert_cosine_at_least(published, native, 0.999999, texts, what="published vs native: ")
+    assert engine_for(dirs["native"]).info.adapters == ()
+    # A plain XLM-RoBERTa config is left to AutoConfig (the bert family).
+    assert published_config({"model_type": "xlm-roberta", "position_embedding_type": "absolute"}) is None
+
+
+@pytest.mark.parametrize("backend", ["naive", pytest.param("flex", marks=pytest.mark.slow)])
+def test_other_backends_equal_sdpa_with_adapters(backend, jina, engine_for, texts):
+    model_dir = jina("mean")["published"]
+    other = engine_for(model_dir, attention_backend=backend, max_batch_tokens=256)
+    assert other.info.attention_backend == backend
+    for task in (None, "retrieval.passage"):
+        sdpa = engine_for(model_dir).embed(texts, _params(task=task)).embeddings
+        got = other.embed(texts, _params(task=task)).embeddings
+        assert_cosine_at_least(got, sdpa, 0.99999, texts, what=f"{backend}/{task} vs sdpa: ")
+
+
+def test_int8_stays_close_to_float32_with_adapters(jina, engine_for, texts):
+    model_dir = jina("mean")["published"]
+    int8 = engine_for(model_dir, quantization="int8")
+    for task in (None, "retrieval.query", "classification"):
+        exact = engine_for(model_dir).embed(texts, _params(task=task)).embeddings
+        assert_cosine_at_least(int8.embed(texts, _params(task=task)).embeddings, exact, 0.99, texts, what=f"int8/{task}: ")

@@ -74,27 +74,46 @@ def test_prompt_name_of_a_task_picks_its_adapter_and_prompt(jina, engine_for, te
     assert_cosine_at_least(query_prompt_on_passages.embeddings, expected, MIN_COSINE, texts)
 
 
-def test_a_batch_mixing_tasks_equals_the_texts_run_task_by_task(jina, engine_for, texts, monkeypatch, request):
-    from embedserv.models.families import jina_v3
+def test_a_step_mixing_tasks_equals_the_texts_run_task_by_task(jina, texts, monkeypatch):
+    """One step holds sequences of four tasks and none (the worker's own step, built here so that the mix is
+    certain): each row equals its sequence run in a step of its own task."""
+    from transformers import AutoTokenizer
 
+    from embedserv.config import ModelConfig
+    from embedserv.models.families import jina_v3
+    from embedserv.types import OutputKind, ScheduledSequence, StepBatch
+    from tests.helpers.models import load_in_process
+
+    model_dir = jina("mean")["published"]
+    runner = load_in_process(ModelConfig(path=str(model_dir), served_name="m", dtype="float32"))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = [tuple(tokenizer(t, truncation=True, max_length=128)["input_ids"]) for t in texts[:12]]
+    adapters = [(-1, 0, 2, 4)[i % 4] for i in range(len(ids))]
+
+    def step(indexes):
+        seqs = tuple(ScheduledSequence(i, ids[i], OutputKind.POOL, adapter=adapters[i]) for i in indexes)
+        return runner.execute(StepBatch(seqs)).rows
+
+    alone = np.concatenate([step([i]) for i in range(len(ids))])
+    seen = []
+    routes_of = jina_v3.routes_of
+    monkeypatch.setattr(jina_v3, "routes_of", lambda adapter_ids: seen.append(routes_of(adapter_ids)) or seen[-1])
+    mixed = step(range(len(ids)))
+
+    assert [len(routes) for routes in seen] == [3], "the step did not run three tasks' adapters"
+    np.testing.assert_allclose(mixed, alone, rtol=1e-4, atol=1e-5)
+
+
+def test_concurrent_calls_of_different_tasks_equal_each_call_alone(jina, engine_for, texts):
     engine = engine_for(jina("mean")["published"])
     calls = [(texts[i::4], task) for i, task in enumerate(("retrieval.query", None, "separation", "text-matching"))]
     alone = [engine.embed(part, _params(task=task)).embeddings for part, task in calls]
 
-    # In this process, count the tasks each step's model saw (worker processes run their own copy).
-    seen = []
-    routes_of = jina_v3.routes_of
-    monkeypatch.setattr(jina_v3, "routes_of", lambda ids: seen.append(routes_of(ids)) or seen[-1])
-
     async def together():
         return await asyncio.gather(*(engine.engine.embed(part, _params(task=task)) for part, task in calls))
 
-    mixed = engine._call(together())
-
-    for (part, task), result, expected in zip(calls, mixed, alone):
-        assert_cosine_at_least(result.embeddings, expected, 0.99999, part, what=f"{task} in a mixed batch: ")
-    if not request.config.getoption("--data-parallel-size"):
-        assert max(len(routes) for routes in seen) >= 2, "no step mixed the calls' tasks"
+    for (part, task), result, expected in zip(calls, engine._call(together()), alone):
+        assert_cosine_at_least(result.embeddings, expected, 0.99999, part, what=f"{task} beside other tasks: ")
 
 
 def test_bad_tasks_are_refused_naming_the_model_tasks(jina, engine_for):
@@ -138,3 +157,39 @@ def test_int8_stays_close_to_float32_with_adapters(jina, engine_for, texts):
     for task in (None, "retrieval.query", "classification"):
         exact = engine_for(model_dir).embed(texts, _params(task=task)).embeddings
         assert_cosine_at_least(int8.embed(texts, _params(task=task)).embeddings, exact, 0.99, texts, what=f"int8/{task}: ")
+
+
+def test_the_task_reaches_the_model_through_grpc_and_http(jina, engine_for, texts):
+    """EmbedRequest.task, /v1/embeddings' `task` and ListModels' adapters; a bad task is INVALID_ARGUMENT /
+    400 naming the model's tasks."""
+    import grpc
+    import httpx
+
+    from embedserv.v1 import embedserv_pb2 as pb
+    from tests.helpers.client import embed_request, inference_stub, response_matrix
+    from tests.helpers.inprocess import in_process_server
+    from tests.helpers.server import free_port
+
+    model_dir = jina("mean")["published"]
+    sample = texts[:6]
+    expected = engine_for(model_dir).embed(sample, _params(task="retrieval.query")).embeddings
+    http_port = free_port()
+    args = ["--model", str(model_dir), "--served-model-name", "jina", "--dtype", "float32", "--http-port", str(http_port)]
+    with in_process_server(args) as (target, _), grpc.insecure_channel(target) as channel:
+        stub = inference_stub(channel)
+        assert tuple(stub.ListModels(pb.ListModelsRequest()).models[0].adapters) == TASKS
+        reply = stub.Embed(embed_request(sample, truncate=True, task="retrieval.query"))
+        assert_cosine_at_least(response_matrix(reply), expected, 0.99999, sample, what="gRPC: ")
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Embed(embed_request(sample, truncate=True, task="query"))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "retrieval.query, retrieval.passage" in refused.value.details()
+
+        url = f"http://127.0.0.1:{http_port}/v1/embeddings"
+        body = {"input": sample, "model": "jina", "truncate": True, "task": "retrieval.query"}
+        reply = httpx.post(url, json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        got = np.array([row["embedding"] for row in reply.json()["data"]], dtype=np.float32)
+        assert_cosine_at_least(got, expected, 0.99999, sample, what="HTTP: ")
+        refused = httpx.post(url, json=body | {"task": "query"}, timeout=60)
+        assert refused.status_code == 400 and "retrieval.query" in refused.text

@@ -210,3 +210,28 @@ def build_jina(tmp_dir: Path | str, pooling: str, seed: int = 0, max_seq_length:
     st_config["prompts"] = dict(INSTRUCTIONS)
     (published / "config_sentence_transformers.json").write_text(json.dumps(st_config, indent=2))
     return {"native": native, "published": published, "merged": merged}
+
+
+def build_jina_cross_encoder(tmp_dir: Path | str, seed: int = 0, max_seq_length: int = 128) -> Path:
+    """A random-weight JinaEmbeddingsV3ForSequenceClassification (one label, XLM-R's classifier head) saved
+    as a sentence-transformers CrossEncoder directory."""
+    import torch
+    from sentence_transformers import CrossEncoder
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.helpers.scorers import CROSS_ENCODER_HEAD_SCALE, _scale_classifier_output
+
+    out = Path(tmp_dir) / f"tiny-jina-v3-ce-s{seed}"
+    hf_dir = Path(tmp_dir) / f"tiny-jina-v3-ce-s{seed}-hf"
+    tokenizer = _bundled_tokenizer(max_seq_length)
+    config = _config(len(tokenizer))
+    # The copied BERT tokenizer gives a pair's second text type id 1.
+    config.type_vocab_size = 2
+    config.num_labels = 1
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(config, attn_implementation="eager").eval()
+    _scale_classifier_output(model, CROSS_ENCODER_HEAD_SCALE)
+    model.save_pretrained(str(hf_dir), safe_serialization=True)
+    tokenizer.save_pretrained(str(hf_dir))
+    CrossEncoder(str(hf_dir), device="cpu").save(str(out), create_model_card=False)
+    return out

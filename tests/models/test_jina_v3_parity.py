@@ -193,3 +193,48 @@ def test_the_task_reaches_the_model_through_grpc_and_http(jina, engine_for, text
         assert_cosine_at_least(got, expected, 0.99999, sample, what="HTTP: ")
         refused = httpx.post(url, json=body | {"task": "query"}, timeout=60)
         assert refused.status_code == 400 and "retrieval.query" in refused.text
+
+
+def test_the_classifier_head_equals_transformers(tmp_path_factory, engine_for, texts):
+    """JinaEmbeddingsV3ForSequenceClassification (the base weights: transformers' class has no adapters):
+    raw logits and the sigmoid within 1e-4 of transformers, query/document pairs."""
+    from embedserv.types import RerankParams
+    from tests.helpers.jina_models import build_jina_cross_encoder
+    from tests.helpers.scorers import classifier_reference
+
+    model_dir = build_jina_cross_encoder(tmp_path_factory.mktemp("jina-ce"))
+    query, documents = "read a gzip file", texts[:12]
+    logits = classifier_reference(model_dir, None, pairs=[(query, d) for d in documents])[:, 0]
+    assert logits.std() > 0.1, "the head must separate the documents"
+    engine = engine_for(model_dir)
+    for raw, expected in ((True, logits), (False, 1 / (1 + np.exp(-logits)))):
+        result = engine.rerank(query, documents, RerankParams(truncate=True, raw_scores=raw))
+        scores = np.zeros(len(documents), np.float32)
+        for r in result.results:
+            scores[r.index] = r.score
+        np.testing.assert_allclose(scores, expected, atol=1e-4)
+
+
+def test_windows_and_token_id_inputs_run_with_the_task(jina, engine_for, texts):
+    """chunking embeds each window with the call's task; token-id inputs take the task's adapter (no prompt:
+    they are used as given, so the check uses separation, whose prompt is empty)."""
+    from transformers import AutoTokenizer
+
+    from embedserv.types import EmbedParams
+
+    model_dir = jina("mean")["published"]
+    engine = engine_for(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    fits = [t for t in texts if len(tokenizer(t)["input_ids"]) <= 128][:8]
+    long = [t for t in texts if len(tokenizer(t)["input_ids"]) > 128][:4]
+    assert len(fits) == 8 and len(long) == 4
+
+    whole = engine.embed(fits, EmbedParams(task="separation")).embeddings
+    windows = engine.embed(fits + long, EmbedParams(task="separation", chunking=True)).embeddings
+    assert_cosine_at_least(windows[:8], whole, 0.99999, fits, what="one window: ")
+    base_windows = engine.embed(long, EmbedParams(chunking=True)).embeddings
+    assert cosines(windows[8:], base_windows).max() < 0.99, "the windows ran without the task's adapter"
+
+    ids = [tokenizer(t)["input_ids"] for t in fits]
+    by_ids = engine._call(engine.engine.embed_token_ids(ids, EmbedParams(task="separation"))).embeddings
+    assert_cosine_at_least(by_ids, whole, 0.99999, fits, what="token ids: ")

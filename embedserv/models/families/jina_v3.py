@@ -8,14 +8,18 @@ merges `W + scaling * B_t A_t` into the weight, which is the same product. A tok
 base weights, as the published `encode(task=None)` and transformers' class (which has no adapters) do.
 
 The step's tokens may belong to different tasks: `adapter_ids` gives each token's adapter index (-1: none),
-and each low-rank update runs once per task present, over that task's rows (rank 4: a few thin matmuls
-beside each full one, instead of merging a weight per task per step).
+and each linear adds its low-rank updates in two thin matmuls over every row, the present tasks' A's and
+B's stacked and a mask keeping each row's own task. Measured on 2 shared cores, a 1024 -> 3072 linear over
+2048 rows (30-40 ms): the updates add 2.2 ms with one task, 2.6 ms with three. Merging a weight per task
+instead costs 1.6 ms per linear and step, serves one task per step, and loses the oneDNN-packed weight
+(F.linear on the merged weight: 63 ms).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from embedserv.attention.layer import Attention
@@ -23,20 +27,35 @@ from embedserv.models.layers import Linear, get_activation, packed_linear
 from embedserv.models.loading.family import CheckpointNames, Classifier, Family
 from embedserv.models.rotary import RotaryEmbedding, apply_rotary
 
-# (adapter index, the rows of that task or None for every row) for each task present in a step.
-Routes = list[tuple[int, torch.Tensor | None]]
+@dataclass(frozen=True)
+class Routes:
+    """The task adapters present in a step, and which rows each applies to."""
+
+    # [k] int64: the adapters present, ascending.
+    adapters: torch.Tensor
+    # [num_tokens, k, 1]: 1 where the row's task is that adapter, else 0 (rows without a task: all 0); None
+    # when one adapter covers every row.
+    mask: torch.Tensor | None
 
 
-def routes_of(adapter_ids: torch.Tensor | None) -> Routes:
-    """Each task present among the tokens and its rows; one host sync per step, not per layer."""
+def routes_of(adapter_ids: torch.Tensor | None, dtype: torch.dtype) -> Routes | None:
+    """The step's routes, or None when no token has a task; one host sync per step, not per layer."""
     if adapter_ids is None:
-        return []
-    present = torch.unique(adapter_ids).tolist()
-    if present == [-1]:
-        return []
-    if len(present) == 1:
-        return [(present[0], None)]
-    return [(a, (adapter_ids == a).nonzero().squeeze(1)) for a in present if a >= 0]
+        return None
+    present = torch.unique(adapter_ids)
+    adapters = present[present >= 0]
+    if len(adapters) == 0:
+        return None
+    if len(adapters) == len(present) == 1:
+        return Routes(adapters, None)
+    return Routes(adapters, (adapter_ids[:, None] == adapters[None, :]).to(dtype).unsqueeze(-1))
+
+
+def _masked(xa: torch.Tensor, routes: Routes) -> torch.Tensor:
+    """[num_tokens, k * rank] low-rank activations, each row's kept only for its own task's adapter."""
+    if routes.mask is None:
+        return xa
+    return (xa.view(xa.shape[0], routes.mask.shape[1], -1) * routes.mask).flatten(1)
 
 
 class LowRank(nn.Module):
@@ -50,14 +69,14 @@ class LowRank(nn.Module):
         self.scaling = scaling
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor, routes: Routes) -> torch.Tensor:
-        """`out` (the base linear's output for `x`) plus each row's task update, in place."""
-        for adapter, rows in routes:
-            a, b = self.lora_A[adapter], self.lora_B[adapter]
-            if rows is None:
-                out.addmm_(x @ a.T, b.T, alpha=self.scaling)
-            else:
-                out.index_add_(0, rows, (x.index_select(0, rows) @ a.T) @ b.T, alpha=self.scaling)
-        return out
+        """`out` (the base linear's output for `x`) plus each row's task update, in place.
+
+        The present adapters' A's stack into one [k * rank, in] matmul and their B's into one [k * rank, out]:
+        two thin matmuls whatever the mix of tasks, the mask zeroing the other tasks' columns of each row.
+        """
+        a = self.lora_A[routes.adapters].flatten(0, 1)
+        b = self.lora_B[routes.adapters].permute(1, 0, 2).flatten(1)
+        return out.addmm_(_masked(x @ a.T, routes), b.T, alpha=self.scaling)
 
 
 class LowRankEmbedding(nn.Module):
@@ -71,13 +90,9 @@ class LowRankEmbedding(nn.Module):
         self.scaling = scaling
 
     def add_to(self, out: torch.Tensor, ids: torch.Tensor, routes: Routes) -> torch.Tensor:
-        for adapter, rows in routes:
-            a, b = self.lora_A[adapter], self.lora_B[adapter]
-            if rows is None:
-                out.addmm_(a[ids], b, alpha=self.scaling)
-            else:
-                out.index_add_(0, rows, a[ids.index_select(0, rows)] @ b, alpha=self.scaling)
-        return out
+        a = self.lora_A[routes.adapters][:, ids].permute(1, 0, 2).flatten(1)
+        b = self.lora_B[routes.adapters].flatten(0, 1)
+        return out.addmm_(_masked(a, routes), b, alpha=self.scaling)
 
 
 def _low_rank(config, in_features: int, out_features: int, cls=LowRank):
@@ -88,8 +103,8 @@ def _low_rank(config, in_features: int, out_features: int, cls=LowRank):
     return cls(in_features, out_features, len(tasks), config.lora_rank, config.lora_alpha / config.lora_rank)
 
 
-def _plus(lora, out: torch.Tensor, x: torch.Tensor, routes: Routes) -> torch.Tensor:
-    return out if lora is None or not routes else lora.add_to(out, x, routes)
+def _plus(lora, out: torch.Tensor, x: torch.Tensor, routes: Routes | None) -> torch.Tensor:
+    return out if lora is None or routes is None else lora.add_to(out, x, routes)
 
 
 class JinaEmbeddings(nn.Module):
@@ -102,11 +117,12 @@ class JinaEmbeddings(nn.Module):
         self.token_type_embeddings_lora = _low_rank(config, config.type_vocab_size, hidden, LowRankEmbedding)
         self.LayerNorm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
 
-    def forward(self, input_ids, token_type_ids, routes: Routes) -> torch.Tensor:
+    def forward(self, input_ids, token_type_ids, routes: Routes | None) -> torch.Tensor:
         hidden = _plus(self.word_embeddings_lora, self.word_embeddings(input_ids), input_ids, routes)
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        types = _plus(self.token_type_embeddings_lora, self.token_type_embeddings(token_type_ids), token_type_ids, routes)
+        types = self.token_type_embeddings(token_type_ids)
+        types = _plus(self.token_type_embeddings_lora, types, token_type_ids, routes)
         return self.LayerNorm(hidden + types)
 
 
@@ -123,7 +139,7 @@ class JinaAttention(nn.Module):
         self.o_proj = Linear(hidden, hidden)
         self.o_proj_lora = _low_rank(config, hidden, hidden)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, routes: Routes) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, routes: Routes | None) -> torch.Tensor:
         """Attention of `x`, plus `x` (the residual, fused into the output projection)."""
         qkv = _plus(self.qkv_lora, self.qkv(x), x, routes)
         qk, v = qkv.split((2 * self.num_heads * self.head_dim, self.num_heads * self.head_dim), dim=-1)
@@ -144,7 +160,7 @@ class JinaMLP(nn.Module):
         self.fc2 = Linear(inner, hidden)
         self.fc2_lora = _low_rank(config, inner, hidden)
 
-    def forward(self, x: torch.Tensor, routes: Routes) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, routes: Routes | None) -> torch.Tensor:
         """fc2(act(fc1 x)), plus `x`."""
         inner = self.act(_plus(self.fc1_lora, self.fc1(x), x, routes))
         return _plus(self.fc2_lora, self.fc2(inner, residual=x), inner, routes)
@@ -158,7 +174,9 @@ class JinaLayer(nn.Module):
         self.mlp = JinaMLP(config)
         self.post_mlp_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, routes: Routes) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, routes: Routes | None
+    ) -> torch.Tensor:
         hidden = self.post_attention_layernorm(self.self_attn(hidden, cos, sin, routes))
         return self.post_mlp_layernorm(self.mlp(hidden, routes))
 
@@ -180,7 +198,7 @@ class JinaEmbeddingsV3Model(nn.Module):
         return self.config.max_position_embeddings
 
     def forward(self, input_ids, positions, token_type_ids=None, adapter_ids=None) -> torch.Tensor:
-        routes = routes_of(adapter_ids)
+        routes = routes_of(adapter_ids, self.embeddings.LayerNorm.weight.dtype)
         hidden = self.embeddings(input_ids, token_type_ids, routes)
         cos, sin = self.rotary(positions)
         for layer in self.layers:

@@ -107,6 +107,9 @@ class EmbedParams:
     sparse_top_k: int | None = None
     # The dense vectors' encoding (applied after dimensions and normalization).
     encoding: Encoding = Encoding.FLOAT32
+    # The task adapter to run with (ModelInfo.adapters; also its prompt unless prompt_name names one); None
+    # runs the base weights, unless prompt_name names a task.
+    task: str | None = None
 
 
 @dataclass(frozen=True)
@@ -285,6 +288,8 @@ class ModelInfo:
     outputs: tuple[EmbedOutput, ...] = ()
     sparse_dimension: int = 0
     multi_vector_dimension: int = 0
+    # The task adapters (LoRA) a call may pick with EmbedParams.task, in the model's order; empty for most.
+    adapters: tuple[str, ...] = ()
 
 
 class OutputKind(str, Enum):
@@ -322,6 +327,8 @@ class ScheduledSequence:
     encoder_len: int = 0
     # POOL: the outputs to compute; empty means DENSE only.
     outputs: tuple[EmbedOutput, ...] = ()
+    # The index of the task adapter its tokens run with (ModelInfo.adapters); -1: the base weights.
+    adapter: int = -1
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,8 @@ class Encoded:
     pool_start: int = 0
     # Segment ids of a query/document pair, for models whose tokenizer feeds them; None means all zeros.
     token_type_ids: list[int] | None = None
+    # The task adapter its tokens run with (ModelInfo.adapters index); -1: the base weights.
+    adapter: int = -1
 
 
 class TextTokenizer:

@@ -14,7 +14,8 @@ from torch import nn
 
 from embedserv.errors import ConfigError
 from embedserv.models.families import (
-    bart, bert, deberta_v2, distilbert, electra, eurobert, gemma, gemma4, gte, llama, modernbert, mpnet, nomic_bert, t5,
+    bart, bert, deberta_v2, distilbert, electra, eurobert, gemma, gemma4, gte, jina_v3, llama, modernbert, mpnet,
+    nomic_bert, t5,
 )
 from embedserv.models.heads import bge_m3, multi_vector, splade
 from embedserv.models.loading.family import Family
@@ -35,6 +36,7 @@ FAMILIES: tuple[Family, ...] = (
     deberta_v2.FAMILY,
     modernbert.FAMILY,
     eurobert.FAMILY,
+    jina_v3.FAMILY,
 )
 _BY_MODEL_TYPE: dict[str, Family] = {model_type: family for family in FAMILIES for model_type in family.model_types}
 

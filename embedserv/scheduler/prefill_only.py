@@ -66,6 +66,7 @@ class PrefillOnlyScheduler:
                     encoder_token_ids=tuple(request.encoder_token_ids),
                     encoder_len=request.num_encoder_tokens,
                     outputs=request.outputs,
+                    adapter=request.adapter,
                 )
             )
         if not picked:

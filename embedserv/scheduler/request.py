@@ -46,6 +46,8 @@ class Request:
     call_id: str = ""
     # POOL: the outputs to compute (empty: DENSE only).
     outputs: tuple[EmbedOutput, ...] = ()
+    # The task adapter its tokens run with (ModelInfo.adapters index); -1: the base weights.
+    adapter: int = -1
 
     @property
     def num_tokens(self) -> int:

@@ -47,6 +47,8 @@ class ModelInputs:
     positions: torch.Tensor
     # [padded] int64, or None when every token is type 0
     token_type_ids: torch.Tensor | None
+    # [padded] int64: each token's task adapter (-1 for none, and for padding rows); None when no token has one
+    adapter_ids: torch.Tensor | None
     # One per KV-cache group; one KV-free entry when the step keeps no KV.
     attention: tuple[CommonAttentionMetadata, ...]
     # Rows for POOL / SCORE sequences (None when none yields a row), in batch order.
@@ -155,6 +157,10 @@ class InputBuilder:
         has_types = any(s.token_type_ids is not None for s in seqs)
         if has_types:
             parts.append(pad(_token_types([seqs[i] for i in order], num_tokens), padded))
+        has_adapters = any(s.adapter >= 0 for s in seqs)
+        if has_adapters:
+            # Shifted by one around pad() so that padding rows get -1 (no adapter) rather than adapter 0.
+            parts.append(pad(np.repeat([seqs[i].adapter + 1 for i in order], packed_lens), padded) - 1)
         encoder = _EncoderPlan(seqs, order, self.position_offset, self.padded) if self.is_encoder_decoder else None
         if encoder is not None:
             parts += encoder.parts
@@ -169,6 +175,7 @@ class InputBuilder:
         sample_rows = next(device_parts) if samples else None
         tokens = {kind: plan.inputs(device_parts) for kind, plan in token_plans.items()}
         token_type_ids = next(device_parts) if has_types else None
+        adapter_ids = next(device_parts) if has_adapters else None
         encoder_inputs = encoder.inputs(device_parts) if encoder is not None else (None, None, None)
         cross = None
         if paged is not None:
@@ -184,6 +191,7 @@ class InputBuilder:
             input_ids=input_ids,
             positions=positions_t,
             token_type_ids=token_type_ids,
+            adapter_ids=adapter_ids,
             attention=attention,
             pooling=pooling_inputs,
             row_request_ids=tuple(seqs[i].request_id for i in rows),

@@ -163,7 +163,10 @@ class ModelRunner:
 
     def _model_inputs(self, inputs: ModelInputs, skip: PrefillSkip | None) -> dict:
         """What a model takes beyond ids, positions and token types: an encoder-decoder's encoder inputs,
-        and with the prefill skip the rows its layers from `prefill_skip_layer` on run."""
+        and with the prefill skip the rows its layers from `prefill_skip_layer` on run; and each token's task
+        adapter when a token has one (only models with adapters are sent such tokens)."""
+        if inputs.adapter_ids is not None:
+            return {"adapter_ids": inputs.adapter_ids}
         if self.is_encoder_decoder:
             return {"encoder_input_ids": inputs.encoder_input_ids, "encoder_positions": inputs.encoder_positions}
         if self.skip_layer is not None:

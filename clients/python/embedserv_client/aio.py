@@ -70,12 +70,13 @@ class AsyncClient(ClientSettings):
         outputs: Sequence[str] | str | None = None,
         chunking: str | None = None,
         sparse_top_k: int | None = None,
+        task: str | None = None,
         timeout: float | None = None,
     ) -> np.ndarray | EmbedOutputs:
         items, single = plans.as_list(texts, "texts")
         fields = plans.embed_fields(
             self.model_name(model), normalize, truncate, truncation_direction, dimensions, prompt_name,
-            encoding, outputs, chunking, sparse_top_k,
+            encoding, outputs, chunking, sparse_top_k, task,
         )
         deadline = self.deadline(timeout)
         return await self._run(plans.embed_plan(items, await self._batch_size(deadline), single, **fields), deadline)

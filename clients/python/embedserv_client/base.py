@@ -73,6 +73,7 @@ class ClientSettings:
             params.pop("encoding", "float32"),
             None,
             params.pop("chunking", None),
+            task=params.pop("task", None),
         )
         if params:
             raise TypeError(

@@ -41,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     embed.add_argument("--no-normalize", action="store_true")
     embed.add_argument("--truncate", action="store_true")
     embed.add_argument("--prompt-name")
+    embed.add_argument("--task", help="the model's task adapter (ListModels' adapters), e.g. retrieval.query")
     embed.add_argument("--encoding", default="float32", choices=list(ENCODINGS), help="default: float32")
     embed.add_argument("--chunking", choices=["mean"], help="embed inputs past the model's limit by windows")
 
@@ -103,6 +104,7 @@ def _run(client: Client, args: argparse.Namespace) -> tuple[dict, int]:
             prompt_name=args.prompt_name,
             encoding=args.encoding,
             chunking=args.chunking,
+            task=args.task,
         )
         return {"embeddings": matrix.tolist()}, 0
     if args.command == "embed-sparse":

@@ -132,6 +132,7 @@ def embed_fields(
     output_names: Sequence[str] | str | None = None,
     chunking_mode: str | None = None,
     sparse_top_k: int | None = None,
+    task: str | None = None,
 ) -> dict:
     fields = dict(
         model=model,
@@ -150,6 +151,8 @@ def embed_fields(
         fields["outputs"] = outputs(output_names)
     if sparse_top_k is not None:
         fields["sparse_top_k"] = sparse_top_k
+    if task:
+        fields["task"] = task
     return fields
 
 

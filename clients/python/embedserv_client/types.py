@@ -109,6 +109,8 @@ class ModelInfo:
     outputs: tuple[str, ...] = ()
     sparse_dimension: int = 0
     multi_vector_dimension: int = 0
+    # The task adapters embed(task=...) may name (jina-embeddings-v3's retrieval.query, ...); usually empty.
+    adapters: tuple[str, ...] = ()
 
     @classmethod
     def from_proto(cls, m: pb.ModelInfo) -> ModelInfo:
@@ -142,6 +144,7 @@ class ModelInfo:
             outputs=tuple(_OUTPUT_NAMES[o] for o in m.outputs if o in _OUTPUT_NAMES),
             sparse_dimension=m.sparse_dimension,
             multi_vector_dimension=m.multi_vector_dimension,
+            adapters=tuple(m.adapters),
         )
 
 

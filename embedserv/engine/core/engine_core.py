@@ -235,4 +235,6 @@ class EngineCore:
             # reranker's first step) or the input shifted right behind it (BART's classifier).
             decoder = [start] if self.task.prefill_decoder_input == "start" else [start] + ids[:-1]
             return self.prefill.new_request(decoder, encoder_token_ids=ids)
-        return self.prefill.new_request(ids, pool_start=encoded.pool_start, token_type_ids=types, outputs=wanted)
+        return self.prefill.new_request(
+            ids, pool_start=encoded.pool_start, token_type_ids=types, outputs=wanted, adapter=encoded.adapter
+        )

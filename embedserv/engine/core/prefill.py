@@ -69,12 +69,12 @@ class PrefillQueue:
 
     def new_request(
         self, token_ids: list[int], pool_start: int = 0, token_type_ids=None, encoder_token_ids: list[int] | None = None,
-        outputs: tuple[EmbedOutput, ...] = (),
+        outputs: tuple[EmbedOutput, ...] = (), adapter: int = -1,
     ) -> Request:
         return Request(
             next(self._ids), token_ids, self.output, pool_start=pool_start, token_type_ids=token_type_ids,
             encoder_token_ids=encoder_token_ids or [], call_id=REQUEST_ID.get(),
-            outputs=() if outputs == (EmbedOutput.DENSE,) else outputs,
+            outputs=() if outputs == (EmbedOutput.DENSE,) else outputs, adapter=adapter,
         )
 
     @property

@@ -20,6 +20,8 @@ one window and gets exactly what the call without chunking gives.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from embedserv.engine import checks
@@ -37,14 +39,14 @@ from embedserv.types import (
 
 
 async def embed_chunked(
-    infer: Infer, served: ServedModel, texts: list[str], params: EmbedParams, received: float
+    infer: Infer, served: ServedModel, texts: list[str], params: EmbedParams, received: float, adapter: int = -1
 ) -> EmbedResult:
     """Each text's embedding as the token-count-weighted mean of its windows' pooled vectors (weight: the
     window's length in tokens, special tokens and prompt included), then dimensions and normalization; float32
     (quantize.py applies the call's encoding after)."""
     checks.check_embed_chunking(served.info, params)
     windows = await infer.tokenize_with(served.tokenizer.encode_windows, texts, params.prompt_name)
-    flat = [window for text_windows in windows for window in text_windows]
+    flat = [replace(window, adapter=adapter) for text_windows in windows for window in text_windows]
     outputs, prompt_tokens, timing = await infer.infer(flat, received, params.outputs)
     rows = stack_rows(outputs)
     weights = np.array([len(window.ids) for window in flat], dtype=np.float64)

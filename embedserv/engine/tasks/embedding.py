@@ -10,6 +10,7 @@ tokenized (multi_vector.py).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -47,11 +48,13 @@ class Embedding:
         """The outputs `params.outputs` names (dense, sparse, token vectors) per text, from one forward pass."""
         received = time.perf_counter()
         tokenizer = self._served.tokenizer
+        adapter, prompt_name = checks.task_adapter(self._served.info, tokenizer, params)
+        params = replace(params, prompt_name=prompt_name)
         checks.check_embed(self._served.info, tokenizer, texts, params)
         if params.chunking:
-            return await chunking.embed_chunked(self._infer, self._served, texts, params, received)
+            return await chunking.embed_chunked(self._infer, self._served, texts, params, received, adapter)
         encoded = await self._infer.tokenize_with(self.token_rules.encode, tokenizer, texts, params)
-        return await self._pooled(encoded, params, received)
+        return await self._pooled(with_adapter(encoded, adapter), params, received)
 
     async def embed_token_ids(self, token_ids: list[list[int]], params: EmbedParams) -> EmbedResult:
         """Embeds pre-tokenized inputs, used as given (no prompt, no special tokens added)."""
@@ -60,14 +63,20 @@ class Embedding:
         checks.check_embed(self._served.info, tokenizer, token_ids, params)
         if params.prompt_name:
             raise InvalidInput("prompt_name applies to texts; token-id inputs are used as given")
+        # A task picks the adapter only: token ids get no prompt.
+        adapter, _ = checks.task_adapter(self._served.info, tokenizer, params)
         encoded = await self._infer.tokenize_with(
             tokenizer.check_token_ids, token_ids, params.truncate, params.truncation_direction
         )
-        return await self._pooled(encoded, params, received)
+        return await self._pooled(with_adapter(encoded, adapter), params, received)
 
     async def _pooled(self, encoded: list[Encoded], params: EmbedParams, received: float) -> EmbedResult:
         outputs, prompt_tokens, timing = await self._infer.infer(encoded, received, params.outputs)
         return assemble(outputs, encoded, params, self.token_rules, prompt_tokens, timing)
+
+
+def with_adapter(encoded: list[Encoded], adapter: int) -> list[Encoded]:
+    return encoded if adapter < 0 else [replace(e, adapter=adapter) for e in encoded]
 
 
 def top_k(values: np.ndarray, indices: np.ndarray, k: int | None) -> SparseVector:

@@ -210,6 +210,7 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
         outputs=outputs.outputs,
         sparse_dimension=outputs.sparse_dimension,
         multi_vector_dimension=outputs.multi_vector_dimension,
+        adapters=tuple(getattr(hf_config, "lora_adaptations", None) or ()),
     )
     return ModelSpec(
         info=info, task=task, max_model_len=max_positions, model_dir=model_dir, hf_config=hf_config,

@@ -91,6 +91,7 @@ def embed_params(request: pb.EmbedRequest) -> EmbedParams:
         chunking=request.chunking == pb.CHUNKING_MEAN,
         sparse_top_k=request.sparse_top_k if request.HasField("sparse_top_k") else None,
         encoding=_ENCODINGS[request.encoding],
+        task=request.task or None,
     )
 
 
@@ -196,6 +197,7 @@ def model_info(info: ModelInfo, kv_cache: KvCacheUsage | None = None) -> pb.Mode
         dimension=info.dimension,
         max_input_tokens=info.max_input_tokens,
         prompt_names=list(info.prompt_names),
+        adapters=list(info.adapters),
         dtype=info.dtype,
         device=info.device,
         attention_backend=info.attention_backend,

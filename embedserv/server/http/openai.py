@@ -38,6 +38,11 @@ class EmbeddingsBody(Body):
     user: str | None = None
     truncate: bool = Field(False, description="Extension: cut inputs past the model's limit instead of refusing.")
     prompt_name: str | None = Field(None, description="Extension: a prompt of the model's sentence-transformers config.")
+    task: str | None = Field(
+        None,
+        description="Extension: the task adapter to run with (the model's adapters, e.g. jina-embeddings-v3's "
+        "retrieval.query), and that task's prompt unless prompt_name names one.",
+    )
     normalize: bool = Field(True, description="Extension: L2-normalize each vector.")
     embedding_type: Literal["float32", "float16", "int8", "uint8", "binary", "ubinary"] = Field(
         "float32",
@@ -91,6 +96,7 @@ async def embeddings(request: Request, body: EmbeddingsBody):
         prompt_name=body.prompt_name,
         chunking=body.chunking == "mean",
         encoding=Encoding(body.embedding_type),
+        task=body.task,
     )
     inputs = body.input if isinstance(body.input, list) else [body.input]
     if _is_token_ids(inputs):

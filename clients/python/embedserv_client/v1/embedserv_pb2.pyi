@@ -109,7 +109,7 @@ class Timing(_message.Message):
     def __init__(self, queue_us: _Optional[int] = ..., tokenization_us: _Optional[int] = ..., inference_us: _Optional[int] = ..., total_us: _Optional[int] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("model", "inputs", "normalize", "truncate", "truncation_direction", "dimensions", "prompt_name", "encoding", "outputs", "chunking", "sparse_top_k")
+    __slots__ = ("model", "inputs", "normalize", "truncate", "truncation_direction", "dimensions", "prompt_name", "encoding", "outputs", "chunking", "sparse_top_k", "task")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,7 @@ class EmbedRequest(_message.Message):
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     CHUNKING_FIELD_NUMBER: _ClassVar[int]
     SPARSE_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
     model: str
     inputs: _containers.RepeatedScalarFieldContainer[str]
     normalize: bool
@@ -132,7 +133,8 @@ class EmbedRequest(_message.Message):
     outputs: _containers.RepeatedScalarFieldContainer[Output]
     chunking: Chunking
     sparse_top_k: int
-    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., normalize: _Optional[bool] = ..., truncate: _Optional[bool] = ..., truncation_direction: _Optional[_Union[TruncationDirection, str]] = ..., dimensions: _Optional[int] = ..., prompt_name: _Optional[str] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., chunking: _Optional[_Union[Chunking, str]] = ..., sparse_top_k: _Optional[int] = ...) -> None: ...
+    task: str
+    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., normalize: _Optional[bool] = ..., truncate: _Optional[bool] = ..., truncation_direction: _Optional[_Union[TruncationDirection, str]] = ..., dimensions: _Optional[int] = ..., prompt_name: _Optional[str] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., chunking: _Optional[_Union[Chunking, str]] = ..., sparse_top_k: _Optional[int] = ..., task: _Optional[str] = ...) -> None: ...
 
 class Embedding(_message.Message):
     __slots__ = ("values", "raw")
@@ -403,7 +405,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "tasks", "architecture", "attention", "pooling", "dimension", "max_input_tokens", "prompt_names", "dtype", "device", "attention_backend", "labels", "kv_cache", "is_encoder_decoder", "kv_sharing", "outputs", "sparse_dimension", "multi_vector_dimension")
+    __slots__ = ("name", "tasks", "architecture", "attention", "pooling", "dimension", "max_input_tokens", "prompt_names", "dtype", "device", "attention_backend", "labels", "kv_cache", "is_encoder_decoder", "kv_sharing", "outputs", "sparse_dimension", "multi_vector_dimension", "adapters")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -422,6 +424,7 @@ class ModelInfo(_message.Message):
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     SPARSE_DIMENSION_FIELD_NUMBER: _ClassVar[int]
     MULTI_VECTOR_DIMENSION_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     tasks: _containers.RepeatedScalarFieldContainer[Task]
     architecture: str
@@ -440,7 +443,8 @@ class ModelInfo(_message.Message):
     outputs: _containers.RepeatedScalarFieldContainer[Output]
     sparse_dimension: int
     multi_vector_dimension: int
-    def __init__(self, name: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., architecture: _Optional[str] = ..., attention: _Optional[_Union[AttentionKind, str]] = ..., pooling: _Optional[str] = ..., dimension: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., prompt_names: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., kv_cache: _Optional[_Union[KvCache, _Mapping]] = ..., is_encoder_decoder: _Optional[bool] = ..., kv_sharing: _Optional[_Union[KvSharing, _Mapping]] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., sparse_dimension: _Optional[int] = ..., multi_vector_dimension: _Optional[int] = ...) -> None: ...
+    adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., architecture: _Optional[str] = ..., attention: _Optional[_Union[AttentionKind, str]] = ..., pooling: _Optional[str] = ..., dimension: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., prompt_names: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., kv_cache: _Optional[_Union[KvCache, _Mapping]] = ..., is_encoder_decoder: _Optional[bool] = ..., kv_sharing: _Optional[_Union[KvSharing, _Mapping]] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., sparse_dimension: _Optional[int] = ..., multi_vector_dimension: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KvSharing(_message.Message):
     __slots__ = ("shared_layers", "fast_prefill")

@@ -21,6 +21,11 @@ TINY = {
                                  head_dim=32, intermediate_size=128, max_position_embeddings=1024,
                                  rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
                    "lasttoken", 128),
+    "modernbert": Shape("modernbert", dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                           intermediate_size=96, global_attn_every_n_layers=3, local_attention=16,
+                                           max_position_embeddings=1024, initializer_range=0.1), "mean", 128),
+    "mpnet": Shape("mpnet", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                 max_position_embeddings=514, initializer_range=0.1), "mean", 128),
 }  # fmt: skip
 
 
@@ -35,7 +40,18 @@ def test_shapes_are_the_published_configs():
         "hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
         "head_dim": 128, "intermediate_size": 3072}  # fmt: skip
     assert (bge_base.pooling, bge_large.pooling, qwen3.pooling) == ("cls", "cls", "lasttoken")
-    assert {shape.max_seq_length for shape in SHAPES.values()} == {512}
+    assert {shape.max_seq_length for shape in (bge_base, bge_large, qwen3)} == {512}
+    # modernbert-embed-base and all-mpnet-base-v2.
+    modernbert, mpnet = SHAPES["modernbert-base"], SHAPES["mpnet-base"]
+    assert {k: modernbert.config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                               "intermediate_size", "global_attn_every_n_layers", "local_attention",
+                                               "max_position_embeddings")} == {
+        "hidden_size": 768, "num_hidden_layers": 22, "num_attention_heads": 12, "intermediate_size": 1152,
+        "global_attn_every_n_layers": 3, "local_attention": 128, "max_position_embeddings": 8192}  # fmt: skip
+    assert (mpnet.config["hidden_size"], mpnet.config["num_hidden_layers"], mpnet.config["num_attention_heads"],
+            mpnet.config["intermediate_size"]) == (768, 12, 12, 3072)
+    assert (modernbert.pooling, modernbert.max_seq_length, mpnet.pooling, mpnet.max_seq_length) == (
+        "mean", 512, "mean", 384)
 
 
 @pytest.mark.parametrize("arch", sorted(TINY))

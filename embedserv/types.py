@@ -9,6 +9,13 @@ from enum import Enum
 import numpy as np
 
 
+class ValueEnum(str, Enum):
+    """A string enum whose str() is its value, as the wire and the logs carry it (Python 3.10 has no StrEnum)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class Task(str, Enum):
     EMBED = "embed"
     RERANK = "rerank"
@@ -19,7 +26,7 @@ class Task(str, Enum):
     EMBED_MULTI_VECTOR = "embed_multi_vector"
 
 
-class EmbedOutput(str, Enum):
+class EmbedOutput(ValueEnum):
     """What an embedding request wants per input; one forward pass gives all it asks for."""
 
     # One pooled vector (after the model's Dense layers).
@@ -29,11 +36,8 @@ class EmbedOutput(str, Enum):
     # One vector per token (ColBERT-style heads, or the last hidden states).
     MULTI_VECTOR = "multi_vector"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Activation(str, Enum):
+class Activation(ValueEnum):
     """What turns a model's logits into the scores Rerank and Classify return (engine/tasks/outputs.py: activate)."""
 
     SIGMOID = "sigmoid"
@@ -42,11 +46,8 @@ class Activation(str, Enum):
     TANH = "tanh"
     IDENTITY = "identity"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class RerankMode(str, Enum):
+class RerankMode(ValueEnum):
     """How Rerank builds a model's inputs and scores."""
 
     # Cosine similarity of the query's and each document's embeddings.
@@ -59,21 +60,15 @@ class RerankMode(str, Enum):
     # document's token vectors (MultiVectorEncoder models).
     MAXSIM = "maxsim"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class TruncationDirection(str, Enum):
+class TruncationDirection(ValueEnum):
     """Which end of a too-long input is cut: RIGHT keeps its start, LEFT keeps its end (tokenizers' names)."""
 
     RIGHT = "right"
     LEFT = "left"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Encoding(str, Enum):
+class Encoding(ValueEnum):
     """How dense vectors are returned: float32, float16, or quantized as sentence-transformers'
     quantize_embeddings does (int8 / uint8 against the model's calibration ranges; binary / ubinary packed
     bits, 8 dimensions a byte)."""
@@ -84,9 +79,6 @@ class Encoding(str, Enum):
     UINT8 = "uint8"
     BINARY = "binary"
     UBINARY = "ubinary"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 T5 has no position embeddings. Instead the first self-attention layer of each stack (encoder, decoder)
 learns `[num_buckets, num_heads]` biases, indexed by the bucket of `key_position - query_position`
 (half the buckets per direction when bidirectional, exact buckets for short distances and logarithmic
-ones up to `max_distance`), and every layer of the stack adds the same bias to its scores.
+ones up to `max_distance`), and every layer of the stack adds the same bias to its scores. MPNet's encoder
+holds one such table (bidirectional, 32 buckets, max distance 128) beside its position embeddings.
 
 Past `max_distance` the bucket no longer changes (the largest of its side), so the bias of any distance is
 `distance_table()[h, clamp(d, -M, M) + M]` with M = max_distance: one small table per forward pass that

@@ -59,9 +59,9 @@ def _flash_kernel_reason(spec: AttentionSpec, what: str) -> str | None:
 
 
 def _relative_bias_reason(what: str) -> str:
-    """Why a kernel without a per-head score bias cannot run a T5 model. Checked before the device and
-    packages: no GPU or install would change it."""
-    return f"{what} cannot add T5's relative position bias; use sdpa or flex"
+    """Why a kernel without a per-head score bias cannot run a T5 or MPNet model. Checked before the device
+    and packages: no GPU or install would change it."""
+    return f"{what} cannot add the relative position bias of T5 and MPNet; use sdpa, flex or naive"
 
 
 def _disentangled_reason(what: str) -> str:

@@ -258,7 +258,7 @@ def test_compiled_flex_everywhere(device, dtype, block_size, heads, kv_heads):
 # Selection: the flash kernels cannot add a bias
 # ---------------------------------------------------------------------------------------------------------
 
-BIAS_REASON = "cannot add T5's relative position bias; use sdpa or flex"
+BIAS_REASON = "cannot add the relative position bias of T5 and MPNet; use sdpa, flex or naive"
 
 
 def _spec(device, dtype=torch.bfloat16, relative_bias=True):

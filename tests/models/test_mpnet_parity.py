@@ -109,3 +109,13 @@ def test_int8_stays_close_to_float32(models, engine_for, texts):
     full = engine_for(model_dir).embed(texts, params).embeddings
     int8 = engine_for(model_dir, quantization="int8").embed(texts, params).embeddings
     assert_cosine_at_least(int8, full, INT8_MIN_COSINE, texts, what="mpnet int8: ")
+
+
+def test_varlen_is_refused_at_start_up_naming_the_backends_that_run_it(models):
+    from embedserv.config import ModelConfig
+    from embedserv.engine.sync import SyncEngine
+    from embedserv.errors import ConfigError
+
+    config = ModelConfig(path=str(models("embed", "mean")), served_name="m", attention_backend="varlen")
+    with pytest.raises(ConfigError, match="the relative position bias of T5 and MPNet; use sdpa, flex or naive"):
+        SyncEngine(config)

@@ -171,8 +171,8 @@ def refuse_relative_bias(layer: AttentionLayer, backend: str) -> None:
     (attention/selector.py); reaching one anyway is a bug, not a wrong answer."""
     if getattr(layer, "relative_bias", None) is not None:
         raise NotImplementedError(
-            f"attention layer {layer.layer_index}: the {backend} attention backend cannot add T5's relative "
-            "position bias; use sdpa or flex"
+            f"attention layer {layer.layer_index}: the {backend} attention backend cannot add the relative "
+            "position bias of T5 and MPNet; use sdpa, flex or naive"
         )
 
 

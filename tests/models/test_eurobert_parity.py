@@ -3,8 +3,8 @@
 Tiny random-weight models (tests/helpers/modernbert_models.py): two Llama-style layers attending both ways,
 grouped KV heads, RoPE theta 250000, texts up to 128 tokens. Embeddings (CLS and mean pooling) equal
 sentence-transformers on sdpa, naive and (slow) flex, and stay close under int8;
-EuroBertForSequenceClassification ("bos" and "mean" pooling) equals transformers within 1e-4, and "late"
-pooling is refused at start-up; the published custom-code config.json (auto_map, rope_theta, clf_pooling)
+EuroBertForSequenceClassification ("bos", "mean" and "late" pooling) equals transformers within 1e-4, and
+an unknown pooling is refused at start-up; the published custom-code config.json (auto_map, rope_theta, clf_pooling)
 reads as the native config and gives the native outputs.
 """
 
@@ -91,7 +91,7 @@ def test_int8_stays_close_to_float32(models, engine_for, texts):
     assert not np.allclose(int8, full, atol=1e-6), "int8 must change the linears"
 
 
-@pytest.mark.parametrize("pooling", ["bos", "mean"])
+@pytest.mark.parametrize("pooling", ["bos", "mean", "late"])
 def test_classifier_equals_transformers(pooling, models, engine_for, texts):
     model_dir = models("classifier", pooling, seed=1)
     logits = classifier_reference(model_dir, texts)
@@ -106,11 +106,17 @@ def test_classifier_equals_transformers(pooling, models, engine_for, texts):
     assert len(set(np.argmax(logits, axis=1))) > 1, "the texts must not all get the same label"
 
 
-def test_late_pooling_is_refused_at_start_up(models):
+def test_an_unknown_classifier_pooling_is_refused_at_start_up(models, tmp_path):
+    import json
+    import shutil
+
     from embedserv.models.loading.spec import read_model_spec
 
-    model_dir = models("classifier", "late")
-    with pytest.raises(ConfigError, match="classifier_pooling 'late' is not supported"):
+    model_dir = tmp_path / "max-pooling"
+    shutil.copytree(models("classifier", "late"), model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "classifier_pooling": "max"}))
+    with pytest.raises(ConfigError, match="classifier_pooling 'max' is not supported"):
         read_model_spec(ModelConfig(path=str(model_dir), served_name="m"))
 
 

@@ -58,15 +58,14 @@ CHECKPOINT = CheckpointNames(
 
 
 def _classifier_token(config) -> str:
-    """classifier_pooling "bos" reads the first token, "mean" every token. "late" (the default) runs dense +
-    GELU on every token before averaging, which a score head that pools first cannot express."""
+    """classifier_pooling "bos" reads the first token, "mean" every token; "late" (the default) runs dense +
+    GELU on every token and averages the logits."""
     pooling = config.classifier_pooling
-    if pooling not in ("bos", "mean"):
+    if pooling not in ("bos", "mean", "late"):
         raise ConfigError(
-            f"EuroBERT classifier_pooling {pooling!r} is not supported; supported: 'bos', 'mean' (the 'late' "
-            "pooling applies the head to every token before averaging)"
+            f"EuroBERT classifier_pooling {pooling!r} is not supported; supported: 'bos', 'mean', 'late'"
         )
-    return "first" if pooling == "bos" else "mean"
+    return {"bos": "first", "mean": "mean", "late": "late"}[pooling]
 
 
 # EuroBertForSequenceClassification: pooled token(s) -> dense (with bias) -> exact GELU -> classifier (named

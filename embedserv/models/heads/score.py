@@ -39,8 +39,9 @@ class YesNoTokens:
 class ScoreHead(nn.Module):
     """`forward(hidden, pooling) -> [num_seqs, num_labels]` float32 logits.
 
-    token: "first", "last" or "mean" (over each sequence's tokens); pooler: a dense layer and `activation`
-    (then a LayerNorm of `norm_eps` when given) before the output layer.
+    token: "first", "last", "mean" (over each sequence's tokens), or "late" (the pooler on every token, then
+    the mean); pooler: a dense layer and `activation` (then a LayerNorm of `norm_eps` when given) before the
+    output layer.
     """
 
     def __init__(
@@ -48,8 +49,8 @@ class ScoreHead(nn.Module):
         activation: str = "tanh", norm_eps: float | None = None,
     ) -> None:
         super().__init__()
-        if token not in ("first", "last", "mean"):
-            raise ValueError(f"token must be first, last or mean, not {token!r}")
+        if token not in ("first", "last", "mean", "late"):
+            raise ValueError(f"token must be first, last, mean or late, not {token!r}")
         self.token = token
         self.dense = nn.Linear(hidden_size, hidden_size) if pooler else None
         self.activation = get_activation(activation) if pooler else None
@@ -57,18 +58,32 @@ class ScoreHead(nn.Module):
         self.out = nn.Linear(hidden_size, num_labels, bias=bias)
 
     def forward(self, hidden: torch.Tensor, pooling: PoolingInputs) -> torch.Tensor:
+        if self.token == "late":
+            # The pooler on every token, then the mean: the output layer is linear, so averaging before it
+            # equals averaging its per-token logits (EuroBERT's "late" pooling).
+            return self.out(_mean(self._pooler(_token_rows(hidden, pooling).float()), pooling))
         if self.token == "mean":
-            rows = hidden if pooling.token_index is None else hidden.index_select(0, pooling.token_index)
-            sums = rows.new_zeros(len(pooling.token_count), rows.shape[1], dtype=torch.float32)
-            rows = sums.index_add_(0, pooling.token_seq, rows.float()) / pooling.token_count[:, None]
+            rows = _mean(_token_rows(hidden, pooling).float(), pooling)
         else:
             index = pooling.first_index if self.token == "first" else pooling.last_index
             rows = hidden.index_select(0, index).float()
-        if self.dense is not None:
-            rows = self.activation(self.dense(rows))
-            if self.norm is not None:
-                rows = self.norm(rows)
-        return self.out(rows)
+        return self.out(self._pooler(rows))
+
+    def _pooler(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.dense is None:
+            return rows
+        rows = self.activation(self.dense(rows))
+        return rows if self.norm is None else self.norm(rows)
+
+
+def _token_rows(hidden: torch.Tensor, pooling: PoolingInputs) -> torch.Tensor:
+    return hidden if pooling.token_index is None else hidden.index_select(0, pooling.token_index)
+
+
+def _mean(rows: torch.Tensor, pooling: PoolingInputs) -> torch.Tensor:
+    """[num_seqs, width]: the mean of each sequence's rows (float32 rows, in token_seq order)."""
+    sums = rows.new_zeros(len(pooling.token_count), rows.shape[1])
+    return sums.index_add_(0, pooling.token_seq, rows) / pooling.token_count[:, None]
 
 
 def build_classifier_head(family: Family, hf_config, num_labels: int, files: list[Path]) -> ScoreHead:

@@ -53,8 +53,8 @@ class Classifier:
     Our parameters: `dense.weight`, `dense.bias`, `norm.weight`, `norm.bias`, `out.weight`, `out.bias`.
     """
 
-    # "first" (CLS), "last", or "mean" (over every token), or a function of the config giving one
-    # (ModernBERT's classifier_pooling).
+    # "first" (CLS), "last", "mean" (over every token) or "late" (the pooler on every token, then the mean),
+    # or a function of the config giving one (ModernBERT's and EuroBERT's classifier_pooling).
     token: str | Callable[[object], str]
     pooler: bool
     sources: Mapping[str, tuple[str, ...]]
@@ -113,6 +113,10 @@ class Family:
     # a function of its raw dict giving the native transformers config dict (with its model_type), or None
     # when the dict is not that form. Only the dict is read; the code it points at never runs.
     config_forms: Mapping[str, Callable[[dict], dict | None]] = field(default_factory=dict)
+    # Custom sentence-transformers module types (modules.json) that only wrap this family's model as
+    # sentence-transformers' Transformer does (jina-embeddings-v3's custom_st.Transformer passes the task
+    # on): read as Transformer, their code never imported. Any other custom module is refused.
+    st_transformer_modules: tuple[str, ...] = ()
     # For docs/MODELS.md (scripts/models_table.py): published model ids it serves, and the test files
     # that show it equals the reference.
     examples: tuple[str, ...] = ()

@@ -140,6 +140,28 @@ def test_the_published_form_equals_the_native_form(jina, engine_for, texts):
     assert published_config({"model_type": "xlm-roberta", "position_embedding_type": "absolute"}) is None
 
 
+def test_the_published_modules_json_with_its_custom_transformer_loads_without_running_it(jina, engine_for, texts, tmp_path):
+    """jinaai/jina-embeddings-v3's modules.json names custom_st.Transformer (a wrapper that passes the task
+    on); it is read as Transformer and its file is never imported."""
+    import json
+    import shutil
+
+    published = jina("mean")["published"]
+    model_dir = tmp_path / "published-modules"
+    shutil.copytree(published, model_dir)
+    marker = tmp_path / "imported"
+    (model_dir / "custom_st.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    modules = json.loads((model_dir / "modules.json").read_text())
+    modules[0] = {**modules[0], "type": "custom_st.Transformer", "kwargs": ["task"]}
+    (model_dir / "modules.json").write_text(json.dumps(modules))
+
+    got = engine_for(model_dir).embed(texts, _params(task="retrieval.query")).embeddings
+    expected = engine_for(published).embed(texts, _params(task="retrieval.query")).embeddings
+
+    assert_cosine_at_least(got, expected, 0.999999, texts)
+    assert not marker.exists(), "serving the model imported its custom_st.py"
+
+
 @pytest.mark.parametrize("backend", ["naive", pytest.param("flex", marks=pytest.mark.slow)])
 def test_other_backends_equal_sdpa_with_adapters(backend, jina, engine_for, texts):
     model_dir = jina("mean")["published"]

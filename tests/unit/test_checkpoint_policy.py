@@ -289,3 +289,18 @@ def test_allowed_pickle_finds_an_untied_lm_head(tmp_path):
 
     assert tokens(pickled) == tokens(source)
     assert len(tokens(pickled)) == 8
+
+
+def test_a_custom_transformer_module_is_read_only_for_the_family_that_declares_it(safetensors_dir, tmp_path):
+    """custom_st.Transformer is jina-embeddings-v3's wrapper (its family reads it as Transformer); in a BERT
+    directory it is custom code like any other, refused and not imported."""
+    marker = tmp_path / "pwned"
+    model_dir = tmp_path / "custom-transformer"
+    shutil.copytree(safetensors_dir, model_dir)
+    (model_dir / "custom_st.py").write_text(_touch_source(marker))
+    modules = json.loads((model_dir / "modules.json").read_text())
+    modules[0]["type"] = "custom_st.Transformer"
+    (model_dir / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ConfigError, match="custom_st.Transformer is custom code"):
+        read_served_model(ModelConfig(path=str(model_dir), served_name="m"))
+    assert not marker.exists()

@@ -268,6 +268,7 @@ FAMILY = Family(
     is_encoder=True,
     classifiers={"JinaEmbeddingsV3ForSequenceClassification": CLASSIFIER},
     config_forms={"xlm-roberta": published_config},
+    st_transformer_modules=("custom_st.Transformer",),
     examples=("jinaai/jina-embeddings-v3", "jinaai/jina-embeddings-v3-hf"),
     tested_by=("tests/models/test_jina_v3_parity.py",),
 )

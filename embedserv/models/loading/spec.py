@@ -167,10 +167,10 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
     if not (model_dir / "config.json").exists():
         raise ConfigError(f"--model {config.path}: no config.json there; give a local Hugging Face model directory")
     hf_config = read_hf_config(model_dir)
-    st = read_sentence_transformers(model_dir)
     family = registry.lookup(
         hf_config.model_type, architecture_of(hf_config), sentence_transformers=(model_dir / "modules.json").exists()
     )
+    st = read_sentence_transformers(model_dir, family.st_transformer_modules)
     device = _device(config.device)
     dtype = _DTYPES[config.torch_dtype_name]
     _check_dtype(hf_config, dtype, model_dir)

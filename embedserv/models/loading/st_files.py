@@ -94,9 +94,12 @@ def _read_json(path: Path) -> dict:
         raise ConfigError(f"cannot read {path}: {exc}") from exc
 
 
-def _module_kind(module_type: str, modules_path: Path) -> str:
+def _module_kind(module_type: str, modules_path: Path, transformer_modules: tuple[str, ...]) -> str:
     """Transformer, Pooling, Dense, Normalize, ... of sentence-transformers' own modules. A module of another
-    package is custom code: a class named Pooling there may pool differently, and its code never runs here."""
+    package is custom code: a class named Pooling there may pool differently, and its code never runs here.
+    `transformer_modules` are the custom types the model's family reads as Transformer."""
+    if module_type in transformer_modules:
+        return "Transformer"
     if not module_type.startswith("sentence_transformers."):
         raise ConfigError(
             f"{modules_path}: module {module_type} is custom code, not a sentence-transformers module; "
@@ -181,7 +184,7 @@ def _check_arrangement(model_type: str, kinds: list[str], modules_path: Path) ->
         )
 
 
-def read_sentence_transformers(model_dir: Path) -> SentenceTransformerFiles:
+def read_sentence_transformers(model_dir: Path, transformer_modules: tuple[str, ...] = ()) -> SentenceTransformerFiles:
     modules_path = model_dir / "modules.json"
     if not modules_path.exists():
         return SentenceTransformerFiles()
@@ -196,7 +199,7 @@ def read_sentence_transformers(model_dir: Path) -> SentenceTransformerFiles:
     dense: list[DenseSpec] = []
     kinds = []
     for module in _read_json(modules_path):
-        kind = _module_kind(module["type"], modules_path)
+        kind = _module_kind(module["type"], modules_path, transformer_modules)
         kinds.append(kind)
         directory = model_dir / module.get("path", "")
         if kind in ("Transformer", "MLMTransformer"):

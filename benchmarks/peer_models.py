@@ -93,7 +93,7 @@ def build_random_model(shape: Shape, out: Path, seed: int = 0) -> Path:
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    _copy_tokenizer(tmp, shape.max_seq_length)
+    _copy_tokenizer(tmp, shape)
     config = _hf_config(shape, vocab_size=_vocab_size(tmp))
     torch.manual_seed(seed)
     model = AutoModel.from_config(config).eval()
@@ -105,12 +105,15 @@ def build_random_model(shape: Shape, out: Path, seed: int = 0) -> Path:
     return out
 
 
-def _copy_tokenizer(out: Path, max_length: int) -> None:
+def _copy_tokenizer(out: Path, shape: Shape) -> None:
     source = bundled_model_path()
     for name in TOKENIZER_FILES:
         shutil.copyfile(source / name, out / name)
     tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
-    tokenizer_config["model_max_length"] = max_length
+    tokenizer_config["model_max_length"] = shape.max_seq_length
+    if shape.model_type in ("modernbert", "mpnet"):
+        # Their own tokenizers make no token types, and transformers 4.x's ModernBertModel refuses them.
+        tokenizer_config["model_input_names"] = ["input_ids", "attention_mask"]
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
 
 

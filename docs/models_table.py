@@ -84,8 +84,12 @@ def _backends(family: Family) -> str:
 
 
 def _model_types(family: Family) -> str:
-    published = [f"`{t}` (published custom-code form)" for t in family.config_forms]
-    return ", ".join([f"`{t}`" for t in family.model_types] + published)
+    native = [
+        f"`{t}`" + (" (and its published custom-code form)" if t in family.config_forms else "")
+        for t in family.model_types
+    ]
+    published = [f"`{t}` (published custom-code form)" for t in family.config_forms if t not in family.model_types]
+    return ", ".join(native + published)
 
 
 def _cell(items) -> str:

@@ -31,7 +31,7 @@ class AttentionLayer(Protocol):
     # W: a query at position p sees the key at j only when |p - j| < W (attention/backends/windows.py);
     # None: every key.
     sliding_window: int | None
-    # T5's per-head score bias by distance (one table per stack); None for other models.
+    # T5's and MPNet's per-head score bias by distance (one table per stack); None for other models.
     relative_bias: RelativePositionBias | None
     # DeBERTa's disentangled position bias (its positions come with each call); None for other models.
     disentangled: DisentangledPositions | None

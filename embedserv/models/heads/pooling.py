@@ -36,6 +36,18 @@ class PoolingInputs:
     token_count: torch.Tensor
 
 
+def pooled_rows(hidden: torch.Tensor, pooling: PoolingInputs) -> torch.Tensor:
+    """The rows that count (all of them when pooling.token_index is None), in token_seq order."""
+    return hidden if pooling.token_index is None else hidden.index_select(0, pooling.token_index)
+
+
+def mean_per_sequence(rows: torch.Tensor, pooling: PoolingInputs) -> torch.Tensor:
+    """[num_seqs, width] float32: each sequence's mean of `rows` (pooled_rows), accumulated in float32 even
+    for half-precision rows, as sentence-transformers does."""
+    sums = torch.zeros(pooling.first_index.shape[0], rows.shape[1], dtype=torch.float32, device=rows.device)
+    return sums.index_add_(0, pooling.token_seq, rows.float()) / pooling.token_count[:, None]
+
+
 @dataclass(frozen=True)
 class TokenInputs:
     """Every token of the sequences that want a per-token output (sparse or multi-vector), sequence by
@@ -88,13 +100,9 @@ class EmbeddingPooler(nn.Module):
             return hidden.index_select(0, pooling.first_index)
         if self.mode == "lasttoken":
             return hidden.index_select(0, pooling.last_index)
-        rows = hidden if pooling.token_index is None else hidden.index_select(0, pooling.token_index)
-        num_seqs = pooling.first_index.shape[0]
+        rows = pooled_rows(hidden, pooling)
         if self.mode == "max":
-            out = rows.new_full((num_seqs, rows.shape[1]), float("-inf"))
+            out = rows.new_full((pooling.first_index.shape[0], rows.shape[1]), float("-inf"))
             index = pooling.token_seq[:, None].expand_as(rows)
             return out.scatter_reduce_(0, index, rows, reduce="amax")
-        # Mean: accumulate in float32 even for half-precision hidden states, as sentence-transformers does.
-        sums = torch.zeros(num_seqs, rows.shape[1], dtype=torch.float32, device=rows.device)
-        sums.index_add_(0, pooling.token_seq, rows.float())
-        return sums / pooling.token_count[:, None]
+        return mean_per_sequence(rows, pooling)

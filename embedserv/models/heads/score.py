@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from embedserv.errors import ConfigError
-from embedserv.models.heads.pooling import PoolingInputs
+from embedserv.models.heads.pooling import PoolingInputs, mean_per_sequence, pooled_rows
 from embedserv.models.heads.lm import seq2seq_final_logits_bias, seq2seq_head_weight
 from embedserv.models.layers import get_activation
 from embedserv.models.loading.checkpoint import read_first_tensor, read_tensor
@@ -61,9 +61,9 @@ class ScoreHead(nn.Module):
         if self.token == "late":
             # The pooler on every token, then the mean: the output layer is linear, so averaging before it
             # equals averaging its per-token logits (EuroBERT's "late" pooling).
-            return self.out(_mean(self._pooler(_token_rows(hidden, pooling).float()), pooling))
+            return self.out(mean_per_sequence(self._pooler(pooled_rows(hidden, pooling).float()), pooling))
         if self.token == "mean":
-            rows = _mean(_token_rows(hidden, pooling).float(), pooling)
+            rows = mean_per_sequence(pooled_rows(hidden, pooling), pooling)
         else:
             index = pooling.first_index if self.token == "first" else pooling.last_index
             rows = hidden.index_select(0, index).float()
@@ -74,16 +74,6 @@ class ScoreHead(nn.Module):
             return rows
         rows = self.activation(self.dense(rows))
         return rows if self.norm is None else self.norm(rows)
-
-
-def _token_rows(hidden: torch.Tensor, pooling: PoolingInputs) -> torch.Tensor:
-    return hidden if pooling.token_index is None else hidden.index_select(0, pooling.token_index)
-
-
-def _mean(rows: torch.Tensor, pooling: PoolingInputs) -> torch.Tensor:
-    """[num_seqs, width]: the mean of each sequence's rows (float32 rows, in token_seq order)."""
-    sums = rows.new_zeros(len(pooling.token_count), rows.shape[1])
-    return sums.index_add_(0, pooling.token_seq, rows) / pooling.token_count[:, None]
 
 
 def build_classifier_head(family: Family, hf_config, num_labels: int, files: list[Path]) -> ScoreHead:

@@ -27,6 +27,7 @@ from embedserv.models.layers import Linear, get_activation, packed_linear
 from embedserv.models.loading.family import CheckpointNames, Classifier, Family
 from embedserv.models.rotary import RotaryEmbedding, apply_rotary
 
+
 @dataclass(frozen=True)
 class Routes:
     """The task adapters present in a step, and which rows each applies to."""

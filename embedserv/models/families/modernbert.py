@@ -18,6 +18,7 @@ from embedserv.models.layers import Linear, get_activation
 from embedserv.models.loading.family import CheckpointNames, Classifier, Family
 from embedserv.models.rotary import RotaryEmbedding, apply_rotary
 
+
 def layer_sliding_window(config, layer_index: int) -> int | None:
     """The window W of layer `layer_index` (a query at p sees the key at j only when |p - j| < W), or None.
 

@@ -115,7 +115,7 @@ _BERT_CLASSIFIER = Classifier(
         "out.bias": ("classifier.bias",),
     },
 )
-_ROBERTA_CLASSIFIER = Classifier(
+ROBERTA_CLASSIFIER = Classifier(
     token="first",
     pooler=True,
     sources={
@@ -151,9 +151,9 @@ FAMILY = Family(
     is_encoder=True,
     classifiers={
         "BertForSequenceClassification": _BERT_CLASSIFIER,
-        "RobertaForSequenceClassification": _ROBERTA_CLASSIFIER,
-        "XLMRobertaForSequenceClassification": _ROBERTA_CLASSIFIER,
-        "CamembertForSequenceClassification": _ROBERTA_CLASSIFIER,
+        "RobertaForSequenceClassification": ROBERTA_CLASSIFIER,
+        "XLMRobertaForSequenceClassification": ROBERTA_CLASSIFIER,
+        "CamembertForSequenceClassification": ROBERTA_CLASSIFIER,
     },
     mlm_heads={"bert": _BERT_MLM} | {model_type: _ROBERTA_MLM for model_type in ROBERTA_TYPES},
     examples=(

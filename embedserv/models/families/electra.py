@@ -7,13 +7,15 @@ narrower than its layers (`embedding_size` < `hidden_size`, in the small models)
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
 from embedserv.models.families.bert import CHECKPOINT as BERT_CHECKPOINT
-from embedserv.models.families.bert import BertEmbeddings, BertLayer
+from embedserv.models.families.bert import ROBERTA_CLASSIFIER, BertEmbeddings, BertLayer
 from embedserv.models.layers import Linear
-from embedserv.models.loading.family import CheckpointNames, Classifier, Family
+from embedserv.models.loading.family import CheckpointNames, Family
 
 
 class ElectraModel(nn.Module):
@@ -55,18 +57,9 @@ CHECKPOINT = CheckpointNames(
     renames=BERT_CHECKPOINT.renames,
 )
 
-# ElectraClassificationHead: the first token through dense + gelu (not BERT's tanh), then out_proj.
-_CLASSIFIER = Classifier(
-    token="first",
-    pooler=True,
-    activation="gelu",
-    sources={
-        "dense.weight": ("classifier.dense.weight",),
-        "dense.bias": ("classifier.dense.bias",),
-        "out.weight": ("classifier.out_proj.weight",),
-        "out.bias": ("classifier.out_proj.bias",),
-    },
-)
+# ElectraClassificationHead: RoBERTa's head (classifier.dense, classifier.out_proj on the first token), with
+# gelu instead of tanh.
+_CLASSIFIER = replace(ROBERTA_CLASSIFIER, activation="gelu")
 
 FAMILY = Family(
     name="electra",

@@ -16,7 +16,7 @@ from torch import nn
 
 from embedserv.attention.layer import Attention
 from embedserv.errors import ConfigError
-from embedserv.models.layers import Linear, get_activation, packed_linear
+from embedserv.models.layers import Linear, get_activation, head_dim, packed_linear
 from embedserv.models.loading.family import CheckpointNames, Classifier, Family
 from embedserv.models.rotary import RotaryEmbedding, apply_rotary
 
@@ -42,20 +42,20 @@ class GteEmbeddings(nn.Module):
 
 
 class GteAttention(nn.Module):
-    def __init__(self, config, layer_index: int) -> None:
+    def __init__(self, config, layer_index: int, bias: bool) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
-        self.head_dim = config.hidden_size // self.num_heads
-        hidden = config.hidden_size
+        self.head_dim = head_dim(config)
+        size = self.num_heads * self.head_dim
         # Query, key and value in one matmul (the published checkpoints store them so: qkv_proj).
-        self.qkv = packed_linear(hidden, (hidden,) * 3)
+        self.qkv = packed_linear(config.hidden_size, (size,) * 3, bias=bias)
         self.attn = Attention(self.num_heads, self.head_dim, layer_index=layer_index)
-        self.o_proj = Linear(hidden, hidden)
+        self.o_proj = Linear(size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Attention of `x`, plus `x` (the residual, fused into the output projection)."""
-        hidden = self.num_heads * self.head_dim
-        qk, v = self.qkv(x).split((2 * hidden, hidden), dim=-1)
+        size = self.num_heads * self.head_dim
+        qk, v = self.qkv(x).split((2 * size, size), dim=-1)
         # Queries and keys sit side by side in the fused output: one rotation covers both.
         qk = apply_rotary(qk.view(-1, 2 * self.num_heads, self.head_dim), cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
@@ -63,11 +63,11 @@ class GteAttention(nn.Module):
 
 
 class GteMLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, bias: bool) -> None:
         super().__init__()
         # Up and gate projections in one matmul, in the published checkpoints' order (up_gate_proj).
         self.up_gate = packed_linear(config.hidden_size, (config.intermediate_size,) * 2, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act = get_activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,11 +76,11 @@ class GteMLP(nn.Module):
 
 
 class GteLayer(nn.Module):
-    def __init__(self, config, layer_index: int) -> None:
+    def __init__(self, config, layer_index: int, bias: bool) -> None:
         super().__init__()
-        self.self_attn = GteAttention(config, layer_index)
+        self.self_attn = GteAttention(config, layer_index, bias)
         self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.mlp = GteMLP(config)
+        self.mlp = GteMLP(config, bias)
         self.post_mlp_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -91,14 +91,16 @@ class GteLayer(nn.Module):
 class GteModel(nn.Module):
     """`forward(input_ids, positions[, token_type_ids]) -> [num_tokens, hidden]`."""
 
+    # The attention projections and the down projection carry biases (NomicBERT's, the same blocks, none).
+    biases = True
+
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
         self.position_offset = 0
         self.embeddings = GteEmbeddings(config)
-        self.layers = nn.ModuleList(GteLayer(config, i) for i in range(config.num_hidden_layers))
-        head_dim = config.hidden_size // config.num_attention_heads
-        self.rotary = RotaryEmbedding(config, head_dim, self.max_positions)
+        self.layers = nn.ModuleList(GteLayer(config, i, self.biases) for i in range(config.num_hidden_layers))
+        self.rotary = RotaryEmbedding(config, head_dim(config), self.max_positions)
 
     @property
     def max_positions(self) -> int:

@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from embedserv.attention.layer import Attention
+from embedserv.models.families.bert import ROBERTA_CLASSIFIER
 from embedserv.models.layers import Linear, get_activation, packed_linear
-from embedserv.models.loading.family import CheckpointNames, Classifier, Family
+from embedserv.models.loading.family import CheckpointNames, Family
 from embedserv.models.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -249,25 +250,14 @@ CHECKPOINT = CheckpointNames(
     ),
 )
 
-# As XLM-RoBERTa's: the first token through dense + tanh, then `out_proj`.
-CLASSIFIER = Classifier(
-    token="first",
-    pooler=True,
-    sources={
-        "dense.weight": ("classifier.dense.weight",),
-        "dense.bias": ("classifier.dense.bias",),
-        "out.weight": ("classifier.out_proj.weight",),
-        "out.bias": ("classifier.out_proj.bias",),
-    },
-)
-
 FAMILY = Family(
     name="jina_v3",
     model_types=("jina_embeddings_v3",),
     model_class=JinaEmbeddingsV3Model,
     checkpoint=CHECKPOINT,
     is_encoder=True,
-    classifiers={"JinaEmbeddingsV3ForSequenceClassification": CLASSIFIER},
+    # XLM-RoBERTa's head: the first token through dense + tanh, then `out_proj`.
+    classifiers={"JinaEmbeddingsV3ForSequenceClassification": ROBERTA_CLASSIFIER},
     config_forms={"xlm-roberta": published_config},
     st_transformer_modules=("custom_st.Transformer",),
     examples=("jinaai/jina-embeddings-v3", "jinaai/jina-embeddings-v3-hf"),

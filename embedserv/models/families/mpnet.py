@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from embedserv.attention.relative_bias import RelativePositionBias
-from embedserv.models.families.bert import BertLayer
-from embedserv.models.loading.family import CheckpointNames, Classifier, Family
+from embedserv.models.families.bert import ROBERTA_CLASSIFIER, BertLayer
+from embedserv.models.loading.family import CheckpointNames, Family
 
 # MPNetEmbeddings' fixed padding index: positions start after it.
 _PADDING_IDX = 1
@@ -88,25 +88,14 @@ CHECKPOINT = CheckpointNames(
     ),
 )
 
-# MPNetClassificationHead: the first token through dense + tanh, then out_proj (RoBERTa's head).
-_CLASSIFIER = Classifier(
-    token="first",
-    pooler=True,
-    sources={
-        "dense.weight": ("classifier.dense.weight",),
-        "dense.bias": ("classifier.dense.bias",),
-        "out.weight": ("classifier.out_proj.weight",),
-        "out.bias": ("classifier.out_proj.bias",),
-    },
-)
-
 FAMILY = Family(
     name="mpnet",
     model_types=("mpnet",),
     model_class=MPNetModel,
     checkpoint=CHECKPOINT,
     is_encoder=True,
-    classifiers={"MPNetForSequenceClassification": _CLASSIFIER},
+    # MPNetClassificationHead is RoBERTa's: the first token through dense + tanh, then out_proj.
+    classifiers={"MPNetForSequenceClassification": ROBERTA_CLASSIFIER},
     examples=(
         "sentence-transformers/all-mpnet-base-v2",
         "sentence-transformers/multi-qa-mpnet-base-dot-v1",

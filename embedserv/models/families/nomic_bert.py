@@ -1,106 +1,23 @@
 """NomicBERT (nomic-embed-text v1 / v1.5) over a flat packed batch.
 
 BERT's post-norm blocks with rotary positions instead of position embeddings, a SwiGLU MLP, and no
-biases in attention or MLP. transformers calls it `nomic_bert`; the published checkpoints carry the
-custom code's GPT-2-style config keys (n_embd, n_layer, ...) and its tensor names (emb_ln, attn.Wqkv,
-mlp.fc11 / fc12 / fc2, norm1 / norm2): both forms load (config_forms and the renames below).
+biases in attention or MLP: Alibaba GTE's blocks (gte.py) with their biases off. transformers calls it
+`nomic_bert`; the published checkpoints carry the custom code's GPT-2-style config keys (n_embd, n_layer,
+...) and its tensor names (emb_ln, attn.Wqkv, mlp.fc11 / fc12 / fc2, norm1 / norm2): both forms load
+(config_forms and the renames below).
 """
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
-from embedserv.attention.layer import Attention
 from embedserv.errors import ConfigError
-from embedserv.models.layers import Linear, get_activation, packed_linear
+from embedserv.models.families.gte import GteModel
 from embedserv.models.loading.family import CheckpointNames, Classifier, Family
-from embedserv.models.rotary import RotaryEmbedding, apply_rotary
 
 
-class NomicBertEmbeddings(nn.Module):
-    def __init__(self, config) -> None:
-        super().__init__()
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+class NomicBertModel(GteModel):
+    """`forward(input_ids, positions[, token_type_ids]) -> [num_tokens, hidden]`: GTE's blocks without biases."""
 
-    def forward(self, input_ids, token_type_ids=None) -> torch.Tensor:
-        hidden = self.word_embeddings(input_ids)
-        if token_type_ids is None:
-            hidden = hidden + self.token_type_embeddings.weight[0]
-        else:
-            hidden = hidden + self.token_type_embeddings(token_type_ids)
-        return self.LayerNorm(hidden)
-
-
-class NomicBertAttention(nn.Module):
-    def __init__(self, config, layer_index: int) -> None:
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.head_dim = config.head_dim
-        size = self.num_heads * self.head_dim
-        # Query, key and value in one matmul (the published checkpoints store them so: attn.Wqkv).
-        self.qkv = packed_linear(config.hidden_size, (size,) * 3, bias=False)
-        self.attn = Attention(self.num_heads, self.head_dim, layer_index=layer_index)
-        self.o_proj = Linear(size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Attention of `x`, plus `x` (the residual, fused into the output projection)."""
-        qk, v = self.qkv(x).split((2 * self.num_heads * self.head_dim, self.num_heads * self.head_dim), dim=-1)
-        # Queries and keys sit side by side in the fused output: one rotation covers both.
-        qk = apply_rotary(qk.view(-1, 2 * self.num_heads, self.head_dim), cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v), residual=x)
-
-
-class NomicBertMLP(nn.Module):
-    def __init__(self, config) -> None:
-        super().__init__()
-        # Gate and up projections in one matmul; the loader stacks their weights.
-        self.gate_up = packed_linear(config.hidden_size, (config.intermediate_size,) * 2, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.act = get_activation(config.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up, residual=x)
-
-
-class NomicBertLayer(nn.Module):
-    def __init__(self, config, layer_index: int) -> None:
-        super().__init__()
-        self.self_attn = NomicBertAttention(config, layer_index)
-        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.mlp = NomicBertMLP(config)
-        self.post_mlp_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        hidden = self.post_attention_layernorm(self.self_attn(hidden, cos, sin))
-        return self.post_mlp_layernorm(self.mlp(hidden))
-
-
-class NomicBertModel(nn.Module):
-    """`forward(input_ids, positions[, token_type_ids]) -> [num_tokens, hidden]`."""
-
-    def __init__(self, config) -> None:
-        super().__init__()
-        self.config = config
-        self.position_offset = 0
-        self.embeddings = NomicBertEmbeddings(config)
-        self.layers = nn.ModuleList(NomicBertLayer(config, i) for i in range(config.num_hidden_layers))
-        self.rotary = RotaryEmbedding(config, config.head_dim, self.max_positions)
-
-    @property
-    def max_positions(self) -> int:
-        return self.config.max_position_embeddings
-
-    def forward(self, input_ids, positions, token_type_ids=None) -> torch.Tensor:
-        hidden = self.embeddings(input_ids, token_type_ids)
-        cos, sin = self.rotary(positions)
-        for layer in self.layers:
-            hidden = layer(hidden, cos, sin)
-        return hidden
+    biases = False
 
 
 # The published config.json's keys that the native form has no switch for, and the only value it matches.
@@ -165,10 +82,11 @@ CHECKPOINT = CheckpointNames(
         ("self_attn.q_proj.", "self_attn.qkv.", 0),
         ("self_attn.k_proj.", "self_attn.qkv.", 1),
         ("self_attn.v_proj.", "self_attn.qkv.", 2),
-        ("mlp.gate_proj.", "mlp.gate_up.", 0),
-        ("mlp.up_proj.", "mlp.gate_up.", 1),
-        ("mlp.fc12.", "mlp.gate_up.", 0),
-        ("mlp.fc11.", "mlp.gate_up.", 1),
+        # gte.py packs up before gate.
+        ("mlp.up_proj.", "mlp.up_gate.", 0),
+        ("mlp.gate_proj.", "mlp.up_gate.", 1),
+        ("mlp.fc11.", "mlp.up_gate.", 0),
+        ("mlp.fc12.", "mlp.up_gate.", 1),
     ),
     renames=(
         (r"^emb_ln\.", "embeddings.LayerNorm."),

@@ -11,7 +11,12 @@ FROM python:3.11-slim AS base-cpu
 # A bare `pip install torch` would pull the CUDA wheels (gigabytes) into a CPU image.
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ENV VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH
-RUN python -m venv /opt/venv \
+# g++: inductor compiles int8's quantize / dequantize steps into C++ kernels (--cpu-fusion, cached under
+# /tmp); without it they run eagerly, about 1.3-1.6x slower end to end on MiniLM int8.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/* \
+    && python -m venv /opt/venv \
     && pip install --no-cache-dir --index-url "$TORCH_INDEX" "torch>=2.4,<3"
 
 FROM ${CUDA_IMAGE} AS base-cuda

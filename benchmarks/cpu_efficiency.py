@@ -26,10 +26,12 @@ import torch  # noqa: E402
 
 from benchmarks.attention_kernels import best_us  # noqa: E402
 from benchmarks.corpus import stdlib_texts  # noqa: E402
+from benchmarks.precisions import options as precision_options  # noqa: E402
 from embedserv import cpu_isa  # noqa: E402
 from embedserv.config import ModelConfig, bundled_model_path  # noqa: E402
 from embedserv.engine.sync import SyncEngine  # noqa: E402
-from embedserv.models.layers import Int8Weight, Linear  # noqa: E402
+from embedserv.models.int8 import Int8Weight
+from embedserv.models.layers import Linear  # noqa: E402
 from embedserv.types import EmbedParams  # noqa: E402
 
 ROWS = 4096
@@ -37,7 +39,10 @@ OPERATOR_GROUPS = {
     "linears": ("mkldnn::_linear_pointwise", "onednn::qlinear_pointwise", "aten::linear", "aten::addmm"),
     "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::scaled_dot_product_attention",
                   "aten::bmm", "aten::_softmax"),
+    # int8's per-token quantize and dequantize steps: eager passes, or inductor's compiled graphs.
+    "int8 steps": ("aten::addcmul", "aten::amin", "aten::amax", "aten::addmm_"),
 }
+COMPILED_GRAPH = "## Call CompiledFxGraph"  # how the profiler names a call of an inductor graph (int8's steps)
 
 
 def best_seconds(run, repeats: int) -> float:
@@ -47,7 +52,7 @@ def best_seconds(run, repeats: int) -> float:
 def linear_shapes(engine: SyncEngine) -> collections.Counter:
     model = engine.engine.workers[0].runner.model
     return collections.Counter(
-        (m.weight.shape[1], m.weight.shape[0]) for m in model.modules() if isinstance(m, Linear) and m.weight.numel()
+        (m.in_features, m.out_features) for m in model.modules() if isinstance(m, Linear)
     )
 
 
@@ -85,7 +90,8 @@ def run_engine(model: str, texts: list[str], repeats: int, **options) -> tuple[f
     return seconds, tokens, engine
 
 
-def profile(engine: SyncEngine, texts: list[str]) -> dict[str, float]:
+def profile(engine: SyncEngine, texts: list[str]) -> tuple[dict[str, float], dict[str, float]]:
+    """Shares of the model thread's time: by group (linears, attention, other ops) and by operator."""
     calls = [texts[i : i + 32] for i in range(0, len(texts), 32)]
     # The profiler records the thread it is started on: the in-process worker's model thread.
     model_thread = engine.engine.workers[0]._model_thread
@@ -93,12 +99,16 @@ def profile(engine: SyncEngine, texts: list[str]) -> dict[str, float]:
     model_thread.submit(prof.__enter__).result()
     engine.embed_concurrently(calls, EmbedParams(truncate=True))
     model_thread.submit(prof.__exit__, None, None, None).result()
-    totals = collections.Counter()
+    totals, operators = collections.Counter(), collections.Counter()
     for event in prof.key_averages():
         group = next((g for g, names in OPERATOR_GROUPS.items() if event.key in names), None)
+        if event.key.startswith(COMPILED_GRAPH):
+            group = "int8 steps"
         totals[group or "other ops"] += event.self_cpu_time_total
+        operators[event.key] += event.self_cpu_time_total
     whole = sum(totals.values())
-    return {group: value / whole for group, value in totals.items()}
+    return ({group: value / whole for group, value in totals.items()},
+            {name: value / whole for name, value in operators.most_common()})
 
 
 def main() -> None:
@@ -106,8 +116,9 @@ def main() -> None:
     parser.add_argument("--model", default=str(bundled_model_path()))
     parser.add_argument("--texts", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--precisions", default="float32,int8")
-    parser.add_argument("--budgets", default="1024,2048,4096,8192")
+    parser.add_argument("--precisions", default="float32,int8", help="as benchmarks/precisions.py takes them")
+    parser.add_argument("--budgets", default="1024,2048,4096,8192", help="token budgets to sweep; empty: none")
+    parser.add_argument("--ops", type=int, default=12, help="operators in the per-op profile of each precision")
     args = parser.parse_args()
     texts = stdlib_texts(args.texts)
     print(f"# {cpu_isa.detect().summary()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
@@ -115,24 +126,32 @@ def main() -> None:
 
     rows, shapes, linear_flops = [], None, 0
     for precision in args.precisions.split(","):
-        options = {"quantization": "int8"} if precision == "int8" else {"dtype": precision}
+        options = precision_options(precision)  # int8[:ACTIVATIONS[:FUSION]] as benchmarks/precisions.py takes it
         seconds, tokens, engine = run_engine(args.model, texts, args.repeats, **options)
         if shapes is None:
             shapes = linear_shapes(engine)
             linear_flops = sum(count * 2 * k * n for (k, n), count in shapes.items())
-        groups = profile(engine, texts)
+        groups, operators = profile(engine, texts)
         engine.__exit__(None, None, None)
-        rows.append((precision, tokens / seconds, groups))
+        rows.append((precision, tokens / seconds, groups, operators))
     rates = matmul_rates(shapes, args.repeats)
 
-    print("\n| precision | tokens/s | linears' GFLOP/s | machine's rate, same shapes | share | time in linears | attention | other |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for precision, rate, groups in rows:
+    print("\n| precision | tokens/s | linears' GFLOP/s | machine's rate, same shapes | share | time in linears | attention "
+          "| int8 steps | other |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for precision, rate, groups, _ in rows:
         achieved = rate * linear_flops / 1e9
-        machine = rates.get("int8" if precision == "int8" else precision)
+        machine = rates.get("int8" if precision.startswith("int8") else precision)
         share = f"{achieved / machine:.0%}" if machine else "n/a"
         print(f"| {precision} | {rate:.0f} | {achieved:.1f} | {machine or float('nan'):.1f} | {share} "
-              f"| {groups.get('linears', 0):.0%} | {groups.get('attention', 0):.0%} | {groups.get('other ops', 0):.0%} |")
+              f"| {groups.get('linears', 0):.0%} | {groups.get('attention', 0):.0%} | {groups.get('int8 steps', 0):.0%} "
+              f"| {groups.get('other ops', 0):.0%} |")
+
+    for precision, _, _, operators in rows:
+        print(f"\n| {precision}: operator | share of the model thread |")
+        print("|---|---:|")
+        for name, share in list(operators.items())[: args.ops]:
+            print(f"| `{name}` | {share:.1%} |")
 
     mean_words = max(1, sum(len(t.split()) for t in texts) // len(texts))
     uniform = ["word " * mean_words] * len(texts)
@@ -145,7 +164,7 @@ def main() -> None:
 
     print("\n| float32 --max-batch-tokens | tokens/s |")
     print("|---:|---:|")
-    for budget in args.budgets.split(","):
+    for budget in filter(None, args.budgets.split(",")):
         seconds, tokens, engine = run_engine(args.model, texts, args.repeats, max_batch_tokens=int(budget))
         engine.__exit__(None, None, None)
         print(f"| {budget}{' (default here)' if int(budget) == cpu_isa.cpu_batch_tokens() else ''} | {tokens / seconds:.0f} |")

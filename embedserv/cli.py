@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from embedserv import logs
+from embedserv import cpu_isa, logs
 from embedserv.config import (
     ATTENTION_BACKENDS,
     ATTENTION_KINDS,
@@ -64,8 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", choices=DTYPES, help=f"auto is float32 on CPU and bfloat16 on CUDA {_model('dtype')}")
     serve.add_argument("--quantization", choices=QUANTIZATIONS,
                        help="int8: the model's linear layers in int8 on CPU (per-token activation and "
-                            "per-channel weight scales); float32 embedders, rerankers and classifiers only "
-                            "(default: none)")
+                            "per-channel weight scales), the rest in --dtype (auto: bfloat16 where the CPU has it "
+                            "natively, else float32); embedders, rerankers and classifiers (default: none)")
+    serve.add_argument("--cpu-fusion", choices=cpu_isa.FUSIONS,
+                       help="int8's per-token quantize and dequantize steps compiled by inductor into one C++ "
+                            "loop each (compiled; needs a C++ compiler), eager, or per CPU ISA (auto) "
+                            f"{_model('cpu_fusion')}")
     serve.add_argument("--max-batch-tokens", type=int,
                        help="token budget of one forward pass (default: per CPU ISA, 4096 on AVX2/AVX-512; "
                             f"{CUDA_BATCH_TOKENS} on CUDA)")

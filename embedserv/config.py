@@ -73,8 +73,11 @@ class ModelConfig:
     served_name: str
     device: str = "cpu"
     dtype: str = "auto"
-    # "int8": the model's linears in int8 (CPU, float32 models that do not generate); None: as dtype says.
+    # "int8": the model's linears in int8 (CPU, models that do not generate), the rest in dtype (auto: per
+    # CPU ISA, cpu_isa.int8_activation_dtype); None: as dtype says.
     quantization: str | None = None
+    # int8's quantize and dequantize steps compiled by inductor (compiled), eager, or per CPU ISA (auto).
+    cpu_fusion: str = "auto"
     # None lets the selector pick the fastest backend that can run here.
     attention_backend: str | None = None
     # None takes causality from the model's config; "causal" or "bidirectional" overrides it.
@@ -118,6 +121,8 @@ class ModelConfig:
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         self._check_quantization()
+        if self.cpu_fusion not in cpu_isa.FUSIONS:
+            raise ConfigError(f"--cpu-fusion must be one of {', '.join(cpu_isa.FUSIONS)}, not {self.cpu_fusion!r}")
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(
                 f"unknown --attention-backend {self.attention_backend!r}; "
@@ -155,9 +160,10 @@ class ModelConfig:
                 f"--quantization int8 runs on CPU (oneDNN's int8 matmuls), not on {self.device}; on a GPU serve "
                 "--dtype bfloat16 or float16 instead"
             )
-        if self.dtype not in ("auto", "float32"):
+        if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ConfigError(
-                f"--quantization int8 quantizes a float32 model; leave --dtype at auto or float32, not {self.dtype}"
+                "--quantization int8 runs its activations in float32 or bfloat16 (auto: bfloat16 where the CPU has "
+                f"it natively); not {self.dtype}"
             )
 
     @property
@@ -176,9 +182,11 @@ class ModelConfig:
 
     @property
     def torch_dtype_name(self) -> str:
-        """The dtype `auto` resolves to: float32 on CPU, bfloat16 on CUDA."""
+        """The dtype `auto` resolves to: float32 on CPU (int8's activations: per ISA), bfloat16 on CUDA."""
         if self.dtype != "auto":
             return self.dtype
+        if self.quantization == "int8":
+            return cpu_isa.int8_activation_dtype()
         return "float32" if self.device == "cpu" else "bfloat16"
 
 

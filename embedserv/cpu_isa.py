@@ -9,7 +9,9 @@ them asks here, so tests fake one probe (monkeypatch `detect`) to exercise anoth
 from __future__ import annotations
 
 import functools
+import os
 import platform
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,6 +112,18 @@ _BF16_MATMUL_ATTENTION_MIN_LENGTH = {"amx": 64, "avx512_bf16": 64}
 _NEVER = 1 << 30
 
 
+# What runs around int8 linears (norms, attention, the dequantized outputs) with --quantization int8 and
+# --dtype auto: bfloat16 where it is native, as fast as bf16 models there; float32 elsewhere.
+_INT8_ACTIVATIONS = {
+    "amx": "bfloat16", "avx512_bf16": "bfloat16", "avx512": "float32", "avx2": "float32", "baseline": "float32",
+}
+
+# --cpu-fusion auto: int8's quantize and dequantize steps compiled by inductor into one C++ loop each
+# (models/int8.py), on every class: they are memory-bound passes, whatever the vector width.
+_FUSION = {"amx": "compiled", "avx512_bf16": "compiled", "avx512": "compiled", "avx2": "compiled", "baseline": "compiled"}
+FUSIONS = ("auto", "compiled", "eager")
+
+
 def cpu_batch_tokens() -> int:
     return _CPU_BATCH_TOKENS[detect().level]
 
@@ -123,3 +137,28 @@ def int8_weight_levels() -> int:
     by the signed weights with vpmaddubsw, whose 16-bit sums of two products saturate past 32767
     (255 * 127 * 2 does): 7-bit weights (63) keep every product exact there; VNNI takes the full 127."""
     return 127 if detect().vnni else 63
+
+
+def int8_activation_dtype() -> str:
+    return _INT8_ACTIVATIONS[detect().level]
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler inductor would use ($CXX, else g++ or clang++), or None."""
+    for name in (os.environ.get("CXX"), "g++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def fusion(requested: str = "auto") -> tuple[str, str]:
+    """(compiled or eager, why) for --cpu-fusion `requested`."""
+    if requested not in FUSIONS:
+        raise ValueError(f"--cpu-fusion must be one of {', '.join(FUSIONS)}, not {requested!r}")
+    choice = _FUSION[detect().level] if requested == "auto" else requested
+    if choice == "eager":
+        return "eager", "--cpu-fusion eager" if requested == "eager" else f"the {detect().level} default"
+    compiler = cxx_compiler()
+    if compiler is None:
+        return "eager", "no C++ compiler for inductor ($CXX, g++ or clang++ on PATH)"
+    return "compiled", f"inductor with {compiler}"

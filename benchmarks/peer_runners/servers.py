@@ -102,7 +102,8 @@ class Server:
     setup: str = ""
 
 
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "int8": "float32"}
+# int8's activations as the server picks them for this CPU (bfloat16 where native, else float32).
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "int8": "auto"}
 
 
 def embedserv_server(python: str, model: str, name: str, precision: str, protocol: str) -> Server:

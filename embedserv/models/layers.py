@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from embedserv.models.int8 import Int8Weight
 from embedserv.padding import padded_rows
 
 
@@ -121,7 +122,7 @@ class Linear(nn.Module):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
 
     def quantize_int8(self, levels: int) -> None:
-        """Swaps the float weight for int8 with weights in [-levels, levels] (--quantization int8); see Int8Weight."""
+        """Swaps the float weight for int8 with weights in [-levels, levels] (--quantization int8; models/int8.py)."""
         self._int8 = Int8Weight(self.weight.detach(), self.bias, levels)
         self._packed = None
         self.weight = nn.Parameter(torch.empty(0), requires_grad=False)  # the float copy is not kept
@@ -130,10 +131,7 @@ class Linear(nn.Module):
         if residual is not None and self.activation is not None:
             raise ValueError("a Linear fuses an activation or a residual, not both")
         if self._int8 is not None:
-            out = self._int8.matmul(x)
-            if self._activation_fn is not None:
-                out = self._activation_fn(out)
-            return out if residual is None else out.add_(residual)
+            return self._int8.matmul(x, self._activation_fn, residual)
         if self._packed is not None and x.dtype == self.weight.dtype:
             if residual is not None:
                 return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self._packed, self.bias, "add")
@@ -211,42 +209,3 @@ def quantize_linears(model: nn.Module, levels: int) -> None:
     for module in model.modules():
         if isinstance(module, Linear):
             module.quantize_int8(levels)
-
-
-class Int8Weight:
-    """A linear's weight as int8 with one scale per output channel, multiplied by activations quantized
-    to uint8 with one scale and offset per token (row), through oneDNN's int8 matmul.
-
-    Per-token ranges make a row's result independent of the rows batched with it. oneDNN takes one
-    activation scale per call, so each row is first mapped onto [0, 255] by its own minimum and range,
-    and the exact int32 product is mapped back:
-    `out[i] = spread[i] * (q(x[i]) / 255 @ q(W).T * w_scale) + low[i] * rowsum(W) + bias`, the last two
-    terms as one rank-2 update. Asymmetric rows use all 256 levels where activations are one-sided (after
-    GELU): MiniLM's lowest cosine to float32 on 200 real texts went from 0.985 (symmetric, 7 bits) to 0.995.
-    """
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, levels: int) -> None:
-        weight = weight.float()
-        self.scales = (weight.abs().amax(dim=1) / levels).clamp_min(torch.finfo(torch.float32).tiny)
-        quantized = torch.round(weight / self.scales[:, None]).clamp_(-levels, levels).to(torch.int8)
-        self.packed = torch.ops.onednn.qlinear_prepack(quantized, None)
-        self.zero_points = torch.zeros(weight.shape[0], dtype=torch.int32)
-        # [2, out]: the weight as the int8 matmul sees it summed per output (times each row's minimum),
-        # and the bias (times one).
-        sums = (quantized.float() * self.scales[:, None]).sum(dim=1)
-        self.terms = torch.stack([sums, bias.detach().float() if bias is not None else torch.zeros_like(sums)])
-        self.levels = levels
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        # amin and amax, not aminmax: 8x slower on 1536-wide rows here.
-        low = rows.amin(dim=1, keepdim=True)
-        spread = (rows.amax(dim=1, keepdim=True) - low).clamp_min_(torch.finfo(torch.float32).tiny)
-        inverse = 255 / spread
-        # (x - low) * 255 / spread + 0.5 lies in [0.5, 255.5]: truncating to uint8 rounds it, one pass less.
-        q = torch.addcmul(0.5 - low * inverse, rows, inverse).to(torch.uint8)
-        out = torch.ops.onednn.qlinear_pointwise(
-            q, 1 / 255, 0, self.packed, self.scales, self.zero_points, None, 1.0, 0, torch.float32, "none", [], "",
-        )
-        out = out.mul_(spread).addmm_(torch.cat([low, torch.ones_like(low)], dim=1), self.terms)
-        return out.view(*x.shape[:-1], out.shape[-1])

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from transformers import AutoTokenizer
 
 from embedserv import cpu_isa
 from embedserv.config import ModelConfig
 from embedserv.errors import ConfigError
-from embedserv.models import registry
+from embedserv.models import int8, registry
 from embedserv.models.heads.lm import build_lm_head, logit_softcap
 from embedserv.models.heads.pooling import Dense, EmbeddingPooler
 from embedserv.models.layers import quantize_linears
@@ -91,9 +92,17 @@ def _kv_cache(config: ModelConfig, spec: ModelSpec, model) -> KvCache:
 
 def build_runner(config: ModelConfig, spec: ModelSpec) -> ModelRunner:
     """Loads the weights onto spec.device; the runner with its heads (and the KV cache of a generating model)."""
-    model = build_model(spec.family, spec.hf_config, spec.files, spec.device, spec.dtype)
     if config.quantization == "int8":
+        # Quantized from the float32 weights; what stays float (norms, embeddings) is then cast to dtype.
+        model = build_model(spec.family, spec.hf_config, spec.files, spec.device, torch.float32)
         quantize_linears(model, cpu_isa.int8_weight_levels())
+        model.to(spec.dtype)
+        fused, why = cpu_isa.fusion(config.cpu_fusion)
+        int8.configure(fused == "compiled")
+        logger.info("%s: int8 linears, activations in %s; quantize and dequantize steps %s (%s)",
+                    spec.info.name, spec.dtype, fused, why)
+    else:
+        model = build_model(spec.family, spec.hf_config, spec.files, spec.device, spec.dtype)
     lm_head = kv_cache = None
     if Task.GENERATE in spec.task.tasks:
         lm_head = build_lm_head(spec.family, spec.hf_config, spec.files, spec.device, spec.dtype)

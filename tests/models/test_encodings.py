@@ -1,6 +1,6 @@
 """Compact encodings through the engine: the bytes sentence-transformers' quantize_embeddings gives for the
 engine's float32 vectors, the same bytes for a text whatever else its batch holds, and retrieval close to
-float32's on real texts (benchmarks/encodings.py prints the full table).
+float32's on real texts (benchmarks/encoding_retrieval.py prints the full table).
 
 int8 / uint8 are checked against ranges computed here from the engine's float32 vectors of the built-in
 calibration texts, embedded with the call's dimensions and normalization.
@@ -13,7 +13,7 @@ import pytest
 from sentence_transformers import quantize_embeddings
 
 from benchmarks.corpus import stdlib_texts
-from benchmarks.encodings import overlap_at_k, recall_at_k, retrieval_set, scores, top_k
+from benchmarks.encoding_retrieval import overlap_at_k, recall_at_k, retrieval_set, scores, top_k
 from embedserv.engine.tasks.quantize import calibration_texts
 from embedserv.types import EmbedParams, Encoding
 
@@ -106,7 +106,7 @@ def test_minilm_int8_bytes_match_and_do_not_depend_on_the_batch(minilm, minilm_r
 
 @pytest.mark.slow
 def test_minilm_retrieval_in_compact_encodings_stays_close_to_float(minilm, minilm_ranges):
-    """300 stdlib docstring bodies, 60 of their first lines as queries (benchmarks/encodings.py). Measured:
+    """300 stdlib docstring bodies, 60 of their first lines as queries (benchmarks/encoding_retrieval.py). Measured:
     int8 overlap@10 0.98 dequantized, 0.82 as raw integer dot products; binary 0.69 (hamming), 0.79 with
     float queries; float32 recall@10 0.85."""
     documents, queries = retrieval_set(300, 60)

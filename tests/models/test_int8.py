@@ -2,7 +2,8 @@
 
 The int8 product must be exact integer arithmetic (no saturation on CPUs without VNNI), the model must
 stay close to float32 on real texts, a text's vector must not depend on its batch, and what int8 does
-not serve is refused at start-up.
+not serve is refused at start-up. Each holds with the quantize / dequantize steps compiled by inductor
+and eager (models/int8.py), and with the activations in float32 and in the CPU's auto dtype.
 """
 
 from __future__ import annotations
@@ -15,9 +16,20 @@ from benchmarks.corpus import stdlib_texts
 from embedserv import cpu_isa
 from embedserv.config import ModelConfig
 from embedserv.errors import ConfigError
-from embedserv.models.layers import Int8Weight, Linear
+from embedserv.models import int8 as int8_module
+from embedserv.models.int8 import Int8Weight
+from embedserv.models.layers import Linear
 from embedserv.models.loading.spec import read_model_spec
 from embedserv.types import EmbedParams
+
+
+@pytest.fixture(params=["compiled", "eager"])
+def fusion(request, monkeypatch):
+    """Runs a test with int8's quantize / dequantize steps compiled (where a C++ compiler is) and eager."""
+    if request.param == "compiled" and cpu_isa.cxx_compiler() is None:
+        pytest.skip("no C++ compiler for inductor here")
+    monkeypatch.setattr(int8_module.Fused, "enabled", request.param == "compiled")
+    return request.param
 
 
 def _exact(float_weight: torch.Tensor, levels: int, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -32,7 +44,7 @@ def _exact(float_weight: torch.Tensor, levels: int, x: torch.Tensor, bias: torch
 
 
 @pytest.mark.parametrize("levels", [63, pytest.param(127, id="127-needs-vnni")])
-def test_the_int8_product_is_exact_integer_arithmetic(levels):
+def test_the_int8_product_is_exact_integer_arithmetic(levels, fusion):
     """Rows of very different scales and offsets; 384 -> 1536 as in MiniLM's FFN. On a CPU without VNNI,
     8-bit weights saturate oneDNN's 16-bit pair sums: that is why such CPUs get 63 levels."""
     if levels == 127 and not cpu_isa.detect().vnni:
@@ -49,7 +61,7 @@ def test_the_int8_product_is_exact_integer_arithmetic(levels):
     assert cosine.min() > 0.999
 
 
-def test_an_int8_linear_keeps_its_activation_and_residual_and_drops_the_float_weight():
+def test_an_int8_linear_keeps_its_activation_and_residual_and_drops_the_float_weight(fusion):
     torch.manual_seed(1)
     gelu, plain = Linear(64, 128, activation="gelu"), Linear(128, 64)
     for linear in (gelu, plain):
@@ -66,9 +78,11 @@ def test_an_int8_linear_keeps_its_activation_and_residual_and_drops_the_float_we
     assert torch.nn.functional.cosine_similarity(got, expected, dim=1).min() > 0.999
 
 
-@pytest.fixture(scope="module")
-def minilm_pair(bundled_dir, engine_for):
-    return engine_for(bundled_dir), engine_for(bundled_dir, quantization="int8")
+@pytest.fixture(scope="module", params=["float32", "auto"])
+def minilm_pair(request, bundled_dir, engine_for):
+    """float32 MiniLM and int8 MiniLM with float32 activations, or the CPU's auto choice (bfloat16 where
+    native), with the steps as --cpu-fusion auto runs them here."""
+    return engine_for(bundled_dir), engine_for(bundled_dir, quantization="int8", dtype=request.param)
 
 
 def test_minilm_int8_stays_within_0_99_cosine_of_float32_on_real_texts(minilm_pair):
@@ -102,12 +116,12 @@ def test_minilm_int8_gives_a_text_the_same_vector_alone_or_in_any_batch(minilm_p
     [
         (dict(device="cuda"), "runs on CPU"),
         (dict(device="cuda:1"), "runs on CPU"),
-        (dict(dtype="bfloat16"), "float32"),
-        (dict(dtype="float16"), "float32"),
+        (dict(dtype="float16"), "float32 or bfloat16"),
         (dict(quantization="int4"), "must be one of int8"),
+        (dict(cpu_fusion="fast"), "must be one of auto, compiled, eager"),
     ],
 )
-def test_int8_is_refused_off_cpu_and_off_float32(kwargs, words):
+def test_int8_is_refused_off_cpu_and_off_float32_or_bfloat16(kwargs, words):
     options = dict(quantization="int8") | kwargs
     with pytest.raises(ConfigError, match=words):
         ModelConfig(path="/nowhere", served_name="m", **options)
@@ -126,3 +140,61 @@ def test_the_flag_reaches_the_model_config():
     assert config.models[0].quantization == "int8"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--quantization", "int4"])
+
+
+def test_compiled_and_eager_steps_agree_and_the_compiled_ones_ran(monkeypatch):
+    """The fused kernels are the same math as the eager passes (up to float rounding), in float32 and
+    bfloat16, with and without an activation and a residual; and they really were compiled, not fallen
+    back from."""
+    if cpu_isa.cxx_compiler() is None:
+        pytest.skip("no C++ compiler for inductor here")
+    torch.manual_seed(2)
+    weight, bias = torch.randn(96, 64) * 0.05, torch.randn(96)
+    quantized = Int8Weight(weight, bias, cpu_isa.int8_weight_levels())
+    x, residual = torch.randn(37, 64) * 3, torch.randn(37, 96)
+    for dtype in (torch.float32, torch.bfloat16):
+        for activation, res in ((None, None), (torch.nn.functional.gelu, None), (None, residual)):
+            outs = {}
+            for compiled in (False, True):
+                monkeypatch.setattr(int8_module.Fused, "enabled", compiled)
+                r = None if res is None else res.to(dtype)
+                with torch.inference_mode():
+                    outs[compiled] = quantized.matmul(x.to(dtype), activation, r)
+            assert outs[True].dtype == dtype
+            torch.testing.assert_close(outs[True].float(), outs[False].float(), rtol=1e-2, atol=2e-2)
+    assert not int8_module._QUANTIZE.failed and not int8_module._DEQUANTIZE.failed
+    assert int8_module._DEQUANTIZE._variants, "no compiled dequantize variant ran"
+
+
+def test_a_compile_that_fails_falls_back_to_eager_and_says_so(monkeypatch, caplog):
+    def broken(function, **_):
+        def run(*args):
+            raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
+        return run
+
+    step = int8_module.Fused("quantize", int8_module.quantize_rows, int8_module.quantize_rows)
+    monkeypatch.setattr(int8_module.Fused, "enabled", True)
+    monkeypatch.setattr(torch, "compile", broken)
+    x = torch.randn(5, 16)
+    with caplog.at_level("WARNING"):
+        q, low, spread = step(torch.float32, x)
+    expected = int8_module.quantize_rows(x)
+    assert torch.equal(q, expected[0]) and step.failed
+    assert "compiled kernel unavailable" in caplog.text and "InvalidCxxCompiler" in caplog.text
+
+
+def test_int8_activations_follow_the_cpu_unless_a_dtype_is_given(monkeypatch):
+    monkeypatch.setattr(cpu_isa, "int8_activation_dtype", lambda: "bfloat16")
+    assert ModelConfig(path="/m", served_name="m", quantization="int8").torch_dtype_name == "bfloat16"
+    assert ModelConfig(path="/m", served_name="m", quantization="int8", dtype="float32").torch_dtype_name == "float32"
+    monkeypatch.setattr(cpu_isa, "int8_activation_dtype", lambda: "float32")
+    assert ModelConfig(path="/m", served_name="m", quantization="int8").torch_dtype_name == "float32"
+    assert ModelConfig(path="/m", served_name="m").torch_dtype_name == "float32"
+
+
+def test_the_start_up_log_names_the_activations_and_the_fusion(bundled_dir, engine_for, caplog, request):
+    if request.config.getoption("--data-parallel-size"):
+        pytest.skip("the replica logs in its worker process")
+    with caplog.at_level("INFO", logger="embedserv"):
+        engine_for(bundled_dir, quantization="int8", dtype="float32", cpu_fusion="eager")
+    assert "int8 linears, activations in torch.float32; quantize and dequantize steps eager (--cpu-fusion eager)" in caplog.text

@@ -100,3 +100,38 @@ def test_bfloat16_attention_on_either_path_matches_float32(isa, fake_cpu):
     got = sdpa._attend_batched(32**-0.5, q.bfloat16(), k.bfloat16(), v.bfloat16(), False, False, None)
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize(("isa", "activations"), [
+    (AVX2_EPYC, "float32"), (AVX512_ONLY, "float32"), (AVX512_BF16, "bfloat16"), (AMX, "bfloat16"),
+])
+def test_int8_activations_are_bfloat16_only_where_it_is_native(isa, activations, fake_cpu):
+    fake_cpu(isa)
+    assert cpu_isa.int8_activation_dtype() == activations
+    assert ModelConfig(path="m", served_name="m", quantization="int8").torch_dtype_name == activations
+
+
+def test_fusion_is_compiled_where_a_compiler_is_and_eager_otherwise(fake_cpu, monkeypatch):
+    for isa in (AVX2_EPYC, AVX512_ONLY, AVX512_BF16, AMX):
+        fake_cpu(isa)
+        monkeypatch.setattr(cpu_isa, "cxx_compiler", lambda: "g++")
+        assert cpu_isa.fusion("auto") == ("compiled", "inductor with g++")
+        mode, why = cpu_isa.fusion("eager")
+        assert mode == "eager" and "--cpu-fusion eager" in why
+        monkeypatch.setattr(cpu_isa, "cxx_compiler", lambda: None)
+        for requested in ("auto", "compiled"):
+            mode, why = cpu_isa.fusion(requested)
+            assert mode == "eager" and "no C++ compiler" in why
+    with pytest.raises(ValueError, match="auto, compiled, eager"):
+        cpu_isa.fusion("fast")
+
+
+def test_the_compiler_is_found_from_cxx_first(monkeypatch, tmp_path):
+    compiler = tmp_path / "my-c++"
+    compiler.write_text("#!/bin/sh\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("CXX", "my-c++")
+    assert cpu_isa.cxx_compiler() == "my-c++"
+    monkeypatch.delenv("CXX")
+    assert cpu_isa.cxx_compiler() is None  # nothing else on this PATH

@@ -105,6 +105,9 @@ through int because values arrive as floats and large ones would print as 1e+06.
 {{- with index $s "quantization" }}
 {{- $args = concat $args (list "--quantization" .) }}
 {{- end }}
+{{- with index $s "cpuFusion" }}
+{{- $args = concat $args (list "--cpu-fusion" .) }}
+{{- end }}
 {{- $intFlags := list (list "maxBatchTokens" "--max-batch-tokens") (list "maxConcurrentRequests" "--max-concurrent-requests") (list "maxClientBatchSize" "--max-client-batch-size") (list "dataParallelSize" "--data-parallel-size") (list "maxConnectionAge" "--max-connection-age") }}
 {{- range $intFlags }}
 {{- $v := index $s (index . 0) }}

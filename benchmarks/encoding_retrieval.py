@@ -1,6 +1,6 @@
 """Compact encodings: bytes per vector, and how well each one retrieves what float32 retrieves.
 
-    python benchmarks/encodings.py [--documents 300] [--queries 60] [--model DIR]
+    python benchmarks/encoding_retrieval.py [--documents 300] [--queries 60] [--model DIR]
 
 Real texts (benchmarks/corpus.py): each multi-line stdlib docstring gives a query (its first line) and a
 document (the rest). The engine embeds documents and queries in every encoding (int8 / uint8 against the

@@ -105,10 +105,12 @@ def dtype_warning(dtype: str) -> str | None:
 # classes until benchmarks/cpu_efficiency.py's sweep on one of them says otherwise.
 _CPU_BATCH_TOKENS = {"amx": 4096, "avx512_bf16": 4096, "avx512": 4096, "avx2": 4096, "baseline": 4096}
 
-# bfloat16 attention on CPU: from this run length on, two batched matmuls beat SDPA's flash kernel.
-# Measured on an AVX-512-bf16 machine; where bf16 is emulated the matmuls are as slow as the kernel's
-# own emulated math, so the flash kernel (less memory) stays.
-_BF16_MATMUL_ATTENTION_MIN_LENGTH = {"amx": 64, "avx512_bf16": 64}
+# bfloat16 attention on CPU: two batched matmuls beat SDPA's flash kernel from a run length on, and from a
+# shorter length when the run holds enough tokens to pay the matmuls' fixed cost (about 40 us a call):
+# (length, short length, tokens of a run of short sequences). Measured on an AVX-512-bf16 machine
+# (docs/PERFORMANCE.md, issue 33: 4 x 57 tokens 186 us against the kernel's 329); where bf16 is emulated
+# the matmuls are as slow as the kernel's own emulated math, so the flash kernel (less memory) stays.
+_BF16_MATMUL_ATTENTION = {"amx": (64, 32, 128), "avx512_bf16": (64, 32, 128)}
 _NEVER = 1 << 30
 
 
@@ -128,8 +130,10 @@ def cpu_batch_tokens() -> int:
     return _CPU_BATCH_TOKENS[detect().level]
 
 
-def bf16_matmul_attention_min_length() -> int:
-    return _BF16_MATMUL_ATTENTION_MIN_LENGTH.get(detect().level, _NEVER)
+def bf16_matmul_attention(num_seqs: int, length: int) -> bool:
+    """Whether a run of `num_seqs` sequences of `length` tokens attends through two matmuls in bfloat16."""
+    long, short, tokens = _BF16_MATMUL_ATTENTION.get(detect().level, (_NEVER, _NEVER, _NEVER))
+    return length >= long or (length >= short and num_seqs * length >= tokens)
 
 
 def int8_weight_levels() -> int:

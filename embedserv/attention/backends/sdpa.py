@@ -57,7 +57,7 @@ from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetad
 
 
 # On CPU in bfloat16, where bf16 is native, two batched matmuls beat the flash kernel from a length on
-# (cpu_isa.bf16_matmul_attention_min_length), as long as the materialized scores stay in cache: runs are
+# (cpu_isa.bf16_matmul_attention), as long as the materialized scores stay in cache: runs are
 # cut into chunks of at most _SCORES_BYTES of scores. Measured with benchmarks/attention_kernels.py.
 _SCORES_BYTES = 2_500_000
 # ... with lengths padded to a multiple of this (padded keys masked, padded queries dropped): oneDNN keeps a
@@ -129,8 +129,9 @@ class SdpaBackend(PagedBackendBase):
 
 
 def _uses_matmuls(q: torch.Tensor, len_q: int) -> bool:
+    """q: [num_seqs, heads, len_q, d]."""
     return (
-        q.device.type == "cpu" and q.dtype == torch.bfloat16 and len_q >= cpu_isa.bf16_matmul_attention_min_length()
+        q.device.type == "cpu" and q.dtype == torch.bfloat16 and cpu_isa.bf16_matmul_attention(q.shape[0], len_q)
     )
 
 

@@ -26,6 +26,7 @@ from embedserv import cpu_isa  # noqa: E402
 from embedserv.config import ModelConfig, bundled_model_path  # noqa: E402
 from embedserv.engine.sync import SyncEngine  # noqa: E402
 from embedserv.types import EmbedParams  # noqa: E402
+from embedserv.worker.allocator import keep_step_memory  # noqa: E402
 
 
 def options(precision: str) -> dict[str, str]:
@@ -53,6 +54,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--precisions", default="float32,bfloat16,int8:float32:eager,int8:float32,int8")
     args = parser.parse_args()
+    keep_step_memory()  # the glibc settings a server's worker process makes for itself
     texts = stdlib_texts(args.texts)
     calls = [texts[i : i + 32] for i in range(0, len(texts), 32)]
     precisions = args.precisions.split(",")

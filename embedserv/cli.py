@@ -12,6 +12,7 @@ from embedserv import cpu_isa, logs
 from embedserv.config import (
     ATTENTION_BACKENDS,
     ATTENTION_KINDS,
+    CPU_ALLOCATORS,
     CPU_KV_CACHE_BYTES,
     CUDA_BATCH_TOKENS,
     CUDA_KV_CACHE_FRACTION,
@@ -66,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="int8: the model's linear layers in int8 on CPU (per-token activation and "
                             "per-channel weight scales), the rest in --dtype (auto: bfloat16 where the CPU has it "
                             "natively, else float32); embedders, rerankers and classifiers (default: none)")
+    serve.add_argument("--cpu-allocator", choices=CPU_ALLOCATORS,
+                       help="CPU worker processes on tcmalloc (preloaded; auto: where libtcmalloc_minimal.so.4 is "
+                            f"installed) or glibc's malloc {_model('cpu_allocator')}")
     serve.add_argument("--cpu-fusion", choices=cpu_isa.FUSIONS,
                        help="int8's per-token quantize and dequantize steps compiled by inductor into one C++ "
                             "loop each (compiled; needs a C++ compiler), eager, or per CPU ISA (auto) "

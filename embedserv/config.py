@@ -12,6 +12,7 @@ LOG_FORMATS = ("text", "json")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # int8: dynamic int8 linears on CPU (per-token activations, per-channel weights; models/layers.py).
 QUANTIZATIONS = ("int8",)
+CPU_ALLOCATORS = ("auto", "tcmalloc", "glibc")
 # splade: TEI's sparse pooling of a *ForMaskedLM checkpoint (EmbedSparse).
 POOLING_MODES = ("cls", "mean", "lasttoken", "max", "splade")
 ATTENTION_KINDS = ("causal", "bidirectional")
@@ -78,6 +79,8 @@ class ModelConfig:
     quantization: str | None = None
     # int8's quantize and dequantize steps compiled by inductor (compiled), eager, or per CPU ISA (auto).
     cpu_fusion: str = "auto"
+    # CPU worker processes on tcmalloc (LD_PRELOAD; auto: where installed) or glibc's malloc.
+    cpu_allocator: str = "auto"
     # None lets the selector pick the fastest backend that can run here.
     attention_backend: str | None = None
     # None takes causality from the model's config; "causal" or "bidirectional" overrides it.
@@ -121,6 +124,8 @@ class ModelConfig:
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         self._check_quantization()
+        if self.cpu_allocator not in CPU_ALLOCATORS:
+            raise ConfigError(f"--cpu-allocator must be one of {', '.join(CPU_ALLOCATORS)}, not {self.cpu_allocator!r}")
         if self.cpu_fusion not in cpu_isa.FUSIONS:
             raise ConfigError(f"--cpu-fusion must be one of {', '.join(cpu_isa.FUSIONS)}, not {self.cpu_fusion!r}")
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:

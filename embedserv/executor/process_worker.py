@@ -33,6 +33,7 @@ from embedserv.executor.placement import Placement
 from embedserv.executor.worker_main import WorkerArgs
 from embedserv.scheduler.kv_cache_manager import KvCacheLayout
 from embedserv.types import StepBatch, StepOutput
+from embedserv.worker import allocator
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +142,7 @@ class ProcessWorker:
         )
         threads = str(self.placement.threads)
         env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false")
+        env |= allocator.worker_environment(self.config.cpu_allocator, self.placement.device)
         # Its own session: a terminal's Ctrl-C reaches only the server, which then stops the workers in order.
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "embedserv.executor.worker_main", args.to_json()], env=env, start_new_session=True

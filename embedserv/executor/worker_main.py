@@ -83,6 +83,7 @@ def _load(args: WorkerArgs):
     from embedserv.worker.replica import build_runner
 
     allocator.keep_step_memory()
+    logger.info("worker %s: %s malloc", args.name, allocator.in_use())
     torch.set_num_threads(args.placement.threads)
     spec = read_model_spec(args.config)
     runner = build_runner(args.config, spec)

@@ -73,8 +73,8 @@ class Fused:
 
     One compiled entry per variant a process runs (activation, residual or not, dtype), each compiled from
     its own copy of the function's code: dynamo counts recompilations per code object and past 8 would
-    give up on them. Sizes are dynamic: a new row count compiles nothing. A compile that fails (no C++ compiler, an unsupported op) is logged once, and that
-    function runs eagerly from then on."""
+    give up on them. Sizes are dynamic: a new row count compiles nothing. A compile that fails (no C++
+    compiler, an unsupported op) is logged once, and that step runs eagerly from then on."""
 
     _lock = threading.Lock()
     enabled = False  # set by configure(); eager until a replica asks for compiled kernels

@@ -21,6 +21,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -360,3 +361,14 @@ def test_sigkill_of_the_server_takes_its_workers_down(bundled_dir):
             what=lambda: f"workers {pids} to end after SIGKILL of their server (still running: {survivors(pids)}); "
             f"log tail:\n{server.log()}",
         )
+
+
+def test_cpu_workers_run_on_tcmalloc_where_it_is_installed(server):
+    """--cpu-allocator auto (the default): each CPU worker maps tcmalloc; the server itself does not."""
+    from embedserv.worker.allocator import find_tcmalloc
+
+    if find_tcmalloc() is None:
+        pytest.skip("tcmalloc is not installed here (Debian: libtcmalloc-minimal4)")
+    for pid in server.wait_workers(WORKERS):
+        assert "libtcmalloc" in Path(f"/proc/{pid}/maps").read_text(), f"worker {pid} runs without tcmalloc"
+    assert "libtcmalloc" not in Path(f"/proc/{server.proc.pid}/maps").read_text()

@@ -55,6 +55,7 @@ BAD_VALUES = {
     "dtype-fp8": {"server": {"dtype": "fp8"}},
     "quantization-int4": {"server": {"quantization": "int4"}},
     "cpu-fusion-fast": {"server": {"cpuFusion": "fast"}},
+    "cpu-allocator-jemalloc": {"server": {"cpuAllocator": "jemalloc"}},
     "unknown-top-level-key": {"replicas": 3},
     "model-source-s3": {"model": {"source": "s3"}},
     "typo-in-server": {"server": {"maxBatchToken": 8192}},
@@ -305,6 +306,7 @@ def test_args_carry_values_and_omit_unset_ones(chart):
     assert flag(server(render(chart, {"server": {"quantization": "int8"}}))["args"], "--quantization") == "int8"
     assert flag(server(render(chart, {"server": {"cpuFusion": "eager"}}))["args"], "--cpu-fusion") == "eager"
     assert "--cpu-fusion" not in default_args
+    assert flag(server(render(chart, {"server": {"cpuAllocator": "glibc"}}))["args"], "--cpu-allocator") == "glibc"
     big = server(render(chart, {"server": {"maxConcurrentRequests": 1000000, "logLevel": None,
                                             "maxConnectionAge": None}}))["args"]
     assert flag(big, "--max-concurrent-requests") == "1000000" and "--log-level" not in big

@@ -105,6 +105,9 @@ through int because values arrive as floats and large ones would print as 1e+06.
 {{- with index $s "quantization" }}
 {{- $args = concat $args (list "--quantization" .) }}
 {{- end }}
+{{- with index $s "cpuAllocator" }}
+{{- $args = concat $args (list "--cpu-allocator" .) }}
+{{- end }}
 {{- with index $s "cpuFusion" }}
 {{- $args = concat $args (list "--cpu-fusion" .) }}
 {{- end }}

@@ -122,7 +122,9 @@ _INT8_ACTIVATIONS = {
 
 # --cpu-fusion auto: int8's quantize and dequantize steps compiled by inductor into one C++ loop each
 # (models/int8.py), on every class: they are memory-bound passes, whatever the vector width.
-_FUSION = {"amx": "compiled", "avx512_bf16": "compiled", "avx512": "compiled", "avx2": "compiled", "baseline": "compiled"}
+_FUSION = {
+    "amx": "compiled", "avx512_bf16": "compiled", "avx512": "compiled", "avx2": "compiled", "baseline": "compiled",
+}
 FUSIONS = ("auto", "compiled", "eager")
 
 

@@ -91,7 +91,8 @@ class Fused:
         if run is None:
             with Fused._lock:
                 _compile_in_process()
-                run = self._variants.setdefault(variant, torch.compile(_copy(self._source), dynamic=True, fullgraph=True))
+                compiled = torch.compile(_copy(self._source), dynamic=True, fullgraph=True)
+                run = self._variants.setdefault(variant, compiled)
         try:
             return run(*args)
         except Exception as exc:  # noqa: BLE001 - inductor raises many kinds; the eager path is the same math
@@ -106,8 +107,8 @@ class Fused:
 
 
 def _compile_in_process() -> None:
-    """gcc runs from this process: no pool of compile workers forked from a server with OpenMP threads
-    (kernels this small compile in seconds, and once per machine: inductor caches them on disk)."""
+    """gcc runs from this process, without a pool of compile worker processes next to the server's
+    (a precaution: kernels this small compile in seconds, once per machine, and inductor caches them)."""
     import torch._inductor.config as inductor_config
 
     inductor_config.compile_threads = 1

@@ -197,4 +197,5 @@ def test_the_start_up_log_names_the_activations_and_the_fusion(bundled_dir, engi
         pytest.skip("the replica logs in its worker process")
     with caplog.at_level("INFO", logger="embedserv"):
         engine_for(bundled_dir, quantization="int8", dtype="float32", cpu_fusion="eager")
-    assert "int8 linears, activations in torch.float32; quantize and dequantize steps eager (--cpu-fusion eager)" in caplog.text
+    expected = "int8 linears, activations in torch.float32; quantize and dequantize steps eager (--cpu-fusion eager)"
+    assert expected in caplog.text

@@ -12,6 +12,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def test_no_benchmark_shadows_a_standard_library_module():
-    names = {path.stem for path in BENCHMARKS.glob("*.py")} | {path.name for path in BENCHMARKS.iterdir() if path.is_dir()}
+    names = {path.stem for path in BENCHMARKS.glob("*.py")}
+    names |= {path.name for path in BENCHMARKS.iterdir() if path.is_dir()}
     assert names, "no benchmarks found"
     assert not sorted(names & sys.stdlib_module_names)

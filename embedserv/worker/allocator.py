@@ -16,7 +16,7 @@ Where the C library is not glibc (no mallopt), nothing changes.
 CPU workers run on tcmalloc instead where it is installed (`--cpu-allocator`, default auto): the server
 starts them with it in LD_PRELOAD (`worker_environment`), as vLLM's CPU guide does for its workers. Its
 per-thread caches make the many short-lived buffers of a step cheaper: MiniLM in process, interleaved
-rounds, 1.10-1.12x int8, 1.05x bfloat16, 1.02-1.09x float32 over glibc with the settings above
+rounds, 1.10-1.12x int8, 1.05-1.11x bfloat16, 1.02-1.09x float32 over glibc with the settings above
 (docs/PERFORMANCE.md, issue 33). The glibc settings are then moot (they set an allocator nobody calls).
 """
 

@@ -10,7 +10,7 @@ from embedserv.errors import ConfigError
 
 LOG_FORMATS = ("text", "json")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# int8: dynamic int8 linears on CPU (per-token activations, per-channel weights; models/layers.py).
+# int8: dynamic int8 linears on CPU (per-token activations, per-channel weights; models/int8.py).
 QUANTIZATIONS = ("int8",)
 CPU_ALLOCATORS = ("auto", "tcmalloc", "glibc")
 # splade: TEI's sparse pooling of a *ForMaskedLM checkpoint (EmbedSparse).

@@ -30,7 +30,7 @@ from benchmarks.precisions import options as precision_options  # noqa: E402
 from embedserv import cpu_isa  # noqa: E402
 from embedserv.config import ModelConfig, bundled_model_path  # noqa: E402
 from embedserv.engine.sync import SyncEngine  # noqa: E402
-from embedserv.models.int8 import Int8Weight
+from embedserv.models.int8 import Int8Weight  # noqa: E402
 from embedserv.models.layers import Linear  # noqa: E402
 from embedserv.types import EmbedParams  # noqa: E402
 

@@ -28,6 +28,8 @@ import logging
 import os
 from pathlib import Path
 
+from embedserv.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1
@@ -62,8 +64,6 @@ def _loadable(name: str) -> str | None:
 def worker_environment(requested: str, device: str) -> dict[str, str]:
     """What to add to a worker's environment for --cpu-allocator `requested` (a ConfigError names what is
     missing when tcmalloc is asked for and not installed); nothing for CUDA workers."""
-    from embedserv.errors import ConfigError
-
     if device != "cpu" or requested == "glibc":
         return {}
     path = find_tcmalloc()

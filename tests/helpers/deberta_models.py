@@ -20,7 +20,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.helpers.models import _bundled_tokenizer, _perturb_constant_parameters, _save_sentence_transformer
+from tests.helpers.models import (
+    TINY_ENCODER, _bundled_tokenizer, _perturb_constant_parameters, _save_sentence_transformer,
+)
 from tests.helpers.nli_models import NLI_HEAD_SCALE, _center_head
 from tests.helpers.scorers import CROSS_ENCODER_HEAD_SCALE, _activation_module, _label_maps, _scale_classifier_output
 
@@ -31,16 +33,9 @@ def deberta_config(variant: str, vocab_size: int):
     from transformers import DebertaV2Config
 
     common = dict(
+        TINY_ENCODER,
         vocab_size=vocab_size,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        hidden_act="gelu",
-        initializer_range=0.15,
         layer_norm_eps=1e-7,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
         max_position_embeddings=512,
         pad_token_id=0,
         relative_attention=True,

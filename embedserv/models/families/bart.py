@@ -20,7 +20,7 @@ from torch import nn
 
 from embedserv.attention.layer import Attention, AttentionKind
 from embedserv.models.layers import Linear, packed_linear
-from embedserv.models.loading.family import CheckpointNames, Classifier, Family
+from embedserv.models.loading.family import QKV, CheckpointNames, Classifier, Family
 
 # fairseq reserved the first two rows of the position table: position p is row p + 2.
 POSITION_OFFSET = 2
@@ -199,9 +199,7 @@ CHECKPOINT = CheckpointNames(
     # The heads (models/heads/lm.py and score.py read them).
     ignored=r"^(lm_head\.|final_logits_bias$|classification_head\.)",
     packed=(
-        ("self_attn.q_proj.", "self_attn.qkv.", 0),
-        ("self_attn.k_proj.", "self_attn.qkv.", 1),
-        ("self_attn.v_proj.", "self_attn.qkv.", 2),
+        *QKV,
         ("encoder_attn.k_proj.", "encoder_attn.kv.", 0),
         ("encoder_attn.v_proj.", "encoder_attn.kv.", 1),
     ),

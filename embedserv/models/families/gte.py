@@ -17,7 +17,7 @@ from torch import nn
 from embedserv.attention.layer import Attention
 from embedserv.errors import ConfigError
 from embedserv.models.layers import Linear, get_activation, head_dim, packed_linear
-from embedserv.models.loading.family import CheckpointNames, Classifier, Family
+from embedserv.models.loading.family import QKV, CheckpointNames, Classifier, Family
 from embedserv.models.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -170,9 +170,7 @@ CHECKPOINT = CheckpointNames(
     prefixes=("gte.", "new."),
     ignored=r"^(pooler\.|classifier\.|lm_head\.|embeddings\.position_ids|rotary_emb\.)",
     packed=(
-        ("self_attn.q_proj.", "self_attn.qkv.", 0),
-        ("self_attn.k_proj.", "self_attn.qkv.", 1),
-        ("self_attn.v_proj.", "self_attn.qkv.", 2),
+        *QKV,
         ("mlp.up_proj.", "mlp.up_gate.", 0),
         ("mlp.gate_proj.", "mlp.up_gate.", 1),
     ),

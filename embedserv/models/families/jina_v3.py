@@ -25,7 +25,7 @@ from torch import nn
 from embedserv.attention.layer import Attention
 from embedserv.models.families.bert import ROBERTA_CLASSIFIER
 from embedserv.models.layers import Linear, get_activation, packed_linear
-from embedserv.models.loading.family import CheckpointNames, Family
+from embedserv.models.loading.family import QKV, CheckpointNames, Family
 from embedserv.models.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -234,9 +234,7 @@ CHECKPOINT = CheckpointNames(
     # Pooler and task heads (models/heads read the ones they serve), and buffers.
     ignored=r"^(pooler\.|classifier\.|lm_head\.|embeddings\.(position_ids|token_type_ids)$)",
     packed=(
-        ("self_attn.q_proj.", "self_attn.qkv.", 0),
-        ("self_attn.k_proj.", "self_attn.qkv.", 1),
-        ("self_attn.v_proj.", "self_attn.qkv.", 2),
+        *QKV,
     ),
     renames=(
         (r"\.parametrizations\.weight\.original$", ".weight"),

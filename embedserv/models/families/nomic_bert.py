@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from embedserv.errors import ConfigError
 from embedserv.models.families.gte import GteModel
-from embedserv.models.loading.family import CheckpointNames, Classifier, Family
+from embedserv.models.loading.family import QKV, CheckpointNames, Classifier, Family
 
 
 class NomicBertModel(GteModel):
@@ -79,9 +79,7 @@ CHECKPOINT = CheckpointNames(
     prefixes=("nomic_bert.", "bert.", "model."),
     ignored=r"^(pooler\.|cls\.|classifier\.|lm_head\.|embeddings\.(position_ids|token_type_ids)|rotary_emb\.)",
     packed=(
-        ("self_attn.q_proj.", "self_attn.qkv.", 0),
-        ("self_attn.k_proj.", "self_attn.qkv.", 1),
-        ("self_attn.v_proj.", "self_attn.qkv.", 2),
+        *QKV,
         # gte.py packs up before gate.
         ("mlp.up_proj.", "mlp.up_gate.", 0),
         ("mlp.gate_proj.", "mlp.up_gate.", 1),

@@ -34,11 +34,15 @@ class CheckpointNames:
     renames: tuple[tuple[str, str], ...] = ()
 
 
-# The packed fragments of a Llama-style attention and gated MLP, which most decoders share.
-QKV_GATE_UP = (
+# q/k/v into one qkv: every family whose checkpoints (or native names) keep them apart.
+QKV = (
     ("self_attn.q_proj.", "self_attn.qkv.", 0),
     ("self_attn.k_proj.", "self_attn.qkv.", 1),
     ("self_attn.v_proj.", "self_attn.qkv.", 2),
+)
+# The packed fragments of a Llama-style attention and gated MLP, which most decoders share.
+QKV_GATE_UP = (
+    *QKV,
     ("mlp.gate_proj.", "mlp.gate_up.", 0),
     ("mlp.up_proj.", "mlp.gate_up.", 1),
 )

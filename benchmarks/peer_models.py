@@ -59,6 +59,9 @@ SHAPES = {
                                                 intermediate_size=1152, global_attn_every_n_layers=3,
                                                 local_attention=128, max_position_embeddings=8192,
                                                 initializer_range=BERT_INIT_STD), "mean", 512),
+    # Compute nearly free (one layer, 64 wide): what a server's host path allows (benchmarks/host_ceiling.py).
+    "host-tiny": Shape("bert", dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=1,
+                                    intermediate_size=128, initializer_range=BERT_INIT_STD), "mean", 128),
     # all-mpnet-base-v2: BERT-base sizes with MPNet's shared relative position bias; 384 tokens.
     "mpnet-base": Shape("mpnet", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                                       intermediate_size=3072, max_position_embeddings=514,

@@ -42,6 +42,16 @@ _STOP_GRACE_S = 5.0
 _MAX_RESTART_DELAY_S = 30.0
 
 
+def cpu_thread_environment(environ) -> dict[str, str]:
+    """OpenMP threads that sleep, not spin, between parallel regions (unless the user's environment says).
+
+    A CPU worker's thread team shares the cores with the server's event loop and tokenizer. Spinning
+    teammates take those cores between steps, and a team member the kernel then deschedules stalls every
+    parallel region of the next step: small steps on 2 cores ran at 3-25x their cost, one-text p99 240 ms
+    against 70 ms passive, with no loss on compute-bound steps (docs/PERFORMANCE.md, issue 34)."""
+    return {} if "OMP_WAIT_POLICY" in environ else {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
 class ProcessWorker:
     def __init__(self, index: int, config: ModelConfig, placement: Placement) -> None:
         self.index = index
@@ -142,6 +152,8 @@ class ProcessWorker:
         )
         threads = str(self.placement.threads)
         env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false")
+        if self.placement.device == "cpu":
+            env |= cpu_thread_environment(os.environ)
         env |= allocator.worker_environment(self.config.cpu_allocator, self.placement.device)
         # Its own session: a terminal's Ctrl-C reaches only the server, which then stops the workers in order.
         self._proc = subprocess.Popen(

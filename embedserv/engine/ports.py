@@ -7,6 +7,8 @@ the queues or another service through it.
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, TypeVar
 
@@ -31,6 +33,20 @@ class SequenceOutput:
     vectors: np.ndarray | None = None
 
 
+# Up to this many characters (about 1 ms of tokenizing) a call is tokenized on the event loop: handing it to
+# the tokenizer thread and back cost more than that under load, in GIL waits and wake-ups (one-text calls
+# 1.1-1.5x faster on 2 cores; docs/PERFORMANCE.md, issue 34). Longer inputs go to the pool, so the loop never
+# stalls on them.
+INLINE_TOKENIZE_CHARS = 4096
+
+
+async def run_tokenizer(pool: Executor, encode: Callable[..., T], args: tuple, chars: int | None) -> T:
+    """What both engine cores' tokenize_with do (in process and over the front-end link)."""
+    if chars is not None and chars <= INLINE_TOKENIZE_CHARS:
+        return encode(*args)
+    return await asyncio.get_running_loop().run_in_executor(pool, encode, *args)
+
+
 def stack_rows(outputs: list[SequenceOutput]) -> np.ndarray:
     """[n, width] float32: the sequences' pooled vectors or score logits, in order."""
     return np.stack([output.row for output in outputs])
@@ -39,8 +55,9 @@ def stack_rows(outputs: list[SequenceOutput]) -> np.ndarray:
 class Infer(Protocol):
     """The engine core as a task service sees it."""
 
-    async def tokenize_with(self, encode: Callable[..., T], *args: Any) -> T:
-        """`encode(*args)` in the tokenizer pool (never on the event loop)."""
+    async def tokenize_with(self, encode: Callable[..., T], *args: Any, chars: int | None = None) -> T:
+        """`encode(*args)` in the tokenizer pool; on the event loop when the caller says the inputs hold no more
+        than INLINE_TOKENIZE_CHARS characters in all (`chars`)."""
         ...
 
     async def infer(

@@ -24,7 +24,7 @@ from embedserv.engine.core.prefill import PrefillQueue
 from embedserv.engine.core.step_loop import WorkerLoop
 from embedserv.engine.core.step_source import StepSource
 from embedserv.engine.loading import ServedModel
-from embedserv.engine.ports import SequenceOutput
+from embedserv.engine.ports import SequenceOutput, run_tokenizer
 from embedserv.engine.tokenizer import Encoded
 from embedserv.errors import InvalidInput, NotReady
 from embedserv.executor.base import Worker, WorkerStats
@@ -197,9 +197,9 @@ class EngineCore:
             cached_prompt_tokens=sum(u.cached_prompt_tokens for u in usages),
         )
 
-    async def tokenize_with(self, encode: Callable[..., T], *args: Any) -> T:
-        """Runs a tokenizer method in the tokenizer pool (never on the event loop)."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, encode, *args)
+    async def tokenize_with(self, encode: Callable[..., T], *args: Any, chars: int | None = None) -> T:
+        """Runs a tokenizer method in the tokenizer pool, or here for short inputs (ports.run_tokenizer)."""
+        return await run_tokenizer(self._tokenizer_pool, encode, args, chars)
 
     async def infer(
         self, encoded: list[Encoded], received: float, wanted: tuple[EmbedOutput, ...] = ()

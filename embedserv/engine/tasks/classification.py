@@ -29,7 +29,8 @@ class Classification:
         if params.candidate_labels:
             return await self._classify_zero_shot(texts, params, received)
         encoded = await self._infer.tokenize_with(
-            self._served.tokenizer.encode_batch, texts, params.truncate, params.truncation_direction, None
+            self._served.tokenizer.encode_batch, texts, params.truncate, params.truncation_direction, None,
+            chars=sum(map(len, texts)),
         )
         outputs, prompt_tokens, timing = await self._infer.infer(encoded, received)
         logits = stack_rows(outputs)

@@ -53,7 +53,9 @@ class Embedding:
         checks.check_embed(self._served.info, tokenizer, texts, params)
         if params.chunking:
             return await chunking.embed_chunked(self._infer, self._served, texts, params, received, adapter)
-        encoded = await self._infer.tokenize_with(self.token_rules.encode, tokenizer, texts, params)
+        encoded = await self._infer.tokenize_with(
+            self.token_rules.encode, tokenizer, texts, params, chars=sum(map(len, texts))
+        )
         return await self._pooled(with_adapter(encoded, adapter), params, received)
 
     async def embed_token_ids(self, token_ids: list[list[int]], params: EmbedParams) -> EmbedResult:

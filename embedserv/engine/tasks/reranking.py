@@ -46,7 +46,9 @@ class Reranking:
         if mode is RerankMode.EMBEDDINGS:
             encoded = await tokenize(tokenizer.encode_for_cosine, query, documents, params.truncate)
         elif mode is RerankMode.PAIR:
-            encoded = await tokenize(tokenizer.encode_pairs, query, documents, params.truncate)
+            encoded = await tokenize(
+                tokenizer.encode_pairs, query, documents, params.truncate, chars=len(query) + sum(map(len, documents))
+            )
         elif isinstance(task.template, Seq2SeqYesNoTemplate):
             encoded = await tokenize(tokenizer.encode_seq2seq_template, task.template, query, documents, params.truncate)
         else:

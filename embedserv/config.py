@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 from embedserv import cpu_isa
 from embedserv.errors import ConfigError
+
+MAX_FRONTENDS = 64
+
+
+def frontends_for_cores(cores: int) -> int:
+    """--frontends 0: one front-end process per 4 cores, at most 8 (docs/PERFORMANCE.md, issue 34)."""
+    return max(1, min(8, cores // 4))
 
 LOG_FORMATS = ("text", "json")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -209,6 +217,9 @@ class ServerConfig:
     # Characters one input (text, document, query, prompt) may have; checked before tokenizing.
     max_input_chars: int = 100_000
     tokenizer_threads: int = 1
+    # Processes serving gRPC and HTTP on the same ports (SO_REUSEPORT), each parsing and tokenizing its calls
+    # for the engines in the first one; 0: from the cores (frontends_for_cores).
+    frontends: int = 0
     # SIGTERM/SIGINT: seconds in-flight calls get to finish before they are cancelled.
     drain_timeout: float = 30.0
     # The HTTP APIs (OpenAI, Cohere, TEI; http/) on this port, same host as gRPC; 0 turns them off.
@@ -224,6 +235,13 @@ class ServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
+
+    @property
+    def num_frontends(self) -> int:
+        if self.frontends:
+            return self.frontends
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return frontends_for_cores(cores)
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -245,6 +263,8 @@ class ServerConfig:
             )
         if self.tokenizer_threads < 1:
             raise ConfigError("--tokenizer-threads must be at least 1")
+        if not 0 <= self.frontends <= MAX_FRONTENDS:
+            raise ConfigError(f"--frontends must be in 0..{MAX_FRONTENDS} (0: from the cores), not {self.frontends}")
         if self.max_input_chars < 1:
             raise ConfigError("--max-input-chars must be at least 1")
         if not self.drain_timeout >= 0:

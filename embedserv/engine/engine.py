@@ -29,14 +29,15 @@ from embedserv.types import (
 
 class Engine:
     def __init__(
-        self, config: ModelConfig, served: ServedModel, workers: list[Worker], tokenizer_threads: int = 1,
-        pipeline_depth: int = 1,
+        self, config: ModelConfig, served: ServedModel, workers: list[Worker] | None = None, tokenizer_threads: int = 1,
+        pipeline_depth: int = 1, core: EngineCore | None = None,
     ) -> None:
+        """`core` given (a front-end process's RemoteCore, server/remote_core.py) stands in for the workers."""
         self.config = config
         self.info: ModelInfo = served.info
         self.tokenizer = served.tokenizer
         self.task = served.task
-        self.core = EngineCore(config, served, workers, tokenizer_threads, pipeline_depth)
+        self.core = core or EngineCore(config, served, workers, tokenizer_threads, pipeline_depth)
         self.embedding = Embedding(self.core, served)
         # int8 / uint8 ranges, computed once from the built-in calibration texts on first use.
         self.encodings = Encodings(self.embedding)

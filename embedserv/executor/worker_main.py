@@ -12,6 +12,7 @@ thread exits when the parent pid changes (the parent died before the prctl, or t
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import logging
 import os
@@ -61,7 +62,7 @@ class WorkerArgs:
         )
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent_pid:
@@ -134,7 +135,7 @@ def serve(runner, inbox: zmq.Socket, outbox: zmq.Socket, pipeline_depth: int) ->
 
 def main(argv: list[str]) -> int:
     args = WorkerArgs.from_json(argv[0])
-    _die_with_parent(args.parent_pid)
+    die_with_parent(args.parent_pid)
     if args.placement.cores and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, args.placement.cores)
     logs.configure(
@@ -155,6 +156,9 @@ def main(argv: list[str]) -> int:
         outbox.send_multipart(CODEC.encode(LoadFailed(str(exc))))
         outbox.close(linger=2000)
         return 1
+    # The model's objects stay for the process's life: a full collection need not walk them between steps.
+    gc.collect()
+    gc.freeze()
     outbox.send_multipart(CODEC.encode(Ready(os.getpid(), runner.kv_cache_layout())))
     logger.info("ready on %s with %d threads", args.placement.device, args.placement.threads)
     serve(runner, inbox, outbox, args.config.pipeline_depth)

@@ -2,6 +2,11 @@
 
 With --http-port, the HTTP APIs (http/app.py) listen beside gRPC from the start, on the same Frontend.
 
+With --frontends N above 1 this process is the engine process: it serves no call itself but keeps the ports
+(bound, not listening), serves /metrics, and engine_host.py starts N front-end processes (frontend_process.py,
+each an EmbedServer whose engines are remote) that listen on those ports and send it their calls; a drain
+drains them first.
+
 SIGTERM or SIGINT drains: health turns NOT_SERVING, new calls are refused (HTTP: 503), calls in flight over
 either protocol (SSE streams included) get up to --drain-timeout to finish, then the workers stop and the
 process exits 0. A second signal cancels what is still running.
@@ -11,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
+import multiprocessing
 import signal
 from typing import TYPE_CHECKING
 
@@ -21,6 +28,7 @@ from grpc_health.v1 import health, health_pb2
 from embedserv.config import ServerConfig
 from embedserv.engine.engine import Engine
 from embedserv.errors import ConfigError
+from embedserv.server.engine_host import EngineHost
 from embedserv.server.metrics_endpoint import MetricsServer
 from embedserv.server.frontend import Frontend
 from embedserv.server.served_models import InflightLimiter, ServedModels
@@ -42,8 +50,9 @@ def server_options(config: ServerConfig) -> list[tuple[str, int]]:
         # bounded by the requests they answer; clients set their own receive limit.
         ("grpc.max_receive_message_length", config.max_receive_message_bytes),
         ("grpc.max_send_message_length", -1),
-        # gRPC shares ports by default: a second server on a busy port would start silently.
-        ("grpc.so_reuseport", 0),
+        # gRPC shares ports by default: a second server on a busy port would start silently. Front ends
+        # share them on purpose.
+        ("grpc.so_reuseport", 1 if config.num_frontends > 1 else 0),
     ]
     if config.max_connection_age is not None:
         # gRPC jitters the age by +-10% so that clients do not reconnect in step; with no grace option
@@ -53,13 +62,21 @@ def server_options(config: ServerConfig) -> list[tuple[str, int]]:
 
 
 class EmbedServer:
-    def __init__(self, config: ServerConfig, worker_processes: bool = True) -> None:
+    def __init__(
+        self, config: ServerConfig, worker_processes: bool = True, shared_in_flight=None,
+        frontend_index: int | None = None,
+    ) -> None:
         """`worker_processes` False runs each model in this process (Engine.load, one replica): the tests'
-        in-process servers, which then pay no worker process start."""
+        in-process servers, which then pay no worker process start. A front-end process (frontend_process.py,
+        `frontend_index` set) loads no model and shares the engine process's count of inputs in flight."""
         self.config = config
         self.worker_processes = worker_processes
+        self.frontend_index = frontend_index
         self.models = ServedModels([m.served_name for m in config.models])
-        self.limiter = InflightLimiter(config.max_concurrent_requests)
+        if config.num_frontends > 1 and shared_in_flight is None:
+            shared_in_flight = multiprocessing.get_context("spawn").Value("q", 0)
+        self.limiter = InflightLimiter(config.max_concurrent_requests, shared_in_flight)
+        self.host: EngineHost | None = None
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(
             interceptors=[ApiKeyInterceptor(config.api_key)] if config.api_key else None,
@@ -79,7 +96,13 @@ class EmbedServer:
         for name in ("", *self.models.names):
             await self.health.set(name, status)
 
-    def _on_serving_change(self, serving: bool) -> None:
+    def set_started(self, started: bool) -> None:
+        """A front end's Status from the engine process: every model loaded and started."""
+        if started != self._started:
+            self._started = started
+            self.on_serving_change(started)
+
+    def on_serving_change(self, serving: bool) -> None:
         task = asyncio.create_task(self._update_health())
         self._health_updates.add(task)
         task.add_done_callback(self._health_updates.discard)
@@ -91,8 +114,39 @@ class EmbedServer:
             await self.health.set(engine.info.name, _SERVING if engine.is_serving else _NOT_SERVING)
         everyone = self._started and all(engine.is_serving for engine in engines)
         await self.health.set("", _SERVING if everyone else _NOT_SERVING)
+        if self.host is not None:
+            self.host.started = self._started
+            await self.host.broadcast(self.host.status())
 
     async def start(self) -> None:
+        if self.config.num_frontends > 1:
+            self.host = EngineHost(self.config, self.models, self.limiter.shared)
+            self.port = self.host.port
+            self._start_metrics()
+        else:
+            await self.listen()
+        # Models load at once, each in its own worker processes, while the front ends start; the first failure
+        # cancels the others.
+        loads = [asyncio.create_task(self._start_model(m)) for m in self.config.models]
+        if self.host is not None:
+            loads.append(asyncio.create_task(self.host.start()))
+        try:
+            await asyncio.gather(*loads)
+        except BaseException:
+            for load in loads:
+                load.cancel()
+            await asyncio.gather(*loads, return_exceptions=True)
+            raise
+        self._started = True
+        await self._update_health()
+        logger.info("serving %s", ", ".join(self.models.names))
+
+    def _start_metrics(self) -> None:
+        if self.config.metrics_port is not None:
+            self.metrics = MetricsServer(self.config.host, self.config.metrics_port, self.models, self.limiter)
+
+    async def listen(self) -> None:
+        """gRPC (health NOT_SERVING), HTTP and, unless this is a front-end process, the metrics port."""
         await self._set_health(_NOT_SERVING)
         config = self.config
         address = f"{config.host}:{config.port}"
@@ -106,8 +160,8 @@ class EmbedServer:
             raise ConfigError(f"cannot listen on {address} ({exc}); is the port in use? pick another --port") from exc
         if config.api_key and not config.tls_cert:
             logger.warning("an API key without TLS travels in clear text; use --tls-cert/--tls-key off localhost")
-        if config.metrics_port is not None:
-            self.metrics = MetricsServer(config.host, config.metrics_port, self.models, self.limiter)
+        if self.frontend_index is None:
+            self._start_metrics()
         if config.http_port:
             from embedserv.server.http.app import HttpServer  # FastAPI and uvicorn load only when HTTP is on
 
@@ -123,18 +177,6 @@ class EmbedServer:
             "listening on %s:%d%s (NOT_SERVING until the models are warm)", config.host, self.port,
             f" with {' and '.join(security)}" if security else "",
         )
-        # Models load at once, each in its own worker processes; the first failure cancels the others.
-        loads = [asyncio.create_task(self._start_model(m)) for m in self.config.models]
-        try:
-            await asyncio.gather(*loads)
-        except BaseException:
-            for load in loads:
-                load.cancel()
-            await asyncio.gather(*loads, return_exceptions=True)
-            raise
-        self._started = True
-        await self._update_health()
-        logger.info("serving %s", ", ".join(self.models.names))
 
     async def _start_model(self, model_config) -> None:
         engine = await asyncio.get_running_loop().run_in_executor(None, self._load_engine, model_config)
@@ -143,7 +185,7 @@ class EmbedServer:
         await engine.start()
         self._loading.remove(engine)
         self.models.add(engine)
-        engine.add_serving_listener(self._on_serving_change)
+        engine.add_serving_listener(self.on_serving_change)
         await self._update_health()
 
     def _load_engine(self, model_config) -> Engine:
@@ -156,6 +198,18 @@ class EmbedServer:
 
         Health Watch streams see NOT_SERVING, but the drain does not wait for them (they never end on
         their own): once the inference calls are done, what is left is cancelled."""
+        if self.host is not None:
+            await self.host.drain(grace)
+        else:
+            await self._drain(grace)
+        for engine in [*self.models.engines, *self._loading]:
+            await engine.stop()
+        if self.host is not None:
+            await self.host.stop()
+        if self.metrics is not None:
+            self.metrics.stop()
+
+    async def _drain(self, grace: float | None) -> None:
         await self.health.enter_graceful_shutdown()
         self.frontend.draining = True
         stopping = asyncio.create_task(self.server.stop(grace))
@@ -166,14 +220,20 @@ class EmbedServer:
         await stopping
         if self.http is not None:
             await self.http.stop()
-        for engine in [*self.models.engines, *self._loading]:
-            await engine.stop()
-        if self.metrics is not None:
-            self.metrics.stop()
 
     async def cancel_calls(self) -> None:
         """Cancels every call still running (a second signal while draining)."""
+        if self.host is not None:
+            await self.host.cancel_calls()
         await self.server.stop(None)
+
+
+def freeze_start_up_objects() -> None:
+    """Moves what start-up made (modules, torch, models, tokenizers: a heap of long-lived objects) out of the
+    collector's sight. Otherwise each full collection walks them all: 200 ms, every 0.7 s under one-text HTTP
+    load, which all calls in flight waited out (p99 258 ms against 101 ms frozen; docs/PERFORMANCE.md)."""
+    gc.collect()
+    gc.freeze()
 
 
 async def run(config: ServerConfig) -> None:
@@ -195,6 +255,7 @@ async def run(config: ServerConfig) -> None:
                 await starting
         else:
             starting.result()  # a start-up error ends here (exit 2)
+            freeze_start_up_objects()
             logger.info(
                 "%s: draining; refusing new calls, up to %.0f s for those in flight (signal again to cancel them)",
                 signal.Signals(await first_signal).name, config.drain_timeout,

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 
-from prometheus_client import start_http_server
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -71,11 +73,16 @@ class MetricsServer:
 
     def __init__(self, host: str, port: int, models: ServedModels, limiter: InflightLimiter) -> None:
         self.collector = ServerCollector(models, limiter)
-        metrics.REGISTRY.register(self.collector)
+        self.registry = metrics.REGISTRY
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            # Several front-end processes (cli.py): their counters and histograms summed from the shared files.
+            self.registry = CollectorRegistry()
+            MultiProcessCollector(self.registry)
+        self.registry.register(self.collector)
         try:
-            self._httpd, _ = start_http_server(port, addr=host, registry=metrics.REGISTRY)
+            self._httpd, _ = start_http_server(port, addr=host, registry=self.registry)
         except OSError as exc:
-            metrics.REGISTRY.unregister(self.collector)
+            self.registry.unregister(self.collector)
             raise ConfigError(
                 f"cannot serve metrics on {host}:{port} ({exc.strerror}); pick another --metrics-port"
             ) from None
@@ -85,4 +92,4 @@ class MetricsServer:
     def stop(self) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()
-        metrics.REGISTRY.unregister(self.collector)
+        self.registry.unregister(self.collector)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Iterator
 
 from embedserv.engine.engine import Engine
@@ -33,22 +33,43 @@ class ServedModels:
         return engine
 
 
-class InflightLimiter:
-    """Counts inputs (not calls) in flight; refuses at once past the limit rather than queue without bound."""
+class _LocalCount:
+    """A count only this process changes: the shape of multiprocessing.Value, without its lock."""
 
-    def __init__(self, limit: int) -> None:
+    value = 0
+
+    def get_lock(self):
+        return nullcontext()
+
+
+class InflightLimiter:
+    """Counts inputs (not calls) in flight; refuses at once past the limit rather than queue without bound.
+
+    With several front-end processes the count is `shared` (a multiprocessing.Value("q") every front end
+    holds), changed under its lock, so the limit holds for the whole server."""
+
+    def __init__(self, limit: int, shared=None) -> None:
         self.limit = limit
-        self.in_flight = 0
+        self.shared = shared
+        self._count = shared if shared is not None else _LocalCount()
+
+    @property
+    def in_flight(self) -> int:
+        return self._count.value
 
     @contextmanager
     def hold(self, count: int) -> Iterator[None]:
-        if self.in_flight + count > self.limit:
+        with self._count.get_lock():
+            in_flight = self._count.value
+            if in_flight + count <= self.limit:
+                self._count.value = in_flight + count
+        if in_flight + count > self.limit:
             raise Overloaded(
-                f"server is at its limit of {self.limit} inputs in flight ({self.in_flight} now); "
+                f"server is at its limit of {self.limit} inputs in flight ({in_flight} now); "
                 "retry with backoff or send fewer inputs per call"
             )
-        self.in_flight += count
         try:
             yield
         finally:
-            self.in_flight -= count
+            with self._count.get_lock():
+                self._count.value -= count

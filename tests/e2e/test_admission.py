@@ -26,14 +26,15 @@ INPUTS_PER_CALL = 2
 CALL_TIMEOUT_S = 60.0
 
 
-@pytest.fixture(scope="module")
-def server(bundled_dir):
+# One process, and two front-end processes sharing the port, admission and /metrics (server/engine_host.py).
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-frontend", "2-frontends"])
+def server(bundled_dir, request):
     metrics_port = free_port()
     args = [
         "--model", str(bundled_dir), "--served-model-name", SERVED,
         "--max-concurrent-requests", str(LIMIT), "--max-client-batch-size", str(LIMIT),
         "--max-input-chars", str(MAX_CHARS), "--metrics-port", str(metrics_port),
-        "--log-format", "json", "--log-level", "debug",
+        "--log-format", "json", "--log-level", "debug", "--frontends", str(request.param),
     ]  # fmt: skip
     with running_server(args) as (target, proc):
         with grpc.insecure_channel(target) as channel:

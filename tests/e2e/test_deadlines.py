@@ -14,7 +14,7 @@ from tests.helpers.client import embed_request, inference_stub, outcome, respons
 from tests.helpers.inprocess import in_process_server
 from tests.helpers.metrics import scrape
 from tests.helpers.processes import wait_for
-from tests.helpers.server import free_port
+from tests.helpers.server import free_port, running_server
 
 SERVED = "minilm"
 # Three calls of 64 texts near the model's 256-token limit: several seconds of work on 2 CPU cores.
@@ -25,11 +25,14 @@ EXPIRY_S = 0.4
 CANCELLED_INPUTS = 3
 
 
-@pytest.fixture(scope="module")
-def server(bundled_dir):
+# In this process; and as `embedserv serve --frontends 2`, whose front ends cancel over their link to the engine
+# process (server/remote_core.py) and count in /metrics through the shared files (cli.py).
+@pytest.fixture(scope="module", params=[1, 2], ids=["in-process", "2-frontends"])
+def server(bundled_dir, request):
     metrics_port = free_port()
     args = ["--model", str(bundled_dir), "--served-model-name", SERVED, "--metrics-port", str(metrics_port)]
-    with in_process_server(args) as (target, proc):
+    launch = in_process_server if request.param == 1 else running_server
+    with launch(args + ["--frontends", str(request.param)]) as (target, proc):
         with grpc.insecure_channel(target) as channel:
             yield inference_stub(channel), metrics_port, proc
 

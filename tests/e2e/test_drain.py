@@ -23,8 +23,15 @@ IN_FLIGHT_CALLS = 4
 TEXTS_PER_CALL = 32
 
 
-def _args(bundled_dir, drain_timeout: float) -> list[str]:
-    return ["--model", str(bundled_dir), "--served-model-name", SERVED, "--drain-timeout", str(drain_timeout)]
+def _args(bundled_dir, drain_timeout: float, frontends: int = 1) -> list[str]:
+    return [
+        "--model", str(bundled_dir), "--served-model-name", SERVED, "--drain-timeout", str(drain_timeout),
+        "--frontends", str(frontends),
+    ]  # fmt: skip
+
+
+# One process, and two front-end processes that the engine process drains (server/engine_host.py).
+FRONTENDS = pytest.mark.parametrize("frontends", [1, 2], ids=["1-frontend", "2-frontends"])
 
 
 def _wait_not_serving(target: str, timeout: float = 10.0) -> str:
@@ -57,8 +64,9 @@ def _watch(channel, service: str, seen: list[str]) -> threading.Thread:
     return thread
 
 
-def test_sigterm_under_load_finishes_in_flight_refuses_new_and_exits_0(bundled_dir):
-    with running_server(_args(bundled_dir, 60)) as (target, proc):
+@FRONTENDS
+def test_sigterm_under_load_finishes_in_flight_refuses_new_and_exits_0(bundled_dir, frontends):
+    with running_server(_args(bundled_dir, 60, frontends)) as (target, proc):
         with grpc.insecure_channel(target) as channel:
             stub = inference_stub(channel)
             seen = {"": [], SERVED: []}
@@ -87,10 +95,10 @@ def test_sigterm_under_load_finishes_in_flight_refuses_new_and_exits_0(bundled_d
     assert seen == {"": ["SERVING", "NOT_SERVING"], SERVED: ["SERVING", "NOT_SERVING"]}
 
 
-def _cut_short(bundled_dir, drain_timeout: float, second_signal: bool) -> tuple[list, float, str]:
+def _cut_short(bundled_dir, drain_timeout: float, second_signal: bool, frontends: int) -> tuple[list, float, str]:
     """SIGTERM while about 10 s of work runs; with `second_signal`, SIGINT once draining. The calls' codes,
     the seconds from SIGTERM to the exit, and the server's log."""
-    with running_server(_args(bundled_dir, drain_timeout)) as (target, proc):
+    with running_server(_args(bundled_dir, drain_timeout, frontends)) as (target, proc):
         with grpc.insecure_channel(target) as channel:
             too_long = _long_calls(inference_stub(channel), 3, 64)
             time.sleep(0.5)
@@ -106,8 +114,9 @@ def _cut_short(bundled_dir, drain_timeout: float, second_signal: bool) -> tuple[
 
 
 @pytest.mark.parametrize("drain_timeout, second_signal", [(1, False), (120, True)], ids=["timeout", "second-signal"])
-def test_what_outlives_the_drain_is_cancelled_and_the_exit_is_0(bundled_dir, drain_timeout, second_signal):
-    codes, took, log = _cut_short(bundled_dir, drain_timeout, second_signal)
+@FRONTENDS
+def test_what_outlives_the_drain_is_cancelled_and_the_exit_is_0(bundled_dir, drain_timeout, second_signal, frontends):
+    codes, took, log = _cut_short(bundled_dir, drain_timeout, second_signal, frontends)
     # The call that reached the server first may finish inside the drain; the other two, queued behind
     # it, cannot. (Which call arrives first is not the order they were sent in: concurrent HTTP/2 streams.)
     assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE}, codes

@@ -61,11 +61,11 @@ ATOL = 1e-5
 OK, UNAVAILABLE = grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE
 
 
-def _args(model_dir) -> list[str]:
+def _args(model_dir, frontends: int = 1) -> list[str]:
     return [
         "--model", str(model_dir), "--served-model-name", SERVED,
         "--dtype", "float32", "--device", "cpu",
-        "--data-parallel-size", str(WORKERS),
+        "--data-parallel-size", str(WORKERS), "--frontends", str(frontends),
     ]  # fmt: skip
 
 
@@ -101,11 +101,11 @@ class Server:
 
 
 @contextlib.contextmanager
-def worker_server(model_dir) -> Iterator[Server]:
+def worker_server(model_dir, frontends: int = 1) -> Iterator[Server]:
     """running_server with the worker flags; afterwards SIGKILL any recorded worker that outlived it."""
     server = None
     try:
-        with running_server(_args(model_dir)) as (target, proc):
+        with running_server(_args(model_dir, frontends)) as (target, proc):
             server = Server(target, proc)
             server.workers()
             yield server
@@ -120,9 +120,10 @@ def worker_server(model_dir) -> Iterator[Server]:
                 warnings.warn(f"workers {left} outlived their server {server.proc.pid}; SIGKILLed them", stacklevel=1)
 
 
-@pytest.fixture(scope="module")
-def server(bundled_dir) -> Iterator[Server]:
-    with worker_server(bundled_dir) as running:
+# One process, and two front-end processes in front of the engine process that owns the workers.
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-frontend", "2-frontends"])
+def server(bundled_dir, request) -> Iterator[Server]:
+    with worker_server(bundled_dir, request.param) as running:
         yield running
 
 

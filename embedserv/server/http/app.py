@@ -127,7 +127,7 @@ class HttpServer:
         self.frontend = frontend
         self.host, self.port = config.host, config.http_port
         self.scheme = "https" if config.tls_cert else "http"
-        self._socket = self._bind()
+        self._socket = self._bind(config)
         uv_config = uvicorn.Config(
             Edge(build_app(frontend), frontend),
             log_config=None,
@@ -144,10 +144,13 @@ class HttpServer:
         self._server = _Uvicorn(uv_config)
         self._task: asyncio.Task | None = None
 
-    def _bind(self) -> socket.socket:
+    def _bind(self, config) -> socket.socket:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if config.num_frontends > 1:
+            # Every front-end process listens on the port; the kernel spreads new connections over them.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         # Accepted connections inherit it: a response's head and body are two writes, and with Nagle the
         # second waits for the client's delayed ACK (40 ms a call, measured).
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

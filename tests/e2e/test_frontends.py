@@ -1,0 +1,150 @@
+"""`embedserv serve --frontends 2`: two front-end processes on one port in front of the engine process.
+
+Admission, deadlines, drain, worker crashes and /metrics run with two front ends in their own files
+(test_admission, test_deadlines, test_drain, test_workers); here is what only front-end processes do: a
+generation stream through the link (token for token), its cancellation freeing the KV blocks in the engine,
+calls over many connections counted once in /metrics, a front end that dies replaced, the front ends dying
+with the engine process, and a port already served refused.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from tests.helpers.metrics import scrape
+from tests.helpers.models import build_tiny_generator
+from tests.helpers.client import embed_request, inference_stub, response_matrix
+from tests.helpers.processes import child_pids, has_marker, is_alive, wait_for
+from tests.helpers.server import free_port, running_server
+
+GEN, EMBEDDER = "tiny-llama", "minilm"
+PROMPT = "The quick brown fox jumps over the lazy dog"
+RPC_TIMEOUT_S = 60.0
+FRONTEND_MARKER = "multiprocessing.spawn"
+
+
+def _frontends(server_pid: int) -> list[int]:
+    return [pid for pid in child_pids(server_pid) if has_marker(pid, FRONTEND_MARKER)]
+
+
+def _channel(target: str) -> grpc.Channel:
+    # Its own connection (no subchannel shared with the other channels): the kernel picks its front end.
+    return grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+
+
+@pytest.fixture(scope="module")
+def generator_dir(tmp_path_factory):
+    return build_tiny_generator(tmp_path_factory.mktemp("frontends"), "llama", seed=5)
+
+
+@pytest.fixture(scope="module")
+def server(generator_dir, bundled_dir):
+    metrics_port = free_port()
+    args = ["--dtype", "float32", "--model", str(generator_dir), "--served-model-name", GEN,
+            "--model", str(bundled_dir), "--served-model-name", EMBEDDER, "--frontends", "2",
+            "--metrics-port", str(metrics_port)]  # fmt: skip
+    with running_server(args) as (target, proc):
+        yield target, proc, metrics_port
+
+
+def _used_blocks(metrics_port: int) -> float:
+    return scrape(metrics_port).value("embedserv_kv_cache_blocks", model=GEN, state="used")
+
+
+def _reference(model_dir, max_tokens: int) -> list[int]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager").float().eval()
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                             eos_token_id=None)  # fmt: skip
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_two_frontend_processes_serve_generation_token_for_token(server, generator_dir):
+    from embedserv.v1 import embedserv_pb2 as pb
+
+    target, proc, _ = server
+    assert len(_frontends(proc.pid)) == 2
+    expected = _reference(generator_dir, 20)
+    for _ in range(4):  # four connections: both front ends, most likely
+        with _channel(target) as channel:
+            request = pb.GenerateRequest(model=GEN, prompt=PROMPT, max_tokens=20, ignore_eos=True)
+            stream = list(inference_stub(channel).Generate(request, timeout=RPC_TIMEOUT_S))
+        assert [t for r in stream for t in r.token_ids] == expected
+        assert stream[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_a_stream_cancelled_at_its_frontend_frees_its_blocks_in_the_engine(server):
+    from embedserv.v1 import embedserv_pb2 as pb
+
+    target, _, metrics_port = server
+    assert _used_blocks(metrics_port) == 0
+    with _channel(target) as channel:
+        request = pb.GenerateRequest(model=GEN, prompt=PROMPT * 3, max_tokens=400, ignore_eos=True)
+        call = inference_stub(channel).Generate(request, timeout=RPC_TIMEOUT_S)
+        for _ in range(3):
+            next(call)
+        assert _used_blocks(metrics_port) > 0
+        call.cancel()
+        wait_for(lambda: _used_blocks(metrics_port) == 0, 10, what="the cancelled stream's blocks freed")
+    cancelled = dict(protocol="grpc", rpc="Generate", model=GEN, status="CANCELLED")
+    wait_for(lambda: scrape(metrics_port).value("embedserv_requests_total", **cancelled) == 1, 10,
+             what="the cancelled call counted in the engine process's /metrics")  # fmt: skip
+
+
+def test_calls_over_many_connections_are_counted_once_in_metrics(server):
+    target, _, metrics_port = server
+    calls = dict(protocol="grpc", rpc="Embed", model=EMBEDDER, status="OK")
+    before = scrape(metrics_port).value("embedserv_requests_total", **calls)
+    for i in range(8):
+        with _channel(target) as channel:
+            rows = response_matrix(inference_stub(channel).Embed(embed_request([f"text {i}"], model=EMBEDDER),
+                                                                 timeout=RPC_TIMEOUT_S))  # fmt: skip
+            assert rows.shape == (1, 384)
+    assert scrape(metrics_port).value("embedserv_requests_total", **calls) - before == 8
+    assert scrape(metrics_port).value("embedserv_inputs_in_flight") == 0
+
+
+def test_a_frontend_that_dies_is_started_again(server):
+    target, proc, _ = server
+    first, second = _frontends(proc.pid)
+    os.kill(first, signal.SIGKILL)
+    replaced = wait_for(lambda: len(set(_frontends(proc.pid)) - {first, second}) == 1 or None, 60,
+                        what="a new front end")  # fmt: skip
+    assert replaced
+    for i in range(6):  # whichever front end each connection reaches answers
+        with _channel(target) as channel:
+            inference_stub(channel).Embed(embed_request([f"after {i}"], model=EMBEDDER), timeout=RPC_TIMEOUT_S)
+    assert proc.poll() is None
+
+
+def test_a_port_another_server_answers_on_is_refused(server, bundled_dir):
+    target, _, _ = server
+    port = target.rsplit(":", 1)[1]
+    second = subprocess.run(
+        [sys.executable, "-m", "embedserv", "serve", "--model", str(bundled_dir), "--host", "127.0.0.1",
+         "--port", port, "--http-port", str(free_port()), "--frontends", "2", "--no-warm-up"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert second.returncode == 2, second.stderr[-2000:]
+    assert f"cannot listen on 127.0.0.1:{port}" in second.stderr
+    assert "pick another --port" in second.stderr
+
+
+def test_sigkill_of_the_engine_process_takes_its_frontends_down(bundled_dir):
+    with running_server(["--model", str(bundled_dir), "--frontends", "2", "--no-warm-up"]) as (_, proc):
+        frontends = _frontends(proc.pid)
+        assert len(frontends) == 2
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        wait_for(lambda: not any(is_alive(pid) for pid in frontends), 30, what="the front ends gone")

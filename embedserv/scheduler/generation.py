@@ -194,7 +194,8 @@ class GenerationScheduler:
             start_position=start,
             block_ids=tuple(tuple(table) for table in request.block_ids),
             produces_output=samples,
-            sampling=request.sampling if samples else None,
+            # Also on chunks that do not sample: a worker keeps it from a request's first chunk (step deltas).
+            sampling=request.sampling,
             encoder_token_ids=encoder_ids,
             encoder_len=request.num_encoder_tokens,
         )

@@ -127,6 +127,8 @@ class GenerationScheduler:
 
         False when `request` itself was the latest and got preempted.
         """
+        if self.kv_cache.covers(request, num_tokens):
+            return True
         # Requests before `request` are already in this step's batch; the victims all come after it.
         while not self.kv_cache.can_allocate(request, num_tokens):
             victim = self._running.pop()

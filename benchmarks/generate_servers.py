@@ -19,13 +19,16 @@ row alike. Host time per step: embedserv's /metrics around each pass give the ge
 (embedserv_batch_sequences_count) and the seconds the worker spent running them (model forward, LM head,
 sampling and the copy of the tokens: embedserv_worker_busy_seconds); host ms/step = (wall - busy) / steps,
 which is everything else per step: scheduling, the message to and from the worker, input building,
-detokenizing, delivering the text, and the client's share of the CPU. Prints a markdown table.
+detokenizing, delivering the text, and the client's share of the CPU. Server CPU ms/step is the CPU time of
+the server's engine process (every thread: protocol, scheduling, detokenizing) over the steps, which other
+load on the machine inflates less than wall times. Prints a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import sys
 import tempfile
@@ -55,6 +58,7 @@ class Served:
     grpc: str | None  # host:port
     http: str  # base URL
     metrics: str | None  # /metrics URL
+    pid: int = 0  # the server's process (embedserv: the engine's, not the worker's)
 
     @property
     def protocols(self) -> list[str]:
@@ -77,6 +81,15 @@ def vllm_cmd(python: str, model: str) -> tuple[list[str], Served]:
            "--dtype", "float32", "--max-model-len", "2048", "--served-model-name", NAME, "--host", "127.0.0.1",
            "--port", str(port), "--seed", "0"]  # fmt: skip
     return cmd, Served("vLLM server", None, f"http://127.0.0.1:{port}", None)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads (Linux /proc; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def read_metrics(url: str) -> tuple[float, float]:
@@ -122,13 +135,14 @@ async def http_pass(base: str, texts: list[str], max_tokens: int) -> int:
 
 def one_pass(served: Served, protocol: str, texts: list[str], max_tokens: int) -> dict:
     before = read_metrics(served.metrics) if served.metrics else None
+    cpu_before = cpu_seconds(served.pid)
     start = time.perf_counter()
     if protocol == "grpc":
         tokens = asyncio.run(grpc_pass(served.grpc, texts, max_tokens))
     else:
         tokens = asyncio.run(http_pass(served.http, texts, max_tokens))
     wall = time.perf_counter() - start
-    result = {"wall_s": wall, "tokens": tokens}
+    result = {"wall_s": wall, "tokens": tokens, "server_cpu_s": cpu_seconds(served.pid) - cpu_before}
     if before is not None:
         steps, busy = (a - b for a, b in zip(read_metrics(served.metrics), before))
         result |= {"steps": steps, "busy_s": busy}
@@ -155,7 +169,7 @@ def start_servers(stack: ExitStack, args, model: str, log_dir: Path) -> list[Ser
         log = log_dir / f"{label.replace(' ', '-')}.log"
         proc = stack.enter_context(process_group(cmd, env, log, cwd))
         wait_http(f"{served.http}/health", proc, log, timeout=600)
-        served.label = label
+        served.label, served.pid = label, proc.pid
         servers.append(served)
         print(f"{label} is up (log {log})", file=sys.stderr, flush=True)
     return servers
@@ -193,8 +207,9 @@ def main() -> None:
 
 def print_table(results: dict, args) -> None:
     print(f"\n{args.max_tokens} tokens per stream, greedy, EOS ignored; best of {args.repeats} interleaved rounds\n")
-    print("| server | protocol | streams | output tok/s | vs vLLM | tokens | steps | model ms/step | host ms/step |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| server | protocol | streams | output tok/s | vs vLLM | tokens | steps | model ms/step | host ms/step "
+          "| server CPU ms/step |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     vllm = {s: max(r["tokens"] / r["wall_s"] for r in rs) for (label, _, s), rs in results.items() if label == "vLLM server"}
     for (label, protocol, streams), runs in results.items():
         best = max(runs, key=lambda r: r["tokens"] / r["wall_s"])
@@ -203,9 +218,10 @@ def print_table(results: dict, args) -> None:
         steps, busy = best.get("steps"), best.get("busy_s")
         model = f"{busy / steps * 1e3:.2f}" if steps else "-"
         host = f"{(best['wall_s'] - busy) / steps * 1e3:.2f}" if steps else "-"
+        cpu = f"{min(r['server_cpu_s'] / r['steps'] for r in runs) * 1e3:.2f}" if steps else "-"
         name = "HTTP /v1/completions" if protocol == "http" else "gRPC Generate"
         print(f"| {label} | {name} | {streams} | {rate:,.0f} | {versus} | {best['tokens']} | {steps or '-'} "
-              f"| {model} | {host} |")  # fmt: skip
+              f"| {model} | {host} | {cpu} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ Python with DIR first on PYTHONPATH, to compare before and after in one run.
 
 Every server starts once and stays up; passes are interleaved (one untimed pass, then --repeats rounds, each
 server and protocol once per round) and the fastest counts, so load from others on the machine hits every
-row alike. Host time per step: embedserv's /metrics around each pass give the generation steps run
+row alike (each round starts with the next server, and each pass waits 2 s for the last one's threads to
+settle). Host time per step: embedserv's /metrics around each pass give the generation steps run
 (embedserv_batch_sequences_count) and the seconds the worker spent running them (model forward, LM head,
 sampling and the copy of the tokens: embedserv_worker_busy_seconds); host ms/step = (wall - busy) / steps,
 which is everything else per step: scheduling, the message to and from the worker, input building,
@@ -146,7 +147,7 @@ def one_pass(served: Served, protocol: str, texts: list[str], max_tokens: int) -
     if before is not None:
         steps, busy = (a - b for a, b in zip(read_metrics(served.metrics), before))
         result |= {"steps": steps, "busy_s": busy}
-    time.sleep(0.5)  # OpenMP threads spin a while after a pass: let them rest before the next server's
+    time.sleep(2.0)  # threads spin a while after a pass (OpenMP, vLLM's engine loop): let them rest first
     return result
 
 
@@ -196,7 +197,8 @@ def main() -> None:
         for streams in [int(s) for s in args.streams.split(",")]:
             texts = prompts(streams)
             for round_ in range(args.repeats + 1):
-                for served in servers:
+                # Each round starts with another server, so that no row always follows the same one.
+                for served in servers[round_ % len(servers):] + servers[: round_ % len(servers)]:
                     for protocol in served.protocols:
                         result = one_pass(served, protocol, texts, args.max_tokens)
                         if round_:  # round 0 warms up

@@ -34,15 +34,21 @@ from embedserv import cpu_isa  # noqa: E402
 from embedserv.config import ModelConfig, bundled_model_path  # noqa: E402
 
 
-def build_model(out: Path) -> Path:
+# SmolLM2-135M's shape.
+SMOL_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                  num_key_value_heads=3)  # fmt: skip
+
+
+def build_model(out: Path, shape: dict | None = None) -> Path:
+    """A random-weight Llama of `shape` (LlamaConfig fields; SmolLM2-135M's by default) with the bundled
+    tokenizer, saved to `out`."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(str(bundled_model_path()))
     tokenizer.model_max_length = 2048
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True,
-        rms_norm_eps=1e-5, pad_token_id=0, bos_token_id=101, eos_token_id=102,
+        vocab_size=len(tokenizer), max_position_embeddings=2048, tie_word_embeddings=True,
+        rms_norm_eps=1e-5, pad_token_id=0, bos_token_id=101, eos_token_id=102, **(shape or SMOL_SHAPE),
     )  # fmt: skip
     torch.manual_seed(0)
     LlamaForCausalLM(config).eval().save_pretrained(str(out))

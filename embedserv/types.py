@@ -307,7 +307,7 @@ class ScheduledSequence:
     block_ids: tuple[tuple[int, ...], ...] = ()
     # The step reaches the sequence's last known token, so it yields an output (always, without KV).
     produces_output: bool = True
-    # SAMPLE sequences that produce an output: how to pick the token.
+    # SAMPLE sequences: how to pick their tokens (read where the step produces an output).
     sampling: SamplingParams | None = None
     # POOL: pooling starts this many tokens in (prompt tokens excluded from the mean).
     pool_start: int = 0

@@ -6,6 +6,11 @@ is prepared while step k runs and starts as soon as step k ends, without waiting
 Preparing touches no OpenMP-parallel torch op (host arrays, one copy to the device), so the model
 thread's OpenMP team stays the only one.
 
+Generation steps take the same path as to a worker process (executor/step_delta.py): the step is encoded as a
+delta on the event loop, applied to this worker's running batch on the prepare thread, and the model thread
+records what it sampled; only the codec's bytes are skipped. A generation step that raises starts the
+deltas over.
+
 It never dies; a batch that raises fails only its own requests.
 """
 
@@ -17,6 +22,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from embedserv.executor.base import WorkerStats
+from embedserv.executor.step_delta import DeltaEncoder, RunningBatch, StepDelta
 from embedserv.scheduler.kv_cache_manager import KvCacheLayout
 from embedserv.types import StepBatch, StepOutput
 from embedserv.worker.model_runner import ModelRunner, PreparedStep
@@ -35,6 +41,8 @@ class LocalWorker:
         self._prepare_thread = ThreadPoolExecutor(1, thread_name_prefix="prepare")
         self._batches = 0
         self._busy_seconds = 0.0
+        self._deltas = DeltaEncoder()
+        self._running = RunningBatch()
 
     @property
     def ready(self) -> bool:
@@ -54,17 +62,24 @@ class LocalWorker:
         return None
 
     async def execute(self, batch: StepBatch) -> StepOutput:
+        generation = batch.uses_kv_cache
         try:
-            run = await asyncio.get_running_loop().run_in_executor(self._prepare_thread, self._prepare_and_queue, batch)
+            work = self._deltas.encode(batch) if generation else batch
+            run = await asyncio.get_running_loop().run_in_executor(self._prepare_thread, self._prepare_and_queue, work)
             return await asyncio.wrap_future(run)
+        except BaseException:
+            if generation:
+                self._deltas.reset()
+            raise
         finally:
             self._batches += 1
 
-    def _prepare_and_queue(self, batch: StepBatch) -> Future:
+    def _prepare_and_queue(self, work: StepBatch | StepDelta) -> Future:
         """Prepare thread: the step's inputs, then the step queued on the model thread. Steps are prepared
         and queued in the order they came (one prepare thread), so they run in that order too (and the KV
         cache's fresh blocks are marked in step order)."""
         try:
+            batch = self._running.apply(work) if isinstance(work, StepDelta) else work
             prepared = self.runner.prepare(batch)
         except Exception as exc:
             failed: Future = Future()
@@ -75,6 +90,8 @@ class LocalWorker:
     def _run(self, prepared: PreparedStep) -> StepOutput:
         started = time.perf_counter()
         try:
-            return self.runner.run(prepared)
+            output = self.runner.run(prepared)
+            self._running.record(output)
+            return output
         finally:
             self._busy_seconds += time.perf_counter() - started

@@ -1,6 +1,7 @@
 """The messages between the engine and a worker process, all sent through one codec (codec.py). No pickle.
 
-engine -> worker: RunStep. worker -> engine: StepDone or StepFailed per step, Ready once loaded, LoadFailed
+engine -> worker: RunStep (a whole StepBatch: prefill-only work) or RunGenerationStep (a generation step as
+a StepDelta against the worker's running batch, executor/step_delta.py). worker -> engine: StepDone or StepFailed per step, Ready once loaded, LoadFailed
 when it cannot load.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from embedserv.executor.codec import Codec
+from embedserv.executor.step_delta import StepDelta
 from embedserv.scheduler.kv_cache_manager import KvCacheLayout
 from embedserv.types import StepBatch, StepOutput
 
@@ -17,6 +19,12 @@ from embedserv.types import StepBatch, StepOutput
 class RunStep:
     step_id: int
     batch: StepBatch
+
+
+@dataclass(frozen=True)
+class RunGenerationStep:
+    step_id: int
+    delta: StepDelta
 
 
 @dataclass(frozen=True)
@@ -46,4 +54,4 @@ class LoadFailed:
     message: str
 
 
-CODEC = Codec([RunStep, StepDone, StepFailed, Ready, LoadFailed])
+CODEC = Codec([RunStep, RunGenerationStep, StepDone, StepFailed, Ready, LoadFailed])

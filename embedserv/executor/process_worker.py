@@ -3,6 +3,10 @@
 Each process gets fresh zmq sockets (ipc, in a private temp directory): a PUSH inbox for batches and a
 PULL outbox for results. A message meant for a dead process can never reach its successor.
 
+Generation steps go as deltas against the running batch the process keeps (executor/step_delta.py); each
+process gets a fresh DeltaEncoder, so a successor is sent every request it runs whole. A generation step that
+fails or never gets its answer leaves the process's state unknown: the next one starts over (reset).
+
 A supervisor task polls the process. When it exits, is killed, or runs one batch past the watchdog limit
 (and is then killed), every batch on it fails with WorkerDied and a new process is started, after a pause
 that doubles while new processes die before becoming ready (0.5 s up to 30 s).
@@ -28,8 +32,9 @@ from embedserv import logs
 from embedserv.config import ModelConfig
 from embedserv.errors import ConfigError, NotReady
 from embedserv.executor.base import WorkerDied, WorkerStats
-from embedserv.executor.messages import CODEC, LoadFailed, Ready, RunStep, StepDone, StepFailed
+from embedserv.executor.messages import CODEC, LoadFailed, Ready, RunGenerationStep, RunStep, StepDone, StepFailed
 from embedserv.executor.placement import Placement
+from embedserv.executor.step_delta import DeltaEncoder
 from embedserv.executor.worker_main import WorkerArgs
 from embedserv.scheduler.kv_cache_manager import KvCacheLayout
 from embedserv.types import StepBatch, StepOutput
@@ -76,6 +81,7 @@ class ProcessWorker:
         self._last_progress = time.monotonic()
         self._batches = 0
         self._busy_seconds = 0.0
+        self._deltas = DeltaEncoder()
 
     @property
     def ready(self) -> bool:
@@ -124,17 +130,26 @@ class ProcessWorker:
         if not self._pending:
             self._last_progress = time.monotonic()
         self._pending[step_id] = future
+        generation = batch.uses_kv_cache
         try:
-            await self._inbox.send_multipart(CODEC.encode(RunStep(step_id, batch)), copy=False)
+            message = RunGenerationStep(step_id, self._deltas.encode(batch)) if generation else RunStep(step_id, batch)
+            await self._inbox.send_multipart(CODEC.encode(message), copy=False)
             reply = await future
+        except BaseException:
+            if generation:
+                self._deltas.reset()
+            raise
         finally:
             self._pending.pop(step_id, None)
         if isinstance(reply, StepFailed):
+            if generation:
+                self._deltas.reset()
             raise RuntimeError(reply.message)
         return reply.output
 
     def _launch(self) -> None:
         self.incarnation += 1
+        self._deltas = DeltaEncoder()
         base = f"ipc://{self._socket_dir}/{self.incarnation}"
         self._inbox = self._context.socket(zmq.PUSH)
         self._inbox.bind(f"{base}-in")

@@ -3,8 +3,10 @@
 Started as `python -m embedserv.executor.worker_main '<json WorkerArgs>'`. It sets its allocator up for steps
 (worker/allocator.py), loads and warms the model, says ready, then runs two threads:
 - the receiver takes each step off the inbox and prepares it (packed inputs already on the device), so
-  step k+1 is ready when step k ends;
-- the main thread runs prepared steps in order and sends each result to the outbox.
+  step k+1 is ready when step k ends; a generation step comes as a delta, which it applies to the running
+  batch this process keeps (executor/step_delta.py) first;
+- the main thread runs prepared steps in order, records what each sampled in the running batch (the next
+  decode's input), and sends each result to the outbox.
 It never outlives the server: the kernel kills it when its parent dies (PR_SET_PDEATHSIG), and a watch
 thread exits when the parent pid changes (the parent died before the prctl, or the platform has none).
 """
@@ -27,8 +29,9 @@ import zmq
 
 from embedserv import logs
 from embedserv.config import ModelConfig
-from embedserv.executor.messages import CODEC, LoadFailed, Ready, RunStep, StepDone, StepFailed
+from embedserv.executor.messages import CODEC, LoadFailed, Ready, RunGenerationStep, RunStep, StepDone, StepFailed
 from embedserv.executor.placement import Placement
+from embedserv.executor.step_delta import RunningBatch
 
 # Named, not __name__: run with -m, this module is __main__.
 logger = logging.getLogger("embedserv.executor.worker_main")
@@ -94,13 +97,16 @@ def _load(args: WorkerArgs):
     return runner
 
 
-def _receive(runner, inbox: zmq.Socket, prepared: queue.Queue) -> None:
+def _receive(runner, running: RunningBatch, inbox: zmq.Socket, prepared: queue.Queue) -> None:
     """Receiver thread: decode each step and pack its inputs ahead of its turn."""
     try:
         while True:
-            message: RunStep = CODEC.decode(inbox.recv_multipart(copy=False))
+            message: RunStep | RunGenerationStep = CODEC.decode(inbox.recv_multipart(copy=False))
             try:
-                work = runner.prepare(message.batch)
+                if isinstance(message, RunGenerationStep):
+                    work = runner.prepare(running.apply(message.delta))
+                else:
+                    work = runner.prepare(message.batch)
             except Exception as exc:
                 work = exc
             prepared.put((message.step_id, work))
@@ -110,12 +116,13 @@ def _receive(runner, inbox: zmq.Socket, prepared: queue.Queue) -> None:
         os._exit(1)
 
 
-def _run(runner, step_id: int, work, busy: float) -> tuple[object, float]:
+def _run(runner, running: RunningBatch, step_id: int, work, busy: float) -> tuple[object, float]:
     started = time.perf_counter()
     try:
         if isinstance(work, Exception):
             raise work
         output = runner.run(work)
+        running.record(output)
         busy += time.perf_counter() - started
         return StepDone(step_id, output, busy), busy
     except Exception as exc:
@@ -126,10 +133,13 @@ def _run(runner, step_id: int, work, busy: float) -> tuple[object, float]:
 
 def serve(runner, inbox: zmq.Socket, outbox: zmq.Socket, pipeline_depth: int) -> None:
     prepared: queue.Queue = queue.Queue(maxsize=pipeline_depth)
-    threading.Thread(target=_receive, args=(runner, inbox, prepared), name="receive", daemon=True).start()
+    # The receiver applies generation deltas to it in step order; the main thread records sampled tokens,
+    # always before the engine can send the step that reads them.
+    running = RunningBatch()
+    threading.Thread(target=_receive, args=(runner, running, inbox, prepared), name="receive", daemon=True).start()
     busy = 0.0
     while True:
-        reply, busy = _run(runner, *prepared.get(), busy)
+        reply, busy = _run(runner, running, *prepared.get(), busy)
         outbox.send_multipart(CODEC.encode(reply), copy=False)
 
 

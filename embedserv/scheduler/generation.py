@@ -127,6 +127,8 @@ class GenerationScheduler:
 
         False when `request` itself was the latest and got preempted.
         """
+        if self.kv_cache.covers(request, num_tokens):
+            return True
         # Requests before `request` are already in this step's batch; the victims all come after it.
         while not self.kv_cache.can_allocate(request, num_tokens):
             victim = self._running.pop()
@@ -194,7 +196,8 @@ class GenerationScheduler:
             start_position=start,
             block_ids=tuple(tuple(table) for table in request.block_ids),
             produces_output=samples,
-            sampling=request.sampling if samples else None,
+            # Also on chunks that do not sample: a worker keeps it from a request's first chunk (step deltas).
+            sampling=request.sampling,
             encoder_token_ids=encoder_ids,
             encoder_len=request.num_encoder_tokens,
         )

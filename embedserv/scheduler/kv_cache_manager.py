@@ -38,6 +38,7 @@ class KvCacheManager:
         self.managers = [
             BlockManager(num_blocks, g.block_size, self.enable_prefix_caching and not g.fixed) for g in groups
         ]
+        self._growing = [(index, g.block_size) for index, g in enumerate(groups) if not g.fixed]
 
     @property
     def num_blocks(self) -> int:
@@ -59,6 +60,14 @@ class KvCacheManager:
 
     def can_ever_fit(self, request: Request, num_tokens: int) -> bool:
         return all(n <= m.num_blocks for n, m in zip(self.blocks_needed(request, num_tokens), self.managers))
+
+    def covers(self, request: Request, num_tokens: int) -> bool:
+        """Every table of the request already holds `num_tokens` tokens: the common decode step, which then
+        needs no allocation. Fixed tables are whole from admission on."""
+        tables = request.block_ids
+        return bool(tables) and all(
+            len(tables[index]) * block_size >= num_tokens for index, block_size in self._growing
+        )
 
     def can_allocate(self, request: Request, num_tokens: int) -> bool:
         tables = request.block_ids or [[] for _ in self.groups]

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -238,3 +239,7 @@ def test_a_stream_whose_worker_dies_ends_unavailable_and_the_model_comes_back(se
             assert again.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, again.details()
             time.sleep(0.2)
     assert _ids(responses) == generator_dir[2][:6]
+    # Concurrent streams on the new process: its running batch (step deltas) started empty.
+    with ThreadPoolExecutor(4) as pool:
+        streams = list(pool.map(lambda _: _ids(_generate(stub, max_tokens=30, ignore_eos=True)), range(4)))
+    assert streams == [generator_dir[2][:30]] * 4

@@ -2,7 +2,8 @@
 
 Small random-weight Llama and Qwen2 causal LMs built in the test. Twelve prompts of different lengths go in
 at once (continuous batching, chunked prefill under a small token budget), and again with a KV cache so
-small that requests are preempted and recomputed; the test counts the preemptions.
+small that requests are preempted and recomputed (in this process and in a worker process); the tests count
+the preemptions.
 """
 
 from __future__ import annotations
@@ -91,6 +92,22 @@ def test_greedy_matches_transformers_under_preemption(arch, tiny_generator, engi
     usage = engine.kv_cache_usage()
     assert usage.preemptions > 0, "the cache should have been too small for all prompts at once"
     assert usage.used_blocks == 0
+
+
+def test_greedy_matches_transformers_in_a_worker_process_under_preemption(tiny_generator, prompts, hf_generations):
+    """The server's path: steps go to a worker process as deltas against the running batch it keeps
+    (executor/step_delta.py), re-sent whole after each preemption; the in-process tests above run the same
+    deltas without the codec."""
+    from embedserv.config import ModelConfig
+    from embedserv.engine.sync import SyncEngine
+
+    model_dir = tiny_generator("llama")
+    expected = hf_generations(model_dir, prompts)
+    config = ModelConfig(path=str(model_dir), served_name="m", dtype="float32", kv_cache_memory=16 * 8192)
+    with SyncEngine(config, worker_processes=True) as engine:
+        _check_greedy(engine, prompts, expected)
+        assert engine.kv_cache_usage().preemptions > 0
+        _check_greedy(engine, prompts[::-1], expected[::-1])
 
 
 def test_greedy_matches_with_tied_embeddings_and_backends(tiny_generator, engine_for, prompts, hf_generations):

@@ -51,6 +51,8 @@ class _Stream:
     detokenizer: IncrementalDetokenizer
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
+    # An error taken off the queue behind deltas that were joined (see _catch_up): raised next.
+    error: Exception | None = None
 
 
 def check_sampling(params: SamplingParams) -> None:
@@ -238,9 +240,10 @@ class GenerationStreams:
         self._wake()
         try:
             while True:
-                item = await stream.queue.get()
+                item = stream.error or await stream.queue.get()
                 if isinstance(item, Exception):
                     raise item
+                item = _catch_up(stream, item)
                 yield item
                 if item.finish_reason is not None:
                     return
@@ -344,6 +347,23 @@ class GenerationStreams:
         if reason is not FinishReason.STOP:
             text += detokenizer.flush()
         return GenerationDelta(text, (token,), reason, _prompt_tokens(request), len(request.output_token_ids))
+
+
+def _catch_up(stream: _Stream, delta: GenerationDelta) -> GenerationDelta:
+    """`delta` joined with the deltas queued behind it: a caller that fell behind (a slow client, a busy event
+    loop) gets one message for several steps instead of one per step. An error behind them comes next."""
+    texts, tokens = [delta.text], list(delta.token_ids)
+    while delta.finish_reason is None and not stream.queue.empty():
+        item = stream.queue.get_nowait()
+        if isinstance(item, Exception):
+            stream.error = item
+            break
+        delta = item
+        texts.append(delta.text)
+        tokens.extend(delta.token_ids)
+    if len(texts) == 1:
+        return delta
+    return replace(delta, text="".join(texts), token_ids=tuple(tokens))
 
 
 def _prompt_tokens(request: Request) -> int:

@@ -59,13 +59,14 @@ class SamplingBody(Body):
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = Field(False, description="Extension (vLLM's too): keep going past the end-of-sequence token.")
 
     def sampling(self, max_tokens: int | None) -> SamplingParams:
         refuse_unsupported(self, _UNSUPPORTED)
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            seed=self.seed, stop=stop,
+            seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
         )
 
 

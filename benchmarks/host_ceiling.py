@@ -33,7 +33,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.corpus import stdlib_texts  # noqa: E402
-from benchmarks.host_load import LoadResult, measure  # noqa: E402
+from benchmarks.host_load import LoadResult, cpu_by_role, measure, per_call  # noqa: E402
 from benchmarks.host_profile import profile_stages, render_stages  # noqa: E402
 from benchmarks.peer_models import model_dir  # noqa: E402
 from benchmarks.peer_runners.common import cpu_info  # noqa: E402
@@ -79,7 +79,9 @@ def run_server(label: str, cmd: list[str], spec: dict, texts: list[str], args, l
         for protocol, target in spec["targets"].items():
             for load, size, concurrency in LOADS:
                 batches = [texts[i : i + size] for i in range(0, len(texts), size)]
+                before = cpu_by_role(proc.pid)
                 result = asyncio.run(measure(target, batches, concurrency, args.repeats))
+                result.cpu_ms_per_call = per_call(before, cpu_by_role(proc.pid), result.num_calls)
                 rows[(protocol, load)] = result
                 print(f"  {label} {protocol} {load}: {result.texts_per_s:,.0f} texts/s", file=sys.stderr)
         if args.profile and "grpc" in spec["targets"]:
@@ -110,8 +112,17 @@ def render(results: dict[str, dict]) -> str:
             wall = sum(one.latencies) / n * 1e3
             timing.append(f"| {label} | {wall:.2f} | {t['total']:.2f} | {t['tokenization']:.2f} | {t['queue']:.2f} | "
                           f"{t['inference']:.2f} |")  # fmt: skip
+    roles = ["", "1 text per call: server CPU ms per call by process (all passes, warm-up included)", "",
+             "| server | protocol | engine / server process | front ends | workers | all |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for label, rows in results.items():
+        for protocol in ("grpc", "http"):
+            one = rows.get((protocol, "1 text"))
+            if one is not None and one.cpu_ms_per_call:
+                c = one.cpu_ms_per_call
+                roles.append(f"| {label} | {protocol} | {c.get('server', 0):.3f} | {c.get('front end', 0):.3f} | "
+                             f"{c.get('worker', 0):.3f} | {sum(c.values()):.3f} |")  # fmt: skip
     stages = [render_stages(label, rows["stages"]) for label, rows in results.items() if rows.get("stages")]
-    return "\n".join(lines + timing + stages)
+    return "\n".join(lines + timing + roles + stages)
 
 
 def main() -> None:

@@ -15,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import itertools
+import os
 import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -35,6 +37,9 @@ class LoadResult:
     client_cpu_s: float
     # gRPC only: the server's Timing per call, summed (microseconds per field).
     timing_us: dict[str, float] = field(default_factory=dict)
+    # Calls in every pass measure() made (warm-up included), and the server's CPU ms per call by process role.
+    num_calls: int = 0
+    cpu_ms_per_call: dict[str, float] = field(default_factory=dict)
 
     def percentile_ms(self, q: float) -> float:
         return float(np.percentile(self.latencies, q) * 1e3)
@@ -147,10 +152,56 @@ async def measure(target: dict, batches: list[list[str]], concurrency: int, repe
 
 
 async def _passes(make_client, batches, concurrency: int, repeats: int) -> LoadResult:
-    await run_load(make_client, batches[: max(concurrency * 4, len(batches) // 10)], concurrency)
+    warm_up = batches[: max(concurrency * 4, len(batches) // 10)]
+    await run_load(make_client, warm_up, concurrency)
     best = None
     for _ in range(repeats):
         result = await run_load(make_client, batches, concurrency)
         if best is None or result.seconds < best.seconds:
             best = result
+    best.num_calls = len(warm_up) + repeats * len(batches)
     return best
+
+
+def _role(pid: int) -> str:
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:
+        return "gone"
+    if b"worker_main" in command:
+        return "worker"
+    return "front end" if b"multiprocessing.spawn" in command else "server"
+
+
+def _tree(pid: int) -> list[int]:
+    pids, found = [pid], []
+    while pids:
+        parent = pids.pop()
+        found.append(parent)
+        try:
+            children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+        except OSError:
+            children = []
+        pids.extend(int(child) for child in children)
+    return found
+
+
+def cpu_by_role(server_pid: int) -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) of the server and each process under it, with its role."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in _tree(server_pid):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[pid] = (_role(pid), (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def per_call(before: dict, after: dict, calls: int) -> dict[str, float]:
+    """CPU ms per call by role, from two cpu_by_role snapshots (a process born between them counts whole)."""
+    roles: dict[str, float] = {}
+    for pid, (role, seconds) in after.items():
+        roles[role] = roles.get(role, 0.0) + seconds - before.get(pid, (role, 0.0))[1]
+    return {role: seconds * 1000 / calls for role, seconds in roles.items()}

@@ -16,6 +16,18 @@ def frontends_for_cores(cores: int) -> int:
     """--frontends 0: one front-end process per 4 cores, at most 8 (docs/PERFORMANCE.md, issue 34)."""
     return max(1, min(8, cores // 4))
 
+
+def usable_cores(cgroup_cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """The CPUs this process may use: its affinity, and fewer under a cgroup v2 CPU limit (a pod's `limits.cpu`)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = Path(cgroup_cpu_max).read_text().split()
+        if quota != "max":
+            cores = min(cores, max(1, int(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
+
 LOG_FORMATS = ("text", "json")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # int8: dynamic int8 linears on CPU (per-token activations, per-channel weights; models/int8.py).
@@ -238,10 +250,7 @@ class ServerConfig:
 
     @property
     def num_frontends(self) -> int:
-        if self.frontends:
-            return self.frontends
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        return frontends_for_cores(cores)
+        return self.frontends or frontends_for_cores(usable_cores())
 
     def __post_init__(self) -> None:
         if not self.models:

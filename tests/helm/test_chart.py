@@ -56,6 +56,7 @@ BAD_VALUES = {
     "quantization-int4": {"server": {"quantization": "int4"}},
     "cpu-fusion-fast": {"server": {"cpuFusion": "fast"}},
     "cpu-allocator-jemalloc": {"server": {"cpuAllocator": "jemalloc"}},
+    "frontends-negative": {"server": {"frontends": -1}},
     "unknown-top-level-key": {"replicas": 3},
     "model-source-s3": {"model": {"source": "s3"}},
     "typo-in-server": {"server": {"maxBatchToken": 8192}},
@@ -307,6 +308,8 @@ def test_args_carry_values_and_omit_unset_ones(chart):
     assert flag(server(render(chart, {"server": {"cpuFusion": "eager"}}))["args"], "--cpu-fusion") == "eager"
     assert "--cpu-fusion" not in default_args
     assert flag(server(render(chart, {"server": {"cpuAllocator": "glibc"}}))["args"], "--cpu-allocator") == "glibc"
+    assert flag(server(render(chart, {"server": {"frontends": 2}}))["args"], "--frontends") == "2"
+    assert "--frontends" not in default_args
     big = server(render(chart, {"server": {"maxConcurrentRequests": 1000000, "logLevel": None,
                                             "maxConnectionAge": None}}))["args"]
     assert flag(big, "--max-concurrent-requests") == "1000000" and "--log-level" not in big

@@ -1,0 +1,71 @@
+"""The pieces of `--frontends N` that need no server: the link's messages, the shared admission count, and how
+many front ends `--frontends 0` starts (server/link_messages.py, served_models.py, config.py)."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import numpy as np
+import pytest
+
+from embedserv.config import ModelConfig, ServerConfig, bundled_model_path, frontends_for_cores, usable_cores
+from embedserv.engine.ports import SequenceOutput
+from embedserv.engine.tokenizer import Encoded
+from embedserv.errors import ConfigError, InvalidInput, NotReady, Overloaded
+from embedserv.server import link_messages as m
+from embedserv.server.served_models import InflightLimiter
+from embedserv.types import EmbedOutput, Timing
+
+
+def test_calls_and_answers_cross_the_link_intact():
+    call = m.InferCall(7, "minilm", [Encoded([101, 7, 102]), Encoded([101, 102], 1, [0, 0], 2)], 12.5,
+                       (EmbedOutput.SPARSE,), "req-1")  # fmt: skip
+    assert m.CODEC.decode(m.CODEC.encode(call)) == call
+    done = m.InferDone(7, [SequenceOutput(np.arange(4, dtype=np.float32), 1.0, 2.0,
+                                          sparse=(np.ones(2, np.float32), np.array([3, 9])))], 3, Timing(1, 2, 3, 4))  # fmt: skip
+    back = m.CODEC.decode(m.CODEC.encode(done))
+    np.testing.assert_array_equal(back.outputs[0].row, done.outputs[0].row)
+    np.testing.assert_array_equal(back.outputs[0].sparse[1], [3, 9])
+    assert (back.tokens, back.timing) == (3, Timing(1, 2, 3, 4))
+
+
+@pytest.mark.parametrize("error", [InvalidInput("too long"), NotReady("loading"), Overloaded("full")])
+def test_an_engine_error_is_raised_again_at_the_front_end_as_itself(error):
+    failed = m.CODEC.decode(m.CODEC.encode(m.failure(3, error)))
+    again = m.error_of(failed)
+    assert type(again) is type(error) and str(again) == str(error)
+
+
+def test_an_unexpected_engine_error_is_internal_and_says_what_it_was():
+    again = m.error_of(m.failure(3, KeyError("x")))
+    assert type(again) is RuntimeError and "KeyError" in str(again)
+
+
+def test_the_shared_count_admits_for_the_whole_server():
+    shared = multiprocessing.get_context("spawn").Value("q", 0)
+    first, second = InflightLimiter(10, shared), InflightLimiter(10, shared)
+    with first.hold(6):
+        assert second.in_flight == 6
+        with pytest.raises(Overloaded, match="limit of 10 inputs in flight \\(6 now\\)"):
+            with second.hold(5):
+                pass
+        with second.hold(4):
+            assert first.in_flight == 10
+    assert first.in_flight == second.in_flight == 0
+
+
+def test_frontends_zero_means_one_per_four_cores(tmp_path):
+    assert [frontends_for_cores(n) for n in (1, 2, 4, 7, 8, 16, 64)] == [1, 1, 1, 1, 2, 4, 8]
+    limit = tmp_path / "cpu.max"
+    limit.write_text("max 100000\n")
+    unlimited = usable_cores(str(limit))
+    limit.write_text("150000 100000\n")
+    assert usable_cores(str(limit)) == 1
+    assert usable_cores(str(tmp_path / "none")) == unlimited
+
+
+@pytest.mark.parametrize("frontends", [-1, 65])
+def test_frontends_out_of_range_is_refused(frontends):
+    model = ModelConfig(path=str(bundled_model_path()), served_name="m")
+    with pytest.raises(ConfigError, match="--frontends must be in 0..64"):
+        ServerConfig(models=(model,), frontends=frontends)

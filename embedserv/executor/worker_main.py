@@ -14,7 +14,6 @@ thread exits when the parent pid changes (the parent died before the prctl, or t
 from __future__ import annotations
 
 import ctypes
-import gc
 import json
 import logging
 import os
@@ -32,6 +31,7 @@ from embedserv.config import ModelConfig
 from embedserv.executor.messages import CODEC, LoadFailed, Ready, RunGenerationStep, RunStep, StepDone, StepFailed
 from embedserv.executor.placement import Placement
 from embedserv.executor.step_delta import RunningBatch
+from embedserv.start_up import freeze_start_up_objects
 
 # Named, not __name__: run with -m, this module is __main__.
 logger = logging.getLogger("embedserv.executor.worker_main")
@@ -167,8 +167,7 @@ def main(argv: list[str]) -> int:
         outbox.close(linger=2000)
         return 1
     # The model's objects stay for the process's life: a full collection need not walk them between steps.
-    gc.collect()
-    gc.freeze()
+    freeze_start_up_objects()
     outbox.send_multipart(CODEC.encode(Ready(os.getpid(), runner.kv_cache_layout())))
     logger.info("ready on %s with %d threads", args.placement.device, args.placement.threads)
     serve(runner, inbox, outbox, args.config.pipeline_depth)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import multiprocessing
 import signal
@@ -32,6 +31,7 @@ from embedserv.server.engine_host import EngineHost
 from embedserv.server.metrics_endpoint import MetricsServer
 from embedserv.server.frontend import Frontend
 from embedserv.server.served_models import InflightLimiter, ServedModels
+from embedserv.start_up import freeze_start_up_objects
 from embedserv.server.grpc.services import add_services
 from embedserv.server.security import ApiKeyInterceptor, server_credentials
 
@@ -120,7 +120,7 @@ class EmbedServer:
 
     async def start(self) -> None:
         if self.config.num_frontends > 1:
-            self.host = EngineHost(self.config, self.models, self.limiter.shared)
+            self.host = EngineHost(self.config, self.models, self.limiter.shared, type(self))
             self.port = self.host.port
             self._start_metrics()
         else:
@@ -226,14 +226,6 @@ class EmbedServer:
         if self.host is not None:
             await self.host.cancel_calls()
         await self.server.stop(None)
-
-
-def freeze_start_up_objects() -> None:
-    """Moves what start-up made (modules, torch, models, tokenizers: a heap of long-lived objects) out of the
-    collector's sight. Otherwise each full collection walks them all: 200 ms, every 0.7 s under one-text HTTP
-    load, which all calls in flight waited out (p99 258 ms against 101 ms frozen; docs/PERFORMANCE.md)."""
-    gc.collect()
-    gc.freeze()
 
 
 async def run(config: ServerConfig) -> None:

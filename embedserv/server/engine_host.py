@@ -70,7 +70,9 @@ def _answers(host: str, port: int) -> bool:
 
 
 class EngineHost:
-    def __init__(self, config: ServerConfig, models: ServedModels, shared_in_flight) -> None:
+    def __init__(self, config: ServerConfig, models: ServedModels, shared_in_flight, server_class: type) -> None:
+        """`server_class` (app.EmbedServer) is what each front-end process runs."""
+        self._server_class = server_class
         self._reserved = [reserve_port(config.host, config.port, "--port")]
         if config.http_port:
             self._reserved.append(reserve_port(config.host, config.http_port, "--http-port"))
@@ -118,7 +120,7 @@ class EngineHost:
         log_settings = (logging.getLevelName(logging.getLogger().getEffectiveLevel()), logs.current_format())
         process = multiprocessing.get_context("spawn").Process(
             target=run_frontend, name=f"embedserv-frontend-{index}", daemon=True,
-            args=(self.config, index, self.address, self._shared_in_flight, log_settings),
+            args=(self.config, index, self.address, self._shared_in_flight, log_settings, self._server_class),
         )  # fmt: skip
         process.start()
         self._processes[index] = process

@@ -18,12 +18,16 @@ import signal
 from embedserv import logs
 from embedserv.config import ServerConfig
 from embedserv.errors import ConfigError
+from embedserv.start_up import freeze_start_up_objects
 
 logger = logging.getLogger("embedserv.server.frontend_process")
 
 
-def run_frontend(config: ServerConfig, index: int, address: str, shared_in_flight, log_settings: tuple[str, str]) -> None:
-    """The process's target (multiprocessing, spawn)."""
+def run_frontend(
+    config: ServerConfig, index: int, address: str, shared_in_flight, log_settings: tuple[str, str], server_class
+) -> None:
+    """The process's target (multiprocessing, spawn). `server_class` is app.EmbedServer, handed over by the engine
+    process (pickled by name) so that this module need not import the server that starts it."""
     from embedserv.executor.worker_main import die_with_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -34,17 +38,16 @@ def run_frontend(config: ServerConfig, index: int, address: str, shared_in_fligh
         level, log_format, text_format=f"%(asctime)s %(levelname)s %(name)s [front end {index} pid {os.getpid()}]: "
         "%(message)s", extra={"frontend": index, "pid": os.getpid()},
     )  # fmt: skip
-    asyncio.run(_serve(config, index, address, shared_in_flight))
+    asyncio.run(_serve(config, index, address, shared_in_flight, server_class))
 
 
-async def _serve(config: ServerConfig, index: int, address: str, shared_in_flight) -> None:
+async def _serve(config: ServerConfig, index: int, address: str, shared_in_flight, server_class) -> None:
     from embedserv.engine.engine import Engine
     from embedserv.engine.loading import read_served_model
     from embedserv.server import link_messages as m
-    from embedserv.server.app import EmbedServer, freeze_start_up_objects
     from embedserv.server.remote_core import FrontendLink, RemoteCore
 
-    server = EmbedServer(config, shared_in_flight=shared_in_flight, frontend_index=index)
+    server = server_class(config, shared_in_flight=shared_in_flight, frontend_index=index)
     drain = asyncio.Event()
     drain_grace: list[float] = []
     cores: dict[str, RemoteCore] = {}

@@ -26,11 +26,12 @@ def _embed_each(engine: SyncEngine, texts: list[str]) -> np.ndarray:
 
 
 def test_two_workers_embed_and_rerank_exactly_as_one(bundled_dir, texts):
+    """Batches of at most 4 sequences: the calls (all queued at once) make several batches to share out."""
     query, documents = texts[0][:200], [t[:300] for t in texts[1:13]]
-    with _engine(bundled_dir, 1) as one:
+    with _engine(bundled_dir, 1, max_batch_requests=4) as one:
         want = _embed_each(one, texts)
         want_ranking = one.rerank(query, documents, RerankParams(truncate=True)).results
-    with _engine(bundled_dir, 2) as two:
+    with _engine(bundled_dir, 2, max_batch_requests=4) as two:
         got = _embed_each(two, texts)
         got_ranking = two.rerank(query, documents, RerankParams(truncate=True)).results
         stats = two.worker_stats()

@@ -15,6 +15,7 @@ from pathlib import Path
 import tokenizers
 from transformers import AutoTokenizer
 
+from embedserv.engine import text_prefix
 from embedserv.models.loading.tasks import Seq2SeqYesNoTemplate, YesNoTemplate
 from embedserv.types import TokenizedText, TruncationDirection
 from embedserv.errors import InvalidInput
@@ -55,6 +56,8 @@ class TextTokenizer:
         self._backend = tokenizers.Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str())
         self._backend.no_padding()
         self._backend.no_truncation()
+        # Texts cut from the right may be tokenized from a prefix (text_prefix.py).
+        self._cuts_safely = text_prefix.cuts_safely(self._backend)
         # Decoding generated text (engine/core/detokenizer.py) goes through transformers' own decode.
         self.hf_tokenizer = hf_tokenizer
         self.eos_token_id: int | None = hf_tokenizer.eos_token_id
@@ -104,8 +107,12 @@ class TextTokenizer:
         """Token ids with special tokens; too-long texts are cut (truncate) or refused."""
         prompt = self.resolve_prompt(prompt_name)
         pool_start = self._prompt_pool_start(prompt)
-        encodings = self._backend.encode_batch([self._prepare(prompt + t) for t in texts], add_special_tokens=False)
+        prepared = [self._prepare(prompt + t) for t in texts]
         room = self.max_input_tokens - self._num_special
+        if truncate and direction is TruncationDirection.RIGHT and self._cuts_safely:
+            encodings = text_prefix.encode_for_room(self._backend, prepared, room)
+        else:
+            encodings = self._backend.encode_batch(prepared, add_special_tokens=False)
         out = []
         for index, encoding in enumerate(encodings):
             if len(encoding.ids) > room:

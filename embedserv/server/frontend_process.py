@@ -21,6 +21,8 @@ from embedserv.errors import ConfigError
 from embedserv.start_up import freeze_start_up_objects
 
 logger = logging.getLogger("embedserv.server.frontend_process")
+# How long the last message to the engine process (Drained, or why this front end cannot listen) may take.
+_LAST_WORDS_MS = 5000
 
 
 def run_frontend(
@@ -76,7 +78,7 @@ async def _serve(config: ServerConfig, index: int, address: str, shared_in_fligh
         await server.listen()
     except ConfigError as exc:
         await link.start(m.Hello(index, os.getpid(), str(exc)))
-        link.close()
+        link.close(linger_ms=_LAST_WORDS_MS)
         return
     await link.start(m.Hello(index, os.getpid()))
     freeze_start_up_objects()
@@ -84,4 +86,4 @@ async def _serve(config: ServerConfig, index: int, address: str, shared_in_fligh
     await drain.wait()
     await server.stop(drain_grace[0])
     await link.send(m.Drained(index))
-    link.close()
+    link.close(linger_ms=_LAST_WORDS_MS)

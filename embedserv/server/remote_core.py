@@ -54,7 +54,8 @@ class FrontendLink:
     async def send(self, message: object) -> None:
         await self._socket.send_multipart(m.CODEC.encode(message), copy=False)
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """`linger_ms`: how long the last messages sent (Hello with an error, Drained) may take to go out."""
         if self._receiver is not None:
             self._receiver.cancel()
         for waiter in self._calls.values():
@@ -62,7 +63,7 @@ class FrontendLink:
                 waiter.set_exception(NotReady("the engine process went away; retry"))
             elif isinstance(waiter, asyncio.Queue):
                 waiter.put_nowait(m.CallFailed(0, "NotReady", "the engine process went away; retry"))
-        self._socket.close(linger=0)
+        self._socket.close(linger=linger_ms)
 
     async def _receive(self) -> None:
         while True:

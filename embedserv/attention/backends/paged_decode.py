@@ -56,12 +56,12 @@ def decode_gathered(
     kv_heads = kv_cache.shape[-2]
     keys = kv_cache[0].index_select(0, tables.reshape(-1))  # [n * blocks, block_size, kv_heads, d]
     length = rows.shape[1]
-    # [n, L * kv_heads, heads]: every query head against every KV head of every key; q as a transposed
-    # view (a contiguous copy made MKL's batched matmul 2x slower here).
-    every = torch.bmm(keys.view(n, length * kv_heads, size), q.transpose(1, 2))
-    # Query head h reads KV head h // group: the diagonal of [kv_heads, kv_heads] -> [n, L, group, kv_heads].
-    mine = every.view(n, length, kv_heads, kv_heads, heads // kv_heads).diagonal(dim1=2, dim2=3)
-    scores = mine.permute(0, 3, 2, 1).reshape(n, heads, 1, length).mul_(scale)
+    # [n, heads, L * kv_heads]: every query head against every KV head of every key. This orientation
+    # runs on both threads of a 2-core machine; keys @ q.T ran on one (2.5 against 4.9 ms, two layers).
+    every = torch.bmm(q, keys.view(n, length * kv_heads, size).transpose(1, 2))
+    # Query head h = k * group + j reads KV head k: the diagonal of (k, KV head) -> [n, group, L, kv_heads].
+    mine = every.view(n, kv_heads, heads // kv_heads, length, kv_heads).diagonal(dim1=1, dim2=4)
+    scores = mine.permute(0, 3, 1, 2).reshape(n, heads, 1, length).mul_(scale)
     if mask.dtype == torch.bool:
         scores.masked_fill_(~mask, float("-inf"))
     else:

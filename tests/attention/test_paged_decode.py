@@ -40,7 +40,9 @@ def calls(monkeypatch):
 
 
 @pytest.mark.parametrize("mix", [DECODES, MIXED], ids=["decodes", "mixed"])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (8, 1), (16, 8)], ids=["mha", "gqa4", "mqa", "gqa2-8kv"])
+@pytest.mark.parametrize(
+    "heads,kv_heads", [(4, 4), (8, 2), (8, 1), (9, 3), (16, 16)], ids=["mha", "gqa4", "mqa", "gqa3", "mha16"]
+)
 @pytest.mark.parametrize("block_size", [16, 12, 1])
 def test_gathered_decodes_match_the_oracle(calls, mix, heads, kv_heads, block_size):
     step = Step(mix, heads, kv_heads, 32, torch.float32, "cpu", block_size)
@@ -52,9 +54,10 @@ def test_gathered_decodes_match_the_oracle(calls, mix, heads, kv_heads, block_si
     torch.testing.assert_close(out, step.run(NaiveBackend()), **TOLERANCE)
 
 
-def test_more_kv_heads_than_the_limit_go_to_sdpa(calls):
-    heads = paged_decode.MAX_KV_HEADS + 4
-    step = Step(DECODES, heads, heads, 16, torch.float32, "cpu")
+@pytest.mark.parametrize("kv_heads", [4, 20], ids=["gqa", "mha"])
+def test_more_heads_than_the_limit_go_to_sdpa(calls, kv_heads):
+    heads = paged_decode.MAX_HEADS + 4
+    step = Step(DECODES, heads, kv_heads, 16, torch.float32, "cpu")
     out = step.run(SdpaBackend())
     assert not calls
     torch.testing.assert_close(out, step.full_causal(), **TOLERANCE)

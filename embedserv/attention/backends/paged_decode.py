@@ -7,8 +7,8 @@ then read them again, and its one-row queries ran at a fraction of the bandwidth
 streams: 8.8 of its 15 ms a step in gathers and attention). In float32 this does instead:
 - keys: one gather of whole blocks (one index per block), then one batched matmul of every query head
   with every KV head of each gathered token, contiguous, keeping the diagonal (kv_heads times the
-  needed multiply-adds, which cost less than the copy a per-head layout would need; beyond
-  MAX_KV_HEADS the waste would not pay, and SDPA runs instead);
+  needed multiply-adds, heads / 2 per byte of keys, which cost less than the copy a per-head layout
+  would need up to MAX_HEADS query heads; beyond, SDPA runs instead);
 - values: never gathered. F.embedding_bag sums each (sequence, head)'s value rows weighted by its
   probabilities straight out of the cache, reading each value once. Its row indices (one per key per
   head: the block table spelled out per token) are made once per step and shared by all layers of the
@@ -26,14 +26,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# The gathered score matmul does kv_heads times the needed work; up to this many KV heads it still
-# beats SDPA (2-layer, 4-head model: 4x); MHA models of 12-32 heads go to SDPA.
-MAX_KV_HEADS = 8
+# The gathered score matmul does heads / 2 multiply-adds per byte of keys. Against SDPA at 2 threads
+# (32 decodes of 500 keys, head size 64 unless said): 4 heads 1.3 vs 1.7 ms, 9 of 3 KV heads 1.2 vs 1.5,
+# 14 of 2 1.0 vs 1.5, 16 of 4 2.5 vs 2.8, 16 of 16 9.8 vs 10.6, 32 of 32 even, 32 of 8 (size 128) 6.8 vs
+# 5.1: past this many query heads SDPA runs.
+MAX_HEADS = 16
 
 
-def uses_gathered_decode(q: torch.Tensor, kv_heads: int) -> bool:
+def uses_gathered_decode(q: torch.Tensor) -> bool:
     """q: [n, heads, head_size]."""
-    return q.device.type == "cpu" and q.dtype == torch.float32 and kv_heads <= MAX_KV_HEADS
+    return q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[1] <= MAX_HEADS
 
 
 def value_rows(tables: torch.Tensor, block_size: int, heads: int, kv_heads: int) -> torch.Tensor:

@@ -304,7 +304,7 @@ def _attend_decodes(layer: AttentionLayer, queries, kv_cache, meta: SdpaMetadata
     else:
         mask = plan.decode_mask if window is None else decode_window_mask(meta, window)
     heads, kv_heads = queries.shape[1], kv_cache.shape[-2]
-    if uses_gathered_decode(queries, kv_heads):
+    if uses_gathered_decode(queries):
         rows = step_memo(
             meta.memo, ("decode-value-rows", heads, kv_heads),
             lambda: value_rows(plan.decode_tables, meta.common.block_size, heads, kv_heads),

@@ -4,10 +4,10 @@ A decode step is bound by memory: every key and value of every sequence is read 
 multiply-adds each (128 streams of ~150 tokens of a 256-wide model: 19 MB of keys and 19 MB of values a
 layer). SDPA's flash kernel wants keys and values gathered and padded first, so the step copied both and
 then read them again, and its one-row queries ran at a fraction of the bandwidth (a 2-layer model at 128
-streams: 8.8 of its 15 ms a step in gathers and attention). In float32 this does instead:
+streams: 8.8 of 17.7 ms a step under the profiler in gathers and SDPA). In float32 this does instead:
 - keys: one gather of whole blocks (one index per block), then one batched matmul of every query head
   with every KV head of each gathered token, contiguous, keeping the diagonal (kv_heads times the
-  needed multiply-adds, heads / 2 per byte of keys, which cost less than the copy a per-head layout
+  needed multiply-adds, heads / 4 per byte of keys, which cost less than the copy a per-head layout
   would need up to MAX_HEADS query heads; beyond, SDPA runs instead);
 - values: never gathered. F.embedding_bag sums each (sequence, head)'s value rows weighted by its
   probabilities straight out of the cache, reading each value once. Its row indices (one per key per
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# The gathered score matmul does heads / 2 multiply-adds per byte of keys. Against SDPA at 2 threads
+# The gathered score matmul does heads / 4 multiply-adds per byte of keys. Against SDPA at 2 threads
 # (32 decodes of 500 keys, head size 64 unless said): 4 heads 1.3 vs 1.7 ms, 9 of 3 KV heads 1.2 vs 1.5,
 # 14 of 2 1.0 vs 1.5, 16 of 4 2.5 vs 2.8, 16 of 16 9.8 vs 10.6, 32 of 32 even, 32 of 8 (size 128) 6.8 vs
 # 5.1: past this many query heads SDPA runs.

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from embedserv.types import SamplingParams
-from embedserv.models.heads.sampler import _cut, sample
+from embedserv.models.heads.sampler import _cut, greedy_tokens, sample
 
 
 def _logits(rows=4, vocab=50, seed=0):
@@ -16,6 +16,22 @@ def test_greedy_rows_take_the_argmax_beside_sampled_rows():
     params = [SamplingParams(1), SamplingParams(1, temperature=1.0), SamplingParams(1), SamplingParams(1, temperature=2.0)]
     out = sample(logits, params, [5] * 4)
     assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
+
+
+@pytest.mark.parametrize("vocab", [30522, 256, 257, 513, 100])
+def test_greedy_tokens_are_argmax_with_its_ties(vocab):
+    """The sliced scan (CPU) picks argmax's token: the first maximum, also in a short last slice and
+    where a maximum repeats across slices."""
+    gen = torch.Generator().manual_seed(vocab)
+    for trial in range(12):
+        logits = torch.randn(9, vocab, generator=gen)
+        if trial % 3 == 0:
+            logits = torch.randint(0, 3, (9, vocab), generator=gen).float()
+        if trial % 4 == 1:
+            logits[:, -1] = logits[:, 0] = 50.0
+        if trial % 4 == 2:
+            logits[::2, -1] = 60.0
+        assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1)), trial
 
 
 def test_top_k_and_top_p_keep_what_transformers_keeps():

@@ -10,9 +10,10 @@ KV-free cross-attention (decoder queries over their own encoder's keys, packed a
 by runs of one query length: keys are a view when the run's sequences share a key length too, else (one
 query each, as monoT5 scores) they are gathered, padded to the run's longest, and masked, in one call.
 
-With a paged KV cache, decoding sequences (one query each) go in one padded call over whole blocks read
-through their block tables (one index per block, not per token) and a mask hiding what lies past each
-sequence's length. Prompt chunks run one call each: a whole prompt attends over its own new keys and
+With a paged KV cache, decoding sequences (one query each) go in one padded call over their blocks read
+through their block tables and a mask hiding what lies past each sequence's length: on CPU in float32
+(paged_decode.py) keys gathered a block at a time and values summed straight out of the cache; else whole
+blocks of both gathered (one index per block, not per token) for SDPA, or in bfloat16 two matmuls. Prompt chunks run one call each: a whole prompt attends over its own new keys and
 never reads the cache; a chunk with context reads its blocks. Paged cross-attention reads every key from
 the cache (the step's encoder keys, when given, are written first): the same calls, never causal. All
 of it is planned once per step.
@@ -37,9 +38,12 @@ import torch.nn.functional as F
 
 from embedserv import cpu_isa
 from embedserv.attention.backends.base import (
-    AttentionLayer, PagedBackendBase, gather_blocks, relative_bias_table, write_kv,
+    AttentionLayer, PagedBackendBase, gather_blocks, relative_bias_table, step_memo, write_kv,
 )
 from embedserv.attention.backends.naive import future_mask
+from embedserv.attention.backends.paged_decode import (
+    decode_gathered, decode_with_matmuls, uses_gathered_decode, value_rows,
+)
 from embedserv.attention.backends.sdpa_bias import (
     chunk_bias, decode_bias, disentangled_bias, disentangled_groups, mask_dtype, run_bias,
 )
@@ -259,21 +263,7 @@ def _forward_paged(layer: AttentionLayer, q, k, v, kv_cache, meta: SdpaMetadata)
         refuse_biased_window(layer, "sdpa")
     out = torch.empty_like(q)
     if plan.decode_rows is not None:
-        # One coarse gather of whole blocks for every decode: [n, blocks * block_size, kv_heads, d].
-        keys, values = gather_blocks(kv_cache, plan.decode_tables)
-        queries = q[plan.decode_rows]
-        if table is not None:
-            mask = decode_bias(layer, table, meta, mask_dtype(q))
-        else:
-            mask = plan.decode_mask if window is None else decode_window_mask(meta, window)
-        if q.device.type == "cpu" and q.dtype == torch.bfloat16:
-            out[plan.decode_rows] = _decode_with_matmuls(queries, keys, values, mask, layer.scale)
-        else:
-            attended = F.scaled_dot_product_attention(
-                queries.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
-                attn_mask=mask, scale=layer.scale, enable_gqa=gqa,
-            )
-            out[plan.decode_rows] = attended.squeeze(2)
+        out[plan.decode_rows] = _attend_decodes(layer, q[plan.decode_rows], kv_cache, meta, table, window, gqa)
     for index, chunk in enumerate(plan.chunks):
         whole = None
         if table is not None:
@@ -306,19 +296,26 @@ def _attend_chunk(layer: AttentionLayer, q, k, v, kv_cache, chunk: Chunk, gqa: b
     return attended[0].transpose(0, 1)
 
 
-def _decode_with_matmuls(q, keys, values, mask, scale: float) -> torch.Tensor:
-    """One query per sequence, as two batched matmuls in float32: q [n, H, d], keys/values [n, L, kv_heads, d]
-    -> [n, H, d]. On CPU in bfloat16, SDPA's flash kernel spent half of a decode step on these one-row
-    queries, about 4x this (32 streams of a 30-layer model: 115 -> 55 ms a step); in float32 SDPA is the
-    faster. Query heads are grouped by the KV head they share, so grouped-query attention repeats nothing.
-    `mask`: [n, 1, 1, L] bool (True for the keys a query sees), or [n, H, 1, L] float32 added to the scores."""
-    n, heads, size = q.shape
-    kv_heads = keys.shape[2]
-    grouped = q.float().view(n, kv_heads, heads // kv_heads, size)
-    scores = torch.matmul(grouped, keys.float().permute(0, 2, 3, 1)).mul_(scale)  # [n, kv_heads, group, L]
-    if mask.dtype == torch.bool:
-        scores.masked_fill_(~mask.view(n, 1, 1, -1), float("-inf"))
+def _attend_decodes(layer: AttentionLayer, queries, kv_cache, meta: SdpaMetadata, table, window, gqa: bool):
+    """The one-token sequences of a paged step, [n, heads, d], in one call (paged_decode.py says which)."""
+    plan = meta.paged
+    if table is not None:
+        mask = decode_bias(layer, table, meta, mask_dtype(queries))
     else:
-        scores.add_(mask.view(n, kv_heads, heads // kv_heads, -1))
-    out = torch.matmul(scores.softmax(dim=-1), values.float().transpose(1, 2))  # [n, kv_heads, group, d]
-    return out.view(n, heads, size).to(q.dtype)
+        mask = plan.decode_mask if window is None else decode_window_mask(meta, window)
+    heads, kv_heads = queries.shape[1], kv_cache.shape[-2]
+    if uses_gathered_decode(queries):
+        rows = step_memo(
+            meta.memo, ("decode-value-rows", heads, kv_heads),
+            lambda: value_rows(plan.decode_tables, meta.common.block_size, heads, kv_heads),
+        )
+        return decode_gathered(queries, kv_cache, plan.decode_tables, rows, mask, layer.scale)
+    # One coarse gather of whole blocks for every decode: [n, blocks * block_size, kv_heads, d].
+    keys, values = gather_blocks(kv_cache, plan.decode_tables)
+    if queries.device.type == "cpu" and queries.dtype == torch.bfloat16:
+        return decode_with_matmuls(queries, keys, values, mask, layer.scale)
+    attended = F.scaled_dot_product_attention(
+        queries.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=mask, scale=layer.scale, enable_gqa=gqa,
+    )
+    return attended.squeeze(2)

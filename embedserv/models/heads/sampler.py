@@ -15,6 +15,8 @@ import torch
 from embedserv.types import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15
+# Greedy on CPU: the vocabulary is scanned in slices of this many logits (see `greedy_tokens`).
+_ARGMAX_SLICE = 256
 
 
 def step_seed(seed: int, length: int) -> int:
@@ -24,7 +26,7 @@ def step_seed(seed: int, length: int) -> int:
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], lengths: Sequence[int]) -> torch.Tensor:
     """[num_rows, vocab] float32 logits -> [num_rows] int64 token ids."""
-    greedy = logits.argmax(dim=-1)
+    greedy = greedy_tokens(logits)
     if all(p.is_greedy for p in params):
         return greedy
     device = logits.device
@@ -41,6 +43,23 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], lengths: Sequ
     sampled = (probs / noise).argmax(dim=-1)
     is_greedy = torch.tensor([p.is_greedy for p in params], device=device)
     return torch.where(is_greedy, greedy, sampled)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1), the first maximum of each row. On CPU torch's argmax scans at a tenth of
+    amax's speed (128 rows of a 30k vocabulary: 2.1 ms against 0.2 ms, one thread), so there the row's
+    largest slice maximum is found with amax, and argmax runs only in the first slice that holds it."""
+    rows, vocab = logits.shape
+    if logits.device.type != "cpu" or vocab <= _ARGMAX_SLICE:
+        return logits.argmax(dim=-1)
+    whole = vocab // _ARGMAX_SLICE * _ARGMAX_SLICE
+    peaks = logits[:, :whole].unflatten(1, (-1, _ARGMAX_SLICE)).amax(dim=-1)
+    if whole < vocab:
+        peaks = torch.cat((peaks, logits[:, whole:].amax(dim=-1, keepdim=True)), dim=1)
+    start = peaks.argmax(dim=-1) * _ARGMAX_SLICE
+    # The last slice may be short: its columns past the vocabulary repeat the last logit, after it.
+    columns = (start[:, None] + torch.arange(_ARGMAX_SLICE, device=logits.device)).clamp_(max=vocab - 1)
+    return start + logits.gather(1, columns).argmax(dim=-1)
 
 
 def _cut(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
 import sys
-import tempfile
 
 from embedserv import cpu_isa, logs
 from embedserv.config import (
@@ -29,9 +27,6 @@ from embedserv.config import (
 )
 from embedserv.config_file import MODEL_OPTION_KEYS, SERVER_KEYS, assemble, read_config_file
 from embedserv.errors import ConfigError
-
-# prometheus-client's multiprocess mode (read by prometheus_client.values at import).
-MULTIPROC_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 
 # Flags that set config fields have no argparse default: a flag not given leaves the value to the config
 # file, then to the dataclass default, which their help shows.
@@ -137,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"tokenizer threads per model {_server('tokenizer_threads')}")
     serve.add_argument("--frontends", type=int, metavar="N",
                        help="processes serving gRPC and HTTP on the same ports, each parsing and tokenizing its "
-                            "calls for the engines in the first; 0: one per 4 cores (at most 8) "
+                            "calls for one engine process; 0: one per 4 CPUs (at most 8) "
                             + _server("frontends"))
     serve.add_argument("--drain-timeout", type=float, metavar="SECONDS",
                        help=f"on SIGTERM/SIGINT, how long in-flight calls may take to finish {_server('drain_timeout')}")
@@ -179,33 +174,15 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return assemble(config_file, model_flags, server_flags, args.model, args.served_model_name)
 
 
-@contextlib.contextmanager
-def _metrics_shared_between_processes(shared: bool):
-    """Several front-end processes count calls each: prometheus-client's multiprocess mode keeps every process's
-    counters and histograms in files of one directory, which the engine process's /metrics sums. It must be
-    set before prometheus_client is first imported, here and (inherited) in the front ends."""
-    if not shared or os.environ.get(MULTIPROC_DIR_VARIABLE):
-        yield
-        return
-    with tempfile.TemporaryDirectory(prefix="embedserv-metrics-") as directory:
-        os.environ[MULTIPROC_DIR_VARIABLE] = directory
-        try:
-            yield
-        finally:
-            del os.environ[MULTIPROC_DIR_VARIABLE]
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logs.configure(args.log_level, args.log_format)
     # Models are local directories; never reach for a hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        config = server_config(args)
-        with _metrics_shared_between_processes(config.num_frontends > 1):
-            from embedserv.server.app import run
+    from embedserv.server.app import run
 
-            asyncio.run(run(config))
+    try:
+        asyncio.run(run(server_config(args)))
     except ConfigError as exc:
         logging.getLogger("embedserv").error("%s", exc)
         return 2

@@ -143,7 +143,10 @@ class EmbedServer:
 
     def _start_metrics(self) -> None:
         if self.config.metrics_port is not None:
-            self.metrics = MetricsServer(self.config.host, self.config.metrics_port, self.models, self.limiter)
+            frontends_dir = self.host.metrics_dir if self.host is not None else None
+            self.metrics = MetricsServer(
+                self.config.host, self.config.metrics_port, self.models, self.limiter, frontends_dir
+            )
 
     async def listen(self) -> None:
         """gRPC (health NOT_SERVING), HTTP and, unless this is a front-end process, the metrics port."""

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import os
 import socket
 import tempfile
 import time
@@ -36,6 +37,7 @@ from embedserv.server.served_models import ServedModels
 
 logger = logging.getLogger(__name__)
 _STATUS_EVERY_S = 1.0
+_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
 _START_TIMEOUT_S = 120.0
 
 
@@ -83,6 +85,9 @@ class EngineHost:
         self.started = False
         self._dir = tempfile.TemporaryDirectory(prefix="embedserv-frontends-")
         self.address = f"ipc://{self._dir.name}/engine"
+        # The front ends count calls in prometheus-client's multiprocess files here; /metrics adds them up.
+        self.metrics_dir = os.path.join(self._dir.name, "metrics")
+        os.mkdir(self.metrics_dir)
         self._socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(self.address)
@@ -122,7 +127,17 @@ class EngineHost:
             target=run_frontend, name=f"embedserv-frontend-{index}", daemon=True,
             args=(self.config, index, self.address, self._shared_in_flight, log_settings, self._server_class),
         )  # fmt: skip
-        process.start()
+        # The child reads its environment when it starts: the variable must be there before prometheus_client
+        # is first imported in it, and must not be in this process, whose own counters stay in memory.
+        previous = os.environ.get(_MULTIPROC_DIR)
+        os.environ[_MULTIPROC_DIR] = self.metrics_dir
+        try:
+            process.start()
+        finally:
+            if previous is None:
+                del os.environ[_MULTIPROC_DIR]
+            else:
+                os.environ[_MULTIPROC_DIR] = previous
         self._processes[index] = process
         logger.info("started front end %d (pid %d)", index, process.pid)
 
@@ -202,13 +217,19 @@ class EngineHost:
     async def _status_loop(self) -> None:
         while True:
             await asyncio.sleep(_STATUS_EVERY_S)
-            await self.broadcast(self.status())
-            for index, process in list(self._processes.items()):
-                if self._watching and not process.is_alive():
-                    logger.error("front end %d (pid %d) exited with %s; starting it again", index, process.pid,
-                                 process.exitcode)  # fmt: skip
-                    self._forget(index)
-                    self._spawn(index)
+            try:
+                await self.broadcast(self.status())
+                self._replace_dead_frontends()
+            except Exception:  # noqa: BLE001 - the loop must outlive one bad second
+                logger.exception("front-end status update failed")
+
+    def _replace_dead_frontends(self) -> None:
+        for index, process in list(self._processes.items()):
+            if self._watching and not process.is_alive():
+                logger.error("front end %d (pid %d) exited with %s; starting it again", index, process.pid,
+                             process.exitcode)  # fmt: skip
+                self._forget(index)
+                self._spawn(index)
 
     def _forget(self, index: int) -> None:
         self._started_frontends.pop(index, None)

@@ -70,7 +70,7 @@ async def _serve(config: ServerConfig, index: int, address: str, shared_in_fligh
     loop = asyncio.get_running_loop()
     for model in config.models:
         served = await loop.run_in_executor(None, read_served_model, model)
-        core = RemoteCore(model.served_name, link, config.tokenizer_threads)
+        core = RemoteCore(model.served_name, link, served.tokenizer, config.tokenizer_threads)
         cores[model.served_name] = core
         server.models.add(Engine(model, served, core=core))
         core.add_serving_listener(server.on_serving_change)

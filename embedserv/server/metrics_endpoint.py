@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import os
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Metric, start_http_server
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 from embedserv import metrics
 from embedserv.errors import ConfigError
@@ -68,16 +68,42 @@ class ServerCollector(Collector):
         yield from (queue, dropped, ready, restarts, busy, kv_usage, kv_blocks, preemptions)
 
 
+class _Summed(Collector):
+    """The families of several collectors as one: samples with the same name and labels added up (the engine
+    process's own batch counters, the front ends' call counters; a family may come from both)."""
+
+    def __init__(self, sources: list) -> None:
+        self.sources = sources
+
+    def collect(self):
+        families: dict[str, Metric] = {}
+        for source in self.sources:
+            for family in source.collect():
+                merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                merged.samples.extend(family.samples)
+        for family in families.values():
+            sums: dict[tuple, Sample] = {}
+            for sample in family.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                known = sums.get(key)
+                sums[key] = sample if known is None else known._replace(value=known.value + sample.value)
+            family.samples = list(sums.values())
+            yield family
+
+
 class MetricsServer:
     """/metrics over HTTP in a thread of its own (prometheus-client's WSGI server)."""
 
-    def __init__(self, host: str, port: int, models: ServedModels, limiter: InflightLimiter) -> None:
+    def __init__(
+        self, host: str, port: int, models: ServedModels, limiter: InflightLimiter, frontends_dir: str | None = None
+    ) -> None:
+        """`frontends_dir`: where the front-end processes keep their counters and histograms (engine_host.py);
+        /metrics adds them to this process's own."""
         self.collector = ServerCollector(models, limiter)
         self.registry = metrics.REGISTRY
-        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            # Several front-end processes (cli.py): their counters and histograms summed from the shared files.
+        if frontends_dir is not None:
             self.registry = CollectorRegistry()
-            MultiProcessCollector(self.registry)
+            self.registry.register(_Summed([metrics.REGISTRY, MultiProcessCollector(None, frontends_dir)]))
         self.registry.register(self.collector)
         try:
             self._httpd, _ = start_http_server(port, addr=host, registry=self.registry)

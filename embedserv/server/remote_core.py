@@ -22,12 +22,12 @@ import zmq
 import zmq.asyncio
 
 from embedserv.engine.ports import SequenceOutput, run_tokenizer
-from embedserv.engine.tokenizer import Encoded
+from embedserv.engine.tokenizer import Encoded, TextTokenizer
 from embedserv.errors import NotReady
 from embedserv.executor.base import WorkerStats
 from embedserv.logs import REQUEST_ID
 from embedserv.server import link_messages as m
-from embedserv.types import EmbedOutput, GenerationDelta, KvCacheUsage, SamplingParams, Timing
+from embedserv.types import EmbedOutput, GenerationDelta, KvCacheUsage, SamplingParams, Timing, TruncationDirection
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -121,9 +121,10 @@ class FrontendLink:
 class RemoteCore:
     """The engine core of one model as a front end sees it: same surface as EngineCore, over the link."""
 
-    def __init__(self, name: str, link: FrontendLink, tokenizer_threads: int = 1) -> None:
+    def __init__(self, name: str, link: FrontendLink, tokenizer: TextTokenizer, tokenizer_threads: int = 1) -> None:
         self.name = name
         self.link = link
+        self.tokenizer = tokenizer
         self._tokenizer_pool = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix=f"tokenize-{name}")
         self.status = m.ModelStatus(name, running=False, serving=False)
         self._serving_listeners: list[Callable[[bool], None]] = []
@@ -176,6 +177,10 @@ class RemoteCore:
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, decoder_prompt: str = "", add_special_tokens: bool = True,
     ) -> AsyncIterator[GenerationDelta]:
+        if not isinstance(prompt, str):
+            # Checked here as the engine checks it: an id past int64 could not even cross the link.
+            self.tokenizer.check_token_ids([prompt], False, TruncationDirection.RIGHT)
+
         def call(call_id: int) -> m.GenerateCall:
             return m.GenerateCall(
                 call_id, self.name, prompt, params, decoder_prompt, add_special_tokens, REQUEST_ID.get()

@@ -56,8 +56,7 @@ class TextTokenizer:
         self._backend = tokenizers.Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str())
         self._backend.no_padding()
         self._backend.no_truncation()
-        # Texts cut from the right may be tokenized from a prefix (text_prefix.py).
-        self._cuts_safely = text_prefix.cuts_safely(self._backend)
+        self._cuts_safely = text_prefix.cuts_safely(self._backend)  # texts cut from the right: from a prefix
         # Decoding generated text (engine/core/detokenizer.py) goes through transformers' own decode.
         self.hf_tokenizer = hf_tokenizer
         self.eos_token_id: int | None = hf_tokenizer.eos_token_id

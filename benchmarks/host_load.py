@@ -24,6 +24,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from tests.helpers.processes import FRONTEND_MARKER, WORKER_MARKER, child_pids, has_marker
+
 GRPC_CONNECTIONS = 8
 
 
@@ -164,26 +166,14 @@ async def _passes(make_client, batches, concurrency: int, repeats: int) -> LoadR
 
 
 def _role(pid: int) -> str:
-    try:
-        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-    except OSError:
-        return "gone"
-    if b"worker_main" in command:
+    if has_marker(pid, WORKER_MARKER):
         return "worker"
-    return "front end" if b"multiprocessing.spawn" in command else "server"
+    return "front end" if has_marker(pid, FRONTEND_MARKER) else "server"
 
 
 def _tree(pid: int) -> list[int]:
-    pids, found = [pid], []
-    while pids:
-        parent = pids.pop()
-        found.append(parent)
-        try:
-            children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
-        except OSError:
-            children = []
-        pids.extend(int(child) for child in children)
-    return found
+    """`pid` and every live process under it."""
+    return [pid, *(grandchild for child in child_pids(pid) for grandchild in _tree(child))]
 
 
 def cpu_by_role(server_pid: int) -> dict[int, tuple[str, float]]:

@@ -33,6 +33,7 @@ from embedserv.config import ServerConfig
 from embedserv.errors import ConfigError
 from embedserv.logs import REQUEST_ID
 from embedserv.server import link_messages as m
+from embedserv.server.frontend import bound_socket
 from embedserv.server.served_models import ServedModels
 
 logger = logging.getLogger(__name__)
@@ -44,21 +45,19 @@ _START_TIMEOUT_S = 120.0
 def reserve_port(host: str, port: int, flag: str) -> socket.socket:
     """`port` bound with SO_REUSEPORT but not listening: the front ends' listeners join it, connections
     never reach it. Port 0 picks a free one."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
-        sock.bind((host, port))
-        # Another server that shares its port (SO_REUSEPORT, same user) would let the bind pass: one that
-        # answers a connection is in the way all the same.
-        if _answers(host, sock.getsockname()[1]):
-            raise OSError(98, "another server answers there")
+        sock = bound_socket(host, port, reuse_port=True)
     except OSError as exc:
-        sock.close()
         raise ConfigError(
             f"cannot listen on {host}:{port} ({exc.strerror}); is the port in use? pick another {flag}"
         ) from None
+    # Another server that shares its port (SO_REUSEPORT, same user) would let the bind pass: one that answers
+    # a connection is in the way all the same.
+    if _answers(host, sock.getsockname()[1]):
+        sock.close()
+        raise ConfigError(
+            f"cannot listen on {host}:{port} (another server answers there); is the port in use? pick another {flag}"
+        )
     return sock
 
 
@@ -80,7 +79,10 @@ class EngineHost:
             self._reserved.append(reserve_port(config.host, config.http_port, "--http-port"))
         ports = [sock.getsockname()[1] for sock in self._reserved]
         self.port = ports[0]
-        self.config = replace(config, port=ports[0], http_port=ports[1] if config.http_port else 0)
+        # Concrete ports and front-end count: every front end serves the same, whatever it would derive itself.
+        self.config = replace(
+            config, port=ports[0], http_port=ports[1] if config.http_port else 0, frontends=config.num_frontends
+        )
         self.models = models
         self.started = False
         self._dir = tempfile.TemporaryDirectory(prefix="embedserv-frontends-")

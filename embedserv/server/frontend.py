@@ -8,6 +8,7 @@ client speaks.
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Iterable
 
 from embedserv.config import ServerConfig
@@ -15,6 +16,21 @@ from embedserv.engine.engine import Engine
 from embedserv.errors import InvalidInput, ModelNotFound, NotReady
 from embedserv.server.served_models import InflightLimiter, ServedModels
 from embedserv.types import Task
+
+def bound_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
+    """A TCP socket bound to host:port (port 0: a free one), not yet listening; OSError when the port is taken.
+    `reuse_port`: front-end processes share the port (the kernel spreads new connections over them)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
 
 # TEI's API names no model: a client picks one with this header (HTTP) or metadata key (gRPC).
 MODEL_HEADER = "x-embedserv-model"

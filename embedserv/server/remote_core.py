@@ -127,6 +127,10 @@ class RemoteCore:
         self.tokenizer = tokenizer
         self._tokenizer_pool = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix=f"tokenize-{name}")
         self.status = m.ModelStatus(name, running=False, serving=False)
+        # The engine process's /metrics reports queues and workers; a front end has none of its own.
+        self.workers: list = []
+        self.num_waiting = 0
+        self.num_dropped = 0
         self._serving_listeners: list[Callable[[bool], None]] = []
 
     def update(self, status: m.ModelStatus) -> None:
@@ -146,11 +150,6 @@ class RemoteCore:
 
     def add_serving_listener(self, listener: Callable[[bool], None]) -> None:
         self._serving_listeners.append(listener)
-
-    # The engine process's /metrics reports queues and workers; a front end has none of its own.
-    workers: list = []
-    num_waiting = 0
-    num_dropped = 0
 
     def worker_stats(self) -> list[WorkerStats]:
         return []

@@ -20,13 +20,12 @@ import pytest
 from tests.helpers.metrics import scrape
 from tests.helpers.models import build_tiny_generator
 from tests.helpers.client import embed_request, inference_stub, response_matrix
-from tests.helpers.processes import child_pids, has_marker, is_alive, wait_for
+from tests.helpers.processes import FRONTEND_MARKER, child_pids, has_marker, is_alive, wait_for
 from tests.helpers.server import free_port, running_server
 
 GEN, EMBEDDER = "tiny-llama", "minilm"
 PROMPT = "The quick brown fox jumps over the lazy dog"
 RPC_TIMEOUT_S = 60.0
-FRONTEND_MARKER = "multiprocessing.spawn"
 
 
 def _frontends(server_pid: int) -> list[int]:

@@ -16,6 +16,8 @@ from typing import TypeVar
 
 # Every worker process is started as `python -m embedserv.executor.worker_main ...`.
 WORKER_MARKER = "embedserv.executor.worker_main"
+# What the command line of a front-end process (`--frontends N`, started by multiprocessing's spawn) holds.
+FRONTEND_MARKER = "multiprocessing.spawn"
 
 T = TypeVar("T")
 

@@ -36,7 +36,7 @@ from embedserv.server.http.error_responses import (
     exception_response,
     validation_message,
 )
-from embedserv.server.frontend import Frontend
+from embedserv.server.frontend import Frontend, bound_socket
 
 logger = logging.getLogger(__name__)
 
@@ -145,23 +145,16 @@ class HttpServer:
         self._task: asyncio.Task | None = None
 
     def _bind(self, config) -> socket.socket:
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if config.num_frontends > 1:
-            # Every front-end process listens on the port; the kernel spreads new connections over them.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        # Accepted connections inherit it: a response's head and body are two writes, and with Nagle the
-        # second waits for the client's delayed ACK (40 ms a call, measured).
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            sock.bind((self.host, self.port))
+            sock = bound_socket(self.host, self.port, reuse_port=config.num_frontends > 1)
         except OSError as exc:
-            sock.close()
             raise ConfigError(
                 f"cannot serve HTTP on {self.host}:{self.port} ({exc.strerror}); pick another --http-port "
                 "(0 turns HTTP off)"
             ) from None
+        # Accepted connections inherit it: a response's head and body are two writes, and with Nagle the
+        # second waits for the client's delayed ACK (40 ms a call, measured).
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.listen(1024)
         sock.setblocking(False)
         return sock

@@ -92,8 +92,11 @@ class Call:
 
 
 async def _end_with_error(call: Call, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    """Counts and logs the call's end, then aborts with the error's status (or lets a cancel through)."""
-    if isinstance(exc, asyncio.CancelledError):
+    """Counts and logs the call's end, then aborts with the error's status (or lets a cancel through).
+
+    A stream's client that goes away while the handler waits cancels it (CancelledError); while it is at a
+    `yield`, gRPC closes the generator instead (GeneratorExit). Both are the same cancel and count alike."""
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
         call.end(_cancel_code(context).name)
         raise exc
     if isinstance(exc, grpc.aio.AbortError) or not isinstance(exc, Exception):

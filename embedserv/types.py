@@ -1,5 +1,5 @@
-"""The types every package shares: what goes into and comes out of an Engine, and one step of work
-between the scheduler, the engine and a worker. Plain dataclasses and enums, no torch (a test enforces it)."""
+"""The types every package shares: what goes into and comes out of an Engine (one step of work is in
+steps.py). Plain dataclasses and enums, no torch (a test enforces it)."""
 
 from __future__ import annotations
 
@@ -69,16 +69,39 @@ class TruncationDirection(ValueEnum):
 
 
 class Encoding(ValueEnum):
-    """How dense vectors are returned: float32, float16, or quantized as sentence-transformers'
-    quantize_embeddings does (int8 / uint8 against the model's calibration ranges; binary / ubinary packed
-    bits, 8 dimensions a byte)."""
+    """How dense vectors are returned (engine/tasks/quantize.py): float32, float16; int8 / uint8 codes whose raw
+    integer dot products rank as the floats do; sentence-transformers' quantize_embeddings per-dimension
+    buckets (int8 / uint8_per_dimension); binary / ubinary packed bits, 8 dimensions a byte."""
 
     FLOAT32 = "float32"
     FLOAT16 = "float16"
     INT8 = "int8"
     UINT8 = "uint8"
+    INT8_PER_DIMENSION = "int8_per_dimension"
+    UINT8_PER_DIMENSION = "uint8_per_dimension"
     BINARY = "binary"
     UBINARY = "ubinary"
+
+
+class ChunkSplitter(ValueEnum):
+    """Where late chunking's chunks come from."""
+
+    # The call's own character spans.
+    SPANS = "spans"
+    SENTENCES = "sentences"
+    # Windows of chunk_tokens tokens, neighbours sharing overlap_tokens.
+    TOKENS = "tokens"
+
+
+@dataclass(frozen=True)
+class LateChunking:
+    """One vector per chunk of each input, pooled from the token states of the whole input."""
+
+    splitter: ChunkSplitter = ChunkSplitter.SPANS
+    # SPANS: per input, its chunks' character spans [start, end).
+    spans: tuple[tuple[tuple[int, int], ...], ...] = ()
+    chunk_tokens: int = 0
+    overlap_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -102,6 +125,10 @@ class EmbedParams:
     # The task adapter to run with (ModelInfo.adapters; also its prompt unless prompt_name names one); None
     # runs the base weights, unless prompt_name names a task.
     task: str | None = None
+    # One vector per chunk of each input (EmbedResult.chunks) instead of one per input.
+    late_chunking: LateChunking | None = None
+    # Neither read nor fill the model's embedding cache.
+    bypass_cache: bool = False
 
 
 @dataclass(frozen=True)
@@ -216,6 +243,10 @@ class EmbedResult:
     sparse: list[SparseVector] | None = None
     # MULTI_VECTOR: one [num_vectors, dim] float32 array per input, in order.
     multi_vectors: list[np.ndarray] | None = None
+    # Late chunking: per input, its chunks' character spans and their encoded vectors [chunks, dim].
+    chunks: list[tuple[tuple[tuple[int, int], ...], np.ndarray]] | None = None
+    # INT8 / UINT8: value ~ code * encoding_scale; 0 for other encodings.
+    encoding_scale: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -282,118 +313,7 @@ class ModelInfo:
     multi_vector_dimension: int = 0
     # The task adapters (LoRA) a call may pick with EmbedParams.task, in the model's order; empty for most.
     adapters: tuple[str, ...] = ()
-
-
-class OutputKind(str, Enum):
-    """What a sequence's step yields: a pooled embedding, a score head's logits, or a sampled token."""
-
-    POOL = "pool"
-    SCORE = "score"
-    SAMPLE = "sample"
-
-
-@dataclass(frozen=True)
-class ScheduledSequence:
-    """One sequence of a step: the tokens to compute now and where its keys and values live."""
-
-    request_id: int
-    # This step's tokens: a whole input (prefill-only), a prompt chunk, or the one token being decoded.
-    token_ids: tuple[int, ...]
-    output: OutputKind
-    # Tokens of the sequence already computed (in the KV cache): the position of token_ids[0].
-    start_position: int = 0
-    # One block table per KV-cache group, each covering start_position + len(token_ids) tokens;
-    # empty when the step keeps no KV (prefill-only work).
-    block_ids: tuple[tuple[int, ...], ...] = ()
-    # The step reaches the sequence's last known token, so it yields an output (always, without KV).
-    produces_output: bool = True
-    # SAMPLE sequences: how to pick their tokens (read where the step produces an output).
-    sampling: SamplingParams | None = None
-    # POOL: pooling starts this many tokens in (prompt tokens excluded from the mean).
-    pool_start: int = 0
-    # Segment ids of pair inputs (cross-encoders); None means all zeros.
-    token_type_ids: tuple[int, ...] | None = None
-    # Encoder-decoder models: the encoder's input when the encoder runs in this step (the request's first
-    # step after admission), else empty; and its length, on every step (cross-attention reads that many keys).
-    encoder_token_ids: tuple[int, ...] = ()
-    encoder_len: int = 0
-    # POOL: the outputs to compute; empty means DENSE only.
-    outputs: tuple[EmbedOutput, ...] = ()
-    # The index of the task adapter its tokens run with (ModelInfo.adapters); -1: the base weights.
-    adapter: int = -1
-
-
-@dataclass(frozen=True)
-class StepBatch:
-    """What one forward pass computes; both scheduler policies emit it, every worker executes it."""
-
-    sequences: tuple[ScheduledSequence, ...]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.sequences)
-
-    @property
-    def num_sequences(self) -> int:
-        return len(self.sequences)
-
-    @property
-    def uses_kv_cache(self) -> bool:
-        return any(s.block_ids for s in self.sequences)
-
-
-@dataclass(frozen=True)
-class RaggedRows:
-    """A variable number of entries per request, packed: token vectors (values [total, dim]) or sparse
-    vectors (values [total] with their vocabulary ids in indices [total])."""
-
-    request_ids: tuple[int, ...]
-    # [len(request_ids)] int64: entries per request, in request_ids' order.
-    counts: np.ndarray
-    # [sum(counts), dim] or [sum(counts)] float32.
-    values: np.ndarray
-    # [sum(counts)] int64 vocabulary ids (sparse), or [0] (token vectors).
-    indices: np.ndarray
-
-    def __post_init__(self) -> None:
-        total = int(self.counts.sum()) if len(self.counts) else 0
-        if len(self.counts) != len(self.request_ids) or len(self.values) != total:
-            raise ValueError(f"{len(self.values)} entries and {len(self.counts)} counts for {len(self.request_ids)} requests")
-        if len(self.indices) not in (0, total):
-            raise ValueError(f"{len(self.indices)} indices for {total} entries")
-
-    def split(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """request id -> (values, indices) of its entries (indices empty for token vectors)."""
-        ends = np.cumsum(self.counts)
-        out = {}
-        for request_id, end, count in zip(self.request_ids, ends.tolist(), self.counts.tolist()):
-            start = end - count
-            indices = self.indices[start:end] if len(self.indices) else self.indices
-            out[request_id] = (self.values[start:end], indices)
-        return out
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    """A step's results on the host, in batch order: rows for POOL / SCORE sequences, tokens for SAMPLE ones."""
-
-    row_request_ids: tuple[int, ...]
-    # [len(row_request_ids), dim] float32: pooled embeddings or score logits.
-    rows: np.ndarray
-    sampled_request_ids: tuple[int, ...]
-    # [len(sampled_request_ids)] int64: the next token of each.
-    tokens: np.ndarray
-    # POOL sequences that asked for SPARSE / MULTI_VECTOR outputs.
-    sparse: RaggedRows | None = None
-    vectors: RaggedRows | None = None
-
-    def __post_init__(self) -> None:
-        # Also checked when a StepDone arrives from a worker (the codec runs __post_init__).
-        if len(self.rows) != len(self.row_request_ids) or len(self.tokens) != len(self.sampled_request_ids):
-            raise ValueError(
-                f"{len(self.rows)} rows and {len(self.tokens)} tokens for {len(self.row_request_ids)} and "
-                f"{len(self.sampled_request_ids)} request ids"
-            )
-
-    def sampled(self) -> dict[int, int]:
-        return dict(zip(self.sampled_request_ids, self.tokens.tolist(), strict=True))
+    # A LoRA adapter served as a model of its own: its base model's name; "" for others.
+    base_model: str = ""
+    # A base model's LoRA adapters, by served name.
+    lora_adapters: tuple[str, ...] = ()

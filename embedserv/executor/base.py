@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from embedserv.scheduler.kv_cache_manager import KvCacheLayout
-from embedserv.types import StepBatch, StepOutput
+from embedserv.steps import StepBatch, StepOutput
 
 
 class WorkerDied(Exception):

@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from embedserv.executor.base import WorkerStats
 from embedserv.executor.step_delta import DeltaEncoder, RunningBatch, StepDelta
 from embedserv.scheduler.kv_cache_manager import KvCacheLayout
-from embedserv.types import StepBatch, StepOutput
+from embedserv.steps import StepBatch, StepOutput
 from embedserv.worker.model_runner import ModelRunner, PreparedStep
 
 

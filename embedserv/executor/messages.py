@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from embedserv.executor.codec import Codec
 from embedserv.executor.step_delta import StepDelta
 from embedserv.scheduler.kv_cache_manager import KvCacheLayout
-from embedserv.types import StepBatch, StepOutput
+from embedserv.steps import StepBatch, StepOutput
 
 
 @dataclass(frozen=True)

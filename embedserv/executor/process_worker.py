@@ -37,7 +37,7 @@ from embedserv.executor.placement import Placement
 from embedserv.executor.step_delta import DeltaEncoder
 from embedserv.executor.worker_main import WorkerArgs
 from embedserv.scheduler.kv_cache_manager import KvCacheLayout
-from embedserv.types import StepBatch, StepOutput
+from embedserv.steps import StepBatch, StepOutput
 from embedserv.worker import allocator
 
 logger = logging.getLogger(__name__)

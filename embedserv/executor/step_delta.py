@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from embedserv.types import OutputKind, SamplingParams, ScheduledSequence, StepBatch, StepOutput
+from embedserv.steps import OutputKind, ScheduledSequence, StepBatch, StepOutput
+from embedserv.types import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 from embedserv.scheduler.kv_cache_manager import KvCacheManager
 from embedserv.scheduler.request import Request, RequestStatus
-from embedserv.types import OutputKind, ScheduledSequence, StepBatch
+from embedserv.steps import OutputKind, ScheduledSequence, StepBatch
 
 
 class GenerationScheduler:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 
 from embedserv.scheduler.request import Request
-from embedserv.types import ScheduledSequence, StepBatch
+from embedserv.steps import ScheduledSequence, StepBatch
 
 
 class PrefillOnlyScheduler:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from embedserv.types import EmbedOutput, OutputKind, SamplingParams
+from embedserv.steps import OutputKind
+from embedserv.types import EmbedOutput, SamplingParams
 
 
 class RequestStatus(Enum):

@@ -21,6 +21,14 @@ class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ENCODING_UINT8: _ClassVar[Encoding]
     ENCODING_BINARY: _ClassVar[Encoding]
     ENCODING_UBINARY: _ClassVar[Encoding]
+    ENCODING_INT8_PER_DIMENSION: _ClassVar[Encoding]
+    ENCODING_UINT8_PER_DIMENSION: _ClassVar[Encoding]
+
+class ChunkSplitter(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHUNK_SPLITTER_SPANS: _ClassVar[ChunkSplitter]
+    CHUNK_SPLITTER_SENTENCES: _ClassVar[ChunkSplitter]
+    CHUNK_SPLITTER_TOKENS: _ClassVar[ChunkSplitter]
 
 class Output(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -66,6 +74,11 @@ ENCODING_INT8: Encoding
 ENCODING_UINT8: Encoding
 ENCODING_BINARY: Encoding
 ENCODING_UBINARY: Encoding
+ENCODING_INT8_PER_DIMENSION: Encoding
+ENCODING_UINT8_PER_DIMENSION: Encoding
+CHUNK_SPLITTER_SPANS: ChunkSplitter
+CHUNK_SPLITTER_SENTENCES: ChunkSplitter
+CHUNK_SPLITTER_TOKENS: ChunkSplitter
 OUTPUT_DENSE: Output
 OUTPUT_SPARSE: Output
 OUTPUT_MULTI_VECTOR: Output
@@ -109,7 +122,7 @@ class Timing(_message.Message):
     def __init__(self, queue_us: _Optional[int] = ..., tokenization_us: _Optional[int] = ..., inference_us: _Optional[int] = ..., total_us: _Optional[int] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("model", "inputs", "normalize", "truncate", "truncation_direction", "dimensions", "prompt_name", "encoding", "outputs", "chunking", "sparse_top_k", "task")
+    __slots__ = ("model", "inputs", "normalize", "truncate", "truncation_direction", "dimensions", "prompt_name", "encoding", "outputs", "chunking", "sparse_top_k", "task", "late_chunking", "bypass_cache")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +135,8 @@ class EmbedRequest(_message.Message):
     CHUNKING_FIELD_NUMBER: _ClassVar[int]
     SPARSE_TOP_K_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
+    LATE_CHUNKING_FIELD_NUMBER: _ClassVar[int]
+    BYPASS_CACHE_FIELD_NUMBER: _ClassVar[int]
     model: str
     inputs: _containers.RepeatedScalarFieldContainer[str]
     normalize: bool
@@ -134,7 +149,51 @@ class EmbedRequest(_message.Message):
     chunking: Chunking
     sparse_top_k: int
     task: str
-    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., normalize: _Optional[bool] = ..., truncate: _Optional[bool] = ..., truncation_direction: _Optional[_Union[TruncationDirection, str]] = ..., dimensions: _Optional[int] = ..., prompt_name: _Optional[str] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., chunking: _Optional[_Union[Chunking, str]] = ..., sparse_top_k: _Optional[int] = ..., task: _Optional[str] = ...) -> None: ...
+    late_chunking: LateChunking
+    bypass_cache: bool
+    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., normalize: _Optional[bool] = ..., truncate: _Optional[bool] = ..., truncation_direction: _Optional[_Union[TruncationDirection, str]] = ..., dimensions: _Optional[int] = ..., prompt_name: _Optional[str] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., chunking: _Optional[_Union[Chunking, str]] = ..., sparse_top_k: _Optional[int] = ..., task: _Optional[str] = ..., late_chunking: _Optional[_Union[LateChunking, _Mapping]] = ..., bypass_cache: _Optional[bool] = ...) -> None: ...
+
+class CharSpans(_message.Message):
+    __slots__ = ("spans",)
+    SPANS_FIELD_NUMBER: _ClassVar[int]
+    spans: _containers.RepeatedCompositeFieldContainer[CharSpan]
+    def __init__(self, spans: _Optional[_Iterable[_Union[CharSpan, _Mapping]]] = ...) -> None: ...
+
+class CharSpan(_message.Message):
+    __slots__ = ("start", "end")
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    end: int
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+
+class LateChunking(_message.Message):
+    __slots__ = ("splitter", "spans", "chunk_tokens", "overlap_tokens")
+    SPLITTER_FIELD_NUMBER: _ClassVar[int]
+    SPANS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    splitter: ChunkSplitter
+    spans: _containers.RepeatedCompositeFieldContainer[CharSpans]
+    chunk_tokens: int
+    overlap_tokens: int
+    def __init__(self, splitter: _Optional[_Union[ChunkSplitter, str]] = ..., spans: _Optional[_Iterable[_Union[CharSpans, _Mapping]]] = ..., chunk_tokens: _Optional[int] = ..., overlap_tokens: _Optional[int] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("start", "end", "embedding")
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    end: int
+    embedding: Embedding
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., embedding: _Optional[_Union[Embedding, _Mapping]] = ...) -> None: ...
+
+class InputChunks(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[Chunk]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ...) -> None: ...
 
 class Embedding(_message.Message):
     __slots__ = ("values", "raw")
@@ -163,20 +222,24 @@ class MultiVector(_message.Message):
     def __init__(self, num_vectors: _Optional[int] = ..., dimension: _Optional[int] = ..., raw: _Optional[bytes] = ...) -> None: ...
 
 class EmbedResponse(_message.Message):
-    __slots__ = ("embeddings", "usage", "model", "timing", "sparse_embeddings", "multi_vectors")
+    __slots__ = ("embeddings", "usage", "model", "timing", "sparse_embeddings", "multi_vectors", "chunks", "encoding_scale")
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     SPARSE_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     MULTI_VECTORS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_SCALE_FIELD_NUMBER: _ClassVar[int]
     embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
     usage: Usage
     model: str
     timing: Timing
     sparse_embeddings: _containers.RepeatedCompositeFieldContainer[SparseEmbedding]
     multi_vectors: _containers.RepeatedCompositeFieldContainer[MultiVector]
-    def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., model: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., sparse_embeddings: _Optional[_Iterable[_Union[SparseEmbedding, _Mapping]]] = ..., multi_vectors: _Optional[_Iterable[_Union[MultiVector, _Mapping]]] = ...) -> None: ...
+    chunks: _containers.RepeatedCompositeFieldContainer[InputChunks]
+    encoding_scale: float
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., model: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., sparse_embeddings: _Optional[_Iterable[_Union[SparseEmbedding, _Mapping]]] = ..., multi_vectors: _Optional[_Iterable[_Union[MultiVector, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[InputChunks, _Mapping]]] = ..., encoding_scale: _Optional[float] = ...) -> None: ...
 
 class EmbedSparseRequest(_message.Message):
     __slots__ = ("model", "inputs", "truncate", "truncation_direction", "prompt_name", "top_k")
@@ -405,7 +468,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "tasks", "architecture", "attention", "pooling", "dimension", "max_input_tokens", "prompt_names", "dtype", "device", "attention_backend", "labels", "kv_cache", "is_encoder_decoder", "kv_sharing", "outputs", "sparse_dimension", "multi_vector_dimension", "adapters")
+    __slots__ = ("name", "tasks", "architecture", "attention", "pooling", "dimension", "max_input_tokens", "prompt_names", "dtype", "device", "attention_backend", "labels", "kv_cache", "is_encoder_decoder", "kv_sharing", "outputs", "sparse_dimension", "multi_vector_dimension", "adapters", "base_model", "lora_adapters")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -425,6 +488,8 @@ class ModelInfo(_message.Message):
     SPARSE_DIMENSION_FIELD_NUMBER: _ClassVar[int]
     MULTI_VECTOR_DIMENSION_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     tasks: _containers.RepeatedScalarFieldContainer[Task]
     architecture: str
@@ -444,7 +509,9 @@ class ModelInfo(_message.Message):
     sparse_dimension: int
     multi_vector_dimension: int
     adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., architecture: _Optional[str] = ..., attention: _Optional[_Union[AttentionKind, str]] = ..., pooling: _Optional[str] = ..., dimension: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., prompt_names: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., kv_cache: _Optional[_Union[KvCache, _Mapping]] = ..., is_encoder_decoder: _Optional[bool] = ..., kv_sharing: _Optional[_Union[KvSharing, _Mapping]] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., sparse_dimension: _Optional[int] = ..., multi_vector_dimension: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    base_model: str
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., architecture: _Optional[str] = ..., attention: _Optional[_Union[AttentionKind, str]] = ..., pooling: _Optional[str] = ..., dimension: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., prompt_names: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., kv_cache: _Optional[_Union[KvCache, _Mapping]] = ..., is_encoder_decoder: _Optional[bool] = ..., kv_sharing: _Optional[_Union[KvSharing, _Mapping]] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., sparse_dimension: _Optional[int] = ..., multi_vector_dimension: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., base_model: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KvSharing(_message.Message):
     __slots__ = ("shared_layers", "fast_prefill")

@@ -34,7 +34,8 @@ from embedserv.attention.metadata import (
 )
 from embedserv.models.heads.pooling import PoolingInputs, TokenInputs
 from embedserv.padding import pad, padded_rows
-from embedserv.types import EmbedOutput, OutputKind, SamplingParams, ScheduledSequence, StepBatch
+from embedserv.steps import OutputKind, ScheduledSequence, StepBatch
+from embedserv.types import EmbedOutput, SamplingParams
 from embedserv.worker.prefill_skip import SkipPlan
 
 

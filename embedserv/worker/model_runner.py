@@ -24,7 +24,8 @@ from embedserv.models.layers import warm_linear_row_counts
 from embedserv.models.heads.sampler import sample
 from embedserv.padding import padded_rows, row_counts
 from embedserv.scheduler.kv_cache_manager import KvCacheLayout
-from embedserv.types import EmbedOutput, OutputKind, RaggedRows, SamplingParams, ScheduledSequence, StepBatch, StepOutput
+from embedserv.steps import OutputKind, RaggedRows, ScheduledSequence, StepBatch, StepOutput
+from embedserv.types import EmbedOutput, SamplingParams
 from embedserv.worker.input_builder import InputBuilder, ModelInputs
 from embedserv.worker.kv_cache import KvCache
 from embedserv.worker.layer_routes import LayerRoutes

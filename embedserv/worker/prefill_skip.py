@@ -27,7 +27,7 @@ from embedserv.attention.metadata import (
     ranges,
 )
 from embedserv.padding import pad
-from embedserv.types import OutputKind
+from embedserv.steps import OutputKind
 
 
 @dataclass(frozen=True)

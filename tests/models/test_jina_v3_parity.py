@@ -81,7 +81,7 @@ def test_a_step_mixing_tasks_equals_the_texts_run_task_by_task(jina, texts, monk
 
     from embedserv.config import ModelConfig
     from embedserv.models.families import jina_v3
-    from embedserv.types import OutputKind, ScheduledSequence, StepBatch
+    from embedserv.steps import OutputKind, ScheduledSequence, StepBatch
     from tests.helpers.models import load_in_process
 
     model_dir = jina("mean")["published"]

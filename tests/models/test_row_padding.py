@@ -21,7 +21,8 @@ from embedserv.models.heads.pooling import Dense
 from embedserv.models.layers import Linear
 from embedserv.models.loading.st_files import DenseSpec
 from embedserv.padding import padded_rows, row_counts
-from embedserv.types import OutputKind, SamplingParams, ScheduledSequence, StepBatch
+from embedserv.steps import OutputKind, ScheduledSequence, StepBatch
+from embedserv.types import SamplingParams
 from tests.helpers.models import load_in_process
 
 MAX_STEP_TOKENS = 2048

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from embedserv.executor.codec import Codec
-from embedserv.types import OutputKind, SamplingParams, ScheduledSequence, StepBatch, StepOutput
+from embedserv.steps import OutputKind, ScheduledSequence, StepBatch, StepOutput
+from embedserv.types import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -16,17 +16,8 @@ from embedserv.engine.tasks.embedding import top_k
 from embedserv.errors import ConfigError, InvalidInput
 from embedserv.executor.messages import CODEC, StepDone
 from embedserv.models.loading.st_files import read_sentence_transformers
-from embedserv.types import (
-    EmbedOutput,
-    EmbedParams,
-    ModelInfo,
-    OutputKind,
-    RaggedRows,
-    ScheduledSequence,
-    StepBatch,
-    StepOutput,
-    Task,
-)
+from embedserv.steps import OutputKind, RaggedRows, ScheduledSequence, StepBatch, StepOutput
+from embedserv.types import EmbedOutput, EmbedParams, ModelInfo, Task
 from embedserv.worker.input_builder import InputBuilder
 
 DENSE, SPARSE, MULTI = EmbedOutput.DENSE, EmbedOutput.SPARSE, EmbedOutput.MULTI_VECTOR

@@ -11,7 +11,8 @@ import pytest
 from embedserv.scheduler.generation import GenerationScheduler
 from embedserv.scheduler.kv_cache_manager import KvCacheManager, KvGroup
 from embedserv.scheduler.request import Request, RequestStatus
-from embedserv.types import OutputKind, SamplingParams, StepBatch
+from embedserv.steps import OutputKind, StepBatch
+from embedserv.types import SamplingParams
 
 
 def _scheduler(num_blocks=64, block_size=4, max_batch_tokens=64, max_num_seqs=16, caching=False):

@@ -12,7 +12,8 @@ import pytest
 from embedserv.scheduler.block_manager import BlockManager
 from embedserv.scheduler.generation import GenerationScheduler
 from embedserv.scheduler.request import Request, RequestStatus
-from embedserv.types import OutputKind, SamplingParams, StepBatch
+from embedserv.steps import OutputKind, StepBatch
+from embedserv.types import SamplingParams
 from tests.unit.test_generation_scheduler import _scheduler
 
 VOCAB = 50

@@ -14,7 +14,8 @@ from embedserv.engine.core.step_loop import WorkerLoop
 from embedserv.errors import NotReady
 from embedserv.executor.base import WorkerDied, WorkerStats
 from embedserv.scheduler.kv_cache_manager import KvCacheLayout, KvGroup
-from embedserv.types import SamplingParams, StepBatch, StepOutput
+from embedserv.steps import StepBatch, StepOutput
+from embedserv.types import SamplingParams
 from tests.helpers.aio import run_async
 
 TIMEOUT = 5.0

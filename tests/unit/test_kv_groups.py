@@ -14,7 +14,8 @@ from embedserv.attention.layer import Attention, AttentionKind
 from embedserv.scheduler.generation import GenerationScheduler
 from embedserv.scheduler.kv_cache_manager import KvCacheManager, KvGroup
 from embedserv.scheduler.request import Request, RequestStatus
-from embedserv.types import OutputKind, SamplingParams
+from embedserv.steps import OutputKind
+from embedserv.types import SamplingParams
 from embedserv.worker.kv_cache import KvCache, allocate_kv_caches, kv_cache_groups, num_kv_blocks
 from embedserv.worker.layer_routes import forward_context_for
 
@@ -263,7 +264,7 @@ def test_a_cancelled_request_frees_both_tables_waiting_or_running():
 
 
 def test_the_input_builder_writes_only_this_steps_encoder_tokens_to_the_cross_tables():
-    from embedserv.types import ScheduledSequence, StepBatch
+    from embedserv.steps import ScheduledSequence, StepBatch
     from embedserv.worker.input_builder import InputBuilder
 
     builder = InputBuilder(CPU, 0, True, BLOCK, fixed_groups=(False, True), is_encoder_decoder=True)

@@ -12,7 +12,7 @@ from embedserv.engine.core.prefill import MAX_ATTEMPTS, PrefillQueue
 from embedserv.engine.core.step_loop import WorkerLoop
 from embedserv.errors import NotReady
 from embedserv.executor.base import WorkerDied, WorkerStats
-from embedserv.types import OutputKind, StepBatch, StepOutput
+from embedserv.steps import OutputKind, StepBatch, StepOutput
 from tests.helpers.aio import run_async
 
 TIMEOUT = 5.0

@@ -14,7 +14,8 @@ from embedserv.attention.backends.naive import NaiveBackend
 from embedserv.attention.backends.sdpa import SdpaBackend
 from embedserv.attention.layer import Attention, link_kv_sharing
 from embedserv.models.heads.pooling import EmbeddingPooler
-from embedserv.types import OutputKind, SamplingParams, ScheduledSequence, StepBatch
+from embedserv.steps import OutputKind, ScheduledSequence, StepBatch
+from embedserv.types import SamplingParams
 from embedserv.worker.kv_cache import KvCache, allocate_kv_caches, kv_cache_groups
 from embedserv.worker.model_runner import ModelRunner
 from embedserv.padding import padded_rows

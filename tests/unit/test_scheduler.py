@@ -5,7 +5,7 @@ import sys
 
 from embedserv.scheduler.prefill_only import PrefillOnlyScheduler
 from embedserv.scheduler.request import Request
-from embedserv.types import OutputKind
+from embedserv.steps import OutputKind
 
 
 def _req(i: int, n: int) -> Request:

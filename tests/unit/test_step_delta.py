@@ -15,7 +15,8 @@ from embedserv.executor.step_delta import DeltaEncoder, RunningBatch
 from embedserv.scheduler.generation import GenerationScheduler
 from embedserv.scheduler.kv_cache_manager import KvCacheManager, KvGroup
 from embedserv.scheduler.request import Request
-from embedserv.types import OutputKind, SamplingParams, StepBatch, StepOutput
+from embedserv.steps import OutputKind, StepBatch, StepOutput
+from embedserv.types import SamplingParams
 
 SAMPLING = [SamplingParams(max_tokens=1), SamplingParams(max_tokens=1, temperature=0.8, top_k=5, seed=3)]
 

@@ -14,7 +14,8 @@ from embedserv.config import ModelConfig
 from embedserv.engine.core.step_loop import WorkerLoop
 from embedserv.engine.sync import SyncEngine
 from embedserv.executor.local_worker import LocalWorker
-from embedserv.types import EmbedParams, OutputKind, ScheduledSequence, StepBatch, StepOutput
+from embedserv.steps import OutputKind, ScheduledSequence, StepBatch, StepOutput
+from embedserv.types import EmbedParams
 from tests.helpers.aio import run_async
 
 TIMEOUT = 5.0

@@ -16,7 +16,8 @@ import zmq
 
 from embedserv.executor.messages import CODEC, LoadFailed, Ready, RunStep, StepDone, StepFailed
 from embedserv.scheduler.kv_cache_manager import KvCacheLayout, KvGroup
-from embedserv.types import OutputKind, SamplingParams, ScheduledSequence, StepBatch, StepOutput
+from embedserv.steps import OutputKind, ScheduledSequence, StepBatch, StepOutput
+from embedserv.types import SamplingParams
 
 NO_TOKENS = np.zeros(0, np.int64)
 NO_ROWS = np.zeros((0, 0), np.float32)

@@ -29,7 +29,8 @@ from embedserv.engine.tokenizer import Encoded
 from embedserv.errors import InvalidInput, NotReady
 from embedserv.executor.base import Worker, WorkerStats
 from embedserv.scheduler.request import Request
-from embedserv.types import EmbedOutput, GenerationDelta, KvCacheUsage, OutputKind, SamplingParams, Task, Timing
+from embedserv.steps import OutputKind
+from embedserv.types import EmbedOutput, GenerationDelta, KvCacheUsage, SamplingParams, Task, Timing
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -30,16 +30,8 @@ from embedserv.executor.base import Worker, WorkerDied
 from embedserv.scheduler.generation import GenerationScheduler
 from embedserv.scheduler.kv_cache_manager import KvCacheManager
 from embedserv.scheduler.request import Request, RequestStatus
-from embedserv.types import (
-    FinishReason,
-    GenerationDelta,
-    KvCacheUsage,
-    OutputKind,
-    SamplingParams,
-    StepBatch,
-    StepOutput,
-    TruncationDirection,
-)
+from embedserv.steps import OutputKind, StepBatch, StepOutput
+from embedserv.types import FinishReason, GenerationDelta, KvCacheUsage, SamplingParams, TruncationDirection
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,8 @@ from embedserv.executor.base import Worker, WorkerDied
 from embedserv.logs import REQUEST_ID
 from embedserv.scheduler.prefill_only import PrefillOnlyScheduler
 from embedserv.scheduler.request import Request
-from embedserv.types import EmbedOutput, OutputKind, StepBatch, StepOutput
+from embedserv.steps import OutputKind, StepBatch, StepOutput
+from embedserv.types import EmbedOutput
 
 logger = logging.getLogger(__name__)
 

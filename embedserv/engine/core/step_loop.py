@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from embedserv.engine.core.step_source import StepSource
 from embedserv.errors import NotReady
 from embedserv.executor.base import Worker, WorkerDied
-from embedserv.types import StepBatch
+from embedserv.steps import StepBatch
 
 logger = logging.getLogger(__name__)
 

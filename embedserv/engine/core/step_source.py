@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from embedserv.executor.base import Worker, WorkerDied
-from embedserv.types import StepBatch, StepOutput
+from embedserv.steps import StepBatch, StepOutput
 
 
 class LoopView(Protocol):

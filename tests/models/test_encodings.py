@@ -39,7 +39,9 @@ def _expected_codes(floats: np.ndarray, calibration: np.ndarray, encoding: Encod
     if encoding is Encoding.INT8:
         scale = float(np.float32(np.abs(calibration).max() / 127))
         return np.clip(np.rint(floats.astype(np.float64) / scale), -127, 127).astype(np.int8), scale
-    centred = lambda x: x.astype(np.float64) - x.astype(np.float64).mean(axis=1, keepdims=True)  # noqa: E731
+    def centred(x: np.ndarray) -> np.ndarray:
+        return x.astype(np.float64) - x.astype(np.float64).mean(axis=1, keepdims=True)
+
     scale = float(np.float32(np.abs(centred(calibration)).max() / 127))
     codes = []
     for row in np.clip(centred(floats) / scale, -127, 127):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from dataclasses import replace
 
 from embedserv.config import ModelConfig
 from embedserv.engine.engine import Engine
@@ -50,6 +51,10 @@ class SyncEngine:
 
     def embed(self, texts: list[str], params: EmbedParams | None = None) -> EmbedResult:
         return self._call(self.engine.embed(list(texts), params or EmbedParams()))
+
+    def encoded(self, result: EmbedResult, params: EmbedParams) -> EmbedResult:
+        """A copy of `result` (float32 vectors) in `params.encoding`, by the step Engine.embed ends with."""
+        return self._call(self.engine.encoded(replace(result), params))
 
     def rerank(self, query: str, documents: list[str], params: RerankParams | None = None) -> RerankResult:
         return self._call(self.engine.rerank(query, list(documents), params or RerankParams()))

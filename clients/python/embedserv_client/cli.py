@@ -42,7 +42,10 @@ def _parser() -> argparse.ArgumentParser:
     embed.add_argument("--truncate", action="store_true")
     embed.add_argument("--prompt-name")
     embed.add_argument("--task", help="the model's task adapter (ListModels' adapters), e.g. retrieval.query")
-    embed.add_argument("--encoding", default="float32", choices=list(ENCODINGS), help="default: float32")
+    embed.add_argument(
+        "--encoding", default="float32", choices=list(ENCODINGS),
+        help="default: float32; int8 / uint8 also print the encoding_scale that decodes them",
+    )
     embed.add_argument("--chunking", choices=["mean"], help="embed inputs past the model's limit by windows")
 
     sparse = commands.add_parser("embed-sparse", help="sparse vectors: {indices, values} per text")
@@ -96,17 +99,19 @@ def _tls(args: argparse.Namespace) -> bool | Tls:
 def _run(client: Client, args: argparse.Namespace) -> tuple[dict, int]:
     if args.command == "embed":
         texts = args.texts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
-        matrix = client.embed(
+        result = client.embed(
             texts,
             normalize=False if args.no_normalize else None,
             truncate=args.truncate,
             dimensions=args.dimensions,
             prompt_name=args.prompt_name,
             encoding=args.encoding,
+            outputs=["dense"],
             chunking=args.chunking,
             task=args.task,
         )
-        return {"embeddings": matrix.tolist()}, 0
+        scale = {"encoding_scale": result.encoding_scale} if result.encoding_scale else {}
+        return {"embeddings": result.dense.tolist(), **scale}, 0
     if args.command == "embed-sparse":
         vectors = client.embed_sparse(args.texts, top_k=args.top_k, truncate=args.truncate)
         return {"embeddings": [{"indices": i.tolist(), "values": v.tolist()} for i, v in vectors]}, 0

@@ -86,11 +86,13 @@ class Client(ClientSettings):
         timeout: float | None = None,
     ) -> np.ndarray | EmbedOutputs:
         """Embeddings: [len(texts), dimension], or [dimension] for one string, float32 unless `encoding` says
-        "float16", "int8" / "uint8" (the model's calibration ranges) or "binary" / "ubinary" (packed bits,
-        int8 / uint8, [n, ceil(dimension / 8)]). `chunking="mean"` embeds inputs past the model's limit by
-        windows. `outputs` (some of "dense", "sparse", "multi_vector", from one forward pass) returns an
-        EmbedOutputs instead; `sparse_top_k` keeps the largest values of the sparse output. `task` picks the
-        model's task adapter (ListModels' adapters, e.g. "retrieval.query") and that task's prompt."""
+        "float16", "int8" / "uint8" (codes whose raw integer dot products rank as the floats do: for vector
+        databases), "int8_per_dimension" / "uint8_per_dimension" (sentence-transformers' per-dimension buckets)
+        or "binary" / "ubinary" (packed bits, int8 / uint8, [n, ceil(dimension / 8)]). `chunking="mean"` embeds
+        inputs past the model's limit by windows. `outputs` (some of "dense", "sparse", "multi_vector", from one
+        forward pass) returns an EmbedOutputs instead, with the int8 / uint8 `encoding_scale`; `sparse_top_k`
+        keeps the largest values of the sparse output. `task` picks the model's task adapter (ListModels'
+        adapters, e.g. "retrieval.query") and that task's prompt."""
         items, single = plans.as_list(texts, "texts")
         fields = plans.embed_fields(
             self.model_name(model), normalize, truncate, truncation_direction, dimensions, prompt_name,

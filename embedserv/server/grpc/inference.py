@@ -60,6 +60,8 @@ _ENCODINGS = {
     pb.ENCODING_FLOAT16: Encoding.FLOAT16,
     pb.ENCODING_INT8: Encoding.INT8,
     pb.ENCODING_UINT8: Encoding.UINT8,
+    pb.ENCODING_INT8_PER_DIMENSION: Encoding.INT8_PER_DIMENSION,
+    pb.ENCODING_UINT8_PER_DIMENSION: Encoding.UINT8_PER_DIMENSION,
     pb.ENCODING_BINARY: Encoding.BINARY,
     pb.ENCODING_UBINARY: Encoding.UBINARY,
 }
@@ -150,6 +152,7 @@ def embed_response(result: EmbedResult, encoding: int, model: str, received: flo
         embeddings=embeddings,
         sparse_embeddings=[sparse_message(v) for v in result.sparse] if result.sparse is not None else [],
         multi_vectors=[multi_vector_message(v) for v in result.multi_vectors] if result.multi_vectors is not None else [],
+        encoding_scale=result.encoding_scale,
         **call_summary(result.prompt_tokens, result.timing, model, received),
     )
 

@@ -44,11 +44,14 @@ class EmbeddingsBody(Body):
         "retrieval.query), and that task's prompt unless prompt_name names one.",
     )
     normalize: bool = Field(True, description="Extension: L2-normalize each vector.")
-    embedding_type: Literal["float32", "float16", "int8", "uint8", "binary", "ubinary"] = Field(
+    embedding_type: Literal[
+        "float32", "float16", "int8", "uint8", "int8_per_dimension", "uint8_per_dimension", "binary", "ubinary"
+    ] = Field(
         "float32",
-        description="Extension: the vectors' encoding (float32, float16, int8/uint8 against the model's calibration "
-        "ranges, binary/ubinary packed bits); with encoding_format float integers come as lists of ints, with base64 "
-        "the raw little-endian bytes.",
+        description="Extension: the vectors' encoding (float32, float16; int8/uint8 codes whose raw integer dot "
+        "products rank as the floats do, with the response's encoding_scale; int8/uint8_per_dimension: "
+        "sentence-transformers' per-dimension calibration buckets; binary/ubinary packed bits); with "
+        "encoding_format float integers come as lists of ints, with base64 the raw little-endian bytes.",
     )
     chunking: Literal["mean"] | None = Field(
         None, description="Extension: mean embeds texts past the model's limit by windows (token-count-weighted mean)."
@@ -71,6 +74,9 @@ class EmbeddingsResponse(Body):
     data: list[EmbeddingItem]
     model: str
     usage: Usage
+    encoding_scale: float | None = Field(
+        None, description="Extension, with embedding_type int8 / uint8 only: the codes' scale (see embeddings)."
+    )
 
 
 def _is_token_ids(value: object) -> bool:
@@ -80,11 +86,14 @@ def _is_token_ids(value: object) -> bool:
 @router.post("/v1/embeddings", response_model=EmbeddingsResponse, tags=["OpenAI"])
 async def embeddings(request: Request, body: EmbeddingsBody):
     """OpenAI's embeddings. `embedding_type` (an extension; default float32) picks the vectors' encoding:
-    float16 (the float32 values cast), int8 / uint8 (each dimension's bucket of 256 between the model's
-    calibration minimum and maximum, as sentence-transformers' quantize_embeddings), binary / ubinary (one bit
-    per dimension, value > 0, packed 8 to a byte, most significant bit first: [ceil(dimension / 8)] int8 /
-    uint8). With encoding_format float each embedding is a list of numbers (floats for float32 / float16,
-    ints for the rest); with base64, the base64 of its raw little-endian bytes (4, 2 or 1 per value).
+    float16 (the float32 values cast); int8 (value ~ code * encoding_scale, one scale per model) and uint8
+    (value - the vector's mean ~ (code - 128) * encoding_scale), whose raw integer dot products rank as the
+    floats do, for vector databases; int8_per_dimension / uint8_per_dimension (each dimension's bucket of 256
+    between the model's calibration minimum and maximum, as sentence-transformers' quantize_embeddings, for
+    rescoring); binary / ubinary (one bit per dimension, value > 0, packed 8 to a byte, most significant bit
+    first: [ceil(dimension / 8)] int8 / uint8). int8 / uint8 responses carry `encoding_scale` (an extension).
+    With encoding_format float each embedding is a list of numbers (floats for float32 / float16, ints for the
+    rest); with base64, the base64 of its raw little-endian bytes (4, 2 or 1 per value).
     `chunking: "mean"` (an extension, text inputs only) embeds texts past the model's limit by windows."""
     frontend = frontend_of(request)
     engine = engine_named(request, body.model)
@@ -118,7 +127,10 @@ async def embeddings(request: Request, body: EmbeddingsBody):
         vectors = list(np.ascontiguousarray(result.embeddings))  # orjson writes each value's shortest repr
     data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
     usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
-    return JSON({"object": "list", "data": data, "model": engine.info.name, "usage": usage})
+    response = {"object": "list", "data": data, "model": engine.info.name, "usage": usage}
+    if result.encoding_scale:
+        response["encoding_scale"] = result.encoding_scale
+    return JSON(response)
 
 
 def model_card(info: ModelInfo) -> dict:

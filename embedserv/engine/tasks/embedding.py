@@ -17,7 +17,7 @@ import numpy as np
 from embedserv.engine import checks
 from embedserv.engine.loading import ServedModel
 from embedserv.engine.ports import Infer, SequenceOutput, stack_rows
-from embedserv.engine.tasks import chunking
+from embedserv.engine.tasks import chunking, late_chunking
 from embedserv.engine.tasks.multi_vector import MultiVectorRules
 from embedserv.engine.tasks.outputs import finish_embeddings
 from embedserv.engine.tasks.token_rules import TokenRules
@@ -51,6 +51,8 @@ class Embedding:
         adapter, prompt_name = checks.task_adapter(self._served.info, tokenizer, params)
         params = replace(params, prompt_name=prompt_name)
         checks.check_embed(self._served.info, tokenizer, texts, params)
+        if params.late_chunking is not None:
+            return await late_chunking.embed_late_chunks(self._infer, self._served, texts, params, received, adapter)
         if params.chunking:
             return await chunking.embed_chunked(self._infer, self._served, texts, params, received, adapter)
         encoded = await self._infer.tokenize_with(
@@ -65,6 +67,8 @@ class Embedding:
         checks.check_embed(self._served.info, tokenizer, token_ids, params)
         if params.prompt_name:
             raise InvalidInput("prompt_name applies to texts; token-id inputs are used as given")
+        if params.late_chunking is not None:
+            raise InvalidInput("late_chunking applies to texts (its spans are character offsets); send texts")
         # A task picks the adapter only: token ids get no prompt.
         adapter, _ = checks.task_adapter(self._served.info, tokenizer, params)
         encoded = await self._infer.tokenize_with(

@@ -83,9 +83,14 @@ class Encodings:
 
     async def apply(self, result: EmbedResult, params: EmbedParams) -> EmbedResult:
         """`result` with its dense vectors encoded (float32 ones are returned as they are)."""
-        if result.embeddings is not None and params.encoding is not Encoding.FLOAT32:
-            ranges = await self.ranges(params) if params.encoding in RANGED else None
+        if params.encoding is Encoding.FLOAT32 or (result.embeddings is None and result.chunks is None):
+            return result
+        ranges = await self.ranges(params) if params.encoding in RANGED else None
+        if result.embeddings is not None:
             result.embeddings = encode(result.embeddings, params.encoding, ranges)
+        if result.chunks is not None:
+            # Late chunking's vectors are dense embeddings too: the same encoding, the same ranges.
+            result.chunks = [(spans, encode(rows, params.encoding, ranges)) for spans, rows in result.chunks]
         return result
 
 

@@ -227,3 +227,13 @@ def test_chunks_take_the_calls_encoding(tiny_encoder, engine_for, short_text):
     assert halves.dtype == np.float16 and codes.dtype == np.uint8
     np.testing.assert_array_equal(halves, floats.astype(np.float16))
     np.testing.assert_array_equal(codes, np.packbits(floats > 0, axis=-1))
+
+
+def test_a_model_whose_token_vectors_are_a_head_is_refused(engine_for, tmp_path_factory, short_text):
+    """bge-m3's token vectors come from its colbert head, not its hidden states: nothing to pool from."""
+    from embedserv.errors import InvalidInput
+    from tests.helpers.sparse_models import build_bge_m3
+
+    engine = engine_for(build_bge_m3(tmp_path_factory.mktemp("bge-m3"), head_format="safetensors"))
+    with pytest.raises(InvalidInput, match="its token vectors are not its final hidden states"):
+        engine.embed([short_text], _params(spans=(((0, 5),),)))

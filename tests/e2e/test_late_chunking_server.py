@@ -162,3 +162,26 @@ def test_grpc_refuses_other_outputs_and_http_refuses_token_ids_and_unknown_optio
     assert "applies to texts" in assert_openai_error(http.post("/v1/embeddings", json=token_ids), 400)["message"]
     typo = {"model": "minilm", "input": TEXTS, "late_chunking": {"splitter": "tokens", "chunk_size": 8}}
     assert_openai_error(http.post("/v1/embeddings", json=typo), 400)
+
+
+def test_the_python_clients_embed_chunks(server, stub):
+    import asyncio
+
+    from embedserv_client import AsyncClient, Client, TextChunks
+
+    expected = _grpc(stub, late_chunking=_late(spans=SPANS), encoding=_pb().ENCODING_FLOAT16)
+    with Client(server[0], model="minilm", batch_size=1) as client:
+        both = client.embed_chunks(TEXTS, spans=SPANS, encoding="float16")
+        one = client.embed_chunks(TEXTS[0], splitter="sentences")
+    assert [c.spans for c in both] == SPANS and isinstance(one, TextChunks)
+    for got, entry in zip(both, expected.chunks):
+        assert got.vectors.dtype == np.float16
+        want = np.stack([np.frombuffer(c.embedding.raw, "<f2") for c in entry.chunks])
+        np.testing.assert_array_equal(got.vectors, want)
+    assert one.spans == [(0, 20), (21, 48)] and one.vectors.shape == (2, 384)
+
+    async def windows():
+        async with AsyncClient(server[0], model="minilm") as client:
+            return await client.embed_chunks(TEXTS, splitter="tokens", chunk_tokens=4, overlap_tokens=1)
+
+    assert [len(c.spans) for c in asyncio.run(windows())] == [4, 3]

@@ -119,7 +119,9 @@ REFUSALS = {
     "empty span list": (dict(late=dict(spans=[[(0, 3)], []])), "late_chunking.spans[1] is empty"),
     "span without a token": (dict(texts=["a    b"], late=dict(spans=[[(1, 4)]])), "span 0 [1, 4) covers no token"),
     "zero chunk_tokens": (dict(late=dict(splitter="tokens")), "chunk_tokens of at least 1"),
-    "overlap too large": (dict(late=dict(splitter="tokens", chunk_tokens=4, overlap_tokens=4)), "less than chunk_tokens"),
+    "overlap too large": (
+        dict(late=dict(splitter="tokens", chunk_tokens=4, overlap_tokens=4)), "less than chunk_tokens"
+    ),
     "spans with sentences": (dict(late=dict(splitter="sentences", spans=SPANS)), "spans apply to the spans splitter"),
     "with chunking": (dict(late=dict(spans=SPANS), chunking=True), "cannot be combined"),
     "dense modules": (dict(model="dense", late=dict(spans=SPANS)), "Dense module"),
@@ -185,3 +187,15 @@ def test_the_python_clients_embed_chunks(server, stub):
             return await client.embed_chunks(TEXTS, splitter="tokens", chunk_tokens=4, overlap_tokens=1)
 
     assert [len(c.spans) for c in asyncio.run(windows())] == [4, 3]
+
+
+def test_the_cli_embeds_chunks(server, capsys):
+    import json
+
+    from embedserv_client import cli
+
+    args = ["--target", server[0], "--model", "minilm", "embed-chunks", TEXTS[0], "--dimensions", "8"]
+    assert cli.main(args) == 0
+    [entry] = json.loads(capsys.readouterr().out)["inputs"]
+    assert [(c["start"], c["end"]) for c in entry["chunks"]] == [(0, 20), (21, 48)]
+    assert all(len(c["embedding"]) == 8 for c in entry["chunks"])

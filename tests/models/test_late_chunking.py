@@ -108,7 +108,9 @@ def _edge_spans(text: str) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize("pooling", ["cls", "mean"])
-def test_chunks_are_the_mean_of_their_tokens_whole_input_states(pooling, tiny_encoder, engine_for, hf_tokenizer, short_text):
+def test_chunks_are_the_mean_of_their_tokens_whole_input_states(
+    pooling, tiny_encoder, engine_for, hf_tokenizer, short_text
+):
     model_dir = tiny_encoder("bert", pooling, max_seq_length=128)
     engine = engine_for(model_dir)
     spans = _edge_spans(short_text)

@@ -72,7 +72,8 @@ def _check_options(late: LateChunking, texts: list[str]) -> None:
     if late.splitter is ChunkSplitter.SPANS:
         if len(late.spans) != len(texts):
             raise InvalidInput(
-                f"late_chunking.spans has {len(late.spans)} entries for {len(texts)} inputs; send one per input, in order"
+                f"late_chunking.spans has {len(late.spans)} entries for {len(texts)} inputs; "
+                "send one per input, in order"
             )
         for index, (text, spans) in enumerate(zip(texts, late.spans)):
             late_chunks.check_spans(index, text, spans)

@@ -239,3 +239,15 @@ def test_a_model_whose_token_vectors_are_a_head_is_refused(engine_for, tmp_path_
     engine = engine_for(build_bge_m3(tmp_path_factory.mktemp("bge-m3"), head_format="safetensors"))
     with pytest.raises(InvalidInput, match="its token vectors are not its final hidden states"):
         engine.embed([short_text], _params(spans=(((0, 5),),)))
+
+
+def test_a_long_context_family_with_local_attention(tmp_path_factory, engine_for, long_text):
+    """ModernBERT (global and 16-token local layers), mean-pooled, past its context: windows, then chunks."""
+    from tests.helpers.modernbert_models import build_modernbert_embedder
+
+    model_dir = build_modernbert_embedder(tmp_path_factory.mktemp("modernbert"), "mean", max_seq_length=LONG_LIMIT)
+    engine = engine_for(model_dir)
+    spans = _edge_spans(long_text)
+    expected = reference_chunks(model_dir, long_text, spans, LONG_LIMIT)
+    got = engine.embed([long_text], _params(spans=(tuple(spans),), normalize=False)).chunks[0][1]
+    assert_cosine_at_least(got, expected, COSINE, what="ModernBERT late chunks: ")

@@ -101,7 +101,8 @@ def main() -> None:
         rows.append(("chunks embedded alone", seconds, len(pieces), result.prompt_tokens))
     with SyncEngine(ModelConfig(path=str(short), served_name="m", dtype="float32")) as engine:
         seconds, result = timed(lambda: engine.embed(docs, late), args.repeats)
-        rows.append((f"late chunking, {SHORT_CONTEXT // 1024}k context (windows)", seconds, chunks, result.prompt_tokens))
+        name = f"late chunking, {SHORT_CONTEXT // 1024}k context (windows)"
+        rows.append((name, seconds, chunks, result.prompt_tokens))
 
     print(f"{len(docs)} documents of {DOC_TOKENS} word-pieces, chunks of {args.chunk_tokens} tokens, "
           f"best of {args.repeats}")  # fmt: skip

@@ -45,13 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     embed.add_argument("--encoding", default="float32", choices=list(ENCODINGS), help="default: float32")
     embed.add_argument("--chunking", choices=["mean"], help="embed inputs past the model's limit by windows")
 
-    chunked = commands.add_parser("embed-chunks", help="late chunking: a vector per sentence or token window")
-    chunked.add_argument("texts", nargs="+", metavar="TEXT")
-    chunked.add_argument("--splitter", default="sentences", choices=["sentences", "tokens"], help="default: sentences")
-    chunked.add_argument("--chunk-tokens", type=int, default=0, help="tokens: tokens per chunk")
-    chunked.add_argument("--overlap-tokens", type=int, default=0, help="tokens: tokens neighbouring chunks share")
-    chunked.add_argument("--dimensions", type=int)
-    chunked.add_argument("--prompt-name")
+    _add_embed_chunks(commands)
 
     sparse = commands.add_parser("embed-sparse", help="sparse vectors: {indices, values} per text")
     sparse.add_argument("texts", nargs="+", metavar="TEXT")
@@ -93,6 +87,16 @@ def _parser() -> argparse.ArgumentParser:
     health = commands.add_parser("health", help="exit 0 when SERVING")
     health.add_argument("--service", default="", help="a model name; default: the whole server")
     return p  # fmt: skip
+
+
+def _add_embed_chunks(commands) -> None:
+    chunked = commands.add_parser("embed-chunks", help="late chunking: a vector per sentence or token window")
+    chunked.add_argument("texts", nargs="+", metavar="TEXT")
+    chunked.add_argument("--splitter", default="sentences", choices=["sentences", "tokens"], help="default: sentences")
+    chunked.add_argument("--chunk-tokens", type=int, default=0, help="tokens: tokens per chunk")
+    chunked.add_argument("--overlap-tokens", type=int, default=0, help="tokens: tokens neighbouring chunks share")
+    chunked.add_argument("--dimensions", type=int)
+    chunked.add_argument("--prompt-name")
 
 
 def _tls(args: argparse.Namespace) -> bool | Tls:

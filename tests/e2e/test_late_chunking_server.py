@@ -86,6 +86,12 @@ def test_grpc_answers_one_vector_per_span_in_input_order(stub):
     assert reply.usage.prompt_tokens == _grpc(stub).usage.prompt_tokens
 
 
+def test_a_model_with_dense_modules_answers_in_its_embedding_space(stub):
+    reply = _grpc(stub, model="dense", late_chunking=_late(spans=SPANS))
+    assert [len(entry.chunks) for entry in reply.chunks] == [4, 2]
+    assert all(len(c.embedding.values) == 32 for entry in reply.chunks for c in entry.chunks)
+
+
 def test_grpc_sentence_and_token_splitters(stub):
     sentences = _grpc(stub, texts=TEXTS[:1], late_chunking=_late("sentences"))
     assert [(c.start, c.end) for c in sentences.chunks[0].chunks] == [(0, 20), (21, 48)]
@@ -124,7 +130,6 @@ REFUSALS = {
     ),
     "spans with sentences": (dict(late=dict(splitter="sentences", spans=SPANS)), "spans apply to the spans splitter"),
     "with chunking": (dict(late=dict(spans=SPANS), chunking=True), "cannot be combined"),
-    "dense modules": (dict(model="dense", late=dict(spans=SPANS)), "Dense module"),
     "no dense output": (dict(model="splade", late=dict(spans=SPANS)), "cannot serve Embed"),
 }
 

@@ -251,3 +251,26 @@ def test_a_long_context_family_with_local_attention(tmp_path_factory, engine_for
     expected = reference_chunks(model_dir, long_text, spans, LONG_LIMIT)
     got = engine.embed([long_text], _params(spans=(tuple(spans),), normalize=False)).chunks[0][1]
     assert_cosine_at_least(got, expected, COSINE, what="ModernBERT late chunks: ")
+
+
+@pytest.mark.parametrize("activation", ["tanh", "identity"])
+def test_dense_modules_apply_to_each_chunks_mean(activation, tmp_path_factory, engine_for, short_text, long_text):
+    """An embedder with a Dense module (as distiluse-base-multilingual-cased): each chunk's mean state goes
+    through sentence-transformers' own Dense, then normalization."""
+    import torch
+
+    from tests.helpers.classic_models import build_classic_encoder
+    from tests.helpers.models import load_reference
+
+    root = tmp_path_factory.mktemp(f"dense-{activation}")
+    model_dir = build_classic_encoder(root, "mpnet", "mean", max_seq_length=LONG_LIMIT, dense=(24, activation))
+    dense = load_reference(model_dir)[2]
+    engine = engine_for(model_dir)
+    for text in (short_text, long_text):
+        spans = _edge_spans(text)
+        means = torch.from_numpy(reference_chunks(model_dir, text, spans, LONG_LIMIT))
+        with torch.no_grad():
+            expected = dense({"sentence_embedding": means})["sentence_embedding"].numpy()
+        got = engine.embed([text], _params(spans=(tuple(spans),))).chunks[0][1]
+        assert got.shape == (len(spans), 24)
+        assert_cosine_at_least(got, expected, COSINE, what=f"Dense late chunks ({len(text)} chars): ")

@@ -39,10 +39,12 @@ def token_rules(served: ServedModel) -> TokenRules:
 class Embedding:
     """Embed and its token-id form, through the engine core's port; results in float32."""
 
-    def __init__(self, infer: Infer, served: ServedModel) -> None:
+    def __init__(self, infer: Infer, served: ServedModel, allow_pickle: bool = False) -> None:
         self._infer = infer
         self._served = served
         self.token_rules = token_rules(served)
+        # Late chunking's copy of the model's Dense modules, read on its first call.
+        self._dense = late_chunking.HostDense(served, allow_pickle)
 
     async def embed(self, texts: list[str], params: EmbedParams) -> EmbedResult:
         """The outputs `params.outputs` names (dense, sparse, token vectors) per text, from one forward pass."""
@@ -52,7 +54,9 @@ class Embedding:
         params = replace(params, prompt_name=prompt_name)
         checks.check_embed(self._served.info, tokenizer, texts, params)
         if params.late_chunking is not None:
-            return await late_chunking.embed_late_chunks(self._infer, self._served, texts, params, received, adapter)
+            return await late_chunking.embed_late_chunks(
+                self._infer, self._served, texts, params, received, self._dense, adapter
+            )
         if params.chunking:
             return await chunking.embed_chunked(self._infer, self._served, texts, params, received, adapter)
         encoded = await self._infer.tokenize_with(

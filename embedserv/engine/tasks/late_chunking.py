@@ -5,14 +5,13 @@ The model runs once over each input as Embed would feed it (the call's prompt an
 included); an input longer than the model's context runs as overlapping windows (late_chunks.py says which
 window each token's state comes from). Each chunk's vector is the mean of its own tokens' final hidden states,
 whatever pooling the model's dense output uses (late chunking's pooling; a CLS or last-token model gets
-the mean too), then `dimensions` and normalization; quantize.py applies the call's encoding after, as for
-Embed. Usage counts every token run, windows' repeated tokens included.
+the mean too), then the model's sentence-transformers Dense modules if it has them (HostDense), `dimensions`
+and normalization; quantize.py applies the call's encoding after, as for Embed. Usage counts every token
+run, windows' repeated tokens included.
 
-Refused: models with sentence-transformers Dense modules (their token states are not in the embedding space;
-the Dense layers run on the workers, on pooled rows only), models whose token vectors are not their hidden
-states (bge-m3's colbert head, MultiVectorEncoders, sparse models), other outputs than dense, and chunking
-together with late chunking. `truncate` and `truncation_direction` do not apply: nothing is too long, so
-nothing is cut.
+Refused: models whose token vectors are not their hidden states (bge-m3's colbert head, MultiVectorEncoders,
+sparse models), other outputs than dense, and chunking together with late chunking. `truncate` and
+`truncation_direction` do not apply: nothing is too long, so nothing is cut.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from embedserv.engine.loading import ServedModel
 from embedserv.engine.ports import Infer, SequenceOutput
@@ -27,6 +27,8 @@ from embedserv.engine.tasks import late_chunks
 from embedserv.engine.tasks.outputs import finish_embeddings
 from embedserv.engine.tokenizer import Encoded, TextTokenizer
 from embedserv.errors import InvalidInput
+from embedserv.models.heads.pooling import Dense
+from embedserv.models.loading.weights import load_dense_weights
 from embedserv.types import ChunkSplitter, EmbedOutput, EmbedParams, EmbedResult, LateChunking, TokenizedText
 
 
@@ -52,12 +54,6 @@ def check_late_chunking(served: ServedModel, texts: list[str], params: EmbedPara
     if served.spec.outputs.head_kind != "hidden":
         raise InvalidInput(
             f"model {info.name!r} cannot late-chunk: its token vectors are not its final hidden states"
-        )
-    if served.spec.st.dense:
-        raise InvalidInput(
-            f"model {info.name!r} cannot late-chunk: its embeddings pass through {len(served.spec.st.dense)} Dense "
-            "module(s) after pooling, which the server applies to pooled vectors only; use a model without Dense "
-            "modules, or leave late_chunking unset"
         )
     _check_options(late, texts)
 
@@ -149,17 +145,55 @@ def chunk_rows(plan: InputPlan, outputs: list[SequenceOutput]) -> np.ndarray:
     return late_chunks.mean_rows(states, plan.members)
 
 
+class HostDense:
+    """The model's sentence-transformers Dense modules, float32 on the host's CPU. Chunks are pooled on the
+    host, and the workers' Dense layers only ever see the rows their pooler makes, so a copy runs here (where
+    the workers run a bfloat16 model in bfloat16, this copy is the more exact)."""
+
+    def __init__(self, served: ServedModel, allow_pickle: bool) -> None:
+        self._specs = served.spec.st.dense
+        self._allow_pickle = allow_pickle
+        self._layers: list[Dense] | None = None
+
+    @property
+    def is_loaded(self) -> bool:
+        return self._layers is not None or not self._specs
+
+    def load(self) -> None:
+        """Reads the weights (files: run it in the tokenizer pool); once."""
+        layers = []
+        for spec in self._specs:
+            layer = Dense(spec)
+            load_dense_weights(layer, spec.directory, self._allow_pickle)
+            layers.append(layer.float().eval().requires_grad_(False))
+        self._layers = layers
+
+    def __call__(self, rows: np.ndarray) -> np.ndarray:
+        if not self._specs:
+            return rows
+        if len(rows) == 0:
+            return np.zeros((0, self._specs[-1].out_features), dtype=np.float32)
+        out = torch.from_numpy(rows)
+        with torch.inference_mode():
+            for layer in self._layers:
+                out = layer(out)
+        return out.float().numpy()
+
+
 async def embed_late_chunks(
-    infer: Infer, served: ServedModel, texts: list[str], params: EmbedParams, received: float, adapter: int = -1
+    infer: Infer, served: ServedModel, texts: list[str], params: EmbedParams, received: float, dense: HostDense,
+    adapter: int = -1,
 ) -> EmbedResult:
     """Per input, its chunks' spans and float32 vectors (EmbedResult.chunks); quantize.py encodes them after."""
     check_late_chunking(served, texts, params)
+    if not dense.is_loaded:
+        await infer.tokenize_with(dense.load)
     plans = await infer.tokenize_with(plan_inputs, served.tokenizer, texts, params, adapter, chars=sum(map(len, texts)))
     flat = [window for plan in plans for window in plan.windows]
     outputs, prompt_tokens, timing = await infer.infer(flat, received, (EmbedOutput.MULTI_VECTOR,))
     chunks, start = [], 0
     for plan in plans:
-        rows = chunk_rows(plan, outputs[start : start + len(plan.windows)])
+        rows = dense(chunk_rows(plan, outputs[start : start + len(plan.windows)]))
         start += len(plan.windows)
         chunks.append((plan.spans, finish_embeddings(rows, params.dimensions, params.normalize)))
     return EmbedResult(embeddings=None, prompt_tokens=prompt_tokens, timing=timing, chunks=chunks)

@@ -229,6 +229,14 @@ def test_chunks_take_the_calls_encoding(tiny_encoder, engine_for, short_text):
     assert halves.dtype == np.float16 and codes.dtype == np.uint8
     np.testing.assert_array_equal(halves, floats.astype(np.float16))
     np.testing.assert_array_equal(codes, np.packbits(floats > 0, axis=-1))
+    # int8: the codes the call's encoding gives these float vectors as a plain Embed's (the model's calibration).
+    from embedserv.types import EmbedResult
+
+    params = _params(spans=spans, encoding=Encoding.INT8)
+    int8 = engine.embed([short_text], params).chunks[0][1]
+    as_embed = engine._call(engine.engine.encoded(EmbedResult(embeddings=floats.copy(), prompt_tokens=0), params))
+    assert int8.dtype == np.int8
+    np.testing.assert_array_equal(int8, as_embed.embeddings)
 
 
 def test_a_model_whose_token_vectors_are_a_head_is_refused(engine_for, tmp_path_factory, short_text):

@@ -38,7 +38,7 @@ class Engine:
         self.tokenizer = served.tokenizer
         self.task = served.task
         self.core = core or EngineCore(config, served, workers, tokenizer_threads, pipeline_depth)
-        self.embedding = Embedding(self.core, served)
+        self.embedding = Embedding(self.core, served, config.allow_pickle)
         # int8 / uint8 ranges, computed once from the built-in calibration texts on first use.
         self.encodings = Encodings(self.embedding)
         self.reranking = Reranking(self.core, served, self.embedding.token_rules)

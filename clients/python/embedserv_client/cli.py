@@ -48,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     embed.add_argument("--chunking", choices=["mean"], help="embed inputs past the model's limit by windows")
 
+    _add_embed_chunks(commands)
+
     sparse = commands.add_parser("embed-sparse", help="sparse vectors: {indices, values} per text")
     sparse.add_argument("texts", nargs="+", metavar="TEXT")
     sparse.add_argument("--top-k", type=int, help="keep each text's largest values")
@@ -90,6 +92,16 @@ def _parser() -> argparse.ArgumentParser:
     return p  # fmt: skip
 
 
+def _add_embed_chunks(commands) -> None:
+    chunked = commands.add_parser("embed-chunks", help="late chunking: a vector per sentence or token window")
+    chunked.add_argument("texts", nargs="+", metavar="TEXT")
+    chunked.add_argument("--splitter", default="sentences", choices=["sentences", "tokens"], help="default: sentences")
+    chunked.add_argument("--chunk-tokens", type=int, default=0, help="tokens: tokens per chunk")
+    chunked.add_argument("--overlap-tokens", type=int, default=0, help="tokens: tokens neighbouring chunks share")
+    chunked.add_argument("--dimensions", type=int)
+    chunked.add_argument("--prompt-name")
+
+
 def _tls(args: argparse.Namespace) -> bool | Tls:
     if args.tls_ca or args.tls_cert or args.tls_key:
         return Tls(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
@@ -112,6 +124,16 @@ def _run(client: Client, args: argparse.Namespace) -> tuple[dict, int]:
         )
         scale = {"encoding_scale": result.encoding_scale} if result.encoding_scale else {}
         return {"embeddings": result.dense.tolist(), **scale}, 0
+    if args.command == "embed-chunks":
+        found = client.embed_chunks(
+            args.texts, splitter=args.splitter, chunk_tokens=args.chunk_tokens, overlap_tokens=args.overlap_tokens,
+            dimensions=args.dimensions, prompt_name=args.prompt_name,
+        )
+        inputs = [
+            {"chunks": [{"start": s, "end": e, "embedding": v.tolist()} for (s, e), v in zip(c.spans, c.vectors)]}
+            for c in found
+        ]
+        return {"inputs": inputs}, 0
     if args.command == "embed-sparse":
         vectors = client.embed_sparse(args.texts, top_k=args.top_k, truncate=args.truncate)
         return {"embeddings": [{"indices": i.tolist(), "values": v.tolist()} for i, v in vectors]}, 0

@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from embedserv_client import plans
+from embedserv_client import late_chunks, plans
 from embedserv_client.base import ClientSettings
 from embedserv_client.options import RetryPolicy, Tls, time_left
 from embedserv_client.streams import TextStream
@@ -100,6 +100,38 @@ class Client(ClientSettings):
         )
         deadline = self.deadline(timeout)
         return self._run(plans.embed_plan(items, self._batch_size(deadline), single, **fields), deadline)
+
+    def embed_chunks(
+        self,
+        texts: str | Sequence[str],
+        *,
+        splitter: str = "spans",
+        spans: Sequence[Sequence[tuple[int, int]]] | None = None,
+        chunk_tokens: int = 0,
+        overlap_tokens: int = 0,
+        model: str | None = None,
+        normalize: bool | None = None,
+        dimensions: int | None = None,
+        prompt_name: str | None = None,
+        encoding: str = "float32",
+        task: str | None = None,
+        timeout: float | None = None,
+    ) -> late_chunks.TextChunks | list[late_chunks.TextChunks]:
+        """Late chunking: one vector per chunk of each text, pooled from the whole text's token states. Chunks
+        are `spans` (per text, its [start, end) character spans), "sentences", or "tokens" windows of
+        `chunk_tokens` sharing `overlap_tokens`. A TextChunks(spans, vectors) per text; for one string, `spans` is
+        its own list and one TextChunks comes back."""
+        items, single = plans.as_list(texts, "texts")
+        if spans is not None and single:
+            spans = [spans]
+        late = late_chunks.late_chunking(splitter, spans, chunk_tokens, overlap_tokens)
+        fields = plans.embed_fields(
+            self.model_name(model), normalize, False, "right", dimensions, prompt_name, encoding, task=task
+        )
+        deadline = self.deadline(timeout)
+        dtype = plans.ENCODINGS[encoding][1]
+        plan = late_chunks.embed_chunks_plan(items, self._batch_size(deadline), single, late, dtype, **fields)
+        return self._run(plan, deadline)
 
     def rerank(
         self,

@@ -164,8 +164,17 @@ class Encodings:
 
     async def apply(self, result: EmbedResult, params: EmbedParams) -> EmbedResult:
         """`result` with its dense vectors encoded (float32 ones are returned as they are)."""
-        if result.embeddings is not None and params.encoding is not Encoding.FLOAT32:
+        if params.encoding is Encoding.FLOAT32:
+            return result
+        if result.embeddings is not None:
             result.embeddings, result.encoding_scale = await self.encode(result.embeddings, params)
+        if result.chunks is not None:
+            # Late chunking's vectors are dense embeddings too: the same encoding, the same scale or ranges.
+            chunks = []
+            for spans, rows in result.chunks:
+                codes, result.encoding_scale = await self.encode(rows, params)
+                chunks.append((spans, codes))
+            result.chunks = chunks
         return result
 
 

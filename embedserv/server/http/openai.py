@@ -4,7 +4,8 @@ Shapes follow OpenAI's API reference, so the openai SDK, LangChain, LlamaIndex a
 changing their base URL. Extensions a client may send beside OpenAI's fields: `truncate` (cut inputs past
 the model's limit instead of refusing them), `prompt_name` (a sentence-transformers prompt),
 `normalize` (default true, as OpenAI's vectors are unit length), `embedding_type` (a compact encoding of the
-vectors, see `embeddings`) and `chunking` ("mean": texts past the model's limit are embedded by windows).
+vectors, see `embeddings`), `chunking` ("mean": texts past the model's limit are embedded by windows) and
+`late_chunking` (one vector per chunk of each text; late_chunks.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pydantic import Field
 from embedserv.errors import InvalidInput, ModelNotFound
 from embedserv.server.http.common import Body, call_of, engine_named, frontend_of
 from embedserv.server.http.error_responses import JSON
+from embedserv.server.http.late_chunks import LateChunkingBody, chunk_items
 from embedserv.server.http.openai_generate import router as generation_router
 from embedserv.types import EmbedParams, Encoding, ModelInfo, TruncationDirection
 
@@ -56,12 +58,19 @@ class EmbeddingsBody(Body):
     chunking: Literal["mean"] | None = Field(
         None, description="Extension: mean embeds texts past the model's limit by windows (token-count-weighted mean)."
     )
+    late_chunking: LateChunkingBody | None = Field(
+        None, description="Extension: one vector per chunk of each text, pooled from the whole text's token states."
+    )
 
 
 class EmbeddingItem(Body):
     object: Literal["embedding"] = "embedding"
     index: int
     embedding: list[float] | list[int] | str
+    # late_chunking: the chunk's input and its [start, end) character span.
+    input_index: int | None = None
+    start: int | None = None
+    end: int | None = None
 
 
 class Usage(Body):
@@ -106,6 +115,7 @@ async def embeddings(request: Request, body: EmbeddingsBody):
         chunking=body.chunking == "mean",
         encoding=Encoding(body.embedding_type),
         task=body.task,
+        late_chunking=body.late_chunking.params() if body.late_chunking is not None else None,
     )
     inputs = body.input if isinstance(body.input, list) else [body.input]
     if _is_token_ids(inputs):
@@ -119,18 +129,25 @@ async def embeddings(request: Request, body: EmbeddingsBody):
         texts = frontend.check_inputs(inputs, "input")
         with frontend.hold(len(texts)):
             result = await engine.embed(texts, params)
-    call_of(request).answered(len(result.embeddings), result.prompt_tokens, result.timing)
-    if body.encoding_format == "base64":
-        rows = result.embeddings.astype(result.embeddings.dtype.newbyteorder("<"), copy=False)
-        vectors = [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
+    answered = result.chunks if result.chunks is not None else result.embeddings
+    call_of(request).answered(len(answered), result.prompt_tokens, result.timing)
+    if result.chunks is not None:
+        data = chunk_items(result, _vectors(np.concatenate([rows for _, rows in result.chunks]), body.encoding_format))
     else:
-        vectors = list(np.ascontiguousarray(result.embeddings))  # orjson writes each value's shortest repr
-    data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
+        vectors = _vectors(result.embeddings, body.encoding_format)
+        data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
     usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
     response = {"object": "list", "data": data, "model": engine.info.name, "usage": usage}
     if result.encoding_scale:
         response["encoding_scale"] = result.encoding_scale
     return JSON(response)
+
+
+def _vectors(rows: np.ndarray, encoding_format: str) -> list:
+    if encoding_format == "base64":
+        rows = rows.astype(rows.dtype.newbyteorder("<"), copy=False)
+        return [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
+    return list(np.ascontiguousarray(rows))  # orjson writes each value's shortest repr
 
 
 def model_card(info: ModelInfo) -> dict:

@@ -6,6 +6,7 @@ import asyncio
 import threading
 
 from embedserv.config import ModelConfig
+from embedserv.engine.core.output_cache import CacheStats
 from embedserv.engine.engine import Engine
 from embedserv.executor.base import WorkerStats
 from embedserv.types import (
@@ -101,6 +102,9 @@ class SyncEngine:
 
     def kv_cache_usage(self) -> KvCacheUsage | None:
         return self.engine.kv_cache_usage()
+
+    def embedding_cache_stats(self) -> CacheStats | None:
+        return self.engine.embedding_cache_stats()
 
     def worker_stats(self) -> list[WorkerStats]:
         return self.engine.worker_stats()

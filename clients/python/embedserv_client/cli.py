@@ -44,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     embed.add_argument("--task", help="the model's task adapter (ListModels' adapters), e.g. retrieval.query")
     embed.add_argument("--encoding", default="float32", choices=list(ENCODINGS), help="default: float32")
     embed.add_argument("--chunking", choices=["mean"], help="embed inputs past the model's limit by windows")
+    embed.add_argument("--bypass-cache", action="store_true",
+                       help="neither read nor fill the server's embedding cache (--embedding-cache)")
 
     sparse = commands.add_parser("embed-sparse", help="sparse vectors: {indices, values} per text")
     sparse.add_argument("texts", nargs="+", metavar="TEXT")
@@ -105,6 +107,7 @@ def _run(client: Client, args: argparse.Namespace) -> tuple[dict, int]:
             encoding=args.encoding,
             chunking=args.chunking,
             task=args.task,
+            bypass_cache=args.bypass_cache,
         )
         return {"embeddings": matrix.tolist()}, 0
     if args.command == "embed-sparse":

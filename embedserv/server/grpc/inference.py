@@ -92,6 +92,7 @@ def embed_params(request: pb.EmbedRequest) -> EmbedParams:
         sparse_top_k=request.sparse_top_k if request.HasField("sparse_top_k") else None,
         encoding=_ENCODINGS[request.encoding],
         task=request.task or None,
+        bypass_cache=request.bypass_cache,
     )
 
 

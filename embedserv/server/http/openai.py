@@ -53,6 +53,9 @@ class EmbeddingsBody(Body):
     chunking: Literal["mean"] | None = Field(
         None, description="Extension: mean embeds texts past the model's limit by windows (token-count-weighted mean)."
     )
+    bypass_cache: bool = Field(
+        False, description="Extension: neither read nor fill the model's embedding cache (--embedding-cache)."
+    )
 
 
 class EmbeddingItem(Body):
@@ -97,6 +100,7 @@ async def embeddings(request: Request, body: EmbeddingsBody):
         chunking=body.chunking == "mean",
         encoding=Encoding(body.embedding_type),
         task=body.task,
+        bypass_cache=body.bypass_cache,
     )
     inputs = body.input if isinstance(body.input, list) else [body.input]
     if _is_token_ids(inputs):

@@ -13,13 +13,13 @@ import json
 import grpc
 import httpx
 import pytest
-
 from embedserv_client import Client
 from embedserv_client import cli as client_cli
+
 from tests.helpers.client import RPC_TIMEOUT_S, inference_stub
 from tests.helpers.inprocess import in_process_server
 from tests.helpers.metrics import scrape
-from tests.helpers.server import free_port
+from tests.helpers.server import free_port, running_server
 from tests.helpers.sparse_models import build_bge_m3
 
 MODEL = "m3"
@@ -126,3 +126,25 @@ def test_the_cache_stays_within_its_size_and_counts_evictions(server, stub, pb):
     metrics = cache_metrics(server)
     assert metrics["evictions"] > 0 and metrics["capacity_bytes"] == CACHE_BYTES
     assert 0 < metrics["bytes"] <= CACHE_BYTES and metrics["entries"] > 0
+
+
+def test_front_end_processes_share_the_engine_process_cache(bundled_dir, pb):
+    """--frontends 2: calls over many connections (both front ends, most likely) fill and hit one cache, in
+    the engine process; bypass_cache crosses the link."""
+    metrics_port = free_port()
+    args = ["--model", str(bundled_dir), "--served-model-name", "minilm", "--dtype", "float32", "--frontends", "2",
+            "--embedding-cache", "16MiB", "--max-batch-requests", "1", "--metrics-port", str(metrics_port)]  # fmt: skip
+    request = pb.EmbedRequest(model="minilm", inputs=["shared by the front ends"], encoding=pb.ENCODING_BYTES)
+    with running_server(args) as (target, _):
+        replies = []
+        for bypass in [False] * 6 + [True]:
+            # Its own connection each: the kernel picks a front end for it.
+            with grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+                request.bypass_cache = bypass
+                replies.append(inference_stub(channel).Embed(request, timeout=RPC_TIMEOUT_S))
+        got = scrape(metrics_port)
+    counts = {name: got.value(f"embedserv_embedding_cache_{name}_total", model="minilm") for name in COUNTERS}
+    assert counts == {"hits": 5, "misses": 1, "evictions": 0}
+    assert got.value("embedserv_embedding_cache_entries", model="minilm") == 1
+    assert len({reply.embeddings[0].raw for reply in replies}) == 1
+    assert all(reply.timing.inference_us == 0 for reply in replies[1:6]) and replies[6].timing.inference_us > 0

@@ -16,7 +16,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from embedserv.errors import InvalidInput
-from embedserv.types import ClassifyParams, EmbedOutput, EmbedParams, Encoding, RerankParams, TruncationDirection
+from embedserv.types import (
+    ClassifyParams,
+    EmbedOutput,
+    EmbedParams,
+    Encoding,
+    RerankParams,
+    TruncationDirection,
+)
 from tests.helpers.jina_models import TASKS, build_jina
 from tests.helpers.scorers import build_cross_encoder
 from tests.helpers.sparse_models import build_bge_m3
@@ -27,8 +34,10 @@ PROMPTS = {"query": "search query: ", "doc": "passage: "}
 TEXTS = [
     "a cat",
     "The quick brown fox jumps over the lazy dog.",
-    "Embeddings map texts to vectors; similar texts get similar vectors, and a cache returns the vectors "
-    "of texts it has seen before without running the model again.",
+    (
+        "Embeddings map texts to vectors; similar texts get similar vectors, and a cache returns the vectors "
+        "of texts it has seen before without running the model again."
+    ),
     "late",
     "Rerankers score a query against each document; classifiers give every label a score.",
 ]
@@ -91,13 +100,14 @@ def _implemented(encoding: Encoding) -> bool:
 
 
 _texts = st.lists(st.sampled_from(TEXTS), min_size=1, max_size=3)
-_common = dict(
-    truncate=st.booleans(),
-    truncation_direction=st.sampled_from(list(TruncationDirection)),
-    dimensions=st.sampled_from([None, 8, 32]),
-    normalize=st.booleans(),
-    encoding=st.sampled_from([e for e in Encoding if _implemented(e)]),
-)
+_common = {
+    # Mostly true: without it, inputs past the limit are refused (compared too, but they reach no cache).
+    "truncate": st.sampled_from([True, True, True, False]),
+    "truncation_direction": st.sampled_from(list(TruncationDirection)),
+    "dimensions": st.sampled_from([None, 8, 32]),
+    "normalize": st.booleans(),
+    "encoding": st.sampled_from([e for e in Encoding if _implemented(e)]),
+}
 _prompted_params = st.builds(
     EmbedParams, prompt_name=st.sampled_from([None, "query", "doc"]), chunking=st.booleans(), **_common
 )

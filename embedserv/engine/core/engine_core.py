@@ -60,7 +60,9 @@ class EngineCore:
             output = OutputKind.POOL if served.spec.outputs.outputs else OutputKind.SCORE
             self.prefill = PrefillQueue(name, workers, budget, max_seqs, output)
         # Prefill outputs only: generation streams are not cached.
-        self.cache = OutputCache(config.embedding_cache) if config.embedding_cache and self.prefill is not None else None
+        self.cache: OutputCache | None = None
+        if config.embedding_cache and self.prefill is not None:
+            self.cache = OutputCache(config.embedding_cache)
         self.generation: list[GenerationStreams] = []
         if Task.GENERATE in served.task.tasks:
             self.generation = [
@@ -216,13 +218,13 @@ class EngineCore:
         requests = [self._request(e, wanted) for e in stripped]
         if self.cache is not None and use_cache:
             keys = [cache_key(e, wanted) for e in stripped]
-            outputs, computed = await self.cache.run(requests, keys, self.prefill.run)
+            outputs, ran = await self.cache.run(requests, keys, self.prefill.run)
         else:
-            outputs = computed = await self.prefill.run(requests)
-        # Only the sequences this call ran took queue and inference time: a call answered from the cache
-        # took none.
-        first_start = min((output.started for output in computed), default=tokenized)
-        last_end = max((output.finished for output in computed), default=tokenized)
+            outputs = ran = await self.prefill.run(requests)
+        # Only the sequences that ran for this call took queue and inference time: a call answered from the
+        # cache took none. An identical sequence it waited for may have started before it came.
+        first_start = max(tokenized, min((output.started for output in ran), default=tokenized))
+        last_end = max((output.finished for output in ran), default=first_start)
         timing = Timing(
             queue_us=_us(first_start - tokenized),
             tokenization_us=_us(tokenized - received),

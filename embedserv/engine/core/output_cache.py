@@ -129,27 +129,31 @@ class OutputCache:
         self._entries.move_to_end(key)
         return entry[0]
 
-    def put(self, key: bytes, output: SequenceOutput) -> None:
-        """Stores a copy of `output` unless it alone is larger than the cache; evicts the least recently used
-        entries until the total fits."""
-        size = entry_bytes(output)
+    def put(self, key: bytes, output: SequenceOutput) -> SequenceOutput:
+        """Stores a read-only copy of `output` unless it alone is larger than the cache, evicting the least
+        recently used entries until the total fits; returns the copy."""
+        frozen = stored(output)
+        size = entry_bytes(frozen)
         if size > self.stats.capacity_bytes or key in self._entries:
-            return
-        self._entries[key] = (stored(output), size)
+            return frozen
+        self._entries[key] = (frozen, size)
         self.stats.bytes += size
         while self.stats.bytes > self.stats.capacity_bytes:
             _, (_, evicted) = self._entries.popitem(last=False)
             self.stats.bytes -= evicted
             self.stats.evictions += 1
         self.stats.entries = len(self._entries)
+        return frozen
 
     async def run(
         self, requests: list[Request], keys: list[bytes], compute: Compute
     ) -> tuple[list[SequenceOutput], list[SequenceOutput]]:
         """Each request's output, in order, from the cache, from an identical sequence in flight, or from
-        `compute` (the scheduler) for the rest; and the outputs this call computed (its timing)."""
+        `compute` (the scheduler) for the rest; and the outputs of the sequences that ran while this call
+        waited, its own and those it waited for (its timing)."""
         found: dict[bytes, SequenceOutput] = {}
-        computed: list[SequenceOutput] = []
+        ran: list[SequenceOutput] = []
+        own = 0
         unique = set(keys)
         while len(found) < len(unique):
             todo: dict[bytes, Request] = {}
@@ -167,14 +171,16 @@ class OutputCache:
             if todo:
                 outputs = await self._compute(todo, compute)
                 found.update(zip(todo, outputs))
-                computed += outputs
+                ran += outputs
+                own += len(outputs)
             for key, future in waits.items():
                 # Shielded: this call going away must not cancel another call's sequence.
                 output = await asyncio.shield(future)
                 if output is not _GONE:
                     found[key] = output
-        self.stats.hits += len(keys) - len(computed)
-        return [found[key] for key in keys], computed
+                    ran.append(output)
+        self.stats.hits += len(keys) - own
+        return [found[key] for key in keys], ran
 
     async def _compute(self, todo: dict[bytes, Request], compute: Compute) -> list[SequenceOutput]:
         loop = asyncio.get_running_loop()
@@ -194,6 +200,6 @@ class OutputCache:
             raise
         for (key, future), output in zip(futures.items(), outputs):
             del self._pending[key]
-            self.put(key, output)
-            future.set_result(output)
+            # Waiters share the read-only copy: another call's results never alias this call's arrays.
+            future.set_result(self.put(key, output))
         return outputs

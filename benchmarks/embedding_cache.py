@@ -5,8 +5,8 @@ rates (the share of texts that some earlier call of the stream already sent).
                                          [--rates 0,0.5,0.9] [--cache 256MiB] [--repeats 2] [--model DIR]
 
 The stream: --texts real texts (stdlib docstrings, 15% truncated at the model's limit) sent in calls of
---batch-size, --concurrency calls at a time, in order; a text is a repeat with probability `rate` (any
-earlier text of the stream, uniformly), else a text not sent before. One engine in process (MiniLM fp32 by
+--batch-size, --concurrency calls at a time, in order; a text is a repeat with probability `rate` (of a
+text sent before), else a text not sent before. One engine in process (MiniLM fp32 by
 default) serves every run; before each timed run the cache is emptied, and a warm-up pass over other texts
 runs first. The fastest of --repeats runs counts. Prints a markdown table.
 """
@@ -33,12 +33,18 @@ from embedserv.types import EmbedParams  # noqa: E402
 
 
 def stream(pool: list[str], n: int, rate: float, seed: int) -> list[str]:
-    """n texts: each a repeat of an earlier one with probability `rate`, else the pool's next new text."""
+    """n texts: each a repeat with probability `rate` (of a text sent before, uniformly over the distinct
+    ones: uniform over the stream would repeat a few early texts ever more), else the pool's next new text."""
     rng = random.Random(seed)
     fresh = iter(pool)
     texts: list[str] = []
+    sent: list[str] = []
     for _ in range(n):
-        texts.append(rng.choice(texts) if texts and rng.random() < rate else next(fresh))
+        if sent and rng.random() < rate:
+            texts.append(rng.choice(sent))
+        else:
+            sent.append(next(fresh))
+            texts.append(sent[-1])
     return texts
 
 
@@ -82,7 +88,7 @@ def main() -> None:
     args = parser.parse_args()
     cache_bytes = parse_bytes(args.cache, "--cache")
     rates = [float(r) for r in args.rates.split(",")]
-    pool = stdlib_texts(2 * args.texts + 256, seed=3)
+    pool = list(dict.fromkeys(stdlib_texts(2 * args.texts + 256, seed=3)))
     warm_up, pool = pool[:256], pool[256:]
     config = ModelConfig(path=args.model, served_name="bench", dtype="float32")
     rows = []

@@ -81,7 +81,7 @@ def parse_memory(text: str) -> float:
 def parse_bytes(text: str, flag: str) -> int:
     """`256MiB`, `1GB`, `1e9`, `0` -> whole bytes, 0 or more."""
     value = _size(text)
-    if value is None or not value >= 0:
+    if value is None or not 0 <= value < float("inf"):
         raise ConfigError(f"{flag} {text!r} is not a size; give bytes (256MiB, 1GB, 1e9) or 0 for none")
     return int(value)
 

@@ -182,8 +182,9 @@ def test_the_embedding_cache_is_a_size_per_model(tmp_path):
                    "--embedding-cache", "256MiB")
     assert [m.embedding_cache for m in flagged.models] == [256 * 2**20, 1024]
     assert load(tmp_path, "", "--model", "/m").models[0].embedding_cache == 0
-    with pytest.raises(ConfigError, match=r"^--embedding-cache 'big' is not a size"):
-        load(tmp_path, "", "--model", "/m", "--embedding-cache", "big")
+    for bad in ("big", "-1MiB", "inf", "nan"):
+        with pytest.raises(ConfigError, match=rf"^--embedding-cache '{bad}' is not a size"):
+            load(tmp_path, "", "--model", "/m", f"--embedding-cache={bad}")
 
 
 def test_a_bad_flag_is_still_named_as_the_flag(tmp_path):

@@ -14,6 +14,7 @@ from embedserv.config import ModelConfig
 from embedserv.engine import checks
 from embedserv.engine.core import workers as worker_builders
 from embedserv.engine.core.engine_core import EngineCore
+from embedserv.engine.core.output_cache import CacheStats
 from embedserv.engine.loading import ServedModel, log_spec, read_served_model
 from embedserv.engine.tasks.classification import Classification
 from embedserv.engine.tasks.embedding import Embedding
@@ -115,6 +116,11 @@ class Engine:
     def kv_cache_usage(self) -> KvCacheUsage | None:
         """Blocks in use now, summed over the workers (None for models that do not generate)."""
         return self.core.kv_cache_usage()
+
+    def embedding_cache_stats(self) -> CacheStats | None:
+        """The embedding cache's counters (None without one, and in a front-end process: the engine process
+        has it)."""
+        return self.core.cache_stats()
 
     async def embed(self, texts: list[str], params: EmbedParams) -> EmbedResult:
         """The outputs `params.outputs` names (dense, sparse, token vectors) per text, from one forward pass,

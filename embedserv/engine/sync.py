@@ -7,6 +7,7 @@ import threading
 from dataclasses import replace
 
 from embedserv.config import ModelConfig
+from embedserv.engine.core.output_cache import CacheStats
 from embedserv.engine.engine import Engine
 from embedserv.executor.base import WorkerStats
 from embedserv.types import (
@@ -106,6 +107,9 @@ class SyncEngine:
 
     def kv_cache_usage(self) -> KvCacheUsage | None:
         return self.engine.kv_cache_usage()
+
+    def embedding_cache_stats(self) -> CacheStats | None:
+        return self.engine.embedding_cache_stats()
 
     def worker_stats(self) -> list[WorkerStats]:
         return self.engine.worker_stats()

@@ -71,12 +71,13 @@ class AsyncClient(ClientSettings):
         chunking: str | None = None,
         sparse_top_k: int | None = None,
         task: str | None = None,
+        bypass_cache: bool = False,
         timeout: float | None = None,
     ) -> np.ndarray | EmbedOutputs:
         items, single = plans.as_list(texts, "texts")
         fields = plans.embed_fields(
             self.model_name(model), normalize, truncate, truncation_direction, dimensions, prompt_name,
-            encoding, outputs, chunking, sparse_top_k, task,
+            encoding, outputs, chunking, sparse_top_k, task, bypass_cache,
         )
         deadline = self.deadline(timeout)
         return await self._run(plans.embed_plan(items, await self._batch_size(deadline), single, **fields), deadline)

@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
         help="default: float32; int8 / uint8 also print the encoding_scale that decodes them",
     )
     embed.add_argument("--chunking", choices=["mean"], help="embed inputs past the model's limit by windows")
+    embed.add_argument("--bypass-cache", action="store_true",
+                       help="neither read nor fill the server's embedding cache (--embedding-cache)")
 
     _add_embed_chunks(commands)
 
@@ -121,6 +123,7 @@ def _run(client: Client, args: argparse.Namespace) -> tuple[dict, int]:
             outputs=["dense"],
             chunking=args.chunking,
             task=args.task,
+            bypass_cache=args.bypass_cache,
         )
         scale = {"encoding_scale": result.encoding_scale} if result.encoding_scale else {}
         return {"embeddings": result.dense.tolist(), **scale}, 0

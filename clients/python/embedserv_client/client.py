@@ -83,6 +83,7 @@ class Client(ClientSettings):
         chunking: str | None = None,
         sparse_top_k: int | None = None,
         task: str | None = None,
+        bypass_cache: bool = False,
         timeout: float | None = None,
     ) -> np.ndarray | EmbedOutputs:
         """Embeddings: [len(texts), dimension], or [dimension] for one string, float32 unless `encoding` says
@@ -92,11 +93,12 @@ class Client(ClientSettings):
         inputs past the model's limit by windows. `outputs` (some of "dense", "sparse", "multi_vector", from one
         forward pass) returns an EmbedOutputs instead, with the int8 / uint8 `encoding_scale`; `sparse_top_k`
         keeps the largest values of the sparse output. `task` picks the model's task adapter (ListModels'
-        adapters, e.g. "retrieval.query") and that task's prompt."""
+        adapters, e.g. "retrieval.query") and that task's prompt. `bypass_cache` neither reads nor fills the
+        server's embedding cache (--embedding-cache)."""
         items, single = plans.as_list(texts, "texts")
         fields = plans.embed_fields(
             self.model_name(model), normalize, truncate, truncation_direction, dimensions, prompt_name,
-            encoding, outputs, chunking, sparse_top_k, task,
+            encoding, outputs, chunking, sparse_top_k, task, bypass_cache,
         )
         deadline = self.deadline(timeout)
         return self._run(plans.embed_plan(items, self._batch_size(deadline), single, **fields), deadline)

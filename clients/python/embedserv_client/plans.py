@@ -139,6 +139,7 @@ def embed_fields(
     chunking_mode: str | None = None,
     sparse_top_k: int | None = None,
     task: str | None = None,
+    bypass_cache: bool = False,
 ) -> dict:
     fields = dict(
         model=model,
@@ -159,6 +160,8 @@ def embed_fields(
         fields["sparse_top_k"] = sparse_top_k
     if task:
         fields["task"] = task
+    if bypass_cache:
+        fields["bypass_cache"] = True
     return fields
 
 

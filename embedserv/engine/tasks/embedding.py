@@ -81,7 +81,9 @@ class Embedding:
         return await self._pooled(with_adapter(encoded, adapter), params, received)
 
     async def _pooled(self, encoded: list[Encoded], params: EmbedParams, received: float) -> EmbedResult:
-        outputs, prompt_tokens, timing = await self._infer.infer(encoded, received, params.outputs)
+        outputs, prompt_tokens, timing = await self._infer.infer(
+            encoded, received, params.outputs, use_cache=not params.bypass_cache
+        )
         return assemble(outputs, encoded, params, self.token_rules, prompt_tokens, timing)
 
 

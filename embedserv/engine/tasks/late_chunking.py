@@ -190,7 +190,9 @@ async def embed_late_chunks(
         await infer.tokenize_with(dense.load)
     plans = await infer.tokenize_with(plan_inputs, served.tokenizer, texts, params, adapter, chars=sum(map(len, texts)))
     flat = [window for plan in plans for window in plan.windows]
-    outputs, prompt_tokens, timing = await infer.infer(flat, received, (EmbedOutput.MULTI_VECTOR,))
+    outputs, prompt_tokens, timing = await infer.infer(
+        flat, received, (EmbedOutput.MULTI_VECTOR,), use_cache=not params.bypass_cache
+    )
     chunks, start = [], 0
     for plan in plans:
         rows = dense(chunk_rows(plan, outputs[start : start + len(plan.windows)]))

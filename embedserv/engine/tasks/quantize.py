@@ -205,7 +205,8 @@ class Calibration:
     async def _calibration_rows(self, embedder: Embedder) -> np.ndarray:
         async with self._lock:
             if self._rows is None:
-                raw = EmbedParams(normalize=False, truncate=True, outputs=(EmbedOutput.DENSE,))
+                # Not through the embedding cache: calibration texts would evict the users' entries.
+                raw = EmbedParams(normalize=False, truncate=True, outputs=(EmbedOutput.DENSE,), bypass_cache=True)
                 texts = calibration_texts()
                 parts = []
                 for start in range(0, len(texts), _CALIBRATION_BATCH):

@@ -96,6 +96,7 @@ def embed_params(request: pb.EmbedRequest) -> EmbedParams:
         encoding=_ENCODINGS[request.encoding],
         task=request.task or None,
         late_chunking=late_chunking_params(request),
+        bypass_cache=request.bypass_cache,
     )
 
 

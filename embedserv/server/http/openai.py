@@ -61,6 +61,9 @@ class EmbeddingsBody(Body):
     late_chunking: LateChunkingBody | None = Field(
         None, description="Extension: one vector per chunk of each text, pooled from the whole text's token states."
     )
+    bypass_cache: bool = Field(
+        False, description="Extension: neither read nor fill the model's embedding cache (--embedding-cache)."
+    )
 
 
 class EmbeddingItem(Body):
@@ -116,6 +119,7 @@ async def embeddings(request: Request, body: EmbeddingsBody):
         encoding=Encoding(body.embedding_type),
         task=body.task,
         late_chunking=body.late_chunking.params() if body.late_chunking is not None else None,
+        bypass_cache=body.bypass_cache,
     )
     inputs = body.input if isinstance(body.input, list) else [body.input]
     if _is_token_ids(inputs):

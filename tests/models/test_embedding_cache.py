@@ -1,6 +1,7 @@
 """The embedding cache in an engine (--embedding-cache): whatever options two calls use, the second call's
 answer with the cache (the first filled it) equals its answer without it, bit for bit; bypass_cache neither
-reads nor fills it; concurrent identical calls run the model once; rerank and classify go through it too.
+reads nor fills it; concurrent identical calls run the model once; rerank, classify and late chunking go through
+it too.
 
 Engines here run one sequence per batch (max_batch_requests 1): a sequence's output then does not depend on
 which other sequences shared its batch, so a cached output and a computed one may be compared bit for bit.
@@ -17,10 +18,12 @@ from hypothesis import strategies as st
 
 from embedserv.errors import InvalidInput
 from embedserv.types import (
+    ChunkSplitter,
     ClassifyParams,
     EmbedOutput,
     EmbedParams,
     Encoding,
+    LateChunking,
     RerankParams,
     TruncationDirection,
 )
@@ -73,7 +76,9 @@ def _answer(engine, texts: list[str], params: EmbedParams):
         parts += [vector.indices.tobytes(), vector.values.tobytes()]
     for vectors in result.multi_vectors or []:
         parts += [vectors.shape, vectors.tobytes()]
-    return tuple(parts)
+    for spans, vectors in result.chunks or []:
+        parts += [spans, vectors.dtype.str, vectors.shape, vectors.tobytes()]
+    return tuple(parts + [result.encoding_scale])
 
 
 def _check_cached_equals_computed(engine, first, second) -> None:
@@ -87,18 +92,6 @@ def _check_cached_equals_computed(engine, first, second) -> None:
     assert cached == computed, (first, second)
 
 
-def _implemented(encoding: Encoding) -> bool:
-    """Encodings quantize.py can produce yet (the contract names some before they are built)."""
-    from embedserv.engine.tasks import quantize
-
-    ranges = np.vstack([np.zeros(8), np.ones(8)]).astype(np.float32)
-    try:
-        quantize.encode(np.ones((1, 8), np.float32), encoding, ranges)
-    except ValueError:
-        return False
-    return True
-
-
 _texts = st.lists(st.sampled_from(TEXTS), min_size=1, max_size=3)
 _common = {
     # Mostly true: without it, inputs past the limit are refused (compared too, but they reach no cache).
@@ -106,10 +99,17 @@ _common = {
     "truncation_direction": st.sampled_from(list(TruncationDirection)),
     "dimensions": st.sampled_from([None, 8, 32]),
     "normalize": st.booleans(),
-    "encoding": st.sampled_from([e for e in Encoding if _implemented(e)]),
+    "encoding": st.sampled_from(list(Encoding)),
 }
+_late_chunking = st.sampled_from([
+    None,
+    None,
+    LateChunking(splitter=ChunkSplitter.SENTENCES),
+    LateChunking(splitter=ChunkSplitter.TOKENS, chunk_tokens=4, overlap_tokens=1),
+])
 _prompted_params = st.builds(
-    EmbedParams, prompt_name=st.sampled_from([None, "query", "doc"]), chunking=st.booleans(), **_common
+    EmbedParams, prompt_name=st.sampled_from([None, "query", "doc"]), chunking=st.booleans(),
+    late_chunking=_late_chunking, **_common
 )
 
 

@@ -123,15 +123,11 @@ class Client(ClientSettings):
         are `spans` (per text, its [start, end) character spans), "sentences", or "tokens" windows of
         `chunk_tokens` sharing `overlap_tokens`. A TextChunks(spans, vectors) per text; for one string, `spans` is
         its own list and one TextChunks comes back."""
-        items, single = plans.as_list(texts, "texts")
-        if spans is not None and single:
-            spans = [spans]
-        late = late_chunks.late_chunking(splitter, spans, chunk_tokens, overlap_tokens)
+        items, single, late, dtype = late_chunks.prepared(texts, splitter, spans, chunk_tokens, overlap_tokens, encoding)
         fields = plans.embed_fields(
             self.model_name(model), normalize, False, "right", dimensions, prompt_name, encoding, task=task
         )
         deadline = self.deadline(timeout)
-        dtype = plans.ENCODINGS[encoding][1]
         plan = late_chunks.embed_chunks_plan(items, self._batch_size(deadline), single, late, dtype, **fields)
         return self._run(plan, deadline)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from embedserv_client import plans
 from embedserv_client.plans import Plan, chunks
 from embedserv_client.v1 import embedserv_pb2 as pb
 
@@ -36,6 +37,18 @@ def late_chunking(
     return pb.LateChunking(
         splitter=_SPLITTERS[splitter], spans=entries, chunk_tokens=chunk_tokens, overlap_tokens=overlap_tokens
     )
+
+
+def prepared(
+    texts: str | Sequence[str], splitter: str, spans: Sequence[Sequence[tuple[int, int]]] | None, chunk_tokens: int,
+    overlap_tokens: int, encoding: str,
+) -> tuple[list[str], bool, pb.LateChunking, str]:
+    """What both clients' embed_chunks send: the texts as a list, whether one string came, the LateChunking
+    message and the raw vectors' dtype."""
+    items, single = plans.as_list(texts, "texts")
+    if spans is not None and single:
+        spans = [spans]
+    return items, single, late_chunking(splitter, spans, chunk_tokens, overlap_tokens), plans.ENCODINGS[encoding][1]
 
 
 def embed_chunks_plan(texts: list[str], size: int, single: bool, late: pb.LateChunking, dtype: str, **fields) -> Plan:

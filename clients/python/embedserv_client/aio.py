@@ -102,7 +102,9 @@ class AsyncClient(ClientSettings):
         are `spans` (per text, its [start, end) character spans), "sentences", or "tokens" windows of
         `chunk_tokens` sharing `overlap_tokens`. A TextChunks(spans, vectors) per text; for one string, `spans` is
         its own list and one TextChunks comes back."""
-        items, single, late, dtype = late_chunks.prepared(texts, splitter, spans, chunk_tokens, overlap_tokens, encoding)
+        items, single, late, dtype = late_chunks.prepared(
+            texts, splitter, spans, chunk_tokens, overlap_tokens, encoding
+        )
         fields = plans.embed_fields(
             self.model_name(model), normalize, False, "right", dimensions, prompt_name, encoding, task=task
         )

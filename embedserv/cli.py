@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--embedding-cache", metavar="SIZE",
                        help="keep the outputs of sequences already run (embed, rerank, classify) in an LRU of this "
                             "many bytes per model (256MiB, 1GB); identical inputs with the same options are "
-                            "answered from it, bit-identical; a call may bypass it (default: 0, none)")
+                            "answered from it, bit-identical; a call may bypass it; 0 keeps none (default: 0)")
     serve.add_argument("--data-parallel-size", type=int, metavar="N",
                        help="worker processes per model, each with its own replica (CPU: they share the cores) "
                             + _model("data_parallel_size"))

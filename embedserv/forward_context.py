@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from embedserv.attention.backends.base import AttentionBackend
     from embedserv.attention.metadata import AttentionMetadata
     from embedserv.attention.shared_kv import SharedKv
+    from embedserv.models.lora import Routes
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class ForwardContext:
     # KV-free steps of a model whose layers share KV: where each source layer leaves its k and v for the
     # layers that read them (a fresh one per step). None otherwise.
     shared_kv: SharedKv | None = None
+    # Steps of a model served with --lora adapters where a row runs one: which rows run which adapter
+    # (models/lora.py; its LoraLinear layers read it). None: every row runs the base weights.
+    lora: Routes | None = None
 
 
 _current: ContextVar[ForwardContext | None] = ContextVar("embedserv_forward_context", default=None)

@@ -127,6 +127,14 @@ class Linear(nn.Module):
         self._packed = None
         self.weight = nn.Parameter(torch.empty(0), requires_grad=False)  # the float copy is not kept
 
+    def without_activation(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ weight.T + bias`, leaving out the fused activation (a LoRA update goes in before it)."""
+        if self._int8 is not None:
+            return self._int8.matmul(x)
+        if self._packed is not None and x.dtype == self.weight.dtype:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if residual is not None and self.activation is not None:
             raise ValueError("a Linear fuses an activation or a residual, not both")

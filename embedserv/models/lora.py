@@ -1,0 +1,109 @@
+"""Low-rank (LoRA) updates over a flat packed batch whose rows may each run a different adapter.
+
+A row of adapter a computes `W x + B_a (A_a x)` (scaling folded into B, or given per module). The adapters
+present in a step stack into one [k * rank, in] matmul and one [out, k * rank] matmul whatever the mix: a
+mask keeps each row's own adapter's columns (rows without one: none). Two thin matmuls per linear and step,
+not a step per adapter; the cost grows with k * rank, which stays small next to the linear (rank <= 64).
+
+Two users: jina-embeddings-v3's built-in task adapters (families/jina_v3.py passes the routes down its
+layers), and PEFT adapters served with --lora (LoraLinear wraps a model's Linear and finds the step's routes
+in the forward context the runner sets, so no family's code changes; loading/lora_files.py attaches them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from embedserv.forward_context import get_forward_context
+from embedserv.models.layers import Linear
+
+
+@dataclass(frozen=True)
+class Routes:
+    """The adapters present in a step, and which rows each applies to."""
+
+    # [k] int64: the adapters present, ascending.
+    adapters: torch.Tensor
+    # [num_tokens, k, 1]: 1 where the row's adapter is that one, else 0 (rows without an adapter: all 0);
+    # None when one adapter covers every row.
+    mask: torch.Tensor | None
+
+
+def routes_of(adapter_ids: torch.Tensor | None, dtype: torch.dtype) -> Routes | None:
+    """The step's routes, or None when no token has an adapter; one host sync per step, not per layer."""
+    if adapter_ids is None:
+        return None
+    present = torch.unique(adapter_ids)
+    adapters = present[present >= 0]
+    if len(adapters) == 0:
+        return None
+    if len(adapters) == len(present) == 1:
+        return Routes(adapters, None)
+    return Routes(adapters, (adapter_ids[:, None] == adapters[None, :]).to(dtype).unsqueeze(-1))
+
+
+def masked(xa: torch.Tensor, routes: Routes) -> torch.Tensor:
+    """[num_tokens, k * rank] low-rank activations, each row's kept only for its own adapter."""
+    if routes.mask is None:
+        return xa
+    return (xa.view(xa.shape[0], routes.mask.shape[1], -1) * routes.mask).flatten(1)
+
+
+class LowRank(nn.Module):
+    """The low-rank updates of one linear, one per adapter: `lora_A` [adapters, rank, in], `lora_B`
+    [adapters, out, rank] (jina-embeddings-v3's checkpoint layout; PEFT's per adapter, stacked)."""
+
+    def __init__(self, in_features: int, out_features: int, num_adapters: int, rank: int, scaling: float) -> None:
+        super().__init__()
+        self.lora_A = nn.Parameter(torch.empty(num_adapters, rank, in_features))
+        self.lora_B = nn.Parameter(torch.empty(num_adapters, out_features, rank))
+        self.scaling = scaling
+
+    def add_to(self, out: torch.Tensor, x: torch.Tensor, routes: Routes) -> torch.Tensor:
+        """`out` (the base linear's output for `x`) plus each row's update, in place."""
+        a = self.lora_A[routes.adapters].flatten(0, 1)
+        b = self.lora_B[routes.adapters].permute(1, 0, 2).flatten(1)
+        return out.addmm_(masked(x @ a.T, routes), b.T, alpha=self.scaling)
+
+
+class LowRankEmbedding(nn.Module):
+    """An embedding table's low-rank updates: row i of adapter t gains `scaling * lora_A[t, i] @ lora_B[t]`
+    (`lora_A` [adapters, rows, rank], `lora_B` [adapters, rank, dim]: jina-embeddings-v3's layout)."""
+
+    def __init__(self, num_rows: int, dim: int, num_adapters: int, rank: int, scaling: float) -> None:
+        super().__init__()
+        self.lora_A = nn.Parameter(torch.empty(num_adapters, num_rows, rank))
+        self.lora_B = nn.Parameter(torch.empty(num_adapters, rank, dim))
+        self.scaling = scaling
+
+    def add_to(self, out: torch.Tensor, ids: torch.Tensor, routes: Routes) -> torch.Tensor:
+        a = self.lora_A[routes.adapters][:, ids].permute(1, 0, 2).flatten(1)
+        b = self.lora_B[routes.adapters].flatten(0, 1)
+        return out.addmm_(masked(a, routes), b, alpha=self.scaling)
+
+
+class LoraLinear(nn.Module):
+    """A model's Linear plus served adapters' updates (--lora): `base(x)` on steps without adapter rows, else
+    `activation(W x + b + B_a A_a x) (+ residual)` per row. The activation a Linear may fuse comes after the
+    update, so rows with adapters run the linear without it and apply it here."""
+
+    def __init__(self, base: Linear, low_rank: LowRank) -> None:
+        super().__init__()
+        self.base = base
+        self.low_rank = low_rank
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        routes = get_forward_context().lora
+        if routes is None:
+            return self.base(x, residual)
+        if self.base.activation is None:
+            return self.low_rank.add_to(self.base(x, residual), x, routes)
+        out = self.low_rank.add_to(self.base.without_activation(x), x, routes)
+        return self.base._activation_fn(out)
+
+
+def has_lora(model: nn.Module) -> bool:
+    return any(isinstance(module, LoraLinear) for module in model.modules())

@@ -10,9 +10,9 @@ base weights, as the published `encode(task=None)` and transformers' class (whic
 The step's tokens may belong to different tasks: `adapter_ids` gives each token's adapter index (-1: none),
 and each linear adds its low-rank updates in two thin matmuls over every row, the present tasks' A's and
 B's stacked and a mask keeping each row's own task (models/lora.py, shared with --lora adapters). Measured
-on 2 shared cores, a 1024 -> 3072 linear over 2048 rows (30-40 ms): the updates add 2.2 ms with one task, 2.6 ms with three. Merging a weight per task
-instead costs 1.6 ms per linear and step, serves one task per step, and loses the oneDNN-packed weight
-(F.linear on the merged weight: 63 ms).
+on 2 shared cores, a 1024 -> 3072 linear over 2048 rows (30-40 ms): the updates add 2.2 ms with one task,
+2.6 ms with three. Merging a weight per task instead costs 1.6 ms per linear and step, serves one task per
+step, and loses the oneDNN-packed weight (F.linear on the merged weight: 63 ms).
 """
 
 from __future__ import annotations

@@ -72,7 +72,9 @@ class EmbedServer:
         self.config = config
         self.worker_processes = worker_processes
         self.frontend_index = frontend_index
-        self.models = ServedModels([m.served_name for m in config.models])
+        self.models = ServedModels(
+            [m.served_name for m in config.models], {name: m.served_name for m in config.models for name, _ in m.lora}
+        )
         if config.num_frontends > 1 and shared_in_flight is None:
             shared_in_flight = multiprocessing.get_context("spawn").Value("q", 0)
         self.limiter = InflightLimiter(config.max_concurrent_requests, shared_in_flight)

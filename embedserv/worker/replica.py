@@ -20,6 +20,7 @@ from embedserv.models.heads.score import (
     build_seq2seq_yes_no_head,
     build_yes_no_head,
 )
+from embedserv.models.loading.lora_files import attach_lora
 from embedserv.models.loading.model_spec import ModelSpec
 from embedserv.models.loading.spec import DEFAULT_POOLING
 from embedserv.models.loading.tasks import Seq2SeqYesNoTemplate
@@ -103,6 +104,10 @@ def build_runner(config: ModelConfig, spec: ModelSpec) -> ModelRunner:
                     spec.info.name, spec.dtype, fused, why)
     else:
         model = build_model(spec.family, spec.hf_config, spec.files, spec.device, spec.dtype)
+    if spec.lora:
+        # After int8: the adapters' updates stay in dtype, added to the int8 linears' outputs.
+        wrapped = attach_lora(model, spec.family, spec.lora, spec.dtype)
+        logger.info("%s: %d LoRA adapter(s) over %d linears", spec.info.name, len(spec.lora), wrapped)
     lm_head = kv_cache = None
     if Task.GENERATE in spec.task.tasks:
         lm_head = build_lm_head(spec.family, spec.hf_config, spec.files, spec.device, spec.dtype)

@@ -96,6 +96,7 @@ FAMILY = Family(
     is_encoder=True,
     # MPNetClassificationHead is RoBERTa's: the first token through dense + tanh, then out_proj.
     classifiers={"MPNetForSequenceClassification": ROBERTA_CLASSIFIER},
+    lora=True,
     examples=(
         "sentence-transformers/all-mpnet-base-v2",
         "sentence-transformers/multi-qa-mpnet-base-dot-v1",

@@ -172,7 +172,8 @@ def test_schema_rejects_bad_values(chart, bad):
 @pytest.mark.parametrize("values", [
     {"apiKey": {"existingSecret": "a", "value": "b"}},
     {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}},
-], ids=["two-key-sources", "hpa-min-above-max"])
+    {"model": {"lora": {"a": "/models/a"}}, "config": {"models": [{"path": "/models/m"}]}},
+], ids=["two-key-sources", "hpa-min-above-max", "lora-beside-config-models"])
 def test_render_refuses_contradictions(chart, values):
     with pytest.raises(helm.HelmRenderError):
         render_raw(chart, values)
@@ -393,3 +394,12 @@ def test_topology_spread_gets_the_selector(chart):
     objects = render(chart, FULL)
     (constraint,) = pod_spec(objects)["topologySpreadConstraints"]
     assert constraint["labelSelector"]["matchLabels"] == one(objects, "Deployment")["spec"]["selector"]["matchLabels"]
+
+
+def test_lora_adapters_become_flags(chart):
+    values = {"model": {"source": "hostPath", "hostPath": {"path": "/data/bge"},
+                        "lora": {"legal": "/models/adapters/legal", "med": "/models/adapters/med"}}}
+    args = server(render(chart, values))["args"]
+    loras = [args[i + 1] for i, a in enumerate(args) if a == "--lora"]
+    assert loras == ["legal=/models/adapters/legal", "med=/models/adapters/med"]
+    assert "--lora" not in server(render(chart, {}))["args"]

@@ -127,7 +127,7 @@ def _target(model: nn.Module, names, adapter: LoraAdapter, hf_path: str) -> tupl
     if isinstance(module, nn.Embedding):
         raise _refuse(adapter.name, adapter.path, f"{where} is an embedding table; embedding LoRA is not served")
     if not isinstance(module, Linear):
-        raise _refuse(adapter.name, adapter.path, f"{where}: the model has no linear layer there (found {ours!r})")
+        raise _refuse(adapter.name, adapter.path, f"{where}: the model has no linear layer there (its name here: {ours!r})")
     return module_name, shard or 0, module
 
 

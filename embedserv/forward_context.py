@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from embedserv.attention.backends.base import AttentionBackend
     from embedserv.attention.metadata import AttentionMetadata
     from embedserv.attention.shared_kv import SharedKv
-    from embedserv.models.lora import Routes
+    from embedserv.models.lora import AdapterRows
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class ForwardContext:
     shared_kv: SharedKv | None = None
     # Steps of a model served with --lora adapters where a row runs one: which rows run which adapter
     # (models/lora.py; its LoraLinear layers read it). None: every row runs the base weights.
-    lora: Routes | None = None
+    lora: AdapterRows | None = None
 
 
 _current: ContextVar[ForwardContext | None] = ContextVar("embedserv_forward_context", default=None)

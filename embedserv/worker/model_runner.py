@@ -21,7 +21,7 @@ from embedserv.attention.layer import attention_layers
 from embedserv.forward_context import set_forward_context
 from embedserv.models.heads.pooling import TokenInputs
 from embedserv.models.layers import warm_linear_row_counts
-from embedserv.models.lora import has_lora, routes_of
+from embedserv.models.lora import has_lora
 from embedserv.models.heads.sampler import sample
 from embedserv.padding import padded_rows, row_counts
 from embedserv.scheduler.kv_cache_manager import KvCacheLayout
@@ -86,13 +86,12 @@ class ModelRunner:
         self.routes = LayerRoutes(attention_layers(model))
         # --lora adapters: their layers find the step's rows per adapter in the forward context.
         self.has_lora = has_lora(model)
-        self.lora_dtype = next((p.dtype for n, p in model.named_parameters() if n.endswith("lora_A")), None)
         # Resolved once: a KvCache keeps its tensors for its lifetime.
         self.layer_kv_caches = self.routes.kv_caches(kv_cache.tensors) if kv_cache is not None else None
         self.input_builder = InputBuilder(
             device, model.position_offset, is_causal, block_size, fixed, self.is_encoder_decoder,
             prefill_skip=self.skip_layer is not None, rows_read_last=rows_read_last,
-            pad_rows=pad_rows and device.type == "cpu",
+            pad_rows=pad_rows and device.type == "cpu", lora=self.has_lora,
         )
 
     def kv_cache_layout(self) -> KvCacheLayout | None:
@@ -129,8 +128,8 @@ class ModelRunner:
             cross_metadata=build(inputs.cross_attention) if inputs.cross_attention is not None else None,
             skip=skip,
         )
-        if self.has_lora:
-            context = replace(context, lora=routes_of(inputs.adapter_ids, self.lora_dtype))
+        if inputs.adapter_rows is not None:
+            context = replace(context, lora=inputs.adapter_rows)
         with set_forward_context(context):
             hidden = self.model(
                 inputs.input_ids, inputs.positions, inputs.token_type_ids, **self._model_inputs(inputs, skip)
@@ -173,7 +172,7 @@ class ModelRunner:
         and with the prefill skip the rows its layers from `prefill_skip_layer` on run; and each token's task
         adapter when a token has one (only models with adapters are sent such tokens; --lora adapters go
         through the forward context instead)."""
-        if inputs.adapter_ids is not None and not self.has_lora:
+        if inputs.adapter_ids is not None:
             return {"adapter_ids": inputs.adapter_ids}
         if self.is_encoder_decoder:
             return {"encoder_input_ids": inputs.encoder_input_ids, "encoder_positions": inputs.encoder_positions}

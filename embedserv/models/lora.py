@@ -1,13 +1,16 @@
 """Low-rank (LoRA) updates over a flat packed batch whose rows may each run a different adapter.
 
-A row of adapter a computes `W x + B_a (A_a x)` (scaling folded into B, or given per module). The adapters
-present in a step stack into one [k * rank, in] matmul and one [out, k * rank] matmul whatever the mix: a
-mask keeps each row's own adapter's columns (rows without one: none). Two thin matmuls per linear and step,
-not a step per adapter; the cost grows with k * rank, which stays small next to the linear (rank <= 64).
+A row of adapter a computes `W x + scaling * B_a (A_a x)`; rows without an adapter, `W x`. Never a step per
+adapter; two ways to route rows, both with the adapters' A [adapters, rank, in] and B [adapters, out, rank]:
 
-Two users: jina-embeddings-v3's built-in task adapters (families/jina_v3.py passes the routes down its
-layers), and PEFT adapters served with --lora (LoraLinear wraps a model's Linear and finds the step's routes
-in the forward context the runner sets, so no family's code changes; loading/lora_files.py attaches them).
+- masked (`Routes`, `LowRank.add_to`): the present adapters stack into one [k * rank, in] and one
+  [out, k * rank] matmul over every row, a mask keeping each row's own columns. Rows stay where they are,
+  which jina-embeddings-v3's task adapters need (families/jina_v3.py passes the routes down its layers);
+  the cost grows with k * rank.
+- by rows (`AdapterRows`, `LowRank.add_by_rows`): the input builder packs each adapter's sequences side by
+  side, so an adapter's rows are one slice and each row pays for its own adapter's rank only. PEFT adapters
+  served with --lora take this way: LoraLinear wraps a model's Linear and finds the step's AdapterRows in
+  the forward context the runner sets, so no family's code changes (loading/lora_files.py attaches them).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from itertools import product
 
 import numpy as np
 import torch
@@ -204,11 +205,13 @@ class ModelRunner:
         )
         if outputs is not None:
             kind = OutputKind.POOL
-            for size in warm_up_sizes(max_batch_tokens):
+            # --lora: the sizes again with an adapter, whose linears run more shapes (unfused activations).
+            for size, adapter in product(warm_up_sizes(max_batch_tokens), (-1, 0) if self.has_lora else (-1,)):
                 full, rest = divmod(size, max_tokens)
                 lengths = [max_tokens] * full + ([rest] if rest else [])
                 self.execute(StepBatch(tuple(
-                    replace(self._warm_up_sequence(-1 - i, n, kind), outputs=outputs) for i, n in enumerate(lengths)
+                    replace(self._warm_up_sequence(-1 - i, n, kind), outputs=outputs, adapter=adapter)
+                    for i, n in enumerate(lengths)
                 )))
         if self.lm_head is not None and self.kv_cache is not None:
             self._warm_up_generation(_GENERATION_WARM_UP_TOKENS)

@@ -164,6 +164,9 @@ FAMILY = Family(
     ),
     tested_by=tuple(
         f"tests/models/test_{name}.py"
-        for name in ("encoder_parity", "classify_parity", "rerank_parity", "zero_shot", "sparse", "bge_m3", "multi_vector", "int8")
+        for name in (
+            "encoder_parity", "classify_parity", "rerank_parity", "zero_shot", "sparse", "bge_m3", "multi_vector",
+            "int8", "lora_parity",
+        )
     ),
 )

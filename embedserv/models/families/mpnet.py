@@ -102,5 +102,5 @@ FAMILY = Family(
         "sentence-transformers/multi-qa-mpnet-base-dot-v1",
         "sentence-transformers/paraphrase-mpnet-base-v2",
     ),
-    tested_by=("tests/models/test_mpnet_parity.py",),
+    tested_by=("tests/models/test_mpnet_parity.py", "tests/models/test_lora_parity.py"),
 )

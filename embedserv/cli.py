@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--lora", action="append", default=None, metavar="NAME=PATH", type=lora_flag,
                        help="serve a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) "
                             "as model NAME (or MODEL:NAME) over the --model; repeatable; read at start-up only "
-                            "(with several models: each model's lora: in the --config file)")
+                            "(with several models: each model's lora: in the --config file) " + _model("lora"))
     serve.add_argument("--host", help=_server("host"))
     serve.add_argument("--port", type=int, help=_server("port"))
     serve.add_argument("--device", help=f"cpu, cuda or cuda:N {_model('device')}")

@@ -272,7 +272,7 @@ class ServerConfig:
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ConfigError(
-                f"served model and --lora adapter names must be unique; repeated: {', '.join(duplicates)}"
+                f"served model names must be unique; repeated: {', '.join(duplicates)} (LoRA adapters' names count too)"
             )
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535, not {self.port}")

@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from embedserv.attention.backends.base import AttentionBackend
     from embedserv.attention.metadata import AttentionMetadata
     from embedserv.attention.shared_kv import SharedKv
-    from embedserv.models.lora import AdapterRows
 
 
 @dataclass(frozen=True)
@@ -35,9 +34,10 @@ class ForwardContext:
     # KV-free steps of a model whose layers share KV: where each source layer leaves its k and v for the
     # layers that read them (a fresh one per step). None otherwise.
     shared_kv: SharedKv | None = None
-    # Steps of a model served with --lora adapters where a row runs one: which rows run which adapter
-    # (models/lora.py; its LoraLinear layers read it). None: every row runs the base weights.
-    lora: AdapterRows | None = None
+    # Steps of a model served with --lora adapters where a row runs one: which rows run which adapter, a
+    # models/lora.AdapterRows (typed loosely: this record imports no model code). Read by LoraLinear only.
+    # None: every row runs the base weights.
+    lora: object | None = None
 
 
 _current: ContextVar[ForwardContext | None] = ContextVar("embedserv_forward_context", default=None)

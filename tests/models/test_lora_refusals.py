@@ -106,7 +106,7 @@ def test_generating_models_and_uncovered_families_are_refused(bert, tiny_generat
 def test_adapter_names_must_be_unique_across_served_models(bert):
     root, model_dir = bert
     adapter = _adapter(root, model_dir, "ok")
-    with pytest.raises(ConfigError, match="unique; repeated: m"):
+    with pytest.raises(ConfigError, match="unique; repeated: m .LoRA"):
         ServerConfig(models=(_config(model_dir, "m", adapter),))
     with pytest.raises(ConfigError, match="without ':'"):
         _config(model_dir, "m:x", adapter)

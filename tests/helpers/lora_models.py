@@ -15,6 +15,8 @@ from pathlib import Path
 # the MLP ("output.dense" also matches attention.output.dense).
 BERT_TARGETS = ("query", "key", "value", "output.dense", "intermediate.dense")
 MPNET_TARGETS = ("q", "k", "v", "o", "intermediate.dense", "output.dense")
+# ModernBERT's: attn.Wqkv, attn.Wo and mlp.Wo, mlp.Wi (GeGLU's input and gate in one linear).
+MODERNBERT_TARGETS = ("Wqkv", "Wo", "Wi")
 # B's scale: random LoRA weights of this size move a tiny model's outputs clearly.
 _B_STD = 0.2
 

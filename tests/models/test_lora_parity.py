@@ -1,6 +1,6 @@
 """--lora adapters (models/lora.py, models/loading/lora_files.py) equal PEFT's merged model (float32): embedders
-against sentence-transformers over merge_and_unload() (BERT and MPNet, every target, partial q/k/v, rsLoRA,
-different ranks), a BERT cross-encoder's scores against transformers' merged classifier, int8 within its
+against sentence-transformers over merge_and_unload() (BERT, XLM-R, MPNet and ModernBERT; every target,
+partial q/k/v, rsLoRA, different ranks), a BERT cross-encoder's scores against transformers' merged classifier, int8 within its
 tolerance; one step mixing the base and three adapters equals each run alone.
 
 Each adapter moves the outputs far from the base's (checked), so an adapter left out, applied to the wrong
@@ -17,12 +17,14 @@ from tests.helpers.classic_models import ATOL, INT8_MIN_COSINE, MIN_COSINE, buil
 from tests.helpers.compare import assert_cosine_at_least, cosines
 from tests.helpers.lora_models import (
     BERT_TARGETS,
+    MODERNBERT_TARGETS,
     MPNET_TARGETS,
     build_adapter,
     merged_model,
     merged_sentence_transformer,
 )
 from tests.helpers.models import build_tiny_encoder
+from tests.helpers.modernbert_models import build_modernbert_embedder
 from tests.helpers.scorers import build_cross_encoder, classifier_reference
 
 MAX_SEQ_LENGTH = 128
@@ -69,13 +71,22 @@ def test_bert_adapters_equal_peft_merged_sentence_transformers(bert, engine_for,
         assert cosines(got, base).max() < 0.99, f"adapter {name} must move the outputs to mean something"
 
 
-def test_mpnet_adapter_equals_peft_merged_sentence_transformers(tmp_path, engine_for, reference, texts):
-    model_dir = build_classic_encoder(tmp_path, "mpnet", "mean", max_seq_length=MAX_SEQ_LENGTH)
-    adapters = _adapters(tmp_path, model_dir, (("all", 4, dict(r=8, lora_alpha=32, target_modules=list(MPNET_TARGETS))),))
+@pytest.mark.parametrize("family", ["mpnet", "modernbert", "xlm-roberta"])
+def test_other_families_adapters_equal_peft_merged_sentence_transformers(family, tmp_path, engine_for, reference, texts):
+    builders = {
+        "mpnet": (lambda: build_classic_encoder(tmp_path, "mpnet", "mean", max_seq_length=MAX_SEQ_LENGTH), MPNET_TARGETS),
+        "modernbert": (lambda: build_modernbert_embedder(tmp_path, "mean", max_seq_length=MAX_SEQ_LENGTH),
+                       MODERNBERT_TARGETS),
+        "xlm-roberta": (lambda: build_tiny_encoder(tmp_path, "xlm-roberta", "mean", max_seq_length=MAX_SEQ_LENGTH),
+                        BERT_TARGETS),
+    }
+    build, targets = builders[family]
+    model_dir = build()
+    adapters = _adapters(tmp_path, model_dir, (("all", 4, dict(r=8, lora_alpha=32, target_modules=list(targets))),))
     engine = engine_for(model_dir, lora=_lora(adapters))
     st = reference(merged_sentence_transformer(model_dir, adapters["all"], tmp_path / "merged", "mean", 128))
     got = _embed(engine, "all", texts)
-    assert_cosine_at_least(got, st.encode(texts), MIN_COSINE, texts, what="mpnet adapter: ")
+    assert_cosine_at_least(got, st.encode(texts), MIN_COSINE, texts, what=f"{family} adapter: ")
     assert cosines(got, _embed(engine, None, texts)).max() < 0.99
 
 

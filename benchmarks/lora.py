@@ -1,8 +1,10 @@
 """--lora adapters: one step mixing four adapters against the base alone, in process.
 
-    PYTHONPATH=. python benchmarks/lora.py [--device cpu|cuda] [--repeats 5] [--rank 16] [--sequences 32] [--tokens 128]
+    PYTHONPATH=. python benchmarks/lora.py [--shape minilm|bge-base] [--device cpu|cuda] [--repeats 5] [--rank 16]
+        [--sequences 32] [--tokens 128]
 
-Serves the bundled all-MiniLM-L6-v2 (6 layers, hidden 384) with four random PEFT adapters of rank `--rank`
+Serves the bundled all-MiniLM-L6-v2 (6 layers, hidden 384), or a random model of bge-base's shape (12 layers,
+hidden 768), with four random PEFT adapters of rank `--rank`
 on q/k/v, the attention output and both MLP linears (every linear), and times the model runner's step (the
 forward pass and the pooling head) over `--sequences` sequences of `--tokens` tokens: all on the base, all
 on one adapter, and the four adapters mixed in one step (sequence i runs adapter i % 4). Target: the mixed
@@ -26,6 +28,21 @@ from embedserv.worker.replica import build_runner
 
 TARGETS = ["query", "key", "value", "output.dense", "intermediate.dense"]
 ADAPTERS = 4
+
+
+def bge_base_shaped(root: Path) -> Path:
+    """A random-weight BERT of bge-base-en-v1.5's shape (12 layers, hidden 768, MLP 3072), with MiniLM's
+    tokenizer, as a transformers directory (the runner pools by CLS, as bge does)."""
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    tokenizer = AutoTokenizer.from_pretrained(str(bundled_model_path()))
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                        intermediate_size=3072, max_position_embeddings=512)
+    out = root / "bge-base-shaped"
+    BertModel(config).eval().save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+    return out
 
 
 def build_adapters(model_dir: Path, root: Path, rank: int) -> tuple[tuple[str, str], ...]:
@@ -79,13 +96,15 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--sequences", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--shape", choices=("minilm", "bge-base"), default="minilm",
+                        help="the bundled all-MiniLM-L6-v2, or a random model of bge-base-en-v1.5's shape")
     args = parser.parse_args()
-    model_dir = bundled_model_path()
     with tempfile.TemporaryDirectory() as tmp:
+        model_dir = bundled_model_path() if args.shape == "minilm" else bge_base_shaped(Path(tmp))
         lora = build_adapters(model_dir, Path(tmp), args.rank)
         config = ModelConfig(path=str(model_dir), served_name="m", device=args.device, dtype="float32", lora=lora)
         runner = build_runner(config, read_served_model(config).spec)
-    plain = build_runner(replace(config, lora=()), read_served_model(replace(config, lora=())).spec)
+        plain = build_runner(replace(config, lora=()), read_served_model(replace(config, lora=())).spec)
     cases = {
         "no --lora (plain model)": (plain, lambda i: -1),
         "--lora, base rows only": (runner, lambda i: -1),
@@ -93,7 +112,7 @@ def main() -> None:
         f"--lora, {ADAPTERS} adapters mixed": (runner, lambda i: i % ADAPTERS),
     }
     num_tokens = args.sequences * args.tokens
-    print(f"all-MiniLM-L6-v2, {args.device}, float32, {args.sequences} x {args.tokens} tokens per step, "
+    print(f"{args.shape}, {args.device}, float32, {args.sequences} x {args.tokens} tokens per step, "
           f"rank {args.rank} on every linear, best of {args.repeats}\n")
     print("| step | ms | tokens/s | x base |")
     print("|---|---:|---:|---:|")

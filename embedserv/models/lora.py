@@ -65,6 +65,9 @@ class LowRank(nn.Module):
         self.lora_A = nn.Parameter(torch.empty(num_adapters, rank, in_features))
         self.lora_B = nn.Parameter(torch.empty(num_adapters, out_features, rank))
         self.scaling = scaling
+        # A packed linear's (q/k/v in one qkv) B is block-diagonal: (output start, end, rank start, end) per
+        # shard, so add_by_rows multiplies the blocks alone. Empty: B is dense.
+        self.blocks: tuple[tuple[int, int, int, int], ...] = ()
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor, routes: Routes) -> torch.Tensor:
         """`out` (the base linear's output for `x`) plus each row's update, in place."""
@@ -77,7 +80,12 @@ class LowRank(nn.Module):
         pays for every present adapter's (4 mixed adapters of rank 16 on every linear of MiniLM: 0.55x the
         base's throughput masked; benchmarks/lora.py measures this path)."""
         for adapter, rows in zip(routes.adapters, routes.rows):
-            out[rows].addmm_(x[rows] @ self.lora_A[adapter].T, self.lora_B[adapter].T, alpha=self.scaling)
+            xa, b = x[rows] @ self.lora_A[adapter].T, self.lora_B[adapter]
+            if not self.blocks:
+                out[rows].addmm_(xa, b.T, alpha=self.scaling)
+            # Column slices of out and b: strided views the matmul writes and reads in place.
+            for start, end, first, last in self.blocks:
+                out[rows, start:end].addmm_(xa[:, first:last], b[start:end, first:last].T, alpha=self.scaling)
         return out
 
 

@@ -159,23 +159,27 @@ def _read_updates(model: nn.Module, names, index: int, adapter: LoraAdapter, upd
 
 
 def _stacked(linear: Linear, per_adapter: dict[int, dict[int, tuple]], num_adapters: int) -> LowRank:
-    """One LowRank over every adapter: each adapter's shards side by side in the rank dimension (A's
-    stacked, B's block-diagonal), padded with zeros to the largest rank."""
+    """One LowRank over every adapter. Each shard of a packed linear takes a fixed slot of the rank, as wide as
+    its largest rank over the adapters (smaller ones padded with zeros): A's stacked, B's block-diagonal."""
     sizes = linear.shard_sizes or (linear.out_features,)
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    rank = max(sum(a.shape[0] for a, _ in shards.values()) for shards in per_adapter.values())
-    low_rank = LowRank(linear.in_features, linear.out_features, num_adapters, rank, 1.0)
-    lora_a = torch.zeros(num_adapters, rank, linear.in_features)
-    lora_b = torch.zeros(num_adapters, linear.out_features, rank)
+    widths = [max((shards[s][0].shape[0] for shards in per_adapter.values() if s in shards), default=0)
+              for s in range(len(sizes))]
+    offsets = [sum(widths[:s]) for s in range(len(sizes))]
+    low_rank = LowRank(linear.in_features, linear.out_features, num_adapters, sum(widths), 1.0)
+    lora_a = torch.zeros(num_adapters, sum(widths), linear.in_features)
+    lora_b = torch.zeros(num_adapters, linear.out_features, sum(widths))
     for index, shards in per_adapter.items():
-        offset = 0
-        for shard, (a, b) in sorted(shards.items()):
-            r = a.shape[0]
-            lora_a[index, offset : offset + r] = a
-            lora_b[index, starts[shard] : starts[shard] + sizes[shard], offset : offset + r] = b
-            offset += r
+        for shard, (a, b) in shards.items():
+            ranks = slice(offsets[shard], offsets[shard] + a.shape[0])
+            lora_a[index, ranks] = a
+            lora_b[index, starts[shard] : starts[shard] + sizes[shard], ranks] = b
     low_rank.lora_A = nn.Parameter(lora_a, requires_grad=False)
     low_rank.lora_B = nn.Parameter(lora_b, requires_grad=False)
+    if len(sizes) > 1:
+        low_rank.blocks = tuple(
+            (starts[s], starts[s] + sizes[s], offsets[s], offsets[s] + widths[s]) for s in range(len(sizes)) if widths[s]
+        )
     return low_rank
 
 

@@ -164,7 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
 def lora_flag(text: str) -> tuple[str, str]:
     name, equals, path = text.partition("=")
     if not equals or not name or not path:
-        raise argparse.ArgumentTypeError(f"--lora takes NAME=PATH (an adapter's served name and directory), not {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"--lora takes NAME=PATH (an adapter's served name and directory), not {text!r}"
+        )
     return name, path
 
 

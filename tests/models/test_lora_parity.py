@@ -1,7 +1,7 @@
 """--lora adapters (models/lora.py, models/loading/lora_files.py) equal PEFT's merged model (float32): embedders
 against sentence-transformers over merge_and_unload() (BERT, XLM-R, MPNet and ModernBERT; every target,
-partial q/k/v, rsLoRA, different ranks), a BERT cross-encoder's scores against transformers' merged classifier, int8 within its
-tolerance; one step mixing the base and three adapters equals each run alone.
+partial q/k/v, rsLoRA, different ranks), a BERT cross-encoder's scores against transformers' merged
+classifier, int8 within its tolerance; one step mixing the base and three adapters equals each run alone.
 
 Each adapter moves the outputs far from the base's (checked), so an adapter left out, applied to the wrong
 rows or with the wrong scaling fails the parity.
@@ -72,9 +72,10 @@ def test_bert_adapters_equal_peft_merged_sentence_transformers(bert, engine_for,
 
 
 @pytest.mark.parametrize("family", ["mpnet", "modernbert", "xlm-roberta"])
-def test_other_families_adapters_equal_peft_merged_sentence_transformers(family, tmp_path, engine_for, reference, texts):
+def test_other_families_adapters_equal_peft_merged(family, tmp_path, engine_for, reference, texts):
     builders = {
-        "mpnet": (lambda: build_classic_encoder(tmp_path, "mpnet", "mean", max_seq_length=MAX_SEQ_LENGTH), MPNET_TARGETS),
+        "mpnet": (lambda: build_classic_encoder(tmp_path, "mpnet", "mean", max_seq_length=MAX_SEQ_LENGTH),
+                  MPNET_TARGETS),
         "modernbert": (lambda: build_modernbert_embedder(tmp_path, "mean", max_seq_length=MAX_SEQ_LENGTH),
                        MODERNBERT_TARGETS),
         "xlm-roberta": (lambda: build_tiny_encoder(tmp_path, "xlm-roberta", "mean", max_seq_length=MAX_SEQ_LENGTH),
@@ -96,9 +97,8 @@ def test_cross_encoder_adapter_scores_equal_peft_merged_transformers(tmp_path, e
     adapter_dir = _adapters(tmp_path, model_dir, specs, kind="classify")["ce"]
     engine = engine_for(model_dir, lora=(("ce", str(adapter_dir)),))
     query, documents = texts[0], texts[1:13]
-    expected = classifier_reference(
-        merged_model(model_dir, adapter_dir, tmp_path / "merged", kind="classify"), None, [(query, d) for d in documents]
-    )[:, 0]
+    merged = merged_model(model_dir, adapter_dir, tmp_path / "merged", kind="classify")
+    expected = classifier_reference(merged, None, [(query, d) for d in documents])[:, 0]
     served = engine.engine.adapter_engine("ce")
     result = engine._call(served.rerank(query, documents, RerankParams(truncate=True, raw_scores=True)))
     got = np.array([r.score for r in sorted(result.results, key=lambda r: r.index)])

@@ -30,7 +30,9 @@ def _adapter(root, model_dir, name: str, seed: int = 1, **lora):
 
 
 def _config(model_dir, name: str, adapter_dir) -> ModelConfig:
-    return ModelConfig(path=str(model_dir), served_name="m", dtype="float32", warm_up=False, lora=((name, str(adapter_dir)),))
+    return ModelConfig(
+        path=str(model_dir), served_name="m", dtype="float32", warm_up=False, lora=((name, str(adapter_dir)),)
+    )
 
 
 def _spec_refuses(model_dir, name, adapter_dir, *words: str) -> str:

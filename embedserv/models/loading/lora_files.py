@@ -127,7 +127,8 @@ def _target(model: nn.Module, names, adapter: LoraAdapter, hf_path: str) -> tupl
     if isinstance(module, nn.Embedding):
         raise _refuse(adapter.name, adapter.path, f"{where} is an embedding table; embedding LoRA is not served")
     if not isinstance(module, Linear):
-        raise _refuse(adapter.name, adapter.path, f"{where}: the model has no linear layer there (its name here: {ours!r})")
+        why = f"{where}: the model has no linear layer there (its name here: {ours!r})"
+        raise _refuse(adapter.name, adapter.path, why)
     return module_name, shard or 0, module
 
 
@@ -178,7 +179,8 @@ def _stacked(linear: Linear, per_adapter: dict[int, dict[int, tuple]], num_adapt
     low_rank.lora_B = nn.Parameter(lora_b, requires_grad=False)
     if len(sizes) > 1:
         low_rank.blocks = tuple(
-            (starts[s], starts[s] + sizes[s], offsets[s], offsets[s] + widths[s]) for s in range(len(sizes)) if widths[s]
+            (starts[s], starts[s] + sizes[s], offsets[s], offsets[s] + widths[s])
+            for s in range(len(sizes)) if widths[s]
         )
     return low_rank
 

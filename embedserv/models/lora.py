@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from embedserv.forward_context import get_forward_context
-from embedserv.models.layers import Linear
+from embedserv.models.layers import Linear, get_activation
 
 
 @dataclass(frozen=True)
@@ -144,15 +144,15 @@ class LoraLinear(nn.Module):
         super().__init__()
         self.base = base
         self.low_rank = low_rank
+        self.activation = get_activation(base.activation) if base.activation else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         routes = get_forward_context().lora
         if routes is None:
             return self.base(x, residual)
-        if self.base.activation is None:
+        if self.activation is None:
             return self.low_rank.add_by_rows(self.base(x, residual), x, routes)
-        out = self.low_rank.add_by_rows(self.base.without_activation(x), x, routes)
-        return self.base._activation_fn(out)
+        return self.activation(self.low_rank.add_by_rows(self.base.without_activation(x), x, routes))
 
 
 def has_lora(model: nn.Module) -> bool:

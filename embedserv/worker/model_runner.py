@@ -195,7 +195,9 @@ class ModelRunner:
             self._warm_up_steps(max_tokens, max_batch_tokens)
             return
         counts = row_counts(max_batch_tokens)
-        made = warm_linear_row_counts(self.model, lambda: self._warm_up_steps(max_tokens, max_batch_tokens), counts)
+        made = warm_linear_row_counts(
+            self.model, lambda: self._warm_up_steps(max_tokens, max_batch_tokens), counts, unfused=self.has_lora
+        )
         logger.info("warmed up %d linear calls over %d row counts", made, len(counts))
 
     def _warm_up_steps(self, max_tokens: int, max_batch_tokens: int) -> None:

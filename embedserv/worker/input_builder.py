@@ -58,6 +58,8 @@ class ModelInputs:
     # Rows for POOL / SCORE sequences (None when none yields a row), in batch order.
     pooling: PoolingInputs | None
     row_request_ids: tuple[int, ...]
+    # Each row's adapter (Sequence.adapter), in the same order: --lora adapters' own heads pick by it.
+    row_adapters: tuple[int, ...]
     # [num_samples, padded on CPU] int64: the rows whose hidden state predicts the next token (padding: row 0
     # again); None when none samples.
     sample_rows: torch.Tensor | None
@@ -206,6 +208,7 @@ class InputBuilder:
             attention=attention,
             pooling=pooling_inputs,
             row_request_ids=tuple(seqs[i].request_id for i in rows),
+            row_adapters=tuple(seqs[i].adapter for i in rows),
             sample_rows=sample_rows,
             sampled_request_ids=tuple(seqs[i].request_id for i in samples),
             sampling=tuple(seqs[i].sampling for i in samples),

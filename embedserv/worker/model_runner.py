@@ -20,6 +20,7 @@ from torch import nn
 from embedserv.attention.backends.base import AttentionBackend
 from embedserv.attention.layer import attention_layers
 from embedserv.forward_context import set_forward_context
+from embedserv.models.heads.adapter_heads import AdapterScoreHeads
 from embedserv.models.heads.pooling import TokenInputs
 from embedserv.models.layers import warm_linear_row_counts
 from embedserv.models.lora import has_lora
@@ -140,7 +141,9 @@ class ModelRunner:
         rows, tokens = _NO_ROWS, _NO_TOKENS
         # One device-to-host copy per kind of output.
         if inputs.pooling is not None:
-            rows = self.row_head(hidden, inputs.pooling).cpu().numpy()
+            # --lora adapters with heads of their own (modules_to_save) pick each row's head.
+            extra = (inputs.row_adapters,) if isinstance(self.row_head, AdapterScoreHeads) else ()
+            rows = self.row_head(hidden, inputs.pooling, *extra).cpu().numpy()
         if inputs.sample_rows is not None:
             logits = self.lm_head(hidden.index_select(0, inputs.sample_rows))[: len(inputs.sampling)].float()
             tokens = sample(logits, inputs.sampling, inputs.sample_lengths).cpu().numpy()

@@ -39,6 +39,9 @@ def build_adapter(model_dir: Path, out: Path, seed: int, kind: str = "embed", **
         for name, parameter in peft_model.named_parameters():
             if "lora_B" in name:
                 parameter.normal_(0.0, _B_STD)
+            elif "modules_to_save" in name:
+                # The adapter's own copy of the classifier head (task_type SEQ_CLS) starts as the base's.
+                parameter.add_(torch.randn_like(parameter) * parameter.std().clamp_min(0.1))
     peft_model.save_pretrained(str(out), safe_serialization=True)
     return out
 

@@ -107,6 +107,45 @@ def test_cross_encoder_adapter_scores_equal_peft_merged_transformers(tmp_path, e
     assert np.abs(got - np.array([r.score for r in sorted(base.results, key=lambda r: r.index)])).max() > 0.05
 
 
+def test_seq_cls_adapters_score_with_their_own_heads(tmp_path, texts):
+    """task_type SEQ_CLS saves the classifier per adapter (modules_to_save): each adapter's scores equal its
+    merged model's, in one step with the base and an adapter without a head of its own."""
+    from embedserv.config import ModelConfig
+    from embedserv.engine.loading import read_served_model
+    from embedserv.steps import OutputKind, ScheduledSequence, StepBatch
+    from embedserv.worker.replica import build_runner
+
+    model_dir = build_cross_encoder(tmp_path, "bert", num_labels=3, max_seq_length=MAX_SEQ_LENGTH)
+    specs = (
+        ("head", 6, dict(r=8, lora_alpha=16, target_modules=["query", "value"], task_type="SEQ_CLS")),
+        ("plain", 7, dict(r=4, lora_alpha=8, target_modules=["key", "intermediate.dense"])),
+    )
+    adapters = _adapters(tmp_path, model_dir, specs, kind="classify")
+    config = ModelConfig(path=str(model_dir), served_name="m", dtype="float32", lora=_lora(adapters), warm_up=False)
+    served = read_served_model(config)
+    runner = build_runner(config, served.spec)
+    encoded = served.tokenizer.encode_batch(texts[:6], truncate=True)
+    chosen = [0, -1, 1, 0, 1, -1]
+    step = StepBatch(tuple(
+        ScheduledSequence(request_id=i, token_ids=tuple(e.ids), output=OutputKind.SCORE, adapter=adapter,
+                          token_type_ids=tuple(e.token_type_ids) if e.token_type_ids is not None else None)
+        for i, (e, adapter) in enumerate(zip(encoded, chosen))
+    ))
+    got = runner.execute(step)
+    references = {-1: classifier_reference(model_dir, texts[:6])} | {
+        index: classifier_reference(merged_model(model_dir, path, tmp_path / f"merged-{name}", "classify"), texts[:6])
+        for index, (name, path) in enumerate(adapters.items())
+    }
+    for i, adapter in enumerate(chosen):
+        np.testing.assert_allclose(got.rows[got.row_request_ids.index(i)], references[adapter][i], atol=ATOL)
+    from safetensors.torch import load_file
+
+    saved = load_file(str(adapters["head"] / "adapter_model.safetensors"))
+    base_head = load_file(str(model_dir / "model.safetensors"))["classifier.weight"]
+    assert (saved["base_model.model.classifier.weight"] - base_head).abs().max() > 0.05, "the head must differ"
+    assert np.abs(references[0] - references[-1]).max() > 0.05
+
+
 def test_int8_adds_adapters_to_the_int8_linears(bert, engine_for, reference, texts):
     root, model_dir, adapters = bert
     engine = engine_for(model_dir, lora=_lora(adapters), quantization="int8")

@@ -1,5 +1,5 @@
 """--lora adapters the server cannot apply as PEFT would stop start-up with a message that names the
-adapter and says why: DoRA, pickle weights, saved heads (modules_to_save), biases, ranks past the limit,
+adapter and says why: DoRA, pickle weights, saved modules other than the classifier head, biases, ranks past the limit,
 targets the model lacks or runs in a head, embedding LoRA, generating models and families not covered."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _load_refuses(model_dir, name, adapter_dir, *words: str) -> str:
 @pytest.mark.parametrize("changes, words", [
     ({"use_dora": True}, ("DoRA",)),
     ({"bias": "all"}, ("bias 'all'",)),
-    ({"modules_to_save": ["classifier"]}, ("modules_to_save", "classifier")),
+    ({"modules_to_save": ["classifier", "pooler"]}, ("modules_to_save: pooler", "classifier head")),
     ({"alpha_pattern": {"query": 4}}, ("alpha_pattern",)),
     ({"r": 128}, ("rank 128", "64")),
     ({"rank_pattern": {"value": 96}}, ("rank 96",)),

@@ -30,6 +30,8 @@ from embedserv.models.lora import LoraLinear, LowRank
 # The largest rank served: past it the two low-rank matmuls stop being thin next to the linear.
 MAX_LORA_RANK = 64
 _WEIGHTS = "adapter_model.safetensors"
+# modules_to_save PEFT's task_type SEQ_CLS names: the classifier head, served per adapter.
+_HEAD_MODULES = ("classifier", "score")
 _KEY = re.compile(r"^base_model\.model\.(?P<path>.+)\.lora_(?P<part>[AB])\.weight$")
 
 
@@ -41,6 +43,8 @@ class LoraAdapter:
     path: Path
     lora_alpha: float
     use_rslora: bool
+    # PEFT's modules_to_save served per adapter: the classifier head of task_type SEQ_CLS (heads/adapter_heads.py).
+    saves_modules: tuple[str, ...] = ()
 
     def scaling(self, rank: int) -> float:
         """PEFT's scaling for a module of this rank (rank_pattern may give a module its own)."""
@@ -73,9 +77,6 @@ def _check_config(name: str, path: Path, raw: dict) -> None:
         ("fan_in_fan_out", "sets fan_in_fan_out (transposed Conv1D weights), which encoder linears do not have"),
         ("alpha_pattern", "sets alpha_pattern (per-module alphas), which is not applied here; train with one "
          "lora_alpha"),
-        ("modules_to_save", "saves whole modules beside its LoRA weights (modules_to_save: {value}, e.g. the "
-         "classifier head of task_type SEQ_CLS), which are not served per adapter; train the adapter without "
-         "them (a head trained per adapter can be merged into a model of its own)"),
         ("target_parameters", "targets parameters directly (target_parameters), which is not applied here"),
         ("trainable_token_indices", "trains token embeddings (trainable_token_indices), which is not applied here"),
         ("lora_bias", "trains a bias for its B matrices (lora_bias), which is not applied here"),
@@ -84,6 +85,12 @@ def _check_config(name: str, path: Path, raw: dict) -> None:
         value = raw.get(key)
         if value:
             raise _refuse(name, path, why.format(value=value))
+    others = [module for module in raw.get("modules_to_save") or () if module not in _HEAD_MODULES]
+    if others:
+        raise _refuse(name, path, (
+            f"saves whole modules beside its LoRA weights (modules_to_save: {', '.join(others)}); only the "
+            f"classifier head ({' / '.join(_HEAD_MODULES)}, as task_type SEQ_CLS saves it) is served per adapter"
+        ))
     if raw.get("bias", "none") != "none":
         raise _refuse(name, path, f"trains biases (bias {raw['bias']!r}); only bias 'none' is served")
     ranks = [raw.get("r", 8), *(raw.get("rank_pattern") or {}).values()]
@@ -102,7 +109,8 @@ def read_lora_adapter(name: str, path_text: str) -> LoraAdapter:
         raise _refuse(name, path, f"{config_file.name} is not a JSON object")
     _check_config(name, path, raw)
     _weights_file(name, path)
-    return LoraAdapter(name, path, float(raw.get("lora_alpha", 8)), bool(raw.get("use_rslora", False)))
+    saves = tuple(raw.get("modules_to_save") or ())
+    return LoraAdapter(name, path, float(raw.get("lora_alpha", 8)), bool(raw.get("use_rslora", False)), saves)
 
 
 def read_lora_adapters(lora: tuple[tuple[str, str], ...]) -> tuple[LoraAdapter, ...]:
@@ -132,11 +140,17 @@ def _target(model: nn.Module, names, adapter: LoraAdapter, hf_path: str) -> tupl
     return module_name, shard or 0, module
 
 
-def _read_updates(model: nn.Module, names, index: int, adapter: LoraAdapter, updates: _Updates) -> None:
+def _read_updates(
+    model: nn.Module, names, index: int, adapter: LoraAdapter, updates: _Updates, heads: dict[str, torch.Tensor]
+) -> None:
     parts: dict[str, dict[str, torch.Tensor]] = {}
     with safe_open(str(adapter.path / _WEIGHTS), framework="pt", device="cpu") as f:
         for key in f.keys():
             match = _KEY.match(key)
+            saved = key.removeprefix("base_model.model.")
+            if match is None and saved.split(".")[0] in adapter.saves_modules:
+                heads[saved] = f.get_tensor(key)
+                continue
             if match is None:
                 what = "DoRA magnitude" if "lora_magnitude_vector" in key else "embedding LoRA" if (
                     "lora_embedding_" in key) else "a tensor that is not a LoRA A/B weight"
@@ -185,16 +199,20 @@ def _stacked(linear: Linear, per_adapter: dict[int, dict[int, tuple]], num_adapt
     return low_rank
 
 
-def attach_lora(model: nn.Module, family, adapters: tuple[LoraAdapter, ...], dtype: torch.dtype) -> int:
-    """Wraps every Linear some adapter targets in a LoraLinear (adapter i: index i); returns how many."""
+def attach_lora(
+    model: nn.Module, family, adapters: tuple[LoraAdapter, ...], dtype: torch.dtype
+) -> tuple[int, dict[int, dict[str, torch.Tensor]]]:
+    """Wraps every Linear some adapter targets in a LoraLinear (adapter i: index i); returns how many, and the
+    classifier heads adapters save (modules_to_save) by adapter index: checkpoint name -> tensor."""
     names = compiled_names(family, model.config)
     updates: _Updates = {}
+    heads: dict[int, dict[str, torch.Tensor]] = {}
     for index, adapter in enumerate(adapters):
-        _read_updates(model, names, index, adapter, updates)
+        _read_updates(model, names, index, adapter, updates, heads.setdefault(index, {}))
     device = next(model.parameters()).device
     for module_name, per_adapter in updates.items():
         linear = model.get_submodule(module_name)
         low_rank = _stacked(linear, per_adapter, len(adapters)).to(device=device, dtype=dtype)
         parent_name, _, child = module_name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, LoraLinear(linear, low_rank))
-    return len(updates)
+    return len(updates), {index: tensors for index, tensors in heads.items() if tensors}

@@ -67,6 +67,13 @@ def test_list_models_lists_each_adapter_with_its_base(stub):
         assert models[name].dimension == models["base"].dimension
 
 
+def test_health_reports_adapters_with_their_base(server):
+    from tests.helpers.server import health_status
+
+    for name in ("base", "legal", "med"):
+        assert health_status(server[0], name) == "SERVING"
+
+
 def test_unknown_adapters_are_refused_listing_the_served_ones(stub):
     with pytest.raises(grpc.RpcError) as refused:
         _embed(stub, "base:nope")

@@ -3,12 +3,15 @@
     python benchmarks/encoding_retrieval.py [--documents 300] [--queries 60] [--model DIR]
 
 Real texts (benchmarks/corpus.py): each multi-line stdlib docstring gives a query (its first line) and a
-document (the rest). The engine embeds documents and queries in every encoding (int8 / uint8 against the
-model's calibration ranges, engine/tasks/quantize.py), and each query ranks every document:
+document (the rest). The engine embeds documents and queries in every encoding (int8 / uint8 with the model's
+scale, the per-dimension ones against its calibration ranges; engine/tasks/quantize.py), and each query ranks
+every document:
 
 - float32 / float16: dot product (the vectors are normalized);
-- int8 / uint8 "int dot": the dot product of the integers as they come, as a vector store without the
-  ranges would; "dequantized": each value back at its bucket's centre (the ranges), then the dot product;
+- int8 / uint8 and their per-dimension forms: "int dot", the dot product of the integers as they come, as a
+  vector store compares them (int64 sums); "int cosine", the cosine of those integers; "dequantized", the
+  values decoded (int8 / uint8: code * scale, (code - 128) * scale; per dimension: each bucket's centre of the
+  ranges), then the dot product;
 - binary / ubinary "hamming": fewest differing bits; "float query": the float32 query against the
   documents' bits as +1 / -1 (documents stored in bits, queries not).
 
@@ -23,7 +26,7 @@ import asyncio
 import os
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -37,18 +40,24 @@ from embedserv.engine.tasks import quantize  # noqa: E402
 from embedserv.types import EmbedParams, Encoding  # noqa: E402
 
 K = 10
+INTEGER_ENCODINGS = (Encoding.INT8, Encoding.UINT8, Encoding.INT8_PER_DIMENSION, Encoding.UINT8_PER_DIMENSION)
 # (encoding, scoring) rows of the table, in order.
 SCORINGS = (
     (Encoding.FLOAT32, "dot"),
     (Encoding.FLOAT16, "dot"),
-    (Encoding.INT8, "int dot"),
-    (Encoding.INT8, "dequantized"),
-    (Encoding.UINT8, "int dot"),
-    (Encoding.UINT8, "dequantized"),
+    *((encoding, scoring) for encoding in INTEGER_ENCODINGS for scoring in ("int dot", "int cosine", "dequantized")),
     (Encoding.BINARY, "hamming"),
     (Encoding.BINARY, "float query"),
     (Encoding.UBINARY, "hamming"),
 )
+
+
+@dataclass(frozen=True)
+class Calibrated:
+    """What decoding needs: the per-dimension ranges [2, dim] and the int8 / uint8 scales."""
+
+    ranges: np.ndarray
+    scales: dict[Encoding, float]
 
 
 def retrieval_set(num_documents: int, num_queries: int, seed: int = 0) -> tuple[list[str], list[str]]:
@@ -70,11 +79,21 @@ def retrieval_set(num_documents: int, num_queries: int, seed: int = 0) -> tuple[
     return documents, queries[:num_queries]
 
 
-def dequantize(values: np.ndarray, encoding: Encoding, ranges: np.ndarray) -> np.ndarray:
-    """int8 / uint8 buckets back to the centre of their slice of the ranges (float32)."""
-    buckets = values.astype(np.float32) + (128 if encoding is Encoding.INT8 else 0)
+def dequantize(values: np.ndarray, encoding: Encoding, calibrated: Calibrated) -> np.ndarray:
+    """Codes back to float64: int8 code * scale; uint8 (code - 128) * scale (the centred vector); per-dimension
+    buckets to the centre of their slice of the ranges."""
+    codes = values.astype(np.float64)
+    if encoding in (Encoding.INT8, Encoding.UINT8):
+        return (codes - (128 if encoding is Encoding.UINT8 else 0)) * calibrated.scales[encoding]
+    ranges = calibrated.ranges.astype(np.float64)
+    buckets = codes + (128 if encoding is Encoding.INT8_PER_DIMENSION else 0)
     steps = (ranges[1] - ranges[0]) / 255
     return ranges[0] + (buckets + 0.5) * np.where(steps == 0, 1, steps)
+
+
+def _unit(rows: np.ndarray) -> np.ndarray:
+    rows = rows.astype(np.float64)
+    return rows / np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)
 
 
 def _bits(values: np.ndarray) -> np.ndarray:
@@ -85,15 +104,17 @@ def _bits(values: np.ndarray) -> np.ndarray:
 
 def scores(
     queries: np.ndarray, documents: np.ndarray, encoding: Encoding, scoring: str,
-    ranges: np.ndarray | None = None, float_queries: np.ndarray | None = None,
+    calibrated: Calibrated | None = None, float_queries: np.ndarray | None = None,
 ) -> np.ndarray:
     """[num_queries, num_documents]: higher is better."""
     if scoring == "dot":
         return queries.astype(np.float32) @ documents.astype(np.float32).T
     if scoring == "int dot":
         return queries.astype(np.int64) @ documents.astype(np.int64).T
+    if scoring == "int cosine":
+        return _unit(queries) @ _unit(documents).T
     if scoring == "dequantized":
-        return dequantize(queries, encoding, ranges) @ dequantize(documents, encoding, ranges).T
+        return dequantize(queries, encoding, calibrated) @ dequantize(documents, encoding, calibrated).T
     if scoring == "hamming":
         q, d = _bits(queries), _bits(documents)
         return -(q @ (1 - d).T + (1 - q) @ d.T)
@@ -118,12 +139,12 @@ def recall_at_k(top: np.ndarray) -> float:
 
 
 def bytes_per_vector(encoding: Encoding, dimension: int) -> int:
-    return quantize.encode(np.ones((1, dimension), dtype=np.float32), encoding, np.zeros((2, dimension))).nbytes
+    return quantize.encode(np.ones((1, dimension), dtype=np.float32), encoding, np.zeros((2, dimension)), 1.0).nbytes
 
 
 async def _measure(engine, documents: list[str], queries: list[str]) -> list[tuple[str, str, float, float]]:
     """Embeds once in float32, then encodes the vectors as the engine encodes a call's vectors (Engine.encoded:
-    the same per-vector step whatever the batch; int8 / uint8 calibrate the model on first use)."""
+    the same per-vector step whatever the batch; the integer encodings calibrate the model on first use)."""
     await engine.start()
     try:
         embedded = [(await engine.embed(texts, EmbedParams(truncate=True))) for texts in (queries, documents)]
@@ -133,14 +154,16 @@ async def _measure(engine, documents: list[str], queries: list[str]) -> list[tup
             encoded[encoding] = [
                 (await engine.encoded(replace(result), params)).embeddings for result in embedded
             ]
-        ranges = await engine.encodings.ranges(EmbedParams(encoding=Encoding.INT8))
+        ranges = await engine.encodings.ranges(EmbedParams(encoding=Encoding.INT8_PER_DIMENSION))
+        scales = {e: await engine.encodings.scale(EmbedParams(encoding=e)) for e in (Encoding.INT8, Encoding.UINT8)}
     finally:
         await engine.stop()
+    calibrated = Calibrated(ranges, scales)
     float_queries = encoded[Encoding.FLOAT32][0]
     reference_top = top_k(scores(*encoded[Encoding.FLOAT32], Encoding.FLOAT32, "dot"))
     rows = []
     for encoding, scoring in SCORINGS:
-        top = top_k(scores(*encoded[encoding], encoding, scoring, ranges, float_queries))
+        top = top_k(scores(*encoded[encoding], encoding, scoring, calibrated, float_queries))
         rows.append((encoding.value, scoring, overlap_at_k(top, reference_top), recall_at_k(top)))
     return rows
 

@@ -23,6 +23,7 @@ from embedserv.config import (
     ModelConfig,
     ServerConfig,
     default_of,
+    parse_bytes,
     parse_memory,
 )
 from embedserv.config_file import MODEL_OPTION_KEYS, SERVER_KEYS, assemble, read_config_file
@@ -116,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="models whose last layers reuse an earlier layer's KV (Gemma 3n/4): run those layers "
                             "only on the rows whose output is read (sampled tokens, last-token pooling) "
                             + _model("kv_sharing_fast_prefill"))
+    serve.add_argument("--embedding-cache", metavar="SIZE",
+                       help="keep the outputs of sequences already run (embed, rerank, classify) in an LRU of this "
+                            "many bytes per model (256MiB, 1GB); identical inputs with the same options are "
+                            "answered from it, bit-identical; a call may bypass it; 0 keeps none (default: 0)")
     serve.add_argument("--data-parallel-size", type=int, metavar="N",
                        help="worker processes per model, each with its own replica (CPU: they share the cores) "
                             + _model("data_parallel_size"))
@@ -179,6 +184,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     model_flags = given_flags(args, MODEL_OPTION_KEYS)
     if "kv_cache_memory" in model_flags:
         model_flags["kv_cache_memory"] = parse_memory(model_flags["kv_cache_memory"])
+    if "embedding_cache" in model_flags:
+        model_flags["embedding_cache"] = parse_bytes(model_flags["embedding_cache"], "--embedding-cache")
     server_flags = given_flags(args, SERVER_KEYS)
     # The environment keeps the key out of `ps`; the flag wins over it, and it over the config file.
     if "api_key" not in server_flags and os.environ.get("EMBEDSERV_API_KEY"):

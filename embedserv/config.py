@@ -55,20 +55,35 @@ def default_of(config_class: type, name: str) -> object:
     return found.default
 
 
-def parse_memory(text: str) -> float:
-    """`2GiB`, `512MB`, `1e9` (bytes) or `0.5` (a fraction of device memory) -> a float."""
+def _size(text: str) -> float | None:
+    """`2GiB`, `512MB`, `1e9` -> a number of bytes; None if it is not a size."""
     cleaned = text.strip().lower().replace(" ", "")
     number = cleaned.rstrip("kmgib")
     unit = cleaned[len(number):]
     try:
-        value = float(number) * _MEMORY_UNITS[unit]
+        return float(number) * _MEMORY_UNITS[unit]
     except (ValueError, KeyError):
+        return None
+
+
+def parse_memory(text: str) -> float:
+    """`2GiB`, `512MB`, `1e9` (bytes) or `0.5` (a fraction of device memory) -> a float."""
+    value = _size(text)
+    if value is None:
         raise ConfigError(
             f"--kv-cache-memory {text!r} is not a size; give bytes (2GiB, 512MiB, 1e9) or a fraction (0.5)"
-        ) from None
+        )
     if not value > 0:
         raise ConfigError(f"--kv-cache-memory must be above 0, not {text!r}")
     return value
+
+
+def parse_bytes(text: str, flag: str) -> int:
+    """`256MiB`, `1GB`, `1e9`, `0` -> whole bytes, 0 or more."""
+    value = _size(text)
+    if value is None or not 0 <= value < float("inf"):
+        raise ConfigError(f"{flag} {text!r} is not a size; give bytes (256MiB, 1GB, 1e9) or 0 for none")
+    return int(value)
 
 
 def bundled_model_path() -> Path:
@@ -133,6 +148,9 @@ class ModelConfig:
     worker_timeout: float = 120.0
     # Load pickle checkpoints (pytorch_model.bin) when there is no safetensors file; off: pickles can run code.
     allow_pickle: bool = False
+    # Bytes of the model's embedding cache (engine/core/output_cache.py): outputs of sequences it already
+    # ran, reused for identical ones (embed, rerank, classify). 0: no cache.
+    embedding_cache: int = 0
     # Each worker runs every step shape once before it serves, so that no request pays for a shape's first
     # run; tests turn it off (--no-warm-up): their servers start sooner and serve a handful of calls.
     warm_up: bool = True
@@ -177,6 +195,8 @@ class ModelConfig:
                 raise ConfigError(f"{flag} must be at least 1, not {value}")
         if not self.worker_timeout > 0:
             raise ConfigError(f"--worker-timeout must be above 0 seconds, not {self.worker_timeout}")
+        if self.embedding_cache < 0:
+            raise ConfigError(f"--embedding-cache must be 0 (none) or more bytes, not {self.embedding_cache}")
         self._check_lora()
 
     def _check_lora(self) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from embedserv.config import ModelConfig, ServerConfig, bundled_model_path, parse_memory
+from embedserv.config import ModelConfig, ServerConfig, bundled_model_path, parse_bytes, parse_memory
 from embedserv.errors import ConfigError
 
 # The bundled model's directory is called `model`; serve it under its real name.
@@ -141,6 +141,8 @@ def _typed(value: object, key: str, where: str) -> object:
     """The value if its YAML type fits the field's type (an int for a float field becomes a float)."""
     if key == "kv_cache_memory" and isinstance(value, str):
         return _relabelled(lambda: parse_memory(value), {key: where})
+    if key == "embedding_cache" and isinstance(value, str):
+        return _relabelled(lambda: parse_bytes(value, "--embedding-cache"), {key: where})
     if key == "lora":
         if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
             raise ConfigError(f"{where}: lora must map adapter names to their directories (NAME: PATH), not {value!r}")
@@ -157,7 +159,7 @@ def _typed(value: object, key: str, where: str) -> object:
         if kind is float and isinstance(value, float) or kind is str and isinstance(value, str):
             return value
     expected = " or ".join(_TYPE_NAMES[k] for k in allowed if k in _TYPE_NAMES)
-    if key == "kv_cache_memory":
+    if key in ("kv_cache_memory", "embedding_cache"):
         expected += " or a size such as 2GiB"
     if type(None) in allowed:
         expected += " or null"

@@ -245,7 +245,8 @@ class EmbedResult:
     multi_vectors: list[np.ndarray] | None = None
     # Late chunking: per input, its chunks' character spans and their encoded vectors [chunks, dim].
     chunks: list[tuple[tuple[tuple[int, int], ...], np.ndarray]] | None = None
-    # INT8 / UINT8: value ~ code * encoding_scale; 0 for other encodings.
+    # INT8: value ~ code * encoding_scale; UINT8: value - the vector's mean ~ (code - 128) * encoding_scale;
+    # 0 for other encodings (engine/tasks/quantize.py).
     encoding_scale: float = 0.0
 
 

@@ -15,6 +15,7 @@ from embedserv.config import ModelConfig
 from embedserv.engine import checks
 from embedserv.engine.core import workers as worker_builders
 from embedserv.engine.core.engine_core import EngineCore
+from embedserv.engine.core.output_cache import CacheStats
 from embedserv.engine.loading import ServedModel, log_spec, read_served_model
 from embedserv.engine.tasks.classification import Classification
 from embedserv.engine.tasks.embedding import Embedding
@@ -40,7 +41,7 @@ class Engine:
         self.tokenizer = served.tokenizer
         self.task = served.task
         self.core = core or EngineCore(config, served, workers, tokenizer_threads, pipeline_depth)
-        self.embedding = Embedding(self.core, served)
+        self.embedding = Embedding(self.core, served, config.allow_pickle)
         # int8 / uint8 ranges, computed once from the built-in calibration texts on first use.
         self.encodings = Encodings(self.embedding)
         self.reranking = Reranking(self.core, served, self.embedding.token_rules)
@@ -126,6 +127,11 @@ class Engine:
         """Blocks in use now, summed over the workers (None for models that do not generate)."""
         return self.core.kv_cache_usage()
 
+    def embedding_cache_stats(self) -> CacheStats | None:
+        """The embedding cache's counters (None without one, and in a front-end process: the engine process
+        has it)."""
+        return self.core.cache_stats()
+
     async def embed(self, texts: list[str], params: EmbedParams) -> EmbedResult:
         """The outputs `params.outputs` names (dense, sparse, token vectors) per text, from one forward pass,
         the dense vectors in the call's encoding."""
@@ -176,5 +182,7 @@ class _AdapterCore:
         # Everything but infer is the base's: workers, health, stats, the tokenizer pool.
         return getattr(self._core, name)
 
-    async def infer(self, encoded: list, received: float, wanted: tuple = ()):
-        return await self._core.infer([replace(e, adapter=self._adapter) for e in encoded], received, wanted)
+    async def infer(self, encoded: list, received: float, *args: Any, **kwargs: Any):
+        # The adapter joins each sequence, and so the embedding cache's key (every field of Encoded).
+        encoded = [replace(e, adapter=self._adapter) for e in encoded]
+        return await self._core.infer(encoded, received, *args, **kwargs)

@@ -61,8 +61,9 @@ class Infer(Protocol):
         ...
 
     async def infer(
-        self, encoded: list[Encoded], received: float, wanted: tuple[EmbedOutput, ...] = ()
+        self, encoded: list[Encoded], received: float, wanted: tuple[EmbedOutput, ...] = (), use_cache: bool = True
     ) -> tuple[list[SequenceOutput], int, Timing]:
         """Every sequence through the scheduler: outputs in input order, the input tokens run (usage), and
-        the call's timing from `received` (perf_counter seconds)."""
+        the call's timing from `received` (perf_counter seconds). With `use_cache` off the model's embedding
+        cache (if it has one) is neither read nor filled."""
         ...

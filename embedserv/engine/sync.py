@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from dataclasses import replace
 
 from embedserv.config import ModelConfig
+from embedserv.engine.core.output_cache import CacheStats
 from embedserv.engine.engine import Engine
 from embedserv.executor.base import WorkerStats
 from embedserv.types import (
@@ -50,6 +52,10 @@ class SyncEngine:
 
     def embed(self, texts: list[str], params: EmbedParams | None = None) -> EmbedResult:
         return self._call(self.engine.embed(list(texts), params or EmbedParams()))
+
+    def encoded(self, result: EmbedResult, params: EmbedParams) -> EmbedResult:
+        """A copy of `result` (float32 vectors) in `params.encoding`, by the step Engine.embed ends with."""
+        return self._call(self.engine.encoded(replace(result), params))
 
     def rerank(self, query: str, documents: list[str], params: RerankParams | None = None) -> RerankResult:
         return self._call(self.engine.rerank(query, list(documents), params or RerankParams()))
@@ -101,6 +107,9 @@ class SyncEngine:
 
     def kv_cache_usage(self) -> KvCacheUsage | None:
         return self.engine.kv_cache_usage()
+
+    def embedding_cache_stats(self) -> CacheStats | None:
+        return self.engine.embedding_cache_stats()
 
     def worker_stats(self) -> list[WorkerStats]:
         return self.engine.worker_stats()

@@ -178,7 +178,9 @@ class EngineHost:
         REQUEST_ID.set(call.request_id)  # this task's own context
         try:
             engine = self.models.get(call.model)
-            outputs, tokens, timing = await engine.core.infer(call.sequences, call.received, call.wanted)
+            outputs, tokens, timing = await engine.core.infer(
+                call.sequences, call.received, call.wanted, call.use_cache
+            )
             reply = m.InferDone(call.call_id, outputs, tokens, timing)
         except asyncio.CancelledError:
             return

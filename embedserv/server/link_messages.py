@@ -37,6 +37,8 @@ class InferCall:
     wanted: tuple[EmbedOutput, ...] = ()
     # The call's x-request-id, for the engine's log lines (logs.REQUEST_ID).
     request_id: str = ""
+    # False: neither read nor fill the model's embedding cache (EmbedParams.bypass_cache).
+    use_cache: bool = True
 
 
 @dataclass(frozen=True)

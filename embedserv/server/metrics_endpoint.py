@@ -66,6 +66,34 @@ class ServerCollector(Collector):
                 kv_blocks.add_metric([name, "total"], usage.total_blocks)
                 preemptions.add_metric([name], usage.preemptions)
         yield from (queue, dropped, ready, restarts, busy, kv_usage, kv_blocks, preemptions)
+        yield from self._embedding_caches()
+
+    def _embedding_caches(self):
+        """Models served with --embedding-cache; counts read at scrape time like the rest here."""
+        counters = {
+            name: CounterMetricFamily(f"embedserv_embedding_cache_{name}", text, labels=["model"])
+            for name, text in (
+                ("hits", "Sequences answered by the embedding cache, or by an identical sequence in flight"),
+                ("misses", "Sequences the embedding cache sent to the model"),
+                ("evictions", "Embedding cache entries evicted to stay within its size"),
+            )
+        }
+        gauges = {
+            name: GaugeMetricFamily(f"embedserv_embedding_cache_{name}", text, labels=["model"])
+            for name, text in (
+                ("bytes", "Bytes the embedding cache holds (outputs, keys and per-entry overhead)"),
+                ("capacity_bytes", "The embedding cache's size (--embedding-cache)"),
+                ("entries", "Sequence outputs the embedding cache holds"),
+            )
+        }
+        for engine in self.models.engines:
+            stats = engine.embedding_cache_stats()
+            if stats is None:
+                continue
+            for name, family in {**counters, **gauges}.items():
+                family.add_metric([engine.info.name], getattr(stats, name))
+        yield from counters.values()
+        yield from gauges.values()
 
 
 class _Summed(Collector):

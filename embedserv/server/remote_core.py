@@ -78,12 +78,16 @@ class FrontendLink:
             elif waiter is not None and not waiter.done():
                 waiter.set_result(message)
 
-    async def infer(self, model: str, encoded: list[Encoded], received: float, wanted) -> m.InferDone:
+    async def infer(
+        self, model: str, encoded: list[Encoded], received: float, wanted, use_cache: bool = True
+    ) -> m.InferDone:
         call_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
         try:
-            await self.send(m.InferCall(call_id, model, encoded, received, tuple(wanted), REQUEST_ID.get()))
+            await self.send(
+                m.InferCall(call_id, model, encoded, received, tuple(wanted), REQUEST_ID.get(), use_cache)
+            )
             reply = await future
         except asyncio.CancelledError:
             await self.send(m.CancelCall(call_id))
@@ -158,6 +162,10 @@ class RemoteCore:
         """As of the engine's last Status (at most a second old)."""
         return self.status.kv_cache
 
+    def cache_stats(self) -> None:
+        """The embedding cache is the engine process's; its /metrics reports it."""
+        return None
+
     async def start(self) -> None:
         pass
 
@@ -168,9 +176,9 @@ class RemoteCore:
         return await run_tokenizer(self._tokenizer_pool, encode, args, chars)
 
     async def infer(
-        self, encoded: list[Encoded], received: float, wanted: tuple[EmbedOutput, ...] = ()
+        self, encoded: list[Encoded], received: float, wanted: tuple[EmbedOutput, ...] = (), use_cache: bool = True
     ) -> tuple[list[SequenceOutput], int, Timing]:
-        done = await self.link.infer(self.name, encoded, received, wanted)
+        done = await self.link.infer(self.name, encoded, received, wanted, use_cache)
         return done.outputs, done.tokens, done.timing
 
     async def generate(

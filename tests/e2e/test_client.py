@@ -240,6 +240,18 @@ def test_cli_embed_prints_json_embeddings(target):
     np.testing.assert_array_equal(printed, driver("sync", target, model=EMBEDDER).embed(TEXTS[:2]))
     from_stdin = _cli("--target", target, "embed", stdin=f"{TEXTS[0]}\n{TEXTS[1]}\n")
     assert json.loads(from_stdin.stdout)["embeddings"] == json.loads(done.stdout)["embeddings"]
+    assert "encoding_scale" not in json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("encoding", ["int8", "uint8_per_dimension"])
+def test_cli_embed_prints_integer_encodings_and_their_scale(target, encoding):
+    done = _cli("--target", target, "--model", EMBEDDER, "embed", "--encoding", encoding, TEXTS[0], TEXTS[1])
+    assert done.returncode == 0, done.stderr
+    printed = json.loads(done.stdout)
+    expected = driver("sync", target, model=EMBEDDER).embed(TEXTS[:2], encoding=encoding, outputs=["dense"])
+    assert printed["embeddings"] == expected.dense.tolist()
+    assert printed.get("encoding_scale", 0.0) == expected.encoding_scale
+    assert (expected.encoding_scale > 0) == (encoding == "int8")
 
 
 def test_cli_rerank_generate_models_and_health(target):

@@ -1,6 +1,7 @@
 """embedserv-client's retrieval outputs against the session's compat server: compact
 encodings (the bytes gRPC Embed sends, decoded to the right dtype; float16 the float32 values cast; binary
-and ubinary sentence-transformers' quantize_embeddings of the float vectors), embed(outputs=...), token
+and ubinary sentence-transformers' quantize_embeddings of the float vectors; int8 / uint8 decoded by their
+encoding_scale), embed(outputs=...), token
 vectors (MiniLM's last hidden states) and sparse vectors (the tiny SPLADE model) as the raw stubs give them,
 chunking, model info, and the refusal of an output a model does not give; split calls merge in order; the
 async client's calls answer as the blocking client's."""
@@ -18,7 +19,10 @@ from tests.helpers.compat_http import pb, stub  # noqa: F401 (fixtures)
 from tests.helpers.compat_server import CROSS, EMBEDDER, SPARSE
 
 TEXTS = ["A cat sits on the mat.", "Quantized vectors are small.", "naïve café ☕"]
-DTYPES = {"float16": np.float16, "int8": np.int8, "uint8": np.uint8, "binary": np.int8, "ubinary": np.uint8}
+DTYPES = {
+    "float16": np.float16, "int8": np.int8, "uint8": np.uint8, "int8_per_dimension": np.int8,
+    "uint8_per_dimension": np.uint8, "binary": np.int8, "ubinary": np.uint8,
+}
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +62,27 @@ def test_encodings_are_grpcs_bytes_in_their_dtype(client, split, stub):
     np.testing.assert_allclose(split.embed(TEXTS, encoding="float16"), floats, atol=1e-3)
     with pytest.raises(ValueError, match="ubinary"):
         client.embed(TEXTS, encoding="int4")
+
+
+def test_int8_and_uint8_carry_the_scale_that_decodes_them(client, split, stub):
+    """encoding_scale: the gRPC reply's, the same for every part of a split call; int8 codes * scale and uint8
+    (codes - 128) * scale are the float vectors (uint8: centred) within one step; the per-dimension encodings
+    have no scale."""
+    floats = client.embed(TEXTS)
+    for name in ("int8", "uint8"):
+        wire = pb().Encoding.Value(f"ENCODING_{name.upper()}")
+        request = pb().EmbedRequest(model=EMBEDDER, inputs=TEXTS, encoding=wire)
+        wire_scale = stub.Embed(request, timeout=RPC_TIMEOUT_S).encoding_scale
+        got = client.embed(TEXTS, encoding=name, outputs=["dense"])
+        assert got.encoding_scale == split.embed(TEXTS, encoding=name, outputs="dense").encoding_scale == wire_scale
+        assert 0 < wire_scale < 1 / 127, "MiniLM's normalized values are well under 1"
+        if name == "int8":
+            decoded, expected = got.dense * wire_scale, floats
+        else:
+            decoded = (got.dense.astype(np.float64) - 128) * wire_scale
+            expected = floats - floats.mean(axis=1, keepdims=True)
+        assert np.abs(decoded - expected).max() <= wire_scale, name
+    assert client.embed(TEXTS, encoding="int8_per_dimension", outputs=["dense"]).encoding_scale == 0.0
 
 
 def test_outputs_and_multi_vector_equal_the_stubs(client, split, stub):

@@ -62,22 +62,31 @@ def test_embeddings_base64_with_dimensions_equal_grpc(client, stub):
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-6)
 
 
-EMBEDDING_TYPES = {"float16": "<f2", "int8": "i1", "uint8": "u1", "binary": "i1", "ubinary": "u1"}
+EMBEDDING_TYPES = {
+    "float16": "<f2", "int8": "i1", "uint8": "u1", "int8_per_dimension": "i1", "uint8_per_dimension": "u1",
+    "binary": "i1", "ubinary": "u1",
+}
 
 
 def test_embedding_types_are_grpcs_bytes(client, stub, http):
     """encoding_format base64: the bytes gRPC Embed sends in that encoding; float: those values as JSON
-    numbers (ints for the integer encodings); float16 is the float32 vector cast."""
+    numbers (ints for the integer encodings); float16 is the float32 vector cast. int8 / uint8 carry gRPC's
+    encoding_scale (an extension field); the other encodings have none."""
     floats, _ = _grpc_embed(stub, TEXTS)
     for name, dtype in EMBEDDING_TYPES.items():
         wire = _pb().Encoding.Value(f"ENCODING_{name.upper()}")
         request = _pb().EmbedRequest(model=EMBEDDER, inputs=TEXTS, encoding=wire)
-        raw = [e.raw for e in stub.Embed(request, timeout=RPC_TIMEOUT_S).embeddings]
+        reply = stub.Embed(request, timeout=RPC_TIMEOUT_S)
+        raw = [e.raw for e in reply.embeddings]
         encoded = client.embeddings.create(
             model=EMBEDDER, input=TEXTS, encoding_format="base64", extra_body={"embedding_type": name}
         )
         assert [base64.b64decode(d.embedding) for d in encoded.data] == raw, name
         listed = http.post("/v1/embeddings", json={"model": EMBEDDER, "input": TEXTS, "embedding_type": name}).json()
+        if name in ("int8", "uint8"):
+            assert listed["encoding_scale"] == reply.encoding_scale > 0, "the float32 scale, exactly"
+        else:
+            assert "encoding_scale" not in listed, name
         vectors = [d["embedding"] for d in listed["data"]]
         assert all(isinstance(x, float if name == "float16" else int) for x in vectors[0]), name
         np.testing.assert_array_equal(np.array(vectors).astype(dtype), [np.frombuffer(r, dtype) for r in raw])

@@ -1,7 +1,8 @@
 """A server with --lora adapters: a request names an adapter by its own name or `<model>:<name>` and gets
 that adapter's output (the base's otherwise); ListModels and /v1/models list each adapter with its base;
 an unknown adapter of a served model is INVALID_ARGUMENT over gRPC and 404 over HTTP, an unknown name
-NOT_FOUND / 404, both listing the served models and their adapters."""
+NOT_FOUND / 404, both listing the served models and their adapters. The embedding cache is on: the same texts
+through the base and each adapter must still give each its own vectors."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ def server(tmp_path_factory):
     args = [
         "--model", str(model_dir), "--served-model-name", "base", "--dtype", "float32", "--device", "cpu",
         "--http-port", str(http_port), "--lora", f"legal={legal}", "--lora", f"med={med}",
+        # The cache's key holds the adapter: the base's entries must not answer an adapter's calls.
+        "--embedding-cache", "4MiB",
     ]  # fmt: skip
     with in_process_server(args) as (target, _):
         yield target, f"http://127.0.0.1:{http_port}"

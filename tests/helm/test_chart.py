@@ -57,6 +57,8 @@ BAD_VALUES = {
     "cpu-fusion-fast": {"server": {"cpuFusion": "fast"}},
     "cpu-allocator-jemalloc": {"server": {"cpuAllocator": "jemalloc"}},
     "frontends-negative": {"server": {"frontends": -1}},
+    "embedding-cache-negative": {"server": {"embeddingCache": -1}},
+    "embedding-cache-not-a-size": {"server": {"embeddingCache": "lots"}},
     "unknown-top-level-key": {"replicas": 3},
     "model-source-s3": {"model": {"source": "s3"}},
     "typo-in-server": {"server": {"maxBatchToken": 8192}},
@@ -315,6 +317,15 @@ def test_args_carry_values_and_omit_unset_ones(chart):
                                             "maxConnectionAge": None}}))["args"]
     assert flag(big, "--max-concurrent-requests") == "1000000" and "--log-level" not in big
     assert "--max-connection-age" not in big
+
+
+def test_embedding_cache_becomes_the_flag_the_server_parses(chart):
+    from embedserv.config import parse_bytes
+
+    assert "--embedding-cache" not in server(render(chart, {}))["args"]
+    for value, expected in (("256MiB", 256 * 2**20), (1073741824, 2**30), (0, 0), ("1GB", 10**9)):
+        passed = flag(server(render(chart, {"server": {"embeddingCache": value}}))["args"], "--embedding-cache")
+        assert parse_bytes(passed, "--embedding-cache") == expected, (value, passed)
 
 
 def test_api_key_comes_from_a_secret(chart):

@@ -21,6 +21,8 @@ def test_each_encoding_is_asked_for_and_decoded_in_its_dtype():
         "float16": vector.astype(np.float16),
         "int8": np.array([-128, 0, 127], dtype=np.int8),
         "uint8": np.array([0, 128, 255], dtype=np.uint8),
+        "int8_per_dimension": np.array([-128, 0, 127], dtype=np.int8),
+        "uint8_per_dimension": np.array([0, 128, 255], dtype=np.uint8),
         "binary": np.array([-96], dtype=np.int8),
         "ubinary": np.array([160], dtype=np.uint8),
     }
@@ -32,6 +34,21 @@ def test_each_encoding_is_asked_for_and_decoded_in_its_dtype():
         matrix = plans.embed_plan(["a", "b"], 8, False, **fields).merge([reply])
         assert matrix.dtype == row.dtype and matrix.dtype.isnative and matrix.shape == (2, len(row))
         np.testing.assert_array_equal(matrix[1], row)
+
+
+def test_every_encoding_has_its_own_wire_value_and_outputs_carry_the_scale():
+    wires = {name: plans.ENCODINGS[name][0] for name in plans.ENCODINGS}
+    assert wires["int8_per_dimension"] == pb.ENCODING_INT8_PER_DIMENSION != wires["int8"] == pb.ENCODING_INT8
+    assert wires["uint8_per_dimension"] == pb.ENCODING_UINT8_PER_DIMENSION != wires["uint8"] == pb.ENCODING_UINT8
+    assert len(set(wires.values())) == len(wires)
+    plan = plans.embed_plan(["a", "b"], 1, False, **_fields(encoding_name="int8", output_names=["dense"]))
+    replies = [
+        pb.EmbedResponse(embeddings=[pb.Embedding(raw=bytes([i, 2]))], encoding_scale=0.25) for i in (1, 255)
+    ]
+    merged = plan.merge(replies)
+    assert merged.encoding_scale == 0.25 and merged.dense.tolist() == [[1, 2], [-1, 2]]
+    assert plans.embed_plan(["a"], 1, True, **_fields(output_names=["dense"])).merge([pb.EmbedResponse(
+        embeddings=[pb.Embedding(raw=np.zeros(2, "<f4").tobytes())])]).encoding_scale == 0.0
 
 
 def test_split_replies_merge_every_output_in_input_order():

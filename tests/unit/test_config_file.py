@@ -145,6 +145,10 @@ BAD_FILES = {
         "server: max_client_batch_size 600 exceeds --max-concurrent-requests 512"]),
     "bad-memory-size": ("models:\n  - path: /m\n    kv_cache_memory: 2 gallons\n", [
         "models[0] (/m): kv_cache_memory '2 gallons' is not a size"]),
+    "bad-cache-size": ("models:\n  - path: /m\n    embedding_cache: lots\n", [
+        "models[0] (/m): embedding_cache 'lots' is not a size"]),
+    "negative-cache-size": ("defaults:\n  embedding_cache: -1\nmodels:\n  - path: /m\n", [
+        "defaults: embedding_cache must be 0 (none) or more bytes, not -1"]),
     "duplicate-served-names": ("models:\n  - path: /a/m\n  - path: /b/m\n", [
         "embedserv.yaml: served model names must be unique; repeated: m"]),
     "models-not-a-list": ("models:\n  path: /m\n", ["models must be a list of models"]),
@@ -168,6 +172,19 @@ def test_a_bad_file_is_refused_naming_the_file_and_what_to_change(tmp_path, case
     assert message.startswith(str(tmp_path / "embedserv.yaml")), message
     for part in expected:
         assert part in message
+
+
+def test_the_embedding_cache_is_a_size_per_model(tmp_path):
+    text = "defaults:\n  embedding_cache: 1GB\nmodels:\n  - path: /a\n  - path: /b\n    embedding_cache: 0\n" \
+           "  - path: /c\n    embedding_cache: 1048576\n"
+    assert [m.embedding_cache for m in load(tmp_path, text).models] == [10**9, 0, 2**20]
+    flagged = load(tmp_path, "models:\n  - path: /a\n  - path: /b\n    embedding_cache: 1KiB\n",
+                   "--embedding-cache", "256MiB")
+    assert [m.embedding_cache for m in flagged.models] == [256 * 2**20, 1024]
+    assert load(tmp_path, "", "--model", "/m").models[0].embedding_cache == 0
+    for bad in ("big", "-1MiB", "inf", "nan"):
+        with pytest.raises(ConfigError, match=rf"^--embedding-cache '{bad}' is not a size"):
+            load(tmp_path, "", "--model", "/m", f"--embedding-cache={bad}")
 
 
 def test_a_bad_flag_is_still_named_as_the_flag(tmp_path):

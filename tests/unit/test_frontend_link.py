@@ -3,6 +3,7 @@ many front ends `--frontends 0` starts (server/link_messages.py, served_models.p
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 
 import numpy as np
@@ -21,6 +22,7 @@ def test_calls_and_answers_cross_the_link_intact():
     call = m.InferCall(7, "minilm", [Encoded([101, 7, 102]), Encoded([101, 102], 1, [0, 0], 2)], 12.5,
                        (EmbedOutput.SPARSE,), "req-1")  # fmt: skip
     assert m.CODEC.decode(m.CODEC.encode(call)) == call
+    assert call.use_cache and not m.CODEC.decode(m.CODEC.encode(dataclasses.replace(call, use_cache=False))).use_cache
     done = m.InferDone(7, [SequenceOutput(np.arange(4, dtype=np.float32), 1.0, 2.0,
                                           sparse=(np.ones(2, np.float32), np.array([3, 9])))], 3, Timing(1, 2, 3, 4))  # fmt: skip
     back = m.CODEC.decode(m.CODEC.encode(done))

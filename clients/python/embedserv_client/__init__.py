@@ -9,6 +9,7 @@ AsyncClient has the same calls, awaited. The generated stubs are in embedserv_cl
 
 from embedserv_client.aio import AsyncClient
 from embedserv_client.client import Client
+from embedserv_client.late_chunks import TextChunks
 from embedserv_client.options import NO_RETRY, RetryPolicy, Tls
 from embedserv_client.streams import AsyncTextStream, TextStream
 from embedserv_client.types import (
@@ -42,6 +43,7 @@ __all__ = [
     "RerankResult",
     "RetryPolicy",
     "SparseEmbedding",
+    "TextChunks",
     "TextStream",
     "Tls",
     "Token",

@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from embedserv_client import plans
+from embedserv_client import late_chunks, plans
 from embedserv_client.base import ClientSettings
 from embedserv_client.options import RetryPolicy, Tls, time_left
 from embedserv_client.streams import AsyncTextStream
@@ -71,15 +71,46 @@ class AsyncClient(ClientSettings):
         chunking: str | None = None,
         sparse_top_k: int | None = None,
         task: str | None = None,
+        bypass_cache: bool = False,
         timeout: float | None = None,
     ) -> np.ndarray | EmbedOutputs:
         items, single = plans.as_list(texts, "texts")
         fields = plans.embed_fields(
             self.model_name(model), normalize, truncate, truncation_direction, dimensions, prompt_name,
-            encoding, outputs, chunking, sparse_top_k, task,
+            encoding, outputs, chunking, sparse_top_k, task, bypass_cache,
         )
         deadline = self.deadline(timeout)
         return await self._run(plans.embed_plan(items, await self._batch_size(deadline), single, **fields), deadline)
+
+    async def embed_chunks(
+        self,
+        texts: str | Sequence[str],
+        *,
+        splitter: str = "spans",
+        spans: Sequence[Sequence[tuple[int, int]]] | None = None,
+        chunk_tokens: int = 0,
+        overlap_tokens: int = 0,
+        model: str | None = None,
+        normalize: bool | None = None,
+        dimensions: int | None = None,
+        prompt_name: str | None = None,
+        encoding: str = "float32",
+        task: str | None = None,
+        timeout: float | None = None,
+    ) -> late_chunks.TextChunks | list[late_chunks.TextChunks]:
+        """Late chunking: one vector per chunk of each text, pooled from the whole text's token states. Chunks
+        are `spans` (per text, its [start, end) character spans), "sentences", or "tokens" windows of
+        `chunk_tokens` sharing `overlap_tokens`. A TextChunks(spans, vectors) per text; for one string, `spans` is
+        its own list and one TextChunks comes back."""
+        items, single, late, dtype = late_chunks.prepared(
+            texts, splitter, spans, chunk_tokens, overlap_tokens, encoding
+        )
+        fields = plans.embed_fields(
+            self.model_name(model), normalize, False, "right", dimensions, prompt_name, encoding, task=task
+        )
+        deadline = self.deadline(timeout)
+        plan = late_chunks.embed_chunks_plan(items, await self._batch_size(deadline), single, late, dtype, **fields)
+        return await self._run(plan, deadline)
 
     async def rerank(
         self,

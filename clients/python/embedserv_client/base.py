@@ -74,6 +74,7 @@ class ClientSettings:
             None,
             params.pop("chunking", None),
             task=params.pop("task", None),
+            bypass_cache=params.pop("bypass_cache", False),
         )
         if params:
             raise TypeError(

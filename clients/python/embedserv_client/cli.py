@@ -42,8 +42,15 @@ def _parser() -> argparse.ArgumentParser:
     embed.add_argument("--truncate", action="store_true")
     embed.add_argument("--prompt-name")
     embed.add_argument("--task", help="the model's task adapter (ListModels' adapters), e.g. retrieval.query")
-    embed.add_argument("--encoding", default="float32", choices=list(ENCODINGS), help="default: float32")
+    embed.add_argument(
+        "--encoding", default="float32", choices=list(ENCODINGS),
+        help="default: float32; int8 / uint8 also print the encoding_scale that decodes them",
+    )
     embed.add_argument("--chunking", choices=["mean"], help="embed inputs past the model's limit by windows")
+    embed.add_argument("--bypass-cache", action="store_true",
+                       help="neither read nor fill the server's embedding cache (--embedding-cache)")
+
+    _add_embed_chunks(commands)
 
     sparse = commands.add_parser("embed-sparse", help="sparse vectors: {indices, values} per text")
     sparse.add_argument("texts", nargs="+", metavar="TEXT")
@@ -87,6 +94,16 @@ def _parser() -> argparse.ArgumentParser:
     return p  # fmt: skip
 
 
+def _add_embed_chunks(commands) -> None:
+    chunked = commands.add_parser("embed-chunks", help="late chunking: a vector per sentence or token window")
+    chunked.add_argument("texts", nargs="+", metavar="TEXT")
+    chunked.add_argument("--splitter", default="sentences", choices=["sentences", "tokens"], help="default: sentences")
+    chunked.add_argument("--chunk-tokens", type=int, default=0, help="tokens: tokens per chunk")
+    chunked.add_argument("--overlap-tokens", type=int, default=0, help="tokens: tokens neighbouring chunks share")
+    chunked.add_argument("--dimensions", type=int)
+    chunked.add_argument("--prompt-name")
+
+
 def _tls(args: argparse.Namespace) -> bool | Tls:
     if args.tls_ca or args.tls_cert or args.tls_key:
         return Tls(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
@@ -96,17 +113,30 @@ def _tls(args: argparse.Namespace) -> bool | Tls:
 def _run(client: Client, args: argparse.Namespace) -> tuple[dict, int]:
     if args.command == "embed":
         texts = args.texts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
-        matrix = client.embed(
+        result = client.embed(
             texts,
             normalize=False if args.no_normalize else None,
             truncate=args.truncate,
             dimensions=args.dimensions,
             prompt_name=args.prompt_name,
             encoding=args.encoding,
+            outputs=["dense"],
             chunking=args.chunking,
             task=args.task,
+            bypass_cache=args.bypass_cache,
         )
-        return {"embeddings": matrix.tolist()}, 0
+        scale = {"encoding_scale": result.encoding_scale} if result.encoding_scale else {}
+        return {"embeddings": result.dense.tolist(), **scale}, 0
+    if args.command == "embed-chunks":
+        found = client.embed_chunks(
+            args.texts, splitter=args.splitter, chunk_tokens=args.chunk_tokens, overlap_tokens=args.overlap_tokens,
+            dimensions=args.dimensions, prompt_name=args.prompt_name,
+        )
+        inputs = [
+            {"chunks": [{"start": s, "end": e, "embedding": v.tolist()} for (s, e), v in zip(c.spans, c.vectors)]}
+            for c in found
+        ]
+        return {"inputs": inputs}, 0
     if args.command == "embed-sparse":
         vectors = client.embed_sparse(args.texts, top_k=args.top_k, truncate=args.truncate)
         return {"embeddings": [{"indices": i.tolist(), "values": v.tolist()} for i, v in vectors]}, 0

@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from embedserv_client import plans
+from embedserv_client import late_chunks, plans
 from embedserv_client.base import ClientSettings
 from embedserv_client.options import RetryPolicy, Tls, time_left
 from embedserv_client.streams import TextStream
@@ -83,21 +83,55 @@ class Client(ClientSettings):
         chunking: str | None = None,
         sparse_top_k: int | None = None,
         task: str | None = None,
+        bypass_cache: bool = False,
         timeout: float | None = None,
     ) -> np.ndarray | EmbedOutputs:
         """Embeddings: [len(texts), dimension], or [dimension] for one string, float32 unless `encoding` says
-        "float16", "int8" / "uint8" (the model's calibration ranges) or "binary" / "ubinary" (packed bits,
-        int8 / uint8, [n, ceil(dimension / 8)]). `chunking="mean"` embeds inputs past the model's limit by
-        windows. `outputs` (some of "dense", "sparse", "multi_vector", from one forward pass) returns an
-        EmbedOutputs instead; `sparse_top_k` keeps the largest values of the sparse output. `task` picks the
-        model's task adapter (ListModels' adapters, e.g. "retrieval.query") and that task's prompt."""
+        "float16", "int8" / "uint8" (codes whose raw integer dot products rank as the floats do: for vector
+        databases), "int8_per_dimension" / "uint8_per_dimension" (sentence-transformers' per-dimension buckets)
+        or "binary" / "ubinary" (packed bits, int8 / uint8, [n, ceil(dimension / 8)]). `chunking="mean"` embeds
+        inputs past the model's limit by windows. `outputs` (some of "dense", "sparse", "multi_vector", from one
+        forward pass) returns an EmbedOutputs instead, with the int8 / uint8 `encoding_scale`; `sparse_top_k`
+        keeps the largest values of the sparse output. `task` picks the model's task adapter (ListModels'
+        adapters, e.g. "retrieval.query") and that task's prompt. `bypass_cache` neither reads nor fills the
+        server's embedding cache (--embedding-cache)."""
         items, single = plans.as_list(texts, "texts")
         fields = plans.embed_fields(
             self.model_name(model), normalize, truncate, truncation_direction, dimensions, prompt_name,
-            encoding, outputs, chunking, sparse_top_k, task,
+            encoding, outputs, chunking, sparse_top_k, task, bypass_cache,
         )
         deadline = self.deadline(timeout)
         return self._run(plans.embed_plan(items, self._batch_size(deadline), single, **fields), deadline)
+
+    def embed_chunks(
+        self,
+        texts: str | Sequence[str],
+        *,
+        splitter: str = "spans",
+        spans: Sequence[Sequence[tuple[int, int]]] | None = None,
+        chunk_tokens: int = 0,
+        overlap_tokens: int = 0,
+        model: str | None = None,
+        normalize: bool | None = None,
+        dimensions: int | None = None,
+        prompt_name: str | None = None,
+        encoding: str = "float32",
+        task: str | None = None,
+        timeout: float | None = None,
+    ) -> late_chunks.TextChunks | list[late_chunks.TextChunks]:
+        """Late chunking: one vector per chunk of each text, pooled from the whole text's token states. Chunks
+        are `spans` (per text, its [start, end) character spans), "sentences", or "tokens" windows of
+        `chunk_tokens` sharing `overlap_tokens`. A TextChunks(spans, vectors) per text; for one string, `spans` is
+        its own list and one TextChunks comes back."""
+        items, single, late, dtype = late_chunks.prepared(
+            texts, splitter, spans, chunk_tokens, overlap_tokens, encoding
+        )
+        fields = plans.embed_fields(
+            self.model_name(model), normalize, False, "right", dimensions, prompt_name, encoding, task=task
+        )
+        deadline = self.deadline(timeout)
+        plan = late_chunks.embed_chunks_plan(items, self._batch_size(deadline), single, late, dtype, **fields)
+        return self._run(plan, deadline)
 
     def rerank(
         self,

@@ -23,13 +23,17 @@ from embedserv_client.types import (
 from embedserv_client.v1 import embedserv_pb2 as pb
 
 _DIRECTIONS = {"right": pb.TRUNCATION_DIRECTION_RIGHT, "left": pb.TRUNCATION_DIRECTION_LEFT}
-# encoding name -> (the wire encoding, the dtype of Embedding.raw). binary / ubinary are packed bits, 8
-# dimensions a byte (most significant bit first), as int8 (each byte minus 128) / uint8.
+# encoding name -> (the wire encoding, the dtype of Embedding.raw). int8 / uint8 rank under raw integer dot
+# products (EmbedResponse.encoding_scale decodes them); the per-dimension ones are sentence-transformers'
+# buckets; binary / ubinary are packed bits, 8 dimensions a byte (most significant bit first), as int8 (each
+# byte minus 128) / uint8.
 ENCODINGS = {
     "float32": (pb.ENCODING_BYTES, "<f4"),
     "float16": (pb.ENCODING_FLOAT16, "<f2"),
     "int8": (pb.ENCODING_INT8, "i1"),
     "uint8": (pb.ENCODING_UINT8, "u1"),
+    "int8_per_dimension": (pb.ENCODING_INT8_PER_DIMENSION, "i1"),
+    "uint8_per_dimension": (pb.ENCODING_UINT8_PER_DIMENSION, "u1"),
     "binary": (pb.ENCODING_BINARY, "i1"),
     "ubinary": (pb.ENCODING_UBINARY, "u1"),
 }
@@ -116,6 +120,8 @@ def embed_plan(texts: list[str], size: int, single: bool, **fields) -> Plan:
             dense=pick(matrix) if pb.OUTPUT_DENSE in wanted else None,
             sparse=pick(sparse) if pb.OUTPUT_SPARSE in wanted else None,
             multi_vector=pick(vectors) if pb.OUTPUT_MULTI_VECTOR in wanted else None,
+            # One scale per model and setting: every part of the call carries the same.
+            encoding_scale=replies[0].encoding_scale if replies else 0.0,
         )
 
     return Plan("Embed", requests, merge, min(size, len(texts)))
@@ -133,6 +139,7 @@ def embed_fields(
     chunking_mode: str | None = None,
     sparse_top_k: int | None = None,
     task: str | None = None,
+    bypass_cache: bool = False,
 ) -> dict:
     fields = dict(
         model=model,
@@ -153,6 +160,8 @@ def embed_fields(
         fields["sparse_top_k"] = sparse_top_k
     if task:
         fields["task"] = task
+    if bypass_cache:
+        fields["bypass_cache"] = True
     return fields
 
 

@@ -176,11 +176,14 @@ class EmbedOutputs:
     """What embed(outputs=[...]) returns: each output asked for, in input order; None for those not asked.
 
     `dense`: [n, d] in the call's encoding's dtype; `sparse`: a SparseEmbedding per input; `multi_vector`: a
-    [num_vectors, dim] float32 array per input. For one string: [d], one SparseEmbedding, one array."""
+    [num_vectors, dim] float32 array per input. For one string: [d], one SparseEmbedding, one array.
+    `encoding_scale`, for int8 / uint8 (0 otherwise): value ~ code * scale (int8); value minus the vector's mean
+    ~ (code - 128) * scale (uint8)."""
 
     dense: np.ndarray | None = None
     sparse: list[SparseEmbedding] | SparseEmbedding | None = None
     multi_vector: list[np.ndarray] | np.ndarray | None = None
+    encoding_scale: float = 0.0
 
 
 @dataclass(frozen=True)

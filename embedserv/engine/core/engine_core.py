@@ -11,6 +11,7 @@ and queued while the devices work. The task services reach this class only throu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 from embedserv.config import ModelConfig
 from embedserv.engine import checks
 from embedserv.engine.core.generation import GenerationStreams, prepare_prompt
+from embedserv.engine.core.output_cache import CacheStats, OutputCache, cache_key
 from embedserv.engine.core.prefill import PrefillQueue
 from embedserv.engine.core.step_loop import WorkerLoop
 from embedserv.engine.core.step_source import StepSource
@@ -57,6 +59,10 @@ class EngineCore:
         if served.task.tasks != (Task.GENERATE,):
             output = OutputKind.POOL if served.spec.outputs.outputs else OutputKind.SCORE
             self.prefill = PrefillQueue(name, workers, budget, max_seqs, output)
+        # Prefill outputs only: generation streams are not cached.
+        self.cache: OutputCache | None = None
+        if config.embedding_cache and self.prefill is not None:
+            self.cache = OutputCache(config.embedding_cache)
         self.generation: list[GenerationStreams] = []
         if Task.GENERATE in served.task.tasks:
             self.generation = [
@@ -203,33 +209,52 @@ class EngineCore:
         return await run_tokenizer(self._tokenizer_pool, encode, args, chars)
 
     async def infer(
-        self, encoded: list[Encoded], received: float, wanted: tuple[EmbedOutput, ...] = ()
+        self, encoded: list[Encoded], received: float, wanted: tuple[EmbedOutput, ...] = (), use_cache: bool = True
     ) -> tuple[list[SequenceOutput], int, Timing]:
-        """Runs every sequence through the scheduler; outputs in input order, tokens run, and the call's timing."""
+        """Runs every sequence through the scheduler, or the embedding cache first unless `use_cache` is off;
+        outputs in input order, tokens run, and the call's timing."""
         tokenized = time.perf_counter()
-        requests = [self._request(e, wanted) for e in encoded]
-        outputs = await self.prefill.run(requests)
-        first_start = min(output.started for output in outputs)
-        last_end = max(output.finished for output in outputs)
+        stripped = [self._stripped(e) for e in encoded]
+        requests = [self._request(e, wanted) for e in stripped]
+        if self.cache is not None and use_cache:
+            keys = [cache_key(e, wanted) for e in stripped]
+            outputs, ran = await self.cache.run(requests, keys, self.prefill.run)
+        else:
+            outputs = ran = await self.prefill.run(requests)
+        # Only the sequences that ran for this call took queue and inference time: a call answered from the
+        # cache took none. An identical sequence it waited for may have started before it came.
+        first_start = max(tokenized, min((output.started for output in ran), default=tokenized))
+        last_end = max((output.finished for output in ran), default=first_start)
         timing = Timing(
             queue_us=_us(first_start - tokenized),
             tokenization_us=_us(tokenized - received),
             inference_us=_us(last_end - first_start),
             total_us=_us(time.perf_counter() - received),
         )
-        # Usage counts the input's tokens: an encoder-decoder request's encoder input (its decoder reads the
-        # start token or the same input shifted).
+        # Usage counts the input's tokens, cached or not: an encoder-decoder request's encoder input (its
+        # decoder reads the start token or the same input shifted).
         tokens = sum(r.num_encoder_tokens or r.num_tokens for r in requests)
         return outputs, tokens, timing
 
+    def cache_stats(self) -> CacheStats | None:
+        """The embedding cache's counters, or None when the model has none (--embedding-cache 0)."""
+        return dataclasses.replace(self.cache.stats) if self.cache is not None else None
+
+    def _stripped(self, encoded: Encoded) -> Encoded:
+        """Without the trailing pad ids of models whose tokenizer pads (what the workers run, and the cache key)."""
+        pad = self.task.strip_trailing_pad_id
+        if pad is None:
+            return encoded
+        ids, types = encoded.ids, encoded.token_type_ids
+        end = len(ids)
+        while end > 1 and ids[end - 1] == pad:
+            end -= 1
+        if end == len(ids):
+            return encoded
+        return dataclasses.replace(encoded, ids=ids[:end], token_type_ids=types[:end] if types is not None else None)
+
     def _request(self, encoded: Encoded, wanted: tuple[EmbedOutput, ...] = ()) -> Request:
         ids, types = encoded.ids, encoded.token_type_ids
-        pad = self.task.strip_trailing_pad_id
-        if pad is not None:
-            end = len(ids)
-            while end > 1 and ids[end - 1] == pad:
-                end -= 1
-            ids, types = ids[:end], types[:end] if types is not None else None
         start = self.task.decoder_start_token_id
         if start is not None:
             # Encoder-decoder: the text is the encoder's input; the decoder reads its start token (a yes/no

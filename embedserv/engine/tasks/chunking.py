@@ -47,7 +47,9 @@ async def embed_chunked(
     checks.check_embed_chunking(served.info, params)
     windows = await infer.tokenize_with(served.tokenizer.encode_windows, texts, params.prompt_name)
     flat = [replace(window, adapter=adapter) for text_windows in windows for window in text_windows]
-    outputs, prompt_tokens, timing = await infer.infer(flat, received, params.outputs)
+    outputs, prompt_tokens, timing = await infer.infer(
+        flat, received, params.outputs, use_cache=not params.bypass_cache
+    )
     rows = stack_rows(outputs)
     weights = np.array([len(window.ids) for window in flat], dtype=np.float64)
     means = weighted_means(rows, weights, [len(w) for w in windows])

@@ -17,7 +17,7 @@ import numpy as np
 from embedserv.engine import checks
 from embedserv.engine.loading import ServedModel
 from embedserv.engine.ports import Infer, SequenceOutput, stack_rows
-from embedserv.engine.tasks import chunking
+from embedserv.engine.tasks import chunking, late_chunking
 from embedserv.engine.tasks.multi_vector import MultiVectorRules
 from embedserv.engine.tasks.outputs import finish_embeddings
 from embedserv.engine.tasks.token_rules import TokenRules
@@ -39,10 +39,12 @@ def token_rules(served: ServedModel) -> TokenRules:
 class Embedding:
     """Embed and its token-id form, through the engine core's port; results in float32."""
 
-    def __init__(self, infer: Infer, served: ServedModel) -> None:
+    def __init__(self, infer: Infer, served: ServedModel, allow_pickle: bool = False) -> None:
         self._infer = infer
         self._served = served
         self.token_rules = token_rules(served)
+        # Late chunking's copy of the model's Dense modules, read on its first call.
+        self._dense = late_chunking.HostDense(served, allow_pickle)
 
     async def embed(self, texts: list[str], params: EmbedParams) -> EmbedResult:
         """The outputs `params.outputs` names (dense, sparse, token vectors) per text, from one forward pass."""
@@ -51,6 +53,10 @@ class Embedding:
         adapter, prompt_name = checks.task_adapter(self._served.info, tokenizer, params)
         params = replace(params, prompt_name=prompt_name)
         checks.check_embed(self._served.info, tokenizer, texts, params)
+        if params.late_chunking is not None:
+            return await late_chunking.embed_late_chunks(
+                self._infer, self._served, texts, params, received, self._dense, adapter
+            )
         if params.chunking:
             return await chunking.embed_chunked(self._infer, self._served, texts, params, received, adapter)
         encoded = await self._infer.tokenize_with(
@@ -65,6 +71,8 @@ class Embedding:
         checks.check_embed(self._served.info, tokenizer, token_ids, params)
         if params.prompt_name:
             raise InvalidInput("prompt_name applies to texts; token-id inputs are used as given")
+        if params.late_chunking is not None:
+            raise InvalidInput("late_chunking applies to texts (its spans are character offsets); send texts")
         # A task picks the adapter only: token ids get no prompt.
         adapter, _ = checks.task_adapter(self._served.info, tokenizer, params)
         encoded = await self._infer.tokenize_with(
@@ -73,7 +81,9 @@ class Embedding:
         return await self._pooled(with_adapter(encoded, adapter), params, received)
 
     async def _pooled(self, encoded: list[Encoded], params: EmbedParams, received: float) -> EmbedResult:
-        outputs, prompt_tokens, timing = await self._infer.infer(encoded, received, params.outputs)
+        outputs, prompt_tokens, timing = await self._infer.infer(
+            encoded, received, params.outputs, use_cache=not params.bypass_cache
+        )
         return assemble(outputs, encoded, params, self.token_rules, prompt_tokens, timing)
 
 

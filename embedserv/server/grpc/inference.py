@@ -31,6 +31,7 @@ from embedserv.types import (
 from embedserv.errors import InvalidInput
 from embedserv.server.calls import Call, stream_call, unary_call
 from embedserv.server.frontend import Frontend
+from embedserv.server.grpc.late_chunks import chunks_messages, late_chunking_params
 from embedserv.server.grpc.streams import answer_in_order
 from embedserv.v1 import embedserv_pb2 as pb
 from embedserv.v1 import embedserv_pb2_grpc as pb_grpc
@@ -60,6 +61,8 @@ _ENCODINGS = {
     pb.ENCODING_FLOAT16: Encoding.FLOAT16,
     pb.ENCODING_INT8: Encoding.INT8,
     pb.ENCODING_UINT8: Encoding.UINT8,
+    pb.ENCODING_INT8_PER_DIMENSION: Encoding.INT8_PER_DIMENSION,
+    pb.ENCODING_UINT8_PER_DIMENSION: Encoding.UINT8_PER_DIMENSION,
     pb.ENCODING_BINARY: Encoding.BINARY,
     pb.ENCODING_UBINARY: Encoding.UBINARY,
 }
@@ -92,6 +95,8 @@ def embed_params(request: pb.EmbedRequest) -> EmbedParams:
         sparse_top_k=request.sparse_top_k if request.HasField("sparse_top_k") else None,
         encoding=_ENCODINGS[request.encoding],
         task=request.task or None,
+        late_chunking=late_chunking_params(request),
+        bypass_cache=request.bypass_cache,
     )
 
 
@@ -138,18 +143,21 @@ def call_summary(prompt_tokens: int, timing: Timing, model: str, received: float
     return dict(usage=pb.Usage(prompt_tokens=prompt_tokens), model=model, timing=timing_message(timing, received))
 
 
+def embedding_messages(rows: np.ndarray, encoding: int) -> list[pb.Embedding]:
+    if encoding == pb.ENCODING_FLOAT:
+        return [pb.Embedding(values=row) for row in rows.tolist()]
+    # Every other encoding: the row's bytes, little-endian (float32, float16; int8 / uint8 are bytes).
+    rows = rows.astype(rows.dtype.newbyteorder("<"), copy=False)
+    return [pb.Embedding(raw=row.tobytes()) for row in rows]
+
+
 def embed_response(result: EmbedResult, encoding: int, model: str, received: float) -> pb.EmbedResponse:
-    embeddings = []
-    if result.embeddings is not None and encoding == pb.ENCODING_FLOAT:
-        embeddings = [pb.Embedding(values=row) for row in result.embeddings.tolist()]
-    elif result.embeddings is not None:
-        # Every other encoding: the row's bytes, little-endian (float32, float16; int8 / uint8 are bytes).
-        rows = result.embeddings.astype(result.embeddings.dtype.newbyteorder("<"), copy=False)
-        embeddings = [pb.Embedding(raw=row.tobytes()) for row in rows]
     return pb.EmbedResponse(
-        embeddings=embeddings,
+        embeddings=embedding_messages(result.embeddings, encoding) if result.embeddings is not None else [],
+        chunks=chunks_messages(result, lambda rows: embedding_messages(rows, encoding)),
         sparse_embeddings=[sparse_message(v) for v in result.sparse] if result.sparse is not None else [],
         multi_vectors=[multi_vector_message(v) for v in result.multi_vectors] if result.multi_vectors is not None else [],
+        encoding_scale=result.encoding_scale,
         **call_summary(result.prompt_tokens, result.timing, model, received),
     )
 

@@ -4,7 +4,8 @@ Shapes follow OpenAI's API reference, so the openai SDK, LangChain, LlamaIndex a
 changing their base URL. Extensions a client may send beside OpenAI's fields: `truncate` (cut inputs past
 the model's limit instead of refusing them), `prompt_name` (a sentence-transformers prompt),
 `normalize` (default true, as OpenAI's vectors are unit length), `embedding_type` (a compact encoding of the
-vectors, see `embeddings`) and `chunking` ("mean": texts past the model's limit are embedded by windows).
+vectors, see `embeddings`), `chunking` ("mean": texts past the model's limit are embedded by windows) and
+`late_chunking` (one vector per chunk of each text; late_chunks.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pydantic import Field
 from embedserv.errors import InvalidInput
 from embedserv.server.http.common import Body, call_of, engine_named, frontend_of
 from embedserv.server.http.error_responses import JSON
+from embedserv.server.http.late_chunks import LateChunkingBody, chunk_items
 from embedserv.server.http.openai_generate import router as generation_router
 from embedserv.types import EmbedParams, Encoding, ModelInfo, TruncationDirection
 
@@ -44,14 +46,23 @@ class EmbeddingsBody(Body):
         "retrieval.query), and that task's prompt unless prompt_name names one.",
     )
     normalize: bool = Field(True, description="Extension: L2-normalize each vector.")
-    embedding_type: Literal["float32", "float16", "int8", "uint8", "binary", "ubinary"] = Field(
+    embedding_type: Literal[
+        "float32", "float16", "int8", "uint8", "int8_per_dimension", "uint8_per_dimension", "binary", "ubinary"
+    ] = Field(
         "float32",
-        description="Extension: the vectors' encoding (float32, float16, int8/uint8 against the model's calibration "
-        "ranges, binary/ubinary packed bits); with encoding_format float integers come as lists of ints, with base64 "
-        "the raw little-endian bytes.",
+        description="Extension: the vectors' encoding (float32, float16; int8/uint8 codes whose raw integer dot "
+        "products rank as the floats do, with the response's encoding_scale; int8/uint8_per_dimension: "
+        "sentence-transformers' per-dimension calibration buckets; binary/ubinary packed bits); with "
+        "encoding_format float integers come as lists of ints, with base64 the raw little-endian bytes.",
     )
     chunking: Literal["mean"] | None = Field(
         None, description="Extension: mean embeds texts past the model's limit by windows (token-count-weighted mean)."
+    )
+    late_chunking: LateChunkingBody | None = Field(
+        None, description="Extension: one vector per chunk of each text, pooled from the whole text's token states."
+    )
+    bypass_cache: bool = Field(
+        False, description="Extension: neither read nor fill the model's embedding cache (--embedding-cache)."
     )
 
 
@@ -59,6 +70,10 @@ class EmbeddingItem(Body):
     object: Literal["embedding"] = "embedding"
     index: int
     embedding: list[float] | list[int] | str
+    # late_chunking: the chunk's input and its [start, end) character span.
+    input_index: int | None = None
+    start: int | None = None
+    end: int | None = None
 
 
 class Usage(Body):
@@ -71,6 +86,9 @@ class EmbeddingsResponse(Body):
     data: list[EmbeddingItem]
     model: str
     usage: Usage
+    encoding_scale: float | None = Field(
+        None, description="Extension, with embedding_type int8 / uint8 only: the codes' scale (see embeddings)."
+    )
 
 
 def _is_token_ids(value: object) -> bool:
@@ -80,11 +98,14 @@ def _is_token_ids(value: object) -> bool:
 @router.post("/v1/embeddings", response_model=EmbeddingsResponse, tags=["OpenAI"])
 async def embeddings(request: Request, body: EmbeddingsBody):
     """OpenAI's embeddings. `embedding_type` (an extension; default float32) picks the vectors' encoding:
-    float16 (the float32 values cast), int8 / uint8 (each dimension's bucket of 256 between the model's
-    calibration minimum and maximum, as sentence-transformers' quantize_embeddings), binary / ubinary (one bit
-    per dimension, value > 0, packed 8 to a byte, most significant bit first: [ceil(dimension / 8)] int8 /
-    uint8). With encoding_format float each embedding is a list of numbers (floats for float32 / float16,
-    ints for the rest); with base64, the base64 of its raw little-endian bytes (4, 2 or 1 per value).
+    float16 (the float32 values cast); int8 (value ~ code * encoding_scale, one scale per model) and uint8
+    (value - the vector's mean ~ (code - 128) * encoding_scale), whose raw integer dot products rank as the
+    floats do, for vector databases; int8_per_dimension / uint8_per_dimension (each dimension's bucket of 256
+    between the model's calibration minimum and maximum, as sentence-transformers' quantize_embeddings, for
+    rescoring); binary / ubinary (one bit per dimension, value > 0, packed 8 to a byte, most significant bit
+    first: [ceil(dimension / 8)] int8 / uint8). int8 / uint8 responses carry `encoding_scale` (an extension).
+    With encoding_format float each embedding is a list of numbers (floats for float32 / float16, ints for the
+    rest); with base64, the base64 of its raw little-endian bytes (4, 2 or 1 per value).
     `chunking: "mean"` (an extension, text inputs only) embeds texts past the model's limit by windows."""
     frontend = frontend_of(request)
     engine = engine_named(request, body.model)
@@ -97,6 +118,8 @@ async def embeddings(request: Request, body: EmbeddingsBody):
         chunking=body.chunking == "mean",
         encoding=Encoding(body.embedding_type),
         task=body.task,
+        late_chunking=body.late_chunking.params() if body.late_chunking is not None else None,
+        bypass_cache=body.bypass_cache,
     )
     inputs = body.input if isinstance(body.input, list) else [body.input]
     if _is_token_ids(inputs):
@@ -110,15 +133,25 @@ async def embeddings(request: Request, body: EmbeddingsBody):
         texts = frontend.check_inputs(inputs, "input")
         with frontend.hold(len(texts)):
             result = await engine.embed(texts, params)
-    call_of(request).answered(len(result.embeddings), result.prompt_tokens, result.timing)
-    if body.encoding_format == "base64":
-        rows = result.embeddings.astype(result.embeddings.dtype.newbyteorder("<"), copy=False)
-        vectors = [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
+    answered = result.chunks if result.chunks is not None else result.embeddings
+    call_of(request).answered(len(answered), result.prompt_tokens, result.timing)
+    if result.chunks is not None:
+        data = chunk_items(result, _vectors(np.concatenate([rows for _, rows in result.chunks]), body.encoding_format))
     else:
-        vectors = list(np.ascontiguousarray(result.embeddings))  # orjson writes each value's shortest repr
-    data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
+        vectors = _vectors(result.embeddings, body.encoding_format)
+        data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
     usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
-    return JSON({"object": "list", "data": data, "model": engine.info.name, "usage": usage})
+    response = {"object": "list", "data": data, "model": engine.info.name, "usage": usage}
+    if result.encoding_scale:
+        response["encoding_scale"] = result.encoding_scale
+    return JSON(response)
+
+
+def _vectors(rows: np.ndarray, encoding_format: str) -> list:
+    if encoding_format == "base64":
+        rows = rows.astype(rows.dtype.newbyteorder("<"), copy=False)
+        return [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
+    return list(np.ascontiguousarray(rows))  # orjson writes each value's shortest repr
 
 
 def model_card(info: ModelInfo) -> dict:

@@ -121,6 +121,12 @@ through int because values arrive as floats and large ones would print as 1e+06.
 {{- $args = concat $args (list (index . 1) (toString (int $v))) }}
 {{- end }}
 {{- end }}
+{{- $cache := index $s "embeddingCache" }}
+{{- if kindIs "string" $cache }}
+{{- $args = concat $args (list "--embedding-cache" $cache) }}
+{{- else if not (kindIs "invalid" $cache) }}
+{{- $args = concat $args (list "--embedding-cache" (toString (int64 $cache))) }}
+{{- end }}
 {{- $args = concat $args (list "--drain-timeout" (toString (int $s.drainTimeout))) }}
 {{- with index $s "logFormat" }}
 {{- $args = concat $args (list "--log-format" .) }}

@@ -405,12 +405,3 @@ def test_topology_spread_gets_the_selector(chart):
     objects = render(chart, FULL)
     (constraint,) = pod_spec(objects)["topologySpreadConstraints"]
     assert constraint["labelSelector"]["matchLabels"] == one(objects, "Deployment")["spec"]["selector"]["matchLabels"]
-
-
-def test_lora_adapters_become_flags(chart):
-    values = {"model": {"source": "hostPath", "hostPath": {"path": "/data/bge"},
-                        "lora": {"legal": "/models/adapters/legal", "med": "/models/adapters/med"}}}
-    args = server(render(chart, values))["args"]
-    loras = [args[i + 1] for i, a in enumerate(args) if a == "--lora"]
-    assert loras == ["legal=/models/adapters/legal", "med=/models/adapters/med"]
-    assert "--lora" not in server(render(chart, {}))["args"]

@@ -33,6 +33,8 @@ with the list of served types and, where there is one, the closest served archit
 - **Attention backends**: those that can compute the family's attention. CPU: sdpa (default), flex,
   naive; CUDA adds varlen and flash_attn, which cannot add a score bias.
 - **int8**: `--quantization int8` (CPU, oneDNN) for every task but generation.
+- **LoRA**: `--lora NAME=PATH` serves PEFT LoRA adapters over the family's embedders, cross-encoders and
+  classifiers (README: LoRA adapters); other families refuse them at start-up.
 - **Tested by**: parity tests against transformers / sentence-transformers on random-weight models
   built from configs (and the bundled all-MiniLM-L6-v2 for real weights).
 
@@ -107,6 +109,7 @@ def row(family: Family) -> str:
             ", ".join(_tasks(family)),
             _backends(family),
             "yes, not for generate" if not family.is_encoder else "yes",
+            "yes" if family.lora else "—",
             _cell(f"`{t}`" for t in family.tested_by),
         )
     ) + " |"
@@ -115,8 +118,8 @@ def row(family: Family) -> str:
 def render() -> str:
     lines = [
         "| Family | config.json `model_type` | Classifier architectures | Example models | Tasks "
-        "| Attention backends | int8 | Tested by |",
-        "|---|---|---|---|---|---|---|---|",
+        "| Attention backends | int8 | LoRA | Tested by |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [row(family) for family in registry.FAMILIES]
     return HEADER + "\n".join(lines) + "\n"

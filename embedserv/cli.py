@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "not with a --config file that lists models")
     serve.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
                        help="name clients use, paired with --model in order (default: the directory name)")
+    serve.add_argument("--lora", action="append", default=None, metavar="NAME=PATH", type=lora_flag,
+                       help="serve a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) "
+                            "as model NAME (or MODEL:NAME) over the --model; repeatable; read at start-up only "
+                            "(with several models: each model's lora: in the --config file) " + _model("lora"))
     serve.add_argument("--host", help=_server("host"))
     serve.add_argument("--port", type=int, help=_server("port"))
     serve.add_argument("--device", help=f"cpu, cuda or cuda:N {_model('device')}")
@@ -162,6 +166,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def lora_flag(text: str) -> tuple[str, str]:
+    name, equals, path = text.partition("=")
+    if not equals or not name or not path:
+        raise argparse.ArgumentTypeError(
+            f"--lora takes NAME=PATH (an adapter's served name and directory), not {text!r}"
+        )
+    return name, path
+
+
 def given_flags(args: argparse.Namespace, keys: tuple[str, ...]) -> dict[str, object]:
     """The config fields among `keys` whose flags were given (argparse leaves the others None)."""
     return {key: getattr(args, key) for key in keys if getattr(args, key) is not None}
@@ -177,6 +190,11 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     # The environment keeps the key out of `ps`; the flag wins over it, and it over the config file.
     if "api_key" not in server_flags and os.environ.get("EMBEDSERV_API_KEY"):
         server_flags["api_key"] = os.environ["EMBEDSERV_API_KEY"]
+    if "lora" in model_flags:
+        if args.model and len(args.model) > 1:
+            raise ConfigError("--lora serves adapters over one --model; with several models give each its lora: "
+                              "in the --config file")
+        model_flags["lora"] = tuple(model_flags["lora"])
     config_file = read_config_file(args.config) if args.config else None
     return assemble(config_file, model_flags, server_flags, args.model, args.served_model_name)
 

@@ -154,6 +154,9 @@ class ModelConfig:
     # Each worker runs every step shape once before it serves, so that no request pays for a shape's first
     # run; tests turn it off (--no-warm-up): their servers start sooner and serve a handful of calls.
     warm_up: bool = True
+    # PEFT LoRA adapters served beside the model, (served name, directory) each (--lora NAME=PATH); read at
+    # start-up only. A request picks one by its name or `<served_name>:<name>` (loading/lora_files.py).
+    lora: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.served_name:
@@ -194,6 +197,16 @@ class ModelConfig:
             raise ConfigError(f"--worker-timeout must be above 0 seconds, not {self.worker_timeout}")
         if self.embedding_cache < 0:
             raise ConfigError(f"--embedding-cache must be 0 (none) or more bytes, not {self.embedding_cache}")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        names = [name for name, _ in self.lora]
+        for name, path in self.lora:
+            if not name or ":" in name or not path:
+                raise ConfigError(f"--lora {name}={path}: give NAME=PATH, a name without ':' and an adapter directory")
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ConfigError(f"--lora names must be unique; repeated: {', '.join(repeated)}")
 
     def _check_quantization(self) -> None:
         if self.quantization is None:
@@ -275,10 +288,12 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not self.models:
             raise ConfigError("at least one --model is needed")
-        names = [m.served_name for m in self.models]
+        names = [m.served_name for m in self.models] + [name for m in self.models for name, _ in m.lora]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
-            raise ConfigError(f"served model names must be unique; repeated: {', '.join(duplicates)}")
+            raise ConfigError(
+                f"served model names must be unique; repeated: {', '.join(duplicates)} (LoRA adapters' names count too)"
+            )
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0..65535, not {self.port}")
         if self.max_concurrent_requests < 1:

@@ -4,6 +4,7 @@ the flags into the ServerConfig.
     server:    ServerConfig fields but `models`, named as the flags with _ (port, max_concurrent_requests)
     defaults:  ModelConfig fields but path and served_name, applied to every model
     models:    a list; each entry takes `path`, an optional `served_name` and any ModelConfig field
+               (`lora`: a mapping of adapter names to PEFT adapter directories, as --lora NAME=PATH)
 
 A model's options are, lowest first: the dataclass defaults, `defaults:`, the flags given on the command
 line, its own entry. Server settings: the dataclass defaults, `server:`, the flags. Models come either from
@@ -142,6 +143,10 @@ def _typed(value: object, key: str, where: str) -> object:
         return _relabelled(lambda: parse_memory(value), {key: where})
     if key == "embedding_cache" and isinstance(value, str):
         return _relabelled(lambda: parse_bytes(value, "--embedding-cache"), {key: where})
+    if key == "lora":
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            raise ConfigError(f"{where}: lora must map adapter names to their directories (NAME: PATH), not {value!r}")
+        return tuple((str(name), path) for name, path in value.items())
     hint = _HINTS[key]
     allowed = typing.get_args(hint) or (hint,)
     if value is None and type(None) in allowed:

@@ -13,6 +13,10 @@ class ModelNotFound(EmbedservError):
     """The request names a model this server does not serve (NOT_FOUND)."""
 
 
+class AdapterNotFound(ModelNotFound):
+    """`<model>:<adapter>` names an adapter the served model lacks (INVALID_ARGUMENT; HTTP 404 as ModelNotFound)."""
+
+
 class Overloaded(EmbedservError):
     """Too much work in flight; retry later (RESOURCE_EXHAUSTED)."""
 

@@ -34,6 +34,10 @@ class ForwardContext:
     # KV-free steps of a model whose layers share KV: where each source layer leaves its k and v for the
     # layers that read them (a fresh one per step). None otherwise.
     shared_kv: SharedKv | None = None
+    # Steps of a model served with --lora adapters where a row runs one: which rows run which adapter, a
+    # models/lora.AdapterRows (typed loosely: this record imports no model code). Read by LoraLinear only.
+    # None: every row runs the base weights.
+    lora: object | None = None
 
 
 _current: ContextVar[ForwardContext | None] = ContextVar("embedserv_forward_context", default=None)

@@ -8,7 +8,8 @@ futures; the event loop stays free meanwhile.
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Callable
+from dataclasses import replace
+from typing import Any, AsyncIterator, Callable
 
 from embedserv.config import ModelConfig
 from embedserv.engine import checks
@@ -36,6 +37,7 @@ class Engine:
         """`core` given (a front-end process's RemoteCore, server/remote_core.py) stands in for the workers."""
         self.config = config
         self.info: ModelInfo = served.info
+        self.served = served
         self.tokenizer = served.tokenizer
         self.task = served.task
         self.core = core or EngineCore(config, served, workers, tokenizer_threads, pipeline_depth)
@@ -63,6 +65,14 @@ class Engine:
         log_spec(served, config)
         workers = worker_builders.worker_processes(config)
         return cls(config, served, workers, tokenizer_threads, config.pipeline_depth)
+
+    def adapter_engine(self, name: str) -> Engine:
+        """The engine as its --lora adapter `name` is served: the same core, workers and tokenizer, every
+        sequence run with that adapter; its own ModelInfo names the base. Never started or stopped itself."""
+        index = self.info.lora_adapters.index(name)
+        info = replace(self.info, name=name, base_model=self.info.name, lora_adapters=())
+        served = replace(self.served, spec=replace(self.served.spec, info=info))
+        return Engine(self.config, served, core=_AdapterCore(self.core, index))
 
     @property
     def workers(self) -> list[Worker]:
@@ -158,3 +168,21 @@ class Engine:
         self, texts: list[str], add_special_tokens: bool, prompt_name: str | None
     ) -> list[TokenizedText]:
         return await self.core.tokenize_with(self.tokenizer.tokenize, texts, add_special_tokens, prompt_name)
+
+
+class _AdapterCore:
+    """An engine core as a --lora adapter's services see it: every sequence runs with the adapter (its index in
+    the base's lora_adapters, which the scheduler carries to the workers as jina-v3's task adapters go)."""
+
+    def __init__(self, core, adapter: int) -> None:
+        self._core = core
+        self._adapter = adapter
+
+    def __getattr__(self, name: str) -> Any:
+        # Everything but infer is the base's: workers, health, stats, the tokenizer pool.
+        return getattr(self._core, name)
+
+    async def infer(self, encoded: list, received: float, *args: Any, **kwargs: Any):
+        # The adapter joins each sequence, and so the embedding cache's key (every field of Encoded).
+        encoded = [replace(e, adapter=self._adapter) for e in encoded]
+        return await self._core.infer(encoded, received, *args, **kwargs)

@@ -127,6 +127,14 @@ class Linear(nn.Module):
         self._packed = None
         self.weight = nn.Parameter(torch.empty(0), requires_grad=False)  # the float copy is not kept
 
+    def without_activation(self, x: torch.Tensor) -> torch.Tensor:
+        """`x @ weight.T + bias`, leaving out the fused activation (a LoRA update goes in before it)."""
+        if self._int8 is not None:
+            return self._int8.matmul(x)
+        if self._packed is not None and x.dtype == self.weight.dtype:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if residual is not None and self.activation is not None:
             raise ValueError("a Linear fuses an activation or a residual, not both")
@@ -156,9 +164,12 @@ def on_padded_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module(F.pad(x, (0, 0, 0, padded - rows)))[:rows]
 
 
-def warm_linear_row_counts(model: nn.Module, run: Callable[[], None], row_counts: Iterable[int]) -> int:
+def warm_linear_row_counts(
+    model: nn.Module, run: Callable[[], None], row_counts: Iterable[int], unfused: bool = False
+) -> int:
     """Runs `run()` (steps through `model`), then each distinct Linear call it made once at every row count
-    in `row_counts`, on zeros; returns the calls made. oneDNN builds and caches a primitive per shape, and
+    in `row_counts`, on zeros (with `unfused`, an activated Linear's call without its activation too: the
+    one --lora adapters' rows make); returns the calls made. oneDNN builds and caches a primitive per shape, and
     one built mid-step lands between the step's buffers in the heap and keeps that memory: a worker's RSS
     rose in 10-20 MiB steps for every row count it met for the first time (embedserv/padding.py)."""
     calls: dict[tuple, tuple[Linear, bool]] = {}
@@ -188,6 +199,9 @@ def warm_linear_row_counts(model: nn.Module, run: Callable[[], None], row_counts
             for rows in counts:
                 module(x[:rows], residual=None if residual is None else residual[:rows])
                 made += 1
+                if unfused and module.activation is not None:
+                    module.without_activation(x[:rows])
+                    made += 1
     return made
 
 

@@ -72,7 +72,9 @@ class EmbedServer:
         self.config = config
         self.worker_processes = worker_processes
         self.frontend_index = frontend_index
-        self.models = ServedModels([m.served_name for m in config.models])
+        self.models = ServedModels(
+            [m.served_name for m in config.models], {name: m.served_name for m in config.models for name, _ in m.lora}
+        )
         if config.num_frontends > 1 and shared_in_flight is None:
             shared_in_flight = multiprocessing.get_context("spawn").Value("q", 0)
         self.limiter = InflightLimiter(config.max_concurrent_requests, shared_in_flight)
@@ -93,7 +95,7 @@ class EmbedServer:
         self._health_updates: set[asyncio.Task] = set()
 
     async def _set_health(self, status) -> None:
-        for name in ("", *self.models.names):
+        for name in ("", *self.models.names, *self.models.adapters):
             await self.health.set(name, status)
 
     def set_started(self, started: bool) -> None:
@@ -111,7 +113,9 @@ class EmbedServer:
         """A model is SERVING while one of its workers is; the server ("") once started and all models are."""
         engines = self.models.engines
         for engine in engines:
-            await self.health.set(engine.info.name, _SERVING if engine.is_serving else _NOT_SERVING)
+            # A --lora adapter serves when its base does (same engine).
+            for name in (engine.info.name, *engine.info.lora_adapters):
+                await self.health.set(name, _SERVING if engine.is_serving else _NOT_SERVING)
         everyone = self._started and all(engine.is_serving for engine in engines)
         await self.health.set("", _SERVING if everyone else _NOT_SERVING)
         if self.host is not None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from embedserv.engine.ports import SequenceOutput
 from embedserv.engine.tokenizer import Encoded
-from embedserv.errors import EmbedservError, InvalidInput, ModelNotFound, NotReady, Overloaded
+from embedserv.errors import AdapterNotFound, EmbedservError, InvalidInput, ModelNotFound, NotReady, Overloaded
 from embedserv.executor.codec import Codec
 from embedserv.types import EmbedOutput, GenerationDelta, KvCacheUsage, SamplingParams, Timing
 
@@ -121,7 +121,7 @@ CODEC = Codec([
 ])  # fmt: skip
 
 _ERRORS: dict[str, type[EmbedservError]] = {
-    cls.__name__: cls for cls in (InvalidInput, ModelNotFound, NotReady, Overloaded)
+    cls.__name__: cls for cls in (InvalidInput, ModelNotFound, AdapterNotFound, NotReady, Overloaded)
 }
 
 

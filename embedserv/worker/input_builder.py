@@ -33,6 +33,7 @@ from embedserv.attention.metadata import (
     cumulative_offsets,
 )
 from embedserv.models.heads.pooling import PoolingInputs, TokenInputs
+from embedserv.models.lora import AdapterRows, adapter_rows
 from embedserv.padding import pad, padded_rows
 from embedserv.steps import OutputKind, ScheduledSequence, StepBatch
 from embedserv.types import EmbedOutput, SamplingParams
@@ -50,11 +51,15 @@ class ModelInputs:
     token_type_ids: torch.Tensor | None
     # [padded] int64: each token's task adapter (-1 for none, and for padding rows); None when no token has one
     adapter_ids: torch.Tensor | None
+    # --lora models instead: each adapter's rows (models/lora.py); None when every row runs the base.
+    adapter_rows: AdapterRows | None
     # One per KV-cache group; one KV-free entry when the step keeps no KV.
     attention: tuple[CommonAttentionMetadata, ...]
     # Rows for POOL / SCORE sequences (None when none yields a row), in batch order.
     pooling: PoolingInputs | None
     row_request_ids: tuple[int, ...]
+    # Each row's adapter (Sequence.adapter), in the same order: --lora adapters' own heads pick by it.
+    row_adapters: tuple[int, ...]
     # [num_samples, padded on CPU] int64: the rows whose hidden state predicts the next token (padding: row 0
     # again); None when none samples.
     sample_rows: torch.Tensor | None
@@ -88,7 +93,7 @@ class InputBuilder:
     def __init__(
         self, device: torch.device, position_offset: int, is_causal: bool, block_size: int = 0,
         fixed_groups: tuple[bool, ...] = (), is_encoder_decoder: bool = False, prefill_skip: bool = False,
-        rows_read_last: bool = False, pad_rows: bool = False,
+        rows_read_last: bool = False, pad_rows: bool = False, lora: bool = False,
     ) -> None:
         self.device = device
         self.position_offset = position_offset
@@ -102,6 +107,8 @@ class InputBuilder:
         self.rows_read_last = rows_read_last
         # Pad the model's rows to padded_rows() (CPU: oneDNN keeps state per row count).
         self.padded = padded_rows if pad_rows else _unpadded
+        # --lora adapters: rows per adapter (AdapterRows) instead of per-token adapter ids.
+        self.lora = lora
 
     def build(self, batch: StepBatch) -> ModelInputs:
         seqs = batch.sequences
@@ -112,6 +119,9 @@ class InputBuilder:
         if self.is_encoder_decoder:
             lens_e = np.fromiter((s.encoder_len for s in seqs), dtype=np.int64, count=len(seqs))
             order = np.lexsort((-lens_e, -lens_q))
+        elif self.lora:
+            # --lora: each adapter's sequences side by side (longest first within), one run of rows each.
+            order = np.lexsort((-lens_q, np.fromiter((s.adapter for s in seqs), dtype=np.int64, count=len(seqs))))
         else:
             order = np.argsort(-lens_q, kind="stable")
         packed_lens = lens_q[order]
@@ -159,7 +169,7 @@ class InputBuilder:
         if has_types:
             parts.append(pad(_token_types([seqs[i] for i in order], num_tokens), padded))
         has_adapters = any(s.adapter >= 0 for s in seqs)
-        if has_adapters:
+        if has_adapters and not self.lora:
             # Shifted by one around pad() so that padding rows get -1 (no adapter) rather than adapter 0.
             parts.append(pad(np.repeat([seqs[i].adapter + 1 for i in order], packed_lens), padded) - 1)
         encoder = _EncoderPlan(seqs, order, self.position_offset, self.padded) if self.is_encoder_decoder else None
@@ -176,7 +186,8 @@ class InputBuilder:
         sample_rows = next(device_parts) if samples else None
         tokens = {kind: plan.inputs(device_parts) for kind, plan in token_plans.items()}
         token_type_ids = next(device_parts) if has_types else None
-        adapter_ids = next(device_parts) if has_adapters else None
+        adapter_ids = next(device_parts) if has_adapters and not self.lora else None
+        lora = adapter_rows(np.array([seqs[i].adapter for i in order]), packed_lens) if self.lora else None
         encoder_inputs = encoder.inputs(device_parts) if encoder is not None else (None, None, None)
         cross = None
         if paged is not None:
@@ -193,9 +204,11 @@ class InputBuilder:
             positions=positions_t,
             token_type_ids=token_type_ids,
             adapter_ids=adapter_ids,
+            adapter_rows=lora,
             attention=attention,
             pooling=pooling_inputs,
             row_request_ids=tuple(seqs[i].request_id for i in rows),
+            row_adapters=tuple(seqs[i].adapter for i in rows),
             sample_rows=sample_rows,
             sampled_request_ids=tuple(seqs[i].request_id for i in samples),
             sampling=tuple(seqs[i].sampling for i in samples),

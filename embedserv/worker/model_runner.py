@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from itertools import product
 
 import numpy as np
 import torch
@@ -19,8 +20,10 @@ from torch import nn
 from embedserv.attention.backends.base import AttentionBackend
 from embedserv.attention.layer import attention_layers
 from embedserv.forward_context import set_forward_context
+from embedserv.models.heads.adapter_heads import AdapterScoreHeads
 from embedserv.models.heads.pooling import TokenInputs
 from embedserv.models.layers import warm_linear_row_counts
+from embedserv.models.lora import has_lora
 from embedserv.models.heads.sampler import sample
 from embedserv.padding import padded_rows, row_counts
 from embedserv.scheduler.kv_cache_manager import KvCacheLayout
@@ -83,12 +86,14 @@ class ModelRunner:
         if kv_sharing_fast_prefill and self.skip_layer is None:
             raise ValueError("--kv-sharing-fast-prefill needs a model whose last layers share an earlier layer's KV")
         self.routes = LayerRoutes(attention_layers(model))
+        # --lora adapters: their layers find the step's rows per adapter in the forward context.
+        self.has_lora = has_lora(model)
         # Resolved once: a KvCache keeps its tensors for its lifetime.
         self.layer_kv_caches = self.routes.kv_caches(kv_cache.tensors) if kv_cache is not None else None
         self.input_builder = InputBuilder(
             device, model.position_offset, is_causal, block_size, fixed, self.is_encoder_decoder,
             prefill_skip=self.skip_layer is not None, rows_read_last=rows_read_last,
-            pad_rows=pad_rows and device.type == "cpu",
+            pad_rows=pad_rows and device.type == "cpu", lora=self.has_lora,
         )
 
     def kv_cache_layout(self) -> KvCacheLayout | None:
@@ -125,6 +130,8 @@ class ModelRunner:
             cross_metadata=build(inputs.cross_attention) if inputs.cross_attention is not None else None,
             skip=skip,
         )
+        if inputs.adapter_rows is not None:
+            context = replace(context, lora=inputs.adapter_rows)
         with set_forward_context(context):
             hidden = self.model(
                 inputs.input_ids, inputs.positions, inputs.token_type_ids, **self._model_inputs(inputs, skip)
@@ -134,7 +141,9 @@ class ModelRunner:
         rows, tokens = _NO_ROWS, _NO_TOKENS
         # One device-to-host copy per kind of output.
         if inputs.pooling is not None:
-            rows = self.row_head(hidden, inputs.pooling).cpu().numpy()
+            # --lora adapters with heads of their own (modules_to_save) pick each row's head.
+            extra = (inputs.row_adapters,) if isinstance(self.row_head, AdapterScoreHeads) else ()
+            rows = self.row_head(hidden, inputs.pooling, *extra).cpu().numpy()
         if inputs.sample_rows is not None:
             logits = self.lm_head(hidden.index_select(0, inputs.sample_rows))[: len(inputs.sampling)].float()
             tokens = sample(logits, inputs.sampling, inputs.sample_lengths).cpu().numpy()
@@ -165,7 +174,8 @@ class ModelRunner:
     def _model_inputs(self, inputs: ModelInputs, skip: PrefillSkip | None) -> dict:
         """What a model takes beyond ids, positions and token types: an encoder-decoder's encoder inputs,
         and with the prefill skip the rows its layers from `prefill_skip_layer` on run; and each token's task
-        adapter when a token has one (only models with adapters are sent such tokens)."""
+        adapter when a token has one (only models with adapters are sent such tokens; --lora adapters go
+        through the forward context instead)."""
         if inputs.adapter_ids is not None:
             return {"adapter_ids": inputs.adapter_ids}
         if self.is_encoder_decoder:
@@ -188,7 +198,9 @@ class ModelRunner:
             self._warm_up_steps(max_tokens, max_batch_tokens)
             return
         counts = row_counts(max_batch_tokens)
-        made = warm_linear_row_counts(self.model, lambda: self._warm_up_steps(max_tokens, max_batch_tokens), counts)
+        made = warm_linear_row_counts(
+            self.model, lambda: self._warm_up_steps(max_tokens, max_batch_tokens), counts, unfused=self.has_lora
+        )
         logger.info("warmed up %d linear calls over %d row counts", made, len(counts))
 
     def _warm_up_steps(self, max_tokens: int, max_batch_tokens: int) -> None:
@@ -198,11 +210,13 @@ class ModelRunner:
         )
         if outputs is not None:
             kind = OutputKind.POOL
-            for size in warm_up_sizes(max_batch_tokens):
+            # --lora: the sizes again with an adapter, whose linears run more shapes (unfused activations).
+            for size, adapter in product(warm_up_sizes(max_batch_tokens), (-1, 0) if self.has_lora else (-1,)):
                 full, rest = divmod(size, max_tokens)
                 lengths = [max_tokens] * full + ([rest] if rest else [])
                 self.execute(StepBatch(tuple(
-                    replace(self._warm_up_sequence(-1 - i, n, kind), outputs=outputs) for i, n in enumerate(lengths)
+                    replace(self._warm_up_sequence(-1 - i, n, kind), outputs=outputs, adapter=adapter)
+                    for i, n in enumerate(lengths)
                 )))
         if self.lm_head is not None and self.kv_cache is not None:
             self._warm_up_generation(_GENERATION_WARM_UP_TOKENS)

@@ -14,15 +14,18 @@ from embedserv.models import int8, registry
 from embedserv.models.heads.lm import build_lm_head, logit_softcap
 from embedserv.models.heads.pooling import Dense, EmbeddingPooler
 from embedserv.models.layers import quantize_linears
+from embedserv.models.heads.adapter_heads import AdapterScoreHeads, adapter_head
 from embedserv.models.heads.score import (
+    ScoreHead,
     YesNoTokens,
     build_classifier_head,
     build_seq2seq_yes_no_head,
     build_yes_no_head,
 )
+from embedserv.models.loading.lora_files import attach_lora
 from embedserv.models.loading.model_spec import ModelSpec
 from embedserv.models.loading.spec import DEFAULT_POOLING
-from embedserv.models.loading.tasks import Seq2SeqYesNoTemplate
+from embedserv.models.loading.tasks import Seq2SeqYesNoTemplate, architecture_of
 from embedserv.models.loading.weights import build_model, load_dense_weights
 from embedserv.types import Task
 from embedserv.worker.kv_cache import KvCache, allocate_kv_caches, kv_cache_groups, num_kv_blocks
@@ -79,6 +82,21 @@ def _row_head(config: ModelConfig, spec: ModelSpec):
     return head.to(spec.device)
 
 
+def _with_adapter_heads(head, spec: ModelSpec, tensors: dict[int, dict]):
+    """The row head, with --lora adapters' own classifier heads (modules_to_save) where they save one."""
+    if not tensors:
+        return head
+    classifier = spec.family.classifiers.get(architecture_of(spec.hf_config))
+    if type(head) is not ScoreHead or classifier is None:
+        names = ", ".join(spec.lora[index].name for index in tensors)
+        raise ConfigError(
+            f"--lora {names}: saves a classifier head (modules_to_save), but {spec.info.name} is no "
+            "*ForSequenceClassification model; train the adapter without modules_to_save"
+        )
+    heads = {i: adapter_head(head, classifier, t, spec.lora[i].name).to(spec.device) for i, t in tensors.items()}
+    return AdapterScoreHeads(head, heads)
+
+
 def _kv_cache(config: ModelConfig, spec: ModelSpec, model) -> KvCache:
     groups = kv_cache_groups(model, spec.kv_block_size, spec.dtype)
     num_blocks = num_kv_blocks(config.kv_cache_memory_or_default, groups, spec.device)
@@ -103,6 +121,12 @@ def build_runner(config: ModelConfig, spec: ModelSpec) -> ModelRunner:
                     spec.info.name, spec.dtype, fused, why)
     else:
         model = build_model(spec.family, spec.hf_config, spec.files, spec.device, spec.dtype)
+    adapter_heads = {}
+    if spec.lora:
+        # After int8: the adapters' updates stay in dtype, added to the int8 linears' outputs.
+        wrapped, adapter_heads = attach_lora(model, spec.family, spec.lora, spec.dtype)
+        logger.info("%s: %d LoRA adapter(s) over %d linears, %d with a head of their own", spec.info.name,
+                    len(spec.lora), wrapped, len(adapter_heads))
     lm_head = kv_cache = None
     if Task.GENERATE in spec.task.tasks:
         lm_head = build_lm_head(spec.family, spec.hf_config, spec.files, spec.device, spec.dtype)
@@ -111,7 +135,8 @@ def build_runner(config: ModelConfig, spec: ModelSpec) -> ModelRunner:
     heads = registry.head_kind(spec.outputs.head_kind)
     return ModelRunner(
         model, spec.backend, spec.device, spec.info.is_causal,
-        row_head=_row_head(config, spec), lm_head=lm_head, kv_cache=kv_cache,
+        row_head=_with_adapter_heads(_row_head(config, spec), spec, adapter_heads), lm_head=lm_head,
+        kv_cache=kv_cache,
         kv_sharing_fast_prefill=config.kv_sharing_fast_prefill, rows_read_last=spec.info.pooling == "lasttoken",
         sparse_head=heads.sparse_head(spec, config.allow_pickle) if heads.sparse_head else None,
         token_head=heads.token_head(spec, config.allow_pickle) if heads.token_head else None,

@@ -174,7 +174,8 @@ def test_schema_rejects_bad_values(chart, bad):
 @pytest.mark.parametrize("values", [
     {"apiKey": {"existingSecret": "a", "value": "b"}},
     {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}},
-], ids=["two-key-sources", "hpa-min-above-max"])
+    {"model": {"lora": {"a": "/models/a"}}, "config": {"models": [{"path": "/models/m"}]}},
+], ids=["two-key-sources", "hpa-min-above-max", "lora-beside-config-models"])
 def test_render_refuses_contradictions(chart, values):
     with pytest.raises(helm.HelmRenderError):
         render_raw(chart, values)

@@ -126,3 +126,12 @@ def test_http_port_zero_turns_http_off(chart):
     for service in (one(objects, "Service"), one(objects, "Service", f"{FULLNAME}-headless")):
         assert "http" not in {p["name"] for p in service["spec"]["ports"]}
 
+
+
+def test_lora_adapters_become_flags(chart):
+    values = {"model": {"source": "hostPath", "hostPath": {"path": "/data/bge"},
+                        "lora": {"legal": "/models/adapters/legal", "med": "/models/adapters/med"}}}
+    args = server(render(chart, values))["args"]
+    loras = [args[i + 1] for i, a in enumerate(args) if a == "--lora"]
+    assert loras == ["legal=/models/adapters/legal", "med=/models/adapters/med"]
+    assert "--lora" not in server(render(chart, {}))["args"]

@@ -224,12 +224,18 @@ def test_the_cycle_finder_finds_a_cycle_behind_a_local_import() -> None:
     assert _cycles(graph) == [["a", "b", "c", "a"]]
 
 
+# The one model module that reads the context: LoraLinear finds its step's rows per --lora adapter there, as
+# Attention finds its metadata, so that no family's code passes adapters down its layers.
+_READS_THE_CONTEXT = {"embedserv.models.lora"}
+
+
 def test_model_code_does_not_import_the_forward_context() -> None:
     """Models know nothing of attention metadata or KV caches (DESIGN.md, "Forward context"): only
-    attention/layer.py reads the context."""
+    attention/layer.py (and the LoRA layer, models/lora.py) reads the context."""
     report = [
         module for module in modules()
-        if module.startswith("embedserv.models.") and "embedserv.forward_context" in internal_imports(module)
+        if module.startswith("embedserv.models.") and module not in _READS_THE_CONTEXT
+        and "embedserv.forward_context" in internal_imports(module)
     ]
     assert not report, "model code that imports embedserv.forward_context:\n" + "\n".join(report)
 

@@ -155,6 +155,7 @@ FAMILY = Family(
         "XLMRobertaForSequenceClassification": ROBERTA_CLASSIFIER,
         "CamembertForSequenceClassification": ROBERTA_CLASSIFIER,
     },
+    lora=True,
     mlm_heads={"bert": _BERT_MLM} | {model_type: _ROBERTA_MLM for model_type in ROBERTA_TYPES},
     examples=(
         "sentence-transformers/all-MiniLM-L6-v2", "BAAI/bge-base-en-v1.5", "intfloat/multilingual-e5-large",
@@ -163,6 +164,9 @@ FAMILY = Family(
     ),
     tested_by=tuple(
         f"tests/models/test_{name}.py"
-        for name in ("encoder_parity", "classify_parity", "rerank_parity", "zero_shot", "sparse", "bge_m3", "multi_vector", "int8")
+        for name in (
+            "encoder_parity", "classify_parity", "rerank_parity", "zero_shot", "sparse", "bge_m3", "multi_vector",
+            "int8", "lora_parity",
+        )
     ),
 )

@@ -9,15 +9,13 @@ base weights, as the published `encode(task=None)` and transformers' class (whic
 
 The step's tokens may belong to different tasks: `adapter_ids` gives each token's adapter index (-1: none),
 and each linear adds its low-rank updates in two thin matmuls over every row, the present tasks' A's and
-B's stacked and a mask keeping each row's own task. Measured on 2 shared cores, a 1024 -> 3072 linear over
-2048 rows (30-40 ms): the updates add 2.2 ms with one task, 2.6 ms with three. Merging a weight per task
-instead costs 1.6 ms per linear and step, serves one task per step, and loses the oneDNN-packed weight
-(F.linear on the merged weight: 63 ms).
+B's stacked and a mask keeping each row's own task (models/lora.py, shared with --lora adapters). Measured
+on 2 shared cores, a 1024 -> 3072 linear over 2048 rows (30-40 ms): the updates add 2.2 ms with one task,
+2.6 ms with three. Merging a weight per task instead costs 1.6 ms per linear and step, serves one task per
+step, and loses the oneDNN-packed weight (F.linear on the merged weight: 63 ms).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -26,75 +24,8 @@ from embedserv.attention.layer import Attention
 from embedserv.models.families.bert import ROBERTA_CLASSIFIER
 from embedserv.models.layers import Linear, get_activation, packed_linear
 from embedserv.models.loading.family import QKV, CheckpointNames, Family
+from embedserv.models.lora import LowRank, LowRankEmbedding, Routes, routes_of
 from embedserv.models.rotary import RotaryEmbedding, apply_rotary
-
-
-@dataclass(frozen=True)
-class Routes:
-    """The task adapters present in a step, and which rows each applies to."""
-
-    # [k] int64: the adapters present, ascending.
-    adapters: torch.Tensor
-    # [num_tokens, k, 1]: 1 where the row's task is that adapter, else 0 (rows without a task: all 0); None
-    # when one adapter covers every row.
-    mask: torch.Tensor | None
-
-
-def routes_of(adapter_ids: torch.Tensor | None, dtype: torch.dtype) -> Routes | None:
-    """The step's routes, or None when no token has a task; one host sync per step, not per layer."""
-    if adapter_ids is None:
-        return None
-    present = torch.unique(adapter_ids)
-    adapters = present[present >= 0]
-    if len(adapters) == 0:
-        return None
-    if len(adapters) == len(present) == 1:
-        return Routes(adapters, None)
-    return Routes(adapters, (adapter_ids[:, None] == adapters[None, :]).to(dtype).unsqueeze(-1))
-
-
-def _masked(xa: torch.Tensor, routes: Routes) -> torch.Tensor:
-    """[num_tokens, k * rank] low-rank activations, each row's kept only for its own task's adapter."""
-    if routes.mask is None:
-        return xa
-    return (xa.view(xa.shape[0], routes.mask.shape[1], -1) * routes.mask).flatten(1)
-
-
-class LowRank(nn.Module):
-    """The low-rank updates of one linear, one per adapter: `lora_A` [adapters, rank, in], `lora_B`
-    [adapters, out, rank], as the published checkpoint stores them."""
-
-    def __init__(self, in_features: int, out_features: int, num_adapters: int, rank: int, scaling: float) -> None:
-        super().__init__()
-        self.lora_A = nn.Parameter(torch.empty(num_adapters, rank, in_features))
-        self.lora_B = nn.Parameter(torch.empty(num_adapters, out_features, rank))
-        self.scaling = scaling
-
-    def add_to(self, out: torch.Tensor, x: torch.Tensor, routes: Routes) -> torch.Tensor:
-        """`out` (the base linear's output for `x`) plus each row's task update, in place.
-
-        The present adapters' A's stack into one [k * rank, in] matmul and their B's into one [k * rank, out]:
-        two thin matmuls whatever the mix of tasks, the mask zeroing the other tasks' columns of each row.
-        """
-        a = self.lora_A[routes.adapters].flatten(0, 1)
-        b = self.lora_B[routes.adapters].permute(1, 0, 2).flatten(1)
-        return out.addmm_(_masked(x @ a.T, routes), b.T, alpha=self.scaling)
-
-
-class LowRankEmbedding(nn.Module):
-    """An embedding table's low-rank updates: row i of task t gains `scaling * lora_A[t, i] @ lora_B[t]`
-    (`lora_A` [adapters, rows, rank], `lora_B` [adapters, rank, dim]: the published layout for embeddings)."""
-
-    def __init__(self, num_rows: int, dim: int, num_adapters: int, rank: int, scaling: float) -> None:
-        super().__init__()
-        self.lora_A = nn.Parameter(torch.empty(num_adapters, num_rows, rank))
-        self.lora_B = nn.Parameter(torch.empty(num_adapters, rank, dim))
-        self.scaling = scaling
-
-    def add_to(self, out: torch.Tensor, ids: torch.Tensor, routes: Routes) -> torch.Tensor:
-        a = self.lora_A[routes.adapters][:, ids].permute(1, 0, 2).flatten(1)
-        b = self.lora_B[routes.adapters].flatten(0, 1)
-        return out.addmm_(_masked(a, routes), b, alpha=self.scaling)
 
 
 def _low_rank(config, in_features: int, out_features: int, cls=LowRank):

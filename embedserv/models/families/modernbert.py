@@ -159,5 +159,6 @@ FAMILY = Family(
         "Alibaba-NLP/gte-reranker-modernbert-base",
         "nomic-ai/modernbert-embed-base",
     ),
-    tested_by=("tests/models/test_modernbert_parity.py",),
+    lora=True,
+    tested_by=("tests/models/test_modernbert_parity.py", "tests/models/test_lora_parity.py"),
 )

@@ -96,10 +96,11 @@ FAMILY = Family(
     is_encoder=True,
     # MPNetClassificationHead is RoBERTa's: the first token through dense + tanh, then out_proj.
     classifiers={"MPNetForSequenceClassification": ROBERTA_CLASSIFIER},
+    lora=True,
     examples=(
         "sentence-transformers/all-mpnet-base-v2",
         "sentence-transformers/multi-qa-mpnet-base-dot-v1",
         "sentence-transformers/paraphrase-mpnet-base-v2",
     ),
-    tested_by=("tests/models/test_mpnet_parity.py",),
+    tested_by=("tests/models/test_mpnet_parity.py", "tests/models/test_lora_parity.py"),
 )

@@ -121,6 +121,9 @@ class Family:
     # sentence-transformers' Transformer does (jina-embeddings-v3's custom_st.Transformer passes the task
     # on): read as Transformer, their code never imported. Any other custom module is refused.
     st_transformer_modules: tuple[str, ...] = ()
+    # PEFT LoRA adapters (--lora) apply to its linears through its checkpoint names (loading/lora_files.py):
+    # set where a test shows adapters equal to PEFT's merged model.
+    lora: bool = False
     # For docs/MODELS.md (scripts/models_table.py): published model ids it serves, and the test files
     # that show it equals the reference.
     examples: tuple[str, ...] = ()

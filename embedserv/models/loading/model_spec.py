@@ -9,6 +9,7 @@ import torch
 
 from embedserv.attention.backends.base import AttentionBackend
 from embedserv.models.loading.family import Family
+from embedserv.models.loading.lora_files import LoraAdapter
 from embedserv.models.loading.outputs import OutputSpec
 from embedserv.models.loading.st_files import SentenceTransformerFiles
 from embedserv.models.loading.tasks import TaskSpec
@@ -35,3 +36,5 @@ class ModelSpec:
     kv_block_size: int
     # What Embed can return and how (models/loading/outputs.py).
     outputs: OutputSpec = OutputSpec(())
+    # --lora adapters, in order: a sequence's `adapter` indexes them (loading/lora_files.py).
+    lora: tuple[LoraAdapter, ...] = ()

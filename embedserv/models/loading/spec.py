@@ -25,6 +25,7 @@ from embedserv.models.heads.lm import has_lm_head
 from embedserv.models.loading.checkpoint import checkpoint_files
 from embedserv.models.loading.family import Family
 from embedserv.models.loading.hf_config import read_hf_config
+from embedserv.models.loading.lora_files import read_lora_adapters
 from embedserv.models.loading.model_spec import ModelSpec
 from embedserv.models.loading.outputs import read_output_spec
 from embedserv.models.loading.st_files import SentenceTransformerFiles, read_sentence_transformers
@@ -94,6 +95,30 @@ def _check_quantization(config: ModelConfig, task: TaskSpec, model_dir: Path) ->
         )
     if not torch.backends.mkldnn.is_available():
         raise ConfigError("--quantization int8 needs torch built with oneDNN (mkldnn), which this torch lacks")
+
+
+def _lora_adapters(config: ModelConfig, task: TaskSpec, family: Family, hf_config, model_dir: Path):
+    """The --lora adapters, read and checked (loading/lora_files.py); refused for models they cannot apply to."""
+    if not config.lora:
+        return ()
+    names = ", ".join(name for name, _ in config.lora)
+    if Task.GENERATE in task.tasks:
+        raise ConfigError(
+            f"{model_dir}: --lora ({names}) serves adapters for embedders, cross-encoders and classifiers; this "
+            "model generates text. Serve it without --lora"
+        )
+    if getattr(hf_config, "lora_adaptations", None):
+        raise ConfigError(
+            f"{model_dir}: --lora ({names}): this model has built-in task adapters (pick one with the request's "
+            "task); PEFT adapters are not served over them"
+        )
+    if not family.lora:
+        covered = ", ".join(f.name for f in registry.FAMILIES if f.lora)
+        raise ConfigError(
+            f"{model_dir}: --lora ({names}) is served for the {covered} families; this model "
+            f"({architecture_of(hf_config) or hf_config.model_type}, family {family.name}) is not among them"
+        )
+    return read_lora_adapters(config.lora)
 
 
 @dataclass(frozen=True)
@@ -191,6 +216,7 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
     _check_quantization(config, task, model_dir)
     max_positions = layout.max_positions
     pooling, dimension = _pooling_and_dimension(config, task, st, hf_config, family)
+    lora = _lora_adapters(config, task, family, hf_config, model_dir)
     info = ModelInfo(
         name=config.served_name,
         tasks=task.tasks,
@@ -211,11 +237,12 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
         sparse_dimension=outputs.sparse_dimension,
         multi_vector_dimension=outputs.multi_vector_dimension,
         adapters=tuple(getattr(hf_config, "lora_adaptations", None) or ()),
+        lora_adapters=tuple(adapter.name for adapter in lora),
     )
     return ModelSpec(
         info=info, task=task, max_model_len=max_positions, model_dir=model_dir, hf_config=hf_config,
         family=family, st=st, files=files, backend=backend, device=device, dtype=dtype,
-        kv_block_size=_kv_block_size(config, backend, task, device), outputs=outputs,
+        kv_block_size=_kv_block_size(config, backend, task, device), outputs=outputs, lora=lora,
     )
 
 

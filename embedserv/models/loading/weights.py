@@ -47,6 +47,12 @@ class _Names:
         return name, shard
 
 
+def compiled_names(family: Family, hf_config) -> _Names:
+    """The family's checkpoint names, compiled: `.ours(name)` maps a checkpoint name (PEFT adapters' targets
+    go through it too, loading/lora_files.py)."""
+    return _Names(family.checkpoint_names(hf_config))
+
+
 def _shard_rows(model: nn.Module, target: str, shard: int, checkpoint_name: str) -> slice:
     sizes = getattr(model.get_submodule(target.rsplit(".", 1)[0]), "shard_sizes", ())
     if shard >= len(sizes):
@@ -62,7 +68,7 @@ def load_weights(model: nn.Module, family: Family, weights: Iterable[tuple[str, 
     """
     if family.fill_defaults is not None:
         family.fill_defaults(model)
-    names = _Names(family.checkpoint_names(model.config))
+    names = compiled_names(family, model.config)
     targets = dict(model.named_parameters()) | dict(model.named_buffers())
     loaded: set[str] = set()
     shards: dict[str, set[int]] = {}

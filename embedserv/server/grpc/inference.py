@@ -225,6 +225,8 @@ def model_info(info: ModelInfo, kv_cache: KvCacheUsage | None = None) -> pb.Mode
         outputs=[_OUTPUT_ENUMS[o] for o in info.outputs],
         sparse_dimension=info.sparse_dimension,
         multi_vector_dimension=info.multi_vector_dimension,
+        base_model=info.base_model,
+        lora_adapters=list(info.lora_adapters),
     )
 
 
@@ -315,7 +317,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     @unary_call
     async def ListModels(self, request, context, call):
-        models = [model_info(e.info, e.kv_cache_usage()) for e in self.frontend.models.engines]
+        served = self.frontend.models
+        # Each --lora adapter after its base, as a model of its own (base_model set; it shares the KV cache).
+        models = [
+            model_info(engine.info, usage)
+            for base in served.engines
+            for engine, usage in ((base, base.kv_cache_usage()), *((a, None) for a in served.adapter_engines(base)))
+        ]
         return pb.ListModelsResponse(models=models, limits=server_limits(self.frontend.config))
 
     @unary_call

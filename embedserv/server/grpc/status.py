@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import grpc
 
-from embedserv.errors import EmbedservError, InvalidInput, ModelNotFound, NotReady, Overloaded
+from embedserv.errors import AdapterNotFound, EmbedservError, InvalidInput, ModelNotFound, NotReady, Overloaded
 
 _CODES: dict[type[EmbedservError], grpc.StatusCode] = {
+    # The model is served; the request's adapter is what is wrong.
+    AdapterNotFound: grpc.StatusCode.INVALID_ARGUMENT,
     InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
     ModelNotFound: grpc.StatusCode.NOT_FOUND,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -18,7 +18,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import Field
 
-from embedserv.errors import InvalidInput, ModelNotFound
+from embedserv.errors import InvalidInput
 from embedserv.server.http.common import Body, call_of, engine_named, frontend_of
 from embedserv.server.http.error_responses import JSON
 from embedserv.server.http.late_chunks import LateChunkingBody, chunk_items
@@ -164,18 +164,20 @@ def model_card(info: ModelInfo) -> dict:
         "tasks": [task.value for task in info.tasks],
         "max_model_len": info.max_input_tokens,
         "dimension": info.dimension or None,
+        # vLLM's fields: a --lora adapter's parent (and root) is its base model; a base model is its own root.
+        "root": info.base_model or info.name,
+        "parent": info.base_model or None,
     }
 
 
 @router.get("/v1/models", tags=["OpenAI"])
 async def list_models(request: Request):
-    return JSON({"object": "list", "data": [model_card(e.info) for e in frontend_of(request).models.engines]})
+    served = frontend_of(request).models
+    cards = [model_card(e.info) for base in served.engines for e in (base, *served.adapter_engines(base))]
+    return JSON({"object": "list", "data": cards})
 
 
 @router.get("/v1/models/{model:path}", tags=["OpenAI"])
 async def retrieve_model(request: Request, model: str):
-    frontend = frontend_of(request)
-    if model not in frontend.models.names:
-        raise ModelNotFound(f"model {model!r} is not served here; served models: {', '.join(frontend.models.names)}")
-    return JSON(model_card(frontend.engine(model).info))
+    return JSON(model_card(frontend_of(request).engine(model).info))
 

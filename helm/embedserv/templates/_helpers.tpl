@@ -98,6 +98,9 @@ through int because values arrive as floats and large ones would print as 1e+06.
 {{- with .Values.model.name }}
 {{- $args = concat $args (list "--served-model-name" .) }}
 {{- end }}
+{{- range $name, $path := .Values.model.lora }}
+{{- $args = concat $args (list "--lora" (printf "%s=%s" $name $path)) }}
+{{- end }}
 {{- end }}
 {{- with index $s "dtype" }}
 {{- $args = concat $args (list "--dtype" .) }}
@@ -148,6 +151,9 @@ through int because values arrive as floats and large ones would print as 1e+06.
 {{- end }}
 {{- if and (eq $m.source "image") (not $m.image.repository) }}
 {{- fail "model.source is image: set model.image.repository" }}
+{{- end }}
+{{- if and (index .Values.config "models") $m.lora }}
+{{- fail "config.models lists the models: leave model.lora empty and give each model's lora: in its entry" }}
 {{- end }}
 {{- if and (index .Values.config "models") $m.name }}
 {{- fail "config.models lists the models: leave model.name empty and set served_name in each entry" }}

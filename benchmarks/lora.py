@@ -1,11 +1,12 @@
 """--lora adapters: one step mixing four adapters against the base alone, in process.
 
     PYTHONPATH=. python benchmarks/lora.py [--shape minilm|bge-base] [--device cpu|cuda] [--repeats 5] [--rank 16]
-        [--sequences 32] [--tokens 128]
+        [--sequences 32] [--tokens 128] [--targets all|query-value]
 
 Serves the bundled all-MiniLM-L6-v2 (6 layers, hidden 384), or a random model of bge-base's shape (12 layers,
 hidden 768), with four random PEFT adapters of rank `--rank`
-on q/k/v, the attention output and both MLP linears (every linear), and times the model runner's step (the
+on q/k/v, the attention output and both MLP linears (every linear; `--targets query-value`: PEFT's default for
+BERT, query and value only), and times the model runner's step (the
 forward pass and the pooling head) over `--sequences` sequences of `--tokens` tokens: all on the base, all
 on one adapter, and the four adapters mixed in one step (sequence i runs adapter i % 4). Target: the mixed
 step at >= 0.8x the base's tokens per second. Best of `--repeats` after a warm-up step. Prints markdown.
@@ -26,7 +27,12 @@ from embedserv.engine.loading import read_served_model
 from embedserv.steps import OutputKind, ScheduledSequence, StepBatch
 from embedserv.worker.replica import build_runner
 
-TARGETS = ["query", "key", "value", "output.dense", "intermediate.dense"]
+# Every linear (the default), or PEFT's own default for BERT models (query and value: what LoraConfig()
+# targets when target_modules is left out).
+TARGETS = {
+    "all": ["query", "key", "value", "output.dense", "intermediate.dense"],
+    "query-value": ["query", "value"],
+}
 ADAPTERS = 4
 
 
@@ -45,7 +51,9 @@ def bge_base_shaped(root: Path) -> Path:
     return out
 
 
-def build_adapters(model_dir: Path, root: Path, rank: int) -> tuple[tuple[str, str], ...]:
+def build_adapters(
+    model_dir: Path, root: Path, rank: int, targets: str = "all"
+) -> tuple[tuple[str, str], ...]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModel
 
@@ -53,7 +61,7 @@ def build_adapters(model_dir: Path, root: Path, rank: int) -> tuple[tuple[str, s
     for index in range(ADAPTERS):
         torch.manual_seed(index)
         model = get_peft_model(AutoModel.from_pretrained(str(model_dir)), LoraConfig(
-            r=rank, lora_alpha=2 * rank, target_modules=TARGETS
+            r=rank, lora_alpha=2 * rank, target_modules=TARGETS[targets]
         ))
         with torch.no_grad():
             for name, parameter in model.named_parameters():
@@ -96,12 +104,14 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--sequences", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--targets", choices=tuple(TARGETS), default="all",
+                        help="every linear, or query and value only (PEFT's default for BERT)")
     parser.add_argument("--shape", choices=("minilm", "bge-base"), default="minilm",
                         help="the bundled all-MiniLM-L6-v2, or a random model of bge-base-en-v1.5's shape")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = bundled_model_path() if args.shape == "minilm" else bge_base_shaped(Path(tmp))
-        lora = build_adapters(model_dir, Path(tmp), args.rank)
+        lora = build_adapters(model_dir, Path(tmp), args.rank, args.targets)
         config = ModelConfig(path=str(model_dir), served_name="m", device=args.device, dtype="float32", lora=lora)
         runner = build_runner(config, read_served_model(config).spec)
         plain = build_runner(replace(config, lora=()), read_served_model(replace(config, lora=())).spec)
@@ -112,8 +122,9 @@ def main() -> None:
         f"--lora, {ADAPTERS} adapters mixed": (runner, lambda i: i % ADAPTERS),
     }
     num_tokens = args.sequences * args.tokens
+    where = "every linear" if args.targets == "all" else "query and value"
     print(f"{args.shape}, {args.device}, float32, {args.sequences} x {args.tokens} tokens per step, "
-          f"rank {args.rank} on every linear, best of {args.repeats}\n")
+          f"rank {args.rank} on {where}, best of {args.repeats}\n")
     print("| step | ms | tokens/s | x base |")
     print("|---|---:|---:|---:|")
     batches = {name: step(args.sequences, args.tokens, adapter_of) for name, (_, adapter_of) in cases.items()}

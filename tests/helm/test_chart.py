@@ -319,15 +319,6 @@ def test_args_carry_values_and_omit_unset_ones(chart):
     assert "--max-connection-age" not in big
 
 
-def test_embedding_cache_becomes_the_flag_the_server_parses(chart):
-    from embedserv.config import parse_bytes
-
-    assert "--embedding-cache" not in server(render(chart, {}))["args"]
-    for value, expected in (("256MiB", 256 * 2**20), (1073741824, 2**30), (0, 0), ("1GB", 10**9)):
-        passed = flag(server(render(chart, {"server": {"embeddingCache": value}}))["args"], "--embedding-cache")
-        assert parse_bytes(passed, "--embedding-cache") == expected, (value, passed)
-
-
 def test_api_key_comes_from_a_secret(chart):
     env = {e["name"]: e for e in server(render(chart, FULL))["env"]}
     assert env["EMBEDSERV_API_KEY"] == {

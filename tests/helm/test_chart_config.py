@@ -135,3 +135,12 @@ def test_lora_adapters_become_flags(chart):
     loras = [args[i + 1] for i, a in enumerate(args) if a == "--lora"]
     assert loras == ["legal=/models/adapters/legal", "med=/models/adapters/med"]
     assert "--lora" not in server(render(chart, {}))["args"]
+
+
+def test_embedding_cache_becomes_the_flag_the_server_parses(chart):
+    from embedserv.config import parse_bytes
+
+    assert "--embedding-cache" not in server(render(chart, {}))["args"]
+    for value, expected in (("256MiB", 256 * 2**20), (1073741824, 2**30), (0, 0), ("1GB", 10**9)):
+        passed = flag(server(render(chart, {"server": {"embeddingCache": value}}))["args"], "--embedding-cache")
+        assert parse_bytes(passed, "--embedding-cache") == expected, (value, passed)

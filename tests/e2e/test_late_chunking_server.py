@@ -186,6 +186,13 @@ def test_the_python_clients_embed_chunks(server, stub):
         want = np.stack([np.frombuffer(c.embedding.raw, "<f2") for c in entry.chunks])
         np.testing.assert_array_equal(got.vectors, want)
     assert one.spans == [(0, 20), (21, 48)] and one.vectors.shape == (2, 384)
+    assert both[0].encoding_scale == 0.0
+
+    with Client(server[0], model="minilm") as client:
+        codes = client.embed_chunks(TEXTS[0], spans=SPANS[0], encoding="int8")
+    as_int8 = _grpc(stub, late_chunking=_late(spans=SPANS), encoding=_pb().ENCODING_INT8)
+    assert codes.vectors.dtype == np.int8 and codes.encoding_scale == as_int8.encoding_scale > 0
+    np.testing.assert_array_equal(codes.vectors[0], np.frombuffer(as_int8.chunks[0].chunks[0].embedding.raw, np.int8))
 
     async def windows():
         async with AsyncClient(server[0], model="minilm") as client:

@@ -22,10 +22,11 @@ _SPLITTERS = {
 @dataclass(frozen=True)
 class TextChunks:
     """One input's chunks: their [start, end) character spans and their vectors, [len(spans), dimension] in the
-    call's encoding."""
+    call's encoding; with int8 / uint8, the scale that decodes them (0 for other encodings)."""
 
     spans: list[tuple[int, int]]
     vectors: np.ndarray
+    encoding_scale: float = 0.0
 
 
 def late_chunking(
@@ -70,6 +71,7 @@ def embed_chunks_plan(texts: list[str], size: int, single: bool, late: pb.LateCh
             TextChunks(
                 spans=[(c.start, c.end) for c in entry.chunks],
                 vectors=_rows([np.frombuffer(c.embedding.raw, dtype=raw) for c in entry.chunks], raw),
+                encoding_scale=reply.encoding_scale,
             )
             for reply in replies
             for entry in reply.chunks

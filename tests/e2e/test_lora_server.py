@@ -2,7 +2,8 @@
 that adapter's output (the base's otherwise); ListModels and /v1/models list each adapter with its base;
 an unknown adapter of a served model is INVALID_ARGUMENT over gRPC and 404 over HTTP, an unknown name
 NOT_FOUND / 404, both listing the served models and their adapters. The embedding cache is on: the same texts
-through the base and each adapter must still give each its own vectors."""
+through the base and each adapter must still give each its own vectors. With --frontends 2 the adapter crosses
+the link to the engine process."""
 
 from __future__ import annotations
 
@@ -16,17 +17,24 @@ from tests.helpers.compare import cosines
 from tests.helpers.inprocess import in_process_server
 from tests.helpers.lora_models import BERT_TARGETS, build_adapter
 from tests.helpers.models import build_tiny_encoder
-from tests.helpers.server import free_port
+from tests.helpers.server import free_port, running_server
 
 TEXTS = ["a query about tides", "the moon pulls the sea", "bread rises with yeast"]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def built(tmp_path_factory):
+    """The base model's directory and its two adapters'."""
     root = tmp_path_factory.mktemp("lora-server")
     model_dir = build_tiny_encoder(root, "bert", "mean")
     legal = build_adapter(model_dir, root / "legal", 1, r=8, lora_alpha=16, target_modules=list(BERT_TARGETS))
     med = build_adapter(model_dir, root / "med", 2, r=4, lora_alpha=4, target_modules=["query", "value"])
+    return model_dir, legal, med
+
+
+@pytest.fixture(scope="module")
+def server(built):
+    model_dir, legal, med = built
     http_port = free_port()
     args = [
         "--model", str(model_dir), "--served-model-name", "base", "--dtype", "float32", "--device", "cpu",
@@ -103,3 +111,24 @@ def test_http_models_and_embeddings(server, stub):
             missing = http.post("/v1/embeddings", json={"model": name, "input": TEXTS})
             assert missing.status_code == 404, missing.text
             assert "base (adapters: legal, med)" in missing.json()["error"]["message"]
+
+
+def test_front_end_processes_serve_the_adapters(built, stub):
+    """--frontends 2: a front end puts the adapter on each sequence it sends the engine process, so every
+    connection (either front end) gets the adapter's vectors, and an unknown adapter is refused there."""
+    model_dir, legal, med = built
+    args = [
+        "--model", str(model_dir), "--served-model-name", "base", "--dtype", "float32", "--device", "cpu",
+        "--frontends", "2", "--lora", f"legal={legal}", "--lora", f"med={med}",
+    ]  # fmt: skip
+    expected = {name: _embed(stub, name) for name in ("base", "legal", "med")}
+    with running_server(args) as (target, _):
+        for attempt in range(6):
+            name = ("base", "legal", "base:med")[attempt % 3]
+            # Its own connection each: the kernel picks a front end for it.
+            with grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+                got = _embed(inference_stub(channel), name)
+            np.testing.assert_allclose(got, expected[name.partition(":")[2] or name], atol=1e-5)
+        with grpc.insecure_channel(target) as channel, pytest.raises(grpc.RpcError) as refused:
+            _embed(inference_stub(channel), "base:nope")
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT

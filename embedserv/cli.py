@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="keep the outputs of sequences already run (embed, rerank, classify) in an LRU of this "
                             "many bytes per model (256MiB, 1GB); identical inputs with the same options are "
                             "answered from it, bit-identical; a call may bypass it; 0 keeps none (default: 0)")
+    serve.add_argument("--auto-truncate", action=argparse.BooleanOptionalAction,
+                       help="cut inputs longer than the model takes to fit instead of refusing them (OpenAI, TEI "
+                            f"and gRPC alike); a request's own truncate setting wins {_model('auto_truncate')}")
     serve.add_argument("--data-parallel-size", type=int, metavar="N",
                        help="worker processes per model, each with its own replica (CPU: they share the cores) "
                             + _model("data_parallel_size"))
@@ -160,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tls-key", metavar="PEM", help="TLS private key")
     serve.add_argument("--tls-client-ca", metavar="PEM",
                        help="mutual TLS: clients must present a certificate signed by this CA")
+    serve.add_argument("--otlp-endpoint", metavar="URL",
+                       help="send OpenTelemetry traces to this OTLP/gRPC collector (http://HOST:4317); the "
+                            "OTEL_* environment applies (default: off)")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     serve.add_argument("--log-format", default="text", choices=LOG_FORMATS,
                        help="json: one JSON object per line")

@@ -157,6 +157,9 @@ class ModelConfig:
     # PEFT LoRA adapters served beside the model, (served name, directory) each (--lora NAME=PATH); read at
     # start-up only. A request picks one by its name or `<served_name>:<name>` (loading/lora_files.py).
     lora: tuple[tuple[str, str], ...] = ()
+    # Inputs longer than the model takes are cut to fit (from the right) instead of refused, on every face
+    # (OpenAI, TEI, gRPC), unless the request says `truncate` itself (TEI's --auto-truncate).
+    auto_truncate: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_name:
@@ -280,6 +283,9 @@ class ServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
+    # OpenTelemetry traces go to this OTLP/gRPC collector (http://host:4317); None: no tracing, nothing sent.
+    # The standard OTEL_* environment (OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER, ...) applies.
+    otlp_endpoint: str | None = None
 
     @property
     def num_frontends(self) -> int:

@@ -127,6 +127,13 @@ through int because values arrive as floats and large ones would print as 1e+06.
 {{- else if not (kindIs "invalid" $cache) }}
 {{- $args = concat $args (list "--embedding-cache" (toString (int64 $cache))) }}
 {{- end }}
+{{- $autoTruncate := index $s "autoTruncate" }}
+{{- if kindIs "bool" $autoTruncate }}
+{{- $args = append $args (ternary "--auto-truncate" "--no-auto-truncate" $autoTruncate) }}
+{{- end }}
+{{- with index $s "otlpEndpoint" }}
+{{- $args = concat $args (list "--otlp-endpoint" .) }}
+{{- end }}
 {{- $args = concat $args (list "--drain-timeout" (toString (int $s.drainTimeout))) }}
 {{- with index $s "logFormat" }}
 {{- $args = concat $args (list "--log-format" .) }}
@@ -165,6 +172,48 @@ through int because values arrive as floats and large ones would print as 1e+06.
 {{- if and $a.enabled (gt (int $a.minReplicas) (int $a.maxReplicas)) }}
 {{- fail "autoscaling.minReplicas must not exceed autoscaling.maxReplicas" }}
 {{- end }}
+{{- $hasMetric := or (index $a "targetCPUUtilizationPercentage") (index $a "targetMemoryUtilizationPercentage")
+    $a.podMetrics $a.extraMetrics }}
+{{- if and $a.enabled (not $hasMetric) }}
+{{- fail (print "autoscaling.enabled needs a metric: set autoscaling.targetCPUUtilizationPercentage, "
+    "targetMemoryUtilizationPercentage, podMetrics or extraMetrics") }}
+{{- end }}
+{{- include "embedserv.validateKedaAndPool" . }}
+{{- end }}
+
+{{- define "embedserv.validateKedaAndPool" -}}
+{{- $k := .Values.keda }}
+{{- if and $k.enabled .Values.autoscaling.enabled }}
+{{- fail (print "keda.enabled and autoscaling.enabled both scale the Deployment (KEDA makes an HPA of its own): "
+    "turn one off") }}
+{{- end }}
+{{- if and $k.enabled (gt (int $k.minReplicas) (int $k.maxReplicas)) }}
+{{- fail "keda.minReplicas must not exceed keda.maxReplicas" }}
+{{- end }}
+{{- if and $k.enabled (eq (int $k.minReplicas) 0) (not $k.prometheus.query) }}
+{{- fail (print "keda.minReplicas 0 needs keda.prometheus.query: the default query counts what the pods report, "
+    "so nothing would wake a release scaled to zero; set minReplicas 1, or a query on load seen elsewhere "
+    "(e.g. the gateway's requests)") }}
+{{- end }}
+{{- if and $k.enabled $k.prometheus.authModes (not $k.prometheus.authenticationRef) }}
+{{- fail (print "keda.prometheus.authModes needs keda.prometheus.authenticationRef "
+    "(the TriggerAuthentication holding the credentials)") }}
+{{- end }}
+{{- if and .Values.inferencePool.enabled (not .Values.service.httpPort) }}
+{{- fail "inferencePool.enabled routes HTTP to the pods: set service.httpPort (it is 0, HTTP is off)" }}
+{{- end }}
+{{- end }}
+
+{{/*
+The pods' calls in flight (waiting and running), summed over the release's pods and models. Deployment pods
+are <fullname>-<template hash>-<5 characters>, both in the alphabet Kubernetes names them with (no vowels),
+so another Deployment's <fullname>-<word>-... pods and the test pod stay out.
+*/}}
+{{- define "embedserv.kedaDefaultQuery" -}}
+{{- $id := "[bcdfghjklmnpqrstvwxz2456789]" }}
+{{- $pods := printf "%s-%s+-%s{5}" (include "embedserv.fullname" .) $id $id }}
+{{- $matchers := printf "namespace=\"%s\",pod=~\"%s\"" .Release.Namespace $pods }}
+{{- printf "sum({__name__=~\"embedserv_requests_(waiting|running)\",%s})" $matchers }}
 {{- end }}
 
 {{/*
@@ -173,4 +222,13 @@ The --config file's text. JSON, which YAML reads as is: Helm holds numbers as fl
 */}}
 {{- define "embedserv.configYaml" -}}
 {{- toPrettyJson .Values.config }}
+{{- end }}
+
+{{/* A number as text without an exponent where it is whole (Helm holds 1000000 as a float: 1e+06). */}}
+{{- define "embedserv.number" -}}
+{{- if and (kindIs "float64" .) (eq . (float64 (int64 .))) }}
+{{- int64 . }}
+{{- else }}
+{{- toString . }}
+{{- end }}
 {{- end }}

@@ -24,3 +24,5 @@ def test_notes(chart):
     assert f"port-forward svc/{FULLNAME} 50051:50051" in notes
     assert 'embedserv-client --target 127.0.0.1:50051 embed "hello"' in notes
     assert f"helm test {RELEASE}" in notes
+    assert f"port-forward svc/{FULLNAME} 8000:8000" in notes and 'base_url="http://127.0.0.1:8000/v1"' in notes
+    assert "8000" not in render_raw(chart, {"service": {"httpPort": 0}})["embedserv/templates/NOTES.txt"]

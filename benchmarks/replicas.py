@@ -1,19 +1,26 @@
 """Replicas on one machine behind the client's round robin: does throughput add up until the cores run out?
 
-    python benchmarks/replicas.py [--replicas 1,2,4] [--words 8,64] [--texts 384] [--repeats 2] [--dtype float32]
+    python benchmarks/replicas.py [--replicas 1,2,4] [--cores-per-replica 1] [--words 8,64] [--texts 256]
+                                  [--repeats 3] [--dtype float32]
 
 Each replica is its own `embedserv serve` of the bundled all-MiniLM-L6-v2 with its own gRPC and metrics ports,
-started pinned (sched_setaffinity, which its worker process inherits) to its share of this process's cores: with
-R replicas on C cores, replica i gets C / R cores of its own when R <= C, and core i mod C when R > C (then
-replicas share a core). Each worker runs as many torch threads as it has cores (the server counts its affinity),
-so the replicas' thread teams do not fight over one core. The load is one embedserv_client.Client on a
-multi-address target (`ipv4:127.0.0.1:P1,127.0.0.1:P2,...`, gRPC's round_robin over them, as over a headless
-Service's pods), --per-call texts a call with 2 x R calls in flight. Texts are stdlib docstrings cut to --words
-words; the table gives their tokens as the server counts them. Every replica set stays up for the whole run and
-the passes take turns, so the machine's drift hits each alike; the best pass counts. The load generator shares
-the cores with the replicas: on a small machine it takes a visible share.
+started pinned (sched_setaffinity, which its worker process inherits) to --cores-per-replica cores: replica i
+takes the next ones of this process's cores, wrapping around when the replicas need more cores than there are
+(then they share them). Each worker runs as many torch threads as it has cores (the server counts its affinity),
+so a replica's threads keep to its own cores. With 1 core each on 2 cores, 1 and 2 replicas should scale and 4
+should not: that is the cores running out. The load is one embedserv_client.Client on a multi-address target
+(`ipv4:127.0.0.1:P1,127.0.0.1:P2,...`, gRPC's round_robin over them, as over a headless Service's pods), calls
+of --per-call texts with 2 x R in flight. Texts are stdlib docstrings cut to --words words; the table gives
+their tokens as the server counts them. Every replica set stays up for the whole run and the passes take turns,
+so the machine's drift hits each alike; the best pass counts. The load generator is not pinned and shares the
+cores with the replicas; the header gives the load average before and after, which shows whether other work
+shared the machine.
 
-The last column is each replica's share of the Embed calls (its /metrics), which shows the round robin spread.
+"cores busy" is the replicas' CPU seconds (server and worker processes, from /proc) over the pass's wall time:
+how much of the machine they got. "CPU ms/text" is what a text cost them: when it holds steady as replicas are
+added, they do not slow each other, and throughput is cores busy / CPU per text. On a machine other work shares,
+these two columns stay readable when texts/s does not. The last column is each replica's share of the Embed
+calls (its /metrics), which shows the round robin spread.
 """
 
 from __future__ import annotations
@@ -41,12 +48,11 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
 
-def core_shares(replicas: int, cores: list[int]) -> list[list[int]]:
-    """Each replica's cores: an equal share of its own, or (more replicas than cores) one core, shared."""
-    if replicas <= len(cores):
-        share = len(cores) // replicas
-        return [cores[i * share : (i + 1) * share] for i in range(replicas)]
-    return [[cores[i % len(cores)]] for i in range(replicas)]
+def core_shares(replicas: int, per_replica: int, cores: list[int]) -> list[list[int]]:
+    """Each replica's cores: the next `per_replica` of `cores`, wrapping around when they run out."""
+    if not 1 <= per_replica <= len(cores):
+        raise SystemExit(f"--cores-per-replica must be 1..{len(cores)} (this process's cores), not {per_replica}")
+    return [[cores[(i * per_replica + j) % len(cores)] for j in range(per_replica)] for i in range(replicas)]
 
 
 def texts_of(words: int, count: int) -> list[str]:
@@ -84,13 +90,34 @@ class Replica:
         stop_process(self.proc)
 
 
-def one_pass(target: str, texts: list[str], per_call: int, in_flight: int) -> float:
-    """Seconds to embed `texts` through the round robin."""
-    with Client(target, batch_size=per_call, parallel_requests=in_flight, timeout=600) as client:
+def tree_cpu_seconds(root: int) -> float:
+    """User + system CPU seconds of process `root` and its descendants (the server and its workers), from /proc."""
+    stats: dict[int, tuple[int, int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                after_name = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(entry)] = (int(after_name[1]), int(after_name[11]) + int(after_name[12]))  # ppid, ticks
+    tree, frontier = {root}, [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, (ppid, _) in stats.items() if ppid == parent and pid not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    return sum(stats[pid][1] for pid in tree if pid in stats) / os.sysconf("SC_CLK_TCK")
+
+
+def one_pass(target: str, texts: list[str], per_call: int, replicas: list[Replica]) -> tuple[float, float]:
+    """(seconds, the replicas' CPU seconds) to embed `texts` through the round robin."""
+    with Client(target, batch_size=per_call, parallel_requests=2 * len(replicas), timeout=600) as client:
         client.embed(texts[:per_call], truncate=True)  # connects to every address before the clock starts
+        cpu = sum(tree_cpu_seconds(r.proc.pid) for r in replicas)
         start = time.perf_counter()
         client.embed(texts, truncate=True)
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        return seconds, sum(tree_cpu_seconds(r.proc.pid) for r in replicas) - cpu
 
 
 def mean_tokens(target: str, texts: list[str]) -> float:
@@ -101,20 +128,22 @@ def mean_tokens(target: str, texts: list[str]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replicas", type=_ints, default=[1, 2, 4])
+    parser.add_argument("--cores-per-replica", type=int, default=1)
     parser.add_argument("--words", type=_ints, default=[8, 64], help="words per text, one table row each")
-    parser.add_argument("--texts", type=int, default=384, help="texts per pass")
+    parser.add_argument("--texts", type=int, default=256, help="texts per pass")
     parser.add_argument("--per-call", type=int, default=16, help="texts per call")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
 
     cores = sorted(os.sched_getaffinity(0))
+    load_before = os.getloadavg()[0]
     corpus = {words: texts_of(words, args.texts) for words in args.words}
     sets: dict[int, list[Replica]] = {}
-    best: dict[tuple[int, int], float] = {}
+    best: dict[tuple[int, int], tuple[float, float]] = {}  # (words, replicas) -> (seconds, CPU seconds)
     try:
         for count in args.replicas:
-            sets[count] = [Replica(share, args.dtype) for share in core_shares(count, cores)]
+            sets[count] = [Replica(share, args.dtype) for share in core_shares(count, args.cores_per_replica, cores)]
         for replicas in sets.values():
             for replica in replicas:
                 replica.wait()
@@ -124,8 +153,9 @@ def main() -> None:
         for _ in range(args.repeats):
             for words, texts in corpus.items():
                 for count, target in targets.items():
-                    seconds = one_pass(target, texts, args.per_call, 2 * count)
-                    best[(words, count)] = min(best.get((words, count), seconds), seconds)
+                    seconds, cpu = one_pass(target, texts, args.per_call, sets[count])
+                    if seconds < best.get((words, count), (float("inf"), 0.0))[0]:
+                        best[(words, count)] = (seconds, cpu)
         shares = {}
         for count, replicas in sets.items():
             calls = [r.embed_calls() - b for r, b in zip(replicas, before[count])]
@@ -134,22 +164,27 @@ def main() -> None:
         for replicas in sets.values():
             for replica in replicas:
                 replica.stop()
+    print(f"\nload average (1 min) before {load_before:.1f}, after {os.getloadavg()[0]:.1f}")
     _print_table(args, cores, corpus, tokens, best, shares, sets)
 
 
 def _print_table(args, cores, corpus, tokens, best, shares, sets) -> None:
-    print(f"\nall-MiniLM-L6-v2, {args.dtype}, {len(cores)} cores, {args.texts} texts a pass in calls of "
+    print(f"all-MiniLM-L6-v2, {args.dtype}, {len(cores)} cores, {args.texts} texts a pass in calls of "
           f"{args.per_call}, 2 calls in flight per replica, best of {args.repeats}\n")  # fmt: skip
-    print("| tokens/text | replicas | cores each | texts/s | tokens/s | vs 1 replica | Embed calls per replica |")
-    print("|---:|---:|---|---:|---:|---:|---|")
+    first = f"{args.replicas[0]} replica" + ("s" if args.replicas[0] > 1 else "")
+    print(f"| tokens/text | replicas | cores each | texts/s | tokens/s | vs {first} | cores busy | CPU ms/text "
+          "| Embed calls per replica |")  # fmt: skip
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---|")
     for words, texts in corpus.items():
         base = None
         for count, replicas in sets.items():
-            rate = len(texts) / best[(words, count)]
+            seconds, cpu = best[(words, count)]
+            rate = len(texts) / seconds
             base = base or rate
             each = ", ".join("+".join(map(str, r.cores)) for r in replicas)
+            busy, per_text = cpu / seconds, 1000 * cpu / len(texts)
             print(f"| {tokens[words]:.0f} | {count} | {each} | {rate:.1f} | {rate * tokens[words]:.0f} | "
-                  f"{rate / base:.2f}x | {shares[count]} |")  # fmt: skip
+                  f"{rate / base:.2f}x | {busy:.2f} | {per_text:.2f} | {shares[count]} |")  # fmt: skip
 
 
 if __name__ == "__main__":

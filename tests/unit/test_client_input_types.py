@@ -106,6 +106,8 @@ def test_embed_stream_names_the_batch_and_index(counting):
         assert [m.shape for m in client.embed_stream([["a", "b"]])] == [(2, DIM)]
         with pytest.raises(TypeError, match=r"^batches\[1\]\[0\] must be str, not int"):
             list(client.embed_stream([["a"], [1]]))
+        with pytest.raises(TypeError, match=r"^batches\[0\] must be a sequence of str, not str"):
+            list(client.embed_stream(["a whole text, not a batch"]))
 
     async def collect():
         async with AsyncClient(target) as client:

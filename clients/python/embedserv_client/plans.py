@@ -87,6 +87,8 @@ class StreamRequests:
 
     def request(self, index: int, batch: Sequence[str]) -> pb.EmbedRequest:
         try:
+            if isinstance(batch, (str, bytes)):  # list() would split it into characters
+                raise TypeError(f"batches[{index}] must be a sequence of str, not {type(batch).__name__}")
             return pb.EmbedRequest(inputs=strings(list(batch), f"batches[{index}]"), **self.fields)
         except TypeError as err:
             self.error = err

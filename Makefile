@@ -2,12 +2,17 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# The CPU build; a bare `torch` would pull the newest CUDA wheels.
+# The torch to install when .venv has none. From a normal package index (PyPI) `torch==2.13.0` on Linux is the
+# CUDA build (gigabytes); TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu takes the CPU wheel from PyTorch's
+# own index instead. Empty (the default): the configured index, as on machines with a local CPU wheel.
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX_URL ?=
 HOST ?= 127.0.0.1
 PORT ?= 50051
 # The HTTP APIs (OpenAI, Cohere/Jina rerank, TEI); 0 turns them off.
 HTTP_PORT ?= 8000
+# Prometheus /metrics (the chart's metrics port too); 0 turns it off.
+METRICS_PORT ?= 9090
 PYTEST_ARGS ?=
 
 .PHONY: serve test test-all proto models-doc bench clean
@@ -16,7 +21,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.torch: | $(BIN)/python
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install $(TORCH_SPEC)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL) )$(TORCH_SPEC)
 	touch $@
 
 $(VENV)/.installed: pyproject.toml $(VENV)/.torch
@@ -31,7 +36,8 @@ $(VENV)/.installed-test: pyproject.toml clients/python/pyproject.toml $(VENV)/.t
 	touch $@ $(VENV)/.installed
 
 serve: $(VENV)/.installed
-	$(BIN)/embedserv serve --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT)
+	$(BIN)/embedserv serve --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT) \
+		$(if $(filter-out 0,$(METRICS_PORT)),--metrics-port $(METRICS_PORT))
 
 # Two pytest workers, each test module on one of them (its module-scoped servers start once).
 TEST_WORKERS ?= 2

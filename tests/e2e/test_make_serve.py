@@ -1,4 +1,4 @@
-"""`make serve` from the repository root starts a server that answers an Embed over gRPC and HTTP."""
+"""`make serve` from the repository root starts a server that answers an Embed over gRPC and HTTP, with metrics."""
 
 from __future__ import annotations
 
@@ -22,14 +22,14 @@ START_TIMEOUT_S = 420
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="`make` is not installed on this machine")
 def test_make_serve_answers_an_embed_over_grpc_and_http():
-    port, http_port = free_port(), free_port()
+    port, http_port, metrics_port = free_port(), free_port(), free_port()
     log_path = Path(tempfile.mkdtemp(prefix="embedserv-make-serve-")) / "make-serve.log"
     env = server_env()
     # The Makefile must find its own .venv, not inherit the one running pytest.
     env.pop("VIRTUAL_ENV", None)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            ["make", "serve", f"PORT={port}", f"HTTP_PORT={http_port}"],
+            ["make", "serve", f"PORT={port}", f"HTTP_PORT={http_port}", f"METRICS_PORT={metrics_port}"],
             cwd=REPO_ROOT,
             env=env,
             stdout=log,
@@ -53,5 +53,7 @@ def test_make_serve_answers_an_embed_over_grpc_and_http():
         with urllib.request.urlopen(request, timeout=RPC_TIMEOUT_S) as reply:
             over_http = json.loads(reply.read())["data"][0]["embedding"]
         np.testing.assert_allclose(np.array(over_http, dtype=np.float32), vector[0], rtol=0, atol=0)
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=RPC_TIMEOUT_S) as reply:
+            assert b"embedserv_" in reply.read()
     finally:
         stop_process(proc, group=True)

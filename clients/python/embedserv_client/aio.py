@@ -126,6 +126,7 @@ class AsyncClient(ClientSettings):
         model: str | None = None,
         timeout: float | None = None,
     ) -> list[RerankResult]:
+        plans.string(query, "query")
         items, _ = plans.as_list(documents, "documents")
         fields = self.rerank_fields(model, return_documents, raw_scores, truncate, instruction, chunking)
         deadline = self.deadline(timeout)
@@ -234,25 +235,34 @@ class AsyncClient(ClientSettings):
         **params,
     ) -> AsyncIterator[np.ndarray]:
         """As Client.embed_stream (`async for`, no await); `batches` may be an async iterable."""
-        fields = self.stream_fields(params)
+        checked = plans.StreamRequests(self.stream_fields(params))
 
         async def requests():
+            index = 0
             if isinstance(batches, AsyncIterable):
                 async for batch in batches:
-                    yield pb.EmbedRequest(inputs=list(batch), **fields)
+                    yield checked.request(index, batch)
+                    index += 1
             else:
-                for batch in batches:
-                    yield pb.EmbedRequest(inputs=list(batch), **fields)
+                for index, batch in enumerate(batches):
+                    yield checked.request(index, batch)
 
         call = self._stub.EmbedStream(requests(), timeout=time_left(self.deadline(timeout)), metadata=self.metadata)
-        return self._stream_matrices(call, fields["encoding"])
+        return self._stream_matrices(call, checked)
 
     @staticmethod
-    async def _stream_matrices(call, wire: int) -> AsyncIterator[np.ndarray]:
+    async def _stream_matrices(call, checked: plans.StreamRequests) -> AsyncIterator[np.ndarray]:
         try:
             async for reply in call:
-                yield plans.embedding_matrix([reply], wire)
+                yield plans.embedding_matrix([reply], checked.fields["encoding"])
+        except asyncio.CancelledError:
+            # grpc.aio cancels the call when its request iterator raises.
+            if checked.error is not None:
+                raise checked.error from None
+            raise
         except grpc.RpcError as err:
+            if checked.error is not None:
+                raise checked.error from None
             raise error_from(err) from None
         finally:
             call.cancel()

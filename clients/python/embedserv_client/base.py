@@ -149,7 +149,7 @@ class ClientSettings:
             raw_scores=raw_scores,
             truncate=truncate,
             truncation_direction=plans.direction(truncation_direction),
-            candidate_labels=list(candidate_labels or ()),
+            candidate_labels=plans.strings(list(candidate_labels or ()), "candidate_labels"),
             hypothesis_template=hypothesis_template,
             multi_label=multi_label,
         )

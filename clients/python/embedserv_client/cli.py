@@ -3,7 +3,8 @@
     embedserv-client embed "a sentence" "another"
     embedserv-client --target dns:///embedserv-headless.default.svc.cluster.local:50051 health
 
-Exit status: 0 done (health: SERVING), 1 the call failed (or health is not SERVING), 2 bad usage."""
+Exit status: 0 done (health: SERVING), 1 the call failed (or health is not SERVING), 2 bad usage, 141 stdout was
+closed before all was printed (`| head`), quietly, as a shell reports a command its SIGPIPE ended."""
 
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
 
 from embedserv_client.client import Client
 from embedserv_client.options import Tls
 from embedserv_client.plans import ENCODINGS
 from embedserv_client.types import EmbedservError
+
+# 128 + SIGPIPE (13 on every POSIX system; Windows has no SIGPIPE).
+CLOSED_PIPE = 128 + getattr(signal, "SIGPIPE", 13)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -190,9 +195,20 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:  # an unreadable --tls-* file
         print(f"embedserv-client: {err}", file=sys.stderr)
         return 2
-    json.dump(result, sys.stdout)
-    sys.stdout.write("\n")
-    return code
+    return code if _printed(result) else CLOSED_PIPE
+
+
+def _printed(result: dict) -> bool:
+    """Prints the result; False when the reader of stdout has gone (`| head -c 50`)."""
+    try:
+        json.dump(result, sys.stdout)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python's docs on SIGPIPE: point stdout at devnull, or the flush at exit raises (and prints) again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return False
+    return True
 
 
 if __name__ == "__main__":

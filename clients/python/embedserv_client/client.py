@@ -149,6 +149,7 @@ class Client(ClientSettings):
     ) -> list[RerankResult]:
         """The documents scored against the query, best first (the best `top_n` if given). `chunking="max"`
         scores a document that does not fit beside the query by its best window."""
+        plans.string(query, "query")
         items, _ = plans.as_list(documents, "documents")
         fields = self.rerank_fields(model, return_documents, raw_scores, truncate, instruction, chunking)
         deadline = self.deadline(timeout)
@@ -259,17 +260,19 @@ class Client(ClientSettings):
     ) -> Iterator[np.ndarray]:
         """One EmbedStream call: a matrix per batch, in order. Batches are sent as given (each must fit
         the server's batch limit) and the stream is not retried. `params` as for embed()."""
-        fields = self.stream_fields(params)
-        requests = (pb.EmbedRequest(inputs=list(b), **fields) for b in batches)
+        checked = plans.StreamRequests(self.stream_fields(params))
+        requests = (checked.request(index, batch) for index, batch in enumerate(batches))
         replies = self._stub.EmbedStream(requests, timeout=time_left(self.deadline(timeout)), metadata=self.metadata)
-        return self._stream_matrices(replies, fields["encoding"])
+        return self._stream_matrices(replies, checked)
 
     @staticmethod
-    def _stream_matrices(replies, wire: int) -> Iterator[np.ndarray]:
+    def _stream_matrices(replies, checked: plans.StreamRequests) -> Iterator[np.ndarray]:
         try:
             for reply in replies:
-                yield plans.embedding_matrix([reply], wire)
+                yield plans.embedding_matrix([reply], checked.fields["encoding"])
         except grpc.RpcError as err:
+            if checked.error is not None:
+                raise checked.error from None
             raise error_from(err) from None
         finally:
             replies.cancel()

@@ -5,7 +5,7 @@ building requests and merging replies lives here, once."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +62,43 @@ def as_list(texts: str | Sequence[str], what: str) -> tuple[list[str], bool]:
         return [texts], True
     if isinstance(texts, bytes):
         raise TypeError(f"{what} must be str or a sequence of str, not bytes; decode it first")
-    return list(texts), False
+    if not isinstance(texts, Iterable):
+        raise TypeError(f"{what} must be str or a sequence of str, not {type(texts).__name__}")
+    return strings(list(texts), what), False
+
+
+def strings(items: list, what: str) -> list[str]:
+    """`items` if each is a str. Checked here, where the caller's names are known: protobuf would refuse a
+    non-str deep inside the request with a bare TypeError that names neither the argument nor the item."""
+    for index, item in enumerate(items):
+        if not isinstance(item, str):
+            shown = repr(item) if len(repr(item)) <= 40 else repr(item)[:37] + "..."
+            raise TypeError(f"{what}[{index}] must be str, not {type(item).__name__} ({shown})")
+    return items
+
+
+class StreamRequests:
+    """embed_stream's requests, checked as gRPC reads them. It reads them in its own thread (or task) and makes an
+    error there UNKNOWN "Exception iterating requests!", so the first one is kept here for the caller instead."""
+
+    def __init__(self, fields: dict) -> None:
+        self.fields = fields
+        self.error: TypeError | None = None
+
+    def request(self, index: int, batch: Sequence[str]) -> pb.EmbedRequest:
+        try:
+            if isinstance(batch, (str, bytes)):  # list() would split it into characters
+                raise TypeError(f"batches[{index}] must be a sequence of str, not {type(batch).__name__}")
+            return pb.EmbedRequest(inputs=strings(list(batch), f"batches[{index}]"), **self.fields)
+        except TypeError as err:
+            self.error = err
+            raise
+
+
+def string(value: object, what: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be str, not {type(value).__name__}")
+    return value
 
 
 def direction(value: str) -> int:
@@ -251,12 +287,12 @@ def generate_request(
         stop = [stop]
     request = pb.GenerateRequest(
         model=model,
-        prompt=prompt,
+        prompt=string(prompt, "prompt"),
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
-        stop=list(stop or ()),
+        stop=strings(list(stop or ()), "stop"),
         ignore_eos=ignore_eos,
         decoder_prompt=decoder_prompt,
     )

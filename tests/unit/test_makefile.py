@@ -1,0 +1,36 @@
+"""`make -n` (a dry run: nothing runs, nothing installs) shows the variables a newcomer sets reaching the commands:
+TORCH_INDEX_URL for the CPU torch wheel, METRICS_PORT for /metrics, and today's plain install when unset."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from tests.helpers.server import REPO_ROOT
+
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="`make` is not installed on this machine")
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def _dry_run(target: str, *variables: str) -> str:
+    # -B: every recipe is printed, whether or not this checkout has a .venv already.
+    done = subprocess.run(
+        ["make", "-n", "-B", target, *variables], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return " ".join(done.stdout.replace("\\\n", " ").split())
+
+
+@pytest.mark.parametrize("target", ["serve", "test"])
+def test_torch_comes_from_the_configured_index_unless_torch_index_url_is_given(target):
+    assert "pip install torch==2.13.0" in _dry_run(target)
+    assert "--index-url" not in _dry_run(target)
+    assert f"pip install --index-url {CPU_INDEX} torch==2.13.0" in _dry_run(target, f"TORCH_INDEX_URL={CPU_INDEX}")
+
+
+def test_serve_exposes_metrics_on_9090_unless_metrics_port_says_otherwise():
+    assert "embedserv serve --host 127.0.0.1 --port 50051 --http-port 8000 --metrics-port 9090" in _dry_run("serve")
+    assert "--metrics-port 9555" in _dry_run("serve", "METRICS_PORT=9555")
+    assert "--metrics-port" not in _dry_run("serve", "METRICS_PORT=0")

@@ -19,13 +19,12 @@ import contextvars
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span, Tracer
 
-    from embedserv.engine.ports import SequenceOutput
     from embedserv.types import Timing
 
 _tracer: Tracer | None = None
@@ -106,7 +105,8 @@ class CallTrace:
         self.runs: list[_EngineRun] = []
         self.answered_at: float | None = None
 
-    def engine_ran(self, received: float, timing: Timing, outputs: Iterable[SequenceOutput]) -> None:
+    def engine_ran(self, received: float, timing: Timing, outputs: Iterable[Any]) -> None:
+        """`outputs`: engine/ports.py's SequenceOutputs (not imported: this module is a leaf every layer uses)."""
         tokenized = received + timing.tokenization_us / 1e6
         steps = {}
         for output in outputs:
@@ -145,7 +145,7 @@ def _child(name: str, context, start: float, end: float, attributes: Mapping[str
 
 
 class EngineObserver(Protocol):
-    def engine_ran(self, received: float, timing: Timing, outputs: list[SequenceOutput]) -> None: ...
+    def engine_ran(self, received: float, timing: Timing, outputs: list[Any]) -> None: ...
 
 
 # The call this task is answering (server/calls.py's Call: its timing headers and its trace), for the engine's
@@ -167,7 +167,7 @@ def start(name: str, received: float, carrier: Mapping[str, str], attributes: Ma
     return CallTrace(span, received)
 
 
-def engine_ran(received: float, timing: Timing, outputs: list[SequenceOutput]) -> None:
+def engine_ran(received: float, timing: Timing, outputs: list[Any]) -> None:
     """The engine cores' hook after each infer (in the process that answers the call): what it measured
     goes to the current call, if any."""
     call = CURRENT_CALL.get()

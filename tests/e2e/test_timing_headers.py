@@ -87,40 +87,71 @@ def _trailers(call) -> dict[str, str]:
     return dict(call.trailing_metadata())
 
 
+def _native(pb):
+    return [
+        ("Embed", pb.EmbedRequest(model=EMBEDDER, inputs=TEXTS), True),
+        ("EmbedSparse", pb.EmbedSparseRequest(model=SPARSE, inputs=TEXTS), True),
+        ("EmbedMultiVector", pb.EmbedMultiVectorRequest(model=EMBEDDER, inputs=TEXTS), True),
+        ("Rerank", pb.RerankRequest(model=CROSS, query="timing", documents=DOCS), True),
+        ("Classify", pb.ClassifyRequest(model=CLASSIFIER, inputs=TEXTS), True),
+        ("Tokenize", pb.TokenizeRequest(model=EMBEDDER, inputs=TEXTS), False),
+        ("ListModels", pb.ListModelsRequest(), False),
+    ]
+
+
 def test_inference_rpcs_send_timing_as_trailing_metadata(stub):
-    _, call = stub.Embed.with_call(pb().EmbedRequest(model=EMBEDDER, inputs=TEXTS), timeout=RPC_TIMEOUT_S)
-    trailers = _trailers(call)
-    assert trailers["x-request-id"]
-    assert int(trailers["x-compute-tokens"]) > 0
-    check_timing(trailers, True)
-    request = pb().RerankRequest(model=CROSS, query="timing", documents=DOCS)
-    check_timing(_trailers(stub.Rerank.with_call(request, timeout=RPC_TIMEOUT_S)[1]), True)
-    request = pb().ClassifyRequest(model=CLASSIFIER, inputs=TEXTS)
-    check_timing(_trailers(stub.Classify.with_call(request, timeout=RPC_TIMEOUT_S)[1]), True)
-    request = pb().TokenizeRequest(model=EMBEDDER, inputs=TEXTS)
-    check_timing(_trailers(stub.Tokenize.with_call(request, timeout=RPC_TIMEOUT_S)[1]), False)
+    for method, request, computed in _native(pb()):
+        _, call = getattr(stub, method).with_call(request, timeout=RPC_TIMEOUT_S)
+        trailers = _trailers(call)
+        assert trailers["x-request-id"], method
+        check_timing(trailers, computed)
+        if computed:
+            assert int(trailers["x-compute-tokens"]) > 0, method
     stream = stub.EmbedStream(iter([pb().EmbedRequest(model=EMBEDDER, inputs=TEXTS)] * 2), timeout=RPC_TIMEOUT_S)
     assert len(list(stream)) == 2
     check_timing(_trailers(stream), True)
     generate = stub.Generate(pb().GenerateRequest(model=GENERATOR, prompt="hi", max_tokens=2), timeout=RPC_TIMEOUT_S)
     list(generate)
     check_timing(_trailers(generate), False)
+    assert int(_trailers(generate)["x-compute-tokens"]) > 0
 
 
-def test_tei_rpcs_send_timing_as_trailing_metadata(compat_server):
+def test_a_refused_rpc_has_only_its_request_id(stub):
+    with pytest.raises(grpc.RpcError) as failed:
+        stub.Embed(pb().EmbedRequest(model="nope", inputs=TEXTS), timeout=RPC_TIMEOUT_S)
+    trailers = dict(failed.value.trailing_metadata())
+    assert failed.value.code() is grpc.StatusCode.NOT_FOUND and set(trailers) == {"x-request-id"}
+
+
+TEI_UNARY = [
+    ("Embed", "Embed", lambda: tei_pb.EmbedRequest(inputs=TEXTS[0]), None, True),
+    ("Embed", "EmbedSparse", lambda: tei_pb.EmbedSparseRequest(inputs=TEXTS[0]), SPARSE, True),
+    ("Embed", "EmbedAll", lambda: tei_pb.EmbedAllRequest(inputs=TEXTS[0]), None, True),
+    ("Predict", "Predict", lambda: tei_pb.PredictRequest(inputs=TEXTS[0]), CLASSIFIER, True),
+    ("Predict", "PredictPair", lambda: tei_pb.PredictPairRequest(inputs=["timing", DOCS[0]]), CROSS, True),
+    ("Rerank", "Rerank", lambda: tei_pb.RerankRequest(query="timing", texts=DOCS), None, True),
+    ("Tokenize", "Tokenize", lambda: tei_pb.EncodeRequest(inputs=TEXTS[0]), None, False),
+    ("Tokenize", "Decode", lambda: tei_pb.DecodeRequest(ids=[101, 102]), None, False),
+    ("Info", "Info", lambda: tei_pb.InfoRequest(), None, False),
+]
+
+
+@pytest.mark.parametrize(("service", "method", "request_of", "model", "computed"), TEI_UNARY,
+                         ids=[f"{s}.{m}" for s, m, *_ in TEI_UNARY])
+def test_tei_rpcs_send_timing_as_trailing_metadata(compat_server, service, method, request_of, model, computed):
+    metadata = (("x-embedserv-model", model),) if model else ()
     with grpc.insecure_channel(compat_server.target) as channel:
-        embed, predict = tei_grpc.EmbedStub(channel), tei_grpc.PredictStub(channel)
-        rerank, tokenize = tei_grpc.RerankStub(channel), tei_grpc.TokenizeStub(channel)
-        check_timing(_trailers(embed.Embed.with_call(tei_pb.EmbedRequest(inputs=TEXTS[0]), timeout=RPC_TIMEOUT_S)[1]),
-                     True)
-        classifier = (("x-embedserv-model", CLASSIFIER),)
-        _, call = predict.Predict.with_call(tei_pb.PredictRequest(inputs=TEXTS[0]), metadata=classifier,
-                                            timeout=RPC_TIMEOUT_S)
-        check_timing(_trailers(call), True)
-        _, call = rerank.Rerank.with_call(tei_pb.RerankRequest(query="timing", texts=DOCS), timeout=RPC_TIMEOUT_S)
-        check_timing(_trailers(call), True)
-        _, call = tokenize.Tokenize.with_call(tei_pb.EncodeRequest(inputs=TEXTS[0]), timeout=RPC_TIMEOUT_S)
-        check_timing(_trailers(call), False)
+        stub = getattr(tei_grpc, f"{service}Stub")(channel)
+        _, call = getattr(stub, method).with_call(request_of(), metadata=metadata, timeout=RPC_TIMEOUT_S)
+        check_timing(_trailers(call), computed)
+
+
+def test_tei_streams_send_timing_as_trailing_metadata(compat_server):
+    with grpc.insecure_channel(compat_server.target) as channel:
+        embed, rerank = tei_grpc.EmbedStub(channel), tei_grpc.RerankStub(channel)
         stream = embed.EmbedStream(iter([tei_pb.EmbedRequest(inputs=TEXTS[0])] * 3), timeout=RPC_TIMEOUT_S)
         assert len(list(stream)) == 3
         check_timing(_trailers(stream), True)
+        requests = [tei_pb.RerankStreamRequest(query="timing", text=doc) for doc in DOCS]
+        _, call = rerank.RerankStream.with_call(iter(requests), timeout=RPC_TIMEOUT_S)
+        check_timing(_trailers(call), True)

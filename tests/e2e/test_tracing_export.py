@@ -11,7 +11,10 @@ from concurrent import futures
 import grpc
 import httpx
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import (
+    trace_service_pb2,
+    trace_service_pb2_grpc,
+)
 
 from tests.helpers.client import embed_request, inference_stub
 from tests.helpers.server import free_port, running_server

@@ -31,6 +31,9 @@ class SequenceOutput:
     # SPARSE: (values [k] float32, vocabulary ids [k] int64, ascending); MULTI_VECTOR: [tokens, dim] float32.
     sparse: tuple[np.ndarray, np.ndarray] | None = None
     vectors: np.ndarray | None = None
+    # The step's batch: sequences and tokens in it (tracing's batch spans; 0 where unknown).
+    batch_sequences: int = 0
+    batch_tokens: int = 0
 
 
 # Up to this many characters (about 1 ms of tokenizing) a call is tokenized on the event loop: handing it to

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from embedserv import tracing
 from embedserv.config import ServerConfig
 from embedserv.engine.engine import Engine
 from embedserv.errors import ConfigError
@@ -156,6 +157,9 @@ class EmbedServer:
         """gRPC (health NOT_SERVING), HTTP and, unless this is a front-end process, the metrics port."""
         await self._set_health(_NOT_SERVING)
         config = self.config
+        # Here, in every process that answers calls (each front end builds its own provider, after spawn).
+        if tracing.setup(config.otlp_endpoint):
+            logger.info("tracing: sending spans to %s (OTLP/gRPC)", config.otlp_endpoint)
         address = f"{config.host}:{config.port}"
         try:
             if config.tls_cert:
@@ -215,6 +219,7 @@ class EmbedServer:
             await self.host.stop()
         if self.metrics is not None:
             self.metrics.stop()
+        tracing.shutdown()
 
     async def _drain(self, grace: float | None) -> None:
         await self.health.enter_graceful_shutdown()

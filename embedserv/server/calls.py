@@ -17,7 +17,7 @@ import uuid
 
 import grpc
 
-from embedserv import metrics
+from embedserv import metrics, tracing
 from embedserv.types import Timing
 from embedserv.logs import REQUEST_ID
 from embedserv.server.grpc.status import message_for, status_for
@@ -57,6 +57,16 @@ def _cancel_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
     return grpc.StatusCode.CANCELLED
 
 
+# gRPC codes a server span counts as its own error (OpenTelemetry's RPC conventions); the rest are the caller's.
+_GRPC_SERVER_ERRORS = frozenset(
+    {"UNKNOWN", "DEADLINE_EXCEEDED", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS"}
+)
+
+
+def _ms(us: int) -> int:
+    return max(0, us // 1000)
+
+
 class Call:
     """What one call did, counted as it happens: a stream's answered parts count even if a later part fails.
 
@@ -71,7 +81,26 @@ class Call:
         self.model = ""
         self.inputs = 0
         self.tokens = 0
+        self.method = ""  # HTTP's
         self.received = time.perf_counter()
+        # The engine's measured timing (passes through it: each part as long as the longest); None for
+        # calls without a compute step.
+        self.timing: Timing | None = None
+        tracing.CURRENT_CALL.set(self)
+        # The call's spans while tracing is on (start_trace), else None.
+        self.trace: tracing.CallTrace | None = None
+
+    def start_trace(self, name: str, carrier_of, attributes: dict) -> None:
+        """Opens the call's server span when tracing is on; `carrier_of()` gives the incoming headers."""
+        if tracing.enabled():
+            attributes = {**attributes, "embedserv.request_id": self.request_id}
+            self.trace = tracing.start(name, self.received, carrier_of(), attributes)
+
+    def engine_ran(self, received: float, timing: Timing, outputs: list) -> None:
+        """Each pass of the call's sequences through the engine (tracing.engine_ran, the engine cores' hook)."""
+        self.timing = timing if self.timing is None else _longest(self.timing, timing)
+        if self.trace is not None:
+            self.trace.engine_ran(received, timing, outputs)
 
     def answered(self, inputs: int, tokens: int, timing: Timing | None = None) -> None:
         self.inputs += inputs
@@ -82,13 +111,61 @@ class Call:
             metrics.QUEUE_SECONDS.labels(self.rpc, self.model).observe(timing.queue_us / 1e6)
             metrics.TOKENIZATION_SECONDS.labels(self.rpc, self.model).observe(timing.tokenization_us / 1e6)
             metrics.INFERENCE_SECONDS.labels(self.rpc, self.model).observe(timing.inference_us / 1e6)
+        if self.trace is not None:
+            self.trace.answered_at = time.perf_counter()
+
+    def timing_fields(self, now: float) -> list[tuple[str, str]]:
+        """TEI's timing headers (milliseconds, as TEI sends them) as of `now`: what the call measured.
+
+        Consistent by construction: tokenization + queue + inference <= total, each >= 0 (the engine's parts
+        lie inside the call's wall time; the caps only matter for parts that ran at once)."""
+        total = max(0, int((now - self.received) * 1e3))
+        fields = [("x-compute-time", str(total)), ("x-total-time", str(total))]
+        if self.tokens:
+            fields.append(("x-compute-tokens", str(self.tokens)))
+        if self.timing is not None:
+            queue = min(_ms(self.timing.queue_us), total)
+            inference = min(_ms(self.timing.inference_us), total - queue)
+            tokenization = min(_ms(self.timing.tokenization_us), total - queue - inference)
+            fields += [
+                ("x-tokenization-time", str(tokenization)), ("x-queue-time", str(queue)),
+                ("x-inference-time", str(inference)),
+            ]
+        return fields
 
     def end(self, status: str) -> None:
         metrics.REQUESTS.labels(self.protocol, self.rpc, self.model, status).inc()
+        if self.trace is not None:
+            self._end_trace(status)
         logger.debug(
             "request %s: %s %s model=%s inputs=%d tokens=%d status=%s in %.1f ms", self.request_id, self.protocol,
             self.rpc, self.model or "-", self.inputs, self.tokens, status, (time.perf_counter() - self.received) * 1e3,
         )
+
+
+    def _end_trace(self, status: str) -> None:
+        attributes: dict[str, object] = {
+            "embedserv.model": self.model, "embedserv.inputs": self.inputs, "embedserv.tokens": self.tokens,
+        }
+        if self.protocol == "http":
+            code = int(status) if status.isdigit() else 0
+            attributes.update({"http.response.status_code": code, "http.route": self.rpc})
+            # Named like the route (OpenTelemetry's HTTP conventions), known only once it has run.
+            self.trace.span.update_name(f"{self.method} {self.rpc}")
+            error = f"HTTP {code}" if code >= 500 or code == 0 else None
+        else:
+            code = grpc.StatusCode.__members__.get(status, grpc.StatusCode.UNKNOWN)
+            attributes["rpc.grpc.status_code"] = code.value[0]
+            error = status if status in _GRPC_SERVER_ERRORS else None
+        self.trace.end(attributes, error, time.perf_counter())
+        self.trace = None
+
+
+def _longest(a: Timing, b: Timing) -> Timing:
+    return Timing(
+        max(a.queue_us, b.queue_us), max(a.tokenization_us, b.tokenization_us),
+        max(a.inference_us, b.inference_us), max(a.total_us, b.total_us),
+    )
 
 
 async def _end_with_error(call: Call, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
@@ -113,7 +190,14 @@ def _start(rpc: str, context: grpc.aio.ServicerContext) -> Call:
     # Each RPC runs in its own task, so this is the call's id for everything it awaits (batch log lines).
     REQUEST_ID.set(call.request_id)
     context.set_trailing_metadata(((REQUEST_ID_KEY, call.request_id),))
+    call.start_trace(rpc, lambda: dict(context.invocation_metadata() or ()), {"rpc.system": "grpc", "rpc.method": rpc})
     return call
+
+
+def _end_ok(call: Call, context: grpc.aio.ServicerContext) -> None:
+    """The call's id and its timing (TEI's header names) as trailing metadata, then its end counted."""
+    context.set_trailing_metadata(((REQUEST_ID_KEY, call.request_id), *call.timing_fields(time.perf_counter())))
+    call.end(grpc.StatusCode.OK.name)
 
 
 def unary_call(handler):
@@ -130,7 +214,7 @@ def unary_call(handler):
             await _end_with_error(call, context, exc)
         finally:
             self.active_calls.exit()
-        call.end(grpc.StatusCode.OK.name)
+        _end_ok(call, context)
         return response
 
     return wrapper
@@ -150,6 +234,6 @@ def stream_call(handler):
             await _end_with_error(call, context, exc)
         finally:
             self.active_calls.exit()
-        call.end(grpc.StatusCode.OK.name)
+        _end_ok(call, context)
 
     return wrapper

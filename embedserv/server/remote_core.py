@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 import zmq
 import zmq.asyncio
 
+from embedserv import tracing
 from embedserv.engine.ports import SequenceOutput, run_tokenizer
 from embedserv.engine.tokenizer import Encoded, TextTokenizer
 from embedserv.errors import NotReady
@@ -179,6 +180,7 @@ class RemoteCore:
         self, encoded: list[Encoded], received: float, wanted: tuple[EmbedOutput, ...] = (), use_cache: bool = True
     ) -> tuple[list[SequenceOutput], int, Timing]:
         done = await self.link.infer(self.name, encoded, received, wanted, use_cache)
+        tracing.engine_ran(received, done.timing, done.outputs)
         return done.outputs, done.tokens, done.timing
 
     async def generate(

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Callable, TypeVar
 
+from embedserv import tracing
 from embedserv.config import ModelConfig
 from embedserv.engine import checks
 from embedserv.engine.core.generation import GenerationStreams, prepare_prompt
@@ -234,6 +235,7 @@ class EngineCore:
         # Usage counts the input's tokens, cached or not: an encoder-decoder request's encoder input (its
         # decoder reads the start token or the same input shifted).
         tokens = sum(r.num_encoder_tokens or r.num_tokens for r in requests)
+        tracing.engine_ran(received, timing, ran)
         return outputs, tokens, timing
 
     def cache_stats(self) -> CacheStats | None:

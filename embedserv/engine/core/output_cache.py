@@ -99,6 +99,7 @@ def stored(output: SequenceOutput) -> SequenceOutput:
     return SequenceOutput(
         _frozen(output.row), output.started, output.finished,
         (_frozen(sparse[0]), _frozen(sparse[1])) if sparse is not None else None, _frozen(output.vectors),
+        output.batch_sequences, output.batch_tokens,
     )
 
 

@@ -143,13 +143,14 @@ class PrefillQueue:
         rows = dict(zip(output.row_request_ids, output.rows))
         sparse = output.sparse.split() if output.sparse is not None else {}
         vectors = output.vectors.split() if output.vectors is not None else {}
+        num_sequences, num_tokens = batch.num_sequences, batch.num_tokens
         for seq in batch.sequences:
             _, future = self._waiting.pop(seq.request_id, (None, None))
             if future is not None and not future.done():
                 own_vectors = vectors.get(seq.request_id)
                 future.set_result(SequenceOutput(
                     rows.get(seq.request_id), started, finished, sparse.get(seq.request_id),
-                    own_vectors[0] if own_vectors is not None else None,
+                    own_vectors[0] if own_vectors is not None else None, num_sequences, num_tokens,
                 ))
 
     def step_failed(self, batch: StepBatch, exc: Exception) -> None:

@@ -12,6 +12,7 @@ protocol "http", the route's path and the HTTP status. An exception a route lets
 from __future__ import annotations
 
 import logging
+import time
 
 from starlette.requests import Request
 
@@ -27,6 +28,21 @@ logger = logging.getLogger("embedserv.server.http")
 HEALTH_PATHS = frozenset({"/health"})
 OPEN_PREFIXES = ("/docs", "/openapi.json")
 _REQUEST_ID = b"x-request-id"
+_EVENT_STREAM = b"text/event-stream"
+
+
+def _timing_headers(call: Call, headers) -> list[tuple[bytes, bytes]]:
+    """TEI's timing headers for a successful response, measured up to its start. A server-sent-event stream
+    starts before any compute, so it carries none (its trace and the metrics have its timing)."""
+    for key, value in headers:
+        if key.lower() == b"content-type" and value.startswith(_EVENT_STREAM):
+            return []
+    return [(name.encode(), value.encode()) for name, value in call.timing_fields(time.perf_counter())]
+
+
+def _carrier(scope) -> dict[str, str]:
+    """The request's headers for the trace context propagators (traceparent, tracestate, baggage)."""
+    return {key.decode("latin-1"): value.decode("latin-1") for key, value in scope.get("headers", ())}
 
 
 def _header(scope, name: bytes) -> str | None:
@@ -53,13 +69,21 @@ class Edge:
         REQUEST_ID.set(request_id)
         call = Call("http", "other", request_id)
         scope.setdefault("state", {})["call"] = call
+        call.method = scope.get("method", "")
+        probe = path in HEALTH_PATHS or path.startswith(OPEN_PREFIXES)
+        if not probe:  # probes and the docs are not traced
+            attributes = {"http.request.method": call.method, "url.path": path}
+            call.start_trace(call.method, lambda: _carrier(scope), attributes)
         status = 0
 
         async def send_with_id(message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message = {**message, "headers": [*message.get("headers", ()), (_REQUEST_ID, request_id.encode())]}
+                headers = [*message.get("headers", ()), (_REQUEST_ID, request_id.encode())]
+                if 200 <= status < 300:
+                    headers += _timing_headers(call, headers)
+                message = {**message, "headers": headers}
             await send(message)
 
         refusal = self._refusal(scope, path)
@@ -68,7 +92,7 @@ class Edge:
             call.rpc = path if path in HEALTH_PATHS else "refused"
             call.end(str(status))
             return
-        if path in HEALTH_PATHS or path.startswith(OPEN_PREFIXES):
+        if probe:
             await self.app(scope, receive, send_with_id)
             return
         self.frontend.active_calls.enter()

@@ -22,18 +22,23 @@ class PrefillOnlyScheduler:
         self._waiting: deque[Request] = deque()
         # Cancelled sequences dropped from the queue without running, since the start.
         self.num_dropped = 0
+        # Tokens of the waiting sequences (what a batch would cost them), kept as they come and go.
+        self.waiting_tokens = 0
 
     def add(self, request: Request) -> None:
         self._waiting.append(request)
+        self.waiting_tokens += _cost(request)
 
     def requeue(self, requests: list[Request]) -> None:
         """Puts sequences back at the front, in their order (their worker died under them)."""
         self._waiting.extendleft(reversed(requests))
+        self.waiting_tokens += sum(_cost(r) for r in requests)
 
     def drain(self) -> list[Request]:
         """Removes and returns every waiting sequence."""
         waiting = list(self._waiting)
         self._waiting.clear()
+        self.waiting_tokens = 0
         return waiting
 
     @property
@@ -46,16 +51,19 @@ class PrefillOnlyScheduler:
         num_tokens = 0
         while self._waiting and len(picked) < self.max_batch_requests:
             request = self._waiting[0]
+            cost = _cost(request)
             if request.cancelled:
                 self._waiting.popleft()
+                self.waiting_tokens -= cost
                 self.num_dropped += 1
                 continue
-            # An encoder-decoder request costs its encoder and its decoder tokens.
-            cost = request.num_tokens + request.num_encoder_tokens
             if picked and num_tokens + cost > self.max_batch_tokens:
                 break
             self._waiting.popleft()
+            self.waiting_tokens -= cost
             num_tokens += cost
+            if request.call is not None:
+                request.call.start()
             picked.append(
                 ScheduledSequence(
                     request_id=request.request_id,
@@ -72,3 +80,8 @@ class PrefillOnlyScheduler:
         if not picked:
             return None
         return StepBatch(sequences=tuple(picked))
+
+
+def _cost(request: Request) -> int:
+    """A sequence's tokens in a batch: an encoder-decoder request costs its encoder and its decoder tokens."""
+    return request.num_tokens + request.num_encoder_tokens

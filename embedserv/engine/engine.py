@@ -101,10 +101,10 @@ class Engine:
         """Sequences queued for a first batch (prefill) or a first step (generation)."""
         return self.core.num_waiting
 
-    def load(self) -> ModelLoad | None:
+    def current_load(self) -> ModelLoad | None:
         """Calls waiting and running, waiting tokens, the workers' busy share (None in a front-end process: the
         engine process counts them)."""
-        return self.core.load()
+        return self.core.current_load()
 
     @property
     def num_dropped(self) -> int:

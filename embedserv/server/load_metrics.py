@@ -53,7 +53,7 @@ def load_families(engines: list[Engine]):
         labels=["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
     )
     for engine in engines:
-        load = engine.load()
+        load = engine.current_load()
         if load is None:
             continue
         name = engine.info.name

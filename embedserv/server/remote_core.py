@@ -158,7 +158,7 @@ class RemoteCore:
     def worker_stats(self) -> list[WorkerStats]:
         return []
 
-    def load(self) -> None:
+    def current_load(self) -> None:
         """The engine process's /metrics reports the model's load."""
         return None
 

@@ -117,7 +117,7 @@ class EngineCore:
         dropped = self.prefill.num_dropped if self.prefill is not None else 0
         return dropped + sum(streams.num_dropped for streams in self.generation)
 
-    def load(self) -> ModelLoad:
+    def current_load(self) -> ModelLoad:
         """Calls waiting and running, waiting tokens and the workers' recent busy share (read at scrape time,
         from another thread: only counters and snapshots)."""
         waiting, running = self._calls.waiting, self._calls.running

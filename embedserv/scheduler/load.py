@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 # The busy ratio's sliding window (seconds): long enough to smooth single batches, short enough to follow
 # a burst within one autoscaler period.
@@ -43,7 +43,7 @@ class CallCounts:
 class Call:
     """One admitted call; its sequences' Requests carry it, so the scheduler marks it started."""
 
-    __slots__ = ("_counts", "started", "_done")
+    __slots__ = ("_counts", "_done", "started")
 
     def __init__(self, counts: CallCounts) -> None:
         self._counts = counts

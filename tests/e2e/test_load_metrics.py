@@ -18,8 +18,8 @@ from tests.helpers.inprocess import in_process_server
 from tests.helpers.lora_models import BERT_TARGETS, build_adapter
 from tests.helpers.metrics import Scrape, scrape
 from tests.helpers.models import build_tiny_encoder
-from tests.helpers.server import free_port
 from tests.helpers.processes import wait_for
+from tests.helpers.server import free_port
 
 EMBEDDER, GEN = "encoder", "tiny-llama"
 WAIT_S = 60.0
@@ -42,9 +42,8 @@ def server(tmp_path_factory, tiny_generator):
         "--config", str(config), "--dtype", "float32", "--device", "cpu", "--pipeline-depth", "1",
         "--metrics-port", str(metrics_port),
     ]  # fmt: skip
-    with in_process_server(args) as (target, _):
-        with grpc.insecure_channel(target) as channel:
-            yield inference_stub(channel), metrics_port
+    with in_process_server(args) as (target, _), grpc.insecure_channel(target) as channel:
+        yield inference_stub(channel), metrics_port
 
 
 @pytest.fixture
@@ -64,7 +63,12 @@ def gate(monkeypatch):
 
 def _until(port: int, predicate, what: str) -> Scrape:
     """The first scrape that satisfies `predicate`, polled."""
-    return wait_for(lambda: (lambda s: s if predicate(s) else None)(scrape(port)), WAIT_S, 0.05, what)
+
+    def satisfied() -> Scrape | None:
+        s = scrape(port)
+        return s if predicate(s) else None
+
+    return wait_for(satisfied, WAIT_S, 0.05, what)
 
 
 def _load(s: Scrape, model: str) -> tuple[float, ...]:

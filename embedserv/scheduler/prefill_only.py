@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from embedserv.scheduler.request import Request
+from embedserv.scheduler.request import Request, RequestStatus
 from embedserv.steps import ScheduledSequence, StepBatch
 
 
@@ -32,7 +32,16 @@ class PrefillOnlyScheduler:
     def requeue(self, requests: list[Request]) -> None:
         """Puts sequences back at the front, in their order (their worker died under them)."""
         self._waiting.extendleft(reversed(requests))
-        self.waiting_tokens += sum(_cost(r) for r in requests)
+        for request in requests:
+            request.status = RequestStatus.WAITING
+            self.waiting_tokens += _cost(request)
+
+    def cancel(self, request: Request) -> None:
+        """Its caller went away: dropped at the next schedule() without running. A waiting sequence's tokens
+        stop counting at once, not when a busy worker next takes a batch."""
+        if not request.cancelled and request.status is RequestStatus.WAITING:
+            self.waiting_tokens -= _cost(request)
+        request.cancelled = True
 
     def drain(self) -> list[Request]:
         """Removes and returns every waiting sequence."""
@@ -51,15 +60,15 @@ class PrefillOnlyScheduler:
         num_tokens = 0
         while self._waiting and len(picked) < self.max_batch_requests:
             request = self._waiting[0]
-            cost = _cost(request)
             if request.cancelled:
                 self._waiting.popleft()
-                self.waiting_tokens -= cost
                 self.num_dropped += 1
                 continue
+            cost = _cost(request)
             if picked and num_tokens + cost > self.max_batch_tokens:
                 break
             self._waiting.popleft()
+            request.status = RequestStatus.RUNNING
             self.waiting_tokens -= cost
             num_tokens += cost
             if request.call is not None:

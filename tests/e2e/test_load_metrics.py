@@ -143,3 +143,18 @@ def test_generation_streams_run_and_wait_with_their_kv_cache_in_use(server, gate
         assert first.result(RPC_TIMEOUT_S) and second.result(RPC_TIMEOUT_S)
     after = _until(port, lambda s: _load(s, GEN) == (0, 0, 0), "the streams to end")
     assert after.value("vllm:kv_cache_usage_perc", model_name=GEN) == 0
+
+
+def test_a_cancelled_waiting_call_stops_counting_while_the_worker_is_still_busy(server, gate):
+    stub, port = server
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(_embed, stub, "the call that holds the worker")
+        _until(port, lambda s: s.value("embedserv_requests_running", model=EMBEDDER) == 1, "the first call to run")
+        waiting = stub.Embed.future(embed_request(["a call that gives up"], model=EMBEDDER), timeout=RPC_TIMEOUT_S)
+        _until(port, lambda s: s.value("embedserv_waiting_tokens", model=EMBEDDER) > 0, "the second call waiting")
+        waiting.cancel()
+        gone = _until(port, lambda s: _load(s, EMBEDDER) == (0, 1, 0), "the cancelled call to stop counting")
+        assert gone.value("embedserv_worker_busy_ratio", model=EMBEDDER) > 0
+        gate.set()
+        assert len(first.result(RPC_TIMEOUT_S).embeddings) == 1
+    _until(port, lambda s: _load(s, EMBEDDER) == (0, 0, 0), "the load to drain")

@@ -124,8 +124,12 @@ def test_prefill_waiting_tokens_follow_the_queue_and_batches_start_calls():
     assert (counts.waiting, counts.running) == (0, 1)
     s.requeue([requests[0]])
     assert s.waiting_tokens == 13
-    requests[1].cancelled = True
+    s.cancel(requests[1])  # its caller went away: its tokens stop counting before a batch drops it
+    s.cancel(requests[1])
+    assert s.waiting_tokens == 8
     s.schedule()  # picks 0, drops the cancelled 1, then 2 fits
+    assert s.waiting_tokens == 0
+    s.cancel(requests[0])  # already in a batch: nothing was waiting
     assert s.waiting_tokens == 0
     s.add(_prefill(3, 4))
     s.drain()

@@ -72,16 +72,21 @@ class BusyWindow:
     """The share of the last `window_s` seconds during which a worker had a step in flight.
 
     begin() and end() bracket each busy period (the first step sent to the worker, the last one answered);
-    ratio() adds up the periods' overlap with the window, the open one included, so a step that runs for a
+    ratio() adds up the busy time within the window, the open period included, so a step that runs for a
     minute reads busy throughout, not only once it ends. Before `window_s` has passed since it was made, the
-    window is the time since then."""
+    window is the time since then.
+
+    Periods that end within `window_s / 100` of the start of the last record join it, so a worker running
+    thousands of short steps keeps about a hundred records; the one record the window's start cuts through
+    counts its busy time pro rata (at most 1% of the window off)."""
 
     def __init__(self, window_s: float = BUSY_WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.window_s = window_s
+        self._grain = window_s / 100
         self._clock = clock
         self._created = clock()
-        # Finished busy periods (start, end) that may still overlap the window; oldest first.
-        self._periods: deque[tuple[float, float]] = deque()
+        # (first start, last end, busy seconds) of the periods that may still overlap the window; oldest first.
+        self._records: deque[tuple[float, float, float]] = deque()
         self._since: float | None = None
 
     def begin(self) -> None:
@@ -91,21 +96,29 @@ class BusyWindow:
     def end(self) -> None:
         if self._since is None:
             return
-        now = self._clock()
-        self._periods.append((self._since, now))
+        now, since = self._clock(), self._since
         self._since = None
+        last = self._records[-1] if self._records else None
+        if last is not None and now - last[0] < self._grain:
+            self._records[-1] = (last[0], now, last[2] + now - since)
+        else:
+            self._records.append((since, now, now - since))
         horizon = now - self.window_s
-        while self._periods and self._periods[0][1] <= horizon:
-            self._periods.popleft()
+        while self._records and self._records[0][1] <= horizon:
+            self._records.popleft()
 
     def ratio(self) -> float:
         now = self._clock()
         start = max(now - self.window_s, self._created)
         if now <= start:
             return 0.0
-        # Snapshots: the loop may append or end a period meanwhile.
-        periods, since = tuple(self._periods), self._since
-        busy = sum(min(end, now) - max(begin, start) for begin, end in periods if end > start)
+        # Snapshots: the loop may add or end a period meanwhile.
+        records, since = tuple(self._records), self._since
+        busy = 0.0
+        for first, last, seconds in records:
+            if last <= start:
+                continue
+            busy += seconds if first >= start else seconds * (last - start) / (last - first)
         if since is not None:
             busy += now - max(since, start)
         return min(1.0, max(0.0, busy / (now - start)))

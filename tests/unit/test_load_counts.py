@@ -89,8 +89,22 @@ def test_old_periods_are_dropped_as_new_ones_end():
         clock.now += 0.5
         window.end()
         clock.now += 0.5
-    assert len(window._periods) <= 11
+    assert len(window._records) <= 11
     assert window.ratio() == pytest.approx(0.5, abs=0.06)
+
+
+def test_many_short_steps_keep_a_hundred_records_and_the_ratio_within_one_percent():
+    window, clock = _window()
+    for _ in range(20000):  # 20 s of 1 ms steps, 3 ms apart
+        window.begin()
+        clock.now += 0.001
+        window.end()
+        clock.now += 0.002
+    assert len(window._records) <= 102
+    assert window.ratio() == pytest.approx(1 / 3, abs=0.01)
+    window.begin()  # a long step: the window fills with it
+    clock.now += 4
+    assert window.ratio() == pytest.approx(0.4 + 0.6 / 3, abs=0.01)
 
 
 def test_a_call_is_waiting_then_running_then_gone():

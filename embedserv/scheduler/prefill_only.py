@@ -48,6 +48,9 @@ class PrefillOnlyScheduler:
         waiting = list(self._waiting)
         self._waiting.clear()
         self.waiting_tokens = 0
+        for request in waiting:
+            # Out of the queue: a later cancel() must not take its tokens off again.
+            request.status = RequestStatus.FINISHED
         return waiting
 
     @property

@@ -23,6 +23,7 @@ from embedserv.engine.tasks.quantize import Encodings
 from embedserv.engine.tasks.reranking import Reranking
 from embedserv.errors import ConfigError
 from embedserv.executor.base import Worker, WorkerStats
+from embedserv.scheduler.load import ModelLoad
 from embedserv.types import (
     ClassifyParams, ClassifyResult, EmbedParams, EmbedResult, GenerationDelta, KvCacheUsage, ModelInfo, RerankParams,
     RerankResult, SamplingParams, Task, TokenizedText,
@@ -99,6 +100,11 @@ class Engine:
     def num_waiting(self) -> int:
         """Sequences queued for a first batch (prefill) or a first step (generation)."""
         return self.core.num_waiting
+
+    def current_load(self) -> ModelLoad | None:
+        """Calls waiting and running, waiting tokens, the workers' busy share (None in a front-end process: the
+        engine process counts them)."""
+        return self.core.current_load()
 
     @property
     def num_dropped(self) -> int:

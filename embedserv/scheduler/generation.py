@@ -45,6 +45,12 @@ class GenerationScheduler:
     def num_running(self) -> int:
         return len(self._running)
 
+    @property
+    def waiting_tokens(self) -> int:
+        """Tokens the waiting requests would compute on admission (a preempted one recomputes its outputs too)."""
+        # tuple() copies without running Python code, so another thread may read this while the loop schedules.
+        return sum(r.num_tokens + r.num_encoder_tokens for r in tuple(self._waiting))
+
     def can_ever_fit(self, request: Request, num_tokens: int) -> bool:
         return self.kv_cache.can_ever_fit(request, num_tokens)
 

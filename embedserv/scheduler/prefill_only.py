@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from embedserv.scheduler.request import Request
+from embedserv.scheduler.request import Request, RequestStatus
 from embedserv.steps import ScheduledSequence, StepBatch
 
 
@@ -22,18 +22,35 @@ class PrefillOnlyScheduler:
         self._waiting: deque[Request] = deque()
         # Cancelled sequences dropped from the queue without running, since the start.
         self.num_dropped = 0
+        # Tokens of the waiting sequences (what a batch would cost them), kept as they come and go.
+        self.waiting_tokens = 0
 
     def add(self, request: Request) -> None:
         self._waiting.append(request)
+        self.waiting_tokens += _cost(request)
 
     def requeue(self, requests: list[Request]) -> None:
         """Puts sequences back at the front, in their order (their worker died under them)."""
         self._waiting.extendleft(reversed(requests))
+        for request in requests:
+            request.status = RequestStatus.WAITING
+            self.waiting_tokens += _cost(request)
+
+    def cancel(self, request: Request) -> None:
+        """Its caller went away: dropped at the next schedule() without running. A waiting sequence's tokens
+        stop counting at once, not when a busy worker next takes a batch."""
+        if not request.cancelled and request.status is RequestStatus.WAITING:
+            self.waiting_tokens -= _cost(request)
+        request.cancelled = True
 
     def drain(self) -> list[Request]:
         """Removes and returns every waiting sequence."""
         waiting = list(self._waiting)
         self._waiting.clear()
+        self.waiting_tokens = 0
+        for request in waiting:
+            # Out of the queue: a later cancel() must not take its tokens off again.
+            request.status = RequestStatus.FINISHED
         return waiting
 
     @property
@@ -50,12 +67,15 @@ class PrefillOnlyScheduler:
                 self._waiting.popleft()
                 self.num_dropped += 1
                 continue
-            # An encoder-decoder request costs its encoder and its decoder tokens.
-            cost = request.num_tokens + request.num_encoder_tokens
+            cost = _cost(request)
             if picked and num_tokens + cost > self.max_batch_tokens:
                 break
             self._waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.waiting_tokens -= cost
             num_tokens += cost
+            if request.call is not None:
+                request.call.start()
             picked.append(
                 ScheduledSequence(
                     request_id=request.request_id,
@@ -72,3 +92,8 @@ class PrefillOnlyScheduler:
         if not picked:
             return None
         return StepBatch(sequences=tuple(picked))
+
+
+def _cost(request: Request) -> int:
+    """A sequence's tokens in a batch: an encoder-decoder request costs its encoder and its decoder tokens."""
+    return request.num_tokens + request.num_encoder_tokens

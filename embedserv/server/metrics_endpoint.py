@@ -12,13 +12,15 @@ from prometheus_client.samples import Sample
 
 from embedserv import metrics
 from embedserv.errors import ConfigError
+from embedserv.server.load_metrics import load_families
 from embedserv.server.served_models import InflightLimiter, ServedModels
 
 logger = logging.getLogger(__name__)
 
 
 class ServerCollector(Collector):
-    """Queue depth, inputs in flight, KV cache, workers and dropped sequences of every served model."""
+    """Queue depth, inputs in flight, KV cache, workers and dropped sequences of every served model, and the load
+    gauges routers and autoscalers read (load_metrics.py)."""
 
     def __init__(self, models: ServedModels, limiter: InflightLimiter) -> None:
         self.models = models
@@ -67,6 +69,7 @@ class ServerCollector(Collector):
                 preemptions.add_metric([name], usage.preemptions)
         yield from (queue, dropped, ready, restarts, busy, kv_usage, kv_blocks, preemptions)
         yield from self._embedding_caches()
+        yield from load_families(self.models.engines)
 
     def _embedding_caches(self):
         """Models served with --embedding-cache; counts read at scrape time like the rest here."""

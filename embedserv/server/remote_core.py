@@ -159,6 +159,10 @@ class RemoteCore:
     def worker_stats(self) -> list[WorkerStats]:
         return []
 
+    def current_load(self) -> None:
+        """The engine process's /metrics reports the model's load."""
+        return None
+
     def kv_cache_usage(self) -> KvCacheUsage | None:
         """As of the engine's last Status (at most a second old)."""
         return self.status.kv_cache

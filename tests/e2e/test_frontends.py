@@ -94,8 +94,11 @@ def test_a_stream_cancelled_at_its_frontend_frees_its_blocks_in_the_engine(serve
         for _ in range(3):
             next(call)
         assert _used_blocks(metrics_port) > 0
+        # The engine process counts the stream the front end relayed (the load gauges are read where it runs).
+        assert scrape(metrics_port).value("vllm:num_requests_running", model_name=GEN) == 1
         call.cancel()
         wait_for(lambda: _used_blocks(metrics_port) == 0, 10, what="the cancelled stream's blocks freed")
+        assert scrape(metrics_port).value("embedserv_requests_running", model=GEN) == 0
     cancelled = dict(protocol="grpc", rpc="Generate", model=GEN, status="CANCELLED")
     wait_for(lambda: scrape(metrics_port).value("embedserv_requests_total", **cancelled) == 1, 10,
              what="the cancelled call counted in the engine process's /metrics")  # fmt: skip

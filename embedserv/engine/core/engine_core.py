@@ -31,6 +31,7 @@ from embedserv.engine.ports import SequenceOutput, run_tokenizer
 from embedserv.engine.tokenizer import Encoded
 from embedserv.errors import InvalidInput, NotReady
 from embedserv.executor.base import Worker, WorkerStats
+from embedserv.scheduler.load import CallCounts, ModelLoad
 from embedserv.scheduler.request import Request
 from embedserv.steps import OutputKind
 from embedserv.types import EmbedOutput, GenerationDelta, KvCacheUsage, SamplingParams, Task, Timing
@@ -76,6 +77,8 @@ class EngineCore:
         self._loops = [
             WorkerLoop(name, worker, self._sources_of(index), pipeline_depth) for index, worker in enumerate(workers)
         ]
+        # Prefill calls in flight, waiting or running (generation streams are counted by their schedulers).
+        self._calls = CallCounts()
         self._started = False
         self._serving = False
         self._serving_listeners: list[Callable[[bool], None]] = []
@@ -114,6 +117,20 @@ class EngineCore:
         went away, since the start."""
         dropped = self.prefill.num_dropped if self.prefill is not None else 0
         return dropped + sum(streams.num_dropped for streams in self.generation)
+
+    def current_load(self) -> ModelLoad:
+        """Calls waiting and running, waiting tokens and the workers' recent busy share (read at scrape time,
+        from another thread: only counters and snapshots)."""
+        waiting, running = self._calls.waiting, self._calls.running
+        tokens = self.prefill.scheduler.waiting_tokens if self.prefill is not None else 0
+        for streams in self.generation:
+            scheduler = streams.scheduler
+            if scheduler is not None:
+                waiting += scheduler.num_waiting
+                running += scheduler.num_running
+                tokens += scheduler.waiting_tokens
+        busy = sum(loop.busy.ratio() for loop in self._loops) / len(self._loops) if self._loops else 0.0
+        return ModelLoad(waiting, running, tokens, busy)
 
     async def start(self) -> None:
         """Starts every worker and waits until all are ready; if one cannot start, stops the rest and raises."""
@@ -217,11 +234,17 @@ class EngineCore:
         tokenized = time.perf_counter()
         stripped = [self._stripped(e) for e in encoded]
         requests = [self._request(e, wanted) for e in stripped]
-        if self.cache is not None and use_cache:
-            keys = [cache_key(e, wanted) for e in stripped]
-            outputs, ran = await self.cache.run(requests, keys, self.prefill.run)
-        else:
-            outputs = ran = await self.prefill.run(requests)
+        call = self._calls.admit()
+        for request in requests:
+            request.call = call
+        try:
+            if self.cache is not None and use_cache:
+                keys = [cache_key(e, wanted) for e in stripped]
+                outputs, ran = await self.cache.run(requests, keys, self.prefill.run)
+            else:
+                outputs = ran = await self.prefill.run(requests)
+        finally:
+            call.done()
         # Only the sequences that ran for this call took queue and inference time: a call answered from the
         # cache took none. An identical sequence it waited for may have started before it came.
         first_start = max(tokenized, min((output.started for output in ran), default=tokenized))

@@ -113,7 +113,7 @@ class PrefillQueue:
         except BaseException:
             # The caller went away (or a sequence failed): drop what has not run yet.
             for request, future in zip(requests, futures):
-                request.cancelled = True
+                self.scheduler.cancel(request)
                 self._waiting.pop(request.request_id, None)
                 future.cancel()
             raise
@@ -132,7 +132,7 @@ class PrefillQueue:
     def fail_all(self, error: Exception) -> None:
         self.accepting = False
         for request, future in self._waiting.values():
-            request.cancelled = True
+            self.scheduler.cancel(request)
             if not future.done():
                 future.set_exception(error)
         self._waiting.clear()

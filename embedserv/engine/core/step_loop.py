@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from embedserv.engine.core.step_source import StepSource
 from embedserv.errors import NotReady
 from embedserv.executor.base import Worker, WorkerDied
+from embedserv.scheduler.load import BusyWindow
 from embedserv.steps import StepBatch
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ class WorkerLoop:
         self._changed = asyncio.Event()
         self._steps: set[asyncio.Task] = set()
         self._task: asyncio.Task | None = None
+        # While any step is in flight the worker counts as busy (the busy-ratio metric).
+        self.busy = BusyWindow()
         for source in self.sources:
             source.add_loop(self)
 
@@ -95,6 +98,7 @@ class WorkerLoop:
                 continue
             batch, source = work
             self._in_flight += 1
+            self.busy.begin()
             if source.one_step_at_a_time:
                 self._stepping.add(source)
             task = asyncio.create_task(self._step(batch, source))
@@ -112,5 +116,7 @@ class WorkerLoop:
             source.step_failed(batch, exc)
         finally:
             self._in_flight -= 1
+            if not self._in_flight:
+                self.busy.end()
             self._stepping.discard(source)
             self._changed.set()

@@ -1,0 +1,72 @@
+"""The load gauges routers and autoscalers read from /metrics, per served model, at scrape time: our own names and
+the vLLM names the Gateway API Inference Extension's endpoint picker reads by default (its model-server
+protocol), so a pool of embedserv pods works with it unchanged. The engine counts (scheduler/load.py); this
+only reads."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client.core import GaugeMetricFamily
+
+from embedserv.engine.engine import Engine
+
+
+def load_families(engines: list[Engine]):
+    """The families of ServerCollector's load gauges, for every engine of this process."""
+    ours = {
+        "requests_waiting": GaugeMetricFamily(
+            "embedserv_requests_waiting", "API calls admitted whose sequences have not started a batch yet",
+            labels=["model"],
+        ),
+        "requests_running": GaugeMetricFamily(
+            "embedserv_requests_running",
+            "API calls with a sequence in or through a batch, not answered yet (generation: streams stepping)",
+            labels=["model"],
+        ),
+        "waiting_tokens": GaugeMetricFamily(
+            "embedserv_waiting_tokens", "Tokens of the sequences waiting for a batch", labels=["model"]
+        ),
+        "worker_busy_ratio": GaugeMetricFamily(
+            "embedserv_worker_busy_ratio",
+            "Share of the last 10 s the model's workers had a batch in flight, averaged over its workers",
+            labels=["model"],
+        ),
+    }
+    waiting = GaugeMetricFamily(
+        "vllm:num_requests_waiting", "embedserv_requests_waiting under vLLM's name", labels=["model_name"]
+    )
+    running = GaugeMetricFamily(
+        "vllm:num_requests_running", "embedserv_requests_running under vLLM's name", labels=["model_name"]
+    )
+    kv_usage = GaugeMetricFamily(
+        "vllm:kv_cache_usage_perc", "Share of the KV cache blocks in use, 0..1 (0: the model keeps no KV cache)",
+        labels=["model_name"],
+    )
+    cache_config = GaugeMetricFamily(
+        "vllm:cache_config_info", "The KV cache's size (generating models; value 1, the labels tell)",
+        labels=["model_name", "block_size", "num_gpu_blocks"],
+    )
+    lora = GaugeMetricFamily(
+        "vllm:lora_requests_info",
+        "LoRA adapters a model serves (all always loaded); the value is the scrape's Unix time",
+        labels=["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+    )
+    for engine in engines:
+        load = engine.current_load()
+        if load is None:
+            continue
+        name = engine.info.name
+        for field, family in ours.items():
+            family.add_metric([name], getattr(load, field))
+        waiting.add_metric([name], load.requests_waiting)
+        running.add_metric([name], load.requests_running)
+        usage = engine.kv_cache_usage()
+        kv_usage.add_metric([name], usage.used_blocks / usage.total_blocks if usage and usage.total_blocks else 0.0)
+        if usage is not None:
+            cache_config.add_metric([name, str(usage.block_size), str(usage.total_blocks)], 1)
+        adapters = engine.info.lora_adapters
+        if adapters:
+            lora.add_metric([name, str(len(adapters)), ",".join(adapters), ""], time.time())
+    yield from ours.values()
+    yield from (waiting, running, kv_usage, cache_config, lora)

@@ -38,7 +38,9 @@ class EmbeddingsBody(Body):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1, description="Keep the first N dimensions (Matryoshka), then normalize.")
     user: str | None = None
-    truncate: bool = Field(False, description="Extension: cut inputs past the model's limit instead of refusing.")
+    truncate: bool | None = Field(
+        None, description="Extension: cut inputs past the model's limit instead of refusing (unset: --auto-truncate)."
+    )
     prompt_name: str | None = Field(None, description="Extension: a prompt of the model's sentence-transformers config.")
     task: str | None = Field(
         None,

@@ -59,6 +59,7 @@ def test_openai(server, cut):
     np.testing.assert_allclose(reply.json()["data"][0]["embedding"], cut, atol=1e-6)
     assert _openai(http, "auto", truncate=False).status_code == 400
     assert _openai(http, "plain", truncate=True).status_code == 200
+    assert [http.get(f"/v1/models/{m}").json()["auto_truncate"] for m in ("plain", "auto")] == [False, True]
 
 
 def _tei(http, model: str, **fields):
@@ -93,3 +94,18 @@ def test_grpc_tei(server, cut):
     auto = (("x-embedserv-model", "auto"),)
     reply = stub.Embed(tei_pb2.EmbedRequest(inputs=LONG), metadata=auto, timeout=RPC_TIMEOUT_S)
     np.testing.assert_allclose(reply.embeddings, cut, atol=1e-6)
+
+
+def _rerank(http, model: str, **fields):
+    body = {"model": model, "query": "a long text", "documents": ["short", LONG], **fields}
+    return http.post("/v1/rerank", json=body)
+
+
+def test_cohere_rerank(server):
+    # MiniLM ranks by cosine: the long document is cut as Embed cuts it.
+    _, http = server
+    assert _rerank(http, "plain").status_code == 400
+    auto = _rerank(http, "auto")
+    assert auto.status_code == 200, auto.text
+    assert auto.json()["results"] == _rerank(http, "plain", truncate=True).json()["results"]
+    assert _rerank(http, "auto", truncate=False).status_code == 400

@@ -7,7 +7,13 @@ from __future__ import annotations
 import numpy as np
 
 from tests.helpers.client import RPC_TIMEOUT_S
-from tests.helpers.compat_http import assert_openai_error, assert_tei_error, http, pb, stub  # noqa: F401
+from tests.helpers.compat_http import (  # noqa: F401
+    assert_openai_error,
+    assert_tei_error,
+    http,
+    pb,
+    stub,
+)
 from tests.helpers.compat_server import EMBEDDER, MAX_CLIENT_BATCH
 
 TEXTS = [f"text number {i} about a server that splits calls" + " more" * (i % 7) for i in range(300)]

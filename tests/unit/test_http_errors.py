@@ -38,6 +38,11 @@ def test_malformed_json_says_where_and_names_no_param(client, path):
         assert reply.json()["error"]["param"] is None
 
 
+def test_an_empty_body_says_so(client):
+    reply = client.post("/v1/embeddings", content=b"", headers=JSON_TYPE)
+    assert reply.status_code == 400 and "the body is empty; send a JSON object" in reply.json()["error"]["message"]
+
+
 NOT_JSON = [{"content-type": "text/plain"}, {"content-type": "application/x-www-form-urlencoded"}, {}]
 
 

@@ -139,6 +139,8 @@ def json_error_message(position: int, document: object) -> str:
 
 
 def _error_part(error: dict, field: str) -> str:
+    if not field and error.get("type") == "missing":
+        return "the body is empty; send a JSON object"
     if error.get("type") == "extra_forbidden":
         return f"unrecognized request argument {field!r}; remove it (see /docs for this endpoint's fields)"
     got = _JSON_TYPES.get(type(error.get("input")))

@@ -223,6 +223,7 @@ def model_card(info: ModelInfo) -> dict:
         "tasks": [task.value for task in info.tasks],
         "max_model_len": info.max_input_tokens,
         "dimension": info.dimension or None,
+        "auto_truncate": info.auto_truncate,
         # vLLM's fields: a --lora adapter's parent (and root) is its base model; a base model is its own root.
         "root": info.base_model or info.name,
         "parent": info.base_model or None,

@@ -107,7 +107,9 @@ class LateChunking:
 @dataclass(frozen=True)
 class EmbedParams:
     normalize: bool = True
-    truncate: bool = False
+    # Cut inputs past the model's limit instead of refusing them; None: the model's default
+    # (ModelInfo.auto_truncate, --auto-truncate), resolved by the Engine.
+    truncate: bool | None = None
     truncation_direction: TruncationDirection = TruncationDirection.RIGHT
     # Keep only the first N dimensions, then normalize (Matryoshka).
     dimensions: int | None = None
@@ -137,8 +139,8 @@ class RerankParams:
     top_n: int | None = None
     # Logits instead of the model's activation (cross-encoders and yes/no rerankers).
     raw_scores: bool = False
-    # Cut documents that do not fit beside the query instead of refusing them.
-    truncate: bool = False
+    # Cut documents that do not fit beside the query instead of refusing them; None: the model's default.
+    truncate: bool | None = None
     # The task instruction of instruction-following rerankers; None uses the model's default.
     instruction: str | None = None
     # A document that does not fit beside the query is split into windows and scored by its best one.
@@ -147,7 +149,8 @@ class RerankParams:
 
 @dataclass(frozen=True)
 class ClassifyParams:
-    truncate: bool = False
+    # None: the model's default (ModelInfo.auto_truncate).
+    truncate: bool | None = None
     truncation_direction: TruncationDirection = TruncationDirection.RIGHT
     # Logits instead of softmax (sigmoid for multi-label models) probabilities; with candidate_labels, the
     # entailment logits.
@@ -318,3 +321,5 @@ class ModelInfo:
     base_model: str = ""
     # A base model's LoRA adapters, by served name.
     lora_adapters: tuple[str, ...] = ()
+    # --auto-truncate: calls that do not say `truncate` have their too-long inputs cut instead of refused.
+    auto_truncate: bool = False

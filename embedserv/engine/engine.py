@@ -9,7 +9,7 @@ futures; the event loop stays free meanwhile.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from embedserv.config import ModelConfig
 from embedserv.engine import checks
@@ -28,6 +28,8 @@ from embedserv.types import (
     ClassifyParams, ClassifyResult, EmbedParams, EmbedResult, GenerationDelta, KvCacheUsage, ModelInfo, RerankParams,
     RerankResult, SamplingParams, Task, TokenizedText,
 )
+
+Params = TypeVar("Params", EmbedParams, RerankParams, ClassifyParams)
 
 
 class Engine:
@@ -138,14 +140,24 @@ class Engine:
         has it)."""
         return self.core.cache_stats()
 
+    def truncates(self, requested: bool | None) -> bool:
+        """Whether a call cuts too-long inputs: its own `truncate` when it says one, else the model's
+        --auto-truncate. Every face's calls are resolved here, so the default lives in one place."""
+        return self.info.auto_truncate if requested is None else requested
+
+    def _truncating(self, params: Params) -> Params:
+        return params if params.truncate is not None else replace(params, truncate=self.info.auto_truncate)
+
     async def embed(self, texts: list[str], params: EmbedParams) -> EmbedResult:
         """The outputs `params.outputs` names (dense, sparse, token vectors) per text, from one forward pass,
         the dense vectors in the call's encoding."""
+        params = self._truncating(params)
         return await self.encodings.apply(await self.embedding.embed(texts, params), params)
 
     async def embed_token_ids(self, token_ids: list[list[int]], params: EmbedParams) -> EmbedResult:
         """Embeds pre-tokenized inputs, used as given (OpenAI's token-id `input`; no prompt, no special tokens
         added)."""
+        params = self._truncating(params)
         return await self.encodings.apply(await self.embedding.embed_token_ids(token_ids, params), params)
 
     async def encoded(self, result: EmbedResult, params: EmbedParams) -> EmbedResult:
@@ -156,11 +168,11 @@ class Engine:
         """Documents scored against the query, best first: by the model's score head (cross-encoders,
         yes/no rerankers), by cosine similarity of embeddings (embedders), or by MaxSim of token vectors
         (late-interaction models); with chunking, by each document's best window."""
-        return await self.reranking.rerank(query, documents, params)
+        return await self.reranking.rerank(query, documents, self._truncating(params))
 
     async def classify(self, texts: list[str], params: ClassifyParams) -> ClassifyResult:
         """Every label's score per input; with candidate_labels, those labels' zero-shot scores (an NLI model)."""
-        return await self.classification.classify(texts, params)
+        return await self.classification.classify(texts, self._truncating(params))
 
     async def chat_prompt(self, messages: list[dict]) -> str:
         """The prompt text the model's chat template makes of `messages` (refused when it has none)."""

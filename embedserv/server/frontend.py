@@ -100,8 +100,8 @@ class Frontend:
     def check_batch(self, count: int, what: str = "inputs") -> None:
         if count > self.config.max_client_batch_size:
             raise InvalidInput(
-                f"{count} {what} is more than --max-client-batch-size {self.config.max_client_batch_size}; "
-                "split the call"
+                f"{what} holds {count} items, more than --max-client-batch-size {self.config.max_client_batch_size} "
+                "allows in one call; split them over several calls"
             )
 
     def check_chars(self, text: str, what: str) -> None:

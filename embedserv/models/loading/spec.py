@@ -238,6 +238,7 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
         multi_vector_dimension=outputs.multi_vector_dimension,
         adapters=tuple(getattr(hf_config, "lora_adaptations", None) or ()),
         lora_adapters=tuple(adapter.name for adapter in lora),
+        auto_truncate=config.auto_truncate,
     )
     return ModelSpec(
         info=info, task=task, max_model_len=max_positions, model_dir=model_dir, hf_config=hf_config,

@@ -86,7 +86,8 @@ def embed_params(request: pb.EmbedRequest) -> EmbedParams:
         raise InvalidInput(f"Embed chunks with CHUNKING_MEAN (or CHUNKING_NONE), not {_chunking_name(request.chunking)}")
     return EmbedParams(
         normalize=request.normalize if request.HasField("normalize") else True,
-        truncate=request.truncate,
+        # A proto3 bool has no "unset": false leaves it to the model's --auto-truncate.
+        truncate=request.truncate or None,
         truncation_direction=direction,
         dimensions=request.dimensions if request.HasField("dimensions") else None,
         prompt_name=request.prompt_name or None,
@@ -268,7 +269,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         engine = self._engine(request.model, call)
         texts = self.frontend.check_inputs(request.inputs)
         params = EmbedParams(
-            truncate=request.truncate, truncation_direction=_direction(request.truncation_direction),
+            truncate=request.truncate or None, truncation_direction=_direction(request.truncation_direction),
             prompt_name=request.prompt_name or None, outputs=(EmbedOutput.SPARSE,),
             sparse_top_k=request.top_k if request.HasField("top_k") else None,
         )
@@ -285,9 +286,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         received = time.perf_counter()
         engine = self._engine(request.model, call)
         texts = self.frontend.check_inputs(request.inputs)
-        params = EmbedParams(
-            truncate=request.truncate, prompt_name=request.prompt_name or None, outputs=(EmbedOutput.MULTI_VECTOR,)
-        )
+        truncate, prompt = request.truncate or None, request.prompt_name or None
+        params = EmbedParams(truncate=truncate, prompt_name=prompt, outputs=(EmbedOutput.MULTI_VECTOR,))
         with self.frontend.hold(len(texts)):
             result = await engine.embed(texts, params)
         call.answered(len(texts), result.prompt_tokens, result.timing)
@@ -336,7 +336,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         params = RerankParams(
             top_n=request.top_n if request.HasField("top_n") else None,
             raw_scores=request.raw_scores,
-            truncate=request.truncate,
+            truncate=request.truncate or None,
             instruction=request.instruction or None,
             chunking=_rerank_chunking(request.chunking),
         )
@@ -359,7 +359,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             list(request.candidate_labels), request.hypothesis_template, len(texts)
         )
         params = ClassifyParams(
-            truncate=request.truncate,
+            truncate=request.truncate or None,
             truncation_direction=_direction(request.truncation_direction),
             raw_scores=request.raw_scores,
             candidate_labels=tuple(request.candidate_labels),

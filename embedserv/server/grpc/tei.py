@@ -146,7 +146,7 @@ class EmbedServicer(_TeiServicer, pb_grpc.EmbedServicer):
         params = EmbedParams(
             # TEI normalizes unless told not to.
             normalize=request.normalize if request.HasField("normalize") else True,
-            truncate=request.truncate,
+            truncate=request.truncate or None,
             truncation_direction=direction(request.truncation_direction),
             dimensions=request.dimensions if request.HasField("dimensions") else None,
             prompt_name=request.prompt_name or None,
@@ -173,7 +173,7 @@ class EmbedServicer(_TeiServicer, pb_grpc.EmbedServicer):
         engine = self._engine(context, call, _OUTPUT_TASKS[output])
         text = self._text(request.inputs)
         params = EmbedParams(
-            truncate=request.truncate,
+            truncate=request.truncate or None,
             truncation_direction=direction(request.truncation_direction),
             prompt_name=request.prompt_name or None,
             outputs=(output,),
@@ -218,7 +218,7 @@ class PredictServicer(_TeiServicer, pb_grpc.PredictServicer):
         engine = self._engine(context, call, Task.CLASSIFY)
         text = self._text(text)
         params = ClassifyParams(
-            truncate=request.truncate,
+            truncate=request.truncate or None,
             truncation_direction=direction(request.truncation_direction),
             raw_scores=request.raw_scores,
         )
@@ -245,7 +245,7 @@ class PredictServicer(_TeiServicer, pb_grpc.PredictServicer):
         first, second = (self._text(text, f"inputs[{i}]") for i, text in enumerate(request.inputs))
         right_only(request.truncation_direction, "PredictPair")
         with self.frontend.hold(1):
-            params = RerankParams(raw_scores=request.raw_scores, truncate=request.truncate)
+            params = RerankParams(raw_scores=request.raw_scores, truncate=request.truncate or None)
             result = await engine.rerank(first, [second], params)
         call.answered(1, result.prompt_tokens, result.timing)
         return pb.PredictResponse(
@@ -279,7 +279,7 @@ class RerankServicer(_TeiServicer, pb_grpc.RerankServicer):
         texts = self.frontend.check_inputs(request.texts, "texts")
         self.frontend.check_chars(request.query, "query")
         right_only(request.truncation_direction, "Rerank")
-        params = RerankParams(raw_scores=request.raw_scores, truncate=request.truncate)
+        params = RerankParams(raw_scores=request.raw_scores, truncate=request.truncate or None)
         with self.frontend.hold(len(texts)):
             result = await engine.rerank(request.query, texts, params)
         call.answered(len(texts), result.prompt_tokens, result.timing)
@@ -305,7 +305,7 @@ class RerankServicer(_TeiServicer, pb_grpc.RerankServicer):
             self.frontend.check_chars(request.query, f"request {count} query")
             self.frontend.check_chars(request.text, f"request {count} text")
             right_only(request.truncation_direction, "RerankStream")
-            indices, texts = groups.setdefault((request.query, request.truncate), ([], []))
+            indices, texts = groups.setdefault((request.query, request.truncate or None), ([], []))
             indices.append(count)
             texts.append(request.text)
             count += 1

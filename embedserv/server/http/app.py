@@ -79,7 +79,13 @@ def build_app(frontend: Frontend) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError):
         style = error_style(request)
-        message, param = validation_message(list(exc.errors()))
+        errors = list(exc.errors())
+        on_body = any(error.get("loc", ("",))[0] == "body" for error in errors)
+        if on_body and not _is_json(request.headers.get("content-type", "")):
+            # FastAPI reads any other body as bytes and says only that it is no object.
+            got = request.headers.get("content-type") or "no Content-Type"
+            return error_response(style, 415, f"send the body as JSON with Content-Type: application/json (got {got})")
+        message, param = validation_message(errors, exc.body)
         return error_response(style, 422 if style == "tei" else 400, message, param)
 
     @app.exception_handler(StarletteHTTPException)
@@ -99,6 +105,11 @@ def build_app(frontend: Frontend) -> FastAPI:
         return exception_response(request, exc)
 
     return app
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";")[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
 
 
 def _tls_context(config) -> ssl.SSLContext | None:

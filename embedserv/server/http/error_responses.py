@@ -54,6 +54,7 @@ _KINDS = {
     404: ("invalid_request_error", "validation"),
     405: ("invalid_request_error", "validation"),
     413: ("invalid_request_error", "validation"),
+    415: ("invalid_request_error", "validation"),
     422: ("invalid_request_error", "validation"),
     429: ("rate_limit_error", "overloaded"),
     500: ("server_error", "backend"),
@@ -101,8 +102,13 @@ def error_body(style: str, status: int, message: str, param: str | None = None, 
     return {"error": {"message": message, "type": openai_type, "param": param, "code": code or _OPENAI_CODES.get(status)}}
 
 
+# Seconds a refused (429) caller should wait: admission frees up as calls in flight end, well within a second.
+RETRY_AFTER_S = 1
+
+
 def error_response(style: str, status: int, message: str, param: str | None = None, code: str | None = None) -> JSON:
-    return JSON(error_body(style, status, message, param, code), status_code=status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+    return JSON(error_body(style, status, message, param, code), status_code=status, headers=headers)
 
 
 def exception_response(request: Request, exc: BaseException) -> JSON:
@@ -111,13 +117,54 @@ def exception_response(request: Request, exc: BaseException) -> JSON:
     return error_response(style, status_of(exc, style), message_of(exc), getattr(exc, "param", None), code)
 
 
-def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+# Fields of several accepted shapes: one sentence instead of pydantic's error per alternative.
+_SHAPES = {
+    "input": "input must be a string, a list of strings, a list of token ids or a list of lists of token ids",
+    "inputs": "inputs must be a string, a list of strings, a list of token ids or a list of lists of token ids",
+}
+_JSON_TYPES = {
+    str: "a string", bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object",
+}
+
+
+def json_error_message(position: int, document: object) -> str:
+    """Where a body fails to parse, as line, column and character offset."""
+    text = document if isinstance(document, str) else ""
+    line = text.count("\n", 0, position) + 1
+    column = position - (text.rfind("\n", 0, position) + 1) + 1
+    return (
+        f"the body is not valid JSON (line {line}, column {column}, offset {position}); "
+        "send a JSON object with Content-Type: application/json"
+    )
+
+
+def _error_part(error: dict, field: str) -> str:
+    if not field and error.get("type") == "missing":
+        return "the body is empty; send a JSON object"
+    if error.get("type") == "extra_forbidden":
+        return f"unrecognized request argument {field!r}; remove it (see /docs for this endpoint's fields)"
+    got = _JSON_TYPES.get(type(error.get("input")))
+    strict_type = str(error.get("type", "")).endswith("_type") and got is not None
+    return f"{field or 'body'}: {error.get('msg', 'invalid')}" + (f", not {got}" if strict_type else "")
+
+
+def validation_message(errors: list[dict], body: object = None) -> tuple[str, str | None]:
     """A pydantic/FastAPI validation error list as one sentence, and the first field it names."""
-    parts, param = [], None
-    for error in errors[:5]:
+    if errors and errors[0].get("type") == "json_invalid":
+        location = errors[0].get("loc", ())
+        return json_error_message(location[-1] if isinstance(location[-1], int) else 0, body), None
+    parts, param, seen = [], None, set()
+    for error in errors:
         location = [str(x) for x in error.get("loc", ()) if x != "body"]
+        top = location[0] if location else ""
+        if top in _SHAPES and len(location) == 2:  # the union's alternative, e.g. input.list[str]
+            if top not in seen:
+                seen.add(top)
+                parts.append(_SHAPES[top])
+            param = param or top
+            continue
         field = ".".join(location)
         param = param or field or None
-        parts.append(f"{field or 'body'}: {error.get('msg', 'invalid')}")
-    more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
-    return "invalid request: " + "; ".join(parts) + more, param
+        parts.append(_error_part(error, field))
+    more = f" (and {len(parts) - 5} more)" if len(parts) > 5 else ""
+    return "invalid request: " + "; ".join(parts[:5]) + more, param

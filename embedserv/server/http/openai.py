@@ -5,47 +5,60 @@ changing their base URL. Extensions a client may send beside OpenAI's fields: `t
 the model's limit instead of refusing them), `prompt_name` (a sentence-transformers prompt),
 `normalize` (default true, as OpenAI's vectors are unit length), `embedding_type` (a compact encoding of the
 vectors, see `embeddings`), `chunking` ("mean": texts past the model's limit are embedded by windows) and
-`late_chunking` (one vector per chunk of each text; late_chunks.py).
+`late_chunking` (one vector per chunk of each text; late_chunks.py). /v1/embeddings takes OpenAI's 2048 inputs a
+call (run in slices of --max-client-batch-size) and, as OpenAI does, refuses fields it does not know.
 """
 
 from __future__ import annotations
 
 import base64
 import time
-from typing import Literal
+from dataclasses import fields, replace
+from typing import Callable, Literal
 
 import numpy as np
 from fastapi import APIRouter, Request
-from pydantic import Field
+from pydantic import ConfigDict, Field, StrictBool, StrictInt
 
 from embedserv.errors import InvalidInput
+from embedserv.server.frontend import Frontend
 from embedserv.server.http.common import Body, call_of, engine_named, frontend_of
 from embedserv.server.http.error_responses import JSON
 from embedserv.server.http.late_chunks import LateChunkingBody, chunk_items
 from embedserv.server.http.openai_generate import router as generation_router
-from embedserv.types import EmbedParams, Encoding, ModelInfo, TruncationDirection
+from embedserv.types import EmbedParams, EmbedResult, Encoding, ModelInfo, Timing, TruncationDirection
 
 router = APIRouter()
 router.include_router(generation_router)
 _STARTED = int(time.time())
+# OpenAI's own limit per embeddings call; past --max-client-batch-size a call runs in consecutive slices.
+MAX_INPUTS = 2048
 
 
 class EmbeddingsBody(Body):
+    """Unknown fields are refused, as OpenAI's API does; the fields the openai SDK, LangChain and LlamaIndex send
+    (input, model, dimensions, encoding_format, user) are OpenAI's own. Numbers and booleans are strict."""
+
+    model_config = ConfigDict(extra="forbid")
     input: str | list[str] | list[int] | list[list[int]] = Field(
         description="A text, a list of texts, token ids, or a list of token-id lists (used as given)."
     )
     model: str | None = Field(None, description="A served model name; empty or absent: the first served model.")
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1, description="Keep the first N dimensions (Matryoshka), then normalize.")
+    dimensions: StrictInt | None = Field(
+        None, ge=1, description="Keep the first N dimensions (Matryoshka), then normalize."
+    )
     user: str | None = None
-    truncate: bool = Field(False, description="Extension: cut inputs past the model's limit instead of refusing.")
+    truncate: StrictBool | None = Field(
+        None, description="Extension: cut inputs past the model's limit instead of refusing (unset: --auto-truncate)."
+    )
     prompt_name: str | None = Field(None, description="Extension: a prompt of the model's sentence-transformers config.")
     task: str | None = Field(
         None,
         description="Extension: the task adapter to run with (the model's adapters, e.g. jina-embeddings-v3's "
         "retrieval.query), and that task's prompt unless prompt_name names one.",
     )
-    normalize: bool = Field(True, description="Extension: L2-normalize each vector.")
+    normalize: StrictBool = Field(True, description="Extension: L2-normalize each vector.")
     embedding_type: Literal[
         "float32", "float16", "int8", "uint8", "int8_per_dimension", "uint8_per_dimension", "binary", "ubinary"
     ] = Field(
@@ -61,7 +74,7 @@ class EmbeddingsBody(Body):
     late_chunking: LateChunkingBody | None = Field(
         None, description="Extension: one vector per chunk of each text, pooled from the whole text's token states."
     )
-    bypass_cache: bool = Field(
+    bypass_cache: StrictBool = Field(
         False, description="Extension: neither read nor fill the model's embedding cache (--embedding-cache)."
     )
 
@@ -106,7 +119,8 @@ async def embeddings(request: Request, body: EmbeddingsBody):
     first: [ceil(dimension / 8)] int8 / uint8). int8 / uint8 responses carry `encoding_scale` (an extension).
     With encoding_format float each embedding is a list of numbers (floats for float32 / float16, ints for the
     rest); with base64, the base64 of its raw little-endian bytes (4, 2 or 1 per value).
-    `chunking: "mean"` (an extension, text inputs only) embeds texts past the model's limit by windows."""
+    `chunking: "mean"` (an extension, text inputs only) embeds texts past the model's limit by windows.
+    Up to 2048 inputs per call, as OpenAI's own API takes."""
     frontend = frontend_of(request)
     engine = engine_named(request, body.model)
     params = EmbedParams(
@@ -126,13 +140,12 @@ async def embeddings(request: Request, body: EmbeddingsBody):
         if params.chunking:
             raise InvalidInput("chunking applies to text inputs; token-id inputs are used as given")
         token_ids = [inputs] if isinstance(inputs[0], int) else inputs
-        frontend.check_batch(len(token_ids), "input")
-        with frontend.hold(len(token_ids)):
-            result = await engine.embed_token_ids(token_ids, params)
+        result = await _in_slices(frontend, _checked_count(token_ids), engine.embed_token_ids, params)
     else:
-        texts = frontend.check_inputs(inputs, "input")
-        with frontend.hold(len(texts)):
-            result = await engine.embed(texts, params)
+        texts = _checked_count(inputs)
+        for index, text in enumerate(texts):
+            frontend.check_chars(text, f"input[{index}]")
+        result = await _in_slices(frontend, texts, engine.embed, params)
     answered = result.chunks if result.chunks is not None else result.embeddings
     call_of(request).answered(len(answered), result.prompt_tokens, result.timing)
     if result.chunks is not None:
@@ -145,6 +158,52 @@ async def embeddings(request: Request, body: EmbeddingsBody):
     if result.encoding_scale:
         response["encoding_scale"] = result.encoding_scale
     return JSON(response)
+
+
+def _checked_count(inputs: list) -> list:
+    if not inputs:
+        raise InvalidInput("input is empty; send at least one text")
+    if len(inputs) > MAX_INPUTS:
+        raise InvalidInput(
+            f"this endpoint takes at most {MAX_INPUTS} inputs per request; got {len(inputs)}: "
+            "split them over several requests"
+        )
+    return inputs
+
+
+async def _in_slices(frontend: Frontend, inputs: list, embed: Callable, params: EmbedParams) -> EmbedResult:
+    """A call past --max-client-batch-size as consecutive engine calls within it, each admitted on its own (so
+    --max-concurrent-requests still holds), merged in input order with their usage summed."""
+    size = frontend.config.max_client_batch_size
+    spans = params.late_chunking.spans if params.late_chunking is not None else ()
+    if spans and len(spans) != len(inputs) and len(inputs) > size:
+        raise InvalidInput(f"late_chunking.spans has {len(spans)} entries for {len(inputs)} inputs; give one per input")
+    results = []
+    for start in range(0, len(inputs), size):
+        part = inputs[start:start + size]
+        with frontend.hold(len(part)):
+            results.append(await embed(part, _slice_of(params, start, start + size)))
+    if len(results) == 1:
+        return results[0]
+    first = results[0]
+
+    def joined(name: str):
+        return None if getattr(first, name) is None else [x for r in results for x in getattr(r, name)]
+
+    timing = Timing(*(sum(getattr(r.timing, f.name) for r in results) for f in fields(Timing)))
+    return replace(
+        first, embeddings=None if first.embeddings is None else np.concatenate([r.embeddings for r in results]),
+        prompt_tokens=sum(r.prompt_tokens for r in results), timing=timing, sparse=joined("sparse"),
+        multi_vectors=joined("multi_vectors"), chunks=joined("chunks"),
+    )
+
+
+def _slice_of(params: EmbedParams, start: int, stop: int) -> EmbedParams:
+    """The call's params for its inputs [start, stop): late chunking's per-input spans are sliced with them."""
+    chunking = params.late_chunking
+    if chunking is None or not chunking.spans:
+        return params
+    return replace(params, late_chunking=replace(chunking, spans=chunking.spans[start:stop]))
 
 
 def _vectors(rows: np.ndarray, encoding_format: str) -> list:
@@ -164,6 +223,7 @@ def model_card(info: ModelInfo) -> dict:
         "tasks": [task.value for task in info.tasks],
         "max_model_len": info.max_input_tokens,
         "dimension": info.dimension or None,
+        "auto_truncate": info.auto_truncate,
         # vLLM's fields: a --lora adapter's parent (and root) is its base model; a base model is its own root.
         "root": info.base_model or info.name,
         "parent": info.base_model or None,

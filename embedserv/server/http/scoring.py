@@ -129,7 +129,7 @@ async def _tei_rerank(request: Request, body: TeiRerankRequest) -> JSON:
     engine = engine_for_task(request, Task.RERANK)
     require_some(body.texts, "texts")
     frontend_of(request).check_inputs(body.texts, "texts")
-    truncate = bool(body.truncate)
+    truncate = engine.truncates(body.truncate)
     check_direction(body.truncation_direction, truncate, "rerank")
     params = RerankParams(raw_scores=body.raw_scores, truncate=truncate, chunking=body.chunking == "max")
     result = await rerank_documents(request, engine, body.query, body.texts, params)

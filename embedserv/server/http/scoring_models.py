@@ -12,7 +12,10 @@ from embedserv.server.http.common import Body
 from embedserv.server.http.tei_models import CHUNKING, NON_EMPTY, NonEmptyText, NonNegativeInt
 
 _MODEL = "A served model's name; unset: the x-embedserv-model header's, else the first that serves the task"
-_TRUNCATE = "Cut inputs longer than the model's limit instead of refusing them (an embedserv extra)"
+_TRUNCATE = (
+    "Cut inputs longer than the model's limit instead of refusing them (an embedserv extra; unset: the server's "
+    "--auto-truncate)"
+)
 _RAW = "Logits instead of the model's activation (an embedserv extra)"
 Texts = Union[StrictStr, list[StrictStr]]
 
@@ -31,7 +34,7 @@ class RerankRequest(Body):
     return_documents: StrictBool = Field(
         True, description="Echo each document as {text} (Jina's and vLLM's default; Cohere's is false)"
     )
-    truncate: StrictBool = Field(False, description=_TRUNCATE)
+    truncate: StrictBool | None = Field(None, description=_TRUNCATE)
     raw_scores: StrictBool = Field(False, description=_RAW)
     instruction: str | None = Field(None, description="The task instruction of instruction-following rerankers")
     chunking: Literal["max"] | None = Field(None, description=CHUNKING)
@@ -40,7 +43,7 @@ class RerankRequest(Body):
 class ClassifyRequest(Body):
     model: str | None = Field(None, description=_MODEL)
     input: Texts = Field(json_schema_extra=NON_EMPTY)
-    truncate: StrictBool = Field(False, description=_TRUNCATE)
+    truncate: StrictBool | None = Field(None, description=_TRUNCATE)
     raw_scores: StrictBool = Field(False, description=_RAW)
 
 
@@ -50,7 +53,7 @@ class ScoreRequest(Body):
         description="One text (scored against every text_2) or as many texts as text_2", json_schema_extra=NON_EMPTY
     )
     text_2: Texts = Field(json_schema_extra=NON_EMPTY)
-    truncate: StrictBool = Field(False, description=_TRUNCATE)
+    truncate: StrictBool | None = Field(None, description=_TRUNCATE)
     raw_scores: StrictBool = Field(False, description=_RAW)
 
 

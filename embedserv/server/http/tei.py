@@ -99,7 +99,7 @@ def _in_input_order(
 
 def _text_params(body: TeiEmbedAllRequest, output: EmbedOutput) -> EmbedParams:
     return EmbedParams(
-        truncate=bool(body.truncate), truncation_direction=body.truncation_direction, prompt_name=body.prompt_name,
+        truncate=body.truncate, truncation_direction=body.truncation_direction, prompt_name=body.prompt_name,
         outputs=(output,),
     )
 
@@ -109,7 +109,7 @@ async def embed(request: Request, body: TeiEmbedRequest):
     """Pooled embeddings, one per input, in input order. Token-id inputs are used as given."""
     params = EmbedParams(
         normalize=body.normalize,
-        truncate=bool(body.truncate),
+        truncate=body.truncate,
         truncation_direction=body.truncation_direction,
         dimensions=body.dimensions,
         prompt_name=body.prompt_name,
@@ -150,7 +150,7 @@ def _pair_scorer(request: Request) -> Engine:
 
 
 async def _predict_pairs(engine: Engine, pairs: list[tuple[str, str]], body: TeiPredictRequest):
-    truncate = bool(body.truncate)
+    truncate = engine.truncates(body.truncate)
     check_direction(body.truncation_direction, truncate, "pairs")
     scores, tokens, _ = await score_pairs(engine, pairs, RerankParams(raw_scores=body.raw_scores, truncate=truncate))
     return [[{"score": s, "label": engine.info.labels[0]}] for s in scores], tokens
@@ -158,7 +158,7 @@ async def _predict_pairs(engine: Engine, pairs: list[tuple[str, str]], body: Tei
 
 async def _predict_texts(engine: Engine, texts: list[str], body: TeiPredictRequest):
     params = ClassifyParams(
-        truncate=bool(body.truncate), truncation_direction=body.truncation_direction, raw_scores=body.raw_scores
+        truncate=body.truncate, truncation_direction=body.truncation_direction, raw_scores=body.raw_scores
     )
     result = await engine.classify(texts, params)
     predictions = []
@@ -252,7 +252,7 @@ async def info(request: Request):
         "max_batch_tokens": engine.config.batch_token_budget,
         "max_batch_requests": engine.config.max_batch_requests,
         "max_client_batch_size": config.max_client_batch_size,
-        "auto_truncate": False,
+        "auto_truncate": engine.info.auto_truncate,
         "tokenization_workers": config.tokenizer_threads,
         "version": embedserv.__version__,
         "sha": None,

@@ -1,8 +1,8 @@
 """The bodies and answers of text-embeddings-inference's HTTP API (router/src/http/types.rs), as pydantic
 models for validation and /openapi.json, and the helpers that turn TEI's loose input shapes into lists.
 
-Defaults are TEI's: normalize and add_special_tokens and skip_special_tokens true, truncate false (TEI's
-`--auto-truncate` off), truncation_direction right. TEI accepts `Left`/`left`; we accept any case.
+Defaults are TEI's: normalize and add_special_tokens and skip_special_tokens true, truncate the server's
+--auto-truncate (false unless set, as TEI's), truncation_direction right. TEI accepts `Left`/`left`; we accept any case.
 """
 
 from __future__ import annotations
@@ -38,7 +38,10 @@ _DIRECTIONS = ["right", "left", "Right", "Left", "RIGHT", "LEFT"]
 Direction = Annotated[
     str, AfterValidator(_direction), WithJsonSchema({"type": "string", "enum": _DIRECTIONS, "description": "any case"})
 ]
-_TRUNCATE = "Cut inputs longer than the model's limit instead of refusing them (null: false, TEI's default)."
+_TRUNCATE = (
+    "Cut inputs longer than the model's limit instead of refusing them (null: the server's --auto-truncate, "
+    "false unless set, as TEI)"
+)
 TokenIds = list[NonNegativeInt]
 CHUNKING = (
     "An embedserv extra: max scores a document that does not fit beside the query by its best window (windows of "

@@ -1,7 +1,8 @@
 """--auto-truncate (the per-model `auto_truncate` key): the same MiniLM served twice, `plain` without it and
 `auto` with it. Over each face (HTTP OpenAI, HTTP TEI, gRPC Inference, gRPC tei.v1) a too-long input is
 refused by `plain` and cut by `auto` to the vector an explicit truncate gives; a request's own
-truncate=false still wins where the face can say it (HTTP; a proto3 bool cannot say "unset")."""
+truncate=false still wins where the face can say it (HTTP bodies and our gRPC's optional bool; TEI's gRPC
+truncate is a plain proto3 bool, which cannot say "unset", so false there is unset, as in TEI)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def server(tmp_path_factory):
         with grpc.insecure_channel(target) as channel, httpx.Client(
             base_url=f"http://127.0.0.1:{http_port}", timeout=RPC_TIMEOUT_S
         ) as http:
-            yield channel, http
+            yield channel, http, target
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def _openai(http, model: str, **fields):
 
 
 def test_openai(server, cut):
-    _, http = server
+    http = server[1]
     refused = _openai(http, "plain")
     assert refused.status_code == 400 and "truncate" in refused.json()["error"]["message"], refused.text
     reply = _openai(http, "auto")
@@ -67,7 +68,7 @@ def _tei(http, model: str, **fields):
 
 
 def test_tei_http(server, cut):
-    _, http = server
+    http = server[1]
     assert _tei(http, "plain").status_code == 422
     reply = _tei(http, "auto")
     assert reply.status_code == 200, reply.text
@@ -84,6 +85,24 @@ def test_grpc_inference(server, cut):
     assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     reply = stub.Embed(pb.EmbedRequest(model="auto", inputs=[LONG]), timeout=RPC_TIMEOUT_S)
     np.testing.assert_allclose(reply.embeddings[0].values, cut, atol=1e-6)
+    with pytest.raises(grpc.RpcError) as still_refused:
+        stub.Embed(pb.EmbedRequest(model="auto", inputs=[LONG], truncate=False), timeout=RPC_TIMEOUT_S)
+    assert still_refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    models = stub.ListModels(pb.ListModelsRequest(), timeout=RPC_TIMEOUT_S).models
+    assert {m.name: m.auto_truncate for m in models} == {"plain": False, "auto": True}
+
+
+def test_python_client(server, cut):
+    # truncate=None (the client's default) leaves the field unset: the model's setting decides.
+    from embedserv_client import Client
+
+    with Client(server[2]) as client:
+        with pytest.raises(Exception, match="truncate"):
+            client.embed([LONG], model="plain")
+        np.testing.assert_allclose(client.embed([LONG], model="auto")[0], cut, atol=1e-6)
+        with pytest.raises(Exception, match="truncate"):
+            client.embed([LONG], model="auto", truncate=False)
+        assert {m.name: m.auto_truncate for m in client.models()} == {"plain": False, "auto": True}
 
 
 def test_grpc_tei(server, cut):
@@ -103,7 +122,7 @@ def _rerank(http, model: str, **fields):
 
 def test_cohere_rerank(server):
     # MiniLM ranks by cosine: the long document is cut as Embed cuts it.
-    _, http = server
+    http = server[1]
     assert _rerank(http, "plain").status_code == 400
     auto = _rerank(http, "auto")
     assert auto.status_code == 200, auto.text

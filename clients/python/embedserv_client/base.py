@@ -66,7 +66,7 @@ class ClientSettings:
         fields = plans.embed_fields(
             self.model_name(params.pop("model", None)),
             params.pop("normalize", None),
-            params.pop("truncate", False),
+            params.pop("truncate", None),
             params.pop("truncation_direction", "right"),
             params.pop("dimensions", None),
             params.pop("prompt_name", None),
@@ -96,7 +96,7 @@ class ClientSettings:
         model: str | None,
         return_documents: bool,
         raw_scores: bool,
-        truncate: bool,
+        truncate: bool | None,
         instruction: str,
         chunking: str | None = None,
     ) -> dict:
@@ -113,7 +113,7 @@ class ClientSettings:
         self,
         model: str | None,
         top_k: int | None,
-        truncate: bool,
+        truncate: bool | None,
         truncation_direction: str,
         prompt_name: str | None,
     ) -> dict:
@@ -126,7 +126,7 @@ class ClientSettings:
             fields["prompt_name"] = prompt_name
         return fields
 
-    def multi_vector_fields(self, model: str | None, truncate: bool, prompt_name: str | None) -> dict:
+    def multi_vector_fields(self, model: str | None, truncate: bool | None, prompt_name: str | None) -> dict:
         fields = dict(model=self.model_name(model), truncate=truncate)
         if prompt_name:
             fields["prompt_name"] = prompt_name
@@ -136,7 +136,7 @@ class ClientSettings:
         self,
         model: str | None,
         raw_scores: bool,
-        truncate: bool,
+        truncate: bool | None,
         truncation_direction: str,
         candidate_labels: Sequence[str] | str | None = None,
         hypothesis_template: str = "",

@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     embed.add_argument("texts", nargs="*", metavar="TEXT")
     embed.add_argument("--dimensions", type=int)
     embed.add_argument("--no-normalize", action="store_true")
-    embed.add_argument("--truncate", action="store_true")
+    embed.add_argument("--truncate", action=argparse.BooleanOptionalAction)
     embed.add_argument("--prompt-name")
     embed.add_argument("--task", help="the model's task adapter (ListModels' adapters), e.g. retrieval.query")
     embed.add_argument(
@@ -60,23 +60,23 @@ def _parser() -> argparse.ArgumentParser:
     sparse = commands.add_parser("embed-sparse", help="sparse vectors: {indices, values} per text")
     sparse.add_argument("texts", nargs="+", metavar="TEXT")
     sparse.add_argument("--top-k", type=int, help="keep each text's largest values")
-    sparse.add_argument("--truncate", action="store_true")
+    sparse.add_argument("--truncate", action=argparse.BooleanOptionalAction)
 
     multi = commands.add_parser("embed-multi-vector", help="token vectors: a [num_vectors, dim] list per text")
     multi.add_argument("texts", nargs="+", metavar="TEXT")
     multi.add_argument("--prompt-name", help='"query" or "document" for late-interaction models')
-    multi.add_argument("--truncate", action="store_true")
+    multi.add_argument("--truncate", action=argparse.BooleanOptionalAction)
 
     rerank = commands.add_parser("rerank", help="score documents against a query, best first")
     rerank.add_argument("query")
     rerank.add_argument("documents", nargs="+", metavar="DOCUMENT")
     rerank.add_argument("--top-n", type=int)
-    rerank.add_argument("--truncate", action="store_true")
+    rerank.add_argument("--truncate", action=argparse.BooleanOptionalAction)
     rerank.add_argument("--chunking", choices=["max"], help="score a too-long document by its best window")
 
     classify = commands.add_parser("classify", help="label texts")
     classify.add_argument("texts", nargs="+", metavar="TEXT")
-    classify.add_argument("--truncate", action="store_true")
+    classify.add_argument("--truncate", action=argparse.BooleanOptionalAction)
     classify.add_argument("--label", dest="candidate_labels", action="append", default=[],
                           help="a candidate label for zero-shot classification with an NLI model (repeat it)")
     classify.add_argument("--hypothesis-template", default="", help='default: "This example is {}."')

@@ -166,7 +166,7 @@ def embed_plan(texts: list[str], size: int, single: bool, **fields) -> Plan:
 def embed_fields(
     model: str,
     normalize: bool | None,
-    truncate: bool,
+    truncate: bool | None,
     truncation_direction: str,
     dimensions: int | None,
     prompt_name: str | None,

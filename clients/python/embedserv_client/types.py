@@ -111,6 +111,8 @@ class ModelInfo:
     multi_vector_dimension: int = 0
     # The task adapters embed(task=...) may name (jina-embeddings-v3's retrieval.query, ...); usually empty.
     adapters: tuple[str, ...] = ()
+    # Served with --auto-truncate: a call that leaves `truncate` None has its too-long inputs cut, not refused.
+    auto_truncate: bool = False
 
     @classmethod
     def from_proto(cls, m: pb.ModelInfo) -> ModelInfo:
@@ -145,6 +147,7 @@ class ModelInfo:
             sparse_dimension=m.sparse_dimension,
             multi_vector_dimension=m.multi_vector_dimension,
             adapters=tuple(m.adapters),
+            auto_truncate=m.auto_truncate,
         )
 
 

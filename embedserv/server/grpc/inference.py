@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import grpc
@@ -75,7 +76,6 @@ _FINISH_REASONS = {
 
 
 def embed_params(request: pb.EmbedRequest) -> EmbedParams:
-    direction = _direction(request.truncation_direction)
     if request.encoding not in _ENCODINGS:
         names = ", ".join(pb.Encoding.Name(value) for value in _ENCODINGS)
         raise InvalidInput(f"unknown encoding {request.encoding}; use one of {names}")
@@ -86,9 +86,8 @@ def embed_params(request: pb.EmbedRequest) -> EmbedParams:
         raise InvalidInput(f"Embed chunks with CHUNKING_MEAN (or CHUNKING_NONE), not {_chunking_name(request.chunking)}")
     return EmbedParams(
         normalize=request.normalize if request.HasField("normalize") else True,
-        # A proto3 bool has no "unset": false leaves it to the model's --auto-truncate.
-        truncate=request.truncate or None,
-        truncation_direction=direction,
+        truncate=truncate_of(request),
+        truncation_direction=_direction(request.truncation_direction),
         dimensions=request.dimensions if request.HasField("dimensions") else None,
         prompt_name=request.prompt_name or None,
         outputs=tuple(_OUTPUTS[value] for value in request.outputs) or (EmbedOutput.DENSE,),
@@ -99,6 +98,11 @@ def embed_params(request: pb.EmbedRequest) -> EmbedParams:
         late_chunking=late_chunking_params(request),
         bypass_cache=request.bypass_cache,
     )
+
+
+def truncate_of(request) -> bool | None:
+    """The call's `truncate`, or None when it leaves it unset (the model's --auto-truncate decides)."""
+    return request.truncate if request.HasField("truncate") else None
 
 
 def _chunking_name(value: int) -> str:
@@ -113,9 +117,8 @@ def sparse_message(vector: SparseVector) -> pb.SparseEmbedding:
 
 
 def multi_vector_message(vectors: np.ndarray) -> pb.MultiVector:
-    return pb.MultiVector(
-        num_vectors=vectors.shape[0], dimension=vectors.shape[1], raw=to_little_endian_bytes(vectors)
-    )
+    rows, width = vectors.shape
+    return pb.MultiVector(num_vectors=rows, dimension=width, raw=to_little_endian_bytes(vectors))
 
 
 def _rerank_chunking(value: int) -> bool:
@@ -212,13 +215,7 @@ def model_info(info: ModelInfo, kv_cache: KvCacheUsage | None = None) -> pb.Mode
         attention_backend=info.attention_backend,
         labels=list(info.labels),
         is_encoder_decoder=info.is_encoder_decoder,
-        kv_cache=pb.KvCache(
-            block_size=kv_cache.block_size,
-            total_blocks=kv_cache.total_blocks,
-            used_blocks=kv_cache.used_blocks,
-            preemptions=kv_cache.preemptions,
-            cached_prompt_tokens=kv_cache.cached_prompt_tokens,
-        ) if kv_cache is not None else None,
+        kv_cache=pb.KvCache(**dataclasses.asdict(kv_cache)) if kv_cache is not None else None,
         kv_sharing=pb.KvSharing(
             shared_layers=[pb.KvSharing.SharedLayer(layer=a, source_layer=b) for a, b in info.kv_shared_layers],
             fast_prefill=info.kv_sharing_fast_prefill,
@@ -228,6 +225,7 @@ def model_info(info: ModelInfo, kv_cache: KvCacheUsage | None = None) -> pb.Mode
         multi_vector_dimension=info.multi_vector_dimension,
         base_model=info.base_model,
         lora_adapters=list(info.lora_adapters),
+        auto_truncate=info.auto_truncate,
     )
 
 
@@ -269,7 +267,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         engine = self._engine(request.model, call)
         texts = self.frontend.check_inputs(request.inputs)
         params = EmbedParams(
-            truncate=request.truncate or None, truncation_direction=_direction(request.truncation_direction),
+            truncate=truncate_of(request), truncation_direction=_direction(request.truncation_direction),
             prompt_name=request.prompt_name or None, outputs=(EmbedOutput.SPARSE,),
             sparse_top_k=request.top_k if request.HasField("top_k") else None,
         )
@@ -286,8 +284,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         received = time.perf_counter()
         engine = self._engine(request.model, call)
         texts = self.frontend.check_inputs(request.inputs)
-        truncate, prompt = request.truncate or None, request.prompt_name or None
-        params = EmbedParams(truncate=truncate, prompt_name=prompt, outputs=(EmbedOutput.MULTI_VECTOR,))
+        params = EmbedParams(
+            truncate=truncate_of(request), prompt_name=request.prompt_name or None, outputs=(EmbedOutput.MULTI_VECTOR,)
+        )
         with self.frontend.hold(len(texts)):
             result = await engine.embed(texts, params)
         call.answered(len(texts), result.prompt_tokens, result.timing)
@@ -336,7 +335,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         params = RerankParams(
             top_n=request.top_n if request.HasField("top_n") else None,
             raw_scores=request.raw_scores,
-            truncate=request.truncate or None,
+            truncate=truncate_of(request),
             instruction=request.instruction or None,
             chunking=_rerank_chunking(request.chunking),
         )
@@ -359,7 +358,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             list(request.candidate_labels), request.hypothesis_template, len(texts)
         )
         params = ClassifyParams(
-            truncate=request.truncate or None,
+            truncate=truncate_of(request),
             truncation_direction=_direction(request.truncation_direction),
             raw_scores=request.raw_scores,
             candidate_labels=tuple(request.candidate_labels),

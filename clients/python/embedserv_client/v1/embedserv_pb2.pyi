@@ -468,7 +468,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "tasks", "architecture", "attention", "pooling", "dimension", "max_input_tokens", "prompt_names", "dtype", "device", "attention_backend", "labels", "kv_cache", "is_encoder_decoder", "kv_sharing", "outputs", "sparse_dimension", "multi_vector_dimension", "adapters", "base_model", "lora_adapters")
+    __slots__ = ("name", "tasks", "architecture", "attention", "pooling", "dimension", "max_input_tokens", "prompt_names", "dtype", "device", "attention_backend", "labels", "kv_cache", "is_encoder_decoder", "kv_sharing", "outputs", "sparse_dimension", "multi_vector_dimension", "adapters", "base_model", "lora_adapters", "auto_truncate")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -490,6 +490,7 @@ class ModelInfo(_message.Message):
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    AUTO_TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     name: str
     tasks: _containers.RepeatedScalarFieldContainer[Task]
     architecture: str
@@ -511,7 +512,8 @@ class ModelInfo(_message.Message):
     adapters: _containers.RepeatedScalarFieldContainer[str]
     base_model: str
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., architecture: _Optional[str] = ..., attention: _Optional[_Union[AttentionKind, str]] = ..., pooling: _Optional[str] = ..., dimension: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., prompt_names: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., kv_cache: _Optional[_Union[KvCache, _Mapping]] = ..., is_encoder_decoder: _Optional[bool] = ..., kv_sharing: _Optional[_Union[KvSharing, _Mapping]] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., sparse_dimension: _Optional[int] = ..., multi_vector_dimension: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., base_model: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    auto_truncate: bool
+    def __init__(self, name: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., architecture: _Optional[str] = ..., attention: _Optional[_Union[AttentionKind, str]] = ..., pooling: _Optional[str] = ..., dimension: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., prompt_names: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., kv_cache: _Optional[_Union[KvCache, _Mapping]] = ..., is_encoder_decoder: _Optional[bool] = ..., kv_sharing: _Optional[_Union[KvSharing, _Mapping]] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., sparse_dimension: _Optional[int] = ..., multi_vector_dimension: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., base_model: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., auto_truncate: _Optional[bool] = ...) -> None: ...
 
 class KvSharing(_message.Message):
     __slots__ = ("shared_layers", "fast_prefill")

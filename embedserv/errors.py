@@ -21,6 +21,11 @@ class Overloaded(EmbedservError):
     """Too much work in flight; retry later (RESOURCE_EXHAUSTED)."""
 
 
+# Seconds a refused (overloaded) caller should wait, sent as HTTP's Retry-After and gRPC's `retry-after` trailing
+# metadata: admission frees up as calls in flight end, well within a second.
+RETRY_AFTER_S = 1
+
+
 class NotReady(EmbedservError):
     """The model is loading, or the engine has stopped (UNAVAILABLE)."""
 

@@ -18,6 +18,7 @@ import uuid
 import grpc
 
 from embedserv import metrics, tracing
+from embedserv.errors import RETRY_AFTER_S
 from embedserv.types import Timing
 from embedserv.logs import REQUEST_ID
 from embedserv.server.grpc.status import message_for, status_for
@@ -142,7 +143,6 @@ class Call:
             self.rpc, self.model or "-", self.inputs, self.tokens, status, (time.perf_counter() - self.received) * 1e3,
         )
 
-
     def _end_trace(self, status: str) -> None:
         attributes: dict[str, object] = {
             "embedserv.model": self.model, "embedserv.inputs": self.inputs, "embedserv.tokens": self.tokens,
@@ -182,6 +182,9 @@ async def _end_with_error(call: Call, context: grpc.aio.ServicerContext, exc: Ba
     if code is grpc.StatusCode.INTERNAL:
         logger.exception("request %s: %s failed", call.request_id, call.rpc)
     call.end(code.name)
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        # HTTP's Retry-After as metadata, for clients that honour it (ours backs off on its own).
+        context.set_trailing_metadata(((REQUEST_ID_KEY, call.request_id), ("retry-after", str(RETRY_AFTER_S))))
     await context.abort(code, message_for(exc, call.rpc))
 
 

@@ -62,6 +62,8 @@ def test_400_concurrent_calls_end_ok_or_resource_exhausted(server):
         codes.append(future.code())
         if future.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
             messages.add(future.details())
+            # HTTP's Retry-After, as trailing metadata.
+            assert dict(future.trailing_metadata()).get("retry-after") == "1"
     ok, refused = codes.count(grpc.StatusCode.OK), codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED)
     assert ok + refused == CONCURRENT_CALLS, {c.name for c in codes}
     assert ok > 0 and refused > 0, (ok, refused)

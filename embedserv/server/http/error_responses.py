@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from embedserv.errors import EmbedservError, InvalidInput, ModelNotFound, NotReady, Overloaded
+from embedserv.errors import RETRY_AFTER_S, EmbedservError, InvalidInput, ModelNotFound, NotReady, Overloaded
 
 OPENAI, TEI = "openai", "tei"
 # Routes that answer in TEI's shape (/rerank answers in the shape of the body it was sent).
@@ -100,10 +100,6 @@ def error_body(style: str, status: int, message: str, param: str | None = None, 
     if style == TEI:
         return {"error": message, "error_type": tei_type}
     return {"error": {"message": message, "type": openai_type, "param": param, "code": code or _OPENAI_CODES.get(status)}}
-
-
-# Seconds a refused (429) caller should wait: admission frees up as calls in flight end, well within a second.
-RETRY_AFTER_S = 1
 
 
 def error_response(style: str, status: int, message: str, param: str | None = None, code: str | None = None) -> JSON:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import grpc
+import httpx
 import pytest
 
 from tests.helpers.metrics import scrape
@@ -44,12 +45,12 @@ def generator_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(generator_dir, bundled_dir):
-    metrics_port = free_port()
+    metrics_port, http_port = free_port(), free_port()
     args = ["--dtype", "float32", "--model", str(generator_dir), "--served-model-name", GEN,
             "--model", str(bundled_dir), "--served-model-name", EMBEDDER, "--frontends", "2",
-            "--metrics-port", str(metrics_port)]  # fmt: skip
+            "--metrics-port", str(metrics_port), "--http-port", str(http_port)]  # fmt: skip
     with running_server(args) as (target, proc):
-        yield target, proc, metrics_port
+        yield target, proc, metrics_port, http_port
 
 
 def _used_blocks(metrics_port: int) -> float:
@@ -72,7 +73,7 @@ def _reference(model_dir, max_tokens: int) -> list[int]:
 def test_two_frontend_processes_serve_generation_token_for_token(server, generator_dir):
     from embedserv.v1 import embedserv_pb2 as pb
 
-    target, proc, _ = server
+    target, proc, *_ = server
     assert len(_frontends(proc.pid)) == 2
     expected = _reference(generator_dir, 20)
     for _ in range(4):  # four connections: both front ends, most likely
@@ -86,7 +87,7 @@ def test_two_frontend_processes_serve_generation_token_for_token(server, generat
 def test_a_stream_cancelled_at_its_frontend_frees_its_blocks_in_the_engine(server):
     from embedserv.v1 import embedserv_pb2 as pb
 
-    target, _, metrics_port = server
+    target, _, metrics_port, _ = server
     assert _used_blocks(metrics_port) == 0
     with _channel(target) as channel:
         request = pb.GenerateRequest(model=GEN, prompt=PROMPT * 3, max_tokens=400, ignore_eos=True)
@@ -105,7 +106,7 @@ def test_a_stream_cancelled_at_its_frontend_frees_its_blocks_in_the_engine(serve
 
 
 def test_calls_over_many_connections_are_counted_once_in_metrics(server):
-    target, _, metrics_port = server
+    target, _, metrics_port, _ = server
     calls = dict(protocol="grpc", rpc="Embed", model=EMBEDDER, status="OK")
     before = scrape(metrics_port).value("embedserv_requests_total", **calls)
     for i in range(8):
@@ -117,8 +118,19 @@ def test_calls_over_many_connections_are_counted_once_in_metrics(server):
     assert scrape(metrics_port).value("embedserv_inputs_in_flight") == 0
 
 
+def test_every_frontend_relays_the_engine_process_metrics_on_the_http_port(server):
+    # The engine process builds the page; each front end (SO_REUSEPORT picks one per connection) relays it.
+    http_port = server[3]
+    for _ in range(6):
+        with httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=RPC_TIMEOUT_S) as http:
+            page = http.get("/metrics")
+        assert page.status_code == 200, page.text
+        assert f'vllm:num_requests_waiting{{model_name="{EMBEDDER}"}}' in page.text
+        assert "embedserv_requests_total" in page.text
+
+
 def test_a_frontend_that_dies_is_started_again(server):
-    target, proc, _ = server
+    target, proc, *_ = server
     first, second = _frontends(proc.pid)
     os.kill(first, signal.SIGKILL)
     replaced = wait_for(lambda: len(set(_frontends(proc.pid)) - {first, second}) == 1 or None, 60,
@@ -131,7 +143,7 @@ def test_a_frontend_that_dies_is_started_again(server):
 
 
 def test_a_port_another_server_answers_on_is_refused(server, bundled_dir):
-    target, _, _ = server
+    target, *_ = server
     port = target.rsplit(":", 1)[1]
     second = subprocess.run(
         [sys.executable, "-m", "embedserv", "serve", "--model", str(bundled_dir), "--host", "127.0.0.1",

@@ -52,6 +52,9 @@ def sdk(edge):
 def test_health_and_docs_need_no_key_and_no_internet(edge):
     with httpx.Client(base_url=edge["http"], timeout=30) as http:
         assert http.get("/health").status_code == 200
+        # Scrapers (an inference gateway's endpoint picker) read the metrics port's page here too.
+        metrics = http.get("/metrics")
+        assert metrics.status_code == 200 and 'vllm:num_requests_running{model_name="minilm"}' in metrics.text
         page = http.get("/docs")
         assert page.status_code == 200
         assets = re.findall(r'(?:src|href)="([^"]+)"', page.text)

@@ -2,7 +2,7 @@
 and call wrappers do for RPCs.
 
 In order: a request id (the client's `x-request-id`, or a new one, returned on every response); 503 once a
-drain has begun; the API key (`Authorization: Bearer`; health and the docs stay open); 413 for a body past
+drain has begun; the API key (`Authorization: Bearer`; health, /metrics and the docs stay open); 413 for a body past
 the server's limit (by Content-Length, or counted as it arrives); then the route, counted among the calls a
 drain waits for until its last byte (a server-sent-event stream included), and in the metrics with
 protocol "http", the route's path and the HTTP status. An exception a route lets out has been answered
@@ -24,8 +24,8 @@ from embedserv.server.security import api_key_problem
 
 logger = logging.getLogger("embedserv.server.http")
 
-# Open without an API key and never refused while draining (probes call them).
-HEALTH_PATHS = frozenset({"/health"})
+# Open without an API key and never refused while draining (probes and scrapers call them).
+HEALTH_PATHS = frozenset({"/health", "/metrics"})
 OPEN_PREFIXES = ("/docs", "/openapi.json")
 _REQUEST_ID = b"x-request-id"
 _EVENT_STREAM = b"text/event-stream"

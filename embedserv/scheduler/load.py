@@ -35,12 +35,12 @@ class CallCounts:
         self.waiting = 0
         self.running = 0
 
-    def admit(self) -> Call:
+    def admit(self) -> AdmittedCall:
         self.waiting += 1
-        return Call(self)
+        return AdmittedCall(self)
 
 
-class Call:
+class AdmittedCall:
     """One admitted call; its sequences' Requests carry it, so the scheduler marks it started."""
 
     __slots__ = ("_counts", "_done", "started")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from embedserv.scheduler.load import Call
+from embedserv.scheduler.load import AdmittedCall
 from embedserv.steps import OutputKind
 from embedserv.types import EmbedOutput, SamplingParams
 
@@ -51,7 +51,7 @@ class Request:
     # The task adapter its tokens run with (ModelInfo.adapters index); -1: the base weights.
     adapter: int = -1
     # The call it belongs to (prefill): marked started when the sequence goes into a batch (load metrics).
-    call: Call | None = None
+    call: AdmittedCall | None = None
 
     @property
     def num_tokens(self) -> int:

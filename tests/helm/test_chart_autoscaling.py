@@ -145,7 +145,7 @@ def test_keda_scales_the_deployment_on_the_load_metrics(chart):
     assert (trigger["type"], trigger["metricType"]) == ("prometheus", "AverageValue")
     assert "authenticationRef" not in trigger
     meta = trigger["metadata"]
-    assert (meta["serverAddress"], meta["threshold"], meta["activationThreshold"]) == (PROMETHEUS, "8", "0")
+    assert (meta["serverAddress"], meta["threshold"], meta["activationThreshold"]) == (PROMETHEUS, "4", "0")
     pods = f"{FULLNAME}-{POD_ID}+-{POD_ID}{{5}}"
     names = '__name__=~"embedserv_requests_(waiting|running)"'
     assert meta["query"] == f'sum({{{names},namespace="{NAMESPACE}",pod=~"{pods}"}})'

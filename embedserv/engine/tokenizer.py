@@ -38,6 +38,10 @@ class Encoded:
     adapter: int = -1
 
 
+_FOREIGN_IDS = ("; token ids must come from this model's tokenizer (LangChain's OpenAIEmbeddings: give it "
+                "check_embedding_ctx_length=False), or send texts")
+
+
 class TextTokenizer:
     def __init__(
         self,
@@ -123,16 +127,13 @@ class TextTokenizer:
         return out
 
     def check_token_ids(self, token_ids: list[list[int]], truncate: bool, direction: TruncationDirection) -> list[Encoded]:
-        """Pre-tokenized inputs (OpenAI's token-id `input`), used as given: no special tokens are added.
-        Ids must be in the vocabulary; too-long inputs are cut (truncate) or refused."""
-        vocab = self._backend.get_vocab_size(with_added_tokens=True)
+        """Pre-tokenized inputs (OpenAI's token-id `input`), used as given: no special tokens are added. Ids must be
+        this model's (LangChain's OpenAIEmbeddings sends tiktoken's by default); too-long ones are cut or refused."""
         out = []
         for index, ids in enumerate(token_ids):
             if not ids:
                 raise InvalidInput(f"input {index} has no token ids; send at least one")
-            bad = next((i for i in ids if not 0 <= i < vocab), None)
-            if bad is not None:
-                raise InvalidInput(f"input {index} holds token id {bad}, outside the model's vocabulary 0..{vocab - 1}")
+            self._check_vocabulary(ids, f"input {index}", _FOREIGN_IDS)
             if len(ids) > self.max_input_tokens:
                 if not truncate:
                     raise self._too_long(f"input {index}", len(ids), self.max_input_tokens)
@@ -152,11 +153,14 @@ class TextTokenizer:
         except Exception as exc:  # noqa: BLE001 - a template error (jinja2) is the request's, not the server's
             raise InvalidInput(f"the model's chat template cannot render these messages: {exc}") from None
 
-    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+    def _check_vocabulary(self, ids: list[int], what: str, hint: str = "") -> None:
         vocab = self._backend.get_vocab_size(with_added_tokens=True)
         bad = next((i for i in ids if not 0 <= i < vocab), None)
         if bad is not None:
-            raise InvalidInput(f"token id {bad} is outside the model's vocabulary 0..{vocab - 1}")
+            raise InvalidInput(f"{what} holds token id {bad}, outside the model's vocabulary 0..{vocab - 1}{hint}")
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        self._check_vocabulary(ids, "ids")
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_id(self, token: str) -> int | None:
@@ -378,16 +382,11 @@ class TextTokenizer:
     ) -> list[TokenizedText]:
         """Tokens with their text and character offsets, for the Tokenize RPC (no truncation)."""
         prompt = self.resolve_prompt(prompt_name)
-        encodings = self._backend.encode_batch(
-            [self._prepare(prompt + t) for t in texts], add_special_tokens=add_special_tokens
-        )
+        prepared = [self._prepare(prompt + t) for t in texts]
+        encodings = self._backend.encode_batch(prepared, add_special_tokens=add_special_tokens)
         return [
-            TokenizedText(
-                ids=list(e.ids),
-                tokens=list(e.tokens),
-                offsets=[tuple(o) for o in e.offsets],
-                special=[bool(m) for m in e.special_tokens_mask],
-            )
+            TokenizedText(ids=list(e.ids), tokens=list(e.tokens), offsets=[tuple(o) for o in e.offsets],
+                          special=[bool(m) for m in e.special_tokens_mask])
             for e in encodings
         ]
 

@@ -25,7 +25,7 @@ def test_token_ids_are_used_as_given_and_cut_or_refused(tokenizer):
     assert right.ids == long[:8] and left.ids == long[-8:]
     with pytest.raises(InvalidInput, match="more than"):
         tokenizer.check_token_ids([long], truncate=False, direction=TruncationDirection.RIGHT)
-    with pytest.raises(InvalidInput, match="outside the model's vocabulary"):
+    with pytest.raises(InvalidInput, match="outside the model's vocabulary.*check_embedding_ctx_length=False"):
         tokenizer.check_token_ids([[101, 10**9]], truncate=False, direction=TruncationDirection.RIGHT)
     with pytest.raises(InvalidInput, match="no token ids"):
         tokenizer.check_token_ids([[]], truncate=False, direction=TruncationDirection.RIGHT)

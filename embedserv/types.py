@@ -3,7 +3,7 @@ steps.py). Plain dataclasses and enums, no torch (a test enforces it)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 
 import numpy as np
@@ -226,6 +226,11 @@ class Timing:
     tokenization_us: int = 0
     inference_us: int = 0
     total_us: int = 0
+
+    @staticmethod
+    def longest(timings: list[Timing]) -> Timing:
+        """The timing of passes that ran at once: each part as long as the longest."""
+        return Timing(*(max(getattr(t, f.name) for t in timings) for f in fields(Timing)))
 
 
 @dataclass(frozen=True)

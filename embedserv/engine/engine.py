@@ -146,7 +146,7 @@ class Engine:
         return self.info.auto_truncate if requested is None else requested
 
     def _truncating(self, params: Params) -> Params:
-        return params if params.truncate is not None else replace(params, truncate=self.info.auto_truncate)
+        return params if params.truncate is not None else replace(params, truncate=self.truncates(None))
 
     async def embed(self, texts: list[str], params: EmbedParams) -> EmbedResult:
         """The outputs `params.outputs` names (dense, sparse, token vectors) per text, from one forward pass,

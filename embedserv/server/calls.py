@@ -99,7 +99,7 @@ class Call:
 
     def engine_ran(self, received: float, timing: Timing, outputs: list) -> None:
         """Each pass of the call's sequences through the engine (tracing.engine_ran, the engine cores' hook)."""
-        self.timing = timing if self.timing is None else _longest(self.timing, timing)
+        self.timing = timing if self.timing is None else Timing.longest([self.timing, timing])
         if self.trace is not None:
             self.trace.engine_ran(received, timing, outputs)
 
@@ -159,13 +159,6 @@ class Call:
             error = status if status in _GRPC_SERVER_ERRORS else None
         self.trace.end(attributes, error, time.perf_counter())
         self.trace = None
-
-
-def _longest(a: Timing, b: Timing) -> Timing:
-    return Timing(
-        max(a.queue_us, b.queue_us), max(a.tokenization_us, b.tokenization_us),
-        max(a.inference_us, b.inference_us), max(a.total_us, b.total_us),
-    )
 
 
 async def _end_with_error(call: Call, context: grpc.aio.ServicerContext, exc: BaseException) -> None:

@@ -90,9 +90,14 @@ class Frontend:
     def check_inputs(self, inputs: Iterable[str], what: str = "inputs") -> list[str]:
         """At least one text, no more than a call may carry, none past --max-input-chars (before tokenizing)."""
         texts = list(inputs)
+        if texts:
+            self.check_batch(len(texts), what)
+        return self.check_texts(texts, what)
+
+    def check_texts(self, texts: list[str], what: str) -> list[str]:
+        """check_inputs without the per-call limit, for a caller that runs the texts in slices within it."""
         if not texts:
             raise InvalidInput(f"{what} is empty; send at least one text")
-        self.check_batch(len(texts), what)
         for index, text in enumerate(texts):
             self.check_chars(text, f"{what}[{index}]")
         return texts

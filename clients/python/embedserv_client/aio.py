@@ -106,7 +106,7 @@ class AsyncClient(ClientSettings):
             texts, splitter, spans, chunk_tokens, overlap_tokens, encoding
         )
         fields = plans.embed_fields(
-            self.model_name(model), normalize, False, "right", dimensions, prompt_name, encoding, task=task
+            self.model_name(model), normalize, None, "right", dimensions, prompt_name, encoding, task=task
         )
         deadline = self.deadline(timeout)
         plan = late_chunks.embed_chunks_plan(items, await self._batch_size(deadline), single, late, dtype, **fields)

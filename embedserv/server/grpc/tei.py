@@ -87,14 +87,9 @@ def _ranks(result: RerankResult, indices: list[int], texts: list[str], return_te
     ]
 
 
-def _longest(timings: list[Timing]) -> Timing:
-    """The timing of calls that ran at once: each part as long as the longest."""
-    return Timing(
-        queue_us=max(t.queue_us for t in timings),
-        tokenization_us=max(t.tokenization_us for t in timings),
-        inference_us=max(t.inference_us for t in timings),
-        total_us=max(t.total_us for t in timings),
-    )
+def truncate_of(request) -> bool | None:
+    """TEI's `truncate` is a plain proto3 bool: false is unset, as in TEI (the model's --auto-truncate decides)."""
+    return request.truncate or None
 
 
 class _TeiServicer:
@@ -146,7 +141,7 @@ class EmbedServicer(_TeiServicer, pb_grpc.EmbedServicer):
         params = EmbedParams(
             # TEI normalizes unless told not to.
             normalize=request.normalize if request.HasField("normalize") else True,
-            truncate=request.truncate or None,
+            truncate=truncate_of(request),
             truncation_direction=direction(request.truncation_direction),
             dimensions=request.dimensions if request.HasField("dimensions") else None,
             prompt_name=request.prompt_name or None,
@@ -173,7 +168,7 @@ class EmbedServicer(_TeiServicer, pb_grpc.EmbedServicer):
         engine = self._engine(context, call, _OUTPUT_TASKS[output])
         text = self._text(request.inputs)
         params = EmbedParams(
-            truncate=request.truncate or None,
+            truncate=truncate_of(request),
             truncation_direction=direction(request.truncation_direction),
             prompt_name=request.prompt_name or None,
             outputs=(output,),
@@ -218,7 +213,7 @@ class PredictServicer(_TeiServicer, pb_grpc.PredictServicer):
         engine = self._engine(context, call, Task.CLASSIFY)
         text = self._text(text)
         params = ClassifyParams(
-            truncate=request.truncate or None,
+            truncate=truncate_of(request),
             truncation_direction=direction(request.truncation_direction),
             raw_scores=request.raw_scores,
         )
@@ -245,7 +240,7 @@ class PredictServicer(_TeiServicer, pb_grpc.PredictServicer):
         first, second = (self._text(text, f"inputs[{i}]") for i, text in enumerate(request.inputs))
         right_only(request.truncation_direction, "PredictPair")
         with self.frontend.hold(1):
-            params = RerankParams(raw_scores=request.raw_scores, truncate=request.truncate or None)
+            params = RerankParams(raw_scores=request.raw_scores, truncate=truncate_of(request))
             result = await engine.rerank(first, [second], params)
         call.answered(1, result.prompt_tokens, result.timing)
         return pb.PredictResponse(
@@ -279,7 +274,7 @@ class RerankServicer(_TeiServicer, pb_grpc.RerankServicer):
         texts = self.frontend.check_inputs(request.texts, "texts")
         self.frontend.check_chars(request.query, "query")
         right_only(request.truncation_direction, "Rerank")
-        params = RerankParams(raw_scores=request.raw_scores, truncate=request.truncate or None)
+        params = RerankParams(raw_scores=request.raw_scores, truncate=truncate_of(request))
         with self.frontend.hold(len(texts)):
             result = await engine.rerank(request.query, texts, params)
         call.answered(len(texts), result.prompt_tokens, result.timing)
@@ -305,7 +300,7 @@ class RerankServicer(_TeiServicer, pb_grpc.RerankServicer):
             self.frontend.check_chars(request.query, f"request {count} query")
             self.frontend.check_chars(request.text, f"request {count} text")
             right_only(request.truncation_direction, "RerankStream")
-            indices, texts = groups.setdefault((request.query, request.truncate or None), ([], []))
+            indices, texts = groups.setdefault((request.query, truncate_of(request)), ([], []))
             indices.append(count)
             texts.append(request.text)
             count += 1
@@ -331,7 +326,7 @@ class RerankServicer(_TeiServicer, pb_grpc.RerankServicer):
         # Best first across the groups; equal scores keep request order.
         ranks.sort(key=lambda rank: (-rank.score, rank.index))
         tokens = sum(r.prompt_tokens for r in results)
-        timing = _longest([r.timing for r in results])
+        timing = Timing.longest([r.timing for r in results])
         call.answered(count, tokens, timing)
         return pb.RerankResponse(ranks=ranks, metadata=metadata(chars, tokens, timing))
 

@@ -142,9 +142,7 @@ async def embeddings(request: Request, body: EmbeddingsBody):
         token_ids = [inputs] if isinstance(inputs[0], int) else inputs
         result = await _in_slices(frontend, _checked_count(token_ids), engine.embed_token_ids, params)
     else:
-        texts = _checked_count(inputs)
-        for index, text in enumerate(texts):
-            frontend.check_chars(text, f"input[{index}]")
+        texts = frontend.check_texts(_checked_count(inputs), "input")
         result = await _in_slices(frontend, texts, engine.embed, params)
     answered = result.chunks if result.chunks is not None else result.embeddings
     call_of(request).answered(len(answered), result.prompt_tokens, result.timing)

@@ -92,6 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-input-chars", type=int, metavar="N",
                        help="characters one input may have, checked before tokenizing (the gRPC message "
                             f"limit follows from this and --max-client-batch-size) {_server('max_input_chars')}")
+    serve.add_argument("--max-images-per-request", type=int, metavar="N",
+                       help="images one call may carry, for models that take images; 0 refuses images "
+                            + _server("max_images_per_request"))
+    serve.add_argument("--max-image-bytes", type=int, metavar="N",
+                       help=f"encoded bytes one image may have (PNG, JPEG, WebP) {_model('max_image_bytes')}")
+    serve.add_argument("--max-image-pixels", type=int, metavar="N",
+                       help="pixels (width x height) one image may decode to, read from its header before it "
+                            f"is decoded {_model('max_image_pixels')}")
     serve.add_argument("--attention-backend", metavar="NAME",
                        help=f"force an attention backend ({', '.join(ATTENTION_BACKENDS)}); "
                             "default: the fastest that runs on the device")

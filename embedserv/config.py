@@ -160,6 +160,10 @@ class ModelConfig:
     # Inputs longer than the model takes are cut to fit (from the right) instead of refused, on every face
     # (OpenAI, TEI, gRPC), unless the request says `truncate` itself (TEI's --auto-truncate).
     auto_truncate: bool = False
+    # Image inputs (models that take images): encoded bytes and decoded pixels (width x height) one image may
+    # have; checked before decoding, so an image that would decode to more is never decoded.
+    max_image_bytes: int = 8 * 2**20
+    max_image_pixels: int = 40_000_000
 
     def __post_init__(self) -> None:
         if not self.served_name:
@@ -198,6 +202,8 @@ class ModelConfig:
                 raise ConfigError(f"{flag} must be at least 1, not {value}")
         if not self.worker_timeout > 0:
             raise ConfigError(f"--worker-timeout must be above 0 seconds, not {self.worker_timeout}")
+        if self.max_image_bytes < 1 or self.max_image_pixels < 1:
+            raise ConfigError("--max-image-bytes and --max-image-pixels must be at least 1")
         if self.embedding_cache < 0:
             raise ConfigError(f"--embedding-cache must be 0 (none) or more bytes, not {self.embedding_cache}")
         self._check_lora()
@@ -264,6 +270,8 @@ class ServerConfig:
     max_client_batch_size: int = 256
     # Characters one input (text, document, query, prompt) may have; checked before tokenizing.
     max_input_chars: int = 100_000
+    # Images one call may carry (models that take images; each image also counts as an input).
+    max_images_per_request: int = 16
     tokenizer_threads: int = 1
     # Processes serving gRPC and HTTP on the same ports (SO_REUSEPORT), each parsing and tokenizing its calls
     # for the engines in the first one; 0: from the cores (frontends_for_cores).
@@ -317,6 +325,8 @@ class ServerConfig:
             raise ConfigError(f"--frontends must be in 0..{MAX_FRONTENDS} (0: from the cores), not {self.frontends}")
         if self.max_input_chars < 1:
             raise ConfigError("--max-input-chars must be at least 1")
+        if self.max_images_per_request < 0:
+            raise ConfigError(f"--max-images-per-request must be 0 or more, not {self.max_images_per_request}")
         if not self.drain_timeout >= 0:
             raise ConfigError(f"--drain-timeout must be 0 seconds or more, not {self.drain_timeout}")
         if not 0 <= self.http_port <= 65535:
@@ -337,5 +347,8 @@ class ServerConfig:
     @property
     def max_receive_message_bytes(self) -> int:
         """The largest request a full call can be: every input (and a rerank query) at the character limit,
-        4 UTF-8 bytes a character, plus room for the other fields (gRPC takes at most 2 GiB - 1)."""
-        return min((self.max_client_batch_size + 1) * (self.max_input_chars * 4 + 16) + 64 * 1024, 2**31 - 1)
+        4 UTF-8 bytes a character, and its images at the image byte limit (in base64 over HTTP: 4 bytes per
+        3), plus room for the other fields (gRPC takes at most 2 GiB - 1)."""
+        texts = (self.max_client_batch_size + 1) * (self.max_input_chars * 4 + 16)
+        images = self.max_images_per_request * (max(m.max_image_bytes for m in self.models) * 4 // 3 + 64)
+        return min(texts + images + 64 * 1024, 2**31 - 1)

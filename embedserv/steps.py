@@ -48,6 +48,15 @@ class ScheduledSequence:
     outputs: tuple[EmbedOutput, ...] = ()
     # The index of the task adapter its tokens run with (ModelInfo.adapters); -1: the base weights.
     adapter: int = -1
+    # An image input: its preprocessed pixels as patch rows [rows, patch_dim] float32, each row one patch
+    # flattened in the patch embedding's weight order (channels, then patch rows, then columns; Qwen2-VL's
+    # processor order for its patches). Dual encoders (CLIP, SigLIP): the rows are the sequence's tokens, one
+    # each (CLIP's class token a row of zeros first), token_ids placeholders. Vision-language models
+    # (ColPali, ColQwen2): the vision tower's input, token_ids the language model's tokens with the image's
+    # placeholder tokens. None: a text.
+    pixels: np.ndarray | None = None
+    # The image's grid in patches as its vision tower needs it: (t, h, w) for Qwen2-VL; (h, w) otherwise.
+    image_grid: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

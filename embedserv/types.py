@@ -16,6 +16,21 @@ class ValueEnum(str, Enum):
         return self.value
 
 
+class Modality(ValueEnum):
+    """What kinds of input a model takes (ModelInfo.modalities)."""
+
+    TEXT = "text"
+    IMAGE = "image"
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """One image as a call sent it: encoded bytes (PNG, JPEG or WebP), decoded and preprocessed in the front
+    end's pool (engine/images). Never a URL: the faces turn data URLs into bytes and refuse the rest."""
+
+    data: bytes
+
+
 class Task(str, Enum):
     EMBED = "embed"
     RERANK = "rerank"
@@ -328,3 +343,6 @@ class ModelInfo:
     lora_adapters: tuple[str, ...] = ()
     # --auto-truncate: calls that do not say `truncate` have their too-long inputs cut instead of refused.
     auto_truncate: bool = False
+    # The inputs it takes: text, image (CLIP / SigLIP dual encoders: either; ColPali / ColQwen2: text queries
+    # and page images).
+    modalities: tuple[Modality, ...] = (Modality.TEXT,)

@@ -9,13 +9,13 @@ the backend takes when it truncates itself, without sharing mutable truncation s
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import tokenizers
 from transformers import AutoTokenizer
 
 from embedserv.engine import text_prefix
+from embedserv.engine.encoded import Encoded  # noqa: F401  (where most callers import it from)
 from embedserv.models.loading.tasks import Seq2SeqYesNoTemplate, YesNoTemplate
 from embedserv.types import TokenizedText, TruncationDirection
 from embedserv.errors import InvalidInput
@@ -23,19 +23,6 @@ from embedserv.errors import InvalidInput
 # Our tokenizer threads are the parallelism; the Rust library's own thread pool would compete with the
 # model for the same cores (measured: ~15% slower batches on 2 cores).
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-@dataclass(frozen=True)
-class Encoded:
-    """One text ready for the scheduler."""
-
-    ids: list[int]
-    # Tokens at the start that pooling skips (the prompt, when the model excludes it).
-    pool_start: int = 0
-    # Segment ids of a query/document pair, for models whose tokenizer feeds them; None means all zeros.
-    token_type_ids: list[int] | None = None
-    # The task adapter its tokens run with (ModelInfo.adapters index); -1: the base weights.
-    adapter: int = -1
 
 
 _FOREIGN_IDS = ("; token ids must come from this model's tokenizer (LangChain's OpenAIEmbeddings: give it "

@@ -87,6 +87,8 @@ class PrefillOnlyScheduler:
                     encoder_len=request.num_encoder_tokens,
                     outputs=request.outputs,
                     adapter=request.adapter,
+                    pixels=request.pixels,
+                    image_grid=request.image_grid,
                 )
             )
         if not picked:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+import numpy as np
+
 from embedserv.scheduler.load import AdmittedCall
 from embedserv.steps import OutputKind
 from embedserv.types import EmbedOutput, SamplingParams
@@ -52,6 +54,9 @@ class Request:
     adapter: int = -1
     # The call it belongs to (prefill): marked started when the sequence goes into a batch (load metrics).
     call: AdmittedCall | None = None
+    # An image input's patch rows and grid (steps.ScheduledSequence.pixels); None for texts.
+    pixels: np.ndarray | None = None
+    image_grid: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -18,7 +18,6 @@ length, then encoder length, so that equal shapes sit together.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 
@@ -28,7 +27,6 @@ import torch
 from embedserv.attention.metadata import (
     CommonAttentionMetadata,
     build_common_metadata,
-    build_cross_metadata,
     build_paged_metadata,
     cumulative_offsets,
 )
@@ -37,6 +35,8 @@ from embedserv.models.lora import AdapterRows, adapter_rows
 from embedserv.padding import pad, padded_rows
 from embedserv.steps import OutputKind, ScheduledSequence, StepBatch
 from embedserv.types import EmbedOutput, SamplingParams
+from embedserv.worker.encoder_inputs import EncoderPlan
+from embedserv.worker.image_inputs import ImagePlan
 from embedserv.worker.prefill_skip import SkipPlan
 
 
@@ -87,6 +87,11 @@ class ModelInputs:
     # Rows of the model's output that are real (the step's tokens, or the prefill skip's kept rows); the
     # padding rows after them are dropped before the heads. None: every row is real.
     num_output_rows: int | None = None
+    # Image sequences (worker/image_inputs.py): their patch rows [rows, patch_dim] float32 in packed order, their
+    # grids, and the vision tower's metadata; None / () when the step has no image.
+    pixel_values: torch.Tensor | None = None
+    image_grids: tuple[tuple[int, ...], ...] = ()
+    vision_attention: CommonAttentionMetadata | None = None
 
 
 class InputBuilder:
@@ -172,9 +177,12 @@ class InputBuilder:
         if has_adapters and not self.lora:
             # Shifted by one around pad() so that padding rows get -1 (no adapter) rather than adapter 0.
             parts.append(pad(np.repeat([seqs[i].adapter + 1 for i in order], packed_lens), padded) - 1)
-        encoder = _EncoderPlan(seqs, order, self.position_offset, self.padded) if self.is_encoder_decoder else None
+        encoder = EncoderPlan(seqs, order, self.position_offset, self.padded) if self.is_encoder_decoder else None
         if encoder is not None:
             parts += encoder.parts
+        images = ImagePlan(seqs, order, self.padded) if ImagePlan.wanted(seqs) else None
+        if images is not None:
+            parts += images.parts
         paged = None
         if batch.uses_kv_cache:
             paged = _PagedPlan(seqs, order, positions, self.block_size, self.fixed_groups, encoder)
@@ -189,6 +197,7 @@ class InputBuilder:
         adapter_ids = next(device_parts) if has_adapters and not self.lora else None
         lora = adapter_rows(np.array([seqs[i].adapter for i in order]), packed_lens) if self.lora else None
         encoder_inputs = encoder.inputs(device_parts) if encoder is not None else (None, None, None)
+        pixels, vision = images.inputs(device_parts, self.device) if images is not None else (None, None)
         cross = None
         if paged is not None:
             attention = paged.metadata(device_parts, packed_lens, lens_k, cu_t)
@@ -223,6 +232,9 @@ class InputBuilder:
             sparse_tokens=tokens.get(EmbedOutput.SPARSE),
             vector_tokens=tokens.get(EmbedOutput.MULTI_VECTOR),
             num_output_rows=skip.num_kept_rows if skip is not None else num_tokens,
+            pixel_values=pixels,
+            image_grids=images.grids if images is not None else (),
+            vision_attention=vision,
         )
 
 
@@ -253,36 +265,6 @@ class _TokenPlan:
     def inputs(self, device_parts) -> TokenInputs:
         rows, seq, ids = next(device_parts), next(device_parts), next(device_parts)
         return TokenInputs(rows, seq, ids, self.request_ids, self.lengths)
-
-
-class _EncoderPlan:
-    """The encoder inputs of the sequences whose encoder runs in this step, in the decoder's packed order."""
-
-    def __init__(self, seqs, order, position_offset: int, padded: Callable[[int], int]) -> None:
-        self.num_seqs = len(seqs)
-        # Packed positions (index into `order`) of the sequences whose encoder runs.
-        self.members = np.fromiter((p for p, i in enumerate(order) if seqs[i].encoder_token_ids), dtype=np.int64)
-        member_seqs = [seqs[order[p]] for p in self.members]
-        self.lens = np.fromiter((len(s.encoder_token_ids) for s in member_seqs), dtype=np.int64, count=len(member_seqs))
-        total = int(self.lens.sum())
-        self.cu = cumulative_offsets(self.lens)
-        ids = np.fromiter(chain.from_iterable(s.encoder_token_ids for s in member_seqs), dtype=np.int64, count=total)
-        positions = np.arange(total, dtype=np.int64) - np.repeat(self.cu[:-1], self.lens)
-        self.positions = positions
-        rows = padded(total)
-        self.parts = [pad(ids, rows), pad(positions, rows) + position_offset, self.cu] if total else []
-
-    def inputs(self, device_parts):
-        """(ids, positions, metadata) on the device; all None when no encoder runs."""
-        if not len(self.parts):
-            return None, None, None
-        ids, positions, cu = next(device_parts), next(device_parts), next(device_parts)
-        return ids, positions, build_common_metadata(self.lens, False, cu_seqlens=cu)
-
-    def kv_free_cross(self, lens_q, cu_q, encoder_attention) -> CommonAttentionMetadata:
-        if len(self.members) != self.num_seqs:
-            raise ValueError("a step without a KV cache must run the encoder of every encoder-decoder sequence")
-        return build_cross_metadata(lens_q, self.lens, cu_q, encoder_attention.cu_seqlens_q)
 
 
 class _PoolingPlan:

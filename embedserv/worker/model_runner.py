@@ -48,6 +48,8 @@ class PreparedStep:
     inputs: ModelInputs
     # Blocks per KV group this step uses for the first time: zeroed before it runs (see KvCache).
     fresh_blocks: list[list[int]] | None
+    # Dual encoders (CLIP, SigLIP) run a step's texts and images as two passes, one per tower: the images'.
+    images: PreparedStep | None = None
 
 
 class ModelRunner:
@@ -86,6 +88,9 @@ class ModelRunner:
         if kv_sharing_fast_prefill and self.skip_layer is None:
             raise ValueError("--kv-sharing-fast-prefill needs a model whose last layers share an earlier layer's KV")
         self.routes = LayerRoutes(attention_layers(model))
+        # Dual encoders (`one_tower_per_pass`) pool through the model's own heads: model.pool(hidden, pooling,
+        # images), each tower its own (CLIP's class token or last token and projection, SigLIP's attention head).
+        self.one_tower_per_pass = bool(getattr(model, "one_tower_per_pass", False))
         # --lora adapters: their layers find the step's rows per adapter in the forward context.
         self.has_lora = has_lora(model)
         # Resolved once: a KvCache keeps its tensors for its lifetime.
@@ -111,12 +116,21 @@ class ModelRunner:
         """The step's inputs on the device. A worker calls this for step k+1 while step k runs."""
         if batch.uses_kv_cache and self.kv_cache is None:
             raise ValueError("this model keeps no KV cache; it cannot run generation steps")
+        if self.one_tower_per_pass:
+            images = tuple(s for s in batch.sequences if s.pixels is not None)
+            if images and len(images) < batch.num_sequences:
+                texts = StepBatch(tuple(s for s in batch.sequences if s.pixels is None))
+                return replace(self.prepare(texts), images=self.prepare(StepBatch(images)))
         inputs = self.input_builder.build(batch)
         fresh = self.kv_cache.fresh_blocks(inputs.block_tables_cpu) if inputs.block_tables_cpu else None
         return PreparedStep(inputs, fresh)
 
     @torch.inference_mode()
     def run(self, prepared: PreparedStep) -> StepOutput:
+        output = self._run(prepared)
+        return output if prepared.images is None else _joined(output, self._run(prepared.images))
+
+    def _run(self, prepared: PreparedStep) -> StepOutput:
         inputs = prepared.inputs
         if prepared.fresh_blocks is not None:
             self.kv_cache.zero(prepared.fresh_blocks)
@@ -126,7 +140,7 @@ class ModelRunner:
             self.backend,
             tuple(build(common) for common in inputs.attention),
             layer_kv_caches=self.layer_kv_caches if inputs.attention[0].reads_kv_cache else None,
-            encoder_metadata=build(inputs.encoder_attention) if inputs.encoder_attention is not None else None,
+            encoder_metadata=build(encoder) if (encoder := inputs.encoder_attention or inputs.vision_attention) else None,
             cross_metadata=build(inputs.cross_attention) if inputs.cross_attention is not None else None,
             skip=skip,
         )
@@ -143,7 +157,10 @@ class ModelRunner:
         if inputs.pooling is not None:
             # --lora adapters with heads of their own (modules_to_save) pick each row's head.
             extra = (inputs.row_adapters,) if isinstance(self.row_head, AdapterScoreHeads) else ()
-            rows = self.row_head(hidden, inputs.pooling, *extra).cpu().numpy()
+            if self.one_tower_per_pass:
+                rows = self.model.pool(hidden, inputs.pooling, inputs.pixel_values is not None).float().cpu().numpy()
+            else:
+                rows = self.row_head(hidden, inputs.pooling, *extra).cpu().numpy()
         if inputs.sample_rows is not None:
             logits = self.lm_head(hidden.index_select(0, inputs.sample_rows))[: len(inputs.sampling)].float()
             tokens = sample(logits, inputs.sampling, inputs.sample_lengths).cpu().numpy()
@@ -176,6 +193,9 @@ class ModelRunner:
         and with the prefill skip the rows its layers from `prefill_skip_layer` on run; and each token's task
         adapter when a token has one (only models with adapters are sent such tokens; --lora adapters go
         through the forward context instead)."""
+        if inputs.pixel_values is not None:
+            # Image sequences' patch rows; their grids where the tower needs them (Qwen2-VL's).
+            return {"pixel_values": inputs.pixel_values, "image_grids": inputs.image_grids}
         if inputs.adapter_ids is not None:
             return {"adapter_ids": inputs.adapter_ids}
         if self.is_encoder_decoder:
@@ -249,6 +269,14 @@ class ModelRunner:
             self.execute(StepBatch((ScheduledSequence(
                 -1, (0,), OutputKind.SAMPLE, length + offset, tables, True, greedy, encoder_len=len(encoder)
             ),)))
+
+
+def _joined(first: StepOutput, second: StepOutput) -> StepOutput:
+    """Two passes' outputs as one step's (rows only: dual encoders give dense vectors)."""
+    rows = np.concatenate((first.rows, second.rows)) if len(first.rows) and len(second.rows) else (
+        first.rows if len(first.rows) else second.rows
+    )
+    return StepOutput(first.row_request_ids + second.row_request_ids, rows, (), _NO_TOKENS)
 
 
 def warm_up_sizes(max_batch_tokens: int) -> list[int]:

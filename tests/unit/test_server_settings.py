@@ -39,10 +39,14 @@ def test_bad_settings_are_refused_naming_the_flag(fields, flag):
 
 
 def test_receive_limit_fits_a_full_call_of_the_longest_inputs():
-    config = ServerConfig(models=MODEL, max_client_batch_size=8, max_input_chars=1000)
+    config = ServerConfig(models=MODEL, max_client_batch_size=8, max_input_chars=1000, max_images_per_request=0)
     # 8 inputs and a rerank query of 1000 four-byte characters each.
     assert config.max_receive_message_bytes >= 9 * 4000
     assert config.max_receive_message_bytes < 9 * 4000 + 128 * 1024
+    # And 3 images at the byte limit, base64 on HTTP.
+    image_model = (dataclasses.replace(MODEL[0], max_image_bytes=3000),)
+    with_images = ServerConfig(models=image_model, max_client_batch_size=8, max_input_chars=1000, max_images_per_request=3)
+    assert 9 * 4000 + 3 * 4000 <= with_images.max_receive_message_bytes < 9 * 4000 + 3 * 4000 + 128 * 1024
     huge = ServerConfig(models=MODEL, max_client_batch_size=100_000, max_concurrent_requests=100_000,
                         max_input_chars=10**7)
     assert huge.max_receive_message_bytes == 2**31 - 1

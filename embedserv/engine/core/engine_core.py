@@ -287,5 +287,6 @@ class EngineCore:
             decoder = [start] if self.task.prefill_decoder_input == "start" else [start] + ids[:-1]
             return self.prefill.new_request(decoder, encoder_token_ids=ids)
         return self.prefill.new_request(
-            ids, pool_start=encoded.pool_start, token_type_ids=types, outputs=wanted, adapter=encoded.adapter
+            ids, pool_start=encoded.pool_start, token_type_ids=types, outputs=wanted, adapter=encoded.adapter,
+            pixels=encoded.pixels, image_grid=encoded.image_grid,
         )

@@ -74,6 +74,9 @@ def _feed(digest, name: str, value: object) -> None:
 def _serialized(value: object) -> bytes:
     if value is None:
         return b"N"
+    if isinstance(value, np.ndarray):
+        # An image's pixels: dtype and shape, then the bytes.
+        return b"A" + repr((value.dtype.str, value.shape)).encode() + np.ascontiguousarray(value).tobytes()
     if isinstance(value, (list, tuple)) and value:
         try:
             ints = np.asarray(value)

@@ -70,12 +70,13 @@ class PrefillQueue:
 
     def new_request(
         self, token_ids: list[int], pool_start: int = 0, token_type_ids=None, encoder_token_ids: list[int] | None = None,
-        outputs: tuple[EmbedOutput, ...] = (), adapter: int = -1,
+        outputs: tuple[EmbedOutput, ...] = (), adapter: int = -1, pixels=None, image_grid: tuple[int, ...] = (),
     ) -> Request:
         return Request(
             next(self._ids), token_ids, self.output, pool_start=pool_start, token_type_ids=token_type_ids,
             encoder_token_ids=encoder_token_ids or [], call_id=REQUEST_ID.get(),
-            outputs=() if outputs == (EmbedOutput.DENSE,) else outputs, adapter=adapter,
+            outputs=() if outputs == (EmbedOutput.DENSE,) else outputs, adapter=adapter, pixels=pixels,
+            image_grid=image_grid,
         )
 
     @property

@@ -122,7 +122,7 @@ class Timing(_message.Message):
     def __init__(self, queue_us: _Optional[int] = ..., tokenization_us: _Optional[int] = ..., inference_us: _Optional[int] = ..., total_us: _Optional[int] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("model", "inputs", "normalize", "truncate", "truncation_direction", "dimensions", "prompt_name", "encoding", "outputs", "chunking", "sparse_top_k", "task", "late_chunking", "bypass_cache")
+    __slots__ = ("model", "inputs", "normalize", "truncate", "truncation_direction", "dimensions", "prompt_name", "encoding", "outputs", "chunking", "sparse_top_k", "task", "late_chunking", "bypass_cache", "items")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,7 @@ class EmbedRequest(_message.Message):
     TASK_FIELD_NUMBER: _ClassVar[int]
     LATE_CHUNKING_FIELD_NUMBER: _ClassVar[int]
     BYPASS_CACHE_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
     model: str
     inputs: _containers.RepeatedScalarFieldContainer[str]
     normalize: bool
@@ -151,7 +152,16 @@ class EmbedRequest(_message.Message):
     task: str
     late_chunking: LateChunking
     bypass_cache: bool
-    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., normalize: _Optional[bool] = ..., truncate: _Optional[bool] = ..., truncation_direction: _Optional[_Union[TruncationDirection, str]] = ..., dimensions: _Optional[int] = ..., prompt_name: _Optional[str] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., chunking: _Optional[_Union[Chunking, str]] = ..., sparse_top_k: _Optional[int] = ..., task: _Optional[str] = ..., late_chunking: _Optional[_Union[LateChunking, _Mapping]] = ..., bypass_cache: _Optional[bool] = ...) -> None: ...
+    items: _containers.RepeatedCompositeFieldContainer[InputItem]
+    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., normalize: _Optional[bool] = ..., truncate: _Optional[bool] = ..., truncation_direction: _Optional[_Union[TruncationDirection, str]] = ..., dimensions: _Optional[int] = ..., prompt_name: _Optional[str] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., chunking: _Optional[_Union[Chunking, str]] = ..., sparse_top_k: _Optional[int] = ..., task: _Optional[str] = ..., late_chunking: _Optional[_Union[LateChunking, _Mapping]] = ..., bypass_cache: _Optional[bool] = ..., items: _Optional[_Iterable[_Union[InputItem, _Mapping]]] = ...) -> None: ...
+
+class InputItem(_message.Message):
+    __slots__ = ("text", "image")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    image: bytes
+    def __init__(self, text: _Optional[str] = ..., image: _Optional[bytes] = ...) -> None: ...
 
 class CharSpans(_message.Message):
     __slots__ = ("spans",)
@@ -270,16 +280,18 @@ class EmbedSparseResponse(_message.Message):
     def __init__(self, embeddings: _Optional[_Iterable[_Union[SparseEmbedding, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., model: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
 
 class EmbedMultiVectorRequest(_message.Message):
-    __slots__ = ("model", "inputs", "truncate", "prompt_name")
+    __slots__ = ("model", "inputs", "truncate", "prompt_name", "images")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     model: str
     inputs: _containers.RepeatedScalarFieldContainer[str]
     truncate: bool
     prompt_name: str
-    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., truncate: _Optional[bool] = ..., prompt_name: _Optional[str] = ...) -> None: ...
+    images: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., truncate: _Optional[bool] = ..., prompt_name: _Optional[str] = ..., images: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class EmbedMultiVectorResponse(_message.Message):
     __slots__ = ("embeddings", "usage", "model", "timing")
@@ -294,7 +306,7 @@ class EmbedMultiVectorResponse(_message.Message):
     def __init__(self, embeddings: _Optional[_Iterable[_Union[MultiVector, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., model: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
 
 class RerankRequest(_message.Message):
-    __slots__ = ("model", "query", "documents", "top_n", "return_documents", "raw_scores", "truncate", "instruction", "chunking")
+    __slots__ = ("model", "query", "documents", "top_n", "return_documents", "raw_scores", "truncate", "instruction", "chunking", "document_images")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     QUERY_FIELD_NUMBER: _ClassVar[int]
     DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +316,7 @@ class RerankRequest(_message.Message):
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
     CHUNKING_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENT_IMAGES_FIELD_NUMBER: _ClassVar[int]
     model: str
     query: str
     documents: _containers.RepeatedScalarFieldContainer[str]
@@ -313,7 +326,8 @@ class RerankRequest(_message.Message):
     truncate: bool
     instruction: str
     chunking: Chunking
-    def __init__(self, model: _Optional[str] = ..., query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ..., top_n: _Optional[int] = ..., return_documents: _Optional[bool] = ..., raw_scores: _Optional[bool] = ..., truncate: _Optional[bool] = ..., instruction: _Optional[str] = ..., chunking: _Optional[_Union[Chunking, str]] = ...) -> None: ...
+    document_images: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, model: _Optional[str] = ..., query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ..., top_n: _Optional[int] = ..., return_documents: _Optional[bool] = ..., raw_scores: _Optional[bool] = ..., truncate: _Optional[bool] = ..., instruction: _Optional[str] = ..., chunking: _Optional[_Union[Chunking, str]] = ..., document_images: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class RerankResult(_message.Message):
     __slots__ = ("index", "score", "document")
@@ -468,7 +482,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "tasks", "architecture", "attention", "pooling", "dimension", "max_input_tokens", "prompt_names", "dtype", "device", "attention_backend", "labels", "kv_cache", "is_encoder_decoder", "kv_sharing", "outputs", "sparse_dimension", "multi_vector_dimension", "adapters", "base_model", "lora_adapters", "auto_truncate")
+    __slots__ = ("name", "tasks", "architecture", "attention", "pooling", "dimension", "max_input_tokens", "prompt_names", "dtype", "device", "attention_backend", "labels", "kv_cache", "is_encoder_decoder", "kv_sharing", "outputs", "sparse_dimension", "multi_vector_dimension", "adapters", "base_model", "lora_adapters", "auto_truncate", "modalities", "max_image_bytes", "max_image_pixels")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -491,6 +505,9 @@ class ModelInfo(_message.Message):
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     AUTO_TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    MODALITIES_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGE_PIXELS_FIELD_NUMBER: _ClassVar[int]
     name: str
     tasks: _containers.RepeatedScalarFieldContainer[Task]
     architecture: str
@@ -513,7 +530,10 @@ class ModelInfo(_message.Message):
     base_model: str
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
     auto_truncate: bool
-    def __init__(self, name: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., architecture: _Optional[str] = ..., attention: _Optional[_Union[AttentionKind, str]] = ..., pooling: _Optional[str] = ..., dimension: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., prompt_names: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., kv_cache: _Optional[_Union[KvCache, _Mapping]] = ..., is_encoder_decoder: _Optional[bool] = ..., kv_sharing: _Optional[_Union[KvSharing, _Mapping]] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., sparse_dimension: _Optional[int] = ..., multi_vector_dimension: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., base_model: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., auto_truncate: _Optional[bool] = ...) -> None: ...
+    modalities: _containers.RepeatedScalarFieldContainer[str]
+    max_image_bytes: int
+    max_image_pixels: int
+    def __init__(self, name: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., architecture: _Optional[str] = ..., attention: _Optional[_Union[AttentionKind, str]] = ..., pooling: _Optional[str] = ..., dimension: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., prompt_names: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., kv_cache: _Optional[_Union[KvCache, _Mapping]] = ..., is_encoder_decoder: _Optional[bool] = ..., kv_sharing: _Optional[_Union[KvSharing, _Mapping]] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., sparse_dimension: _Optional[int] = ..., multi_vector_dimension: _Optional[int] = ..., adapters: _Optional[_Iterable[str]] = ..., base_model: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., auto_truncate: _Optional[bool] = ..., modalities: _Optional[_Iterable[str]] = ..., max_image_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ...) -> None: ...
 
 class KvSharing(_message.Message):
     __slots__ = ("shared_layers", "fast_prefill")
@@ -545,16 +565,18 @@ class KvCache(_message.Message):
     def __init__(self, block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., preemptions: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ServerLimits(_message.Message):
-    __slots__ = ("max_client_batch_size", "max_input_chars", "max_concurrent_requests", "max_receive_message_bytes")
+    __slots__ = ("max_client_batch_size", "max_input_chars", "max_concurrent_requests", "max_receive_message_bytes", "max_images_per_request")
     MAX_CLIENT_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_INPUT_CHARS_FIELD_NUMBER: _ClassVar[int]
     MAX_CONCURRENT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_RECEIVE_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGES_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     max_client_batch_size: int
     max_input_chars: int
     max_concurrent_requests: int
     max_receive_message_bytes: int
-    def __init__(self, max_client_batch_size: _Optional[int] = ..., max_input_chars: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_receive_message_bytes: _Optional[int] = ...) -> None: ...
+    max_images_per_request: int
+    def __init__(self, max_client_batch_size: _Optional[int] = ..., max_input_chars: _Optional[int] = ..., max_concurrent_requests: _Optional[int] = ..., max_receive_message_bytes: _Optional[int] = ..., max_images_per_request: _Optional[int] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models", "limits")

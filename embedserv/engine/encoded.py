@@ -1,0 +1,23 @@
+"""One input ready for the scheduler: a text's token ids, or an image's patch rows with its placeholder ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One input ready for the scheduler."""
+
+    ids: list[int]
+    # Tokens at the start that pooling skips (the prompt, when the model excludes it).
+    pool_start: int = 0
+    # Segment ids of a query/document pair, for models whose tokenizer feeds them; None means all zeros.
+    token_type_ids: list[int] | None = None
+    # The task adapter its tokens run with (ModelInfo.adapters index); -1: the base weights.
+    adapter: int = -1
+    # An image's patch rows [rows, patch_dim] float32 and grid (steps.ScheduledSequence.pixels); else None.
+    pixels: np.ndarray | None = None
+    image_grid: tuple[int, ...] = ()

@@ -1,0 +1,42 @@
+"""The image inputs of a step: every image sequence's patch rows (steps.ScheduledSequence.pixels) in the
+step's packed sequence order, in one float32 buffer that crosses to the device in one copy, with their own
+offsets: the vision tower's attention metadata (bidirectional, one sequence per image).
+
+Dual encoders (CLIP, SigLIP) take the rows as the sequences' tokens, so they line up with the token rows
+(padded alike on CPU); vision-language models (ColPali, ColQwen2) run them through the vision tower and place
+the result at the image's placeholder tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from embedserv.attention.metadata import CommonAttentionMetadata, build_common_metadata, cumulative_offsets
+from embedserv.steps import ScheduledSequence
+
+
+class ImagePlan:
+    def __init__(self, seqs: list[ScheduledSequence], order: np.ndarray, padded: Callable[[int], int]) -> None:
+        members = [seqs[i] for i in order if seqs[i].pixels is not None]
+        self.lens = np.fromiter((len(s.pixels) for s in members), dtype=np.int64, count=len(members))
+        self.grids = tuple(s.image_grid for s in members)
+        rows = np.concatenate([s.pixels for s in members]).astype(np.float32, copy=False)
+        padding = padded(len(rows)) - len(rows)
+        if padding > 0:
+            rows = np.concatenate((rows, np.zeros((padding, rows.shape[1]), dtype=np.float32)))
+        self.rows = rows
+        # The offsets travel with the step's other integers (input_builder.to_device).
+        self.parts = [cumulative_offsets(self.lens)]
+
+    @staticmethod
+    def wanted(seqs: list[ScheduledSequence]) -> bool:
+        return any(s.pixels is not None for s in seqs)
+
+    def inputs(self, device_parts, device: torch.device) -> tuple[torch.Tensor, CommonAttentionMetadata]:
+        """([rows, patch_dim] float32 pixels on the device, the vision tower's metadata)."""
+        host = torch.from_numpy(np.ascontiguousarray(self.rows))
+        pixels = host.pin_memory().to(device, non_blocking=True) if device.type != "cpu" else host
+        return pixels, build_common_metadata(self.lens, False, cu_seqlens=next(device_parts))

@@ -11,13 +11,15 @@ import math
 import numpy as np
 from PIL import Image
 
-from embedserv.engine.images.decode import ImageLimits, decode_image
+from embedserv.engine.images.decode import ImageLimits, decode_image, to_rgb
 from embedserv.engine.images.processing import ImageProcessing
 
 
 def pixel_values(image: Image.Image, processing: ImageProcessing) -> tuple[np.ndarray, tuple[int, ...]]:
     """CLIP/SigLIP: ([3, H, W] float32, (H // patch, W // patch)); Qwen2-VL: ([N, 3 * t * p * p] float32,
-    (t, h, w)) as image_grid_thw. `image` is RGB (decode_image's output)."""
+    (t, h, w)) as image_grid_thw. `image` is normally decode_image's output; another mode is converted as HF does."""
+    if image.mode != "RGB":
+        image = to_rgb(image)
     if processing.layout == "qwen2_vl":
         return _qwen2_vl(image, processing)
     if processing.resize is not None:

@@ -1,7 +1,8 @@
 """What a model's HF image processor does, read once from preprocessor_config.json (at start-up, not per request).
 
 The defaults and key handling follow transformers 5.23's PIL processors (CLIPImageProcessorPil,
-SiglipImageProcessorPil, Qwen2VLImageProcessorPil); a "Fast" (torchvision) type is served as its PIL twin.
+SiglipImageProcessorPil, Siglip2ImageProcessorPil, Qwen2VLImageProcessorPil); a "Fast" (torchvision) type is
+served as its PIL twin. The patch size comes from the file, else (CLIP/SigLIP) from config.json's vision_config.
 """
 
 # A bad key of any type is a ValueError: start-up reports every configuration error the same way.

@@ -1,0 +1,92 @@
+"""Small random-weight vision-language retrievers for tests: ColQwen2 (Qwen2-VL) and ColPali (PaliGemma).
+
+Each builder saves a directory transformers loads as the model and its processor (`from_pretrained`): config,
+float32 safetensors, a byte-level BPE tokenizer trained on stdlib docstrings (tests/helpers/seq2seq_models.py)
+with the processor's special tokens added, and the image processor's preprocessor_config.json. Norm weights
+and biases are made random (they start at 1 and 0) so that a tensor loaded into the wrong place shows.
+Images are made in the tests (`page_image`): numpy noise with a gradient, encoded as PNG or JPEG bytes.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+
+from tests.helpers.seq2seq_models import _bpe_vocab_and_merges, _perturb, _vocab_size
+
+QWEN_SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+    "<|video_pad|>",
+)
+# 56x84 and 84x112 pixels: multiples of Qwen2-VL's 28 (patch 14 x merge 2), so the processor keeps the size.
+COLQWEN2_SIZES = ((56, 84), (84, 112), (56, 56))
+
+
+def page_image(height: int, width: int, seed: int, fmt: str = "PNG") -> bytes:
+    """An RGB image of noise over a gradient, encoded as `fmt` (PNG or JPEG) bytes."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    gradient = np.linspace(0, 160, width)[None, :, None] + np.linspace(0, 80, height)[:, None, None]
+    pixels = np.clip(gradient + rng.integers(0, 96, (height, width, 3)), 0, 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(out, format=fmt)
+    return out.getvalue()
+
+
+def _qwen_tokenizer(out: Path):
+    """Qwen2Tokenizer over the trained byte-level BPE, Qwen2-VL's special tokens added; pads with <|endoftext|>."""
+    from transformers import Qwen2Tokenizer
+
+    vocab, merges = _bpe_vocab_and_merges()
+    tokenizer = Qwen2Tokenizer(
+        vocab=dict(vocab), merges=list(merges), unk_token=None, bos_token=None, eos_token="<|im_end|>",
+        pad_token="<|endoftext|>", model_max_length=512, padding_side="right",
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL_TOKENS[1:])})
+    tokenizer.save_pretrained(str(out))
+    return tokenizer
+
+
+def _colqwen2_config(tokenizer, embedding_dim: int, **text_overrides):
+    from transformers import ColQwen2Config
+
+    text = dict(
+        vocab_size=_vocab_size(len(tokenizer)), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=512,
+        initializer_range=0.15, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    )
+    text.update(text_overrides)
+    vision = dict(
+        depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14, temporal_patch_size=2,
+        spatial_merge_size=2, in_channels=3, initializer_range=0.15,
+    )
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
+    )}
+    vlm = dict(model_type="qwen2_vl", text_config=text, vision_config=vision, **ids)
+    return ColQwen2Config(vlm_config=vlm, embedding_dim=embedding_dim, initializer_range=0.15)
+
+
+def build_tiny_colqwen2(tmp_dir: Path | str, name: str = "tiny-colqwen2", seed: int = 0, embedding_dim: int = 24) -> Path:
+    """A random ColQwen2ForRetrieval directory with its ColQwen2Processor (Qwen2VLImageProcessor: 14-pixel
+    patches, merge 2, images between 56x56 and 112x112 pixels kept at their size when multiples of 28)."""
+    import torch
+    from transformers import ColQwen2ForRetrieval, ColQwen2Processor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    out = Path(tmp_dir) / name
+    if (out / "config.json").exists():
+        return out
+    tokenizer = _qwen_tokenizer(out)
+    config = _colqwen2_config(tokenizer, embedding_dim)
+    torch.manual_seed(seed)
+    model = ColQwen2ForRetrieval(config).eval()
+    _perturb(model, seed)
+    model.save_pretrained(str(out), safe_serialization=True)
+    images = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112)
+    ColQwen2Processor(image_processor=images, tokenizer=tokenizer).save_pretrained(str(out))
+    return out

@@ -10,6 +10,7 @@ Images are made in the tests (`page_image`): numpy noise with a gradient, encode
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import numpy as np
@@ -89,4 +90,76 @@ def build_tiny_colqwen2(tmp_dir: Path | str, name: str = "tiny-colqwen2", seed: 
     model.save_pretrained(str(out), safe_serialization=True)
     images = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112)
     ColQwen2Processor(image_processor=images, tokenizer=tokenizer).save_pretrained(str(out))
+    # transformers 5 keeps the image processor's settings in processor_config.json; hub models (and our
+    # engine/images) have them in preprocessor_config.json.
+    images.save_pretrained(str(out))
+    return out
+
+
+GEMMA_SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>")
+# A 28x28 SigLIP input in 14-pixel patches: 4 image tokens per page.
+COLPALI_IMAGE_SIZE = 28
+
+
+def _gemma_tokenizer(out: Path):
+    """GemmaTokenizer (BPE over "▁"-joined text, byte fallback) over a vocabulary trained on the docstrings."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import GemmaTokenizer
+
+    from tests.helpers.seq2seq_models import _training_texts
+
+    trainer_tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    trainer_tokenizer.normalizer = normalizers.Replace(" ", "▁")
+    trainer_tokenizer.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=list(GEMMA_SPECIAL_TOKENS), show_progress=False)
+    trainer_tokenizer.train_from_iterator(_training_texts(), trainer)
+    state = json.loads(trainer_tokenizer.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["merges"]]
+    tokenizer = GemmaTokenizer(vocab=state["vocab"], merges=merges, model_max_length=512, padding_side="right")
+    tokenizer.save_pretrained(str(out))
+    return tokenizer
+
+
+def _colpali_config(tokenizer, embedding_dim: int):
+    from transformers import ColPaliConfig
+
+    vocab = _vocab_size(len(tokenizer) + 1)
+    text = dict(
+        model_type="gemma", vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=512,
+        initializer_range=0.15, hidden_activation="gelu_pytorch_tanh",
+    )
+    vision = dict(
+        model_type="siglip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=2, image_size=COLPALI_IMAGE_SIZE, patch_size=14, vision_use_head=False,
+    )
+    vlm = dict(
+        model_type="paligemma", text_config=text, vision_config=vision, projection_dim=64, hidden_size=64,
+        vocab_size=vocab, image_token_index=len(tokenizer),
+    )
+    return ColPaliConfig(vlm_config=vlm, embedding_dim=embedding_dim, initializer_range=0.15)
+
+
+def build_tiny_colpali(tmp_dir: Path | str, name: str = "tiny-colpali", seed: int = 0, embedding_dim: int = 24) -> Path:
+    """A random ColPaliForRetrieval directory with its ColPaliProcessor (SiglipImageProcessor at 28x28)."""
+    import torch
+    from transformers import ColPaliForRetrieval, ColPaliProcessor
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    out = Path(tmp_dir) / name
+    if (out / "config.json").exists():
+        return out
+    tokenizer = _gemma_tokenizer(out)
+    images = SiglipImageProcessorPil(size={"height": COLPALI_IMAGE_SIZE, "width": COLPALI_IMAGE_SIZE})
+    images.image_seq_length = (COLPALI_IMAGE_SIZE // 14) ** 2
+    # The processor adds its <image> token (the next id) and PaliGemma's location tokens to the tokenizer.
+    processor = ColPaliProcessor(image_processor=images, tokenizer=tokenizer)
+    config = _colpali_config(processor.tokenizer, embedding_dim)
+    config.vlm_config.image_token_id = processor.image_token_id
+    torch.manual_seed(seed)
+    model = ColPaliForRetrieval(config).eval()
+    _perturb(model, seed)
+    model.save_pretrained(str(out), safe_serialization=True)
+    processor.save_pretrained(str(out))
+    images.save_pretrained(str(out))
     return out

@@ -14,7 +14,7 @@ from torch import nn
 
 from embedserv.errors import ConfigError
 from embedserv.models.families import (
-    bart, bert, clip, colqwen2, deberta_v2, distilbert, electra, eurobert, gemma, gemma4, gte, jina_v3, llama,
+    bart, bert, clip, colpali, colqwen2, deberta_v2, distilbert, electra, eurobert, gemma, gemma4, gte, jina_v3, llama,
     modernbert, mpnet, nomic_bert, siglip, t5,
 )
 from embedserv.models.heads import bge_m3, multi_vector, splade, vision_retrieval
@@ -40,6 +40,7 @@ FAMILIES: tuple[Family, ...] = (
     clip.FAMILY,
     siglip.FAMILY,
     colqwen2.FAMILY,
+    colpali.FAMILY,
 )
 _BY_MODEL_TYPE: dict[str, Family] = {model_type: family for family in FAMILIES for model_type in family.model_types}
 

@@ -163,3 +163,52 @@ def build_tiny_colpali(tmp_dir: Path | str, name: str = "tiny-colpali", seed: in
     processor.save_pretrained(str(out))
     images.save_pretrained(str(out))
     return out
+
+
+def load_ours(model_dir: Path):
+    """(our model, its projection head, whether its attention is causal) on CPU in float32."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from embedserv.models import registry
+    from embedserv.models.heads.vision_retrieval import build_projection_head
+    from embedserv.models.loading.checkpoint import checkpoint_files
+    from embedserv.models.loading.hf_config import read_hf_config
+    from embedserv.models.loading.weights import build_model
+
+    cpu = torch.device("cpu")
+    hf_config = read_hf_config(model_dir)
+    family = registry.lookup(hf_config.model_type)
+    files = checkpoint_files(model_dir)
+    model = build_model(family, hf_config, files, cpu, torch.float32)
+    spec = SimpleNamespace(files=files, model_dir=model_dir, device=cpu, dtype=torch.float32)
+    causal = registry.is_causal(family.text_config(hf_config), family)
+    return model, build_projection_head(spec, False), causal
+
+
+def packed_vectors(model, head, causal: bool, items, pad_tokens: int = 0, pad_rows: int = 0) -> list:
+    """Our token vectors per item (ids, patch rows or None, grid) from one packed pass under the naive backend,
+    with `pad_tokens` / `pad_rows` zero rows after the real ones, as the input builder pads them on CPU."""
+    import torch
+
+    from embedserv.attention.backends.naive import NaiveBackend
+    from embedserv.attention.metadata import build_common_metadata
+    from embedserv.forward_context import set_forward_context
+    from embedserv.worker.layer_routes import forward_context_for
+
+    lens = [len(ids) for ids, _, _ in items]
+    ids = torch.cat([ids for ids, _, _ in items] + [torch.zeros(pad_tokens, dtype=torch.long)])
+    positions = torch.cat([torch.arange(n) for n in lens] + [torch.zeros(pad_tokens, dtype=torch.long)])
+    images = [(rows, grid) for _, rows, grid in items if rows is not None]
+    backend, vision, extra = NaiveBackend(), None, {}
+    if images:
+        rows = torch.cat([r for r, _ in images] + [torch.zeros(pad_rows, images[0][0].shape[1])])
+        extra = {"pixel_values": rows, "image_grids": tuple(g for _, g in images)}
+        vision = backend.build_metadata(build_common_metadata(np.array([len(r) for r, _ in images]), False))
+    text = backend.build_metadata(build_common_metadata(np.array(lens), causal))
+    context = forward_context_for(model, backend, text, encoder_metadata=vision)
+    with torch.inference_mode(), set_forward_context(context):
+        hidden = model(ids, positions + model.position_offset, **extra)
+        vectors = head(hidden[: sum(lens)])
+    return list(vectors.split(lens))

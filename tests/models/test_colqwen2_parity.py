@@ -5,7 +5,6 @@ mixing image sizes and queries with padding rows, batch invariance, and the visi
 from __future__ import annotations
 
 import io
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,17 +14,11 @@ from embedserv.attention.backends.naive import NaiveBackend
 from embedserv.attention.metadata import build_common_metadata
 from embedserv.engine.tasks.multi_vector import maxsim_scores
 from embedserv.forward_context import set_forward_context
-from embedserv.models import registry
 from embedserv.models.families.qwen2_vision import patch_positions
-from embedserv.models.heads.vision_retrieval import build_projection_head
-from embedserv.models.loading.checkpoint import checkpoint_files
-from embedserv.models.loading.hf_config import read_hf_config
-from embedserv.models.loading.weights import build_model
 from embedserv.worker.layer_routes import forward_context_for
 from tests.helpers.compare import assert_cosine_at_least
-from tests.helpers.vision_language_models import COLQWEN2_SIZES, build_tiny_colqwen2, page_image
+from tests.helpers.vision_language_models import COLQWEN2_SIZES, build_tiny_colqwen2, load_ours, packed_vectors, page_image
 
-CPU = torch.device("cpu")
 QUERIES = ["what is a socket", "how to parse json files", "x"]
 
 
@@ -43,12 +36,9 @@ def reference(model_dir):
 
 @pytest.fixture(scope="module")
 def ours(model_dir):
-    hf_config = read_hf_config(model_dir)
-    family = registry.lookup(hf_config.model_type)
-    files = checkpoint_files(model_dir)
-    model = build_model(family, hf_config, files, CPU, torch.float32)
-    head = build_projection_head(SimpleNamespace(files=files, model_dir=model_dir, device=CPU, dtype=torch.float32), False)
-    return model, head
+    model, head, causal = load_ours(model_dir)
+    assert causal, "ColQwen2's language model runs causal in transformers"
+    return model, head, causal
 
 
 def _images(fmt: str = "PNG"):
@@ -66,28 +56,6 @@ def _inputs(processor, images, queries):
     for query in queries:
         out.append((processor.process_queries([query])["input_ids"][0], None, ()))
     return out
-
-
-def _run(model, head, items, pad_tokens: int = 0, pad_rows: int = 0) -> list[torch.Tensor]:
-    """Our vectors per item from one packed pass, with `pad_tokens` / `pad_rows` zero rows after the real ones
-    (as the input builder pads them on CPU)."""
-    lens = [len(ids) for ids, _, _ in items]
-    ids = torch.cat([ids for ids, _, _ in items] + [torch.zeros(pad_tokens, dtype=torch.long)])
-    positions = torch.cat([torch.arange(n) for n in lens] + [torch.zeros(pad_tokens, dtype=torch.long)])
-    images = [(rows, grid) for _, rows, grid in items if rows is not None]
-    backend = NaiveBackend()
-    vision = None
-    extra = {}
-    if images:
-        rows = torch.cat([r for r, _ in images] + [torch.zeros(pad_rows, images[0][0].shape[1])])
-        extra = {"pixel_values": rows, "image_grids": tuple(g for _, g in images)}
-        vision = backend.build_metadata(build_common_metadata(np.array([len(r) for r, _ in images]), False))
-    text = backend.build_metadata(build_common_metadata(np.array(lens), True))
-    context = forward_context_for(model, backend, text, encoder_metadata=vision)
-    with torch.inference_mode(), set_forward_context(context):
-        hidden = model(ids, positions, **extra)
-        vectors = head(hidden[: sum(lens)])
-    return list(vectors.split(lens))
 
 
 def _expected(reference, items) -> list[torch.Tensor]:
@@ -111,7 +79,7 @@ def test_page_images_and_queries_in_one_pass_equal_transformers(ours, reference,
     items = _inputs(reference[1], _images(fmt), QUERIES)
     # Longest first, as the scheduler packs them: images and queries interleaved by length.
     items.sort(key=lambda item: -len(item[0]))
-    _assert_vectors_equal(_run(*ours, items, pad_tokens=5, pad_rows=7), _expected(reference, items))
+    _assert_vectors_equal(packed_vectors(*ours, items, pad_tokens=5, pad_rows=7), _expected(reference, items))
 
 
 def test_image_grids_differ_and_tokens_follow_them(reference):
@@ -125,16 +93,16 @@ def test_image_grids_differ_and_tokens_follow_them(reference):
 
 def test_an_input_alone_equals_it_packed_with_others(ours, reference):
     items = _inputs(reference[1], _images(), QUERIES)
-    packed = _run(*ours, items)
+    packed = packed_vectors(*ours, items)
     for index, item in enumerate(items):
-        alone = _run(*ours, [item])[0]
+        alone = packed_vectors(*ours, [item])[0]
         torch.testing.assert_close(alone, packed[index], rtol=0, atol=2e-5)
 
 
 def test_maxsim_equals_the_processors_score_retrieval(ours, reference):
     processor = reference[1]
     items = _inputs(processor, _images(), QUERIES)
-    got = _run(*ours, items)
+    got = packed_vectors(*ours, items)
     expected = _expected(reference, items)
     pages, queries = len(COLQWEN2_SIZES), len(QUERIES)
     # One page per call: score_retrieval pads a batch of pages with zero vectors, so a query vector whose dot
@@ -148,7 +116,7 @@ def test_maxsim_equals_the_processors_score_retrieval(ours, reference):
 
 
 def test_vision_tower_equals_transformers_visual(ours, reference):
-    model, _ = ours
+    model = ours[0]
     items = _inputs(reference[1], _images(), [])
     rows = torch.cat([r for _, r, _ in items])
     grids = tuple(g for _, _, g in items)

@@ -67,6 +67,7 @@ FAMILY = Family(
     model_class=ColQwen2Model,
     checkpoint=CHECKPOINT,
     is_encoder=False,
+    language_config=text_config,
     examples=("vidore/colqwen2-v1.0-hf",),
     tested_by=("tests/models/test_colqwen2_parity.py",),
 )

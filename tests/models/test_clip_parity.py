@@ -68,3 +68,33 @@ def test_two_worker_processes_embed_images_as_one(clip, clip_dir):
     np.testing.assert_allclose(np.concatenate([r.embeddings for r in results[:-1]]), want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(results[-1].embeddings, want, rtol=1e-5, atol=1e-6)
     assert all(s.batches > 0 for s in stats), f"both workers should get batches: {stats}"
+
+
+def test_start_up_refuses_int8(clip_dir):
+    with pytest.raises(ConfigError, match="int8 was not validated for text-image dual encoders"):
+        SyncEngine(ModelConfig(path=str(clip_dir), served_name="clip", quantization="int8", warm_up=False))
+
+
+def test_random_bytes_as_images_are_refused_and_the_engine_serves_on(clip):
+    """Random bytes, and valid images cut or flipped at random places: each call is served or refused with
+    InvalidInput naming its input; none takes the engine down."""
+    rng = np.random.default_rng(7)
+    good = [image_bytes(33, 47, fmt, seed=1) for fmt in ("PNG", "JPEG", "WEBP")]
+    for case in range(60):
+        if case % 3 == 0:
+            data = rng.integers(0, 256, size=int(rng.integers(0, 400)), dtype=np.uint8).tobytes()
+        else:
+            data = bytearray(good[case % 3])
+            if case % 3 == 1:
+                data = data[: int(rng.integers(0, len(data)))]
+            else:
+                for at in rng.integers(0, len(data), size=8):
+                    data[at] = int(rng.integers(0, 256))
+            data = bytes(data)
+        try:
+            result = clip.embed(["text", ImageInput(data)], EmbedParams())
+        except InvalidInput as exc:
+            assert "input 1" in str(exc), str(exc)
+        else:
+            assert np.isfinite(result.embeddings).all()
+    assert clip.embed(mixed_inputs(), EmbedParams()).embeddings.shape == (7, 24)

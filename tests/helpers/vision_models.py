@@ -77,7 +77,8 @@ def image_processor(kind: str, image_size: int = IMAGE_SIZE):
     if kind == "clip":
         from transformers import CLIPImageProcessorPil
 
-        return CLIPImageProcessorPil(size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size})
+        square = {"height": image_size, "width": image_size}
+        return CLIPImageProcessorPil(size={"shortest_edge": image_size}, crop_size=square)
     from transformers import SiglipImageProcessorPil
 
     return SiglipImageProcessorPil(size={"height": image_size, "width": image_size})
@@ -136,3 +137,43 @@ def patch_rows(pixel_values: np.ndarray, patch_size: int) -> np.ndarray:
     channels, height, width = pixel_values.shape
     grid = pixel_values.reshape(channels, height // patch_size, patch_size, width // patch_size, patch_size)
     return np.ascontiguousarray(grid.transpose(1, 3, 0, 2, 4).reshape(-1, channels * patch_size * patch_size))
+
+
+# The inputs of one mixed call: texts and images of different sizes and formats, in an interleaved order.
+MIXED_TEXTS = ("a photo of a cat", "two dogs playing in the snow, seen from far away", "red")
+MIXED_IMAGES = ((20, 31, "PNG"), (64, 64, "JPEG"), (300, 90, "PNG"), (45, 45, "WEBP"))
+
+
+def mixed_inputs() -> list:
+    """Texts and ImageInputs interleaved: text, image, image, text, image, image, text."""
+    from embedserv.types import ImageInput
+
+    texts = list(MIXED_TEXTS)
+    images = [ImageInput(image_bytes(w, h, fmt, seed=i)) for i, (w, h, fmt) in enumerate(MIXED_IMAGES)]
+    return [texts.pop(0) if kind == "t" else images.pop(0) for kind in "tiitiit"]
+
+
+def reference_embeddings(model_dir: Path, kind: str, inputs: list) -> np.ndarray:
+    """transformers' get_text_features / get_image_features of each input, in input order: texts as the
+    model's processor tokenizes them (SigLIP: padding="max_length"), images through its image processor."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from embedserv.types import ImageInput
+
+    model = load_reference(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    processor = image_processor(kind, model.config.vision_config.image_size)
+    out = []
+    with torch.no_grad():
+        for item in inputs:
+            if isinstance(item, ImageInput):
+                pixels = processor(images=[decoded(item.data)], return_tensors="pt")["pixel_values"]
+                out.append(model.get_image_features(pixel_values=pixels).pooler_output[0].numpy())
+            elif kind == "siglip":
+                ids = tokenizer([item], padding="max_length", max_length=SIGLIP_TEXT_LENGTH, return_tensors="pt")
+                out.append(model.get_text_features(input_ids=ids["input_ids"]).pooler_output[0].numpy())
+            else:
+                ids = tokenizer([item], return_tensors="pt")
+                out.append(model.get_text_features(**ids).pooler_output[0].numpy())
+    return np.stack(out)

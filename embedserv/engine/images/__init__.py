@@ -12,7 +12,13 @@ tokenizer/worker pool, never on the event loop.
   input rows) and `prepare_image` (all of it: what the vision tower takes, and its grid).
 """
 
-from embedserv.engine.images.decode import MAX_ASPECT_RATIO, MIN_SIDE, ImageError, ImageLimits, decode_image
+from embedserv.engine.images.decode import (
+    MAX_ASPECT_RATIO,
+    MIN_SIDE,
+    ImageError,
+    ImageLimits,
+    decode_image,
+)
 from embedserv.engine.images.pixels import patch_rows, pixel_values, prepare_image
 from embedserv.engine.images.processing import ImageProcessing, read_image_processing
 

@@ -47,24 +47,24 @@ def decode_image(data: bytes, index: int, limits: ImageLimits) -> Image.Image:
     kind = image_format(data)
     if kind is None:
         raise ImageError(f"input {index} is not a PNG, JPEG or WebP image; convert it to one of those formats")
-    image = _open(data, index, kind)
+    image = _open(data, index, kind, limits)
     _check_size(image.size, index, limits)
     try:
         image.load()
         return to_rgb(image)
-    except Exception as e:  # Pillow's decoders raise many types (OSError, SyntaxError, ValueError, EOFError...)
+    except Exception as e:  # noqa: BLE001 - Pillow's decoders raise many types (OSError, SyntaxError, EOFError...)
         raise ImageError(f"input {index}: the {kind} image is truncated or corrupt and cannot be decoded ({e}); "
                          f"send the complete file") from None
 
 
-def _open(data: bytes, index: int, kind: str) -> Image.Image:
+def _open(data: bytes, index: int, kind: str, limits: ImageLimits) -> Image.Image:
     """Reads the header only (Image.open is lazy); the pixels are not decoded yet."""
     try:
         return Image.open(io.BytesIO(data), formats=[kind])
-    except Image.DecompressionBombError:
-        raise ImageError(f"input {index}: the image has too many pixels to decode safely; "
-                         f"send a smaller image") from None
-    except Exception as e:
+    except Image.DecompressionBombError as e:  # Pillow's own ceiling, twice MAX_IMAGE_PIXELS: its message has the size
+        raise ImageError(f"input {index}: the image has too many pixels ({e}); this server's limit is "
+                         f"{limits.max_pixels} pixels per image; downscale it") from None
+    except Exception as e:  # noqa: BLE001 - as in decode_image: any header Pillow cannot read is the input's fault
         raise ImageError(f"input {index}: the {kind} image's header cannot be read ({e}); "
                          f"send a valid PNG, JPEG or WebP file") from None
 

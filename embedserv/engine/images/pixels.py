@@ -94,7 +94,7 @@ def _shortest_longest(height: int, width: int, size: int, max_size: int) -> tupl
     low, high = float(min(height, width)), float(max(height, width))
     if high / low * size > max_size:
         raw = max_size * low / high
-        size = int(round(raw))
+        size = round(raw)
     if (height <= width and height == size) or (width <= height and width == size):
         return height, width
     scale = raw if raw is not None else size

@@ -4,6 +4,9 @@ The defaults and key handling follow transformers 5.23's PIL processors (CLIPIma
 SiglipImageProcessorPil, Qwen2VLImageProcessorPil); a "Fast" (torchvision) type is served as its PIL twin.
 """
 
+# A bad key of any type is a ValueError: start-up reports every configuration error the same way.
+# ruff: noqa: TRY004
+
 from __future__ import annotations
 
 import json
@@ -74,18 +77,18 @@ def processing_from_dict(raw: dict[str, Any], path: Path | str, model_patch: int
     if base not in _TYPES:
         raise ValueError(f"{path}: image_processor_type {name!r} is not supported; supported: {sorted(_TYPES)}")
     kind = _TYPES[base]
-    keys = {k: v for k, v in raw.items() if v is not None}  # null means the class default, as in HF
-    _refuse_unknown(keys, path, kind)
-    get = _Getter(keys, _DEFAULTS[kind], path)
+    _refuse_unknown(raw, path, kind)
+    get = _Getter(raw, _DEFAULTS[kind], path)
     if get.flag("do_pad", False) and kind != "qwen2_vl":
         raise ValueError(f"{path}: do_pad is not supported")
-    if not get.flag("do_convert_rgb", True):
-        raise ValueError(f"{path}: do_convert_rgb false is not supported (every image is served as RGB)")
-    patch = int(get.value("patch_size", model_patch))
+    # do_convert_rgb false (or null) is read but every image is served as RGB: for an RGB input that is the same
+    # pixels, and any other mode would give HF a tensor without 3 channels (ColPali's processor forces it on).
+    get.flag("do_convert_rgb", True)
+    patch = get.number("patch_size", model_patch)
     if kind == "qwen2_vl":
         return _qwen2_vl(get, path, patch)
     resize = _resize_rule(get, path) if get.flag("do_resize", True) else None
-    crop = _size_pair(get.value("crop_size"), path, "crop_size") if get.flag("do_center_crop") else None
+    crop = _size_pair(get.required("crop_size"), path, "crop_size") if get.flag("do_center_crop") else None
     return ImageProcessing("chw", resize, get.resample(), crop, get.rescale(), *get.normalize(), patch_size=patch)
 
 
@@ -93,19 +96,20 @@ def _qwen2_vl(get: _Getter, path: Path | str, patch: int) -> ImageProcessing:
     if not get.flag("do_resize", True):
         raise ValueError(f"{path}: do_resize false is not supported for Qwen2-VL (sides must be multiples of "
                          f"patch_size * merge_size)")
-    size = dict(get.value("size") or {})
-    low = get.keys.get("min_pixels", size.get("shortest_edge", size.get("min_pixels", QWEN2_VL_MIN_PIXELS)))
-    high = get.keys.get("max_pixels", size.get("longest_edge", size.get("max_pixels", QWEN2_VL_MAX_PIXELS)))
-    if not 0 < int(low) <= int(high):
+    size = get.required("size")  # top-level min_pixels / max_pixels win, as in Qwen2VLImageProcessor
+    if not isinstance(size, dict):
+        raise ValueError(f"{path}: size {size!r} is not supported for Qwen2-VL; give shortest_edge and longest_edge")
+    low = get.keys.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or QWEN2_VL_MIN_PIXELS
+    high = get.keys.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels") or QWEN2_VL_MAX_PIXELS
+    if not (isinstance(low, int) and isinstance(high, int) and 0 < low <= high):
         raise ValueError(f"{path}: min_pixels {low} / max_pixels {high} must satisfy 0 < min <= max")
-    return ImageProcessing("qwen2_vl", ("pixels", int(low), int(high)), get.resample(), None, get.rescale(),
+    return ImageProcessing("qwen2_vl", ("pixels", low, high), get.resample(), None, get.rescale(),
                            *get.normalize(), patch_size=patch,
-                           temporal_patch_size=int(get.value("temporal_patch_size")),
-                           merge_size=int(get.value("merge_size")))
+                           temporal_patch_size=get.number("temporal_patch_size"), merge_size=get.number("merge_size"))
 
 
 def _resize_rule(get: _Getter, path: Path | str) -> tuple[str, ...]:
-    size = get.value("size")
+    size = get.required("size")
     if isinstance(size, int):
         size = {"shortest_edge": size}  # default_to_square is False in these processors
     elif isinstance(size, (list, tuple)) and len(size) == 2:
@@ -160,31 +164,44 @@ def _model_patch_size(config: Path) -> int | None:
 
 
 class _Getter:
-    """Reads keys with the processor class's defaults; ValueError naming the file for a bad value."""
+    """Reads keys with the processor class's defaults; ValueError naming the file for a bad value. A key given as
+    null stays None, as transformers 5.23 keeps it: a null flag is off, a null value is refused."""
 
     def __init__(self, keys: dict[str, Any], defaults: dict[str, Any], path: Path | str) -> None:
         self.keys, self.defaults, self.path = keys, defaults, path
 
     def value(self, key: str, fallback: Any = None) -> Any:
-        found = self.keys.get(key, self.defaults.get(key, fallback))
-        if found is None and key == "patch_size":
-            raise ValueError(f"{self.path}: no patch_size, and config.json has no vision_config.patch_size")
+        return self.keys[key] if key in self.keys else self.defaults.get(key, fallback)
+
+    def required(self, key: str, fallback: Any = None) -> Any:
+        found = self.value(key, fallback)
+        if found is None:
+            where = ", and config.json has no vision_config.patch_size" if key == "patch_size" else ""
+            raise ValueError(f"{self.path}: {key} is missing or null{where}")
+        return found
+
+    def number(self, key: str, fallback: Any = None) -> int:
+        found = self.required(key, fallback)
+        if isinstance(found, bool) or not isinstance(found, int) or found < 1:
+            raise ValueError(f"{self.path}: {key} must be a positive integer, got {found!r}")
         return found
 
     def flag(self, key: str, fallback: bool = False) -> bool:
-        found = self.keys.get(key, self.defaults.get(key, fallback))
+        found = self.value(key, fallback)
+        if found is None:
+            return False
         if not isinstance(found, bool):
             raise ValueError(f"{self.path}: {key} must be true or false, got {found!r}")
         return found
 
     def resample(self) -> int:
-        found = self.keys.get("resample", 3)  # all three processors default to BICUBIC in transformers 5.23
+        found = self.required("resample", 3)  # all three default to BICUBIC; HF refuses a null one when resizing
         if not isinstance(found, int) or found not in RESAMPLE_FILTERS:
             raise ValueError(f"{self.path}: resample {found!r} is not one of PIL's filters 0-5")
         return found
 
     def rescale(self) -> float | None:
-        return float(self.keys.get("rescale_factor", 1 / 255)) if self.flag("do_rescale", True) else None
+        return float(self.required("rescale_factor", 1 / 255)) if self.flag("do_rescale", True) else None
 
     def normalize(self) -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
         if not self.flag("do_normalize", True):
@@ -192,7 +209,7 @@ class _Getter:
         return self._triple("image_mean"), self._triple("image_std")
 
     def _triple(self, key: str) -> tuple[float, float, float]:
-        found = self.value(key)
+        found = self.required(key)
         values = [found] * 3 if isinstance(found, (int, float)) else list(found)
         if len(values) != 3:
             raise ValueError(f"{self.path}: {key} must have 3 values (RGB), got {found!r}")

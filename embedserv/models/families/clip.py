@@ -14,10 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from embedserv.models.heads.pooling import PoolingInputs
 from embedserv.models.layers import Linear
 from embedserv.models.loading.family import Family, VisionTower
-from embedserv.models.vit import Encoder, PatchEmbedding, TextEmbeddings, dual_encoder_checkpoint
+from embedserv.models.vit import Encoder, PatchEmbedding, TextEmbeddings, dual_encoder_checkpoint, num_patches
 
 
 class ClipVisionEmbeddings(nn.Module):
@@ -25,7 +24,7 @@ class ClipVisionEmbeddings(nn.Module):
         super().__init__()
         self.class_embedding = nn.Parameter(torch.empty(config.hidden_size))
         self.patch_embedding = PatchEmbedding(config, bias=False)
-        self.position_embedding = nn.Embedding((config.image_size // config.patch_size) ** 2 + 1, config.hidden_size)
+        self.position_embedding = nn.Embedding(num_patches(config) + 1, config.hidden_size)
 
     def forward(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # Position 0 of every image is its class token (padding rows too, which nothing reads).
@@ -77,8 +76,9 @@ class ClipModel(nn.Module):
         vision = self.vision_model
         return vision.encoder(vision.pre_layrnorm(vision.embeddings(pixel_values, positions)))
 
-    def pool(self, hidden: torch.Tensor, pooling: PoolingInputs, images: bool) -> torch.Tensor:
-        """[num_seqs, projection_dim]: each sequence's vector in the joint space."""
+    def pool(self, hidden: torch.Tensor, pooling, images: bool) -> torch.Tensor:
+        """[num_seqs, projection_dim]: each sequence's vector in the joint space (`pooling`: the runner's
+        heads/pooling.PoolingInputs, which a family does not import)."""
         if images:
             cls = hidden.index_select(0, pooling.first_index)
             return self.visual_projection(self.vision_model.post_layernorm(cls))
@@ -88,7 +88,8 @@ class ClipModel(nn.Module):
 
 def vision_tower(config) -> VisionTower:
     return VisionTower(
-        patch_size=config.vision_config.patch_size, class_token=True, dimension=config.projection_dim, pooling="clip"
+        patch_size=config.vision_config.patch_size, image_size=config.vision_config.image_size,
+        class_token=True, dimension=config.projection_dim, pooling="clip"
     )
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from embedserv.models.heads.pooling import PoolingInputs, pooled_rows
 from embedserv.models.layers import Linear
 from embedserv.models.loading.family import Family, VisionTower
 from embedserv.models.vit import Encoder, Mlp, PatchEmbedding, TextEmbeddings, dual_encoder_checkpoint, num_patches
@@ -86,7 +85,7 @@ class SiglipVisionTower(nn.Module):
     def __init__(self, config, first_index: int) -> None:
         super().__init__()
         if not getattr(config, "vision_use_head", True):
-            raise ValueError("a SigLIP vision tower without its pooling head (vision_use_head false) has no image embedding")
+            raise ValueError("a SigLIP vision tower without its pooling head (vision_use_head false) embeds no image")
         self.embeddings = SiglipVisionEmbeddings(config)
         self.encoder = Encoder(config, first_index)
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
@@ -120,11 +119,14 @@ class SiglipModel(nn.Module):
             return self.text_model.encoder(self.text_model.embeddings(input_ids, positions))
         return self.vision_model.encoder(self.vision_model.embeddings(pixel_values, positions))
 
-    def pool(self, hidden: torch.Tensor, pooling: PoolingInputs, images: bool) -> torch.Tensor:
-        """[num_seqs, dim]: each sequence's vector in the joint space."""
+    def pool(self, hidden: torch.Tensor, pooling, images: bool) -> torch.Tensor:
+        """[num_seqs, dim]: each sequence's vector in the joint space (`pooling`: the runner's
+        heads/pooling.PoolingInputs, which a family does not import)."""
         num_seqs = pooling.first_index.shape[0]
         if images:
-            rows = self.vision_model.post_layernorm(pooled_rows(hidden, pooling))
+            # Every row of an image counts (no prompt): the rows the pooling covers, in token_seq order.
+            rows = hidden if pooling.token_index is None else hidden.index_select(0, pooling.token_index)
+            rows = self.vision_model.post_layernorm(rows)
             return self.vision_model.head(rows, pooling.token_seq, num_seqs)
         last = hidden.index_select(0, pooling.last_index)
         return self.text_model.head(self.text_model.final_layer_norm(last))
@@ -132,7 +134,8 @@ class SiglipModel(nn.Module):
 
 def vision_tower(config) -> VisionTower:
     return VisionTower(
-        patch_size=config.vision_config.patch_size, class_token=False, dimension=config.vision_config.hidden_size,
+        patch_size=config.vision_config.patch_size, image_size=config.vision_config.image_size,
+        class_token=False, dimension=config.vision_config.hidden_size,
         pooling="siglip", pads_texts=True, text_pad_id=int(config.text_config.pad_token_id or 0),
     )
 

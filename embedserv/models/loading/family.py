@@ -96,6 +96,8 @@ class VisionTower:
 
     # Pixels per patch side: each patch row holds 3 * patch_size**2 values.
     patch_size: int
+    # The square side its position embeddings cover: preprocessing must give images of this size.
+    image_size: int
     # A class-token row (zeros; the model puts its class embedding there) leads each image's rows (CLIP).
     class_token: bool
     # The joint embedding space's width (ModelInfo.dimension).

@@ -96,13 +96,18 @@ def _check_dtype(hf_config, dtype: torch.dtype, model_dir: Path) -> None:
         )
 
 
-def _check_quantization(config: ModelConfig, task: TaskSpec, model_dir: Path) -> None:
+def _check_quantization(config: ModelConfig, task: TaskSpec, family: Family, model_dir: Path) -> None:
     if config.quantization is None:
         return
     if Task.GENERATE in task.tasks:
         raise ConfigError(
             f"{model_dir}: --quantization int8 serves embedders, rerankers and classifiers; this model generates "
             "text, whose token-by-token sampling it was not validated for. Serve it without --quantization"
+        )
+    if family.vision is not None:
+        raise ConfigError(
+            f"{model_dir}: --quantization int8 was not validated for text-image dual encoders (CLIP, SigLIP); "
+            "serve this model without it"
         )
     if not torch.backends.mkldnn.is_available():
         raise ConfigError("--quantization int8 needs torch built with oneDNN (mkldnn), which this torch lacks")
@@ -229,7 +234,7 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
         # Dual encoders give one vector per input, in the joint space (model.pool).
         outputs = OutputSpec((EmbedOutput.DENSE,), head_kind="hidden")
     task = with_outputs(task, outputs.tasks)
-    _check_quantization(config, task, model_dir)
+    _check_quantization(config, task, family, model_dir)
     max_positions = layout.max_positions
     pooling, dimension = _pooling_and_dimension(config, task, st, hf_config, family)
     lora = _lora_adapters(config, task, family, hf_config, model_dir)

@@ -89,6 +89,7 @@ class Embedding:
         encoded = await self._infer.tokenize_with(
             tokenizer.check_token_ids, token_ids, params.truncate, params.truncation_direction
         )
+        self.token_rules.check_ids(encoded)
         return await self._pooled(with_adapter(encoded, adapter), params, received)
 
     async def _pooled(self, encoded: list[Encoded], params: EmbedParams, received: float) -> EmbedResult:

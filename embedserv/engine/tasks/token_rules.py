@@ -46,6 +46,10 @@ class TokenRules:
             rows = np.concatenate((np.zeros((1, rows.shape[1]), dtype=np.float32), rows))
         return Encoded(ids=[0] * len(rows), pixels=rows, image_grid=tuple(grid))
 
+    def check_ids(self, encoded: list[Encoded]) -> None:
+        """Refuses token-id inputs (used as given) that the model cannot take; every id in the vocabulary can
+        be taken unless a subclass reserves some."""
+
     def keep(self, encoded: Encoded, params: EmbedParams) -> np.ndarray | slice:
         """Which of the sequence's token vectors the caller gets: a boolean mask or a slice."""
         return slice(self.skip_first, None)

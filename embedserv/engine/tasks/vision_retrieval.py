@@ -124,6 +124,15 @@ class VisionRetrievalRules(TokenRules):
             out.append(Encoded(ids=ids))
         return out
 
+    def check_ids(self, encoded: list[Encoded]) -> None:
+        """The image token takes an image's features: an input of ids with it but no image is refused (the
+        model would find more placeholders than features in the step)."""
+        for index, item in enumerate(encoded):
+            if self.image_token_id in item.ids:
+                raise InvalidInput(
+                    f"input {index} holds the image token id {self.image_token_id}; send images as images"
+                )
+
     def encode_image(self, rows: np.ndarray, grid: tuple[int, ...], params: EmbedParams) -> Encoded:
         """A page, whatever the call's prompt_name (it names the texts' task)."""
         count = self.prompts.tokens_for(tuple(grid))

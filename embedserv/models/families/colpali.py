@@ -117,5 +117,5 @@ FAMILY = Family(
     is_encoder=False,
     language_config=language_config,
     examples=("vidore/colpali-v1.3-hf",),
-    tested_by=("tests/models/test_colpali_parity.py",),
+    tested_by=("tests/models/test_colpali_parity.py", "tests/models/test_vision_retrieval_engine.py"),
 )

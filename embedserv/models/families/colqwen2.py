@@ -69,5 +69,5 @@ FAMILY = Family(
     is_encoder=False,
     language_config=text_config,
     examples=("vidore/colqwen2-v1.0-hf",),
-    tested_by=("tests/models/test_colqwen2_parity.py",),
+    tested_by=("tests/models/test_colqwen2_parity.py", "tests/models/test_vision_retrieval_engine.py"),
 )

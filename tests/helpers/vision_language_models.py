@@ -212,3 +212,26 @@ def packed_vectors(model, head, causal: bool, items, pad_tokens: int = 0, pad_ro
         hidden = model(ids, positions + model.position_offset, **extra)
         vectors = head(hidden[: sum(lens)])
     return list(vectors.split(lens))
+
+
+def hub_layout_copy(model_dir: Path, out: Path, rename, extra: dict[str, tuple[int, ...]]) -> Path:
+    """A copy of a model directory whose checkpoint names are `rename(name)` (the layout older transformers
+    saved, as hub checkpoints have it), plus `extra` tensors of the given shapes (heads a retriever leaves
+    unused)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out)
+    tensors = {rename(name): tensor for name, tensor in load_file(str(model_dir / "model.safetensors")).items()}
+    tensors.update({name: torch.zeros(shape) for name, shape in extra.items()})
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def same_parameters(a, b) -> bool:
+    import torch
+
+    first, second = dict(a.named_parameters()), dict(b.named_parameters())
+    return first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)

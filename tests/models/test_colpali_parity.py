@@ -13,7 +13,9 @@ import torch
 from embedserv.engine.images import patch_rows
 from embedserv.engine.tasks.multi_vector import maxsim_scores
 from tests.helpers.compare import assert_cosine_at_least
-from tests.helpers.vision_language_models import build_tiny_colpali, load_ours, packed_vectors, page_image
+from tests.helpers.vision_language_models import (
+    build_tiny_colpali, hub_layout_copy, load_ours, packed_vectors, page_image, same_parameters,
+)
 
 QUERIES = ["what is a socket", "how to parse json files", "x"]
 # Any size: the processor resizes every page to the tower's 28x28.
@@ -95,3 +97,13 @@ def test_maxsim_equals_the_processors_score_retrieval(ours, reference):
     for q in range(len(QUERIES)):
         ours_scores = maxsim_scores(got[pages + q].numpy(), [g.numpy() for g in got[:pages]], mean=False)
         np.testing.assert_allclose(ours_scores, scores[q].numpy(), rtol=1e-4)
+
+
+def test_the_hubs_checkpoint_layout_loads_the_same(model_dir, ours, tmp_path):
+    """Checkpoints saved before transformers 5 nest the tower in `vision_tower.vision_model.` and keep the LM
+    head (unused) at `language_model.lm_head`."""
+    copy = hub_layout_copy(
+        model_dir, tmp_path / "hub", lambda name: name.replace("vlm.vision_tower.", "vlm.vision_tower.vision_model."),
+        {"vlm.language_model.lm_head.weight": (8, 64)},
+    )
+    assert same_parameters(load_ours(copy)[0], ours[0])

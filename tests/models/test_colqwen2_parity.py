@@ -17,7 +17,9 @@ from embedserv.forward_context import set_forward_context
 from embedserv.models.families.qwen2_vision import patch_positions
 from embedserv.worker.layer_routes import forward_context_for
 from tests.helpers.compare import assert_cosine_at_least
-from tests.helpers.vision_language_models import COLQWEN2_SIZES, build_tiny_colqwen2, load_ours, packed_vectors, page_image
+from tests.helpers.vision_language_models import (
+    COLQWEN2_SIZES, build_tiny_colqwen2, hub_layout_copy, load_ours, packed_vectors, page_image, same_parameters,
+)
 
 QUERIES = ["what is a socket", "how to parse json files", "x"]
 
@@ -138,3 +140,12 @@ def test_patch_positions_equal_transformers():
     got = patch_positions(grids, 2, len(expected) + 3)
     np.testing.assert_array_equal(got[: len(expected)], expected)
     assert not got[len(expected) :].any()
+
+
+def test_the_hubs_checkpoint_layout_loads_the_same(model_dir, ours, tmp_path):
+    """Checkpoints saved before transformers 5 nest the model under `vlm.model.` beside an unused `vlm.lm_head`."""
+    copy = hub_layout_copy(
+        model_dir, tmp_path / "hub", lambda name: name.replace("vlm.", "vlm.model.", 1),
+        {"vlm.lm_head.weight": (8, 64)},
+    )
+    assert same_parameters(load_ours(copy)[0], ours[0])

@@ -102,7 +102,7 @@ class ColPaliModel(nn.Module):
 CHECKPOINT = CheckpointNames(
     prefixes=("vlm.model.", "vlm."),
     # The projection is the token head's (models/heads/vision_retrieval.py); the LM head is not used.
-    ignored=r"^(embedding_proj_layer\.|lm_head\.|.*position_ids$)",
+    ignored=r"^(embedding_proj_layer\.|(language_model\.)?lm_head\.|.*position_ids$)",
     packed=QKV_GATE_UP,
     # transformers 5 saves `language_model.model.` and `vision_tower.`; earlier saves (the hub's) nest the tower
     # in `vision_tower.vision_model.`.

@@ -55,9 +55,11 @@ class ColQwen2Model(nn.Module):
 
 
 CHECKPOINT = CheckpointNames(
-    prefixes=("vlm.",),
+    # transformers 5 saves `vlm.visual.` and `vlm.language_model.`; checkpoints saved before it (the hub's) nest
+    # both under `vlm.model.` beside an unused `vlm.lm_head`.
+    prefixes=("vlm.model.", "vlm."),
     # The projection is the token head's (models/heads/vision_retrieval.py).
-    ignored=r"^(embedding_proj_layer\.|language_model\.rotary_emb\.)",
+    ignored=r"^(embedding_proj_layer\.|lm_head\.|language_model\.rotary_emb\.)",
     packed=QKV_GATE_UP,
 )
 

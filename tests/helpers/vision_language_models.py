@@ -61,7 +61,7 @@ def _colqwen2_config(tokenizer, embedding_dim: int, **text_overrides):
     )
     text.update(text_overrides)
     vision = dict(
-        depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14, temporal_patch_size=2,
+        depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=14, temporal_patch_size=2,
         spatial_merge_size=2, in_channels=3, initializer_range=0.15,
     )
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
@@ -126,7 +126,7 @@ def _colpali_config(tokenizer, embedding_dim: int):
     vocab = _vocab_size(len(tokenizer) + 1)
     text = dict(
         model_type="gemma", vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=512,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-6, max_position_embeddings=512,
         initializer_range=0.15, hidden_activation="gelu_pytorch_tanh",
     )
     vision = dict(

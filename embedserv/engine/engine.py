@@ -165,10 +165,12 @@ class Engine:
         """The dense vectors in the encoding the call asked for (float32 ones are returned as they are)."""
         return await self.encodings.apply(result, params)
 
-    async def rerank(self, query: str, documents: list[str], params: RerankParams) -> RerankResult:
+    async def rerank(self, query: str, documents: list[str | ImageInput], params: RerankParams) -> RerankResult:
         """Documents scored against the query, best first: by the model's score head (cross-encoders,
         yes/no rerankers), by cosine similarity of embeddings (embedders), or by MaxSim of token vectors
-        (late-interaction models); with chunking, by each document's best window."""
+        (late-interaction models); with chunking, by each document's best window. Documents may be images
+        (encoded bytes) for models whose modalities include IMAGE: text-image dual encoders rank them by
+        cosine, ColQwen2 / ColPali (page images only) by MaxSim."""
         return await self.reranking.rerank(query, documents, self._truncating(params))
 
     async def classify(self, texts: list[str], params: ClassifyParams) -> ClassifyResult:

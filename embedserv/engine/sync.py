@@ -58,7 +58,9 @@ class SyncEngine:
         """A copy of `result` (float32 vectors) in `params.encoding`, by the step Engine.embed ends with."""
         return self._call(self.engine.encoded(replace(result), params))
 
-    def rerank(self, query: str, documents: list[str], params: RerankParams | None = None) -> RerankResult:
+    def rerank(
+        self, query: str, documents: list[str | ImageInput], params: RerankParams | None = None
+    ) -> RerankResult:
         return self._call(self.engine.rerank(query, list(documents), params or RerankParams()))
 
     def rerank_concurrently(

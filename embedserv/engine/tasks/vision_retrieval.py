@@ -79,7 +79,8 @@ def read_retrieval_prompts(model_dir: Path, architecture: str, hf_config, tokeni
     image_token = getattr(hf, "image_token", None) or "<image>"
     page = f"{image_token}{bos}{saved.get('visual_prompt_prefix') or 'Describe the image.'}\n"
     seq_length = int(hf_config.vlm_config.text_config.num_image_tokens)
-    return RetrievalPrompts(saved.get("query_prefix") or "Question: ", bos, page, image_token, image_seq_length=seq_length)
+    query_prefix = saved.get("query_prefix") or "Question: "
+    return RetrievalPrompts(query_prefix, bos, page, image_token, image_seq_length=seq_length)
 
 
 class VisionRetrievalRules(TokenRules):
@@ -115,7 +116,9 @@ class VisionRetrievalRules(TokenRules):
         for index, text in enumerate(texts):
             ids = tokenizer.encode_text(f"{p.query_start}{p.query_prefix}{text}{self._augmentation}\n")
             if self.image_token_id in ids:
-                raise InvalidInput(f"{what.format(index)} holds the image token {p.image_token!r}; send images as images")
+                raise InvalidInput(
+                    f"{what.format(index)} holds the image token {p.image_token!r}; send images as images"
+                )
             if len(ids) > self.max_input_tokens:
                 raise InvalidInput(
                     f"{what.format(index)} has {len(ids)} tokens with the query prompt, more than the model's "

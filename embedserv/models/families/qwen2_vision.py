@@ -87,7 +87,9 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.block_dim = dim * merge**2
         self.ln_q = nn.LayerNorm(dim, eps=_EPS)
-        self.mlp = nn.Sequential(nn.Linear(self.block_dim, self.block_dim), nn.GELU(), nn.Linear(self.block_dim, out_dim))
+        self.mlp = nn.Sequential(
+            nn.Linear(self.block_dim, self.block_dim), nn.GELU(), nn.Linear(self.block_dim, out_dim)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_q(x).view(-1, self.block_dim))
@@ -104,9 +106,8 @@ class Qwen2VisionTower(nn.Module):
         self.patch_embed = nn.Module()
         # The checkpoint's Conv3d weight, used as the matmul it is over a flattened patch.
         self.patch_embed.proj = nn.Module()
-        self.patch_embed.proj.weight = nn.Parameter(
-            torch.empty(config.embed_dim, config.in_channels, config.temporal_patch_size, config.patch_size, config.patch_size)
-        )
+        patch = (config.in_channels, config.temporal_patch_size, config.patch_size, config.patch_size)
+        self.patch_embed.proj.weight = nn.Parameter(torch.empty(config.embed_dim, *patch))
         self.blocks = nn.ModuleList(VisionBlock(config, first_layer_index + i) for i in range(config.depth))
         self.merger = PatchMerger(config.hidden_size, config.embed_dim, self.merge)
         head_dim = config.embed_dim // config.num_heads

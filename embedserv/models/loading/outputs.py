@@ -85,9 +85,8 @@ def read_output_spec(
     if not embeds:
         return OutputSpec(())
     if architecture in RETRIEVAL_ARCHITECTURES:
-        return OutputSpec(
-            (EmbedOutput.MULTI_VECTOR,), head_kind="vision_retrieval", multi_vector_dimension=projection_width(hf_config)
-        )
+        width = projection_width(hf_config)
+        return OutputSpec((EmbedOutput.MULTI_VECTOR,), head_kind="vision_retrieval", multi_vector_dimension=width)
     if st.model_type == MULTI_VECTOR_ENCODER:
         # Refuses at start-up what would not give the library's vectors (loading/multi_vector_files.py).
         read_multi_vector_settings(model_dir, st, hidden)

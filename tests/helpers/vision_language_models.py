@@ -57,7 +57,8 @@ def _colqwen2_config(tokenizer, embedding_dim: int, **text_overrides):
     text = dict(
         vocab_size=_vocab_size(len(tokenizer)), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=512,
-        initializer_range=0.15, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        initializer_range=0.15, bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
     )
     text.update(text_overrides)
     vision = dict(
@@ -72,7 +73,9 @@ def _colqwen2_config(tokenizer, embedding_dim: int, **text_overrides):
     return ColQwen2Config(vlm_config=vlm, embedding_dim=embedding_dim, initializer_range=0.15)
 
 
-def build_tiny_colqwen2(tmp_dir: Path | str, name: str = "tiny-colqwen2", seed: int = 0, embedding_dim: int = 24) -> Path:
+def build_tiny_colqwen2(
+    tmp_dir: Path | str, name: str = "tiny-colqwen2", seed: int = 0, embedding_dim: int = 24
+) -> Path:
     """A random ColQwen2ForRetrieval directory with its ColQwen2Processor (Qwen2VLImageProcessor: 14-pixel
     patches, merge 2, images between 56x56 and 112x112 pixels kept at their size when multiples of 28)."""
     import torch

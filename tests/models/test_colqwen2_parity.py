@@ -33,7 +33,8 @@ def model_dir(tmp_path_factory):
 def reference(model_dir):
     from transformers import ColQwen2ForRetrieval, ColQwen2Processor
 
-    return ColQwen2ForRetrieval.from_pretrained(str(model_dir)).eval(), ColQwen2Processor.from_pretrained(str(model_dir))
+    model = ColQwen2ForRetrieval.from_pretrained(str(model_dir)).eval()
+    return model, ColQwen2Processor.from_pretrained(str(model_dir))
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +126,8 @@ def test_vision_tower_equals_transformers_visual(ours, reference):
     backend = NaiveBackend()
     vision = backend.build_metadata(build_common_metadata(np.array([len(r) for _, r, _ in items]), False))
     text = backend.build_metadata(build_common_metadata(np.array([1]), True))
-    with torch.inference_mode(), set_forward_context(forward_context_for(model, backend, text, encoder_metadata=vision)):
+    context = forward_context_for(model, backend, text, encoder_metadata=vision)
+    with torch.inference_mode(), set_forward_context(context):
         got = model.visual(rows, grids)
     with torch.no_grad():
         expected = reference[0].vlm.visual(rows, grid_thw=torch.tensor(grids), return_dict=True).pooler_output

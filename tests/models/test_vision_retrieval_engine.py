@@ -140,3 +140,16 @@ def test_bad_inputs_are_refused_naming_them(served):
         engine._call(engine.engine.embed_token_ids([[5, 6], [5, image_token_id, 6]], _params()))
     # The engine keeps serving after the refusals.
     assert len(engine.embed([ImageInput(good)], _params()).multi_vectors) == 1
+
+
+def test_a_page_past_the_input_limit_is_refused(served):
+    from embedserv.errors import InvalidInput
+
+    _, engine, _ = served
+    rules = engine.engine.embedding.token_rules
+    if rules.prompts.image_seq_length:
+        pytest.skip("ColPali's pages always make image_seq_length tokens")
+    side = 2 * int(np.ceil(np.sqrt(engine.info.max_input_tokens)))
+    rows = np.zeros((side * side, 1176), dtype=np.float32)
+    with pytest.raises(InvalidInput, match="more than the model's"):
+        rules.encode_image(rows, (1, side, side), _params())

@@ -140,6 +140,12 @@ class VisionRetrievalRules(TokenRules):
         """A page, whatever the call's prompt_name (it names the texts' task)."""
         count = self.prompts.tokens_for(tuple(grid))
         ids = self._page_head + [self.image_token_id] * count + self._page_tail
+        if len(ids) > self.max_input_tokens:
+            # Only a model whose processor allows more image tokens than its input limit gets here.
+            raise InvalidInput(
+                f"an image makes {len(ids)} tokens with the page prompt, more than the model's "
+                f"{self.max_input_tokens}; send it with fewer pixels"
+            )
         return Encoded(ids=ids, pixels=rows, image_grid=tuple(grid))
 
     def keep(self, encoded: Encoded, params: EmbedParams) -> np.ndarray | slice:

@@ -14,6 +14,7 @@ from pathlib import Path
 from embedserv import cpu_isa
 from embedserv.config import ModelConfig
 from embedserv.engine.images import ImageLimits, ImageProcessing, read_image_processing
+from embedserv.engine.images.processing import processing_from_dict
 from embedserv.engine.tokenizer import TextTokenizer
 from embedserv.errors import ConfigError
 from embedserv.models.loading.spec import ModelSpec, read_model_spec
@@ -84,7 +85,7 @@ def read_vision_spec(config: ModelConfig, spec: ModelSpec) -> VisionSpec | None:
         return None
     tower = spec.family.vision(spec.hf_config)
     try:
-        processing = read_image_processing(spec.model_dir)
+        processing = read_image_processing(spec.model_dir) or _processor_image_settings(spec.model_dir, tower)
     except ValueError as exc:
         raise ConfigError(f"--model {config.path}: {exc}") from None
     if processing is None:
@@ -155,6 +156,16 @@ def log_spec(served: ServedModel, config: ModelConfig) -> None:
             "on: the layers after the last KV writer run only the rows whose output is read"
             if info.kv_sharing_fast_prefill else "off",
         )
+
+
+def _processor_image_settings(model_dir: Path, tower) -> ImageProcessing | None:
+    """The image processor's settings inside processor_config.json, where a whole processor saved with
+    transformers 5 (sentence-transformers 5.4 on, for one) keeps them instead of preprocessor_config.json."""
+    path = model_dir / "processor_config.json"
+    if not path.is_file():
+        return None
+    settings = json.loads(path.read_text()).get("image_processor")
+    return processing_from_dict(settings, path, tower.patch_size) if isinstance(settings, dict) else None
 
 
 def _output_size(processing: ImageProcessing) -> tuple[int, int] | None:

@@ -4,6 +4,9 @@ formats, alone or packed; what it refuses; two worker processes give what one do
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 
@@ -12,7 +15,8 @@ from embedserv.engine.sync import SyncEngine
 from embedserv.errors import ConfigError, InvalidInput
 from embedserv.types import EmbedParams, ImageInput
 from tests.helpers import dual_encoder_checks as checks
-from tests.helpers.vision_models import image_bytes, mixed_inputs, save_dual_encoder
+from tests.helpers.compare import assert_cosine_at_least
+from tests.helpers.vision_models import decoded, image_bytes, mixed_inputs, save_dual_encoder
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +102,31 @@ def test_random_bytes_as_images_are_refused_and_the_engine_serves_on(clip):
         else:
             assert np.isfinite(result.embeddings).all()
     assert clip.embed(mixed_inputs(), EmbedParams()).embeddings.shape == (7, 24)
+
+
+@pytest.mark.parametrize("layout", ["folder", "root"])
+def test_sentence_transformers_directories(clip, clip_dir, tmp_path, layout):
+    """sentence-transformers' CLIP: the CLIPModel module in 0_CLIPModel/ (before 5.4), or at the root with only
+    processor_config.json for its image settings (as 5.4 on saves it): the same vectors as the model itself,
+    which sentence-transformers' own encode gives too."""
+    from sentence_transformers import SentenceTransformer
+
+    root = tmp_path / layout
+    if layout == "folder":
+        shutil.copytree(clip_dir, root / "0_CLIPModel")
+        (root / "modules.json").write_text(json.dumps(
+            [{"idx": 0, "name": "0", "path": "0_CLIPModel", "type": "sentence_transformers.models.CLIPModel"}]
+        ))
+    else:
+        SentenceTransformer(str(clip_dir), device="cpu").save(str(root))
+        assert not (root / "preprocessor_config.json").exists()
+    inputs = mixed_inputs()
+    want = clip.embed(inputs, EmbedParams()).embeddings
+    with SyncEngine(ModelConfig(path=str(root), served_name="st", warm_up=False), warm_up=False) as engine:
+        got = engine.embed(inputs, EmbedParams()).embeddings
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    reference = SentenceTransformer(str(root), device="cpu")
+    texts = [item for item in inputs if isinstance(item, str)]
+    images = [decoded(item.data) for item in inputs if isinstance(item, ImageInput)]
+    assert_cosine_at_least(got[[0, 3, 6]], reference.encode(texts), checks.COSINE)
+    assert_cosine_at_least(got[[1, 2, 4, 5]], reference.encode(images), checks.COSINE)

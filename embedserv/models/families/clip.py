@@ -101,6 +101,12 @@ FAMILY = Family(
     # Its text tower is causal (the config's default); the vision tower is bidirectional all the same.
     is_encoder=False,
     vision=vision_tower,
-    examples=("openai/clip-vit-base-patch32", "openai/clip-vit-large-patch14", "laion/CLIP-ViT-B-32-laion2B-s34B-b79K"),
+    # sentence-transformers' CLIPModel module (5.4 on, at the directory's root) is the model's own
+    # get_text_features / get_image_features; the older folder layout is read by loading/st_files.model_root.
+    st_transformer_modules=("sentence_transformers.sentence_transformer.modules.clip_model.CLIPModel",),
+    examples=(
+        "openai/clip-vit-base-patch32", "openai/clip-vit-large-patch14", "laion/CLIP-ViT-B-32-laion2B-s34B-b79K",
+        "sentence-transformers/clip-ViT-B-32",
+    ),
     tested_by=("tests/models/test_clip_parity.py",),
 )

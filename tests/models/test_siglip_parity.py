@@ -4,6 +4,8 @@ in one call mixing texts and images, alone or packed; what it refuses; reranking
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -11,7 +13,7 @@ from embedserv.config import ModelConfig
 from embedserv.engine.sync import SyncEngine
 from embedserv.types import EmbedParams, RerankParams
 from tests.helpers import dual_encoder_checks as checks
-from tests.helpers.vision_models import SIGLIP_TEXT_LENGTH, reference_embeddings, save_dual_encoder
+from tests.helpers.vision_models import SIGLIP_TEXT_LENGTH, mixed_inputs, reference_embeddings, save_dual_encoder
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +56,15 @@ def test_rerank_by_cosine_pads_texts(siglip, siglip_dir):
     want = want / np.linalg.norm(want, axis=1, keepdims=True)
     scores = {r.index: r.score for r in siglip.rerank(query, documents, RerankParams()).results}
     np.testing.assert_allclose([scores[i] for i in range(3)], want[1:] @ want[0], atol=1e-4)
+
+
+def test_warm_up_runs_both_towers(siglip, siglip_dir, caplog):
+    """Warm-up runs text and image steps (the linears' row counts on CPU), and changes no result."""
+    inputs = mixed_inputs()
+    want = siglip.embed(inputs, EmbedParams()).embeddings
+    with caplog.at_level(logging.INFO, logger="embedserv.worker.model_runner"):
+        with SyncEngine(ModelConfig(path=str(siglip_dir), served_name="warm"), warm_up=True) as engine:
+            got = engine.embed(inputs, EmbedParams()).embeddings
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    made = [int(r.getMessage().split()[2]) for r in caplog.records if r.getMessage().startswith("warmed up")]
+    assert made and made[0] > 0, caplog.text

@@ -114,6 +114,11 @@ class SiglipModel(nn.Module):
     def max_positions(self) -> int:
         return self.config.text_config.max_position_embeddings
 
+    @property
+    def image_shape(self) -> tuple[int, int]:
+        """(rows, values per row) of every image's sequence: the runner's warm-up makes such images."""
+        return num_patches(self.config.vision_config), self.vision_model.embeddings.patch_embedding.patch_dim
+
     def forward(self, input_ids, positions, token_type_ids=None, pixel_values=None, image_grids=()) -> torch.Tensor:
         if pixel_values is None:
             return self.text_model.encoder(self.text_model.embeddings(input_ids, positions))

@@ -75,10 +75,13 @@ def read_served_model(config: ModelConfig) -> ServedModel:
         include_prompt=st.include_prompt,
     )
     eos = eos_token_ids(spec.model_dir, spec.hf_config, tokenizer) if Task.GENERATE in spec.task.tasks else frozenset()
-    return ServedModel(spec=spec, tokenizer=tokenizer, eos_token_ids=eos, vision=read_vision_spec(config, spec))
+    vision = read_vision_spec(config, spec, tokenizer)
+    return ServedModel(spec=spec, tokenizer=tokenizer, eos_token_ids=eos, vision=vision)
 
 
-def read_vision_spec(config: ModelConfig, spec: ModelSpec) -> VisionSpec | None:
+def read_vision_spec(
+    config: ModelConfig, spec: ModelSpec, tokenizer: TextTokenizer
+) -> VisionSpec | None:
     """A dual encoder's image side (its family's VisionTower) with its image processor's settings; refuses at
     start-up a model that takes images without preprocessor_config.json, or with settings we cannot follow."""
     if spec.family.vision is None:
@@ -111,7 +114,8 @@ def read_vision_spec(config: ModelConfig, spec: ModelSpec) -> VisionSpec | None:
         patch_size=tower.patch_size,
         class_token=tower.class_token,
         text_pad_to=spec.info.max_input_tokens if tower.pads_texts else 0,
-        text_pad_id=tower.text_pad_id,
+        # What the processor pads with: the tokenizer's pad token, else the config's.
+        text_pad_id=_first_id(tokenizer.hf_tokenizer.pad_token_id, tower.text_pad_id),
     )
 
 
@@ -166,6 +170,10 @@ def _processor_image_settings(model_dir: Path, tower) -> ImageProcessing | None:
         return None
     settings = json.loads(path.read_text()).get("image_processor")
     return processing_from_dict(settings, path, tower.patch_size) if isinstance(settings, dict) else None
+
+
+def _first_id(*ids: int | None) -> int:
+    return next(int(i) for i in ids if i is not None)
 
 
 def _output_size(processing: ImageProcessing) -> tuple[int, int] | None:

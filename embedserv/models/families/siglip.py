@@ -152,6 +152,11 @@ FAMILY = Family(
     checkpoint=dual_encoder_checkpoint(r"^(logit_scale$|logit_bias$|.*position_ids$)"),
     is_encoder=True,
     vision=vision_tower,
-    examples=("google/siglip-base-patch16-224", "google/siglip-so400m-patch14-384", "google/siglip2-base-patch16-224"),
+    # SigLIP (v1) checkpoints ship a SentencePiece tokenizer with Python-side text canonicalization and no
+    # tokenizer.json: refused at start-up, as every tokenizer without one is. SigLIP 2's fixed-resolution
+    # checkpoints (Gemma's tokenizer.json) are SiglipModels.
+    examples=(
+        "google/siglip2-base-patch16-224", "google/siglip2-so400m-patch14-384", "google/siglip2-large-patch16-256",
+    ),
     tested_by=("tests/models/test_siglip_parity.py",),
 )

@@ -150,3 +150,24 @@ def test_published_shapes_load_every_tensor(kind):
         ours = family.model_class(config)
     loaded = load_weights(ours, family, reference.state_dict().items())
     assert set(dict(ours.named_parameters())) == loaded
+
+
+def test_embedding_cache_keys_images_by_their_pixels(clip, clip_dir):
+    """Every image has the same placeholder ids: the cache must tell two images apart by their pixels."""
+    first, second = (ImageInput(image_bytes(40, 30, seed=seed)) for seed in (11, 12))
+    want = clip.embed([first, second], EmbedParams()).embeddings
+    config = ModelConfig(path=str(clip_dir), served_name="cached", warm_up=False, embedding_cache=2**20)
+    with SyncEngine(config, warm_up=False) as cached:
+        got = [cached.embed([item], EmbedParams()).embeddings[0] for item in (first, second, first, second)]
+        hits = cached.engine.embedding_cache_stats()
+    np.testing.assert_allclose(np.stack(got), np.concatenate([want, want]), rtol=1e-5, atol=1e-6)
+    assert hits.hits == 2, hits
+
+
+def test_bfloat16_stays_close(clip, clip_dir):
+    inputs = mixed_inputs()
+    want = clip.embed(inputs, EmbedParams()).embeddings
+    config = ModelConfig(path=str(clip_dir), served_name="bf16", warm_up=False, dtype="bfloat16")
+    with SyncEngine(config, warm_up=False) as engine:
+        got = engine.embed(inputs, EmbedParams()).embeddings
+    assert_cosine_at_least(got, want, 0.99, what="bfloat16: ")

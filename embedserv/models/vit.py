@@ -81,6 +81,53 @@ class TextEmbeddings(nn.Module):
         return self.token_embedding(input_ids) + self.position_embedding(positions)
 
 
+class TextTower(nn.Module):
+    """Token and position embeddings, the layers, and the final norm `pool` applies (to the pooled rows only);
+    SigLIP's adds a `head` (a linear of `head_size` outputs) after that norm."""
+
+    def __init__(self, config, head_size: int | None = None) -> None:
+        super().__init__()
+        self.embeddings = TextEmbeddings(config)
+        self.encoder = Encoder(config, first_index=0)
+        self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        if head_size is not None:
+            self.head = Linear(config.hidden_size, head_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.encoder(self.embeddings(input_ids, positions))
+
+
+class DualEncoder(nn.Module):
+    """What CLIP's and SigLIP's models share: `forward(input_ids, positions, token_type_ids=None,
+    pixel_values=None, image_grids=())` -> [num_tokens, hidden] of the text tower (`text_model`), or of the
+    vision tower (`vision_model(rows, positions)`) when pixel_values (patch rows) are given. Subclasses build
+    the towers and `pool`."""
+
+    one_tower_per_pass = True
+    position_offset = 0
+    # A class-token row leads each image's rows (CLIP).
+    class_token = False
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+
+    @property
+    def max_positions(self) -> int:
+        return self.config.text_config.max_position_embeddings
+
+    @property
+    def image_shape(self) -> tuple[int, int]:
+        """(rows, values per row) of every image's sequence: the runner's warm-up makes such images."""
+        rows = num_patches(self.config.vision_config) + int(self.class_token)
+        return rows, self.vision_model.embeddings.patch_embedding.patch_dim
+
+    def forward(self, input_ids, positions, token_type_ids=None, pixel_values=None, image_grids=()) -> torch.Tensor:
+        if pixel_values is None:
+            return self.text_model(input_ids, positions)
+        return self.vision_model(pixel_values, positions)
+
+
 class PatchEmbedding(nn.Module):
     """The checkpoint's stride-P convolution as a linear map of patch rows: its weight [hidden, C, P, P]
     flattened in (channel, row, column) order is the order of the rows' values."""

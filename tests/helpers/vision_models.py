@@ -39,8 +39,10 @@ def clip_config(vocab_size: int, image_size: int = IMAGE_SIZE, patch_size: int =
 def siglip_config(vocab_size: int, image_size: int = IMAGE_SIZE, patch_size: int = PATCH_SIZE):
     from transformers import SiglipConfig
 
+    # The config's pad id differs from the tokenizer's [PAD] (0), which the processor pads with.
     text = dict(_TOWER, vocab_size=vocab_size, hidden_size=32, num_attention_heads=4, projection_size=48,
-                max_position_embeddings=SIGLIP_TEXT_LENGTH, hidden_act="gelu_pytorch_tanh", **_SPECIAL_TOKENS)
+                max_position_embeddings=SIGLIP_TEXT_LENGTH, hidden_act="gelu_pytorch_tanh",
+                **dict(_SPECIAL_TOKENS, pad_token_id=1))
     vision = dict(_TOWER, hidden_size=48, num_attention_heads=6, image_size=image_size, patch_size=patch_size,
                   hidden_act="gelu_pytorch_tanh")
     return SiglipConfig(text_config=text, vision_config=vision)

@@ -4,6 +4,8 @@ in one call mixing texts and images, alone or packed; what it refuses; reranking
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -11,7 +13,9 @@ from embedserv.config import ModelConfig
 from embedserv.engine.sync import SyncEngine
 from embedserv.types import EmbedParams, RerankParams
 from tests.helpers import dual_encoder_checks as checks
-from tests.helpers.vision_models import SIGLIP_TEXT_LENGTH, reference_embeddings, save_dual_encoder
+from tests.helpers.vision_models import (
+    SIGLIP_TEXT_LENGTH, load_reference, mixed_inputs, reference_embeddings, save_dual_encoder,
+)
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +58,42 @@ def test_rerank_by_cosine_pads_texts(siglip, siglip_dir):
     want = want / np.linalg.norm(want, axis=1, keepdims=True)
     scores = {r.index: r.score for r in siglip.rerank(query, documents, RerankParams()).results}
     np.testing.assert_allclose([scores[i] for i in range(3)], want[1:] @ want[0], atol=1e-4)
+
+
+def test_warm_up_runs_both_towers(siglip, siglip_dir, caplog):
+    """Warm-up runs text and image steps (the linears' row counts on CPU), and changes no result."""
+    inputs = mixed_inputs()
+    want = siglip.embed(inputs, EmbedParams()).embeddings
+    with caplog.at_level(logging.INFO, logger="embedserv.worker.model_runner"):
+        with SyncEngine(ModelConfig(path=str(siglip_dir), served_name="warm"), warm_up=True) as engine:
+            got = engine.embed(inputs, EmbedParams()).embeddings
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    made = [int(r.getMessage().split()[2]) for r in caplog.records if r.getMessage().startswith("warmed up")]
+    assert made and made[0] > 0, caplog.text
+
+
+def test_pooling_head_reads_each_image_alone(siglip_dir):
+    """The attention-pooling head over a flat batch of images of different row counts equals transformers'
+    head on each image by itself (preprocessing makes equal counts; the head must not rely on it)."""
+    import torch
+
+    from embedserv.models import registry
+    from embedserv.models.heads.pooling import PoolingInputs
+    from embedserv.models.loading.weights import load_weights
+
+    reference = load_reference(siglip_dir)
+    family = registry.lookup("siglip")
+    ours = family.model_class(reference.config)
+    load_weights(ours, family, reference.state_dict().items())
+    lens = torch.tensor([16, 5, 11])
+    starts = torch.cumsum(lens, 0) - lens
+    hidden = torch.randn(int(lens.sum()), 48, generator=torch.Generator().manual_seed(0))
+    pooling = PoolingInputs(
+        first_index=starts, last_index=starts + lens - 1, token_index=None,
+        token_seq=torch.repeat_interleave(torch.arange(3), lens), token_count=lens.float(),
+    )
+    with torch.no_grad():
+        got = ours.pool(hidden, pooling, images=True)
+        vision = reference.vision_model
+        want = torch.cat([vision.head(vision.post_layernorm(rows[None])) for rows in hidden.split(lens.tolist())])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -16,7 +16,7 @@ from torch import nn
 
 from embedserv.models.layers import Linear
 from embedserv.models.loading.family import Family, VisionTower
-from embedserv.models.vit import Encoder, PatchEmbedding, TextEmbeddings, dual_encoder_checkpoint, num_patches
+from embedserv.models.vit import DualEncoder, Encoder, PatchEmbedding, TextTower, dual_encoder_checkpoint, num_patches
 
 
 class ClipVisionEmbeddings(nn.Module):
@@ -32,14 +32,6 @@ class ClipVisionEmbeddings(nn.Module):
         return patches + self.position_embedding(positions)
 
 
-class ClipTextTower(nn.Module):
-    def __init__(self, config) -> None:
-        super().__init__()
-        self.embeddings = TextEmbeddings(config)
-        self.encoder = Encoder(config, first_index=0)
-        self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-
-
 class ClipVisionTower(nn.Module):
     def __init__(self, config, first_index: int) -> None:
         super().__init__()
@@ -49,32 +41,20 @@ class ClipVisionTower(nn.Module):
         self.encoder = Encoder(config, first_index)
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
+    def forward(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.encoder(self.pre_layrnorm(self.embeddings(rows, positions)))
 
-class ClipModel(nn.Module):
-    """`forward(input_ids, positions, token_type_ids=None, pixel_values=None, image_grids=())` -> [num_tokens,
-    hidden] of the text tower, or of the vision tower when pixel_values (patch rows) are given."""
 
-    one_tower_per_pass = True
-    position_offset = 0
+class ClipModel(DualEncoder):
+    class_token = True
 
     def __init__(self, config) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         text, vision = config.text_config, config.vision_config
-        self.text_model = ClipTextTower(text)
+        self.text_model = TextTower(text)
         self.vision_model = ClipVisionTower(vision, first_index=text.num_hidden_layers)
         self.text_projection = Linear(text.hidden_size, config.projection_dim, bias=False)
         self.visual_projection = Linear(vision.hidden_size, config.projection_dim, bias=False)
-
-    @property
-    def max_positions(self) -> int:
-        return self.config.text_config.max_position_embeddings
-
-    def forward(self, input_ids, positions, token_type_ids=None, pixel_values=None, image_grids=()) -> torch.Tensor:
-        if pixel_values is None:
-            return self.text_model.encoder(self.text_model.embeddings(input_ids, positions))
-        vision = self.vision_model
-        return vision.encoder(vision.pre_layrnorm(vision.embeddings(pixel_values, positions)))
 
     def pool(self, hidden: torch.Tensor, pooling, images: bool) -> torch.Tensor:
         """[num_seqs, projection_dim]: each sequence's vector in the joint space (`pooling`: the runner's
@@ -89,7 +69,7 @@ class ClipModel(nn.Module):
 def vision_tower(config) -> VisionTower:
     return VisionTower(
         patch_size=config.vision_config.patch_size, image_size=config.vision_config.image_size,
-        class_token=True, dimension=config.projection_dim, pooling="clip"
+        class_token=ClipModel.class_token, dimension=config.projection_dim, pooling="clip"
     )
 
 
@@ -101,6 +81,12 @@ FAMILY = Family(
     # Its text tower is causal (the config's default); the vision tower is bidirectional all the same.
     is_encoder=False,
     vision=vision_tower,
-    examples=("openai/clip-vit-base-patch32", "openai/clip-vit-large-patch14", "laion/CLIP-ViT-B-32-laion2B-s34B-b79K"),
+    # sentence-transformers' CLIPModel module (5.4 on, at the directory's root) is the model's own
+    # get_text_features / get_image_features; the older folder layout is read by loading/st_files.model_root.
+    st_transformer_modules=("sentence_transformers.sentence_transformer.modules.clip_model.CLIPModel",),
+    examples=(
+        "openai/clip-vit-base-patch32", "openai/clip-vit-large-patch14", "laion/CLIP-ViT-B-32-laion2B-s34B-b79K",
+        "sentence-transformers/clip-ViT-B-32",
+    ),
     tested_by=("tests/models/test_clip_parity.py",),
 )

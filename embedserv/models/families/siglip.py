@@ -15,7 +15,9 @@ from torch import nn
 
 from embedserv.models.layers import Linear
 from embedserv.models.loading.family import Family, VisionTower
-from embedserv.models.vit import Encoder, Mlp, PatchEmbedding, TextEmbeddings, dual_encoder_checkpoint, num_patches
+from embedserv.models.vit import (
+    DualEncoder, Encoder, Mlp, PatchEmbedding, TextTower, dual_encoder_checkpoint, num_patches,
+)
 
 
 class SiglipVisionEmbeddings(nn.Module):
@@ -72,15 +74,6 @@ class PoolingHead(nn.Module):
         return self.mlp(self.layernorm(pooled), residual=pooled)
 
 
-class SiglipTextTower(nn.Module):
-    def __init__(self, config) -> None:
-        super().__init__()
-        self.embeddings = TextEmbeddings(config)
-        self.encoder = Encoder(config, first_index=0)
-        self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.head = Linear(config.hidden_size, config.projection_size)
-
-
 class SiglipVisionTower(nn.Module):
     def __init__(self, config, first_index: int) -> None:
         super().__init__()
@@ -91,33 +84,20 @@ class SiglipVisionTower(nn.Module):
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.head = PoolingHead(config)
 
+    def forward(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.encoder(self.embeddings(rows, positions))
 
-class SiglipModel(nn.Module):
-    """`forward(input_ids, positions, token_type_ids=None, pixel_values=None, image_grids=())` -> [num_tokens,
-    hidden] of the text tower, or of the vision tower when pixel_values (patch rows) are given."""
 
-    one_tower_per_pass = True
-    position_offset = 0
-
+class SiglipModel(DualEncoder):
     def __init__(self, config) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         text, vision = config.text_config, config.vision_config
         if text.projection_size != vision.hidden_size:
             raise ValueError(
                 f"text projection_size {text.projection_size} differs from the vision width {vision.hidden_size}"
             )
-        self.text_model = SiglipTextTower(text)
+        self.text_model = TextTower(text, head_size=text.projection_size)
         self.vision_model = SiglipVisionTower(vision, first_index=text.num_hidden_layers)
-
-    @property
-    def max_positions(self) -> int:
-        return self.config.text_config.max_position_embeddings
-
-    def forward(self, input_ids, positions, token_type_ids=None, pixel_values=None, image_grids=()) -> torch.Tensor:
-        if pixel_values is None:
-            return self.text_model.encoder(self.text_model.embeddings(input_ids, positions))
-        return self.vision_model.encoder(self.vision_model.embeddings(pixel_values, positions))
 
     def pool(self, hidden: torch.Tensor, pooling, images: bool) -> torch.Tensor:
         """[num_seqs, dim]: each sequence's vector in the joint space (`pooling`: the runner's
@@ -147,6 +127,11 @@ FAMILY = Family(
     checkpoint=dual_encoder_checkpoint(r"^(logit_scale$|logit_bias$|.*position_ids$)"),
     is_encoder=True,
     vision=vision_tower,
-    examples=("google/siglip-base-patch16-224", "google/siglip-so400m-patch14-384", "google/siglip2-base-patch16-224"),
+    # SigLIP (v1) checkpoints ship a SentencePiece tokenizer with Python-side text canonicalization and no
+    # tokenizer.json: refused at start-up, as every tokenizer without one is. SigLIP 2's fixed-resolution
+    # checkpoints (Gemma's tokenizer.json) are SiglipModels.
+    examples=(
+        "google/siglip2-base-patch16-224", "google/siglip2-so400m-patch14-384", "google/siglip2-large-patch16-256",
+    ),
     tested_by=("tests/models/test_siglip_parity.py",),
 )

@@ -104,8 +104,9 @@ class VisionTower:
     dimension: int
     # What ModelInfo.pooling reports: the towers pool through the model's own heads (model.pool).
     pooling: str
-    # Texts are padded with the config's pad id up to the model's input limit, as the model's processor
-    # pads them (SigLIP: padding="max_length"; its text tower reads the last position, a pad).
+    # Texts are padded up to the model's input limit, as the model's processor pads them (SigLIP:
+    # padding="max_length"; its text tower reads the last position, a pad), with the tokenizer's pad token,
+    # or where it has none this id (the config's).
     pads_texts: bool = False
     text_pad_id: int = 0
 

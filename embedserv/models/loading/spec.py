@@ -28,7 +28,7 @@ from embedserv.models.loading.hf_config import read_hf_config
 from embedserv.models.loading.lora_files import read_lora_adapters
 from embedserv.models.loading.model_spec import ModelSpec
 from embedserv.models.loading.outputs import OutputSpec, read_output_spec
-from embedserv.models.loading.st_files import SentenceTransformerFiles, read_sentence_transformers
+from embedserv.models.loading.st_files import SentenceTransformerFiles, model_root, read_sentence_transformers
 from embedserv.models.loading.tasks import TaskSpec, architecture_of, read_task_spec, with_outputs
 from embedserv.types import EmbedOutput, ModelInfo, Modality, Task
 
@@ -213,7 +213,7 @@ def _modalities(family: Family) -> tuple[Modality, ...]:
 
 
 def read_model_spec(config: ModelConfig) -> ModelSpec:
-    model_dir = Path(config.path).expanduser()
+    model_dir = model_root(Path(config.path).expanduser())
     if not (model_dir / "config.json").exists():
         raise ConfigError(f"--model {config.path}: no config.json there; give a local Hugging Face model directory")
     hf_config = read_hf_config(model_dir)
@@ -237,6 +237,8 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
         model_dir, hf_config, st, config.pooling, architecture_of(hf_config), embeds=Task.EMBED in task.tasks
     )
     if family.vision is not None:
+        if st.pooling or st.dense:
+            raise ConfigError(f"{model_dir}: Pooling and Dense modules over a {family.name} model are not served")
         # Dual encoders give one vector per input, in the joint space (model.pool).
         outputs = OutputSpec((EmbedOutput.DENSE,), head_kind="hidden")
     task = with_outputs(task, outputs.tasks)

@@ -87,8 +87,9 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.block_dim = dim * merge**2
         self.ln_q = nn.LayerNorm(dim, eps=_EPS)
+        # Indices as the checkpoint's nn.Sequential (mlp.0, GELU, mlp.2), the GELU fused into the first linear.
         self.mlp = nn.Sequential(
-            nn.Linear(self.block_dim, self.block_dim), nn.GELU(), nn.Linear(self.block_dim, out_dim)
+            Linear(self.block_dim, self.block_dim, activation="gelu"), nn.Identity(), Linear(self.block_dim, out_dim)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

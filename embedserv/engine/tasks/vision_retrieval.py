@@ -10,8 +10,10 @@ model's processor_config.json (their defaults where it says nothing):
   gives language-model tokens (ColQwen2: its patches over the merge block, t * h * w / merge ** 2; ColPali:
   image_seq_length, the tower's fixed patch count); the patch rows travel with it (engine/images prepares them);
 - every token's vector is returned (transformers returns the attention-masked ones: all of an unpadded input);
-- Rerank: a text query against page images (or texts, as queries are made) by MaxSim, the sum over the query's
-  vectors of each one's best dot product with the page's (processor.score_retrieval).
+- Rerank: a text query against page images by MaxSim, the sum over the query's vectors of each one's best dot
+  product with the page's (processor.score_retrieval, one page at a time: in a batch it pads shorter pages with
+  zero vectors, which a query vector's best match can be). Text documents are refused: the processors make
+  texts into queries only.
 Prompt names: "query" (or none) for texts; images are always documents.
 """
 
@@ -51,7 +53,7 @@ class RetrievalPrompts:
     # The page text with one image placeholder in it.
     page_text: str
     image_token: str
-    # Language-model tokens per image: (grid) -> count.
+    # ColQwen2's spatial merge: an image gives t * h * w / merge ** 2 language-model tokens.
     merge: int = 0
     # ColPali's fixed count (0: from the grid and merge).
     image_seq_length: int = 0

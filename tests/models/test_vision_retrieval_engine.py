@@ -153,3 +153,30 @@ def test_a_page_past_the_input_limit_is_refused(served):
     rows = np.zeros((side * side, 1176), dtype=np.float32)
     with pytest.raises(InvalidInput, match="more than the model's"):
         rules.encode_image(rows, (1, side, side), _params())
+
+
+def _damaged(good: list[bytes], rng: np.random.Generator):
+    """Random bytes, valid pages cut short, valid pages with bytes overwritten: in turn."""
+    yield rng.integers(0, 256, size=int(rng.integers(0, 300)), dtype=np.uint8).tobytes()
+    page = good[int(rng.integers(0, len(good)))]
+    yield page[: int(rng.integers(0, len(page)))]
+    hit = bytearray(page)
+    hit[int(rng.integers(0, len(hit)))] ^= 0xFF
+    yield bytes(hit)
+
+
+def test_damaged_pages_are_served_or_refused_and_the_engine_serves_on(served):
+    from embedserv.errors import InvalidInput
+    from embedserv.types import ImageInput
+
+    _, engine, _ = served
+    good, rng = _pages(), np.random.default_rng(11)
+    for _ in range(10):
+        for data in _damaged(good, rng):
+            try:
+                result = engine.embed([QUERIES[0], ImageInput(data)], _params())
+            except InvalidInput as exc:
+                assert "input 1" in str(exc), str(exc)
+            else:
+                assert all(np.isfinite(v).all() for v in result.multi_vectors)
+    assert len(engine.embed([ImageInput(good[0]), QUERIES[1]], _params()).multi_vectors) == 2

@@ -16,6 +16,7 @@ from embedserv.types import (
     EmbedParams,
     EmbedResult,
     GenerationDelta,
+    ImageInput,
     KvCacheUsage,
     ModelInfo,
     RerankParams,
@@ -50,14 +51,16 @@ class SyncEngine:
     def _call(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
-    def embed(self, texts: list[str], params: EmbedParams | None = None) -> EmbedResult:
+    def embed(self, texts: list[str | ImageInput], params: EmbedParams | None = None) -> EmbedResult:
         return self._call(self.engine.embed(list(texts), params or EmbedParams()))
 
     def encoded(self, result: EmbedResult, params: EmbedParams) -> EmbedResult:
         """A copy of `result` (float32 vectors) in `params.encoding`, by the step Engine.embed ends with."""
         return self._call(self.engine.encoded(replace(result), params))
 
-    def rerank(self, query: str, documents: list[str], params: RerankParams | None = None) -> RerankResult:
+    def rerank(
+        self, query: str, documents: list[str | ImageInput], params: RerankParams | None = None
+    ) -> RerankResult:
         return self._call(self.engine.rerank(query, list(documents), params or RerankParams()))
 
     def rerank_concurrently(

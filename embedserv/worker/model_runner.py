@@ -224,8 +224,9 @@ class ModelRunner:
         logger.info("warmed up %d linear calls over %d row counts", made, len(counts))
 
     def _warm_up_steps(self, max_tokens: int, max_batch_tokens: int) -> None:
-        # A model without a row head warms up its sparse or token output.
-        outputs = () if self.row_head is not None else (EmbedOutput.SPARSE,) if self.sparse_head is not None else (
+        # A model without a row head warms up its sparse or token output; dual encoders pool through their own.
+        pools = self.row_head is not None or self.one_tower_per_pass
+        outputs = () if pools else (EmbedOutput.SPARSE,) if self.sparse_head is not None else (
             (EmbedOutput.MULTI_VECTOR,) if self.token_head is not None else None
         )
         if outputs is not None:
@@ -240,6 +241,18 @@ class ModelRunner:
                 )))
         if self.lm_head is not None and self.kv_cache is not None:
             self._warm_up_generation(_GENERATION_WARM_UP_TOKENS)
+        if self.one_tower_per_pass:
+            self._warm_up_images(max_batch_tokens)
+
+    def _warm_up_images(self, max_batch_tokens: int) -> None:
+        """The vision tower's step shapes: as many images (of the model's fixed row count) as each size holds."""
+        rows, patch_dim = self.model.image_shape
+        blank = np.zeros((rows, patch_dim), dtype=np.float32)
+        for size in warm_up_sizes(max_batch_tokens):
+            self.execute(StepBatch(tuple(
+                ScheduledSequence(request_id=-1 - i, token_ids=(0,) * rows, output=OutputKind.POOL, pixels=blank)
+                for i in range(max(1, size // rows))
+            )))
 
     def _warm_up_sequence(self, request_id: int, length: int, kind: OutputKind) -> ScheduledSequence:
         if not self.is_encoder_decoder:

@@ -91,6 +91,27 @@ class MlmHeadNames:
 
 
 @dataclass(frozen=True)
+class VisionTower:
+    """A family's image side, as the engine shapes its inputs (engine/loading.VisionSpec reads it)."""
+
+    # Pixels per patch side: each patch row holds 3 * patch_size**2 values.
+    patch_size: int
+    # The square side its position embeddings cover: preprocessing must give images of this size.
+    image_size: int
+    # A class-token row (zeros; the model puts its class embedding there) leads each image's rows (CLIP).
+    class_token: bool
+    # The joint embedding space's width (ModelInfo.dimension).
+    dimension: int
+    # What ModelInfo.pooling reports: the towers pool through the model's own heads (model.pool).
+    pooling: str
+    # Texts are padded up to the model's input limit, as the model's processor pads them (SigLIP:
+    # padding="max_length"; its text tower reads the last position, a pad), with the tokenizer's pad token,
+    # or where it has none this id (the config's).
+    pads_texts: bool = False
+    text_pad_id: int = 0
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     model_types: tuple[str, ...]
@@ -124,6 +145,11 @@ class Family:
     # PEFT LoRA adapters (--lora) apply to its linears through its checkpoint names (loading/lora_files.py):
     # set where a test shows adapters equal to PEFT's merged model.
     lora: bool = False
+    # Dual encoders (CLIP, SigLIP): a function of the config giving its image side; None: texts only.
+    vision: Callable[[object], VisionTower] | None = None
+    # Vision-language models (ColQwen2, ColPali): their language model's config within theirs (its heads are
+    # what the attention backend runs, its flags say whether attention is causal); None: the config itself.
+    language_config: Callable[[object], object] | None = None
     # For docs/MODELS.md (scripts/models_table.py): published model ids it serves, and the test files
     # that show it equals the reference.
     examples: tuple[str, ...] = ()
@@ -131,6 +157,10 @@ class Family:
 
     def checkpoint_names(self, hf_config) -> CheckpointNames:
         return self.checkpoint if isinstance(self.checkpoint, CheckpointNames) else self.checkpoint(hf_config)
+
+    def text_config(self, hf_config):
+        """The config of the model's language model: its own unless it is a vision-language model."""
+        return self.language_config(hf_config) if self.language_config is not None else hf_config
 
     def output_scale(self, hf_config) -> float:
         return self.lm_head_scale(hf_config) if self.lm_head_scale is not None else 1.0

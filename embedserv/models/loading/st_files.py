@@ -184,6 +184,26 @@ def _check_arrangement(model_type: str, kinds: list[str], modules_path: Path) ->
         )
 
 
+# sentence-transformers before 5.4 saved CLIP as its CLIPModel module in a folder (0_CLIPModel/) holding the whole
+# Hugging Face directory, embedding texts and images as that model's get_text / get_image_features do.
+_FOLDER_CLIP = "sentence_transformers.models.CLIPModel"
+
+
+def model_root(model_dir: Path) -> Path:
+    """Where the model's own files are: the directory, or a CLIPModel module's folder (then only a Normalize
+    may follow it, which the call's `normalize` does)."""
+    modules_path = model_dir / "modules.json"
+    if (model_dir / "config.json").exists() or not modules_path.exists():
+        return model_dir
+    modules = _read_json(modules_path)
+    if not isinstance(modules, list) or not modules or modules[0].get("type") != _FOLDER_CLIP:
+        return model_dir
+    rest = [str(module.get("type", "")) for module in modules[1:]]
+    if any(not kind.endswith(".Normalize") for kind in rest):
+        raise ConfigError(f"{modules_path}: CLIPModel followed by {', '.join(rest)} is not served (only Normalize)")
+    return model_dir / str(modules[0].get("path", ""))
+
+
 def read_sentence_transformers(model_dir: Path, transformer_modules: tuple[str, ...] = ()) -> SentenceTransformerFiles:
     modules_path = model_dir / "modules.json"
     if not modules_path.exists():

@@ -6,7 +6,8 @@ the model's limit instead of refusing them), `prompt_name` (a sentence-transform
 `normalize` (default true, as OpenAI's vectors are unit length), `embedding_type` (a compact encoding of the
 vectors, see `embeddings`), `chunking` ("mean": texts past the model's limit are embedded by windows) and
 `late_chunking` (one vector per chunk of each text; late_chunks.py). /v1/embeddings takes OpenAI's 2048 inputs a
-call (run in slices of --max-client-batch-size) and, as OpenAI does, refuses fields it does not know.
+call (run in slices of --max-client-batch-size) and, as OpenAI does, refuses fields it does not know. Images
+(models that take them) come as content parts in `input` or as vLLM's `messages` form (image_inputs.py).
 """
 
 from __future__ import annotations

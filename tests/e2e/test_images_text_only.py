@@ -72,11 +72,12 @@ def test_grpc_items_with_an_image_are_refused_naming_the_input(server):
     pb = _pb()
     items = [pb.InputItem(text="a"), pb.InputItem(text="b"), pb.InputItem(image=PNG)]
     message = _refused(stub.Embed, pb.EmbedRequest(model=SERVED, items=items))
-    assert message == f"model {SERVED} takes text only (ListModels modalities); items[2] is an image"
+    assert message == f"model {SERVED} takes text only (ListModels modalities); input 2 is an image"
+    # Numbered as the engine numbers its inputs: the images after the texts.
     message = _refused(stub.EmbedMultiVector, pb.EmbedMultiVectorRequest(model=SERVED, inputs=["q"], images=[PNG]))
-    assert "takes text only" in message and "images[0] is an image" in message
+    assert "takes text only" in message and "input 1 is an image" in message
     message = _refused(stub.Rerank, pb.RerankRequest(model=SERVED, query="q", document_images=[PNG]))
-    assert "takes text only" in message and "document_images[0] is an image" in message
+    assert "takes text only" in message and "input 0 is an image" in message
 
 
 def test_grpc_items_of_texts_equal_inputs(server):
@@ -118,7 +119,7 @@ def test_openai_content_parts_with_an_image_are_refused(server):
     _, http = server
     part = {"type": "image_url", "image_url": {"url": DATA_URL}}
     reply = http.post("/v1/embeddings", json={"model": SERVED, "input": ["a text", part]})
-    assert _openai_error(reply) == f"model {SERVED} takes text only (ListModels modalities); input[1] is an image"
+    assert _openai_error(reply) == f"model {SERVED} takes text only (ListModels modalities); input 1 is an image"
     reply = http.post("/v1/embeddings", json={"model": SERVED, "messages": [{"role": "user", "content": [part]}]})
     assert "takes text only" in _openai_error(reply)
 
@@ -128,7 +129,7 @@ def test_openai_http_urls_are_refused_never_fetched(server, url):
     _, http = server
     part = {"type": "image_url", "image_url": {"url": url}}
     reply = http.post("/v1/embeddings", json={"model": SERVED, "input": ["a", "b", part]})
-    assert _openai_error(reply).startswith("input[2]: image URLs are never fetched; send the image inline as a data URL")
+    assert _openai_error(reply).startswith("input 2: image URLs are never fetched; send the image inline as a data URL")
 
 
 def test_openai_text_parts_and_the_messages_form_embed_texts(server):

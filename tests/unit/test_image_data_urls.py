@@ -22,13 +22,13 @@ def _part(url: str) -> ImagePart:
 @pytest.mark.parametrize("media_type", ["image/png", "image/jpeg", "image/webp", "IMAGE/JPG"])
 def test_a_base64_data_url_gives_its_bytes(media_type):
     url = f"data:{media_type};base64," + base64.b64encode(DATA).decode()
-    assert image_of_url(url, "input[0]") == ImageInput(DATA)
+    assert image_of_url(url, "input 0") == ImageInput(DATA)
 
 
 @pytest.mark.parametrize("url", ["http://example.com/cat.png", "HTTPS://example.com/cat.png"])
 def test_http_urls_are_refused_never_fetched(url):
-    with pytest.raises(InvalidInput, match=r"^input\[2\]: image URLs are never fetched; send the image inline"):
-        image_of_url(url, "input[2]")
+    with pytest.raises(InvalidInput, match=r"^input 2: image URLs are never fetched; send the image inline"):
+        image_of_url(url, "input 2")
 
 
 @pytest.mark.parametrize(
@@ -46,14 +46,14 @@ def test_http_urls_are_refused_never_fetched(url):
 )
 def test_other_urls_and_bad_payloads_are_refused_naming_the_input(url, says):
     with pytest.raises(InvalidInput) as error:
-        image_of_url(url, "input[1]")
-    assert str(error.value).startswith("input[1]: ") and says in str(error.value)
+        image_of_url(url, "input 1")
+    assert str(error.value).startswith("input 1: ") and says in str(error.value)
 
 
 def test_input_items_keep_order_and_name_the_bad_one():
     text = TextPart(type="text", text="a cat")
     assert input_items(["first", _part(URL), text]) == ["first", ImageInput(DATA), "a cat"]
-    with pytest.raises(InvalidInput, match=r"^input\[1\]: image URLs are never fetched"):
+    with pytest.raises(InvalidInput, match=r"^input 1: image URLs are never fetched"):
         input_items(["first", _part("http://host/x.png")])
 
 

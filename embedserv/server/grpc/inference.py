@@ -97,7 +97,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.frontend.check_batch(len(texts) + len(images), "inputs and images")
         for index, text in enumerate(texts):
             self.frontend.check_chars(text, f"inputs[{index}]")
-        self.frontend.check_images(engine, images, "images")
+        self.frontend.check_images(engine, images, first_index=len(texts))
         params = EmbedParams(
             truncate=truncate_of(request), prompt_name=request.prompt_name or None, outputs=(EmbedOutput.MULTI_VECTOR,)
         )
@@ -171,7 +171,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             raise InvalidInput("send documents or document_images, not both")
         images = [ImageInput(data) for data in request.document_images]
         self.frontend.check_batch(len(images), "document_images")
-        self.frontend.check_images(engine, images, "document_images")
+        self.frontend.check_images(engine, images)
         return images
 
     @unary_call

@@ -70,7 +70,7 @@ def image_of_url(url: str, what: str) -> ImageInput:
 
 def input_items(inputs: list) -> list[str | ImageInput]:
     """`input`'s items (texts and content parts) as texts and images, in order."""
-    return [_item(value, f"input[{index}]") for index, value in enumerate(inputs)]
+    return [_item(value, f"input {index}") for index, value in enumerate(inputs)]
 
 
 def _item(value: str | ImagePart | TextPart, what: str) -> str | ImageInput:
@@ -90,4 +90,4 @@ def message_item(messages: list[Message]) -> str | ImageInput:
             f"messages hold {len(parts)} content parts; this form embeds one text or one image. For one "
             "embedding each, send them as items of input instead (content parts or texts)"
         )
-    return _item(parts[0], "messages[0]")
+    return _item(parts[0], "input 0")

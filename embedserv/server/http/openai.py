@@ -190,7 +190,7 @@ def _items_of(body: EmbeddingsBody) -> list[str | ImageInput] | None:
 def _check_items(frontend: Frontend, engine, items: list, params: EmbedParams) -> None:
     """Texts and images: the images within the image limits, the texts within --max-input-chars."""
     _checked_count(items)
-    frontend.check_images(engine, items, "input")
+    frontend.check_images(engine, items)
     if params.chunking or params.late_chunking is not None:
         raise InvalidInput("chunking and late_chunking apply to texts only; send the images without them")
     for index, item in enumerate(items):

@@ -75,7 +75,8 @@ def embed_params(request: pb.EmbedRequest) -> EmbedParams:
     if unknown:
         raise InvalidInput(f"unknown output {unknown[0]}; use OUTPUT_DENSE, OUTPUT_SPARSE or OUTPUT_MULTI_VECTOR")
     if request.chunking not in (pb.CHUNKING_NONE, pb.CHUNKING_MEAN):
-        raise InvalidInput(f"Embed chunks with CHUNKING_MEAN (or CHUNKING_NONE), not {_chunking_name(request.chunking)}")
+        name = _chunking_name(request.chunking)
+        raise InvalidInput(f"Embed chunks with CHUNKING_MEAN (or CHUNKING_NONE), not {name}")
     return EmbedParams(
         normalize=request.normalize if request.HasField("normalize") else True,
         truncate=truncate_of(request),
@@ -152,7 +153,7 @@ def embed_response(result: EmbedResult, encoding: int, model: str, received: flo
         embeddings=embedding_messages(result.embeddings, encoding) if result.embeddings is not None else [],
         chunks=chunks_messages(result, lambda rows: embedding_messages(rows, encoding)),
         sparse_embeddings=[sparse_message(v) for v in result.sparse] if result.sparse is not None else [],
-        multi_vectors=[multi_vector_message(v) for v in result.multi_vectors] if result.multi_vectors is not None else [],
+        multi_vectors=[multi_vector_message(v) for v in result.multi_vectors or ()],
         encoding_scale=result.encoding_scale,
         **call_summary(result.prompt_tokens, result.timing, model, received),
     )

@@ -32,7 +32,11 @@ with the list of served types and, where there is one, the closest served archit
   Zero-shot needs an NLI classifier (entailment label).
 - **Attention backends**: those that can compute the family's attention. CPU: sdpa (default), flex,
   naive; CUDA adds varlen and flash_attn, which cannot add a score bias.
-- **int8**: `--quantization int8` (CPU, oneDNN) for every task but generation.
+- **int8**: `--quantization int8` (CPU, oneDNN) for every task but generation; not for the text-image dual
+  encoders (CLIP, SigLIP), for which it was not validated.
+- **Images**: CLIP and SigLIP take images (PNG, JPEG, WebP bytes; decoded and preprocessed as their
+  `preprocessor_config.json` says) as well as texts, into one embedding space; SigLIP 2's fixed-resolution
+  checkpoints are SigLIP models (its NaFlex variable resolution is not served).
 - **LoRA**: `--lora NAME=PATH` serves PEFT LoRA adapters over the family's embedders, cross-encoders and
   classifiers (README: LoRA adapters); other families refuse them at start-up.
 - **Tested by**: parity tests against transformers / sentence-transformers on random-weight models
@@ -69,6 +73,8 @@ def _tasks(family: Family) -> list[str]:
         if family.name == "t5":
             tasks.insert(0, "embed (encoder)")
         return tasks
+    if family.vision is not None:
+        return ["embed (texts and images, one space)", "rerank (texts, by cosine)"]
     tasks = ["embed", "multi-vector"]
     if family.classifiers:
         tasks += ["rerank", "classify", "zero-shot"]
@@ -94,6 +100,12 @@ def _model_types(family: Family) -> str:
     return ", ".join(native + published)
 
 
+def _int8(family: Family) -> str:
+    if family.vision is not None:
+        return "—"
+    return "yes, not for generate" if not family.is_encoder else "yes"
+
+
 def _cell(items) -> str:
     items = list(items)
     return "<br>".join(items) if items else "—"
@@ -108,7 +120,7 @@ def row(family: Family) -> str:
             _cell(family.examples),
             ", ".join(_tasks(family)),
             _backends(family),
-            "yes, not for generate" if not family.is_encoder else "yes",
+            _int8(family),
             "yes" if family.lora else "—",
             _cell(f"`{t}`" for t in family.tested_by),
         )

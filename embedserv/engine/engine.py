@@ -25,8 +25,8 @@ from embedserv.errors import ConfigError
 from embedserv.executor.base import Worker, WorkerStats
 from embedserv.scheduler.load import ModelLoad
 from embedserv.types import (
-    ClassifyParams, ClassifyResult, EmbedParams, EmbedResult, GenerationDelta, KvCacheUsage, ModelInfo, RerankParams,
-    RerankResult, SamplingParams, Task, TokenizedText,
+    ClassifyParams, ClassifyResult, EmbedParams, EmbedResult, GenerationDelta, ImageInput, KvCacheUsage, ModelInfo,
+    RerankParams, RerankResult, SamplingParams, Task, TokenizedText,
 )
 
 Params = TypeVar("Params", EmbedParams, RerankParams, ClassifyParams)
@@ -148,9 +148,10 @@ class Engine:
     def _truncating(self, params: Params) -> Params:
         return params if params.truncate is not None else replace(params, truncate=self.truncates(None))
 
-    async def embed(self, texts: list[str], params: EmbedParams) -> EmbedResult:
-        """The outputs `params.outputs` names (dense, sparse, token vectors) per text, from one forward pass,
-        the dense vectors in the call's encoding."""
+    async def embed(self, texts: list[str | ImageInput], params: EmbedParams) -> EmbedResult:
+        """The outputs `params.outputs` names (dense, sparse, token vectors) per input, from one forward pass,
+        the dense vectors in the call's encoding. Inputs are texts, or images (encoded bytes) for models whose
+        modalities include IMAGE; one call may mix them."""
         params = self._truncating(params)
         return await self.encodings.apply(await self.embedding.embed(texts, params), params)
 

@@ -1,4 +1,5 @@
-"""The engine's side of a served model: its ModelSpec (models/loading/spec.py) plus the tokenizer and EOS ids.
+"""The engine's side of a served model: its ModelSpec (models/loading/spec.py) plus the tokenizer, EOS ids and,
+for models that take images, how their images become sequences (VisionSpec).
 
 Workers build their replicas from the ModelSpec alone (worker/replica.py); only the engine tokenizes.
 """
@@ -12,7 +13,9 @@ from pathlib import Path
 
 from embedserv import cpu_isa
 from embedserv.config import ModelConfig
+from embedserv.engine.images import ImageLimits, ImageProcessing, read_image_processing
 from embedserv.engine.tokenizer import TextTokenizer
+from embedserv.errors import ConfigError
 from embedserv.models.loading.spec import ModelSpec, read_model_spec
 from embedserv.models.loading.tasks import TaskSpec
 from embedserv.types import ModelInfo, Task
@@ -21,11 +24,30 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class VisionSpec:
+    """How a model's images become sequences (engine/tasks/token_rules.TokenRules.encode_image) and how its
+    texts are shaped beside them. Models with other image layouts add fields with defaults."""
+
+    processing: ImageProcessing
+    # ModelConfig.max_image_bytes / max_image_pixels.
+    limits: ImageLimits
+    patch_size: int
+    # A class-token row (zeros; the model puts its class embedding there) leads each image's patch rows (CLIP).
+    class_token: bool = False
+    # Texts are padded to this many tokens with text_pad_id, as the model's processor pads them (SigLIP's
+    # padding="max_length"); 0: texts go unpadded.
+    text_pad_to: int = 0
+    text_pad_id: int = 0
+
+
+@dataclass(frozen=True)
 class ServedModel:
     spec: ModelSpec
     tokenizer: TextTokenizer
     # Tokens that end a generation unless ignore_eos (generation_config.json, else config.json).
     eos_token_ids: frozenset[int]
+    # None: the model takes texts only.
+    vision: VisionSpec | None = None
 
     @property
     def info(self) -> ModelInfo:
@@ -52,7 +74,44 @@ def read_served_model(config: ModelConfig) -> ServedModel:
         include_prompt=st.include_prompt,
     )
     eos = eos_token_ids(spec.model_dir, spec.hf_config, tokenizer) if Task.GENERATE in spec.task.tasks else frozenset()
-    return ServedModel(spec=spec, tokenizer=tokenizer, eos_token_ids=eos)
+    return ServedModel(spec=spec, tokenizer=tokenizer, eos_token_ids=eos, vision=read_vision_spec(config, spec))
+
+
+def read_vision_spec(config: ModelConfig, spec: ModelSpec) -> VisionSpec | None:
+    """A dual encoder's image side (its family's VisionTower) with its image processor's settings; refuses at
+    start-up a model that takes images without preprocessor_config.json, or with settings we cannot follow."""
+    if spec.family.vision is None:
+        return None
+    tower = spec.family.vision(spec.hf_config)
+    try:
+        processing = read_image_processing(spec.model_dir)
+    except ValueError as exc:
+        raise ConfigError(f"--model {config.path}: {exc}") from None
+    if processing is None:
+        raise ConfigError(
+            f"--model {config.path}: {spec.info.architecture} takes images, and its directory has no "
+            "preprocessor_config.json (the settings its images are resized and normalized with); copy that file "
+            "from the model's repository"
+        )
+    if processing.patch_size != tower.patch_size:
+        raise ConfigError(
+            f"--model {config.path}: preprocessor_config.json's patch_size {processing.patch_size} differs from the "
+            f"vision tower's {tower.patch_size}"
+        )
+    size = _output_size(processing)
+    if size != (tower.image_size, tower.image_size):
+        raise ConfigError(
+            f"--model {config.path}: preprocessor_config.json makes images of {size or 'varying sizes'}, and the "
+            f"vision tower takes {tower.image_size}x{tower.image_size}"
+        )
+    return VisionSpec(
+        processing=processing,
+        limits=ImageLimits(config.max_image_bytes, config.max_image_pixels),
+        patch_size=tower.patch_size,
+        class_token=tower.class_token,
+        text_pad_to=spec.info.max_input_tokens if tower.pads_texts else 0,
+        text_pad_id=tower.text_pad_id,
+    )
 
 
 def eos_token_ids(model_dir: Path, hf_config, tokenizer: TextTokenizer) -> frozenset[int]:
@@ -96,3 +155,12 @@ def log_spec(served: ServedModel, config: ModelConfig) -> None:
             "on: the layers after the last KV writer run only the rows whose output is read"
             if info.kv_sharing_fast_prefill else "off",
         )
+
+
+def _output_size(processing: ImageProcessing) -> tuple[int, int] | None:
+    """(height, width) of every preprocessed image: the crop, else a fixed resize; None when it varies."""
+    if processing.crop is not None:
+        return tuple(processing.crop)
+    if processing.resize is not None and processing.resize[0] == "fixed":
+        return tuple(processing.resize[1:])
+    return None

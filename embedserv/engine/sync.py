@@ -16,6 +16,7 @@ from embedserv.types import (
     EmbedParams,
     EmbedResult,
     GenerationDelta,
+    ImageInput,
     KvCacheUsage,
     ModelInfo,
     RerankParams,
@@ -50,7 +51,7 @@ class SyncEngine:
     def _call(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
-    def embed(self, texts: list[str], params: EmbedParams | None = None) -> EmbedResult:
+    def embed(self, texts: list[str | ImageInput], params: EmbedParams | None = None) -> EmbedResult:
         return self._call(self.engine.embed(list(texts), params or EmbedParams()))
 
     def encoded(self, result: EmbedResult, params: EmbedParams) -> EmbedResult:

@@ -61,6 +61,9 @@ def _yes_no_tokens(spec: ModelSpec) -> YesNoTokens:
 def _row_head(config: ModelConfig, spec: ModelSpec):
     """The pooler of an embedder, the score head of a classifier or yes/no reranker, or None."""
     tasks = spec.task.tasks
+    if spec.family.vision is not None:
+        # Dual encoders pool through the model's own heads (model.pool).
+        return None
     if Task.EMBED in tasks:
         return _embedding_pooler(config, spec)
     if spec.outputs.outputs:

@@ -17,14 +17,14 @@ import numpy as np
 from embedserv.engine import checks
 from embedserv.engine.loading import ServedModel
 from embedserv.engine.ports import Infer, SequenceOutput, stack_rows
-from embedserv.engine.tasks import chunking, late_chunking
+from embedserv.engine.tasks import chunking, image_inputs, late_chunking
 from embedserv.engine.tasks.multi_vector import MultiVectorRules
 from embedserv.engine.tasks.outputs import finish_embeddings
 from embedserv.engine.tasks.token_rules import TokenRules
 from embedserv.engine.tokenizer import Encoded
 from embedserv.errors import InvalidInput
 from embedserv.models import registry
-from embedserv.types import EmbedOutput, EmbedParams, EmbedResult, SparseVector, Timing
+from embedserv.types import EmbedOutput, EmbedParams, EmbedResult, ImageInput, SparseVector, Timing
 
 
 def token_rules(served: ServedModel) -> TokenRules:
@@ -33,7 +33,7 @@ def token_rules(served: ServedModel) -> TokenRules:
     heads = registry.head_kind(spec.outputs.head_kind)
     if heads.token_settings is not None:
         return MultiVectorRules(served.tokenizer, heads.token_settings(spec), spec.max_model_len, str(spec.model_dir))
-    return TokenRules(skip_first=heads.skip_first_tokens)
+    return TokenRules(skip_first=heads.skip_first_tokens, vision=served.vision)
 
 
 class Embedding:
@@ -46,13 +46,20 @@ class Embedding:
         # Late chunking's copy of the model's Dense modules, read on its first call.
         self._dense = late_chunking.HostDense(served, allow_pickle)
 
-    async def embed(self, texts: list[str], params: EmbedParams) -> EmbedResult:
-        """The outputs `params.outputs` names (dense, sparse, token vectors) per text, from one forward pass."""
+    async def embed(self, texts: list[str | ImageInput], params: EmbedParams) -> EmbedResult:
+        """The outputs `params.outputs` names (dense, sparse, token vectors) per input, from one forward pass;
+        inputs are texts, or images for models that take them (image_inputs.py)."""
         received = time.perf_counter()
         tokenizer = self._served.tokenizer
         adapter, prompt_name = checks.task_adapter(self._served.info, tokenizer, params)
         params = replace(params, prompt_name=prompt_name)
+        has_images = bool(image_inputs.image_indices(texts))
+        if has_images or self._served.vision is not None:
+            image_inputs.check_call(self._served, texts, params)
         checks.check_embed(self._served.info, tokenizer, texts, params)
+        if has_images:
+            encoded = await image_inputs.encode_inputs(self._infer, self._served, self.token_rules, texts, params)
+            return await self._pooled(with_adapter(encoded, adapter), params, received)
         if params.late_chunking is not None:
             return await late_chunking.embed_late_chunks(
                 self._infer, self._served, texts, params, received, self._dense, adapter

@@ -12,6 +12,7 @@ from embedserv.engine.ports import Infer, stack_rows
 from embedserv.engine.tasks import chunking, multi_vector
 from embedserv.engine.tasks.outputs import activate, cosine_to_first, rank
 from embedserv.engine.tasks.token_rules import TokenRules
+from embedserv.errors import InvalidInput
 from embedserv.models.loading.tasks import Seq2SeqYesNoTemplate
 from embedserv.types import RankedDocument, RerankMode, RerankParams, RerankResult, Task
 
@@ -29,6 +30,11 @@ class Reranking:
         served = self._served
         checks.require(served.info, Task.RERANK, "Rerank")
         checks.check_rerank(served.info, served.task, query, documents, params)
+        if params.chunking and served.vision is not None:
+            raise InvalidInput(
+                f"model {served.info.name!r} is a text-image dual encoder; chunking is not served for it. Leave it "
+                "unset (set truncate to cut long documents)"
+            )
         if params.chunking:
             return await chunking.rerank_chunked(self._infer, served, query, documents, params, received)
         if served.task.rerank_mode is RerankMode.MAXSIM:
@@ -45,6 +51,7 @@ class Reranking:
         mode = task.rerank_mode
         if mode is RerankMode.EMBEDDINGS:
             encoded = await tokenize(tokenizer.encode_for_cosine, query, documents, params.truncate)
+            encoded = self._rules.pad_texts(encoded)
         elif mode is RerankMode.PAIR:
             encoded = await tokenize(
                 tokenizer.encode_pairs, query, documents, params.truncate, chars=len(query) + sum(map(len, documents))

@@ -1,28 +1,59 @@
 """What is model-specific about token vectors and the inputs they come from: which tokens' vectors a call
-gets, and how its inputs are tokenized. The base rules serve every model but late-interaction ones
-(multi_vector.py subclasses them); embedding.py picks a model's rules."""
+gets, and how its inputs (texts, images) become sequences. The base rules serve every model but
+late-interaction ones (multi_vector.py subclasses them); embedding.py picks a model's rules."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
+from embedserv.engine.loading import VisionSpec
 from embedserv.engine.tokenizer import Encoded, TextTokenizer
+from embedserv.errors import InvalidInput
 from embedserv.types import EmbedParams
 
 
 class TokenRules:
     """Token vectors are the vectors of every token but the first `skip_first` (bge-m3's colbert head skips
-    the CLS token); inputs are tokenized as for Embed."""
+    the CLS token); inputs are tokenized as for Embed. `vision`: a model that takes images (dual encoders:
+    each image is a sequence of its patch rows)."""
 
     skip_first = 0
+    vision: VisionSpec | None = None
 
-    def __init__(self, skip_first: int = 0) -> None:
+    def __init__(self, skip_first: int = 0, vision: VisionSpec | None = None) -> None:
         self.skip_first = skip_first
+        self.vision = vision
 
     def encode(self, tokenizer: TextTokenizer, texts: list[str], params: EmbedParams) -> list[Encoded]:
-        return tokenizer.encode_batch(texts, params.truncate, params.truncation_direction, params.prompt_name)
+        return self.pad_texts(
+            tokenizer.encode_batch(texts, params.truncate, params.truncation_direction, params.prompt_name)
+        )
+
+    def pad_texts(self, encoded: list[Encoded]) -> list[Encoded]:
+        """Texts as the model's processor pads them (SigLIP: padding="max_length"; its text tower reads the last
+        position, a pad); unchanged for every other model."""
+        length = self.vision.text_pad_to if self.vision is not None else 0
+        return [_padded(e, length, self.vision.text_pad_id) for e in encoded] if length else encoded
+
+    def encode_image(self, rows: np.ndarray, grid: tuple[int, ...], params: EmbedParams) -> Encoded:
+        """One image's sequence: its patch rows ([rows, patch_dim] float32, engine/images), a zero row first
+        where the model puts its class embedding, and one placeholder token id per row."""
+        if self.vision is None:
+            raise InvalidInput("this model takes text only; send texts")
+        if self.vision.class_token:
+            rows = np.concatenate((np.zeros((1, rows.shape[1]), dtype=np.float32), rows))
+        return Encoded(ids=[0] * len(rows), pixels=rows, image_grid=tuple(grid))
 
     def keep(self, encoded: Encoded, params: EmbedParams) -> np.ndarray | slice:
         """Which of the sequence's token vectors the caller gets: a boolean mask or a slice."""
         return slice(self.skip_first, None)
 
+
+def _padded(encoded: Encoded, length: int, pad_id: int) -> Encoded:
+    missing = length - len(encoded.ids)
+    if missing <= 0:
+        return encoded
+    types = encoded.token_type_ids + [0] * missing if encoded.token_type_ids is not None else None
+    return replace(encoded, ids=encoded.ids + [pad_id] * missing, token_type_ids=types)

@@ -91,6 +91,26 @@ class MlmHeadNames:
 
 
 @dataclass(frozen=True)
+class VisionTower:
+    """A family's image side, as the engine shapes its inputs (engine/loading.VisionSpec reads it)."""
+
+    # Pixels per patch side: each patch row holds 3 * patch_size**2 values.
+    patch_size: int
+    # The square side its position embeddings cover: preprocessing must give images of this size.
+    image_size: int
+    # A class-token row (zeros; the model puts its class embedding there) leads each image's rows (CLIP).
+    class_token: bool
+    # The joint embedding space's width (ModelInfo.dimension).
+    dimension: int
+    # What ModelInfo.pooling reports: the towers pool through the model's own heads (model.pool).
+    pooling: str
+    # Texts are padded with the config's pad id up to the model's input limit, as the model's processor
+    # pads them (SigLIP: padding="max_length"; its text tower reads the last position, a pad).
+    pads_texts: bool = False
+    text_pad_id: int = 0
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     model_types: tuple[str, ...]
@@ -124,6 +144,8 @@ class Family:
     # PEFT LoRA adapters (--lora) apply to its linears through its checkpoint names (loading/lora_files.py):
     # set where a test shows adapters equal to PEFT's merged model.
     lora: bool = False
+    # Dual encoders (CLIP, SigLIP): a function of the config giving its image side; None: texts only.
+    vision: Callable[[object], VisionTower] | None = None
     # For docs/MODELS.md (scripts/models_table.py): published model ids it serves, and the test files
     # that show it equals the reference.
     examples: tuple[str, ...] = ()

@@ -27,10 +27,10 @@ from embedserv.models.loading.family import Family
 from embedserv.models.loading.hf_config import read_hf_config
 from embedserv.models.loading.lora_files import read_lora_adapters
 from embedserv.models.loading.model_spec import ModelSpec
-from embedserv.models.loading.outputs import read_output_spec
+from embedserv.models.loading.outputs import OutputSpec, read_output_spec
 from embedserv.models.loading.st_files import SentenceTransformerFiles, read_sentence_transformers
 from embedserv.models.loading.tasks import TaskSpec, architecture_of, read_task_spec, with_outputs
-from embedserv.types import ModelInfo, Task
+from embedserv.types import EmbedOutput, ModelInfo, Modality, Task
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Pooling for a plain Hugging Face directory, as sentence-transformers chooses for one.
@@ -62,6 +62,17 @@ def _device(name: str) -> torch.device:
 _FLOAT32_FEED_FORWARD_TYPES = ("t5", "mt5")
 
 
+def _attention_config(hf_config, family: Family):
+    """The config whose heads the backend must run: a dual encoder's text tower, whose head size its vision
+    tower must share (every published CLIP and SigLIP has 64 in both)."""
+    if family.vision is None:
+        return hf_config
+    text, vision = hf_config.text_config, hf_config.vision_config
+    if head_dim(vision) != head_dim(text):
+        raise ConfigError(f"towers with different head sizes ({head_dim(text)}, {head_dim(vision)}) are not served")
+    return text
+
+
 def _attention_spec(hf_config, device: torch.device, dtype: torch.dtype, is_causal: bool, layout) -> AttentionSpec:
     return AttentionSpec(
         device=device,
@@ -85,13 +96,18 @@ def _check_dtype(hf_config, dtype: torch.dtype, model_dir: Path) -> None:
         )
 
 
-def _check_quantization(config: ModelConfig, task: TaskSpec, model_dir: Path) -> None:
+def _check_quantization(config: ModelConfig, task: TaskSpec, family: Family, model_dir: Path) -> None:
     if config.quantization is None:
         return
     if Task.GENERATE in task.tasks:
         raise ConfigError(
             f"{model_dir}: --quantization int8 serves embedders, rerankers and classifiers; this model generates "
             "text, whose token-by-token sampling it was not validated for. Serve it without --quantization"
+        )
+    if family.vision is not None:
+        raise ConfigError(
+            f"{model_dir}: --quantization int8 was not validated for text-image dual encoders (CLIP, SigLIP); "
+            "serve this model without it"
         )
     if not torch.backends.mkldnn.is_available():
         raise ConfigError("--quantization int8 needs torch built with oneDNN (mkldnn), which this torch lacks")
@@ -168,6 +184,9 @@ def _check_fast_prefill(config: ModelConfig, layout: _Layout, family: Family) ->
 
 
 def _pooling_and_dimension(config: ModelConfig, task: TaskSpec, st: SentenceTransformerFiles, hf_config, family: Family):
+    if family.vision is not None:
+        tower = family.vision(hf_config)
+        return tower.pooling, tower.dimension
     if task.tasks and task.tasks[0] in (Task.EMBED_SPARSE, Task.EMBED_MULTI_VECTOR):
         return ("splade" if task.tasks[0] is Task.EMBED_SPARSE else "", 0)
     if Task.EMBED in task.tasks:
@@ -202,9 +221,8 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
     is_causal = registry.is_causal(hf_config, family, config.attention)
     layout = _layout(family.model_class, hf_config, model_dir)
     _check_fast_prefill(config, layout, family)
-    backend = select_backend(
-        config.attention_backend, _attention_spec(hf_config, device, dtype, is_causal, layout)
-    )
+    attention = _attention_spec(_attention_config(hf_config, family), device, dtype, is_causal, layout)
+    backend = select_backend(config.attention_backend, attention)
     files = checkpoint_files(model_dir, config.allow_pickle)
     task = read_task_spec(
         model_dir, hf_config, family, is_causal, config.decoder_reranker, has_lm_head(family, hf_config, files)
@@ -212,8 +230,11 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
     outputs = read_output_spec(
         model_dir, hf_config, st, config.pooling, architecture_of(hf_config), embeds=Task.EMBED in task.tasks
     )
+    if family.vision is not None:
+        # Dual encoders give one vector per input, in the joint space (model.pool).
+        outputs = OutputSpec((EmbedOutput.DENSE,), head_kind="hidden")
     task = with_outputs(task, outputs.tasks)
-    _check_quantization(config, task, model_dir)
+    _check_quantization(config, task, family, model_dir)
     max_positions = layout.max_positions
     pooling, dimension = _pooling_and_dimension(config, task, st, hf_config, family)
     lora = _lora_adapters(config, task, family, hf_config, model_dir)
@@ -239,6 +260,7 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
         adapters=tuple(getattr(hf_config, "lora_adaptations", None) or ()),
         lora_adapters=tuple(adapter.name for adapter in lora),
         auto_truncate=config.auto_truncate,
+        modalities=(Modality.TEXT, Modality.IMAGE) if family.vision is not None else (Modality.TEXT,),
     )
     return ModelSpec(
         info=info, task=task, max_model_len=max_positions, model_dir=model_dir, hf_config=hf_config,

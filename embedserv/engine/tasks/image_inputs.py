@@ -1,0 +1,70 @@
+"""Embed's image inputs: the refusals a call with images (or a call to a model that takes them) gets before
+anything is decoded, and its inputs as sequences: texts tokenized as usual, images decoded and preprocessed
+(engine/images) in the tokenizer pool, never on the event loop, each becoming the model's sequence through
+its TokenRules.encode_image. Results keep the call's input order."""
+
+from __future__ import annotations
+
+from embedserv.engine.loading import ServedModel, VisionSpec
+from embedserv.engine.images import prepare_image
+from embedserv.engine.ports import Infer
+from embedserv.engine.tasks.token_rules import TokenRules
+from embedserv.engine.tokenizer import Encoded
+from embedserv.errors import InvalidInput
+from embedserv.types import EmbedOutput, EmbedParams, ImageInput, Modality
+
+
+def image_indices(inputs: list) -> list[int]:
+    return [index for index, item in enumerate(inputs) if isinstance(item, ImageInput)]
+
+
+def check_call(served: ServedModel, inputs: list, params: EmbedParams) -> None:
+    """What a call with images, or any call to a dual encoder, cannot ask for."""
+    info, found = served.info, image_indices(inputs)
+    if found and Modality.IMAGE not in info.modalities:
+        raise InvalidInput(f"model {info.name!r} takes text only; input {found[0]} is an image")
+    if served.vision is not None and (params.chunking or params.late_chunking is not None):
+        # Each input is pooled by its tower's own head: there is no token-count-weighted mean to take.
+        raise InvalidInput(
+            f"model {info.name!r} is a text-image dual encoder; chunking and late_chunking are not served for it. "
+            "Leave them unset (set truncate to cut long texts)"
+        )
+    if not found:
+        return
+    if params.chunking or params.late_chunking is not None:
+        raise InvalidInput(f"chunking and late_chunking apply to texts; input {found[0]} is an image")
+    if EmbedOutput.SPARSE in params.outputs:
+        raise InvalidInput(f"the sparse output is made from texts; input {found[0]} is an image")
+    if params.prompt_name and len(found) == len(inputs):
+        raise InvalidInput("prompt_name applies to texts, and this call sends only images; leave it unset")
+
+
+async def encode_inputs(
+    infer: Infer, served: ServedModel, rules: TokenRules, inputs: list, params: EmbedParams
+) -> list[Encoded]:
+    """Every input as a sequence, in input order; prompts apply to the texts only."""
+    found = image_indices(inputs)
+    text_at = [index for index, item in enumerate(inputs) if not isinstance(item, ImageInput)]
+    encoded: list[Encoded | None] = [None] * len(inputs)
+    if text_at:
+        texts = [inputs[index] for index in text_at]
+        tokenized = await infer.tokenize_with(rules.encode, served.tokenizer, texts, params, chars=sum(map(len, texts)))
+        for index, item in zip(text_at, tokenized):
+            encoded[index] = item
+    images = [(index, inputs[index].data) for index in found]
+    # No `chars`: decoding is never cheap enough for the event loop.
+    prepared = await infer.tokenize_with(_encode_images, rules, served.vision, images, params)
+    for index, item in zip(found, prepared):
+        encoded[index] = item
+    return encoded
+
+
+def _encode_images(
+    rules: TokenRules, vision: VisionSpec, images: list[tuple[int, bytes]], params: EmbedParams
+) -> list[Encoded]:
+    """Blocking: decode, preprocess and shape each image (an ImageError names the first bad input)."""
+    out = []
+    for index, data in images:
+        rows, grid = prepare_image(data, index, vision.processing, vision.limits)
+        out.append(rules.encode_image(rows, grid, params))
+    return out

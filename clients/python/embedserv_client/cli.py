@@ -41,23 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per command, retries included")
     commands = p.add_subparsers(dest="command", required=True)
 
-    embed = commands.add_parser("embed", help="embed texts and images (no TEXT nor --image: a text per line of stdin)")
-    embed.add_argument("texts", nargs="*", metavar="TEXT")
-    embed.add_argument("--image", dest="images", action="append", default=[], metavar="FILE",
-                       help="an image file (PNG, JPEG, WebP) to embed after the texts (repeat it)")
-    embed.add_argument("--dimensions", type=int)
-    embed.add_argument("--no-normalize", action="store_true")
-    embed.add_argument("--truncate", action=argparse.BooleanOptionalAction)
-    embed.add_argument("--prompt-name")
-    embed.add_argument("--task", help="the model's task adapter (ListModels' adapters), e.g. retrieval.query")
-    embed.add_argument(
-        "--encoding", default="float32", choices=list(ENCODINGS),
-        help="default: float32; int8 / uint8 also print the encoding_scale that decodes them",
-    )
-    embed.add_argument("--chunking", choices=["mean"], help="embed inputs past the model's limit by windows")
-    embed.add_argument("--bypass-cache", action="store_true",
-                       help="neither read nor fill the server's embedding cache (--embedding-cache)")
-
+    _add_embed(commands)
     _add_embed_chunks(commands)
 
     sparse = commands.add_parser("embed-sparse", help="sparse vectors: {indices, values} per text")
@@ -104,6 +88,25 @@ def _parser() -> argparse.ArgumentParser:
     health = commands.add_parser("health", help="exit 0 when SERVING")
     health.add_argument("--service", default="", help="a model name; default: the whole server")
     return p  # fmt: skip
+
+
+def _add_embed(commands) -> None:
+    embed = commands.add_parser("embed", help="embed texts and images (no TEXT nor --image: a text per line of stdin)")
+    embed.add_argument("texts", nargs="*", metavar="TEXT")
+    embed.add_argument("--image", dest="images", action="append", default=[], metavar="FILE",
+                       help="an image file (PNG, JPEG, WebP) to embed after the texts (repeat it)")
+    embed.add_argument("--dimensions", type=int)
+    embed.add_argument("--no-normalize", action="store_true")
+    embed.add_argument("--truncate", action=argparse.BooleanOptionalAction)
+    embed.add_argument("--prompt-name")
+    embed.add_argument("--task", help="the model's task adapter (ListModels' adapters), e.g. retrieval.query")
+    embed.add_argument(
+        "--encoding", default="float32", choices=list(ENCODINGS),
+        help="default: float32; int8 / uint8 also print the encoding_scale that decodes them",
+    )
+    embed.add_argument("--chunking", choices=["mean"], help="embed inputs past the model's limit by windows")
+    embed.add_argument("--bypass-cache", action="store_true",
+                       help="neither read nor fill the server's embedding cache (--embedding-cache)")
 
 
 def _add_embed_chunks(commands) -> None:
@@ -170,20 +173,8 @@ def _run(client: Client, args: argparse.Namespace) -> tuple[dict, int]:
     if args.command == "embed-sparse":
         vectors = client.embed_sparse(args.texts, top_k=args.top_k, truncate=args.truncate)
         return {"embeddings": [{"indices": i.tolist(), "values": v.tolist()} for i, v in vectors]}, 0
-    if args.command == "embed-multi-vector":
-        images = _read_images(args.images, "--image") or None
-        arrays = client.embed_multi_vector(
-            args.texts, images=images, prompt_name=args.prompt_name, truncate=args.truncate
-        )
-        return {"embeddings": [a.tolist() for a in arrays]}, 0
-    if args.command == "rerank":
-        images = _read_images(args.document_images, "--document-image") or None
-        results = client.rerank(
-            args.query, args.documents, document_images=images, top_n=args.top_n, truncate=args.truncate,
-            chunking=args.chunking,
-        )
-        named = args.documents or args.document_images
-        return {"results": [dataclasses.asdict(r) | {"document": named[r.index]} for r in results]}, 0
+    if args.command in ("embed-multi-vector", "rerank"):
+        return _page_images_call(client, args), 0
     if args.command == "classify":
         classifications = client.classify(
             args.texts,
@@ -208,6 +199,23 @@ def _run(client: Client, args: argparse.Namespace) -> tuple[dict, int]:
         return {"models": models, "limits": dataclasses.asdict(client.limits())}, 0
     status = client.health(args.service)
     return {"status": status}, 0 if status == "SERVING" else 1
+
+
+def _page_images_call(client: Client, args: argparse.Namespace) -> dict:
+    """embed-multi-vector and rerank, whose inputs may be page images (--image, --document-image)."""
+    if args.command == "embed-multi-vector":
+        images = _read_images(args.images, "--image") or None
+        arrays = client.embed_multi_vector(
+            args.texts, images=images, prompt_name=args.prompt_name, truncate=args.truncate
+        )
+        return {"embeddings": [a.tolist() for a in arrays]}
+    images = _read_images(args.document_images, "--document-image") or None
+    results = client.rerank(
+        args.query, args.documents, document_images=images, top_n=args.top_n, truncate=args.truncate,
+        chunking=args.chunking,
+    )
+    named = args.documents or args.document_images
+    return {"results": [dataclasses.asdict(r) | {"document": named[r.index]} for r in results]}
 
 
 def main(argv: list[str] | None = None) -> int:

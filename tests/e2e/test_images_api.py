@@ -28,6 +28,7 @@ from tests.helpers.vision_models import save_dual_encoder
 
 CLIP = "tiny-clip"
 MAX_IMAGES = 4
+MAX_BATCH = 6
 MAX_BYTES = 200_000
 WORKERS = 2
 ATOL = 1e-5
@@ -43,7 +44,8 @@ def served(tmp_path_factory):
     http_port = free_port()
     args = ["--model", str(model_dir), "--served-model-name", CLIP, "--dtype", "float32", "--device", "cpu",
             "--http-port", str(http_port), "--data-parallel-size", str(WORKERS),
-            "--max-images-per-request", str(MAX_IMAGES), "--max-image-bytes", str(MAX_BYTES)]
+            "--max-images-per-request", str(MAX_IMAGES), "--max-image-bytes", str(MAX_BYTES),
+            "--max-client-batch-size", str(MAX_BATCH)]
     with in_process_server(args, worker_processes=True) as (target, handle):
         yield target, f"http://127.0.0.1:{http_port}", handle
 
@@ -181,6 +183,9 @@ def test_limits_and_urls_are_refused(stub, http):
     assert f"{MAX_IMAGES + 1} images, more than --max-images-per-request {MAX_IMAGES}" in message
     message = _refused(stub, ["a text", PNG, PNG + bytes(MAX_BYTES)])
     assert f"input 2: the image has {len(PNG) + MAX_BYTES} bytes, more than the model's --max-image-bytes" in message
+    # Images count as inputs toward --max-client-batch-size.
+    message = _refused(stub, ["a", "b", "c", PNG, PNG, PNG, PNG])
+    assert f"items holds 7 items, more than --max-client-batch-size {MAX_BATCH}" in message
     url = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
     reply = http.post("/v1/embeddings", json={"model": CLIP, "input": ["a", url]})
     assert reply.status_code == 400

@@ -80,19 +80,15 @@ def read_served_model(config: ModelConfig) -> ServedModel:
 def read_vision_spec(config: ModelConfig, spec: ModelSpec) -> VisionSpec | None:
     """A dual encoder's image side (its family's VisionTower) with its image processor's settings; refuses at
     start-up a model that takes images without preprocessor_config.json, or with settings we cannot follow."""
-    if spec.family.vision is None:
+    if spec.family.vision is None and spec.family.language_config is None:
         return None
+    processing = _image_processing(config, spec)
+    limits = ImageLimits(config.max_image_bytes, config.max_image_pixels)
+    if spec.family.vision is None:
+        # Vision-language models (ColQwen2, ColPali): images of any size the processor makes; their rules
+        # (engine/tasks/vision_retrieval.py) place the features.
+        return VisionSpec(processing=processing, limits=limits, patch_size=processing.patch_size)
     tower = spec.family.vision(spec.hf_config)
-    try:
-        processing = read_image_processing(spec.model_dir)
-    except ValueError as exc:
-        raise ConfigError(f"--model {config.path}: {exc}") from None
-    if processing is None:
-        raise ConfigError(
-            f"--model {config.path}: {spec.info.architecture} takes images, and its directory has no "
-            "preprocessor_config.json (the settings its images are resized and normalized with); copy that file "
-            "from the model's repository"
-        )
     if processing.patch_size != tower.patch_size:
         raise ConfigError(
             f"--model {config.path}: preprocessor_config.json's patch_size {processing.patch_size} differs from the "
@@ -106,12 +102,26 @@ def read_vision_spec(config: ModelConfig, spec: ModelSpec) -> VisionSpec | None:
         )
     return VisionSpec(
         processing=processing,
-        limits=ImageLimits(config.max_image_bytes, config.max_image_pixels),
+        limits=limits,
         patch_size=tower.patch_size,
         class_token=tower.class_token,
         text_pad_to=spec.info.max_input_tokens if tower.pads_texts else 0,
         text_pad_id=tower.text_pad_id,
     )
+
+
+def _image_processing(config: ModelConfig, spec: ModelSpec) -> ImageProcessing:
+    try:
+        processing = read_image_processing(spec.model_dir)
+    except ValueError as exc:
+        raise ConfigError(f"--model {config.path}: {exc}") from None
+    if processing is None:
+        raise ConfigError(
+            f"--model {config.path}: {spec.info.architecture} takes images, and its directory has no "
+            "preprocessor_config.json (the settings its images are resized and normalized with); copy that file "
+            "from the model's repository"
+        )
+    return processing
 
 
 def eos_token_ids(model_dir: Path, hf_config, tokenizer: TextTokenizer) -> frozenset[int]:

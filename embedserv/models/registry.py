@@ -14,10 +14,10 @@ from torch import nn
 
 from embedserv.errors import ConfigError
 from embedserv.models.families import (
-    bart, bert, clip, deberta_v2, distilbert, electra, eurobert, gemma, gemma4, gte, jina_v3, llama, modernbert,
-    mpnet, nomic_bert, siglip, t5,
+    bart, bert, clip, colpali, colqwen2, deberta_v2, distilbert, electra, eurobert, gemma, gemma4, gte, jina_v3, llama,
+    modernbert, mpnet, nomic_bert, siglip, t5,
 )
-from embedserv.models.heads import bge_m3, multi_vector, splade
+from embedserv.models.heads import bge_m3, multi_vector, splade, vision_retrieval
 from embedserv.models.loading.family import Family
 from embedserv.models.loading.multi_vector_files import MultiVectorSettings, read_multi_vector_settings
 
@@ -39,6 +39,8 @@ FAMILIES: tuple[Family, ...] = (
     jina_v3.FAMILY,
     clip.FAMILY,
     siglip.FAMILY,
+    colqwen2.FAMILY,
+    colpali.FAMILY,
 )
 _BY_MODEL_TYPE: dict[str, Family] = {model_type: family for family in FAMILIES for model_type in family.model_types}
 
@@ -139,6 +141,8 @@ HEAD_KINDS: dict[str, HeadKind] = {
     "bge_m3": HeadKind(
         sparse_head=bge_m3.build_sparse_head, token_head=bge_m3.build_colbert_head, skip_first_tokens=1
     ),
+    # ColQwen2 / ColPali: the projection and L2 norm on every token (queries and page images alike).
+    "vision_retrieval": HeadKind(token_head=vision_retrieval.build_projection_head),
 }
 _NO_HEADS = HeadKind()
 

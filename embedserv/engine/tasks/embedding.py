@@ -21,6 +21,7 @@ from embedserv.engine.tasks import chunking, image_inputs, late_chunking
 from embedserv.engine.tasks.multi_vector import MultiVectorRules
 from embedserv.engine.tasks.outputs import finish_embeddings
 from embedserv.engine.tasks.token_rules import TokenRules
+from embedserv.engine.tasks.vision_retrieval import VISION_RETRIEVAL, VisionRetrievalRules, read_retrieval_prompts
 from embedserv.engine.tokenizer import Encoded
 from embedserv.errors import InvalidInput
 from embedserv.models import registry
@@ -33,6 +34,9 @@ def token_rules(served: ServedModel) -> TokenRules:
     heads = registry.head_kind(spec.outputs.head_kind)
     if heads.token_settings is not None:
         return MultiVectorRules(served.tokenizer, heads.token_settings(spec), spec.max_model_len, str(spec.model_dir))
+    if spec.outputs.head_kind == VISION_RETRIEVAL:
+        prompts = read_retrieval_prompts(spec.model_dir, spec.info.architecture, spec.hf_config, served.tokenizer)
+        return VisionRetrievalRules(served.tokenizer, prompts, served.vision)
     return TokenRules(skip_first=heads.skip_first_tokens, vision=served.vision)
 
 

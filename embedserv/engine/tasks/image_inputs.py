@@ -23,7 +23,7 @@ def check_call(served: ServedModel, inputs: list, params: EmbedParams) -> None:
     info, found = served.info, image_indices(inputs)
     if found and Modality.IMAGE not in info.modalities:
         raise InvalidInput(f"model {info.name!r} takes text only; input {found[0]} is an image")
-    if served.vision is not None and (params.chunking or params.late_chunking is not None):
+    if served.spec.family.vision is not None and (params.chunking or params.late_chunking is not None):
         # Each input is pooled by its tower's own head: there is no token-count-weighted mean to take.
         raise InvalidInput(
             f"model {info.name!r} is a text-image dual encoder; chunking and late_chunking are not served for it. "

@@ -1,6 +1,10 @@
 """Rerank: cross-encoders and yes/no rerankers score each (query, document) sequence with their score head;
 embedding models score by the cosine of the query's and each document's embeddings; late-interaction
-models by MaxSim (multi_vector.py); with chunking, each document by its best window (chunking.py)."""
+models by MaxSim (multi_vector.py); with chunking, each document by its best window (chunking.py).
+
+Documents may be images (ImageInput) for models that take them: text-image dual encoders (CLIP, SigLIP) score
+them by the cosine of the query text's and the images' embeddings, ColQwen2 / ColPali by MaxSim of their token
+vectors (vision_retrieval.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +15,14 @@ from embedserv.engine.loading import ServedModel
 from embedserv.engine.ports import Infer, stack_rows
 from embedserv.engine.tasks import chunking, multi_vector
 from embedserv.engine.tasks.outputs import activate, cosine_to_first, rank
+from embedserv.engine.tasks.image_inputs import encode_inputs, image_indices
 from embedserv.engine.tasks.token_rules import TokenRules
+from embedserv.engine.tasks.vision_retrieval import VisionRetrievalRules, rerank_pages
 from embedserv.errors import InvalidInput
 from embedserv.models.loading.tasks import Seq2SeqYesNoTemplate
-from embedserv.types import RankedDocument, RerankMode, RerankParams, RerankResult, Task
+from embedserv.types import (
+    EmbedOutput, EmbedParams, ImageInput, Modality, RankedDocument, RerankMode, RerankParams, RerankResult, Task,
+)
 
 
 class Reranking:
@@ -24,13 +32,24 @@ class Reranking:
         self._served = served
         self._rules = rules
 
-    async def rerank(self, query: str, documents: list[str], params: RerankParams) -> RerankResult:
-        """Documents scored against the query, best first."""
+    async def rerank(self, query: str, documents: list[str | ImageInput], params: RerankParams) -> RerankResult:
+        """Documents (texts, or images for models that take them) scored against the query, best first."""
         received = time.perf_counter()
         served = self._served
         checks.require(served.info, Task.RERANK, "Rerank")
         checks.check_rerank(served.info, served.task, query, documents, params)
-        if params.chunking and served.vision is not None:
+        images = image_indices(documents)
+        if images and Modality.IMAGE not in served.info.modalities:
+            raise InvalidInput(f"model {served.info.name!r} takes text only; document {images[0]} is an image")
+        if isinstance(self._rules, VisionRetrievalRules):
+            if params.chunking:
+                raise InvalidInput(f"model {served.info.name!r} ranks page images whole; leave chunking off")
+            return await rerank_pages(self._infer, served, self._rules, query, documents, params, received)
+        if images:
+            if params.chunking:
+                raise InvalidInput(f"chunking applies to text documents; document {images[0]} is an image")
+            return await self._rerank_images(query, documents, received, params)
+        if params.chunking and served.spec.family.vision is not None:
             raise InvalidInput(
                 f"model {served.info.name!r} is a text-image dual encoder; chunking is not served for it. Leave it "
                 "unset (set truncate to cut long documents)"
@@ -42,6 +61,17 @@ class Reranking:
                 self._infer, served.tokenizer, self._rules, query, documents, params, received
             )
         return await self._rerank_whole(query, documents, params, received)
+
+    async def _rerank_images(
+        self, query: str, documents: list[str | ImageInput], received: float, params: RerankParams
+    ) -> RerankResult:
+        """A dual encoder's cosine of the query text's and each document's embedding, images among them."""
+        embed = EmbedParams(outputs=(EmbedOutput.DENSE,), truncate=params.truncate)
+        encoded = await encode_inputs(self._infer, self._served, self._rules, [query, *documents], embed)
+        outputs, prompt_tokens, timing = await self._infer.infer(encoded, received)
+        scores = cosine_to_first(stack_rows(outputs))
+        results = [RankedDocument(index, score) for index, score in rank(scores, params.top_n)]
+        return RerankResult(results=results, prompt_tokens=prompt_tokens, timing=timing)
 
     async def _rerank_whole(
         self, query: str, documents: list[str], params: RerankParams, received: float

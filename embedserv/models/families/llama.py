@@ -149,7 +149,11 @@ class LlamaModel(nn.Module):
         return self.config.max_position_embeddings
 
     def forward(self, input_ids, positions, token_type_ids=None) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        return self.run_layers(self.embed_tokens(input_ids), positions)
+
+    def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The blocks and the final norm over input embeddings (vision-language models place image features
+        among them first)."""
         cos, sin = self.rotary(positions)
         for layer in self.layers:
             hidden = layer(hidden, cos, sin)

@@ -146,6 +146,9 @@ class Family:
     lora: bool = False
     # Dual encoders (CLIP, SigLIP): a function of the config giving its image side; None: texts only.
     vision: Callable[[object], VisionTower] | None = None
+    # Vision-language models (ColQwen2, ColPali): their language model's config within theirs (its heads are
+    # what the attention backend runs, its flags say whether attention is causal); None: the config itself.
+    language_config: Callable[[object], object] | None = None
     # For docs/MODELS.md (scripts/models_table.py): published model ids it serves, and the test files
     # that show it equals the reference.
     examples: tuple[str, ...] = ()
@@ -153,6 +156,10 @@ class Family:
 
     def checkpoint_names(self, hf_config) -> CheckpointNames:
         return self.checkpoint if isinstance(self.checkpoint, CheckpointNames) else self.checkpoint(hf_config)
+
+    def text_config(self, hf_config):
+        """The config of the model's language model: its own unless it is a vision-language model."""
+        return self.language_config(hf_config) if self.language_config is not None else hf_config
 
     def output_scale(self, hf_config) -> float:
         return self.lm_head_scale(hf_config) if self.lm_head_scale is not None else 1.0

@@ -7,6 +7,8 @@
   only, over the vocabulary.
 - A MultiVectorEncoder directory gives token vectors only: its Dense and Normalize on every token, its
   query/document prompts, lengths and masks.
+- ColQwen2 / ColPali (ColQwen2ForRetrieval, ColPaliForRetrieval) give token vectors only: the projection
+  and L2 norm on every token of a query or a page image.
 - bge-m3 (an XLM-R checkpoint with sparse_linear and colbert_linear head files beside it) gives all three:
   CLS dense, the sparse head per token (max per token id, special tokens dropped), and the colbert head on
   every token but the first, normalized; one forward pass serves any mix of them.
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from embedserv.errors import ConfigError
+from embedserv.models.heads.vision_retrieval import RETRIEVAL_ARCHITECTURES, projection_width
 from embedserv.models.loading.multi_vector_files import read_multi_vector_settings
 from embedserv.models.loading.st_files import (
     MULTI_VECTOR_ENCODER,
@@ -81,6 +84,10 @@ def read_output_spec(
         return OutputSpec((EmbedOutput.SPARSE,), head_kind="splade", splade=st.splade or SpladeSpec(), sparse_dimension=vocab)
     if not embeds:
         return OutputSpec(())
+    if architecture in RETRIEVAL_ARCHITECTURES:
+        return OutputSpec(
+            (EmbedOutput.MULTI_VECTOR,), head_kind="vision_retrieval", multi_vector_dimension=projection_width(hf_config)
+        )
     if st.model_type == MULTI_VECTOR_ENCODER:
         # Refuses at start-up what would not give the library's vectors (loading/multi_vector_files.py).
         read_multi_vector_settings(model_dir, st, hidden)

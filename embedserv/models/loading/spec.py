@@ -64,9 +64,10 @@ _FLOAT32_FEED_FORWARD_TYPES = ("t5", "mt5")
 
 def _attention_config(hf_config, family: Family):
     """The config whose heads the backend must run: a dual encoder's text tower, whose head size its vision
-    tower must share (every published CLIP and SigLIP has 64 in both)."""
+    tower must share (every published CLIP and SigLIP has 64 in both); a vision-language model's language model
+    (its vision tower's heads differ; every backend but flash_attn's head-size limits takes them)."""
     if family.vision is None:
-        return hf_config
+        return family.text_config(hf_config)
     text, vision = hf_config.text_config, hf_config.vision_config
     if head_dim(vision) != head_dim(text):
         raise ConfigError(f"towers with different head sizes ({head_dim(text)}, {head_dim(vision)}) are not served")
@@ -104,10 +105,10 @@ def _check_quantization(config: ModelConfig, task: TaskSpec, family: Family, mod
             f"{model_dir}: --quantization int8 serves embedders, rerankers and classifiers; this model generates "
             "text, whose token-by-token sampling it was not validated for. Serve it without --quantization"
         )
-    if family.vision is not None:
+    if family.vision is not None or family.language_config is not None:
         raise ConfigError(
-            f"{model_dir}: --quantization int8 was not validated for text-image dual encoders (CLIP, SigLIP); "
-            "serve this model without it"
+            f"{model_dir}: --quantization int8 was not validated for text-image dual encoders (CLIP, SigLIP) or "
+            "page-image retrievers (ColQwen2, ColPali); serve this model without it"
         )
     if not torch.backends.mkldnn.is_available():
         raise ConfigError("--quantization int8 needs torch built with oneDNN (mkldnn), which this torch lacks")
@@ -206,6 +207,11 @@ def _classifier_token(family: Family, hf_config) -> str | None:
     return classifier.token_for(hf_config) if classifier is not None else None
 
 
+def _modalities(family: Family) -> tuple[Modality, ...]:
+    takes_images = family.vision is not None or family.language_config is not None
+    return (Modality.TEXT, Modality.IMAGE) if takes_images else (Modality.TEXT,)
+
+
 def read_model_spec(config: ModelConfig) -> ModelSpec:
     model_dir = Path(config.path).expanduser()
     if not (model_dir / "config.json").exists():
@@ -218,7 +224,7 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
     device = _device(config.device)
     dtype = _DTYPES[config.torch_dtype_name]
     _check_dtype(hf_config, dtype, model_dir)
-    is_causal = registry.is_causal(hf_config, family, config.attention)
+    is_causal = registry.is_causal(family.text_config(hf_config), family, config.attention)
     layout = _layout(family.model_class, hf_config, model_dir)
     _check_fast_prefill(config, layout, family)
     attention = _attention_spec(_attention_config(hf_config, family), device, dtype, is_causal, layout)
@@ -260,7 +266,7 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
         adapters=tuple(getattr(hf_config, "lora_adaptations", None) or ()),
         lora_adapters=tuple(adapter.name for adapter in lora),
         auto_truncate=config.auto_truncate,
-        modalities=(Modality.TEXT, Modality.IMAGE) if family.vision is not None else (Modality.TEXT,),
+        modalities=_modalities(family),
     )
     return ModelSpec(
         info=info, task=task, max_model_len=max_positions, model_dir=model_dir, hf_config=hf_config,

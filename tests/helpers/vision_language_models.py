@@ -1,0 +1,214 @@
+"""Small random-weight vision-language retrievers for tests: ColQwen2 (Qwen2-VL) and ColPali (PaliGemma).
+
+Each builder saves a directory transformers loads as the model and its processor (`from_pretrained`): config,
+float32 safetensors, a byte-level BPE tokenizer trained on stdlib docstrings (tests/helpers/seq2seq_models.py)
+with the processor's special tokens added, and the image processor's preprocessor_config.json. Norm weights
+and biases are made random (they start at 1 and 0) so that a tensor loaded into the wrong place shows.
+Images are made in the tests (`page_image`): numpy noise with a gradient, encoded as PNG or JPEG bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+
+from tests.helpers.seq2seq_models import _bpe_vocab_and_merges, _perturb, _vocab_size
+
+QWEN_SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+    "<|video_pad|>",
+)
+# 56x84 and 84x112 pixels: multiples of Qwen2-VL's 28 (patch 14 x merge 2), so the processor keeps the size.
+COLQWEN2_SIZES = ((56, 84), (84, 112), (56, 56))
+
+
+def page_image(height: int, width: int, seed: int, fmt: str = "PNG") -> bytes:
+    """An RGB image of noise over a gradient, encoded as `fmt` (PNG or JPEG) bytes."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    gradient = np.linspace(0, 160, width)[None, :, None] + np.linspace(0, 80, height)[:, None, None]
+    pixels = np.clip(gradient + rng.integers(0, 96, (height, width, 3)), 0, 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(out, format=fmt)
+    return out.getvalue()
+
+
+def _qwen_tokenizer(out: Path):
+    """Qwen2Tokenizer over the trained byte-level BPE, Qwen2-VL's special tokens added; pads with <|endoftext|>."""
+    from transformers import Qwen2Tokenizer
+
+    vocab, merges = _bpe_vocab_and_merges()
+    tokenizer = Qwen2Tokenizer(
+        vocab=dict(vocab), merges=list(merges), unk_token=None, bos_token=None, eos_token="<|im_end|>",
+        pad_token="<|endoftext|>", model_max_length=512, padding_side="right",
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL_TOKENS[1:])})
+    tokenizer.save_pretrained(str(out))
+    return tokenizer
+
+
+def _colqwen2_config(tokenizer, embedding_dim: int, **text_overrides):
+    from transformers import ColQwen2Config
+
+    text = dict(
+        vocab_size=_vocab_size(len(tokenizer)), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=512,
+        initializer_range=0.15, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    )
+    text.update(text_overrides)
+    vision = dict(
+        depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14, temporal_patch_size=2,
+        spatial_merge_size=2, in_channels=3, initializer_range=0.15,
+    )
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
+    )}
+    vlm = dict(model_type="qwen2_vl", text_config=text, vision_config=vision, **ids)
+    return ColQwen2Config(vlm_config=vlm, embedding_dim=embedding_dim, initializer_range=0.15)
+
+
+def build_tiny_colqwen2(tmp_dir: Path | str, name: str = "tiny-colqwen2", seed: int = 0, embedding_dim: int = 24) -> Path:
+    """A random ColQwen2ForRetrieval directory with its ColQwen2Processor (Qwen2VLImageProcessor: 14-pixel
+    patches, merge 2, images between 56x56 and 112x112 pixels kept at their size when multiples of 28)."""
+    import torch
+    from transformers import ColQwen2ForRetrieval, ColQwen2Processor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    out = Path(tmp_dir) / name
+    if (out / "config.json").exists():
+        return out
+    tokenizer = _qwen_tokenizer(out)
+    config = _colqwen2_config(tokenizer, embedding_dim)
+    torch.manual_seed(seed)
+    model = ColQwen2ForRetrieval(config).eval()
+    _perturb(model, seed)
+    model.save_pretrained(str(out), safe_serialization=True)
+    images = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112)
+    ColQwen2Processor(image_processor=images, tokenizer=tokenizer).save_pretrained(str(out))
+    # transformers 5 keeps the image processor's settings in processor_config.json; hub models (and our
+    # engine/images) have them in preprocessor_config.json.
+    images.save_pretrained(str(out))
+    return out
+
+
+GEMMA_SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>")
+# A 28x28 SigLIP input in 14-pixel patches: 4 image tokens per page.
+COLPALI_IMAGE_SIZE = 28
+
+
+def _gemma_tokenizer(out: Path):
+    """GemmaTokenizer (BPE over "▁"-joined text, byte fallback) over a vocabulary trained on the docstrings."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import GemmaTokenizer
+
+    from tests.helpers.seq2seq_models import _training_texts
+
+    trainer_tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    trainer_tokenizer.normalizer = normalizers.Replace(" ", "▁")
+    trainer_tokenizer.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=list(GEMMA_SPECIAL_TOKENS), show_progress=False)
+    trainer_tokenizer.train_from_iterator(_training_texts(), trainer)
+    state = json.loads(trainer_tokenizer.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["merges"]]
+    tokenizer = GemmaTokenizer(vocab=state["vocab"], merges=merges, model_max_length=512, padding_side="right")
+    tokenizer.save_pretrained(str(out))
+    return tokenizer
+
+
+def _colpali_config(tokenizer, embedding_dim: int):
+    from transformers import ColPaliConfig
+
+    vocab = _vocab_size(len(tokenizer) + 1)
+    text = dict(
+        model_type="gemma", vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=512,
+        initializer_range=0.15, hidden_activation="gelu_pytorch_tanh",
+    )
+    vision = dict(
+        model_type="siglip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=2, image_size=COLPALI_IMAGE_SIZE, patch_size=14, vision_use_head=False,
+    )
+    vlm = dict(
+        model_type="paligemma", text_config=text, vision_config=vision, projection_dim=64, hidden_size=64,
+        vocab_size=vocab, image_token_index=len(tokenizer),
+    )
+    return ColPaliConfig(vlm_config=vlm, embedding_dim=embedding_dim, initializer_range=0.15)
+
+
+def build_tiny_colpali(tmp_dir: Path | str, name: str = "tiny-colpali", seed: int = 0, embedding_dim: int = 24) -> Path:
+    """A random ColPaliForRetrieval directory with its ColPaliProcessor (SiglipImageProcessor at 28x28)."""
+    import torch
+    from transformers import ColPaliForRetrieval, ColPaliProcessor
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    out = Path(tmp_dir) / name
+    if (out / "config.json").exists():
+        return out
+    tokenizer = _gemma_tokenizer(out)
+    images = SiglipImageProcessorPil(size={"height": COLPALI_IMAGE_SIZE, "width": COLPALI_IMAGE_SIZE})
+    images.image_seq_length = (COLPALI_IMAGE_SIZE // 14) ** 2
+    # The processor adds its <image> token (the next id) and PaliGemma's location tokens to the tokenizer.
+    processor = ColPaliProcessor(image_processor=images, tokenizer=tokenizer)
+    config = _colpali_config(processor.tokenizer, embedding_dim)
+    config.vlm_config.image_token_id = processor.image_token_id
+    torch.manual_seed(seed)
+    model = ColPaliForRetrieval(config).eval()
+    _perturb(model, seed)
+    model.save_pretrained(str(out), safe_serialization=True)
+    processor.save_pretrained(str(out))
+    images.save_pretrained(str(out))
+    return out
+
+
+def load_ours(model_dir: Path):
+    """(our model, its projection head, whether its attention is causal) on CPU in float32."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from embedserv.models import registry
+    from embedserv.models.heads.vision_retrieval import build_projection_head
+    from embedserv.models.loading.checkpoint import checkpoint_files
+    from embedserv.models.loading.hf_config import read_hf_config
+    from embedserv.models.loading.weights import build_model
+
+    cpu = torch.device("cpu")
+    hf_config = read_hf_config(model_dir)
+    family = registry.lookup(hf_config.model_type)
+    files = checkpoint_files(model_dir)
+    model = build_model(family, hf_config, files, cpu, torch.float32)
+    spec = SimpleNamespace(files=files, model_dir=model_dir, device=cpu, dtype=torch.float32)
+    causal = registry.is_causal(family.text_config(hf_config), family)
+    return model, build_projection_head(spec, False), causal
+
+
+def packed_vectors(model, head, causal: bool, items, pad_tokens: int = 0, pad_rows: int = 0) -> list:
+    """Our token vectors per item (ids, patch rows or None, grid) from one packed pass under the naive backend,
+    with `pad_tokens` / `pad_rows` zero rows after the real ones, as the input builder pads them on CPU."""
+    import torch
+
+    from embedserv.attention.backends.naive import NaiveBackend
+    from embedserv.attention.metadata import build_common_metadata
+    from embedserv.forward_context import set_forward_context
+    from embedserv.worker.layer_routes import forward_context_for
+
+    lens = [len(ids) for ids, _, _ in items]
+    ids = torch.cat([ids for ids, _, _ in items] + [torch.zeros(pad_tokens, dtype=torch.long)])
+    positions = torch.cat([torch.arange(n) for n in lens] + [torch.zeros(pad_tokens, dtype=torch.long)])
+    images = [(rows, grid) for _, rows, grid in items if rows is not None]
+    backend, vision, extra = NaiveBackend(), None, {}
+    if images:
+        rows = torch.cat([r for r, _ in images] + [torch.zeros(pad_rows, images[0][0].shape[1])])
+        extra = {"pixel_values": rows, "image_grids": tuple(g for _, g in images)}
+        vision = backend.build_metadata(build_common_metadata(np.array([len(r) for r, _ in images]), False))
+    text = backend.build_metadata(build_common_metadata(np.array(lens), causal))
+    context = forward_context_for(model, backend, text, encoder_metadata=vision)
+    with torch.inference_mode(), set_forward_context(context):
+        hidden = model(ids, positions + model.position_offset, **extra)
+        vectors = head(hidden[: sum(lens)])
+    return list(vectors.split(lens))

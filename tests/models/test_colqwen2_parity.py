@@ -1,0 +1,140 @@
+"""ColQwen2 against transformers' ColQwen2ForRetrieval on a tiny random model: page-image and query vectors
+(cosine >= 0.9999 per vector, as many vectors), MaxSim against the processor's score_retrieval, a packed pass
+mixing image sizes and queries with padding rows, batch invariance, and the vision tower's parts."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from embedserv.attention.backends.naive import NaiveBackend
+from embedserv.attention.metadata import build_common_metadata
+from embedserv.engine.tasks.multi_vector import maxsim_scores
+from embedserv.forward_context import set_forward_context
+from embedserv.models.families.qwen2_vision import patch_positions
+from embedserv.worker.layer_routes import forward_context_for
+from tests.helpers.compare import assert_cosine_at_least
+from tests.helpers.vision_language_models import COLQWEN2_SIZES, build_tiny_colqwen2, load_ours, packed_vectors, page_image
+
+QUERIES = ["what is a socket", "how to parse json files", "x"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_colqwen2(tmp_path_factory.mktemp("colqwen2"))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    from transformers import ColQwen2ForRetrieval, ColQwen2Processor
+
+    return ColQwen2ForRetrieval.from_pretrained(str(model_dir)).eval(), ColQwen2Processor.from_pretrained(str(model_dir))
+
+
+@pytest.fixture(scope="module")
+def ours(model_dir):
+    model, head, causal = load_ours(model_dir)
+    assert causal, "ColQwen2's language model runs causal in transformers"
+    return model, head, causal
+
+
+def _images(fmt: str = "PNG"):
+    from PIL import Image
+
+    return [Image.open(io.BytesIO(page_image(h, w, seed=i, fmt=fmt))) for i, (h, w) in enumerate(COLQWEN2_SIZES)]
+
+
+def _inputs(processor, images, queries):
+    """Per input (ids, pixel rows or None, grid or ()), each processed alone (no padding)."""
+    out = []
+    for image in images:
+        batch = processor.process_images([image])
+        out.append((batch["input_ids"][0], batch["pixel_values"][0], tuple(batch["image_grid_thw"][0].tolist())))
+    for query in queries:
+        out.append((processor.process_queries([query])["input_ids"][0], None, ()))
+    return out
+
+
+def _expected(reference, items) -> list[torch.Tensor]:
+    model, _ = reference
+    out = []
+    with torch.no_grad():
+        for ids, rows, grid in items:
+            kwargs = {} if rows is None else {"pixel_values": rows[None], "image_grid_thw": torch.tensor([grid])}
+            out.append(model(input_ids=ids[None], attention_mask=torch.ones_like(ids)[None], **kwargs).embeddings[0])
+    return out
+
+
+def _assert_vectors_equal(got: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
+    assert [len(g) for g in got] == [len(e) for e in expected]
+    for g, e in zip(got, expected):
+        assert_cosine_at_least(g.numpy(), e.numpy(), 0.9999)
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
+def test_page_images_and_queries_in_one_pass_equal_transformers(ours, reference, fmt):
+    items = _inputs(reference[1], _images(fmt), QUERIES)
+    # Longest first, as the scheduler packs them: images and queries interleaved by length.
+    items.sort(key=lambda item: -len(item[0]))
+    _assert_vectors_equal(packed_vectors(*ours, items, pad_tokens=5, pad_rows=7), _expected(reference, items))
+
+
+def test_image_grids_differ_and_tokens_follow_them(reference):
+    items = _inputs(reference[1], _images(), [])
+    grids = [grid for _, _, grid in items]
+    assert len(set(grids)) == len(grids)
+    image_token = reference[0].config.vlm_config.image_token_id
+    for ids, rows, (t, h, w) in items:
+        assert len(rows) == t * h * w and int((ids == image_token).sum()) == t * h * w // 4
+
+
+def test_an_input_alone_equals_it_packed_with_others(ours, reference):
+    items = _inputs(reference[1], _images(), QUERIES)
+    packed = packed_vectors(*ours, items)
+    for index, item in enumerate(items):
+        alone = packed_vectors(*ours, [item])[0]
+        torch.testing.assert_close(alone, packed[index], rtol=0, atol=2e-5)
+
+
+def test_maxsim_equals_the_processors_score_retrieval(ours, reference):
+    processor = reference[1]
+    items = _inputs(processor, _images(), QUERIES)
+    got = packed_vectors(*ours, items)
+    expected = _expected(reference, items)
+    pages, queries = len(COLQWEN2_SIZES), len(QUERIES)
+    # One page per call: score_retrieval pads a batch of pages with zero vectors, so a query vector whose dot
+    # products with a shorter page are all negative would take 0 from the padding, a score that depends on
+    # the other pages of the call; MaxSim over the page's own vectors is the score it means.
+    scores = torch.cat([processor.score_retrieval(expected[pages:], [page]) for page in expected[:pages]], dim=1)
+    assert scores.shape == (queries, pages)
+    for q in range(queries):
+        ours_scores = maxsim_scores(got[pages + q].numpy(), [g.numpy() for g in got[:pages]], mean=False)
+        np.testing.assert_allclose(ours_scores, scores[q].numpy(), rtol=1e-4)
+
+
+def test_vision_tower_equals_transformers_visual(ours, reference):
+    model = ours[0]
+    items = _inputs(reference[1], _images(), [])
+    rows = torch.cat([r for _, r, _ in items])
+    grids = tuple(g for _, _, g in items)
+    backend = NaiveBackend()
+    vision = backend.build_metadata(build_common_metadata(np.array([len(r) for _, r, _ in items]), False))
+    text = backend.build_metadata(build_common_metadata(np.array([1]), True))
+    with torch.inference_mode(), set_forward_context(forward_context_for(model, backend, text, encoder_metadata=vision)):
+        got = model.visual(rows, grids)
+    with torch.no_grad():
+        expected = reference[0].vlm.visual(rows, grid_thw=torch.tensor(grids), return_dict=True).pooler_output
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
+def test_patch_positions_equal_transformers():
+    from transformers.vision_utils import get_vision_position_ids
+
+    grids = ((1, 4, 6), (1, 6, 8), (2, 2, 4))
+    expected = get_vision_position_ids(torch.tensor(grids), 2).numpy()
+    got = patch_positions(grids, 2, len(expected) + 3)
+    np.testing.assert_array_equal(got[: len(expected)], expected)
+    assert not got[len(expected) :].any()

@@ -1,0 +1,138 @@
+"""ColQwen2 and ColPali through the engine (in process, or in worker processes with --data-parallel-size):
+EmbedMultiVector of page images (encoded PNG/JPEG bytes) and queries in one call equals transformers'
+ColQwen2ForRetrieval / ColPaliForRetrieval on the processors' inputs, Rerank of page images equals the
+processor's score_retrieval, ListModels says what the model takes, and bad inputs are refused naming them."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers.compare import assert_cosine_at_least, assert_unit_norm
+from tests.helpers.vision_language_models import build_tiny_colpali, build_tiny_colqwen2, page_image
+
+QUERIES = ["what is a socket", "how to parse json files", "x"]
+# ColQwen2 keeps sizes that are multiples of 28 and resizes others (300x200 -> 8x6 patches of 28); ColPali
+# resizes every page to 28x28.
+PAGES = (((56, 84), "PNG"), ((84, 112), "JPEG"), ((300, 200), "PNG"), ((56, 56), "JPEG"))
+BUILDERS = {"colqwen2": build_tiny_colqwen2, "colpali": build_tiny_colpali}
+
+
+def _pages() -> list[bytes]:
+    return [page_image(h, w, seed=i, fmt=fmt) for i, ((h, w), fmt) in enumerate(PAGES)]
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDERS))
+def served(request, tmp_path_factory):
+    """(model directory, a started SyncEngine, transformers' model and processor) per family."""
+    from transformers import AutoProcessor, ColPaliForRetrieval, ColQwen2ForRetrieval
+
+    from embedserv.config import ModelConfig
+    from embedserv.engine.sync import SyncEngine
+
+    model_dir = BUILDERS[request.param](tmp_path_factory.mktemp(request.param))
+    workers = request.config.getoption("--data-parallel-size")
+    config = ModelConfig(
+        path=str(model_dir), served_name=request.param, attention_backend="sdpa", dtype="float32",
+        data_parallel_size=max(workers, 1),
+    )
+    model_class = ColQwen2ForRetrieval if request.param == "colqwen2" else ColPaliForRetrieval
+    reference = model_class.from_pretrained(str(model_dir)).eval(), AutoProcessor.from_pretrained(str(model_dir))
+    with contextlib.ExitStack() as stack:
+        engine = stack.enter_context(SyncEngine(config, warm_up=False, worker_processes=workers > 0))
+        yield model_dir, engine, reference
+
+
+def _expected(reference, pages: list[bytes], queries: list[str]) -> list[np.ndarray]:
+    from PIL import Image
+
+    model, processor = reference
+    batches = [processor.process_images([Image.open(io.BytesIO(data))]) for data in pages]
+    batches += [processor.process_queries([query]) for query in queries]
+    with torch.no_grad():
+        return [model(**{k: v for k, v in b.items() if k != "labels"}).embeddings[0].numpy() for b in batches]
+
+
+def _params(**kwargs):
+    from embedserv.types import EmbedOutput, EmbedParams
+
+    return EmbedParams(outputs=(EmbedOutput.MULTI_VECTOR,), **kwargs)
+
+
+def test_list_models_says_images_and_token_vectors(served):
+    from embedserv.types import EmbedOutput, Modality, RerankMode, Task
+
+    _, engine, reference = served
+    info = engine.info
+    assert info.modalities == (Modality.TEXT, Modality.IMAGE)
+    assert info.outputs == (EmbedOutput.MULTI_VECTOR,)
+    assert info.multi_vector_dimension == reference[0].config.embedding_dim
+    assert Task.EMBED_MULTI_VECTOR in info.tasks and Task.RERANK in info.tasks
+
+
+def test_pages_and_queries_in_one_call_equal_transformers(served):
+    from embedserv.types import ImageInput
+
+    _, engine, reference = served
+    pages = _pages()
+    # Mixed in one call: the engine packs them longest first; results keep the call's order.
+    inputs = [ImageInput(pages[0]), QUERIES[0], ImageInput(pages[1]), ImageInput(pages[2]), QUERIES[1],
+              ImageInput(pages[3]), QUERIES[2]]
+    expected = _expected(reference, pages, QUERIES)
+    order = [0, 4, 1, 2, 5, 3, 6]
+    result = engine.embed(inputs, _params())
+    for got, index in zip(result.multi_vectors, order):
+        assert got.shape == expected[index].shape
+        assert_cosine_at_least(got, expected[index], 0.9999)
+        assert_unit_norm(got)
+
+
+def test_a_page_alone_equals_it_among_others(served):
+    from embedserv.types import ImageInput
+
+    _, engine, _ = served
+    pages = [ImageInput(data) for data in _pages()]
+    together = engine.embed(pages + QUERIES, _params()).multi_vectors
+    for index, page in enumerate(pages):
+        alone = engine.embed([page], _params()).multi_vectors[0]
+        np.testing.assert_allclose(alone, together[index], rtol=0, atol=5e-5)
+
+
+def test_rerank_of_pages_equals_score_retrieval(served):
+    from embedserv.types import ImageInput, RerankParams
+
+    _, engine, reference = served
+    pages = _pages()
+    expected = _expected(reference, pages, QUERIES[:1])
+    processor = reference[1]
+    scores = [float(processor.score_retrieval([torch.from_numpy(expected[-1])], [torch.from_numpy(page)])[0, 0])
+              for page in expected[:-1]]
+    result = engine.rerank(QUERIES[0], [ImageInput(data) for data in pages], RerankParams())
+    assert [r.index for r in result.results] == list(np.argsort(scores)[::-1])
+    for ranked in result.results:
+        np.testing.assert_allclose(ranked.score, scores[ranked.index], rtol=1e-4)
+    top = engine.rerank(QUERIES[0], [ImageInput(data) for data in pages], RerankParams(top_n=2))
+    assert [r.index for r in top.results] == [r.index for r in result.results[:2]]
+
+
+def test_bad_inputs_are_refused_naming_them(served):
+    from embedserv.errors import InvalidInput
+    from embedserv.types import ImageInput, RerankParams
+
+    _, engine, _ = served
+    good = _pages()[0]
+    with pytest.raises(InvalidInput, match="input 1"):
+        engine.embed([ImageInput(good), ImageInput(good[: len(good) // 2])], _params())
+    with pytest.raises(InvalidInput, match="prompt_name"):
+        engine.embed(["a query"], _params(prompt_name="document"))
+    with pytest.raises(InvalidInput, match="document 1 is a text"):
+        engine.rerank("q", [ImageInput(good), "a text page"], RerankParams())
+    with pytest.raises(InvalidInput, match="image token"):
+        token = "<|image_pad|>" if engine.info.architecture.startswith("ColQwen2") else "<image>"
+        engine.embed([f"look {token} here"], _params())
+    # The engine keeps serving after the refusals.
+    assert len(engine.embed([ImageInput(good)], _params()).multi_vectors) == 1

@@ -244,3 +244,16 @@ def test_both_data_parallel_workers_answer_image_calls(served, stub):
     # Each worker's loop takes the next batch when it has room: under concurrent calls both run image batches.
     stats = engine.worker_stats()
     assert all(s.batches > 0 and s.restarts == 0 for s in stats), stats
+
+
+def test_rerank_of_document_images_by_cosine_equals_engine_rerank(served, stub):
+    from embedserv.types import RerankParams
+
+    pages = [PNG, JPEG, WEBP]
+    engine = _engine(served)
+    expected = served[2].call(engine.rerank("a photo of a cat", [ImageInput(p) for p in pages], RerankParams()),
+                              RPC_TIMEOUT_S)
+    request = _pb().RerankRequest(model=CLIP, query="a photo of a cat", document_images=pages)
+    reply = stub.Rerank(request, timeout=RPC_TIMEOUT_S)
+    assert [r.index for r in reply.results] == [r.index for r in expected.results]
+    np.testing.assert_allclose([r.score for r in reply.results], [r.score for r in expected.results], atol=ATOL)

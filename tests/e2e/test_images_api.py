@@ -257,3 +257,9 @@ def test_rerank_of_document_images_by_cosine_equals_engine_rerank(served, stub):
     reply = stub.Rerank(request, timeout=RPC_TIMEOUT_S)
     assert [r.index for r in reply.results] == [r.index for r in expected.results]
     np.testing.assert_allclose([r.score for r in reply.results], [r.score for r in expected.results], atol=ATOL)
+
+
+def test_chunking_with_images_is_refused_over_http(http):
+    reply = http.post("/v1/embeddings", json={"model": CLIP, "input": ["a", _part(PNG)], "chunking": "mean"})
+    assert reply.status_code == 400
+    assert "chunking and late_chunking apply to texts only" in reply.json()["error"]["message"]

@@ -21,6 +21,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import ConfigDict, Field, StrictBool, StrictInt
 
+from embedserv.engine.engine import Engine
 from embedserv.errors import InvalidInput
 from embedserv.server.frontend import Frontend
 from embedserv.server.http.common import Body, call_of, engine_named, frontend_of
@@ -187,11 +188,12 @@ def _items_of(body: EmbeddingsBody) -> list[str | ImageInput] | None:
     return None
 
 
-def _check_items(frontend: Frontend, engine, items: list, params: EmbedParams) -> None:
+def _check_items(frontend: Frontend, engine: Engine, items: list, params: EmbedParams) -> None:
     """Texts and images: the images within the image limits, the texts within --max-input-chars."""
     _checked_count(items)
     frontend.check_images(engine, items)
-    if params.chunking or params.late_chunking is not None:
+    has_images = any(isinstance(item, ImageInput) for item in items)
+    if has_images and (params.chunking or params.late_chunking is not None):
         raise InvalidInput("chunking and late_chunking apply to texts only; send the images without them")
     for index, item in enumerate(items):
         if isinstance(item, str):

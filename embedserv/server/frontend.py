@@ -15,7 +15,7 @@ from embedserv.config import ServerConfig
 from embedserv.engine.engine import Engine
 from embedserv.errors import InvalidInput, ModelNotFound, NotReady
 from embedserv.server.served_models import InflightLimiter, ServedModels
-from embedserv.types import Task
+from embedserv.types import ImageInput, Modality, Task
 
 def bound_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
     """A TCP socket bound to host:port (port 0: a free one), not yet listening; OSError when the port is taken.
@@ -93,6 +93,49 @@ class Frontend:
         if texts:
             self.check_batch(len(texts), what)
         return self.check_texts(texts, what)
+
+    def check_items(self, engine: Engine, items: list[str | ImageInput], what: str = "inputs") -> list:
+        """Texts and images in one list: at least one, no more than a call may carry (an image counts as an
+        input), images only for a model that takes them and within the image limits, texts within the
+        character limit."""
+        if not items:
+            raise InvalidInput(f"{what} is empty; send at least one text or image")
+        self.check_batch(len(items), what)
+        self.check_images(engine, items)
+        for index, item in enumerate(items):
+            if not isinstance(item, ImageInput):
+                self.check_chars(item, f"{what}[{index}]")
+        return items
+
+    def check_images(self, engine: Engine, items: list, first_index: int = 0) -> None:
+        """The images among `items`: a model that takes images, no more of them than --max-images-per-request,
+        each within the model's --max-image-bytes (checked before any of it is decoded). Messages name an image
+        as "input N", N its place among the inputs the engine gets (from `first_index`), as the decoder's do."""
+        images = [(first_index + i, item) for i, item in enumerate(items) if isinstance(item, ImageInput)]
+        if not images:
+            return
+        if Modality.IMAGE not in engine.info.modalities:
+            raise InvalidInput(
+                f"model {engine.info.name} takes text only (ListModels modalities); input {images[0][0]} is an image"
+            )
+        self.check_image_count(len(images))
+        limit = engine.config.max_image_bytes
+        for index, image in images:
+            if len(image.data) > limit:
+                raise InvalidInput(
+                    f"input {index}: the image has {len(image.data)} bytes, more than the model's --max-image-bytes "
+                    f"{limit}; send a smaller or more compressed image"
+                )
+            if not image.data:
+                raise InvalidInput(f"input {index} is an empty image; send a PNG, JPEG or WebP file's bytes")
+
+    def check_image_count(self, count: int) -> None:
+        limit = self.config.max_images_per_request
+        if count > limit:
+            raise InvalidInput(
+                f"the call carries {count} images, more than --max-images-per-request {limit} allows; "
+                "split them over several calls"
+            )
 
     def check_texts(self, texts: list[str], what: str) -> list[str]:
         """check_inputs without the per-call limit, for a caller that runs the texts in slices within it."""

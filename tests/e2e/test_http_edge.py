@@ -37,6 +37,8 @@ def edge(bundled_dir, tmp_path_factory):
         "--model", str(generator), "--served-model-name", "tiny-lm",
         "--http-port", str(http_port), "--metrics-port", str(metrics_port), "--api-key", KEY,
         "--max-input-chars", str(MAX_CHARS), "--max-client-batch-size", str(MAX_BATCH),
+        # No images: the body limit is then the texts' alone (images add their base64 bytes to it).
+        "--max-images-per-request", "0",
         "--max-concurrent-requests", str(MAX_CONCURRENT), "--drain-timeout", "60", "--kv-cache-memory", "64MiB",
     ]
     with launched_server(args) as (target, proc):

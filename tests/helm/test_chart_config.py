@@ -144,3 +144,23 @@ def test_embedding_cache_becomes_the_flag_the_server_parses(chart):
     for value, expected in (("256MiB", 256 * 2**20), (1073741824, 2**30), (0, 0), ("1GB", 10**9)):
         passed = flag(server(render(chart, {"server": {"embeddingCache": value}}))["args"], "--embedding-cache")
         assert parse_bytes(passed, "--embedding-cache") == expected, (value, passed)
+
+
+def test_image_limits_become_the_flags_the_server_parses(chart):
+    default_args = server(render(chart, {}))["args"]
+    for absent in ("--max-images-per-request", "--max-image-bytes", "--max-image-pixels"):
+        assert absent not in default_args
+    values = {"maxImagesPerRequest": 0, "maxImageBytes": 4 * 2**20, "maxImagePixels": 50_000_000}
+    args = server(render(chart, {"server": values}))["args"]
+    parsed = server_config(build_parser().parse_args(["serve", "--model", "/m", *_image_flags(args)]))
+    assert parsed.max_images_per_request == 0
+    assert (parsed.models[0].max_image_bytes, parsed.models[0].max_image_pixels) == (4 * 2**20, 50_000_000)
+    with pytest.raises(helm.HelmValuesError):
+        render(chart, {"server": {"maxImagesPerRequest": -1}})
+    with pytest.raises(helm.HelmValuesError):
+        render(chart, {"server": {"maxImageBytes": 0}})
+
+
+def _image_flags(args: list[str]) -> list[str]:
+    names = ("--max-images-per-request", "--max-image-bytes", "--max-image-pixels")
+    return [part for name in names for part in (name, flag(args, name))]

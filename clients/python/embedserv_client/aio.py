@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from embedserv_client import late_chunks, plans
 from embedserv_client.base import ClientSettings
+from embedserv_client.images import ImageLike, embed_items_plan, image_batch_size, image_bytes, multi_vector_plan
 from embedserv_client.options import RetryPolicy, Tls, time_left
 from embedserv_client.streams import AsyncTextStream
 from embedserv_client.types import (
@@ -58,8 +59,9 @@ class AsyncClient(ClientSettings):
 
     async def embed(
         self,
-        texts: str | Sequence[str],
+        texts: str | Sequence[str] = (),
         *,
+        images: Sequence[ImageLike] | None = None,
         model: str | None = None,
         normalize: bool | None = None,
         truncate: bool | None = None,
@@ -80,6 +82,9 @@ class AsyncClient(ClientSettings):
             encoding, outputs, chunking, sparse_top_k, task, bypass_cache,
         )
         deadline = self.deadline(timeout)
+        if images is not None:
+            plan = embed_items_plan(items, image_bytes(images), *(await self._image_sizes(deadline)), **fields)
+            return await self._run(plan, deadline)
         return await self._run(plans.embed_plan(items, await self._batch_size(deadline), single, **fields), deadline)
 
     async def embed_chunks(
@@ -115,8 +120,9 @@ class AsyncClient(ClientSettings):
     async def rerank(
         self,
         query: str,
-        documents: Sequence[str],
+        documents: Sequence[str] = (),
         *,
+        document_images: Sequence[ImageLike] | None = None,
         top_n: int | None = None,
         return_documents: bool = False,
         raw_scores: bool = False,
@@ -130,6 +136,14 @@ class AsyncClient(ClientSettings):
         items, _ = plans.as_list(documents, "documents")
         fields = self.rerank_fields(model, return_documents, raw_scores, truncate, instruction, chunking)
         deadline = self.deadline(timeout)
+        if document_images is not None:
+            if items:
+                raise ValueError("give documents or document_images, not both")
+            fields["return_documents"] = False  # images are never echoed
+            size = (await self._image_sizes(deadline))[1]
+            plan = plans.rerank_plan(query, image_bytes(document_images, "document_images"), size, top_n,
+                                     field="document_images", **fields)
+            return await self._run(plan, deadline)
         size = await self._batch_size(deadline)
         return await self._run(plans.rerank_plan(query, items, size, top_n, **fields), deadline)
 
@@ -152,8 +166,9 @@ class AsyncClient(ClientSettings):
 
     async def embed_multi_vector(
         self,
-        texts: str | Sequence[str],
+        texts: str | Sequence[str] = (),
         *,
+        images: Sequence[ImageLike] | None = None,
         prompt_name: str | None = None,
         truncate: bool | None = None,
         model: str | None = None,
@@ -162,6 +177,9 @@ class AsyncClient(ClientSettings):
         items, single = plans.as_list(texts, "texts")
         fields = self.multi_vector_fields(model, truncate, prompt_name)
         deadline = self.deadline(timeout)
+        if images is not None:
+            plan = multi_vector_plan(items, image_bytes(images), *(await self._image_sizes(deadline)), **fields)
+            return await self._run(plan, deadline)
         size = await self._batch_size(deadline)
         return await self._run(plans.embed_multi_vector_plan(items, size, single, **fields), deadline)
 
@@ -293,6 +311,11 @@ class AsyncClient(ClientSettings):
         if self.batch_size is not None:
             return self.batch_size
         return self.server_batch_size(await self._known_limits(deadline))
+
+    async def _image_sizes(self, deadline: float | None) -> tuple[int, int]:
+        """(inputs, images) one request may carry."""
+        size = await self._batch_size(deadline)
+        return size, image_batch_size(size, (await self._known_limits(deadline)).max_images_per_request)
 
     async def _call(self, method, request, deadline: float | None):
         attempt = 0

@@ -1,6 +1,7 @@
 """`embedserv-client`: call a server from the shell; every command prints JSON on stdout.
 
     embedserv-client embed "a sentence" "another"
+    embedserv-client embed "a photo of a cat" --image cat.png --image page.jpg
     embedserv-client --target dns:///embedserv-headless.default.svc.cluster.local:50051 health
 
 Exit status: 0 done (health: SERVING), 1 the call failed (or health is not SERVING), 2 bad usage, 141 stdout was
@@ -40,21 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per command, retries included")
     commands = p.add_subparsers(dest="command", required=True)
 
-    embed = commands.add_parser("embed", help="embed texts (no TEXT: one per line of stdin)")
-    embed.add_argument("texts", nargs="*", metavar="TEXT")
-    embed.add_argument("--dimensions", type=int)
-    embed.add_argument("--no-normalize", action="store_true")
-    embed.add_argument("--truncate", action=argparse.BooleanOptionalAction)
-    embed.add_argument("--prompt-name")
-    embed.add_argument("--task", help="the model's task adapter (ListModels' adapters), e.g. retrieval.query")
-    embed.add_argument(
-        "--encoding", default="float32", choices=list(ENCODINGS),
-        help="default: float32; int8 / uint8 also print the encoding_scale that decodes them",
-    )
-    embed.add_argument("--chunking", choices=["mean"], help="embed inputs past the model's limit by windows")
-    embed.add_argument("--bypass-cache", action="store_true",
-                       help="neither read nor fill the server's embedding cache (--embedding-cache)")
-
+    _add_embed(commands)
     _add_embed_chunks(commands)
 
     sparse = commands.add_parser("embed-sparse", help="sparse vectors: {indices, values} per text")
@@ -63,13 +50,17 @@ def _parser() -> argparse.ArgumentParser:
     sparse.add_argument("--truncate", action=argparse.BooleanOptionalAction)
 
     multi = commands.add_parser("embed-multi-vector", help="token vectors: a [num_vectors, dim] list per text")
-    multi.add_argument("texts", nargs="+", metavar="TEXT")
+    multi.add_argument("texts", nargs="*", metavar="TEXT")
+    multi.add_argument("--image", dest="images", action="append", default=[], metavar="FILE",
+                       help="a page image file, its vectors after the texts' (repeat it)")
     multi.add_argument("--prompt-name", help='"query" or "document" for late-interaction models')
     multi.add_argument("--truncate", action=argparse.BooleanOptionalAction)
 
     rerank = commands.add_parser("rerank", help="score documents against a query, best first")
     rerank.add_argument("query")
-    rerank.add_argument("documents", nargs="+", metavar="DOCUMENT")
+    rerank.add_argument("documents", nargs="*", metavar="DOCUMENT")
+    rerank.add_argument("--document-image", dest="document_images", action="append", default=[], metavar="FILE",
+                        help="a page image file as a document, instead of DOCUMENTs (repeat it)")
     rerank.add_argument("--top-n", type=int)
     rerank.add_argument("--truncate", action=argparse.BooleanOptionalAction)
     rerank.add_argument("--chunking", choices=["max"], help="score a too-long document by its best window")
@@ -99,6 +90,25 @@ def _parser() -> argparse.ArgumentParser:
     return p  # fmt: skip
 
 
+def _add_embed(commands) -> None:
+    embed = commands.add_parser("embed", help="embed texts and images (no TEXT nor --image: a text per line of stdin)")
+    embed.add_argument("texts", nargs="*", metavar="TEXT")
+    embed.add_argument("--image", dest="images", action="append", default=[], metavar="FILE",
+                       help="an image file (PNG, JPEG, WebP) to embed after the texts (repeat it)")
+    embed.add_argument("--dimensions", type=int)
+    embed.add_argument("--no-normalize", action="store_true")
+    embed.add_argument("--truncate", action=argparse.BooleanOptionalAction)
+    embed.add_argument("--prompt-name")
+    embed.add_argument("--task", help="the model's task adapter (ListModels' adapters), e.g. retrieval.query")
+    embed.add_argument(
+        "--encoding", default="float32", choices=list(ENCODINGS),
+        help="default: float32; int8 / uint8 also print the encoding_scale that decodes them",
+    )
+    embed.add_argument("--chunking", choices=["mean"], help="embed inputs past the model's limit by windows")
+    embed.add_argument("--bypass-cache", action="store_true",
+                       help="neither read nor fill the server's embedding cache (--embedding-cache)")
+
+
 def _add_embed_chunks(commands) -> None:
     chunked = commands.add_parser("embed-chunks", help="late chunking: a vector per sentence or token window")
     chunked.add_argument("texts", nargs="+", metavar="TEXT")
@@ -109,6 +119,22 @@ def _add_embed_chunks(commands) -> None:
     chunked.add_argument("--prompt-name")
 
 
+class UnreadableFile(ValueError):
+    """A file named on the command line that cannot be read (bad usage: exit 2)."""
+
+
+def _read_images(paths: list[str], flag: str) -> list[bytes]:
+    """Each file's bytes, read before any call, so a wrong path is named before the server is asked."""
+    images = []
+    for path in paths:
+        try:
+            with open(path, "rb") as file:
+                images.append(file.read())
+        except OSError as exc:
+            raise UnreadableFile(f"{flag} {path}: cannot read it ({exc.strerror or exc})") from None
+    return images
+
+
 def _tls(args: argparse.Namespace) -> bool | Tls:
     if args.tls_ca or args.tls_cert or args.tls_key:
         return Tls(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
@@ -117,9 +143,11 @@ def _tls(args: argparse.Namespace) -> bool | Tls:
 
 def _run(client: Client, args: argparse.Namespace) -> tuple[dict, int]:
     if args.command == "embed":
-        texts = args.texts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+        images = _read_images(args.images, "--image")
+        texts = args.texts or ([] if images else [line.rstrip("\n") for line in sys.stdin if line.strip()])
         result = client.embed(
             texts,
+            images=images or None,
             normalize=False if args.no_normalize else None,
             truncate=args.truncate,
             dimensions=args.dimensions,
@@ -145,14 +173,8 @@ def _run(client: Client, args: argparse.Namespace) -> tuple[dict, int]:
     if args.command == "embed-sparse":
         vectors = client.embed_sparse(args.texts, top_k=args.top_k, truncate=args.truncate)
         return {"embeddings": [{"indices": i.tolist(), "values": v.tolist()} for i, v in vectors]}, 0
-    if args.command == "embed-multi-vector":
-        arrays = client.embed_multi_vector(args.texts, prompt_name=args.prompt_name, truncate=args.truncate)
-        return {"embeddings": [a.tolist() for a in arrays]}, 0
-    if args.command == "rerank":
-        results = client.rerank(
-            args.query, args.documents, top_n=args.top_n, truncate=args.truncate, chunking=args.chunking
-        )
-        return {"results": [dataclasses.asdict(r) | {"document": args.documents[r.index]} for r in results]}, 0
+    if args.command in ("embed-multi-vector", "rerank"):
+        return _page_images_call(client, args), 0
     if args.command == "classify":
         classifications = client.classify(
             args.texts,
@@ -179,6 +201,23 @@ def _run(client: Client, args: argparse.Namespace) -> tuple[dict, int]:
     return {"status": status}, 0 if status == "SERVING" else 1
 
 
+def _page_images_call(client: Client, args: argparse.Namespace) -> dict:
+    """embed-multi-vector and rerank, whose inputs may be page images (--image, --document-image)."""
+    if args.command == "embed-multi-vector":
+        images = _read_images(args.images, "--image") or None
+        arrays = client.embed_multi_vector(
+            args.texts, images=images, prompt_name=args.prompt_name, truncate=args.truncate
+        )
+        return {"embeddings": [a.tolist() for a in arrays]}
+    images = _read_images(args.document_images, "--document-image") or None
+    results = client.rerank(
+        args.query, args.documents, document_images=images, top_n=args.top_n, truncate=args.truncate,
+        chunking=args.chunking,
+    )
+    named = args.documents or args.document_images
+    return {"results": [dataclasses.asdict(r) | {"document": named[r.index]} for r in results]}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -192,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     except EmbedservError as err:
         print(f"embedserv-client: {err}", file=sys.stderr)
         return 1
-    except OSError as err:  # an unreadable --tls-* file
+    except (OSError, UnreadableFile) as err:  # an unreadable --tls-* or image file
         print(f"embedserv-client: {err}", file=sys.stderr)
         return 2
     return code if _printed(result) else CLOSED_PIPE

@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from embedserv_client import late_chunks, plans
 from embedserv_client.base import ClientSettings
+from embedserv_client.images import ImageLike, embed_items_plan, image_batch_size, image_bytes, multi_vector_plan
 from embedserv_client.options import RetryPolicy, Tls, time_left
 from embedserv_client.streams import TextStream
 from embedserv_client.types import (
@@ -70,8 +71,9 @@ class Client(ClientSettings):
 
     def embed(
         self,
-        texts: str | Sequence[str],
+        texts: str | Sequence[str] = (),
         *,
+        images: Sequence[ImageLike] | None = None,
         model: str | None = None,
         normalize: bool | None = None,
         truncate: bool | None = None,
@@ -94,13 +96,18 @@ class Client(ClientSettings):
         forward pass) returns an EmbedOutputs instead, with the int8 / uint8 `encoding_scale`; `sparse_top_k`
         keeps the largest values of the sparse output. `task` picks the model's task adapter (ListModels'
         adapters, e.g. "retrieval.query") and that task's prompt. `bypass_cache` neither reads nor fills the
-        server's embedding cache (--embedding-cache)."""
+        server's embedding cache (--embedding-cache). `images` (encoded PNG / JPEG / WebP bytes, or file
+        paths) for models whose ModelInfo.modalities include "image": their rows follow the texts' rows, and
+        the result is a matrix (or EmbedOutputs) even for one string."""
         items, single = plans.as_list(texts, "texts")
         fields = plans.embed_fields(
             self.model_name(model), normalize, truncate, truncation_direction, dimensions, prompt_name,
             encoding, outputs, chunking, sparse_top_k, task, bypass_cache,
         )
         deadline = self.deadline(timeout)
+        if images is not None:
+            plan = embed_items_plan(items, image_bytes(images), *(self._image_sizes(deadline)), **fields)
+            return self._run(plan, deadline)
         return self._run(plans.embed_plan(items, self._batch_size(deadline), single, **fields), deadline)
 
     def embed_chunks(
@@ -136,8 +143,9 @@ class Client(ClientSettings):
     def rerank(
         self,
         query: str,
-        documents: Sequence[str],
+        documents: Sequence[str] = (),
         *,
+        document_images: Sequence[ImageLike] | None = None,
         top_n: int | None = None,
         return_documents: bool = False,
         raw_scores: bool = False,
@@ -148,11 +156,21 @@ class Client(ClientSettings):
         timeout: float | None = None,
     ) -> list[RerankResult]:
         """The documents scored against the query, best first (the best `top_n` if given). `chunking="max"`
-        scores a document that does not fit beside the query by its best window."""
+        scores a document that does not fit beside the query by its best window. `document_images` (bytes or file
+        paths) instead of `documents`: page images, for ColPali-style and dual-encoder models; results carry
+        no document."""
         plans.string(query, "query")
         items, _ = plans.as_list(documents, "documents")
         fields = self.rerank_fields(model, return_documents, raw_scores, truncate, instruction, chunking)
         deadline = self.deadline(timeout)
+        if document_images is not None:
+            if items:
+                raise ValueError("give documents or document_images, not both")
+            fields["return_documents"] = False  # images are never echoed
+            size = (self._image_sizes(deadline))[1]
+            plan = plans.rerank_plan(query, image_bytes(document_images, "document_images"), size, top_n,
+                                     field="document_images", **fields)
+            return self._run(plan, deadline)
         return self._run(plans.rerank_plan(query, items, self._batch_size(deadline), top_n, **fields), deadline)
 
     def embed_sparse(
@@ -175,18 +193,23 @@ class Client(ClientSettings):
 
     def embed_multi_vector(
         self,
-        texts: str | Sequence[str],
+        texts: str | Sequence[str] = (),
         *,
+        images: Sequence[ImageLike] | None = None,
         prompt_name: str | None = None,
         truncate: bool | None = None,
         model: str | None = None,
         timeout: float | None = None,
     ) -> np.ndarray | list[np.ndarray]:
         """Token vectors: a [num_vectors, dim] float32 array per text, or one for one string. `prompt_name`:
-        "query" or "document" for late-interaction models, else the model's own prompt names."""
+        "query" or "document" for late-interaction models, else the model's own prompt names. `images` (bytes or
+        file paths; page images for ColPali-style models): their arrays follow the texts', and a list comes back."""
         items, single = plans.as_list(texts, "texts")
         fields = self.multi_vector_fields(model, truncate, prompt_name)
         deadline = self.deadline(timeout)
+        if images is not None:
+            plan = multi_vector_plan(items, image_bytes(images), *(self._image_sizes(deadline)), **fields)
+            return self._run(plan, deadline)
         plan = plans.embed_multi_vector_plan(items, self._batch_size(deadline), single, **fields)
         return self._run(plan, deadline)
 
@@ -305,6 +328,11 @@ class Client(ClientSettings):
         if self.batch_size is not None:
             return self.batch_size
         return self.server_batch_size(self._known_limits(deadline))
+
+    def _image_sizes(self, deadline: float | None) -> tuple[int, int]:
+        """(inputs, images) one request may carry."""
+        size = self._batch_size(deadline)
+        return size, image_batch_size(size, self._known_limits(deadline).max_images_per_request)
 
     def _call(self, method, request, deadline: float | None):
         attempt = 0

@@ -143,6 +143,11 @@ def embedding_matrix(replies: list[pb.EmbedResponse], wire: int = pb.ENCODING_BY
 def embed_plan(texts: list[str], size: int, single: bool, **fields) -> Plan:
     """Without `outputs` in fields, the call's result is the dense matrix; with them, an EmbedOutputs."""
     requests = [pb.EmbedRequest(inputs=part, **fields) for part in chunks(texts, size)]
+    return Plan("Embed", requests, embed_merge(fields, single), min(size, len(texts)))
+
+
+def embed_merge(fields: dict, single: bool) -> Callable[[list[pb.EmbedResponse]], np.ndarray | EmbedOutputs]:
+    """Embed replies in request order -> the dense matrix, or an EmbedOutputs when `fields` name outputs."""
     wire, wanted = fields["encoding"], fields.get("outputs")
 
     def merge(replies: list[pb.EmbedResponse]) -> np.ndarray | EmbedOutputs:
@@ -160,7 +165,7 @@ def embed_plan(texts: list[str], size: int, single: bool, **fields) -> Plan:
             encoding_scale=replies[0].encoding_scale if replies else 0.0,
         )
 
-    return Plan("Embed", requests, merge, min(size, len(texts)))
+    return merge
 
 
 def embed_fields(
@@ -221,11 +226,14 @@ def embed_multi_vector_plan(texts: list[str], size: int, single: bool, **fields)
     return Plan("EmbedMultiVector", requests, merge, min(size, len(texts)))
 
 
-def rerank_plan(query: str, documents: list[str], size: int, top_n: int | None, **fields) -> Plan:
-    """Each part scores its documents against the same query; scores do not depend on the other
-    documents, so the parts merge by score and the cut to `top_n` happens after the merge."""
+def rerank_plan(
+    query: str, documents: list, size: int, top_n: int | None, field: str = "documents", **fields
+) -> Plan:
+    """Each part scores its documents (texts, or images when `field` is document_images) against the same
+    query; scores do not depend on the other documents, so the parts merge by score and the cut to `top_n`
+    happens after the merge."""
     parts = chunks(documents, size)
-    requests = [pb.RerankRequest(query=query, documents=part, **fields) for part in parts]
+    requests = [pb.RerankRequest(query=query, **{field: part}, **fields) for part in parts]
     if len(requests) == 1 and top_n is not None:
         requests[0].top_n = top_n
     offsets = np.cumsum([0] + [len(part) for part in parts[:-1]]).tolist()

@@ -59,6 +59,8 @@ class Limits:
     max_input_chars: int
     max_concurrent_requests: int
     max_receive_message_bytes: int
+    # Images one call may carry (0: the server takes none, or predates images).
+    max_images_per_request: int = 0
 
     @classmethod
     def from_proto(cls, message: pb.ServerLimits) -> Limits:
@@ -67,6 +69,7 @@ class Limits:
             max_input_chars=message.max_input_chars,
             max_concurrent_requests=message.max_concurrent_requests,
             max_receive_message_bytes=message.max_receive_message_bytes,
+            max_images_per_request=message.max_images_per_request,
         )
 
 
@@ -113,6 +116,11 @@ class ModelInfo:
     adapters: tuple[str, ...] = ()
     # Served with --auto-truncate: a call that leaves `truncate` None has its too-long inputs cut, not refused.
     auto_truncate: bool = False
+    # The inputs it takes ("text", "image"): embed(images=...) and friends need "image"; and the encoded bytes
+    # and decoded pixels one image may have (0 for a model that takes text only).
+    modalities: tuple[str, ...] = ("text",)
+    max_image_bytes: int = 0
+    max_image_pixels: int = 0
 
     @classmethod
     def from_proto(cls, m: pb.ModelInfo) -> ModelInfo:
@@ -148,6 +156,10 @@ class ModelInfo:
             multi_vector_dimension=m.multi_vector_dimension,
             adapters=tuple(m.adapters),
             auto_truncate=m.auto_truncate,
+            # A server from before images names no modalities: it takes text.
+            modalities=tuple(m.modalities) or ("text",),
+            max_image_bytes=m.max_image_bytes,
+            max_image_pixels=m.max_image_pixels,
         )
 
 

@@ -1,232 +1,35 @@
-"""The embedserv.v1.Inference servicer: request validation, engine calls, response building."""
+"""The embedserv.v1.Inference servicer: request validation, engine calls, response building (messages.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import grpc
-import numpy as np
 
 from embedserv import metrics
-from embedserv.config import ServerConfig
 from embedserv.engine.engine import Engine
-from embedserv.engine.tasks.outputs import to_little_endian_bytes
-from embedserv.types import (
-    ClassifyParams,
-    EmbedOutput,
-    EmbedParams,
-    EmbedResult,
-    Encoding,
-    FinishReason,
-    GenerationDelta,
-    KvCacheUsage,
-    ModelInfo,
-    RerankParams,
-    SamplingParams,
-    SparseVector,
-    Task,
-    Timing,
-    TruncationDirection,
-)
 from embedserv.errors import InvalidInput
 from embedserv.server.calls import Call, stream_call, unary_call
 from embedserv.server.frontend import Frontend
-from embedserv.server.grpc.late_chunks import chunks_messages, late_chunking_params
+from embedserv.server.grpc.messages import (
+    call_summary,
+    direction,
+    embed_params,
+    embed_response,
+    generate_response,
+    input_items,
+    model_info,
+    multi_vector_message,
+    rerank_chunking,
+    sampling_params,
+    server_limits,
+    sparse_message,
+    truncate_of,
+)
 from embedserv.server.grpc.streams import answer_in_order
+from embedserv.types import ClassifyParams, EmbedOutput, EmbedParams, ImageInput, Modality, RerankParams
 from embedserv.v1 import embedserv_pb2 as pb
 from embedserv.v1 import embedserv_pb2_grpc as pb_grpc
-
-_DIRECTIONS = {
-    pb.TRUNCATION_DIRECTION_RIGHT: TruncationDirection.RIGHT,
-    pb.TRUNCATION_DIRECTION_LEFT: TruncationDirection.LEFT,
-}
-_TASKS = {
-    Task.EMBED: pb.TASK_EMBED,
-    Task.RERANK: pb.TASK_RERANK,
-    Task.CLASSIFY: pb.TASK_CLASSIFY,
-    Task.GENERATE: pb.TASK_GENERATE,
-    Task.EMBED_SPARSE: pb.TASK_EMBED_SPARSE,
-    Task.EMBED_MULTI_VECTOR: pb.TASK_EMBED_MULTI_VECTOR,
-}
-_OUTPUTS = {
-    pb.OUTPUT_DENSE: EmbedOutput.DENSE,
-    pb.OUTPUT_SPARSE: EmbedOutput.SPARSE,
-    pb.OUTPUT_MULTI_VECTOR: EmbedOutput.MULTI_VECTOR,
-}
-_OUTPUT_ENUMS = {output: value for value, output in _OUTPUTS.items()}
-# ENCODING_FLOAT and ENCODING_BYTES both compute float32; they differ only on the wire.
-_ENCODINGS = {
-    pb.ENCODING_FLOAT: Encoding.FLOAT32,
-    pb.ENCODING_BYTES: Encoding.FLOAT32,
-    pb.ENCODING_FLOAT16: Encoding.FLOAT16,
-    pb.ENCODING_INT8: Encoding.INT8,
-    pb.ENCODING_UINT8: Encoding.UINT8,
-    pb.ENCODING_INT8_PER_DIMENSION: Encoding.INT8_PER_DIMENSION,
-    pb.ENCODING_UINT8_PER_DIMENSION: Encoding.UINT8_PER_DIMENSION,
-    pb.ENCODING_BINARY: Encoding.BINARY,
-    pb.ENCODING_UBINARY: Encoding.UBINARY,
-}
-_FINISH_REASONS = {
-    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
-    FinishReason.STOP: pb.FINISH_REASON_STOP,
-    FinishReason.EOS: pb.FINISH_REASON_EOS,
-    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
-}
-
-
-def embed_params(request: pb.EmbedRequest) -> EmbedParams:
-    if request.encoding not in _ENCODINGS:
-        names = ", ".join(pb.Encoding.Name(value) for value in _ENCODINGS)
-        raise InvalidInput(f"unknown encoding {request.encoding}; use one of {names}")
-    unknown = [value for value in request.outputs if value not in _OUTPUTS]
-    if unknown:
-        raise InvalidInput(f"unknown output {unknown[0]}; use OUTPUT_DENSE, OUTPUT_SPARSE or OUTPUT_MULTI_VECTOR")
-    if request.chunking not in (pb.CHUNKING_NONE, pb.CHUNKING_MEAN):
-        raise InvalidInput(f"Embed chunks with CHUNKING_MEAN (or CHUNKING_NONE), not {_chunking_name(request.chunking)}")
-    return EmbedParams(
-        normalize=request.normalize if request.HasField("normalize") else True,
-        truncate=truncate_of(request),
-        truncation_direction=_direction(request.truncation_direction),
-        dimensions=request.dimensions if request.HasField("dimensions") else None,
-        prompt_name=request.prompt_name or None,
-        outputs=tuple(_OUTPUTS[value] for value in request.outputs) or (EmbedOutput.DENSE,),
-        chunking=request.chunking == pb.CHUNKING_MEAN,
-        sparse_top_k=request.sparse_top_k if request.HasField("sparse_top_k") else None,
-        encoding=_ENCODINGS[request.encoding],
-        task=request.task or None,
-        late_chunking=late_chunking_params(request),
-        bypass_cache=request.bypass_cache,
-    )
-
-
-def truncate_of(request) -> bool | None:
-    """The call's `truncate`, or None when it leaves it unset (the model's --auto-truncate decides)."""
-    return request.truncate if request.HasField("truncate") else None
-
-
-def _chunking_name(value: int) -> str:
-    try:
-        return pb.Chunking.Name(value)
-    except ValueError:
-        return str(value)
-
-
-def sparse_message(vector: SparseVector) -> pb.SparseEmbedding:
-    return pb.SparseEmbedding(indices=vector.indices.tolist(), values=vector.values.tolist())
-
-
-def multi_vector_message(vectors: np.ndarray) -> pb.MultiVector:
-    rows, width = vectors.shape
-    return pb.MultiVector(num_vectors=rows, dimension=width, raw=to_little_endian_bytes(vectors))
-
-
-def _rerank_chunking(value: int) -> bool:
-    if value not in (pb.CHUNKING_NONE, pb.CHUNKING_MAX):
-        raise InvalidInput(f"Rerank chunks with CHUNKING_MAX (or CHUNKING_NONE), not {_chunking_name(value)}")
-    return value == pb.CHUNKING_MAX
-
-
-def timing_message(timing: Timing, received: float) -> pb.Timing:
-    return pb.Timing(
-        queue_us=timing.queue_us,
-        tokenization_us=timing.tokenization_us,
-        inference_us=timing.inference_us,
-        total_us=int((time.perf_counter() - received) * 1e6),
-    )
-
-
-def _direction(value: int) -> TruncationDirection:
-    if value not in _DIRECTIONS:
-        raise InvalidInput(f"unknown truncation_direction {value}; use RIGHT or LEFT")
-    return _DIRECTIONS[value]
-
-
-def call_summary(prompt_tokens: int, timing: Timing, model: str, received: float) -> dict:
-    """The usage, model and timing fields every unary response carries."""
-    return dict(usage=pb.Usage(prompt_tokens=prompt_tokens), model=model, timing=timing_message(timing, received))
-
-
-def embedding_messages(rows: np.ndarray, encoding: int) -> list[pb.Embedding]:
-    if encoding == pb.ENCODING_FLOAT:
-        return [pb.Embedding(values=row) for row in rows.tolist()]
-    # Every other encoding: the row's bytes, little-endian (float32, float16; int8 / uint8 are bytes).
-    rows = rows.astype(rows.dtype.newbyteorder("<"), copy=False)
-    return [pb.Embedding(raw=row.tobytes()) for row in rows]
-
-
-def embed_response(result: EmbedResult, encoding: int, model: str, received: float) -> pb.EmbedResponse:
-    return pb.EmbedResponse(
-        embeddings=embedding_messages(result.embeddings, encoding) if result.embeddings is not None else [],
-        chunks=chunks_messages(result, lambda rows: embedding_messages(rows, encoding)),
-        sparse_embeddings=[sparse_message(v) for v in result.sparse] if result.sparse is not None else [],
-        multi_vectors=[multi_vector_message(v) for v in result.multi_vectors] if result.multi_vectors is not None else [],
-        encoding_scale=result.encoding_scale,
-        **call_summary(result.prompt_tokens, result.timing, model, received),
-    )
-
-
-def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
-    # proto3 cannot tell an unset top_p from 0: 0 means 1, as the proto says.
-    return SamplingParams(
-        max_tokens=request.max_tokens,
-        temperature=request.temperature,
-        top_p=request.top_p if request.top_p != 0 else 1.0,
-        top_k=request.top_k,
-        seed=request.seed if request.HasField("seed") else None,
-        stop=tuple(request.stop),
-        ignore_eos=request.ignore_eos,
-    )
-
-
-def generate_response(delta: GenerationDelta) -> pb.GenerateResponse:
-    if delta.finish_reason is None:
-        return pb.GenerateResponse(text=delta.text, token_ids=delta.token_ids)
-    return pb.GenerateResponse(
-        text=delta.text,
-        token_ids=delta.token_ids,
-        finish_reason=_FINISH_REASONS[delta.finish_reason],
-        usage=pb.Usage(prompt_tokens=delta.prompt_tokens, completion_tokens=delta.completion_tokens),
-    )
-
-
-def server_limits(config: ServerConfig) -> pb.ServerLimits:
-    return pb.ServerLimits(
-        max_client_batch_size=config.max_client_batch_size,
-        max_input_chars=config.max_input_chars,
-        max_concurrent_requests=config.max_concurrent_requests,
-        max_receive_message_bytes=config.max_receive_message_bytes,
-    )
-
-
-def model_info(info: ModelInfo, kv_cache: KvCacheUsage | None = None) -> pb.ModelInfo:
-    return pb.ModelInfo(
-        name=info.name,
-        tasks=[_TASKS[t] for t in info.tasks],
-        architecture=info.architecture,
-        attention=pb.ATTENTION_KIND_CAUSAL if info.is_causal else pb.ATTENTION_KIND_BIDIRECTIONAL,
-        pooling=info.pooling,
-        dimension=info.dimension,
-        max_input_tokens=info.max_input_tokens,
-        prompt_names=list(info.prompt_names),
-        adapters=list(info.adapters),
-        dtype=info.dtype,
-        device=info.device,
-        attention_backend=info.attention_backend,
-        labels=list(info.labels),
-        is_encoder_decoder=info.is_encoder_decoder,
-        kv_cache=pb.KvCache(**dataclasses.asdict(kv_cache)) if kv_cache is not None else None,
-        kv_sharing=pb.KvSharing(
-            shared_layers=[pb.KvSharing.SharedLayer(layer=a, source_layer=b) for a, b in info.kv_shared_layers],
-            fast_prefill=info.kv_sharing_fast_prefill,
-        ) if info.kv_shared_layers else None,
-        outputs=[_OUTPUT_ENUMS[o] for o in info.outputs],
-        sparse_dimension=info.sparse_dimension,
-        multi_vector_dimension=info.multi_vector_dimension,
-        base_model=info.base_model,
-        lora_adapters=list(info.lora_adapters),
-        auto_truncate=info.auto_truncate,
-    )
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
@@ -244,11 +47,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def _embed(self, request: pb.EmbedRequest, call: Call) -> pb.EmbedResponse:
         received = time.perf_counter()
         engine = self._engine(request.model, call)
-        texts = self.frontend.check_inputs(request.inputs)
+        items = input_items(request)
+        if items is None:
+            inputs = self.frontend.check_inputs(request.inputs)
+        else:
+            inputs = self.frontend.check_items(engine, items, "items")
         params = embed_params(request)
-        with self.frontend.hold(len(texts)):
-            result = await engine.embed(texts, params)
-        call.answered(len(texts), result.prompt_tokens, result.timing)
+        with self.frontend.hold(len(inputs)):
+            result = await engine.embed(inputs, params)
+        call.answered(len(inputs), result.prompt_tokens, result.timing)
         return embed_response(result, request.encoding, engine.info.name, received)
 
     @unary_call
@@ -267,7 +74,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         engine = self._engine(request.model, call)
         texts = self.frontend.check_inputs(request.inputs)
         params = EmbedParams(
-            truncate=truncate_of(request), truncation_direction=_direction(request.truncation_direction),
+            truncate=truncate_of(request), truncation_direction=direction(request.truncation_direction),
             prompt_name=request.prompt_name or None, outputs=(EmbedOutput.SPARSE,),
             sparse_top_k=request.top_k if request.HasField("top_k") else None,
         )
@@ -283,13 +90,20 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def EmbedMultiVector(self, request, context, call):
         received = time.perf_counter()
         engine = self._engine(request.model, call)
-        texts = self.frontend.check_inputs(request.inputs)
+        images = [ImageInput(data) for data in request.images]
+        texts = list(request.inputs)
+        if not texts and not images:
+            raise InvalidInput("inputs and images are both empty; send at least one text or image")
+        self.frontend.check_batch(len(texts) + len(images), "inputs and images")
+        for index, text in enumerate(texts):
+            self.frontend.check_chars(text, f"inputs[{index}]")
+        self.frontend.check_images(engine, images, first_index=len(texts))
         params = EmbedParams(
             truncate=truncate_of(request), prompt_name=request.prompt_name or None, outputs=(EmbedOutput.MULTI_VECTOR,)
         )
-        with self.frontend.hold(len(texts)):
-            result = await engine.embed(texts, params)
-        call.answered(len(texts), result.prompt_tokens, result.timing)
+        with self.frontend.hold(len(texts) + len(images)):
+            result = await engine.embed(texts + images, params)
+        call.answered(len(texts) + len(images), result.prompt_tokens, result.timing)
         return pb.EmbedMultiVectorResponse(
             embeddings=[multi_vector_message(v) for v in result.multi_vectors],
             **call_summary(result.prompt_tokens, result.timing, engine.info.name, received),
@@ -319,7 +133,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         served = self.frontend.models
         # Each --lora adapter after its base, as a model of its own (base_model set; it shares the KV cache).
         models = [
-            model_info(engine.info, usage)
+            model_info(engine.info, usage, _image_limits(engine))
             for base in served.engines
             for engine, usage in ((base, base.kv_cache_usage()), *((a, None) for a in served.adapter_engines(base)))
         ]
@@ -329,7 +143,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Rerank(self, request, context, call):
         received = time.perf_counter()
         engine = self._engine(request.model, call)
-        documents = self.frontend.check_inputs(request.documents, "documents")
+        documents = self._documents(request, engine)
         self.frontend.check_chars(request.query, "query")
         self.frontend.check_chars(request.instruction, "instruction")
         params = RerankParams(
@@ -337,17 +151,28 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             raw_scores=request.raw_scores,
             truncate=truncate_of(request),
             instruction=request.instruction or None,
-            chunking=_rerank_chunking(request.chunking),
+            chunking=rerank_chunking(request.chunking),
         )
         with self.frontend.hold(len(documents)):
             result = await engine.rerank(request.query, documents, params)
         call.answered(len(documents), result.prompt_tokens, result.timing)
         results = [
-            pb.RerankResult(index=r.index, score=r.score, document=documents[r.index] if request.return_documents else "")
+            pb.RerankResult(index=r.index, score=r.score, document=_echo(documents[r.index], request.return_documents))
             for r in result.results
         ]
         summary = call_summary(result.prompt_tokens, result.timing, engine.info.name, received)
         return pb.RerankResponse(results=results, **summary)
+
+    def _documents(self, request: pb.RerankRequest, engine: Engine) -> list:
+        """The documents' texts, or their images (document_images); one or the other."""
+        if not request.document_images:
+            return self.frontend.check_inputs(request.documents, "documents")
+        if request.documents:
+            raise InvalidInput("send documents or document_images, not both")
+        images = [ImageInput(data) for data in request.document_images]
+        self.frontend.check_batch(len(images), "document_images")
+        self.frontend.check_images(engine, images)
+        return images
 
     @unary_call
     async def Classify(self, request, context, call):
@@ -359,7 +184,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         )
         params = ClassifyParams(
             truncate=truncate_of(request),
-            truncation_direction=_direction(request.truncation_direction),
+            truncation_direction=direction(request.truncation_direction),
             raw_scores=request.raw_scores,
             candidate_labels=tuple(request.candidate_labels),
             hypothesis_template=request.hypothesis_template,
@@ -391,6 +216,17 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     call.answered(1, delta.prompt_tokens)
                     metrics.GENERATED_TOKENS.labels(call.model).inc(delta.completion_tokens)
                 yield generate_response(delta)
+
+
+def _echo(document: str | ImageInput, return_documents: bool) -> str:
+    """A result's document text when the call asks for it; images are never echoed (the caller has them)."""
+    return document if return_documents and isinstance(document, str) else ""
+
+
+def _image_limits(engine: Engine) -> tuple[int, int]:
+    if Modality.IMAGE not in engine.info.modalities:
+        return 0, 0
+    return engine.config.max_image_bytes, engine.config.max_image_pixels
 
 
 def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> str:

@@ -6,7 +6,8 @@ the model's limit instead of refusing them), `prompt_name` (a sentence-transform
 `normalize` (default true, as OpenAI's vectors are unit length), `embedding_type` (a compact encoding of the
 vectors, see `embeddings`), `chunking` ("mean": texts past the model's limit are embedded by windows) and
 `late_chunking` (one vector per chunk of each text; late_chunks.py). /v1/embeddings takes OpenAI's 2048 inputs a
-call (run in slices of --max-client-batch-size) and, as OpenAI does, refuses fields it does not know.
+call (run in slices of --max-client-batch-size) and, as OpenAI does, refuses fields it does not know. Images
+(models that take them) come as content parts in `input` or as vLLM's `messages` form (image_inputs.py).
 """
 
 from __future__ import annotations
@@ -20,13 +21,22 @@ import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import ConfigDict, Field, StrictBool, StrictInt
 
+from embedserv.engine.engine import Engine
 from embedserv.errors import InvalidInput
 from embedserv.server.frontend import Frontend
 from embedserv.server.http.common import Body, call_of, engine_named, frontend_of
 from embedserv.server.http.error_responses import JSON
+from embedserv.server.http.image_inputs import (
+    ContentPart,
+    ImagePart,
+    Message,
+    TextPart,
+    input_items,
+    message_item,
+)
 from embedserv.server.http.late_chunks import LateChunkingBody, chunk_items
 from embedserv.server.http.openai_generate import router as generation_router
-from embedserv.types import EmbedParams, EmbedResult, Encoding, ModelInfo, Timing, TruncationDirection
+from embedserv.types import EmbedParams, EmbedResult, Encoding, ImageInput, ModelInfo, Timing, TruncationDirection
 
 router = APIRouter()
 router.include_router(generation_router)
@@ -40,8 +50,13 @@ class EmbeddingsBody(Body):
     (input, model, dimensions, encoding_format, user) are OpenAI's own. Numbers and booleans are strict."""
 
     model_config = ConfigDict(extra="forbid")
-    input: str | list[str] | list[int] | list[list[int]] = Field(
-        description="A text, a list of texts, token ids, or a list of token-id lists (used as given)."
+    input: str | list[str] | list[int] | list[list[int]] | list[str | ContentPart] | None = Field(
+        None,
+        description="A text, a list of texts, token ids, or a list of token-id lists (used as given); extension: "
+        "a list whose items may be content parts (image_url data URLs, text) for models that take images.",
+    )
+    messages: list[Message] | None = Field(
+        None, description="vLLM's multimodal form instead of input: one text or image_url part, one embedding."
     )
     model: str | None = Field(None, description="A served model name; empty or absent: the first served model.")
     encoding_format: Literal["float", "base64"] = "float"
@@ -135,8 +150,12 @@ async def embeddings(request: Request, body: EmbeddingsBody):
         late_chunking=body.late_chunking.params() if body.late_chunking is not None else None,
         bypass_cache=body.bypass_cache,
     )
+    items = _items_of(body)
     inputs = body.input if isinstance(body.input, list) else [body.input]
-    if _is_token_ids(inputs):
+    if items is not None:
+        _check_items(frontend, engine, items, params)
+        result = await _in_slices(frontend, items, engine.embed, params)
+    elif _is_token_ids(inputs):
         if params.chunking:
             raise InvalidInput("chunking applies to text inputs; token-id inputs are used as given")
         token_ids = [inputs] if isinstance(inputs[0], int) else inputs
@@ -156,6 +175,29 @@ async def embeddings(request: Request, body: EmbeddingsBody):
     if result.encoding_scale:
         response["encoding_scale"] = result.encoding_scale
     return JSON(response)
+
+
+def _items_of(body: EmbeddingsBody) -> list[str | ImageInput] | None:
+    """The call's texts and images when it sends content parts or messages; None for texts or token ids alone."""
+    if (body.input is None) == (body.messages is None):
+        raise InvalidInput("send input (texts, token ids or content parts) or messages, one of the two")
+    if body.messages is not None:
+        return [message_item(body.messages)]
+    if isinstance(body.input, list) and any(isinstance(value, (ImagePart, TextPart)) for value in body.input):
+        return input_items(body.input)
+    return None
+
+
+def _check_items(frontend: Frontend, engine: Engine, items: list, params: EmbedParams) -> None:
+    """Texts and images: the images within the image limits, the texts within --max-input-chars."""
+    _checked_count(items)
+    frontend.check_images(engine, items)
+    has_images = any(isinstance(item, ImageInput) for item in items)
+    if has_images and (params.chunking or params.late_chunking is not None):
+        raise InvalidInput("chunking and late_chunking apply to texts only; send the images without them")
+    for index, item in enumerate(items):
+        if isinstance(item, str):
+            frontend.check_chars(item, f"input[{index}]")
 
 
 def _checked_count(inputs: list) -> list:
@@ -222,6 +264,7 @@ def model_card(info: ModelInfo) -> dict:
         "max_model_len": info.max_input_tokens,
         "dimension": info.dimension or None,
         "auto_truncate": info.auto_truncate,
+        "modalities": [modality.value for modality in info.modalities],
         # vLLM's fields: a --lora adapter's parent (and root) is its base model; a base model is its own root.
         "root": info.base_model or info.name,
         "parent": info.base_model or None,

@@ -115,6 +115,9 @@ through int because values arrive as floats and large ones would print as 1e+06.
 {{- $args = concat $args (list "--cpu-fusion" .) }}
 {{- end }}
 {{- $intFlags := list (list "maxBatchTokens" "--max-batch-tokens") (list "maxConcurrentRequests" "--max-concurrent-requests") (list "maxClientBatchSize" "--max-client-batch-size") (list "dataParallelSize" "--data-parallel-size") (list "frontends" "--frontends") (list "maxConnectionAge" "--max-connection-age") }}
+{{- $intFlags = append $intFlags (list "maxImagesPerRequest" "--max-images-per-request") }}
+{{- $intFlags = append $intFlags (list "maxImageBytes" "--max-image-bytes") }}
+{{- $intFlags = append $intFlags (list "maxImagePixels" "--max-image-pixels") }}
 {{- range $intFlags }}
 {{- $v := index $s (index . 0) }}
 {{- if not (kindIs "invalid" $v) }}

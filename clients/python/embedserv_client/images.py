@@ -1,0 +1,71 @@
+"""Images in client calls: each given as bytes or a file path, read once here; and the plans that carry them.
+
+A call's images are cut into requests of at most the server's --max-images-per-request (ListModels'
+limits) as well as its batch size, so a long list of pages needs no splitting by the caller."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from embedserv_client import plans
+from embedserv_client.types import multi_vector
+from embedserv_client.v1 import embedserv_pb2 as pb
+
+# An image: its encoded bytes (PNG, JPEG, WebP), or the path of a file holding them.
+ImageLike = bytes | bytearray | memoryview | str | os.PathLike
+
+
+def image_bytes(images: Iterable[ImageLike], what: str = "images") -> list[bytes]:
+    """Each image's encoded bytes; a path is read now, and one that cannot be read is named in the error."""
+    if isinstance(images, (str, bytes, os.PathLike)):
+        raise TypeError(f"{what} must be a sequence of images (bytes or file paths), not one {type(images).__name__}")
+    result = []
+    for index, image in enumerate(images):
+        if isinstance(image, (bytes, bytearray, memoryview)):
+            result.append(bytes(image))
+        elif isinstance(image, (str, os.PathLike)):
+            try:
+                result.append(Path(image).read_bytes())
+            except OSError as exc:
+                raise ValueError(f"{what}[{index}]: cannot read {os.fspath(image)!r}: {exc.strerror or exc}") from exc
+        else:
+            raise TypeError(f"{what}[{index}] must be bytes or a file path, not {type(image).__name__}")
+    return result
+
+
+def image_batch_size(size: int, max_images: int) -> int:
+    """Images one request may carry: the batch size, within the server's images-per-request limit (0 from a
+    server that takes no images: the batch size, and the server says why it refuses them)."""
+    return min(size, max_images) if max_images > 0 else size
+
+
+def embed_items_plan(texts: list[str], images: list[bytes], size: int, image_size: int, **fields) -> plans.Plan:
+    """Texts then images as EmbedRequest.items; the result's rows in that order."""
+    items = [pb.InputItem(text=text) for text in texts] + [pb.InputItem(image=data) for data in images]
+    parts: list[list[pb.InputItem]] = [[]]
+    images_in_part = 0
+    for item in items:
+        is_image = item.HasField("image")
+        if len(parts[-1]) == size or (is_image and images_in_part == image_size):
+            parts.append([])
+            images_in_part = 0
+        parts[-1].append(item)
+        images_in_part += is_image
+    requests = [pb.EmbedRequest(items=part, **fields) for part in parts]
+    return plans.Plan("Embed", requests, plans.embed_merge(fields, single=False), max(len(p) for p in parts))
+
+
+def multi_vector_plan(texts: list[str], images: list[bytes], size: int, image_size: int, **fields) -> plans.Plan:
+    """The texts' vectors, then the images' (page images of ColPali-style models)."""
+    text_parts = plans.chunks(texts, size) if texts else []
+    requests = [pb.EmbedMultiVectorRequest(inputs=part, **fields) for part in text_parts]
+    requests += [pb.EmbedMultiVectorRequest(images=part, **fields) for part in plans.chunks(images, image_size)]
+
+    def merge(replies: list[pb.EmbedMultiVectorResponse]) -> list[np.ndarray]:
+        return [multi_vector(m) for reply in replies for m in reply.embeddings]
+
+    return plans.Plan("EmbedMultiVector", requests, merge, max(min(size, len(texts)), min(image_size, len(images))))

@@ -59,3 +59,11 @@ def truncated_png(seed: int = 0, width: int = 64, height: int = 48, keep: float 
     """A real PNG cut after `keep` of its bytes: its header reads, its pixels do not."""
     data = png_bytes(random_image(seed, width, height))
     return data[: int(len(data) * keep)]
+
+
+def huge_jpeg_header(width: int, height: int) -> bytes:
+    """A small real JPEG whose frame header (SOF0) is rewritten to claim width x height: refused from the header."""
+    data = bytearray(jpeg_bytes(random_image(0, 16, 16)))
+    sof = data.index(b"\xff\xc0")
+    data[sof + 5: sof + 9] = struct.pack(">HH", height, width)
+    return bytes(data)

@@ -10,9 +10,17 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFile
 
-from embedserv.engine.images import MIN_SIDE, ImageError, ImageLimits, decode_image
+from embedserv.engine.images import (
+    MIN_SIDE,
+    ImageError,
+    ImageLimits,
+    decode_image,
+    pixel_values,
+)
+from embedserv.engine.images.processing import processing_from_dict
 from embedserv.errors import InvalidInput
 from tests.helpers.images import (
+    huge_jpeg_header,
     huge_png_header,
     jpeg_bytes,
     png_bytes,
@@ -60,6 +68,20 @@ def test_a_huge_png_is_refused_from_its_header_without_decoding() -> None:
     message = _refused(data, limits=ImageLimits(max_bytes=1 << 20, max_pixels=40_000_000))
     assert time.perf_counter() - start < 0.5
     assert "400000000 pixels" in message and "limit is 40000000 pixels" in message
+
+
+def test_a_huge_jpeg_is_refused_from_its_header() -> None:
+    start = time.perf_counter()
+    message = _refused(huge_jpeg_header(60000, 30000), limits=ImageLimits(max_bytes=1 << 20, max_pixels=40_000_000))
+    assert time.perf_counter() - start < 0.5 and "pixels" in message and "40000000" in message
+    assert "3000x2000 = 6000000 pixels" in _refused(huge_jpeg_header(3000, 2000))
+
+
+def test_a_non_rgb_image_given_straight_to_pixel_values_is_converted_as_hf_does() -> None:
+    processing = processing_from_dict({"image_processor_type": "SiglipImageProcessor"}, "p", 16)
+    rgba = Image.fromarray(random_image(1, 30, 20, "RGBA"))
+    converted = decode_image(png_bytes(rgba), 0, LIMITS)
+    np.testing.assert_array_equal(pixel_values(rgba, processing)[0], pixel_values(converted, processing)[0])
 
 
 def test_pillows_own_bomb_threshold_is_a_refusal_too(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,7 +12,12 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from transformers import CLIPImageProcessor, Qwen2VLImageProcessor, SiglipImageProcessor
+from transformers import (
+    CLIPImageProcessor,
+    Qwen2VLImageProcessor,
+    Siglip2ImageProcessor,
+    SiglipImageProcessor,
+)
 
 from embedserv.engine.images import (
     ImageLimits,
@@ -39,6 +44,8 @@ PROCESSORS = {
     "qwen2-vl": (Qwen2VLImageProcessor, {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 96}, 14),
     "qwen2-vl-size": (Qwen2VLImageProcessor, {"size": {"shortest_edge": 128 * 28 * 28, "longest_edge": 256 * 28 * 28},
                                               "merge_size": 2, "patch_size": 14}, 14),
+    "siglip2": (Siglip2ImageProcessor, {"max_num_patches": 64, "patch_size": 16}, 16),
+    "siglip2-bicubic": (Siglip2ImageProcessor, {"max_num_patches": 100, "patch_size": 8, "resample": 3}, 8),
 }
 # (width, height): landscape, smaller than every target, very wide, tall and odd.
 SIZES = [(300, 200), (40, 30), (1000, 24), (37, 91)]
@@ -50,6 +57,9 @@ def _hf_output(processor, data: bytes, **call) -> tuple[np.ndarray, tuple[int, .
     out = processor(Image.open(io.BytesIO(data)), return_tensors="np", **call)
     if "image_grid_thw" in out:
         return out["pixel_values"], tuple(int(v) for v in out["image_grid_thw"][0])
+    if "spatial_shapes" in out:  # SigLIP2: the rows its attention mask keeps
+        kept = int(out["pixel_attention_mask"][0].sum())
+        return out["pixel_values"][0][:kept], tuple(int(v) for v in out["spatial_shapes"][0])
     return out["pixel_values"][0], None
 
 
@@ -97,12 +107,14 @@ def _mode_images() -> dict[str, bytes]:
     }
 
 
-@pytest.mark.parametrize("name", ["clip-small-crop", "siglip", "qwen2-vl"])
+@pytest.mark.parametrize("name", ["clip-small-crop", "siglip", "qwen2-vl", "siglip2"])
 def test_modes_convert_to_rgb_as_hf_does(name: str, tmp_path: Path) -> None:
+    """SigLIP2's processor leaves do_convert_rgb unset (an RGBA or L image fails there); it is asked for here, as
+    every image is served as RGB; the others convert by default."""
     processor, processing = _pair(name, tmp_path)
     for mode, data in _mode_images().items():
         assert Image.open(io.BytesIO(data)).mode in (mode.split("-")[0], "I", "I;16"), mode
-        _check(processor, processing, data)
+        _check(processor, processing, data, do_convert_rgb=True)
 
 
 def test_transparency_is_composited_onto_white() -> None:
@@ -165,7 +177,8 @@ def _config(**keys) -> dict:
 
 
 @pytest.mark.parametrize(("raw", "words"), [
-    ({"image_processor_type": "Siglip2ImageProcessor"}, "variable resolution"),
+    ({"image_processor_type": "Siglip2ImageProcessor", "do_resize": False}, "do_resize"),
+    ({"image_processor_type": "Siglip2ImageProcessor", "max_num_patches": None}, "max_num_patches"),
     ({"image_processor_type": "LlavaNextImageProcessor"}, "not supported"),
     ({}, "not supported"),
     (_config(do_pad=True), "do_pad"),

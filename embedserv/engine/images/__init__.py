@@ -10,6 +10,10 @@ tokenizer/worker pool, never on the event loop.
   reproduced is refused there with a ValueError naming the file and key.
 - `pixels.py`: `pixel_values` (the processor's output for one image), `patch_rows` (a conv-patch embedding's
   input rows) and `prepare_image` (all of it: what the vision tower takes, and its grid).
+
+Processors reproduced (transformers 5.23's PIL backends; a "Fast" type is served as its PIL twin): CLIP, SigLIP
+(also fixed-size SigLIP2 checkpoints, which ship it; PaliGemma / ColPali), SigLIP2's NaFlex processor
+(max_num_patches) and Qwen2-VL (ColQwen2).
 """
 
 from embedserv.engine.images.decode import (

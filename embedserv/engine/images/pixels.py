@@ -11,15 +11,21 @@ import math
 import numpy as np
 from PIL import Image
 
-from embedserv.engine.images.decode import ImageLimits, decode_image
+from embedserv.engine.images.decode import ImageLimits, decode_image, to_rgb
 from embedserv.engine.images.processing import ImageProcessing
 
 
 def pixel_values(image: Image.Image, processing: ImageProcessing) -> tuple[np.ndarray, tuple[int, ...]]:
     """CLIP/SigLIP: ([3, H, W] float32, (H // patch, W // patch)); Qwen2-VL: ([N, 3 * t * p * p] float32,
-    (t, h, w)) as image_grid_thw. `image` is RGB (decode_image's output)."""
+    (t, h, w)) as image_grid_thw; SigLIP2: its patches without the padding ([h * w, p * p * 3], the rows of
+    pixel_values[0] where pixel_attention_mask is 1) and (h, w) as spatial_shapes. `image` is normally
+    decode_image's output; another mode is converted as HF does."""
+    if image.mode != "RGB":
+        image = to_rgb(image)
     if processing.layout == "qwen2_vl":
         return _qwen2_vl(image, processing)
+    if processing.layout == "siglip2":
+        return _siglip2(image, processing)
     if processing.resize is not None:
         image = _resize(image, _target_size(image.size, processing.resize), processing.resample)
     chw = np.moveaxis(np.asarray(image), -1, 0)
@@ -42,9 +48,10 @@ def patch_rows(pixels_chw: np.ndarray, patch_size: int) -> np.ndarray:
 
 def prepare_image(data: bytes, index: int, processing: ImageProcessing,
                   limits: ImageLimits) -> tuple[np.ndarray, tuple[int, ...]]:
-    """Decode and preprocess one input: the rows its vision tower takes ([rows, patch_dim] float32) and its grid."""
+    """Decode and preprocess one input: the rows its vision tower takes ([rows, patch_dim] float32) and its grid
+    (CLIP/SigLIP: conv patch rows, see patch_rows; Qwen2-VL and SigLIP2: the processor's own patch rows)."""
     values, grid = pixel_values(decode_image(data, index, limits), processing)
-    if processing.layout == "qwen2_vl":
+    if processing.layout != "chw":
         return values, grid
     return patch_rows(values, processing.patch_size), grid
 
@@ -132,3 +139,30 @@ def _qwen2_vl(image: Image.Image, processing: ImageProcessing) -> tuple[np.ndarr
     patches = np.broadcast_to(patches[:, :, :, :, :, None], (*patches.shape[:5], temporal, patch, patch))
     rows = patches.reshape(grid_h * grid_w, 3 * temporal * patch * patch)
     return np.ascontiguousarray(rows, dtype=np.float32), (1, grid_h, grid_w)
+
+
+def siglip2_size(height: int, width: int, patch: int, max_num_patches: int, eps: float = 1e-5) -> tuple[int, int]:
+    """SigLIP2's get_image_size_for_max_num_patches: the scale found by its binary search, sides rounded up to
+    whole patches (at least one)."""
+
+    def scaled(scale: float, size: int) -> int:
+        return max(patch, math.ceil(size * scale / patch) * patch)
+
+    low, high = eps / 10, 100.0
+    while high - low >= eps:
+        scale = (low + high) / 2
+        if (scaled(scale, height) / patch) * (scaled(scale, width) / patch) <= max_num_patches:
+            low = scale
+        else:
+            high = scale
+    return scaled(low, height), scaled(low, width)
+
+
+def _siglip2(image: Image.Image, processing: ImageProcessing) -> tuple[np.ndarray, tuple[int, ...]]:
+    patch = processing.patch_size
+    height, width = siglip2_size(image.height, image.width, patch, processing.max_num_patches)
+    chw = np.moveaxis(np.asarray(_resize(image, (height, width), processing.resample)), -1, 0)
+    pixels = _rescale_normalize(chw, processing)
+    rows, cols = height // patch, width // patch
+    patches = pixels.reshape(3, rows, patch, cols, patch).transpose(1, 3, 2, 4, 0)
+    return np.ascontiguousarray(patches.reshape(rows * cols, -1)), (rows, cols)

@@ -1,7 +1,8 @@
 """What a model's HF image processor does, read once from preprocessor_config.json (at start-up, not per request).
 
 The defaults and key handling follow transformers 5.23's PIL processors (CLIPImageProcessorPil,
-SiglipImageProcessorPil, Qwen2VLImageProcessorPil); a "Fast" (torchvision) type is served as its PIL twin.
+SiglipImageProcessorPil, Siglip2ImageProcessorPil, Qwen2VLImageProcessorPil); a "Fast" (torchvision) type is
+served as its PIL twin. The patch size comes from the file, else (CLIP/SigLIP) from config.json's vision_config.
 """
 
 # A bad key of any type is a ValueError: start-up reports every configuration error the same way.
@@ -30,10 +31,10 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2_vl": {"size": {"shortest_edge": QWEN2_VL_MIN_PIXELS, "longest_edge": QWEN2_VL_MAX_PIXELS},
                  "do_center_crop": False, "crop_size": None, "image_mean": CLIP_MEAN, "image_std": CLIP_STD,
                  "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2},
+    "siglip2": {"resample": 2, "image_mean": HALF, "image_std": HALF, "patch_size": 16, "max_num_patches": 256},
 }
 _TYPES = {"CLIPImageProcessor": "clip", "CLIPFeatureExtractor": "clip", "SiglipImageProcessor": "siglip",
-          "Qwen2VLImageProcessor": "qwen2_vl"}
-_NOT_YET = {"Siglip2ImageProcessor": "its variable resolution (max_num_patches, padded patches) is not supported"}
+          "Qwen2VLImageProcessor": "qwen2_vl", "Siglip2ImageProcessor": "siglip2"}
 # Keys that change nothing in the pixel values of one RGB image.
 _INERT = {"image_processor_type", "feature_extractor_type", "processor_class", "default_to_square", "do_pad",
           "pad_size", "return_tensors", "data_format", "input_data_format", "device", "disable_grouping",
@@ -42,10 +43,11 @@ _INERT = {"image_processor_type", "feature_extractor_type", "processor_class", "
 
 @dataclass(frozen=True)
 class ImageProcessing:
-    """One image processor's settings. `layout` is "chw" (CLIP/SigLIP: [3, H, W] then conv patches) or "qwen2_vl"
-    (smart_resize, then merge-ordered temporal patches). `resize` is ("shortest_edge", n) or
-    ("shortest_longest", short, long) or ("fixed", height, width) or ("pixels", min_pixels, max_pixels); None when
-    do_resize is off. `crop` is (height, width) or None."""
+    """One image processor's settings. `layout` is "chw" (CLIP/SigLIP: [3, H, W] then conv patches), "qwen2_vl"
+    (smart_resize, then merge-ordered temporal patches) or "siglip2" (resized to at most max_num_patches, then
+    (row, column, channel) patches). `resize` is ("shortest_edge", n) or ("shortest_longest", short, long) or
+    ("fixed", height, width) or ("pixels", min_pixels, max_pixels); None when do_resize is off or the layout sizes
+    the image itself (SigLIP2). `crop` is (height, width) or None."""
 
     layout: str
     resize: tuple[str, ...] | None
@@ -57,6 +59,7 @@ class ImageProcessing:
     patch_size: int
     temporal_patch_size: int = 1
     merge_size: int = 1
+    max_num_patches: int = 0
 
 
 def read_image_processing(model_dir: Path) -> ImageProcessing | None:
@@ -72,8 +75,6 @@ def processing_from_dict(raw: dict[str, Any], path: Path | str, model_patch: int
     """`raw` is a preprocessor_config.json's content; ValueError naming `path` and the key it cannot reproduce."""
     name = raw.get("image_processor_type") or raw.get("feature_extractor_type") or ""
     base = name.removesuffix("Pil").removesuffix("Fast")
-    if base in _NOT_YET:
-        raise ValueError(f"{path}: image_processor_type {name}: {_NOT_YET[base]}")
     if base not in _TYPES:
         raise ValueError(f"{path}: image_processor_type {name!r} is not supported; supported: {sorted(_TYPES)}")
     kind = _TYPES[base]
@@ -87,6 +88,11 @@ def processing_from_dict(raw: dict[str, Any], path: Path | str, model_patch: int
     patch = get.number("patch_size", model_patch)
     if kind == "qwen2_vl":
         return _qwen2_vl(get, path, patch)
+    if kind == "siglip2":
+        if not get.flag("do_resize", True):
+            raise ValueError(f"{path}: do_resize false is not supported for SigLIP2 (max_num_patches would not hold)")
+        return ImageProcessing("siglip2", None, get.resample(), None, get.rescale(), *get.normalize(),
+                               patch_size=patch, max_num_patches=get.number("max_num_patches"))
     resize = _resize_rule(get, path) if get.flag("do_resize", True) else None
     crop = _size_pair(get.required("crop_size"), path, "crop_size") if get.flag("do_center_crop") else None
     return ImageProcessing("chw", resize, get.resample(), crop, get.rescale(), *get.normalize(), patch_size=patch)
@@ -195,7 +201,7 @@ class _Getter:
         return found
 
     def resample(self) -> int:
-        found = self.required("resample", 3)  # all three default to BICUBIC; HF refuses a null one when resizing
+        found = self.required("resample", 3)  # BICUBIC but in SigLIP2; HF refuses a null one when resizing
         if not isinstance(found, int) or found not in RESAMPLE_FILTERS:
             raise ValueError(f"{self.path}: resample {found!r} is not one of PIL's filters 0-5")
         return found

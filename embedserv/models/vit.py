@@ -100,8 +100,8 @@ class TextTower(nn.Module):
 class DualEncoder(nn.Module):
     """What CLIP's and SigLIP's models share: `forward(input_ids, positions, token_type_ids=None,
     pixel_values=None, image_grids=())` -> [num_tokens, hidden] of the text tower (`text_model`), or of the
-    vision tower (`vision_model(rows, positions)`) when pixel_values (patch rows) are given. Subclasses build
-    the towers and `pool`; a vision tower is called with (rows, positions, the images' grids in packed order)."""
+    vision tower (`vision_model(rows, positions, image_grids)`, the grids in packed order) when pixel_values
+    (patch rows) are given. Subclasses build the towers and `pool`."""
 
     one_tower_per_pass = True
     position_offset = 0

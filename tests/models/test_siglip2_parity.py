@@ -47,3 +47,13 @@ def test_warm_up(siglip2, siglip2_dir):
     with SyncEngine(ModelConfig(path=str(siglip2_dir), served_name="warm"), warm_up=True) as engine:
         got = engine.embed(inputs, EmbedParams()).embeddings
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_two_worker_processes_embed_images_as_one(siglip2, siglip2_dir):
+    """Each image's grid crosses to the worker processes with its rows (the position embeddings need it)."""
+    inputs = mixed_inputs()
+    want = siglip2.embed(inputs, EmbedParams()).embeddings
+    config = ModelConfig(path=str(siglip2_dir), served_name="siglip2", data_parallel_size=2, warm_up=False)
+    with SyncEngine(config, worker_processes=True) as two:
+        results = two.embed_concurrently([[item] for item in inputs], EmbedParams())
+    np.testing.assert_allclose(np.concatenate([r.embeddings for r in results]), want, rtol=1e-5, atol=1e-6)

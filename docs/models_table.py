@@ -33,13 +33,14 @@ with the list of served types and, where there is one, the closest served archit
 - **Attention backends**: those that can compute the family's attention. CPU: sdpa (default), flex,
   naive; CUDA adds varlen and flash_attn, which cannot add a score bias.
 - **int8**: `--quantization int8` (CPU, oneDNN) for every task but generation; not for the models that take
-  images (CLIP, SigLIP, ColQwen2, ColPali), for which it was not validated.
-- **Images**: CLIP and SigLIP take images (PNG, JPEG, WebP bytes; decoded and preprocessed as their
-  `preprocessor_config.json` says) as well as texts, into one embedding space; SigLIP 2's fixed-resolution
-  checkpoints are SigLIP models (its NaFlex variable resolution is not served). ColQwen2 and ColPali
-  (`ColQwen2ForRetrieval`, `ColPaliForRetrieval`) give one vector per token of a query or a page image,
-  as their processors frame them, and rank page images by MaxSim; they follow transformers 5.23, which runs
-  ColQwen2 with plain 1-D positions (no M-RoPE) and ColPali's Gemma with bidirectional attention.
+  images (CLIP, SigLIP, SigLIP 2, ColQwen2, ColPali), for which it was not validated.
+- **Images**: CLIP, SigLIP and SigLIP 2 take images (PNG, JPEG, WebP bytes; decoded and preprocessed as
+  their `preprocessor_config.json` says) as well as texts, into one embedding space; SigLIP 2's
+  fixed-resolution checkpoints are SigLIP models, its NaFlex ones (`siglip2`) keep each image's aspect.
+  ColQwen2 and ColPali (`ColQwen2ForRetrieval`, `ColPaliForRetrieval`) give one vector per token of a query
+  or a page image, as their processors frame them, and rank page images by MaxSim; they follow
+  transformers 5.23, which runs ColQwen2 with plain 1-D positions (no M-RoPE) and ColPali's Gemma with
+  bidirectional attention.
 - **LoRA**: `--lora NAME=PATH` serves PEFT LoRA adapters over the family's embedders, cross-encoders and
   classifiers (README: LoRA adapters); other families refuse them at start-up.
 - **Tested by**: parity tests against transformers / sentence-transformers on random-weight models

@@ -99,8 +99,13 @@ def read_vision_spec(
             f"--model {config.path}: preprocessor_config.json's patch_size {processing.patch_size} differs from the "
             f"vision tower's {tower.patch_size}"
         )
+    if processing.layout != tower.layout:
+        raise ConfigError(
+            f"--model {config.path}: its image processor ({processing.layout} layout) does not make the "
+            f"{tower.layout} patches its vision tower takes"
+        )
     size = _output_size(processing)
-    if size != (tower.image_size, tower.image_size):
+    if tower.image_size and size != (tower.image_size, tower.image_size):
         raise ConfigError(
             f"--model {config.path}: preprocessor_config.json makes images of {size or 'varying sizes'}, and the "
             f"vision tower takes {tower.image_size}x{tower.image_size}"

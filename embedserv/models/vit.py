@@ -100,8 +100,8 @@ class TextTower(nn.Module):
 class DualEncoder(nn.Module):
     """What CLIP's and SigLIP's models share: `forward(input_ids, positions, token_type_ids=None,
     pixel_values=None, image_grids=())` -> [num_tokens, hidden] of the text tower (`text_model`), or of the
-    vision tower (`vision_model(rows, positions)`) when pixel_values (patch rows) are given. Subclasses build
-    the towers and `pool`."""
+    vision tower (`vision_model(rows, positions, image_grids)`, the grids in packed order) when pixel_values
+    (patch rows) are given. Subclasses build the towers and `pool`."""
 
     one_tower_per_pass = True
     position_offset = 0
@@ -117,15 +117,15 @@ class DualEncoder(nn.Module):
         return self.config.text_config.max_position_embeddings
 
     @property
-    def image_shape(self) -> tuple[int, int]:
-        """(rows, values per row) of every image's sequence: the runner's warm-up makes such images."""
-        rows = num_patches(self.config.vision_config) + int(self.class_token)
-        return rows, self.vision_model.embeddings.patch_embedding.patch_dim
+    def image_shape(self) -> tuple[int, int, tuple[int, int]]:
+        """(rows, values per row, grid) of a full-size image's sequence: the runner's warm-up makes such images."""
+        side = self.config.vision_config.image_size // self.config.vision_config.patch_size
+        return side * side + int(self.class_token), self.vision_model.embeddings.patch_embedding.patch_dim, (side, side)
 
     def forward(self, input_ids, positions, token_type_ids=None, pixel_values=None, image_grids=()) -> torch.Tensor:
         if pixel_values is None:
             return self.text_model(input_ids, positions)
-        return self.vision_model(pixel_values, positions)
+        return self.vision_model(pixel_values, positions, image_grids)
 
 
 class PatchEmbedding(nn.Module):

@@ -246,11 +246,13 @@ class ModelRunner:
 
     def _warm_up_images(self, max_batch_tokens: int) -> None:
         """The vision tower's step shapes: as many images (of the model's fixed row count) as each size holds."""
-        rows, patch_dim = self.model.image_shape
+        rows, patch_dim, grid = self.model.image_shape
         blank = np.zeros((rows, patch_dim), dtype=np.float32)
         for size in warm_up_sizes(max_batch_tokens):
             self.execute(StepBatch(tuple(
-                ScheduledSequence(request_id=-1 - i, token_ids=(0,) * rows, output=OutputKind.POOL, pixels=blank)
+                ScheduledSequence(
+                    request_id=-1 - i, token_ids=(0,) * rows, output=OutputKind.POOL, pixels=blank, image_grid=grid
+                )
                 for i in range(max(1, size // rows))
             )))
 

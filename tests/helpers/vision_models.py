@@ -22,6 +22,8 @@ IMAGE_SIZE = 32
 PATCH_SIZE = 8
 # SigLIP's processor pads every text to this many tokens (its text tower's positions).
 SIGLIP_TEXT_LENGTH = 24
+SIGLIP2_MAX_PATCHES = 12
+SIGLIP2_TEXT_LENGTH = 64
 _TOWER = dict(intermediate_size=64, num_hidden_layers=2, initializer_range=0.15, layer_norm_eps=1e-5)
 
 
@@ -46,6 +48,18 @@ def siglip_config(vocab_size: int, image_size: int = IMAGE_SIZE, patch_size: int
     vision = dict(_TOWER, hidden_size=48, num_attention_heads=6, image_size=image_size, patch_size=patch_size,
                   hidden_act="gelu_pytorch_tanh")
     return SiglipConfig(text_config=text, vision_config=vision)
+
+
+def siglip2_config(vocab_size: int, patch_size: int = PATCH_SIZE, num_patches: int = 16):
+    from transformers import Siglip2Config
+
+    # transformers reads the bundled vocabulary for this model type with Gemma's tokenizer class, a token per
+    # character: room for the test texts.
+    text = dict(_TOWER, vocab_size=vocab_size, hidden_size=32, num_attention_heads=4, projection_size=48,
+                max_position_embeddings=SIGLIP2_TEXT_LENGTH, hidden_act="gelu_pytorch_tanh", **_SPECIAL_TOKENS)
+    vision = dict(_TOWER, hidden_size=48, num_attention_heads=6, num_patches=num_patches, patch_size=patch_size,
+                  hidden_act="gelu_pytorch_tanh")
+    return Siglip2Config(text_config=text, vision_config=vision)
 
 
 def clip_vit_b32_config(vocab_size: int = 49408):
@@ -81,30 +95,38 @@ def image_processor(kind: str, image_size: int = IMAGE_SIZE):
 
         square = {"height": image_size, "width": image_size}
         return CLIPImageProcessorPil(size={"shortest_edge": image_size}, crop_size=square)
+    if kind == "siglip2":
+        from transformers import Siglip2ImageProcessorPil
+
+        # Fewer patches than the model's 16 positions: every image's position embeddings are resized.
+        return Siglip2ImageProcessorPil(patch_size=PATCH_SIZE, max_num_patches=SIGLIP2_MAX_PATCHES)
     from transformers import SiglipImageProcessorPil
 
     return SiglipImageProcessorPil(size={"height": image_size, "width": image_size})
 
 
 def save_dual_encoder(out: Path | str, kind: str, seed: int = 0, config=None) -> Path:
-    """A random CLIPModel (`kind` "clip") or SiglipModel ("siglip") directory; `config` overrides the tiny one."""
+    """A random CLIPModel (`kind` "clip"), SiglipModel ("siglip") or Siglip2Model ("siglip2") directory;
+    `config` overrides the tiny one."""
     import torch
-    from transformers import CLIPModel, SiglipModel
+    from transformers import CLIPModel, Siglip2Model, SiglipModel
 
     out = Path(out)
-    tokenizer = _bundled_tokenizer(64 if kind == "clip" else SIGLIP_TEXT_LENGTH)
-    if config is None:
-        config = (clip_config if kind == "clip" else siglip_config)(len(tokenizer))
+    tokenizer = _bundled_tokenizer(SIGLIP_TEXT_LENGTH if kind == "siglip" else 64)
+    builders = {"clip": (clip_config, CLIPModel), "siglip": (siglip_config, SiglipModel),
+                "siglip2": (siglip2_config, Siglip2Model)}
+    make_config, model_class = builders[kind]
+    config = config or make_config(len(tokenizer))
     torch.manual_seed(seed)
-    model = (CLIPModel if kind == "clip" else SiglipModel)(config).eval()
+    model = model_class(config).eval()
     _perturb_constant_parameters(model, seed)
-    if kind == "siglip":
+    if kind != "clip":
         with torch.no_grad():
             # Zero at init: the probe's projections would otherwise add nothing to check.
             model.vision_model.head.attention.in_proj_bias.normal_(0, 0.2)
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
-    image_processor(kind, config.vision_config.image_size).save_pretrained(str(out))
+    image_processor(kind, getattr(config.vision_config, "image_size", IMAGE_SIZE)).save_pretrained(str(out))
     _check_weights_saved(out)
     return out
 
@@ -165,15 +187,17 @@ def reference_embeddings(model_dir: Path, kind: str, inputs: list) -> np.ndarray
 
     model = load_reference(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    processor = image_processor(kind, model.config.vision_config.image_size)
+    processor = image_processor(kind, getattr(model.config.vision_config, "image_size", IMAGE_SIZE))
     out = []
     with torch.no_grad():
         for item in inputs:
             if isinstance(item, ImageInput):
-                pixels = processor(images=[decoded(item.data)], return_tensors="pt")["pixel_values"]
-                out.append(model.get_image_features(pixel_values=pixels).pooler_output[0].numpy())
-            elif kind == "siglip":
-                ids = tokenizer([item], padding="max_length", max_length=SIGLIP_TEXT_LENGTH, return_tensors="pt")
+                # SigLIP 2 also takes the processor's patch mask and grids (spatial_shapes).
+                features = dict(processor(images=[decoded(item.data)], return_tensors="pt"))
+                out.append(model.get_image_features(**features).pooler_output[0].numpy())
+            elif kind != "clip":
+                length = model.config.text_config.max_position_embeddings
+                ids = tokenizer([item], padding="max_length", max_length=length, return_tensors="pt")
                 out.append(model.get_text_features(input_ids=ids["input_ids"]).pooler_output[0].numpy())
             else:
                 ids = tokenizer([item], return_tensors="pt")

@@ -132,21 +132,25 @@ def test_sentence_transformers_directories(clip, clip_dir, tmp_path, layout):
     assert_cosine_at_least(got[[1, 2, 4, 5]], reference.encode(images), checks.COSINE)
 
 
-@pytest.mark.parametrize("kind", ["clip", "siglip"])
+@pytest.mark.parametrize("kind", ["clip", "siglip", "siglip2"])
 def test_published_shapes_load_every_tensor(kind):
-    """CLIP ViT-B/32's and SigLIP-base's checkpoints (their configs, weightless): every tensor has a place of
-    its shape in our model, and every parameter of ours is filled."""
+    """CLIP ViT-B/32's, SigLIP-base's and SigLIP 2 NaFlex-base's checkpoints (their configs, weightless): every
+    tensor has a place of its shape in our model, and every parameter of ours is filled."""
     import torch
-    from transformers import CLIPModel, SiglipModel
+    from transformers import CLIPModel, Siglip2Config, Siglip2Model, SiglipModel
 
     from embedserv.models import registry
     from embedserv.models.loading.weights import load_weights
     from tests.helpers.vision_models import clip_vit_b32_config, siglip_base_config
 
-    config = clip_vit_b32_config() if kind == "clip" else siglip_base_config()
+    config, model_class = {
+        "clip": (clip_vit_b32_config, CLIPModel), "siglip": (siglip_base_config, SiglipModel),
+        "siglip2": (Siglip2Config, Siglip2Model),
+    }[kind]
+    config = config()
     family = registry.lookup(kind)
     with torch.device("meta"):
-        reference = (CLIPModel if kind == "clip" else SiglipModel)(config)
+        reference = model_class(config)
         ours = family.model_class(config)
     loaded = load_weights(ours, family, reference.state_dict().items())
     assert set(dict(ours.named_parameters())) == loaded

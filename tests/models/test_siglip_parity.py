@@ -52,6 +52,13 @@ def test_texts_run_padded_to_the_model_length(siglip):
     assert result.prompt_tokens == 2 * SIGLIP_TEXT_LENGTH
 
 
+def test_token_ids_are_padded_as_texts(siglip):
+    text = "a photo of two cats"
+    ids = siglip.engine.tokenizer.hf_tokenizer(text)["input_ids"]
+    from_ids = siglip._call(siglip.engine.embed_token_ids([ids], EmbedParams())).embeddings
+    np.testing.assert_allclose(from_ids, siglip.embed([text], EmbedParams()).embeddings, rtol=1e-5, atol=1e-6)
+
+
 def test_rerank_by_cosine_pads_texts(siglip, siglip_dir):
     query, documents = "a cat", ["a dog on a sofa", "the cat sat on the mat", "red"]
     want = reference_embeddings(siglip_dir, "siglip", [query, *documents])

@@ -90,6 +90,8 @@ class Embedding:
             tokenizer.check_token_ids, token_ids, params.truncate, params.truncation_direction
         )
         self.token_rules.check_ids(encoded)
+        # Padded as the model's texts are (SigLIP), which a caller's own tokenizer does not do.
+        encoded = self.token_rules.pad_texts(encoded)
         return await self._pooled(with_adapter(encoded, adapter), params, received)
 
     async def _pooled(self, encoded: list[Encoded], params: EmbedParams, received: float) -> EmbedResult:

@@ -41,7 +41,7 @@ class ClipVisionTower(nn.Module):
         self.encoder = Encoder(config, first_index)
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
-    def forward(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, rows: torch.Tensor, positions: torch.Tensor, grids=()) -> torch.Tensor:
         return self.encoder(self.pre_layrnorm(self.embeddings(rows, positions)))
 
 

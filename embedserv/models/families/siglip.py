@@ -26,7 +26,7 @@ class SiglipVisionEmbeddings(nn.Module):
         self.patch_embedding = PatchEmbedding(config, bias=True)
         self.position_embedding = nn.Embedding(num_patches(config), config.hidden_size)
 
-    def forward(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, rows: torch.Tensor, positions: torch.Tensor, grids=()) -> torch.Tensor:
         return self.patch_embedding(rows) + self.position_embedding(positions)
 
 
@@ -75,21 +75,23 @@ class PoolingHead(nn.Module):
 
 
 class SiglipVisionTower(nn.Module):
-    def __init__(self, config, first_index: int) -> None:
+    """`embeddings(rows, positions, grids)`: SigLIP's, or SigLIP 2's resizable ones (siglip2.py)."""
+
+    def __init__(self, config, first_index: int, embeddings: nn.Module | None = None) -> None:
         super().__init__()
         if not getattr(config, "vision_use_head", True):
             raise ValueError("a SigLIP vision tower without its pooling head (vision_use_head false) embeds no image")
-        self.embeddings = SiglipVisionEmbeddings(config)
+        self.embeddings = embeddings if embeddings is not None else SiglipVisionEmbeddings(config)
         self.encoder = Encoder(config, first_index)
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.head = PoolingHead(config)
 
-    def forward(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.encoder(self.embeddings(rows, positions))
+    def forward(self, rows: torch.Tensor, positions: torch.Tensor, grids=()) -> torch.Tensor:
+        return self.encoder(self.embeddings(rows, positions, grids))
 
 
 class SiglipModel(DualEncoder):
-    def __init__(self, config) -> None:
+    def __init__(self, config, vision_embeddings: nn.Module | None = None) -> None:
         super().__init__(config)
         text, vision = config.text_config, config.vision_config
         if text.projection_size != vision.hidden_size:
@@ -97,7 +99,7 @@ class SiglipModel(DualEncoder):
                 f"text projection_size {text.projection_size} differs from the vision width {vision.hidden_size}"
             )
         self.text_model = TextTower(text, head_size=text.projection_size)
-        self.vision_model = SiglipVisionTower(vision, first_index=text.num_hidden_layers)
+        self.vision_model = SiglipVisionTower(vision, text.num_hidden_layers, vision_embeddings)
 
     def pool(self, hidden: torch.Tensor, pooling, images: bool) -> torch.Tensor:
         """[num_seqs, dim]: each sequence's vector in the joint space (`pooling`: the runner's

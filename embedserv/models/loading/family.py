@@ -96,7 +96,8 @@ class VisionTower:
 
     # Pixels per patch side: each patch row holds 3 * patch_size**2 values.
     patch_size: int
-    # The square side its position embeddings cover: preprocessing must give images of this size.
+    # The square side its position embeddings cover: preprocessing must give images of this size; 0: images
+    # keep their own grids (SigLIP 2's NaFlex).
     image_size: int
     # A class-token row (zeros; the model puts its class embedding there) leads each image's rows (CLIP).
     class_token: bool
@@ -109,6 +110,8 @@ class VisionTower:
     # or where it has none this id (the config's).
     pads_texts: bool = False
     text_pad_id: int = 0
+    # The image processing layout it takes (engine/images ImageProcessing.layout).
+    layout: str = "chw"
 
 
 @dataclass(frozen=True)

@@ -344,11 +344,11 @@ class ServerConfig:
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ConfigError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key too")
 
-    @property
-    def max_receive_message_bytes(self) -> int:
+    def receive_limit(self, images: bool) -> int:
         """The largest request a full call can be: every input (and a rerank query) at the character limit,
-        4 UTF-8 bytes a character, and its images at the image byte limit (in base64 over HTTP: 4 bytes per
-        3), plus room for the other fields (gRPC takes at most 2 GiB - 1)."""
+        4 UTF-8 bytes a character, and, when a served model takes images (`images`), its images at the image
+        byte limit (in base64 over HTTP: 4 bytes per 3), plus room for the other fields (gRPC takes at most
+        2 GiB - 1). A text-only server keeps the texts' limit alone (Frontend.receive_limit)."""
         texts = (self.max_client_batch_size + 1) * (self.max_input_chars * 4 + 16)
-        images = self.max_images_per_request * (max(m.max_image_bytes for m in self.models) * 4 // 3 + 64)
-        return min(texts + images + 64 * 1024, 2**31 - 1)
+        image_bytes = max(m.max_image_bytes for m in self.models) * 4 // 3 + 64
+        return min(texts + (self.max_images_per_request * image_bytes if images else 0) + 64 * 1024, 2**31 - 1)

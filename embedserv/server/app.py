@@ -45,11 +45,11 @@ _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def server_options(config: ServerConfig) -> list[tuple[str, int]]:
+def server_options(config: ServerConfig, receive_limit: int) -> list[tuple[str, int]]:
     options = [
-        # A request past this is refused (RESOURCE_EXHAUSTED) before it is parsed. Responses are
-        # bounded by the requests they answer; clients set their own receive limit.
-        ("grpc.max_receive_message_length", config.max_receive_message_bytes),
+        # A request past this (Frontend.receive_limit) is refused (RESOURCE_EXHAUSTED) before it is parsed.
+        # Responses are bounded by the requests they answer; clients set their own receive limit.
+        ("grpc.max_receive_message_length", receive_limit),
         ("grpc.max_send_message_length", -1),
         # gRPC shares ports by default: a second server on a busy port would start silently. Front ends
         # share them on purpose.
@@ -81,11 +81,11 @@ class EmbedServer:
         self.limiter = InflightLimiter(config.max_concurrent_requests, shared_in_flight)
         self.host: EngineHost | None = None
         self.health = health.aio.HealthServicer()
+        self.frontend = Frontend(self.models, config, self.limiter)
         self.server = grpc.aio.server(
             interceptors=[ApiKeyInterceptor(config.api_key)] if config.api_key else None,
-            options=server_options(config),
+            options=server_options(config, self.frontend.receive_limit),
         )
-        self.frontend = Frontend(self.models, config, self.limiter)
         self.servicer = add_services(self.frontend, self.server, self.health)
         self.port: int | None = None
         self.metrics: MetricsServer | None = None

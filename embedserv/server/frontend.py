@@ -14,6 +14,7 @@ from typing import Iterable
 from embedserv.config import ServerConfig
 from embedserv.engine.engine import Engine
 from embedserv.errors import InvalidInput, ModelNotFound, NotReady
+from embedserv.models.loading.spec import takes_images
 from embedserv.server.served_models import InflightLimiter, ServedModels
 from embedserv.types import ImageInput, Modality, Task
 
@@ -63,6 +64,8 @@ class Frontend:
         self.models = models
         self.config = config
         self.limiter = limiter
+        # The largest request message (gRPC) and body (HTTP): room for images only where a model takes them.
+        self.receive_limit = config.receive_limit(any(takes_images(model) for model in config.models))
         self.active_calls = ActiveCalls()
         # Set when a drain starts: HTTP answers new calls 503 (gRPC's own server refuses them).
         self.draining = False
@@ -122,9 +125,10 @@ class Frontend:
         limit = engine.config.max_image_bytes
         for index, image in images:
             if len(image.data) > limit:
+                # Worded for every face (no flag names): an HTTP caller cannot see the server's flags.
                 raise InvalidInput(
-                    f"input {index}: the image has {len(image.data)} bytes, more than the model's --max-image-bytes "
-                    f"{limit}; send a smaller or more compressed image"
+                    f"input {index}: the image has {len(image.data)} bytes, over this server's limit of {limit} "
+                    "bytes per image; send a smaller or more compressed image"
                 )
             if not image.data:
                 raise InvalidInput(f"input {index} is an empty image; send a PNG, JPEG or WebP file's bytes")
@@ -133,7 +137,7 @@ class Frontend:
         limit = self.config.max_images_per_request
         if count > limit:
             raise InvalidInput(
-                f"the call carries {count} images, more than --max-images-per-request {limit} allows; "
+                f"the call carries {count} images; this server takes at most {limit} images per call: "
                 "split them over several calls"
             )
 

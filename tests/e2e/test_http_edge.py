@@ -23,7 +23,7 @@ from tests.helpers.server import free_port, launched_server, wait_until_serving
 
 KEY = "edge-test-key"
 MAX_CHARS, MAX_BATCH, MAX_CONCURRENT = 2000, 16, 32
-# ServerConfig.max_receive_message_bytes for these limits: the HTTP body limit too.
+# ServerConfig.receive_limit for these limits (no model takes images): the HTTP body limit too.
 BODY_LIMIT = (MAX_BATCH + 1) * (MAX_CHARS * 4 + 16) + 64 * 1024
 AUTH = {"authorization": f"Bearer {KEY}"}
 
@@ -37,8 +37,6 @@ def edge(bundled_dir, tmp_path_factory):
         "--model", str(generator), "--served-model-name", "tiny-lm",
         "--http-port", str(http_port), "--metrics-port", str(metrics_port), "--api-key", KEY,
         "--max-input-chars", str(MAX_CHARS), "--max-client-batch-size", str(MAX_BATCH),
-        # No images: the body limit is then the texts' alone (images add their base64 bytes to it).
-        "--max-images-per-request", "0",
         "--max-concurrent-requests", str(MAX_CONCURRENT), "--drain-timeout", "60", "--kv-cache-memory", "64MiB",
     ]
     with launched_server(args) as (target, proc):

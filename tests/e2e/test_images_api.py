@@ -99,6 +99,9 @@ def test_list_models_reports_the_image_modality_and_limits(stub, http):
     assert list(model.modalities) == ["text", "image"]
     assert (model.max_image_bytes, model.max_image_pixels) == (MAX_BYTES, 40_000_000)
     assert reply.limits.max_images_per_request == MAX_IMAGES
+    # The receive limit has room for a full call's images (in base64 over HTTP) beside its texts.
+    texts = (MAX_BATCH + 1) * (100_000 * 4 + 16) + 64 * 1024
+    assert reply.limits.max_receive_message_bytes == texts + MAX_IMAGES * (MAX_BYTES * 4 // 3 + 64)
     assert http.get("/v1/models").json()["data"][0]["modalities"] == ["text", "image"]
 
 
@@ -180,9 +183,9 @@ def test_bad_images_are_refused_naming_the_input(stub, http, name):
 
 def test_limits_and_urls_are_refused(stub, http):
     message = _refused(stub, [PNG] * (MAX_IMAGES + 1))
-    assert f"{MAX_IMAGES + 1} images, more than --max-images-per-request {MAX_IMAGES}" in message
+    assert f"{MAX_IMAGES + 1} images; this server takes at most {MAX_IMAGES} images per call" in message
     message = _refused(stub, ["a text", PNG, PNG + bytes(MAX_BYTES)])
-    assert f"input 2: the image has {len(PNG) + MAX_BYTES} bytes, more than the model's --max-image-bytes" in message
+    assert f"input 2: the image has {len(PNG) + MAX_BYTES} bytes, over this server's limit of {MAX_BYTES}" in message
     # Images count as inputs toward --max-client-batch-size.
     message = _refused(stub, ["a", "b", "c", PNG, PNG, PNG, PNG])
     assert f"items holds 7 items, more than --max-client-batch-size {MAX_BATCH}" in message

@@ -39,17 +39,15 @@ def test_bad_settings_are_refused_naming_the_flag(fields, flag):
 
 
 def test_receive_limit_fits_a_full_call_of_the_longest_inputs():
-    config = ServerConfig(models=MODEL, max_client_batch_size=8, max_input_chars=1000, max_images_per_request=0)
-    # 8 inputs and a rerank query of 1000 four-byte characters each.
-    assert config.max_receive_message_bytes >= 9 * 4000
-    assert config.max_receive_message_bytes < 9 * 4000 + 128 * 1024
-    # And 3 images at the byte limit, base64 on HTTP.
     image_model = (dataclasses.replace(MODEL[0], max_image_bytes=3000),)
-    with_images = ServerConfig(models=image_model, max_client_batch_size=8, max_input_chars=1000, max_images_per_request=3)
-    assert 9 * 4000 + 3 * 4000 <= with_images.max_receive_message_bytes < 9 * 4000 + 3 * 4000 + 128 * 1024
+    config = ServerConfig(models=image_model, max_client_batch_size=8, max_input_chars=1000, max_images_per_request=3)
+    # 8 inputs and a rerank query of 1000 four-byte characters each; a text-only server adds nothing for images.
+    assert 9 * 4000 <= config.receive_limit(images=False) < 9 * 4000 + 128 * 1024
+    # A server with a model that takes images: also 3 images at the byte limit, base64 on HTTP.
+    assert 9 * 4000 + 3 * 4000 <= config.receive_limit(images=True) < 9 * 4000 + 3 * 4000 + 128 * 1024
     huge = ServerConfig(models=MODEL, max_client_batch_size=100_000, max_concurrent_requests=100_000,
                         max_input_chars=10**7)
-    assert huge.max_receive_message_bytes == 2**31 - 1
+    assert huge.receive_limit(images=False) == 2**31 - 1
 
 
 def test_the_api_key_is_kept_out_of_the_config_repr():
@@ -113,8 +111,8 @@ def test_no_flags_give_the_dataclass_defaults(monkeypatch):
 
 
 def test_max_connection_age_becomes_the_grpc_option_only_when_set():
-    assert "grpc.max_connection_age_ms" not in dict(server_options(_config([])))
-    options = dict(server_options(_config(["--max-connection-age", "2.5"])))
+    assert "grpc.max_connection_age_ms" not in dict(server_options(_config([]), 1024))
+    options = dict(server_options(_config(["--max-connection-age", "2.5"]), 1024))
     assert options["grpc.max_connection_age_ms"] == 2500
     # No grace option: a call in flight on a closing connection runs to its end.
     assert "grpc.max_connection_age_grace_ms" not in options

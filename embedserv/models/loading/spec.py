@@ -212,6 +212,17 @@ def _modalities(family: Family) -> tuple[Modality, ...]:
     return (Modality.TEXT, Modality.IMAGE) if takes_images else (Modality.TEXT,)
 
 
+def takes_images(config: ModelConfig) -> bool:
+    """Whether the model takes images, from its config.json alone (the server sizes its receive limit before any
+    model loads); False where that cannot be read: loading the model then says why."""
+    try:
+        model_dir = model_root(Path(config.path).expanduser())
+        model_type = json.loads((model_dir / "config.json").read_text()).get("model_type", "")
+        return Modality.IMAGE in _modalities(registry.lookup(str(model_type)))
+    except (OSError, ValueError, ConfigError):
+        return False
+
+
 def read_model_spec(config: ModelConfig) -> ModelSpec:
     model_dir = model_root(Path(config.path).expanduser())
     if not (model_dir / "config.json").exists():

@@ -183,12 +183,12 @@ def generate_response(delta: GenerationDelta) -> pb.GenerateResponse:
     )
 
 
-def server_limits(config: ServerConfig) -> pb.ServerLimits:
+def server_limits(config: ServerConfig, receive_limit: int) -> pb.ServerLimits:
     return pb.ServerLimits(
         max_client_batch_size=config.max_client_batch_size,
         max_input_chars=config.max_input_chars,
         max_concurrent_requests=config.max_concurrent_requests,
-        max_receive_message_bytes=config.max_receive_message_bytes,
+        max_receive_message_bytes=receive_limit,
         max_images_per_request=config.max_images_per_request,
     )
 

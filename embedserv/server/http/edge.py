@@ -58,7 +58,7 @@ class Edge:
         self.frontend = frontend
         config = frontend.config
         self._key = config.api_key.strip().encode() if config.api_key else None
-        self.max_body_bytes = config.max_receive_message_bytes
+        self.max_body_bytes = frontend.receive_limit
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":

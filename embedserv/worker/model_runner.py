@@ -136,11 +136,13 @@ class ModelRunner:
             self.kv_cache.zero(prepared.fresh_blocks)
         build = self.backend.build_metadata
         skip = self._skip(inputs)
+        # An encoder-decoder step's encoder inputs, or the vision tower's image rows (worker/image_inputs.py).
+        encoder = inputs.encoder_attention or inputs.vision_attention
         context = self.routes.context(
             self.backend,
             tuple(build(common) for common in inputs.attention),
             layer_kv_caches=self.layer_kv_caches if inputs.attention[0].reads_kv_cache else None,
-            encoder_metadata=build(encoder) if (encoder := inputs.encoder_attention or inputs.vision_attention) else None,
+            encoder_metadata=build(encoder) if encoder is not None else None,
             cross_metadata=build(inputs.cross_attention) if inputs.cross_attention is not None else None,
             skip=skip,
         )

@@ -137,7 +137,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             for base in served.engines
             for engine, usage in ((base, base.kv_cache_usage()), *((a, None) for a in served.adapter_engines(base)))
         ]
-        return pb.ListModelsResponse(models=models, limits=server_limits(self.frontend.config, self.frontend.receive_limit))
+        limits = server_limits(self.frontend.config, self.frontend.receive_limit)
+        return pb.ListModelsResponse(models=models, limits=limits)
 
     @unary_call
     async def Rerank(self, request, context, call):

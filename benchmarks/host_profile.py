@@ -19,7 +19,7 @@ from typing import Callable
 
 # Innermost match wins: (stage, substrings of a frame "function (file:line)").
 RULES = (
-    ("tokenize", ("engine/tokenizer.py", "tokenizers/")),
+    ("tokenize", ("engine/inputs/tokenizer.py", "tokenizers/")),
     ("IPC", ("executor/codec.py", "executor/process_worker.py", "multiprocessing/connection.py", "frontend_link")),
     ("queue + schedule", ("scheduler/", "engine/core/prefill.py", "engine/core/step_loop.py", "engine/core/engine_core.py")),
     ("outputs", ("engine/tasks/",)),

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from embedserv.config import ModelConfig, bundled_model_path
-from embedserv.engine.loading import read_served_model
+from embedserv.engine.served_model import read_served_model
 from embedserv.steps import OutputKind, ScheduledSequence, StepBatch
 from embedserv.worker.replica import build_runner
 

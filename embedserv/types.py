@@ -26,7 +26,7 @@ class Modality(ValueEnum):
 @dataclass(frozen=True)
 class ImageInput:
     """One image as a call sent it: encoded bytes (PNG, JPEG or WebP), decoded and preprocessed in the front
-    end's pool (engine/images). Never a URL: the faces turn data URLs into bytes and refuse the rest."""
+    end's pool (engine/inputs/images). Never a URL: the faces turn data URLs into bytes and refuse the rest."""
 
     data: bytes
 

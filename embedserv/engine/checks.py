@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from embedserv.engine.tokenizer import TextTokenizer
+from embedserv.engine.inputs.tokenizer import TextTokenizer
 from embedserv.errors import InvalidInput
 from embedserv.models.loading.tasks import TaskSpec
 from embedserv.types import EmbedOutput, EmbedParams, ModelInfo, RerankMode, RerankParams, Task, TruncationDirection

@@ -16,7 +16,7 @@ from embedserv.engine import checks
 from embedserv.engine.core import workers as worker_builders
 from embedserv.engine.core.engine_core import EngineCore
 from embedserv.engine.core.output_cache import CacheStats
-from embedserv.engine.loading import ServedModel, log_spec, read_served_model
+from embedserv.engine.served_model import ServedModel, log_spec, read_served_model
 from embedserv.engine.tasks.classification import Classification
 from embedserv.engine.tasks.embedding import Embedding
 from embedserv.engine.tasks.quantize import Encodings

@@ -14,7 +14,7 @@ from typing import Any, Callable, Protocol, TypeVar
 
 import numpy as np
 
-from embedserv.engine.tokenizer import Encoded
+from embedserv.engine.inputs.tokenizer import Encoded
 from embedserv.types import EmbedOutput, Timing
 
 T = TypeVar("T")

@@ -45,7 +45,7 @@ def run_frontend(
 
 async def _serve(config: ServerConfig, index: int, address: str, shared_in_flight, server_class) -> None:
     from embedserv.engine.engine import Engine
-    from embedserv.engine.loading import read_served_model
+    from embedserv.engine.served_model import read_served_model
     from embedserv.server import link_messages as m
     from embedserv.server.remote_core import FrontendLink, RemoteCore
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from embedserv.engine.ports import SequenceOutput
-from embedserv.engine.tokenizer import Encoded
+from embedserv.engine.inputs.tokenizer import Encoded
 from embedserv.errors import AdapterNotFound, EmbedservError, InvalidInput, ModelNotFound, NotReady, Overloaded
 from embedserv.executor.codec import Codec
 from embedserv.types import EmbedOutput, GenerationDelta, KvCacheUsage, SamplingParams, Timing

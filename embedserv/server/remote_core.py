@@ -23,7 +23,7 @@ import zmq.asyncio
 
 from embedserv import tracing
 from embedserv.engine.ports import SequenceOutput, run_tokenizer
-from embedserv.engine.tokenizer import Encoded, TextTokenizer
+from embedserv.engine.inputs.tokenizer import Encoded, TextTokenizer
 from embedserv.errors import NotReady
 from embedserv.executor.base import WorkerStats
 from embedserv.logs import REQUEST_ID

@@ -94,7 +94,7 @@ def build_tiny_colqwen2(
     images = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112)
     ColQwen2Processor(image_processor=images, tokenizer=tokenizer).save_pretrained(str(out))
     # transformers 5 keeps the image processor's settings in processor_config.json; hub models (and our
-    # engine/images) have them in preprocessor_config.json.
+    # engine/inputs/images) have them in preprocessor_config.json.
     images.save_pretrained(str(out))
     return out
 

@@ -159,7 +159,7 @@ def test_embed_chunking_refusals(tiny_encoder, engine_for, long_text):
 
 
 def test_a_prompt_that_fills_the_limit_is_refused(bundled_dir):
-    from embedserv.engine.tokenizer import TextTokenizer
+    from embedserv.engine.inputs.tokenizer import TextTokenizer
     from embedserv.errors import InvalidInput
 
     tokenizer = TextTokenizer(bundled_dir, 8, prompts={"long": "one two three four five six "})

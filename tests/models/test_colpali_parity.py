@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from embedserv.engine.images import patch_rows
+from embedserv.engine.inputs.images import patch_rows
 from embedserv.engine.tasks.multi_vector import maxsim_scores
 from tests.helpers.compare import assert_cosine_at_least
 from tests.helpers.vision_language_models import (

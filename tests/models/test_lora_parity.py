@@ -111,7 +111,7 @@ def test_seq_cls_adapters_score_with_their_own_heads(tmp_path, texts):
     """task_type SEQ_CLS saves the classifier per adapter (modules_to_save): each adapter's scores equal its
     merged model's, in one step with the base and an adapter without a head of its own."""
     from embedserv.config import ModelConfig
-    from embedserv.engine.loading import read_served_model
+    from embedserv.engine.served_model import read_served_model
     from embedserv.steps import OutputKind, ScheduledSequence, StepBatch
     from embedserv.worker.replica import build_runner
 
@@ -157,7 +157,7 @@ def test_one_step_mixing_adapters_equals_each_alone(bert, texts):
     """Sequences of the base and three adapters in one StepBatch, in an order that interleaves them, give
     each sequence the rows it gets alone (the runner's own step, so the mix is certain)."""
     from embedserv.config import ModelConfig
-    from embedserv.engine.loading import read_served_model
+    from embedserv.engine.served_model import read_served_model
     from embedserv.steps import OutputKind, ScheduledSequence, StepBatch
     from embedserv.worker.replica import build_runner
 

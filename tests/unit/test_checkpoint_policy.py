@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from embedserv.config import ModelConfig
-from embedserv.engine.loading import read_served_model
+from embedserv.engine.served_model import read_served_model
 from embedserv.engine.sync import SyncEngine
 from embedserv.errors import ConfigError
 from embedserv.models.loading.checkpoint import checkpoint_files

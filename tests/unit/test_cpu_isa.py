@@ -11,7 +11,7 @@ import torch
 from embedserv import cpu_isa
 from embedserv.attention.backends import sdpa
 from embedserv.config import ModelConfig
-from embedserv.engine.loading import log_spec, read_served_model
+from embedserv.engine.served_model import log_spec, read_served_model
 
 AVX2_EPYC = cpu_isa.CpuIsa("AMD EPYC 7B13", frozenset({"sse4_2", "avx", "avx2", "fma"}))
 AVX512_BF16 = cpu_isa.CpuIsa("Intel Xeon 8375C", frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}))

@@ -11,7 +11,7 @@ import pytest
 
 from embedserv.config import ModelConfig, ServerConfig, bundled_model_path, frontends_for_cores, usable_cores
 from embedserv.engine.ports import SequenceOutput
-from embedserv.engine.tokenizer import Encoded
+from embedserv.engine.inputs.tokenizer import Encoded
 from embedserv.errors import ConfigError, InvalidInput, NotReady, Overloaded
 from embedserv.server import link_messages as m
 from embedserv.server.served_models import InflightLimiter

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFile
 
-from embedserv.engine.images import (
+from embedserv.engine.inputs.images import (
     MIN_SIDE,
     ImageError,
     ImageLimits,
     decode_image,
     pixel_values,
 )
-from embedserv.engine.images.processing import processing_from_dict
+from embedserv.engine.inputs.images.processing import processing_from_dict
 from embedserv.errors import InvalidInput
 from tests.helpers.images import (
     huge_jpeg_header,

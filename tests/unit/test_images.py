@@ -19,7 +19,7 @@ from transformers import (
     SiglipImageProcessor,
 )
 
-from embedserv.engine.images import (
+from embedserv.engine.inputs.images import (
     ImageLimits,
     ImageProcessing,
     decode_image,
@@ -28,7 +28,7 @@ from embedserv.engine.images import (
     prepare_image,
     read_image_processing,
 )
-from embedserv.engine.images.processing import CLIP_MEAN, CLIP_STD, processing_from_dict
+from embedserv.engine.inputs.images.processing import CLIP_MEAN, CLIP_STD, processing_from_dict
 from tests.helpers.images import jpeg_bytes, png_bytes, random_image, webp_bytes
 
 LIMITS = ImageLimits(max_bytes=8 << 20, max_pixels=40_000_000)

@@ -20,7 +20,7 @@ from embedserv.engine.core.output_cache import (
     entry_bytes,
 )
 from embedserv.engine.ports import SequenceOutput
-from embedserv.engine.tokenizer import Encoded
+from embedserv.engine.inputs.tokenizer import Encoded
 from embedserv.types import EmbedOutput
 
 

@@ -1,4 +1,4 @@
-"""Truncated inputs tokenized from a prefix give the whole text's ids (engine/text_prefix.py), for the tokenizer
+"""Truncated inputs tokenized from a prefix give the whole text's ids (engine/inputs/text_prefix.py), for the tokenizer
 kinds it accepts, and it refuses the kinds a cut could change."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
 from benchmarks.corpus import stdlib_texts
 from embedserv.config import ModelConfig, bundled_model_path
-from embedserv.engine import text_prefix
-from embedserv.engine.loading import read_served_model
+from embedserv.engine.inputs import text_prefix
+from embedserv.engine.served_model import read_served_model
 from embedserv.types import TruncationDirection
 
 

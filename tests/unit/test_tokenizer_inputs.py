@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from embedserv.engine.tokenizer import TextTokenizer
+from embedserv.engine.inputs.tokenizer import TextTokenizer
 from embedserv.errors import InvalidInput
 from embedserv.types import TruncationDirection
 

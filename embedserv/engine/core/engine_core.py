@@ -26,9 +26,9 @@ from embedserv.engine.core.output_cache import CacheStats, OutputCache, cache_ke
 from embedserv.engine.core.prefill import PrefillQueue
 from embedserv.engine.core.step_loop import WorkerLoop
 from embedserv.engine.core.step_source import StepSource
-from embedserv.engine.loading import ServedModel
+from embedserv.engine.served_model import ServedModel
 from embedserv.engine.ports import SequenceOutput, run_tokenizer
-from embedserv.engine.tokenizer import Encoded
+from embedserv.engine.inputs.tokenizer import Encoded
 from embedserv.errors import InvalidInput, NotReady
 from embedserv.executor.base import Worker, WorkerStats
 from embedserv.scheduler.load import CallCounts, ModelLoad

@@ -24,7 +24,7 @@ from typing import AsyncIterator
 from embedserv import metrics
 from embedserv.engine.core.step_source import LoopView
 from embedserv.engine.core.detokenizer import IncrementalDetokenizer
-from embedserv.engine.tokenizer import TextTokenizer
+from embedserv.engine.inputs.tokenizer import TextTokenizer
 from embedserv.errors import InvalidInput, NotReady
 from embedserv.executor.base import Worker, WorkerDied
 from embedserv.scheduler.generation import GenerationScheduler

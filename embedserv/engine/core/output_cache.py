@@ -25,7 +25,7 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from embedserv.engine.ports import SequenceOutput
-from embedserv.engine.tokenizer import Encoded
+from embedserv.engine.inputs.tokenizer import Encoded
 from embedserv.scheduler.request import Request
 from embedserv.types import EmbedOutput
 

@@ -25,7 +25,7 @@ from dataclasses import replace
 import numpy as np
 
 from embedserv.engine import checks
-from embedserv.engine.loading import ServedModel
+from embedserv.engine.served_model import ServedModel
 from embedserv.engine.ports import Infer, stack_rows
 from embedserv.engine.tasks.outputs import activate, cosine_to_first, finish_embeddings, rank
 from embedserv.types import (

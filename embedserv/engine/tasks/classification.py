@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from embedserv.engine import checks
-from embedserv.engine.loading import ServedModel
+from embedserv.engine.served_model import ServedModel
 from embedserv.engine.ports import Infer, stack_rows
 from embedserv.engine.tasks import zero_shot
 from embedserv.engine.tasks.outputs import activate

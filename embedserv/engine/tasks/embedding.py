@@ -15,14 +15,15 @@ from dataclasses import replace
 import numpy as np
 
 from embedserv.engine import checks
-from embedserv.engine.loading import ServedModel
+from embedserv.engine.served_model import ServedModel
 from embedserv.engine.ports import Infer, SequenceOutput, stack_rows
-from embedserv.engine.tasks import chunking, image_inputs, late_chunking
+from embedserv.engine.inputs import image_inputs
+from embedserv.engine.tasks import chunking, late_chunking
 from embedserv.engine.tasks.multi_vector import MultiVectorRules
 from embedserv.engine.tasks.outputs import finish_embeddings
-from embedserv.engine.tasks.token_rules import TokenRules
+from embedserv.engine.inputs.token_rules import TokenRules
 from embedserv.engine.tasks.vision_retrieval import VISION_RETRIEVAL, VisionRetrievalRules, read_retrieval_prompts
-from embedserv.engine.tokenizer import Encoded
+from embedserv.engine.inputs.tokenizer import Encoded
 from embedserv.errors import InvalidInput
 from embedserv.models import registry
 from embedserv.types import EmbedOutput, EmbedParams, EmbedResult, ImageInput, SparseVector, Timing

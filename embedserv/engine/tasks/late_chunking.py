@@ -21,11 +21,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from embedserv.engine.loading import ServedModel
+from embedserv.engine.served_model import ServedModel
 from embedserv.engine.ports import Infer, SequenceOutput
 from embedserv.engine.tasks import late_chunks
 from embedserv.engine.tasks.outputs import finish_embeddings
-from embedserv.engine.tokenizer import Encoded, TextTokenizer
+from embedserv.engine.inputs.tokenizer import Encoded, TextTokenizer
 from embedserv.errors import InvalidInput
 from embedserv.models.heads.pooling import Dense
 from embedserv.models.loading.weights import load_dense_weights

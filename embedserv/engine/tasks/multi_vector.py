@@ -24,8 +24,8 @@ import tokenizers
 
 from embedserv.engine.ports import Infer
 from embedserv.engine.tasks.outputs import rank
-from embedserv.engine.tasks.token_rules import TokenRules
-from embedserv.engine.tokenizer import Encoded, TextTokenizer
+from embedserv.engine.inputs.token_rules import TokenRules
+from embedserv.engine.inputs.tokenizer import Encoded, TextTokenizer
 from embedserv.errors import ConfigError, InvalidInput
 from embedserv.models.loading.multi_vector_files import MultiVectorSettings
 from embedserv.types import (

@@ -11,12 +11,12 @@ from __future__ import annotations
 import time
 
 from embedserv.engine import checks
-from embedserv.engine.loading import ServedModel
+from embedserv.engine.served_model import ServedModel
 from embedserv.engine.ports import Infer, stack_rows
 from embedserv.engine.tasks import chunking, multi_vector
 from embedserv.engine.tasks.outputs import activate, cosine_to_first, rank
-from embedserv.engine.tasks.image_inputs import encode_inputs, image_indices
-from embedserv.engine.tasks.token_rules import TokenRules
+from embedserv.engine.inputs.image_inputs import encode_inputs, image_indices
+from embedserv.engine.inputs.token_rules import TokenRules
 from embedserv.engine.tasks.vision_retrieval import VisionRetrievalRules, rerank_pages
 from embedserv.errors import InvalidInput
 from embedserv.models.loading.tasks import Seq2SeqYesNoTemplate

@@ -8,7 +8,7 @@ model's processor_config.json (their defaults where it says nothing):
   processors leave them out;
 - an image is a page: the visual prompt with its one image placeholder repeated as many times as the image
   gives language-model tokens (ColQwen2: its patches over the merge block, t * h * w / merge ** 2; ColPali:
-  image_seq_length, the tower's fixed patch count); the patch rows travel with it (engine/images prepares them);
+  image_seq_length, the tower's fixed patch count); the patch rows travel with it (engine/inputs/images prepares them);
 - every token's vector is returned (transformers returns the attention-masked ones: all of an unpadded input);
 - Rerank: a text query against page images by MaxSim, the sum over the query's vectors of each one's best dot
   product with the page's (processor.score_retrieval, one page at a time: in a batch it pads shorter pages with
@@ -26,13 +26,13 @@ from pathlib import Path
 
 import numpy as np
 
-from embedserv.engine.loading import ServedModel
+from embedserv.engine.served_model import ServedModel
 from embedserv.engine.ports import Infer
-from embedserv.engine.tasks.image_inputs import encode_inputs
+from embedserv.engine.inputs.image_inputs import encode_inputs
 from embedserv.engine.tasks.multi_vector import maxsim_scores
 from embedserv.engine.tasks.outputs import rank
-from embedserv.engine.tasks.token_rules import TokenRules
-from embedserv.engine.tokenizer import Encoded, TextTokenizer
+from embedserv.engine.inputs.token_rules import TokenRules
+from embedserv.engine.inputs.tokenizer import Encoded, TextTokenizer
 from embedserv.errors import ConfigError, InvalidInput
 from embedserv.types import EmbedOutput, EmbedParams, ImageInput, RankedDocument, RerankParams, RerankResult
 

@@ -16,15 +16,15 @@ Processors reproduced (transformers 5.23's PIL backends; a "Fast" type is served
 (max_num_patches) and Qwen2-VL (ColQwen2).
 """
 
-from embedserv.engine.images.decode import (
+from embedserv.engine.inputs.images.decode import (
     MAX_ASPECT_RATIO,
     MIN_SIDE,
     ImageError,
     ImageLimits,
     decode_image,
 )
-from embedserv.engine.images.pixels import patch_rows, pixel_values, prepare_image
-from embedserv.engine.images.processing import ImageProcessing, read_image_processing
+from embedserv.engine.inputs.images.pixels import patch_rows, pixel_values, prepare_image
+from embedserv.engine.inputs.images.processing import ImageProcessing, read_image_processing
 
 __all__ = [
     "MAX_ASPECT_RATIO", "MIN_SIDE", "ImageError", "ImageLimits", "ImageProcessing", "decode_image", "patch_rows",

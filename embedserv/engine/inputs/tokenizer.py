@@ -14,8 +14,8 @@ from pathlib import Path
 import tokenizers
 from transformers import AutoTokenizer
 
-from embedserv.engine import text_prefix
-from embedserv.engine.encoded import Encoded  # noqa: F401  (where most callers import it from)
+from embedserv.engine.inputs import text_prefix
+from embedserv.engine.inputs.sequence import Encoded  # noqa: F401  (where most callers import it from)
 from embedserv.models.loading.tasks import Seq2SeqYesNoTemplate, YesNoTemplate
 from embedserv.types import TokenizedText, TruncationDirection
 from embedserv.errors import InvalidInput

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from embedserv.engine.loading import VisionSpec
-from embedserv.engine.tokenizer import Encoded, TextTokenizer
+from embedserv.engine.served_model import VisionSpec
+from embedserv.engine.inputs.tokenizer import Encoded, TextTokenizer
 from embedserv.errors import InvalidInput
 from embedserv.types import EmbedParams
 
@@ -38,7 +38,7 @@ class TokenRules:
         return [_padded(e, length, self.vision.text_pad_id) for e in encoded] if length else encoded
 
     def encode_image(self, rows: np.ndarray, grid: tuple[int, ...], params: EmbedParams) -> Encoded:
-        """One image's sequence: its patch rows ([rows, patch_dim] float32, engine/images), a zero row first
+        """One image's sequence: its patch rows ([rows, patch_dim] float32, engine/inputs/images), a zero row first
         where the model puts its class embedding, and one placeholder token id per row."""
         if self.vision is None:
             raise InvalidInput("this model takes text only; send texts")

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from embedserv import cpu_isa
 from embedserv.config import ModelConfig
-from embedserv.engine.images import ImageLimits, ImageProcessing, read_image_processing
-from embedserv.engine.images.processing import processing_from_dict
-from embedserv.engine.tokenizer import TextTokenizer
+from embedserv.engine.inputs.images import ImageLimits, ImageProcessing, read_image_processing
+from embedserv.engine.inputs.images.processing import processing_from_dict
+from embedserv.engine.inputs.tokenizer import TextTokenizer
 from embedserv.errors import ConfigError
 from embedserv.models.loading.spec import ModelSpec, read_model_spec
 from embedserv.models.loading.tasks import TaskSpec

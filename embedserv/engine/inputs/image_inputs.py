@@ -1,15 +1,15 @@
 """Embed's image inputs: the refusals a call with images (or a call to a model that takes them) gets before
 anything is decoded, and its inputs as sequences: texts tokenized as usual, images decoded and preprocessed
-(engine/images) in the tokenizer pool, never on the event loop, each becoming the model's sequence through
+(engine/inputs/images) in the tokenizer pool, never on the event loop, each becoming the model's sequence through
 its TokenRules.encode_image. Results keep the call's input order."""
 
 from __future__ import annotations
 
-from embedserv.engine.loading import ServedModel, VisionSpec
-from embedserv.engine.images import prepare_image
+from embedserv.engine.served_model import ServedModel, VisionSpec
+from embedserv.engine.inputs.images import prepare_image
 from embedserv.engine.ports import Infer
-from embedserv.engine.tasks.token_rules import TokenRules
-from embedserv.engine.tokenizer import Encoded
+from embedserv.engine.inputs.token_rules import TokenRules
+from embedserv.engine.inputs.tokenizer import Encoded
 from embedserv.errors import InvalidInput
 from embedserv.types import EmbedOutput, EmbedParams, ImageInput, Modality
 

@@ -11,8 +11,8 @@ import math
 import numpy as np
 from PIL import Image
 
-from embedserv.engine.images.decode import ImageLimits, decode_image, to_rgb
-from embedserv.engine.images.processing import ImageProcessing
+from embedserv.engine.inputs.images.decode import ImageLimits, decode_image, to_rgb
+from embedserv.engine.inputs.images.processing import ImageProcessing
 
 
 def pixel_values(image: Image.Image, processing: ImageProcessing) -> tuple[np.ndarray, tuple[int, ...]]:

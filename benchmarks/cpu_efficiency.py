@@ -50,7 +50,7 @@ def best_seconds(run, repeats: int) -> float:
 
 
 def linear_shapes(engine: SyncEngine) -> collections.Counter:
-    model = engine.engine.workers[0].runner.model
+    model = engine.core.workers[0].runner.model
     return collections.Counter(
         (m.in_features, m.out_features) for m in model.modules() if isinstance(m, Linear)
     )
@@ -94,7 +94,7 @@ def profile(engine: SyncEngine, texts: list[str]) -> tuple[dict[str, float], dic
     """Shares of the model thread's time: by group (linears, attention, other ops) and by operator."""
     calls = [texts[i : i + 32] for i in range(0, len(texts), 32)]
     # The profiler records the thread it is started on: the in-process worker's model thread.
-    model_thread = engine.engine.workers[0]._model_thread
+    model_thread = engine.core.workers[0]._model_thread
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
     model_thread.submit(prof.__enter__).result()
     engine.embed_concurrently(calls, EmbedParams(truncate=True))

@@ -62,7 +62,7 @@ def run_stream(engine: SyncEngine, texts: list[str], batch_size: int, concurrenc
 def measure(engine: SyncEngine, texts: list[str], cache_bytes: int, args) -> tuple[float, float, float, int]:
     """(texts/s off, texts/s on, hit rate, tokens): the best of args.repeats runs each, off and on in turn
     (a machine shared with other work drifts), each run with an empty cache or none."""
-    core = engine.engine.core
+    core = engine.core
     best = {0: float("inf"), cache_bytes: float("inf")}
     hit_rate, tokens = 0.0, 0
     for _ in range(args.repeats):

@@ -142,22 +142,24 @@ def bytes_per_vector(encoding: Encoding, dimension: int) -> int:
     return quantize.encode(np.ones((1, dimension), dtype=np.float32), encoding, np.zeros((2, dimension)), 1.0).nbytes
 
 
-async def _measure(engine, documents: list[str], queries: list[str]) -> list[tuple[str, str, float, float]]:
-    """Embeds once in float32, then encodes the vectors as the engine encodes a call's vectors (Engine.encoded:
-    the same per-vector step whatever the batch; the integer encodings calibrate the model on first use)."""
-    await engine.start()
+async def _measure(core, engine, documents: list[str], queries: list[str]) -> list[tuple[str, str, float, float]]:
+    """Embeds once in float32, then encodes the vectors as the engine encodes a call's vectors
+    (Embedding.in_encoding: the same per-vector step whatever the batch; the integer encodings calibrate the model
+    on first use)."""
+    await core.start()
+    embedding = engine.embedding
     try:
-        embedded = [(await engine.embed(texts, EmbedParams(truncate=True))) for texts in (queries, documents)]
+        embedded = [(await embedding.embed(texts, EmbedParams(truncate=True))) for texts in (queries, documents)]
         encoded = {}
         for encoding in dict.fromkeys(e for e, _ in SCORINGS):
             params = EmbedParams(truncate=True, encoding=encoding)
             encoded[encoding] = [
-                (await engine.encoded(replace(result), params)).embeddings for result in embedded
+                (await embedding.in_encoding(replace(result), params)).embeddings for result in embedded
             ]
-        ranges = await engine.encodings.ranges(EmbedParams(encoding=Encoding.INT8_PER_DIMENSION))
-        scales = {e: await engine.encodings.scale(EmbedParams(encoding=e)) for e in (Encoding.INT8, Encoding.UINT8)}
+        ranges = await embedding.encodings.ranges(EmbedParams(encoding=Encoding.INT8_PER_DIMENSION))
+        scales = {e: await embedding.encodings.scale(EmbedParams(encoding=e)) for e in (Encoding.INT8, Encoding.UINT8)}
     finally:
-        await engine.stop()
+        await core.stop()
     calibrated = Calibrated(ranges, scales)
     float_queries = encoded[Encoding.FLOAT32][0]
     reference_top = top_k(scores(*encoded[Encoding.FLOAT32], Encoding.FLOAT32, "dot"))
@@ -170,6 +172,7 @@ async def _measure(engine, documents: list[str], queries: list[str]) -> list[tup
 
 def main() -> None:
     from embedserv.config import ModelConfig, bundled_model_path
+    from embedserv.engine.core.local_core import LocalCore
     from embedserv.engine.engine import Engine
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -182,9 +185,11 @@ def main() -> None:
     documents, queries = retrieval_set(args.documents, args.queries)
     model = args.model or str(bundled_model_path())
     name = Path(args.model).name if args.model else "all-MiniLM-L6-v2"
-    engine = Engine.load(ModelConfig(path=model, served_name=name, dtype="float32"), warm_up=False)
+    config = ModelConfig(path=model, served_name=name, dtype="float32")
+    core = LocalCore.load(config, warm_up=False)
+    engine = Engine(config, core.served, core)
     dimension = engine.info.dimension
-    rows = asyncio.run(_measure(engine, documents, queries))
+    rows = asyncio.run(_measure(core, engine, documents, queries))
 
     print(f"{name}, {dimension} dims: {len(queries)} queries over {len(documents)} documents "
           f"(stdlib docstrings), top {K}; {time.perf_counter() - started:.0f} s\n")

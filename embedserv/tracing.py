@@ -1,7 +1,7 @@
 """OpenTelemetry tracing, opt-in (--otlp-endpoint): one server span per call and its children, sent by OTLP/gRPC.
 
 Off (the default) nothing is set up, nothing is imported from the SDK and nothing is sent: `start` returns
-None and the engine's hook is one context-variable read. On, each process that answers calls (the server, or
+None. On, each process that answers calls (the server, or
 each --frontends process) builds its own TracerProvider (a BatchSpanProcessor and an OTLP/gRPC exporter; the
 standard OTEL_* environment applies: OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES, OTEL_EXPORTER_OTLP_HEADERS,
 OTEL_PROPAGATORS...). The provider is this module's own, not the process-global one, so tests can install
@@ -9,24 +9,23 @@ an in-memory one per server.
 
 The request span is a child of the caller's W3C `traceparent` (HTTP headers, gRPC metadata). Its children
 (tokenization, queue, one span per batch the call's sequences ran in, response) are built afterwards from
-timestamps the engine measured (perf_counter seconds, one CLOCK_MONOTONIC clock for every process), so no
-span context crosses to the engine or worker processes.
+timestamps the engine measured and returned with the call's Timing (its runs: perf_counter seconds, one
+CLOCK_MONOTONIC clock for every process), so no span context crosses to the engine or worker processes.
 """
 
 from __future__ import annotations
 
-import contextvars
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span, Tracer
 
-    from embedserv.types import Timing
+    from embedserv.types import EngineRun
 
 _tracer: Tracer | None = None
 _provider: TracerProvider | None = None
@@ -106,11 +105,11 @@ class CallTrace:
         self.runs: list[_EngineRun] = []
         self.answered_at: float | None = None
 
-    def engine_ran(self, received: float, timing: Timing, outputs: Iterable[Any]) -> None:
-        """`outputs`: engine/ports.py's SequenceOutputs (not imported: this module is a leaf every layer uses)."""
-        tokenized = received + timing.tokenization_us / 1e6
+    def engine_ran(self, run: EngineRun) -> None:
+        """One pass of the call's sequences through the engine (its outputs: engine/ports.py's SequenceOutputs)."""
+        received, tokenized = run.received, run.tokenized
         steps = {}
-        for output in outputs:
+        for output in run.outputs:
             # A cached output's step ran for an earlier call (before this one's queue began): not this call's.
             if output.finished > tokenized and (output.started, output.finished) not in steps:
                 steps[output.started, output.finished] = _Step(
@@ -145,15 +144,6 @@ def _child(name: str, context, start: float, end: float, attributes: Mapping[str
     span.end(end_time=epoch_ns(max(start, end)))
 
 
-class EngineObserver(Protocol):
-    def engine_ran(self, received: float, timing: Timing, outputs: list[Any]) -> None: ...
-
-
-# The call this task is answering (server/calls.py's Call: its timing headers and its trace), for the engine's
-# hook; None outside a call (the engine process, library use).
-CURRENT_CALL: contextvars.ContextVar[EngineObserver | None] = contextvars.ContextVar("embedserv_call", default=None)
-
-
 def start(name: str, received: float, carrier: Mapping[str, str], attributes: Mapping[str, object]) -> CallTrace | None:
     """The call's server span, a child of the caller's `traceparent` in `carrier`; None when tracing is off."""
     if _tracer is None:
@@ -166,11 +156,3 @@ def start(name: str, received: float, carrier: Mapping[str, str], attributes: Ma
         attributes=attributes,
     )
     return CallTrace(span, received)
-
-
-def engine_ran(received: float, timing: Timing, outputs: list[Any]) -> None:
-    """The engine cores' hook after each infer (in the process that answers the call): what it measured
-    goes to the current call, if any."""
-    call = CURRENT_CALL.get()
-    if call is not None:
-        call.engine_ran(received, timing, outputs)

@@ -3,8 +3,10 @@ steps.py). Plain dataclasses and enums, no torch (a test enforces it)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import numpy as np
 
@@ -233,6 +235,20 @@ class KvCacheUsage:
     cached_prompt_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class EngineRun:
+    """One pass of a call's sequences through the engine, for the call's trace (server/calls.py): when the call
+    was received and its sequences were tokenized (perf_counter seconds), and the outputs of the sequences that
+    ran for it (engine/ports.py's SequenceOutputs: their steps' times and sizes)."""
+
+    received: float
+    tokenized: float
+    outputs: Sequence[Any] = ()
+
+
+_TIMING_PARTS = ("queue_us", "tokenization_us", "inference_us", "total_us")
+
+
 @dataclass
 class Timing:
     """Microseconds spent on one call; see proto Timing for what each covers."""
@@ -241,11 +257,20 @@ class Timing:
     tokenization_us: int = 0
     inference_us: int = 0
     total_us: int = 0
+    # The engine passes behind these figures, for the call's trace; they stay in the process that measured them.
+    runs: tuple[EngineRun, ...] = ()
 
     @staticmethod
     def longest(timings: list[Timing]) -> Timing:
         """The timing of passes that ran at once: each part as long as the longest."""
-        return Timing(*(max(getattr(t, f.name) for t in timings) for f in fields(Timing)))
+        parts = (max(getattr(t, name) for t in timings) for name in _TIMING_PARTS)
+        return Timing(*parts, runs=tuple(run for t in timings for run in t.runs))
+
+    @staticmethod
+    def summed(timings: list[Timing]) -> Timing:
+        """The timing of passes that ran one after another: each part the sum."""
+        parts = (sum(getattr(t, name) for t in timings) for name in _TIMING_PARTS)
+        return Timing(*parts, runs=tuple(run for t in timings for run in t.runs))
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,28 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import TypeVar
+
 from embedserv.engine.inputs.tokenizer import TextTokenizer
 from embedserv.errors import InvalidInput
 from embedserv.models.loading.tasks import TaskSpec
-from embedserv.types import EmbedOutput, EmbedParams, ModelInfo, RerankMode, RerankParams, Task, TruncationDirection
+from embedserv.types import (
+    ClassifyParams, EmbedOutput, EmbedParams, ModelInfo, RerankMode, RerankParams, Task, TruncationDirection,
+)
+
+Params = TypeVar("Params", EmbedParams, RerankParams, ClassifyParams)
+
+
+def truncates(info: ModelInfo, requested: bool | None) -> bool:
+    """Whether a call cuts too-long inputs: its own `truncate` when it says one, else the model's
+    --auto-truncate. Every face's calls are resolved here, so the default lives in one place."""
+    return info.auto_truncate if requested is None else requested
+
+
+def with_truncate(info: ModelInfo, params: Params) -> Params:
+    """`params` with `truncate` resolved (truncates)."""
+    return params if params.truncate is not None else replace(params, truncate=info.auto_truncate)
 
 
 def require(info: ModelInfo, task: Task, rpc: str) -> None:

@@ -1,21 +1,22 @@
-"""What the task services (engine/tasks/) may ask of the engine core (engine/core/), and what they get back.
+"""The Core port: one served model's engine as the task services (engine/tasks/) and the front-end server see it.
 
-The port is narrow on purpose, as TEI's `Infer` is: run tokenizer work off the event loop, and run encoded
-sequences through the scheduler. A service holds a port, never the Engine, so it cannot reach the workers,
-the queues or another service through it.
+It is narrow on purpose, as TEI's `Infer` is: run tokenizer work off the event loop, run input sequences
+through the scheduler, stream a generation, and say how the model is doing. Two classes implement it:
+LocalCore (engine/core/local_core.py: the workers are this process's) and RemoteCore (server/remote_core.py:
+over the link to the engine host, with `--frontends N`). A service holds a Core, never the Engine, so it
+cannot reach the workers, the queues or another service through it.
 """
 
 from __future__ import annotations
 
-import asyncio
-from concurrent.futures import Executor
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
-from embedserv.engine.inputs.tokenizer import Encoded
-from embedserv.types import EmbedOutput, Timing
+from embedserv.engine.inputs.sequence import InputSequence
+from embedserv.types import EmbedOutput, GenerationDelta, KvCacheUsage, SamplingParams, Timing
 
 T = TypeVar("T")
 
@@ -36,37 +37,50 @@ class SequenceOutput:
     batch_tokens: int = 0
 
 
-# Up to this many characters (about 1 ms of tokenizing) a call is tokenized on the event loop: handing it to
-# the tokenizer thread and back cost more than that under load, in GIL waits and wake-ups (one-text calls
-# 1.1-1.5x faster on 2 cores; docs/PERFORMANCE.md, issue 34). Longer inputs go to the pool, so the loop never
-# stalls on them.
-INLINE_TOKENIZE_CHARS = 4096
+class Inferred(NamedTuple):
+    """What Core.infer gives: outputs in input order, the input tokens run (usage), and the call's timing."""
+
+    outputs: list[SequenceOutput]
+    tokens: int
+    timing: Timing
 
 
-async def run_tokenizer(pool: Executor, encode: Callable[..., T], args: tuple, chars: int | None) -> T:
-    """What both engine cores' tokenize_with do (in process and over the front-end link)."""
-    if chars is not None and chars <= INLINE_TOKENIZE_CHARS:
-        return encode(*args)
-    return await asyncio.get_running_loop().run_in_executor(pool, encode, *args)
+@dataclass(frozen=True)
+class CoreStatus:
+    """How a model is doing, as health and ListModels read it."""
+
+    # Started, not stopped, and no step loop crashed (workers may be restarting).
+    running: bool = False
+    # Running with at least one worker ready: what health reports for the model.
+    serving: bool = False
+    # Blocks in use, summed over the workers (None for models that do not generate).
+    kv_cache: KvCacheUsage | None = None
 
 
-def stack_rows(outputs: list[SequenceOutput]) -> np.ndarray:
-    """[n, width] float32: the sequences' pooled vectors or score logits, in order."""
-    return np.stack([output.row for output in outputs])
-
-
-class Infer(Protocol):
-    """The engine core as a task service sees it."""
+class Core(Protocol):
+    def status(self) -> CoreStatus: ...
 
     async def tokenize_with(self, encode: Callable[..., T], *args: Any, chars: int | None = None) -> T:
         """`encode(*args)` in the tokenizer pool; on the event loop when the caller says the inputs hold no more
-        than INLINE_TOKENIZE_CHARS characters in all (`chars`)."""
+        than INLINE_TOKENIZE_CHARS characters in all (`chars`; engine/inputs/tokenizer.py)."""
         ...
 
     async def infer(
-        self, encoded: list[Encoded], received: float, wanted: tuple[EmbedOutput, ...] = (), use_cache: bool = True
-    ) -> tuple[list[SequenceOutput], int, Timing]:
-        """Every sequence through the scheduler: outputs in input order, the input tokens run (usage), and
-        the call's timing from `received` (perf_counter seconds). With `use_cache` off the model's embedding
-        cache (if it has one) is neither read nor filled."""
+        self, sequences: list[InputSequence], received: float, wanted: tuple[EmbedOutput, ...] = (),
+        use_cache: bool = True,
+    ) -> Inferred:
+        """Every sequence through the scheduler: outputs in input order, the input tokens run (usage), and the
+        call's timing from `received` (perf_counter seconds). With `use_cache` off the model's embedding cache
+        (if it has one) is neither read nor filled."""
+        ...
+
+    def generate(
+        self, prompt: str | list[int], params: SamplingParams, decoder_prompt: str = "",
+        add_special_tokens: bool = True,
+    ) -> AsyncIterator[GenerationDelta]:
+        """Streams the text the model appends to `prompt`; the last delta carries the finish reason.
+        Encoder-decoder models: `prompt` is the encoder's input, and the decoder starts from its start token
+        followed by `decoder_prompt`; decoder-only models refuse a decoder_prompt. A prompt of token ids is
+        used as given; a text prompt gets the model's special tokens unless `add_special_tokens` is False
+        (a chat template's output carries its own). `params.max_tokens` None: as many as the context holds."""
         ...

@@ -1,5 +1,6 @@
-"""The engine's side of a served model: its ModelSpec (models/loading/spec.py) plus the tokenizer, EOS ids and,
-for models that take images, how their images become sequences (VisionSpec).
+"""The engine's side of a served model: its ModelSpec (models/loading/spec.py) plus what turns its calls into
+inputs (engine/inputs/: the tokenizer, its token rules and, for models that take images, how their images become
+sequences) and its EOS ids. Read at start-up by the engine host and by every front-end process.
 
 Workers build their replicas from the ModelSpec alone (worker/replica.py); only the engine tokenizes.
 """
@@ -15,8 +16,12 @@ from embedserv import cpu_isa
 from embedserv.config import ModelConfig
 from embedserv.engine.inputs.images import ImageLimits, ImageProcessing, read_image_processing
 from embedserv.engine.inputs.images.processing import processing_from_dict
+from embedserv.engine.inputs.multi_vector_rules import MultiVectorRules
+from embedserv.engine.inputs.token_rules import TokenRules, VisionSpec
 from embedserv.engine.inputs.tokenizer import TextTokenizer
+from embedserv.engine.inputs.vision_retrieval_rules import VISION_RETRIEVAL, VisionRetrievalRules, read_retrieval_prompts
 from embedserv.errors import ConfigError
+from embedserv.models import registry
 from embedserv.models.loading.spec import ModelSpec, read_model_spec
 from embedserv.models.loading.tasks import TaskSpec
 from embedserv.types import ModelInfo, Task
@@ -25,26 +30,11 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class VisionSpec:
-    """How a model's images become sequences (engine/tasks/token_rules.TokenRules.encode_image) and how its
-    texts are shaped beside them. Models with other image layouts add fields with defaults."""
-
-    processing: ImageProcessing
-    # ModelConfig.max_image_bytes / max_image_pixels.
-    limits: ImageLimits
-    patch_size: int
-    # A class-token row (zeros; the model puts its class embedding there) leads each image's patch rows (CLIP).
-    class_token: bool = False
-    # Texts are padded to this many tokens with text_pad_id, as the model's processor pads them (SigLIP's
-    # padding="max_length"); 0: texts go unpadded.
-    text_pad_to: int = 0
-    text_pad_id: int = 0
-
-
-@dataclass(frozen=True)
 class ServedModel:
     spec: ModelSpec
     tokenizer: TextTokenizer
+    # What is model-specific about its inputs and token vectors (the rules of its head kind).
+    token_rules: TokenRules
     # Tokens that end a generation unless ignore_eos (generation_config.json, else config.json).
     eos_token_ids: frozenset[int]
     # None: the model takes texts only.
@@ -76,7 +66,19 @@ def read_served_model(config: ModelConfig) -> ServedModel:
     )
     eos = eos_token_ids(spec.model_dir, spec.hf_config, tokenizer) if Task.GENERATE in spec.task.tasks else frozenset()
     vision = read_vision_spec(config, spec, tokenizer)
-    return ServedModel(spec=spec, tokenizer=tokenizer, eos_token_ids=eos, vision=vision)
+    rules = token_rules(spec, tokenizer, vision)
+    return ServedModel(spec=spec, tokenizer=tokenizer, token_rules=rules, eos_token_ids=eos, vision=vision)
+
+
+def token_rules(spec: ModelSpec, tokenizer: TextTokenizer, vision: VisionSpec | None) -> TokenRules:
+    """The rules of the model's head kind (models/registry.HEAD_KINDS), whose heads the worker runs."""
+    heads = registry.head_kind(spec.outputs.head_kind)
+    if heads.token_settings is not None:
+        return MultiVectorRules(tokenizer, heads.token_settings(spec), spec.max_model_len, str(spec.model_dir))
+    if spec.outputs.head_kind == VISION_RETRIEVAL:
+        prompts = read_retrieval_prompts(spec.model_dir, spec.info.architecture, spec.hf_config, tokenizer)
+        return VisionRetrievalRules(tokenizer, prompts, vision)
+    return TokenRules(skip_first=heads.skip_first_tokens, vision=vision)
 
 
 def read_vision_spec(

@@ -1,4 +1,5 @@
-"""A blocking wrapper around Engine for scripts, benchmarks and tests: its own event loop in a thread."""
+"""A blocking wrapper around one model's LocalCore and Engine for scripts, benchmarks and tests: its own event loop
+in a thread."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import threading
 from dataclasses import replace
 
 from embedserv.config import ModelConfig
+from embedserv.engine.core.local_core import LocalCore
 from embedserv.engine.core.output_cache import CacheStats
 from embedserv.engine.engine import Engine
 from embedserv.executor.base import WorkerStats
@@ -32,14 +34,15 @@ class SyncEngine:
         """The model runs in this process, or with `worker_processes` in config.data_parallel_size worker
         processes, as the server runs it (worker processes warm up unless config.warm_up is off)."""
         if worker_processes:
-            self.engine = Engine.with_worker_processes(config, tokenizer_threads=tokenizer_threads)
+            self.core = LocalCore.with_worker_processes(config, tokenizer_threads=tokenizer_threads)
         else:
-            self.engine = Engine.load(config, tokenizer_threads=tokenizer_threads, warm_up=warm_up)
+            self.core = LocalCore.load(config, tokenizer_threads=tokenizer_threads, warm_up=warm_up)
+        self.engine = Engine(config, self.core.served, self.core)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sync-engine-loop", daemon=True)
         self._thread.start()
         try:
-            self._call(self.engine.start())
+            self._call(self.core.start())
         except BaseException:
             self._stop_loop()
             raise
@@ -52,16 +55,16 @@ class SyncEngine:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     def embed(self, texts: list[str | ImageInput], params: EmbedParams | None = None) -> EmbedResult:
-        return self._call(self.engine.embed(list(texts), params or EmbedParams()))
+        return self._call(self.engine.embedding.embed(list(texts), params or EmbedParams()))
 
     def encoded(self, result: EmbedResult, params: EmbedParams) -> EmbedResult:
-        """A copy of `result` (float32 vectors) in `params.encoding`, by the step Engine.embed ends with."""
-        return self._call(self.engine.encoded(replace(result), params))
+        """A copy of `result` (float32 vectors) in `params.encoding`, by the step Embedding.embed ends with."""
+        return self._call(self.engine.embedding.in_encoding(replace(result), params))
 
     def rerank(
         self, query: str, documents: list[str | ImageInput], params: RerankParams | None = None
     ) -> RerankResult:
-        return self._call(self.engine.rerank(query, list(documents), params or RerankParams()))
+        return self._call(self.engine.reranking.rerank(query, list(documents), params or RerankParams()))
 
     def rerank_concurrently(
         self, calls: list[tuple[str, list[str]]], params: RerankParams | None = None
@@ -69,15 +72,15 @@ class SyncEngine:
         """(query, documents) calls submitted at once, as concurrent clients would."""
 
         async def run() -> list[RerankResult]:
-            return await asyncio.gather(*(self.engine.rerank(q, list(d), params or RerankParams()) for q, d in calls))
+            return await asyncio.gather(*(self.engine.reranking.rerank(q, list(d), params or RerankParams()) for q, d in calls))
 
         return self._call(run())
 
     def classify(self, texts: list[str], params: ClassifyParams | None = None) -> ClassifyResult:
-        return self._call(self.engine.classify(list(texts), params or ClassifyParams()))
+        return self._call(self.engine.classification.classify(list(texts), params or ClassifyParams()))
 
     async def _embed_many(self, calls: list[list[str]], params: EmbedParams) -> list[EmbedResult]:
-        return await asyncio.gather(*(self.engine.embed(texts, params) for texts in calls))
+        return await asyncio.gather(*(self.engine.embedding.embed(texts, params) for texts in calls))
 
     def embed_concurrently(self, calls: list[list[str]], params: EmbedParams | None = None) -> list[EmbedResult]:
         """Submits all calls at once, as concurrent clients would, so the scheduler can pack them."""
@@ -97,7 +100,7 @@ class SyncEngine:
         async def collect(index: int, prompt: str, p: SamplingParams) -> list[GenerationDelta]:
             deltas = []
             decoder_prompt = decoder_prompts[index] if decoder_prompts else ""
-            async for delta in self.engine.generate(prompt, p, decoder_prompt=decoder_prompt):
+            async for delta in self.core.generate(prompt, p, decoder_prompt=decoder_prompt):
                 if on_delta is not None:
                     on_delta(index, delta)
                 deltas.append(delta)
@@ -109,17 +112,17 @@ class SyncEngine:
         return self._call(run())
 
     def kv_cache_usage(self) -> KvCacheUsage | None:
-        return self.engine.kv_cache_usage()
+        return self.core.kv_cache_usage()
 
     def embedding_cache_stats(self) -> CacheStats | None:
-        return self.engine.embedding_cache_stats()
+        return self.core.stats().cache
 
     def worker_stats(self) -> list[WorkerStats]:
-        return self.engine.worker_stats()
+        return [worker.stats() for worker in self.core.workers]
 
     def close(self) -> None:
         if self._thread.is_alive():
-            self._call(self.engine.stop())
+            self._call(self.core.stop())
             self._stop_loop()
 
     def _stop_loop(self) -> None:

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from typing import Callable
 
 import zmq
@@ -76,7 +77,8 @@ class ProcessWorker:
         self._supervisor: asyncio.Task | None = None
         self._ready = asyncio.Event()
         self._failure: str | None = None
-        self._pending: dict[int, asyncio.Future] = {}
+        # The steps sent and not answered, oldest first: the process answers them in the order they came.
+        self._pending: deque[tuple[int, asyncio.Future]] = deque()
         self._step_ids = itertools.count()
         self._last_progress = time.monotonic()
         self._batches = 0
@@ -129,18 +131,23 @@ class ProcessWorker:
         future = asyncio.get_running_loop().create_future()
         if not self._pending:
             self._last_progress = time.monotonic()
-        self._pending[step_id] = future
         generation = batch.uses_kv_cache
+        pending = (step_id, future)
         try:
             message = RunGenerationStep(step_id, self._deltas.encode(batch)) if generation else RunStep(step_id, batch)
-            await self._inbox.send_multipart(CODEC.encode(message), copy=False)
+            frames = CODEC.encode(message)
+            # In the deque before it is sent: its answer may come before the send returns.
+            self._pending.append(pending)
+            try:
+                await self._inbox.send_multipart(frames, copy=False)
+            except BaseException:
+                self._pending.remove(pending)
+                raise
             reply = await future
         except BaseException:
             if generation:
                 self._deltas.reset()
             raise
-        finally:
-            self._pending.pop(step_id, None)
         if isinstance(reply, StepFailed):
             if generation:
                 self._deltas.reset()
@@ -195,8 +202,10 @@ class ProcessWorker:
                 self._batches += 1
                 self._busy_seconds = message.busy_seconds
                 self._last_progress = time.monotonic()
-                future = self._pending.get(message.step_id)
-                if future is not None and not future.done():
+                step_id, future = self._pending.popleft()
+                if step_id != message.step_id:
+                    raise ValueError(f"worker answered step {message.step_id}, but step {step_id} came first")
+                if not future.done():
                     future.set_result(message)
         finally:
             outbox.close(linger=0)
@@ -245,7 +254,7 @@ class ProcessWorker:
         """After the process has gone: not ready, its batches failed, its sockets closed."""
         self._ready.clear()
         self.on_change()
-        for future in self._pending.values():
+        for _, future in self._pending:
             if not future.done():
                 future.set_exception(error or WorkerDied(f"worker {self.name} died while running the batch", True))
         self._pending.clear()

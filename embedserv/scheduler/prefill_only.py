@@ -59,7 +59,12 @@ class PrefillOnlyScheduler:
 
     def schedule(self) -> StepBatch | None:
         """Pops the next batch; cancelled requests are dropped without running. None when idle."""
-        picked: list[ScheduledSequence] = []
+        picked = self.pick()
+        return batch_of(picked) if picked else None
+
+    def pick(self) -> list[Request]:
+        """The next batch's requests, now RUNNING (schedule() without building the batch)."""
+        picked: list[Request] = []
         num_tokens = 0
         while self._waiting and len(picked) < self.max_batch_requests:
             request = self._waiting[0]
@@ -76,26 +81,30 @@ class PrefillOnlyScheduler:
             num_tokens += cost
             if request.call is not None:
                 request.call.start()
-            picked.append(
-                ScheduledSequence(
-                    request_id=request.request_id,
-                    token_ids=tuple(request.prompt_token_ids),
-                    output=request.output,
-                    pool_start=request.pool_start,
-                    token_type_ids=None if request.token_type_ids is None else tuple(request.token_type_ids),
-                    encoder_token_ids=tuple(request.encoder_token_ids),
-                    encoder_len=request.num_encoder_tokens,
-                    outputs=request.outputs,
-                    adapter=request.adapter,
-                    pixels=request.pixels,
-                    image_grid=request.image_grid,
-                )
-            )
-        if not picked:
-            return None
-        return StepBatch(sequences=tuple(picked))
+            picked.append(request)
+        return picked
+
+
+def batch_of(requests: list[Request]) -> StepBatch:
+    """The step that computes `requests` (prefill-only: every token of each, no KV)."""
+    return StepBatch(sequences=tuple(
+        ScheduledSequence(
+            request_id=request.request_id,
+            token_ids=tuple(request.prompt_token_ids),
+            output=request.output,
+            pool_start=request.pool_start,
+            token_type_ids=None if request.token_type_ids is None else tuple(request.token_type_ids),
+            encoder_token_ids=tuple(request.encoder_token_ids),
+            encoder_len=len(request.encoder_token_ids),
+            outputs=request.outputs,
+            adapter=request.adapter,
+            pixels=request.pixels,
+            image_grid=request.image_grid,
+        )
+        for request in requests
+    ))
 
 
 def _cost(request: Request) -> int:
     """A sequence's tokens in a batch: an encoder-decoder request costs its encoder and its decoder tokens."""
-    return request.num_tokens + request.num_encoder_tokens
+    return len(request.prompt_token_ids) + len(request.encoder_token_ids)

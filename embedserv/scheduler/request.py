@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import numpy as np
 
@@ -57,6 +58,8 @@ class Request:
     # An image input's patch rows and grid (steps.ScheduledSequence.pixels); None for texts.
     pixels: np.ndarray | None = None
     image_grid: tuple[int, ...] = ()
+    # Prefill: the caller's asyncio future, given the sequence's output (engine/core/prefill.py).
+    future: Any = None
 
     @property
     def num_tokens(self) -> int:

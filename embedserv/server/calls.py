@@ -84,10 +84,9 @@ class Call:
         self.tokens = 0
         self.method = ""  # HTTP's
         self.received = time.perf_counter()
-        # The engine's measured timing (passes through it: each part as long as the longest); None for
+        # The engine's measured timing (several answered parts: each part as long as the longest); None for
         # calls without a compute step.
         self.timing: Timing | None = None
-        tracing.CURRENT_CALL.set(self)
         # The call's spans while tracing is on (start_trace), else None.
         self.trace: tracing.CallTrace | None = None
 
@@ -97,18 +96,18 @@ class Call:
             attributes = {**attributes, "embedserv.request_id": self.request_id}
             self.trace = tracing.start(name, self.received, carrier_of(), attributes)
 
-    def engine_ran(self, received: float, timing: Timing, outputs: list) -> None:
-        """Each pass of the call's sequences through the engine (tracing.engine_ran, the engine cores' hook)."""
-        self.timing = timing if self.timing is None else Timing.longest([self.timing, timing])
-        if self.trace is not None:
-            self.trace.engine_ran(received, timing, outputs)
-
     def answered(self, inputs: int, tokens: int, timing: Timing | None = None) -> None:
+        """A part of the call answered (all of it, or one request of a stream): its inputs, the tokens they
+        took and, where the engine ran, its timing (the call's timing headers, metrics and trace)."""
         self.inputs += inputs
         self.tokens += tokens
         metrics.INPUTS.labels(self.protocol, self.rpc, self.model).inc(inputs)
         metrics.INPUT_TOKENS.labels(self.protocol, self.rpc, self.model).inc(tokens)
         if timing is not None:
+            self.timing = timing if self.timing is None else Timing.longest([self.timing, timing])
+            if self.trace is not None:
+                for run in timing.runs:
+                    self.trace.engine_ran(run)
             metrics.QUEUE_SECONDS.labels(self.rpc, self.model).observe(timing.queue_us / 1e6)
             metrics.TOKENIZATION_SECONDS.labels(self.rpc, self.model).observe(timing.tokenization_us / 1e6)
             metrics.INFERENCE_SECONDS.labels(self.rpc, self.model).observe(timing.inference_us / 1e6)

@@ -1,272 +1,95 @@
-"""The engine process's side of `--frontends N`: it starts N front-end processes and answers their calls.
+"""The engine role: every served model's LocalCore (its workers, queues and dispatcher), whether each serves, and
+/metrics.
 
-The front ends (server/frontend_process.py) listen on the server's gRPC and HTTP ports together
-(SO_REUSEPORT: the kernel spreads new connections over the listeners). Each parses, checks and tokenizes its
-calls and sends the encoded sequences here over one zmq ROUTER socket; the engines here schedule them all
-in one queue per model, and their workers are this process's. This process serves no call itself: its
-event loop is left to scheduling. It keeps both ports bound (never listening) from before the front ends
-start to the end, so a port in use fails the start here and no other server takes it meanwhile.
-
-Admission is one count of inputs in flight in shared memory (served_models.InflightLimiter), so the limit
-is the server's, not each front end's. Health follows the engines: Status goes to every front end when
-serving changes and each second. A drain goes to every front end, which drains its own calls and says
-Drained. A front end that dies is started again.
+Models load at once, each in its own worker processes (or, for tests, on a model thread of this process);
+the first that cannot start stops the others. The front end that answers calls (a FrontendServer in this
+process, or the front-end processes over the link, server/frontends.py) gets each model as it is ready and
+hears whenever the host's status changes: a model's serving flips, or every model has started.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import multiprocessing
-import os
-import socket
-import tempfile
-import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass
 
-import zmq
-import zmq.asyncio
-
-from embedserv import logs
-from embedserv.config import ServerConfig
-from embedserv.errors import ConfigError
-from embedserv.logs import REQUEST_ID
-from embedserv.server import link_messages as m
-from embedserv.server.frontend import bound_socket
-from embedserv.server.served_models import ServedModels
+from embedserv.config import ModelConfig, ServerConfig
+from embedserv.engine.core.local_core import LocalCore
+from embedserv.engine.ports import CoreStatus
+from embedserv.server.metrics_endpoint import MetricsServer
 
 logger = logging.getLogger(__name__)
-_STATUS_EVERY_S = 1.0
-_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
-_START_TIMEOUT_S = 120.0
 
 
-def reserve_port(host: str, port: int, flag: str) -> socket.socket:
-    """`port` bound with SO_REUSEPORT but not listening: the front ends' listeners join it, connections
-    never reach it. Port 0 picks a free one."""
-    try:
-        sock = bound_socket(host, port, reuse_port=True)
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot listen on {host}:{port} ({exc.strerror}); is the port in use? pick another {flag}"
-        ) from None
-    # Another server that shares its port (SO_REUSEPORT, same user) would let the bind pass: one that answers
-    # a connection is in the way all the same.
-    if _answers(host, sock.getsockname()[1]):
-        sock.close()
-        raise ConfigError(
-            f"cannot listen on {host}:{port} (another server answers there); is the port in use? pick another {flag}"
-        )
-    return sock
-
-
-def _answers(host: str, port: int) -> bool:
-    target = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-    try:
-        socket.create_connection((target, port), timeout=1.0).close()
-    except OSError:
-        return False
-    return True
+@dataclass(frozen=True)
+class HostStatus:
+    # Every model loaded and started (the server's own health turns SERVING with it).
+    started: bool
+    # Each model's status, in --model order (a model still loading: not running, not serving).
+    models: dict[str, CoreStatus]
 
 
 class EngineHost:
-    def __init__(self, config: ServerConfig, models: ServedModels, shared_in_flight, server_class: type) -> None:
-        """`server_class` (app.EmbedServer) is what each front-end process runs."""
-        self._server_class = server_class
-        self._reserved = [reserve_port(config.host, config.port, "--port")]
-        if config.http_port:
-            self._reserved.append(reserve_port(config.host, config.http_port, "--http-port"))
-        ports = [sock.getsockname()[1] for sock in self._reserved]
-        self.port = ports[0]
-        # Concrete ports and front-end count: every front end serves the same, whatever it would derive itself.
-        self.config = replace(
-            config, port=ports[0], http_port=ports[1] if config.http_port else 0, frontends=config.num_frontends
-        )
-        self.models = models
+    def __init__(self, config: ServerConfig, worker_processes: bool = True) -> None:
+        """`worker_processes` False runs each model on a model thread of this process (LocalCore.load, one
+        replica): the tests' in-process servers, which then pay no worker process start."""
+        self.config = config
+        self.worker_processes = worker_processes
+        self.cores: dict[str, LocalCore] = {}
         self.started = False
-        self._dir = tempfile.TemporaryDirectory(prefix="embedserv-frontends-")
-        self.address = f"ipc://{self._dir.name}/engine"
-        # The front ends count calls in prometheus-client's multiprocess files here; /metrics adds them up.
-        self.metrics_dir = os.path.join(self._dir.name, "metrics")
-        os.mkdir(self.metrics_dir)
-        self._socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.bind(self.address)
-        self._shared_in_flight = shared_in_flight
-        self._frontends: dict[bytes, int] = {}
-        self._started_frontends: dict[int, str] = {}  # index -> "" once listening, else why it could not
-        self._drained: set[int] = set()
-        # Set once every front end listens, cleared by a drain: while set, a front end that dies is replaced.
-        self._watching = False
-        self._calls: dict[tuple[bytes, int], asyncio.Task] = {}
-        self._processes: dict[int, multiprocessing.Process] = {}
-        self._tasks: list[asyncio.Task] = []
+        self.metrics: MetricsServer | None = None
+        # Called with no arguments whenever status() may have changed.
+        self.on_change: Callable[[], None] = lambda: None
+        # The cores whose workers are starting, so that a stop during start-up ends them too.
+        self._loading: list[LocalCore] = []
 
-    async def start(self) -> None:
-        """Starts the front-end processes and waits until each listens (ConfigError if one cannot)."""
-        self._tasks = [asyncio.create_task(self._receive(), name="engine-host"),
-                       asyncio.create_task(self._status_loop(), name="engine-host-status")]  # fmt: skip
-        for index in range(self.config.num_frontends):
-            self._spawn(index)
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        while len(self._started_frontends) < len(self._processes):
-            dead = [i for i, p in self._processes.items() if not p.is_alive() and i not in self._started_frontends]
-            if dead or time.monotonic() > deadline:
-                raise ConfigError(f"front end {(dead or ['?'])[0]} did not start; see its log lines above")
-            await asyncio.sleep(0.05)
-        failed = [why for why in self._started_frontends.values() if why]
-        if failed:
-            raise ConfigError(failed[0])
-        self._watching = True
-        logger.info("%d front ends listening on %s:%d", len(self._processes), self.config.host, self.port)
+    def status(self) -> HostStatus:
+        names = [model.served_name for model in self.config.models]
+        cores = self.cores
+        return HostStatus(self.started, {name: cores[name].status() if name in cores else CoreStatus() for name in names})
 
-    def _spawn(self, index: int) -> None:
-        from embedserv.server.frontend_process import run_frontend
-
-        log_settings = (logging.getLevelName(logging.getLogger().getEffectiveLevel()), logs.current_format())
-        process = multiprocessing.get_context("spawn").Process(
-            target=run_frontend, name=f"embedserv-frontend-{index}", daemon=True,
-            args=(self.config, index, self.address, self._shared_in_flight, log_settings, self._server_class),
-        )  # fmt: skip
-        # The child reads its environment when it starts: the variable must be there before prometheus_client
-        # is first imported in it, and must not be in this process, whose own counters stay in memory.
-        previous = os.environ.get(_MULTIPROC_DIR)
-        os.environ[_MULTIPROC_DIR] = self.metrics_dir
-        try:
-            process.start()
-        finally:
-            if previous is None:
-                del os.environ[_MULTIPROC_DIR]
-            else:
-                os.environ[_MULTIPROC_DIR] = previous
-        self._processes[index] = process
-        logger.info("started front end %d (pid %d)", index, process.pid)
-
-    async def _send(self, identity: bytes, message: object) -> None:
-        with contextlib.suppress(zmq.ZMQError):
-            await self._socket.send_multipart([identity, *m.CODEC.encode(message)], copy=False)
-
-    async def _receive(self) -> None:
-        while True:
-            identity, *frames = await self._socket.recv_multipart(copy=False)
-            identity = bytes(identity)
-            try:
-                message = m.CODEC.decode(frames)
-            except ValueError:
-                logger.exception("a front end sent a malformed message")
-                continue
-            if isinstance(message, m.Hello):
-                self._started_frontends[message.index] = message.error
-                if not message.error:
-                    self._frontends[identity] = message.index
-                    await self._send(identity, self.status())
-            elif isinstance(message, m.CancelCall):
-                task = self._calls.get((identity, message.call_id))
-                if task is not None:
-                    task.cancel()
-            elif isinstance(message, m.Drained):
-                self._drained.add(message.index)
-            elif isinstance(message, (m.InferCall, m.GenerateCall)):
-                key = (identity, message.call_id)
-                run = self._infer if isinstance(message, m.InferCall) else self._generate
-                task = asyncio.create_task(run(identity, message))
-                self._calls[key] = task
-                task.add_done_callback(lambda _, key=key: self._calls.pop(key, None))
-
-    async def _infer(self, identity: bytes, call: m.InferCall) -> None:
-        REQUEST_ID.set(call.request_id)  # this task's own context
-        try:
-            engine = self.models.get(call.model)
-            outputs, tokens, timing = await engine.core.infer(
-                call.sequences, call.received, call.wanted, call.use_cache
+    def serve_metrics(self, in_flight: Callable[[], int], frontends_dir: str | None = None) -> None:
+        """/metrics on --metrics-port (if set): the cores' counts and `in_flight()`, the inputs admitted now;
+        with `frontends_dir`, the front-end processes' counters too."""
+        if self.config.metrics_port is not None:
+            self.metrics = MetricsServer(
+                self.config.host, self.config.metrics_port, lambda: list(self.cores.values()), in_flight, frontends_dir
             )
-            reply = m.InferDone(call.call_id, outputs, tokens, timing)
-        except asyncio.CancelledError:
-            return
-        except Exception as exc:  # noqa: BLE001 - every failure goes back to the caller
-            reply = m.failure(call.call_id, exc)
-        await self._send(identity, reply)
 
-    async def _generate(self, identity: bytes, call: m.GenerateCall) -> None:
-        REQUEST_ID.set(call.request_id)
+    async def start(self, on_ready: Callable[[ModelConfig, LocalCore], None]) -> None:
+        """Loads and starts every model, calling `on_ready(config, core)` as each is ready to serve."""
+        loads = [asyncio.create_task(self._start_model(m, on_ready)) for m in self.config.models]
         try:
-            engine = self.models.get(call.model)
-            deltas = engine.generate(call.prompt, call.params, call.decoder_prompt, call.add_special_tokens)
-            async with contextlib.aclosing(deltas):
-                async for delta in deltas:
-                    await self._send(identity, m.GenerateDelta(call.call_id, delta))
-            reply = m.GenerateEnd(call.call_id)
-        except asyncio.CancelledError:
-            return
-        except Exception as exc:  # noqa: BLE001
-            reply = m.failure(call.call_id, exc)
-        await self._send(identity, reply)
+            await asyncio.gather(*loads)
+        except BaseException:
+            for load in loads:
+                load.cancel()
+            await asyncio.gather(*loads, return_exceptions=True)
+            raise
+        self.started = True
+        self.on_change()
+        logger.info("serving %s", ", ".join(self.cores))
 
-    def status(self) -> m.Status:
-        engines = {engine.info.name: engine for engine in self.models.engines}
-        models = []
-        for name in self.models.names:
-            engine = engines.get(name)
-            if engine is None:
-                models.append(m.ModelStatus(name, running=False, serving=False))
-            else:
-                models.append(m.ModelStatus(name, engine.is_running, engine.is_serving, engine.kv_cache_usage()))
-        return m.Status(self.started, models)
+    async def _start_model(self, config: ModelConfig, on_ready: Callable[[ModelConfig, LocalCore], None]) -> None:
+        core = await asyncio.get_running_loop().run_in_executor(None, self._load, config)
+        # Until it serves, stop() finds it here (a signal or another model's failure during start-up).
+        self._loading.append(core)
+        await core.start()
+        self._loading.remove(core)
+        self.cores[config.served_name] = core
+        core.add_serving_listener(lambda serving: self.on_change())
+        on_ready(config, core)
+        self.on_change()
 
-    async def broadcast(self, message: object) -> None:
-        for identity in list(self._frontends):
-            await self._send(identity, message)
-
-    async def _status_loop(self) -> None:
-        while True:
-            await asyncio.sleep(_STATUS_EVERY_S)
-            try:
-                await self.broadcast(self.status())
-                self._replace_dead_frontends()
-            except Exception:  # noqa: BLE001 - the loop must outlive one bad second
-                logger.exception("front-end status update failed")
-
-    def _replace_dead_frontends(self) -> None:
-        for index, process in list(self._processes.items()):
-            if self._watching and not process.is_alive():
-                logger.error("front end %d (pid %d) exited with %s; starting it again", index, process.pid,
-                             process.exitcode)  # fmt: skip
-                self._forget(index)
-                self._spawn(index)
-
-    def _forget(self, index: int) -> None:
-        self._started_frontends.pop(index, None)
-        for identity, known in list(self._frontends.items()):
-            if known == index:
-                del self._frontends[identity]
-                for key in [key for key in self._calls if key[0] == identity]:
-                    self._calls[key].cancel()
-
-    async def drain(self, grace: float | None) -> None:
-        """Every front end drains its own calls (up to `grace` seconds), then this waits for their Drained."""
-        self._watching = False
-        await self.broadcast(m.Drain(grace or 0.0))
-        deadline = time.monotonic() + (grace or 0.0) + 5.0
-        while len(self._drained) < len(self._frontends) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-
-    async def cancel_calls(self) -> None:
-        await self.broadcast(m.CancelAll())
+    def _load(self, config: ModelConfig) -> LocalCore:
+        threads = self.config.tokenizer_threads
+        if self.worker_processes:
+            return LocalCore.with_worker_processes(config, threads)
+        return LocalCore.load(config, threads, warm_up=config.warm_up)
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for task in list(self._calls.values()):
-            task.cancel()
-        self._watching = False
-        for process in self._processes.values():
-            process.join(timeout=5)
-            if process.is_alive():
-                process.kill()
-                process.join()
-        self._socket.close(linger=0)
-        for sock in self._reserved:
-            sock.close()
-        self._dir.cleanup()
+        for core in [*self.cores.values(), *self._loading]:
+            await core.stop()
+        if self.metrics is not None:
+            self.metrics.stop()

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from embedserv.engine.ports import SequenceOutput
-from embedserv.engine.inputs.tokenizer import Encoded
+from embedserv.engine.ports import CoreStatus, SequenceOutput
+from embedserv.engine.inputs.sequence import InputSequence
 from embedserv.errors import AdapterNotFound, EmbedservError, InvalidInput, ModelNotFound, NotReady, Overloaded
 from embedserv.executor.codec import Codec
-from embedserv.types import EmbedOutput, GenerationDelta, KvCacheUsage, SamplingParams, Timing
+from embedserv.types import EmbedOutput, GenerationDelta, SamplingParams, Timing
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class Hello:
 class InferCall:
     call_id: int
     model: str
-    sequences: list[Encoded]
+    sequences: list[InputSequence]
     # perf_counter seconds when the front end received the call (CLOCK_MONOTONIC: one clock for all processes).
     received: float
     wanted: tuple[EmbedOutput, ...] = ()
@@ -86,18 +86,11 @@ class CancelCall:
 
 
 @dataclass(frozen=True)
-class ModelStatus:
-    name: str
-    running: bool
-    serving: bool
-    kv_cache: KvCacheUsage | None = None
-
-
-@dataclass(frozen=True)
 class Status:
     # Every model loaded and started (the server's own health turns SERVING with it).
     started: bool
-    models: list[ModelStatus]
+    # Each model's, by served name.
+    models: dict[str, CoreStatus]
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,12 @@ import time
 
 from prometheus_client.core import GaugeMetricFamily
 
-from embedserv.engine.engine import Engine
+from embedserv.engine.core.local_core import CoreStats
+from embedserv.types import ModelInfo
 
 
-def load_families(engines: list[Engine]):
-    """The families of ServerCollector's load gauges, for every engine of this process."""
+def load_families(models: list[tuple[ModelInfo, CoreStats]]):
+    """The families of ServerCollector's load gauges, for every model of this process."""
     ours = {
         "requests_waiting": GaugeMetricFamily(
             "embedserv_requests_waiting", "API calls admitted whose sequences have not started a batch yet",
@@ -52,20 +53,18 @@ def load_families(engines: list[Engine]):
         "LoRA adapters a model serves (all always loaded); the value is the scrape's Unix time",
         labels=["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
     )
-    for engine in engines:
-        load = engine.current_load()
-        if load is None:
-            continue
-        name = engine.info.name
+    for info, stats in models:
+        load = stats.load
+        name = info.name
         for field, family in ours.items():
             family.add_metric([name], getattr(load, field))
         waiting.add_metric([name], load.requests_waiting)
         running.add_metric([name], load.requests_running)
-        usage = engine.kv_cache_usage()
+        usage = stats.kv_cache
         kv_usage.add_metric([name], usage.used_blocks / usage.total_blocks if usage and usage.total_blocks else 0.0)
         if usage is not None:
             cache_config.add_metric([name, str(usage.block_size), str(usage.total_blocks)], 1)
-        adapters = engine.info.lora_adapters
+        adapters = info.lora_adapters
         if adapters:
             lora.add_metric([name, str(len(adapters)), ",".join(adapters), ""], time.time())
     yield from ours.values()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Metric, start_http_server
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -11,9 +12,9 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
 from embedserv import metrics
+from embedserv.engine.core.local_core import LocalCore
 from embedserv.errors import ConfigError
 from embedserv.server.load_metrics import load_families
-from embedserv.server.served_models import InflightLimiter, ServedModels
 
 logger = logging.getLogger(__name__)
 
@@ -22,15 +23,16 @@ class ServerCollector(Collector):
     """Queue depth, inputs in flight, KV cache, workers and dropped sequences of every served model, and the load
     gauges routers and autoscalers read (load_metrics.py)."""
 
-    def __init__(self, models: ServedModels, limiter: InflightLimiter) -> None:
-        self.models = models
-        self.limiter = limiter
+    def __init__(self, cores: Callable[[], list[LocalCore]], in_flight: Callable[[], int]) -> None:
+        """`cores()`: the models' cores serving now; `in_flight()`: the inputs admitted now."""
+        self.cores = cores
+        self.in_flight = in_flight
 
     def collect(self):
         in_flight = GaugeMetricFamily(
             "embedserv_inputs_in_flight", "Inputs admitted and not yet answered (see --max-concurrent-requests)"
         )
-        in_flight.add_metric([], self.limiter.in_flight)
+        in_flight.add_metric([], self.in_flight())
         yield in_flight
         queue = GaugeMetricFamily("embedserv_queue_depth", "Sequences waiting for a batch", labels=["model"])
         dropped = CounterMetricFamily(
@@ -52,26 +54,26 @@ class ServerCollector(Collector):
         preemptions = CounterMetricFamily(
             "embedserv_kv_cache_preemptions", "Streams preempted for lack of KV cache blocks", labels=["model"]
         )
-        for engine in self.models.engines:
-            name = engine.info.name
-            queue.add_metric([name], engine.num_waiting)
-            dropped.add_metric([name], engine.num_dropped)
-            stats = engine.worker_stats()
-            ready.add_metric([name], sum(s.ready for s in stats))
-            restarts.add_metric([name], sum(s.restarts for s in stats))
-            for s in stats:
+        cores = self.cores()
+        stats = {core.info.name: core.stats() for core in cores}
+        for name, core in stats.items():
+            queue.add_metric([name], core.num_waiting)
+            dropped.add_metric([name], core.num_dropped)
+            ready.add_metric([name], sum(s.ready for s in core.workers))
+            restarts.add_metric([name], sum(s.restarts for s in core.workers))
+            for s in core.workers:
                 busy.add_metric([name, str(s.index)], s.busy_seconds)
-            usage = engine.kv_cache_usage()
+            usage = core.kv_cache
             if usage is not None:
                 kv_usage.add_metric([name], usage.used_blocks / usage.total_blocks if usage.total_blocks else 0.0)
                 kv_blocks.add_metric([name, "used"], usage.used_blocks)
                 kv_blocks.add_metric([name, "total"], usage.total_blocks)
                 preemptions.add_metric([name], usage.preemptions)
         yield from (queue, dropped, ready, restarts, busy, kv_usage, kv_blocks, preemptions)
-        yield from self._embedding_caches()
-        yield from load_families(self.models.engines)
+        yield from self._embedding_caches(stats)
+        yield from load_families([(core.info, stats[core.info.name]) for core in cores])
 
-    def _embedding_caches(self):
+    def _embedding_caches(self, stats: dict):
         """Models served with --embedding-cache; counts read at scrape time like the rest here."""
         counters = {
             name: CounterMetricFamily(f"embedserv_embedding_cache_{name}", text, labels=["model"])
@@ -89,12 +91,11 @@ class ServerCollector(Collector):
                 ("entries", "Sequence outputs the embedding cache holds"),
             )
         }
-        for engine in self.models.engines:
-            stats = engine.embedding_cache_stats()
-            if stats is None:
+        for model, core in stats.items():
+            if core.cache is None:
                 continue
             for name, family in {**counters, **gauges}.items():
-                family.add_metric([engine.info.name], getattr(stats, name))
+                family.add_metric([model], getattr(core.cache, name))
         yield from counters.values()
         yield from gauges.values()
 
@@ -126,11 +127,12 @@ class MetricsServer:
     """/metrics over HTTP in a thread of its own (prometheus-client's WSGI server)."""
 
     def __init__(
-        self, host: str, port: int, models: ServedModels, limiter: InflightLimiter, frontends_dir: str | None = None
+        self, host: str, port: int, cores: Callable[[], list[LocalCore]], in_flight: Callable[[], int],
+        frontends_dir: str | None = None,
     ) -> None:
-        """`frontends_dir`: where the front-end processes keep their counters and histograms (engine_host.py);
+        """`frontends_dir`: where the front-end processes keep their counters and histograms (frontends.py);
         /metrics adds them to this process's own."""
-        self.collector = ServerCollector(models, limiter)
+        self.collector = ServerCollector(cores, in_flight)
         self.registry = metrics.REGISTRY
         if frontends_dir is not None:
             self.registry = CollectorRegistry()

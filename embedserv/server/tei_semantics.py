@@ -23,7 +23,7 @@ def model_kind(info: ModelInfo) -> str:
 
 def scores_pairs(engine: Engine) -> bool:
     """A cross-encoder: one score for a (text, text) pair."""
-    return engine.task.rerank_mode is RerankMode.PAIR
+    return engine.served.task.rerank_mode is RerankMode.PAIR
 
 
 def pair_scorer(frontend: Frontend, name: str | None, carrier: str) -> Engine:
@@ -52,8 +52,8 @@ def tei_tokens(engine: Engine, text: str, prompt_name: str | None, tokenized: To
     """TEI's tokens: a special token's own text and no offsets; any other token's piece of the text the
     tokenizer read (the prompt and the text, lower-cased for models that ask) and its UTF-8 byte offsets in
     it, as TEI (Rust) reports them."""
-    seen = engine.tokenizer.resolve_prompt(prompt_name) + text
-    seen = seen.lower() if engine.tokenizer.do_lower_case else seen
+    seen = engine.served.tokenizer.resolve_prompt(prompt_name) + text
+    seen = seen.lower() if engine.served.tokenizer.do_lower_case else seen
     byte_at = [0]
     for char in seen:
         byte_at.append(byte_at[-1] + len(char.encode("utf-8", "surrogatepass")))

@@ -69,13 +69,17 @@ def _pb():
 
 
 def _engine(served):
-    return served[2].server.models.get(CLIP)
+    return served[2].server.frontend.models.get(CLIP)
+
+
+def _worker_stats(served):
+    return [worker.stats() for worker in served[2].server.host.cores[CLIP].workers]
 
 
 def _engine_embed(served, items: list) -> np.ndarray:
     """Engine.embed of the same inputs, run on the server's own loop."""
     inputs = [ImageInput(x) if isinstance(x, bytes) else x for x in items]
-    return served[2].call(_engine(served).embed(inputs, EmbedParams()), RPC_TIMEOUT_S).embeddings
+    return served[2].call(_engine(served).embedding.embed(inputs, EmbedParams()), RPC_TIMEOUT_S).embeddings
 
 
 def _grpc_items(items: list) -> list:
@@ -214,7 +218,7 @@ def _fuzz_images(count: int) -> list[bytes]:
 
 
 def test_a_fuzz_of_random_bytes_never_takes_a_worker_down(served, stub):
-    before = {(s.index, s.pid) for s in _engine(served).worker_stats()}
+    before = {(s.index, s.pid) for s in _worker_stats(served)}
     images = _fuzz_images(300)
 
     def send(start: int) -> grpc.StatusCode:
@@ -229,15 +233,14 @@ def test_a_fuzz_of_random_bytes_never_takes_a_worker_down(served, stub):
         codes = list(pool.map(send, range(0, len(images), 3)))
     assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}, codes
     assert grpc.StatusCode.INVALID_ARGUMENT in codes
-    stats = _engine(served).worker_stats()
+    stats = _worker_stats(served)
     assert {(s.index, s.pid) for s in stats} == before and all(s.ready and s.restarts == 0 for s in stats)
     reply = stub.Embed(_pb().EmbedRequest(model=CLIP, items=_grpc_items(ITEMS)), timeout=RPC_TIMEOUT_S)
     np.testing.assert_allclose(response_matrix(reply), _engine_embed(served, ITEMS), atol=ATOL)
 
 
 def test_both_data_parallel_workers_answer_image_calls(served, stub):
-    engine = _engine(served)
-    assert len(engine.worker_stats()) == WORKERS
+    assert len(_worker_stats(served)) == WORKERS
     expected = _engine_embed(served, [PNG, JPEG])
     request = _pb().EmbedRequest(model=CLIP, items=_grpc_items([PNG, JPEG]))
     with ThreadPoolExecutor(8) as pool:
@@ -245,7 +248,7 @@ def test_both_data_parallel_workers_answer_image_calls(served, stub):
     for reply in replies:
         np.testing.assert_allclose(response_matrix(reply), expected, atol=ATOL)
     # Each worker's loop takes the next batch when it has room: under concurrent calls both run image batches.
-    stats = engine.worker_stats()
+    stats = _worker_stats(served)
     assert all(s.batches > 0 and s.restarts == 0 for s in stats), stats
 
 
@@ -254,7 +257,7 @@ def test_rerank_of_document_images_by_cosine_equals_engine_rerank(served, stub):
 
     pages = [PNG, JPEG, WEBP]
     engine = _engine(served)
-    expected = served[2].call(engine.rerank("a photo of a cat", [ImageInput(p) for p in pages], RerankParams()),
+    expected = served[2].call(engine.reranking.rerank("a photo of a cat", [ImageInput(p) for p in pages], RerankParams()),
                               RPC_TIMEOUT_S)
     request = _pb().RerankRequest(model=CLIP, query="a photo of a cat", document_images=pages)
     reply = stub.Rerank(request, timeout=RPC_TIMEOUT_S)

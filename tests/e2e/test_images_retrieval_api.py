@@ -39,8 +39,9 @@ def _pb():
 
 
 def _engine_call(served, method: str, *args):
-    engine = served[1].server.models.get(MODEL)
-    return served[1].call(getattr(engine, method)(*args), RPC_TIMEOUT_S)
+    engine = served[1].server.frontend.models.get(MODEL)
+    service = {"embed": engine.embedding.embed, "rerank": engine.reranking.rerank}[method]
+    return served[1].call(service(*args), RPC_TIMEOUT_S)
 
 
 def _engine_vectors(served, queries: list[str], pages: list[bytes]) -> list[np.ndarray]:

@@ -59,9 +59,9 @@ class InProcessServer:
 
     async def _make(self):
         # grpc.aio binds a server to the loop it is made on: make it there.
-        from embedserv.server.app import EmbedServer
+        from embedserv.server.app import OneProcessServer
 
-        return EmbedServer(self.config, worker_processes=self.worker_processes)
+        return OneProcessServer(self.config, worker_processes=self.worker_processes)
 
     def start(self) -> None:
         self._thread.start()

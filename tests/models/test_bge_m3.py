@@ -156,7 +156,7 @@ def test_one_forward_pass_serves_all_three_outputs(pt_dir, engine, sample):
 
     served = engine(pt_dir, allow_pickle=True)
     texts = sample[-4:]
-    model = served.engine.workers[0].runner.model
+    model = served.core.workers[0].runner.model
     calls = []
     forward = model.forward
 

@@ -163,7 +163,7 @@ def test_embedding_cache_keys_images_by_their_pixels(clip, clip_dir):
     config = ModelConfig(path=str(clip_dir), served_name="cached", warm_up=False, embedding_cache=2**20)
     with SyncEngine(config, warm_up=False) as cached:
         got = [cached.embed([item], EmbedParams()).embeddings[0] for item in (first, second, first, second)]
-        hits = cached.engine.embedding_cache_stats()
+        hits = cached.embedding_cache_stats()
     np.testing.assert_allclose(np.stack(got), np.concatenate([want, want]), rtol=1e-5, atol=1e-6)
     assert hits.hits == 2, hits
 

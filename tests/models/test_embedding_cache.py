@@ -178,13 +178,13 @@ def test_bypass_neither_reads_nor_fills(models, engine_for):
 
 def _count_sequences(engine) -> list[int]:
     """Counts the sequences the engine's workers run from now on (one entry per batch)."""
-    prefill = engine.engine.core.prefill
+    prefill = engine.core.prefill
     counted: list[int] = []
     step_done = prefill.step_done
 
-    async def counting(batch, *args):
-        counted.append(batch.num_sequences)
-        return await step_done(batch, *args)
+    async def counting(step, *args):
+        counted.append(step.batch.num_sequences)
+        return await step_done(step, *args)
 
     prefill.step_done = counting
     return counted

@@ -110,7 +110,7 @@ def test_concurrent_calls_of_different_tasks_equal_each_call_alone(jina, engine_
     alone = [engine.embed(part, _params(task=task)).embeddings for part, task in calls]
 
     async def together():
-        return await asyncio.gather(*(engine.engine.embed(part, _params(task=task)) for part, task in calls))
+        return await asyncio.gather(*(engine.engine.embedding.embed(part, _params(task=task)) for part, task in calls))
 
     for (part, task), result, expected in zip(calls, engine._call(together()), alone):
         assert_cosine_at_least(result.embeddings, expected, 0.99999, part, what=f"{task} beside other tasks: ")
@@ -260,5 +260,5 @@ def test_windows_and_token_id_inputs_run_with_the_task(jina, engine_for, texts):
     assert cosines(windows[8:], base_windows).max() < 0.99, "the windows ran without the task's adapter"
 
     ids = [tokenizer(t)["input_ids"] for t in fits]
-    by_ids = engine._call(engine.engine.embed_token_ids(ids, EmbedParams(task="separation"))).embeddings
+    by_ids = engine._call(engine.engine.embedding.embed_token_ids(ids, EmbedParams(task="separation"))).embeddings
     assert_cosine_at_least(by_ids, whole, 0.99999, fits, what="token ids: ")

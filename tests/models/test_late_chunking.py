@@ -234,7 +234,7 @@ def test_chunks_take_the_calls_encoding(tiny_encoder, engine_for, short_text):
 
     params = _params(spans=spans, encoding=Encoding.INT8)
     int8 = engine.embed([short_text], params).chunks[0][1]
-    as_embed = engine._call(engine.engine.encoded(EmbedResult(embeddings=floats.copy(), prompt_tokens=0), params))
+    as_embed = engine._call(engine.engine.embedding.in_encoding(EmbedResult(embeddings=floats.copy(), prompt_tokens=0), params))
     assert int8.dtype == np.int8
     np.testing.assert_array_equal(int8, as_embed.embeddings)
 

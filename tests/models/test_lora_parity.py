@@ -43,8 +43,8 @@ def _adapters(root, model_dir, specs, kind="embed"):
 
 def _embed(engine, name: str | None, texts: list[str]) -> np.ndarray:
     """The texts' embeddings from the base (name None) or one of its adapters, as a request naming it gets."""
-    served = engine.engine if name is None else engine.engine.adapter_engine(name)
-    return engine._call(served.embed(texts, EmbedParams(truncate=True))).embeddings
+    served = engine.engine if name is None else engine.engine.for_adapter(name)
+    return engine._call(served.embedding.embed(texts, EmbedParams(truncate=True))).embeddings
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +99,8 @@ def test_cross_encoder_adapter_scores_equal_peft_merged_transformers(tmp_path, e
     query, documents = texts[0], texts[1:13]
     merged = merged_model(model_dir, adapter_dir, tmp_path / "merged", kind="classify")
     expected = classifier_reference(merged, None, [(query, d) for d in documents])[:, 0]
-    served = engine.engine.adapter_engine("ce")
-    result = engine._call(served.rerank(query, documents, RerankParams(truncate=True, raw_scores=True)))
+    served = engine.engine.for_adapter("ce")
+    result = engine._call(served.reranking.rerank(query, documents, RerankParams(truncate=True, raw_scores=True)))
     got = np.array([r.score for r in sorted(result.results, key=lambda r: r.index)])
     np.testing.assert_allclose(got, expected, atol=ATOL)
     base = engine.rerank(query, documents, RerankParams(truncate=True, raw_scores=True))

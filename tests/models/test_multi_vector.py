@@ -231,13 +231,13 @@ def test_settings_the_library_runs_differently_are_refused(case, model_a, tmp_pa
 @pytest.mark.parametrize("case", REFUSED_WITH_TOKENIZER)
 def test_tokenizer_settings_the_library_runs_differently_are_refused(case, model_a, tmp_path):
     from embedserv.config import ModelConfig
-    from embedserv.engine.engine import Engine
+    from embedserv.engine.core.local_core import LocalCore
     from embedserv.errors import ConfigError
 
     name, changes, expected = REFUSED_WITH_TOKENIZER[case]
     model_dir = _edited(model_a[0], tmp_path, name, changes)
     with pytest.raises(ConfigError, match=expected):
-        Engine.load(ModelConfig(path=str(model_dir), served_name="m"), warm_up=False)
+        LocalCore.load(ModelConfig(path=str(model_dir), served_name="m"), warm_up=False)
 
 
 def test_the_library_default_module_order_loads(model_root):

@@ -179,8 +179,8 @@ def test_yes_no_reranker_matches_the_model_card(tied, scorer_dir, engine_for, do
     assert engine.info.tasks == (engine.info.tasks[0],) and engine.info.tasks[0].value == "rerank"
     query = "how do I check whether a file is a zip archive"
     expected = qwen3_reranker_reference(model_dir, query, documents)
-    lengths = [len(engine.engine.tokenizer.encode_templated(engine.engine.task.template,
-                                                             engine.engine.task.template.default_instruction,
+    lengths = [len(engine.engine.served.tokenizer.encode_templated(engine.engine.served.task.template,
+                                                             engine.engine.served.task.template.default_instruction,
                                                              query, [d], True)[0].ids) for d in documents]
     assert max(lengths) == 256, "some prompts must be cut at the model's limit"
 

@@ -85,7 +85,7 @@ def test_generation_steps_run_padded_row_counts(tiny_generator):
 
     config = ModelConfig(path=str(tiny_generator("llama")), served_name="m")
     with SyncEngine(config) as engine:
-        runner = engine.engine.workers[0].runner
+        runner = engine.core.workers[0].runner
         seen = _rows_seen_by_linears(runner.model, runner.lm_head)
         prompts = [" ".join(["word"] * n) for n in (3, 17, 40, 90, 5, 33, 61)]
         params = [SamplingParams(max_tokens=5 + i, ignore_eos=True) for i in range(len(prompts))]

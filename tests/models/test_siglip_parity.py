@@ -54,8 +54,8 @@ def test_texts_run_padded_to_the_model_length(siglip):
 
 def test_token_ids_are_padded_as_texts(siglip):
     text = "a photo of two cats"
-    ids = siglip.engine.tokenizer.hf_tokenizer(text)["input_ids"]
-    from_ids = siglip._call(siglip.engine.embed_token_ids([ids], EmbedParams())).embeddings
+    ids = siglip.engine.served.tokenizer.hf_tokenizer(text)["input_ids"]
+    from_ids = siglip._call(siglip.engine.embedding.embed_token_ids([ids], EmbedParams())).embeddings
     np.testing.assert_allclose(from_ids, siglip.embed([text], EmbedParams()).embeddings, rtol=1e-5, atol=1e-6)
 
 

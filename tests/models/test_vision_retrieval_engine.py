@@ -137,7 +137,7 @@ def test_bad_inputs_are_refused_naming_them(served):
     # Token ids used as given: the image token among them would find no features beside it.
     image_token_id = engine.engine.embedding.token_rules.image_token_id
     with pytest.raises(InvalidInput, match="input 1 holds the image token id"):
-        engine._call(engine.engine.embed_token_ids([[5, 6], [5, image_token_id, 6]], _params()))
+        engine._call(engine.engine.embedding.embed_token_ids([[5, 6], [5, image_token_id, 6]], _params()))
     # The engine keeps serving after the refusals.
     assert len(engine.embed([ImageInput(good)], _params()).multi_vectors) == 1
 

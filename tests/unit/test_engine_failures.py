@@ -17,7 +17,7 @@ def engine(bundled_dir):
 
 
 def test_failed_batch_fails_its_calls_and_the_engine_goes_on(engine):
-    runner = engine.engine.workers[0].runner
+    runner = engine.core.workers[0].runner
     run = runner.run
 
     def broken(prepared):
@@ -34,7 +34,7 @@ def test_crashed_loop_fails_pending_calls_instead_of_hanging(engine):
     def broken():
         raise RuntimeError("scheduler bug")
 
-    engine.engine.core.prefill.scheduler.schedule = broken
+    engine.core.prefill.scheduler.pick = broken
     with pytest.raises(NotReady, match="stopped after an internal error"):
         engine.embed(["hello"], EmbedParams())
     # Later calls are refused at once (UNAVAILABLE), not queued forever.

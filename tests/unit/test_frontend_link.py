@@ -11,15 +11,15 @@ import pytest
 
 from embedserv.config import ModelConfig, ServerConfig, bundled_model_path, frontends_for_cores, usable_cores
 from embedserv.engine.ports import SequenceOutput
-from embedserv.engine.inputs.tokenizer import Encoded
+from embedserv.engine.inputs.sequence import InputSequence
 from embedserv.errors import ConfigError, InvalidInput, NotReady, Overloaded
 from embedserv.server import link_messages as m
-from embedserv.server.served_models import InflightLimiter
+from embedserv.server.frontend import InflightLimiter
 from embedserv.types import EmbedOutput, Timing
 
 
 def test_calls_and_answers_cross_the_link_intact():
-    call = m.InferCall(7, "minilm", [Encoded([101, 7, 102]), Encoded([101, 102], 1, [0, 0], 2)], 12.5,
+    call = m.InferCall(7, "minilm", [InputSequence([101, 7, 102]), InputSequence([101, 102], 1, [0, 0], 2)], 12.5,
                        (EmbedOutput.SPARSE,), "req-1")  # fmt: skip
     assert m.CODEC.decode(m.CODEC.encode(call)) == call
     assert call.use_cache and not m.CODEC.decode(m.CODEC.encode(dataclasses.replace(call, use_cache=False))).use_cache

@@ -1,16 +1,16 @@
-"""GenerationStreams and its WorkerLoop with a fake worker that dies: its streams fail with NotReady, the streams
+"""GenerationStreams and its dispatcher with a fake worker that dies: its streams fail with NotReady, the streams
 start over on the next incarnation with a fresh KV cache, and the counters survive the reset."""
 
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
 from embedserv.engine.core.generation import GenerationStreams, PreparedPrompt
-from embedserv.engine.core.step_loop import WorkerLoop
+from embedserv.engine.core.dispatch import Dispatcher
+from embedserv.engine.inputs.tokenizer import TokenizerPool
 from embedserv.errors import NotReady
 from embedserv.executor.base import WorkerDied, WorkerStats
 from embedserv.scheduler.kv_cache_manager import KvCacheLayout, KvGroup
@@ -100,25 +100,42 @@ class FakeWorker:
 
 @pytest.fixture()
 def pool():
-    executor = ThreadPoolExecutor(1)
-    yield executor
-    executor.shutdown(wait=True)
+    tokenizer_pool = TokenizerPool(1, "test")
+    yield tokenizer_pool
+    tokenizer_pool.shutdown()
 
 
-async def make_loop(pool, worker) -> tuple[GenerationStreams, WorkerLoop]:
-    """The worker's streams and its loop, wired as Engine wires them (no prefill-only work)."""
-    streams = GenerationStreams("m", worker, pool, frozenset({2}), 100, 64, 8, False)
-    loop = WorkerLoop("m", worker, [streams], 1)
+class Loop:
+    """The worker's streams and the dispatcher, started and stopped as LocalCore starts and stops them."""
+
+    def __init__(self, dispatcher: Dispatcher, streams: GenerationStreams) -> None:
+        self.dispatcher = dispatcher
+        self.streams = streams
+
+    @property
+    def is_running(self) -> bool:
+        return self.dispatcher.is_running
+
+    async def stop(self) -> None:
+        await self.dispatcher.stop()
+        self.streams.stop()
+
+
+async def make_loop(pool, worker) -> tuple[GenerationStreams, Loop]:
+    """The worker's streams and the dispatcher, wired as LocalCore wires them (no prefill-only work)."""
+    streams = GenerationStreams("m", worker, pool, frozenset({2}), 100, 64, 8, False, lambda: dispatcher.wake())
+    dispatcher = Dispatcher("m", [worker], None, [streams], 1)
 
     def workers_changed() -> None:
         streams.workers_changed()
-        loop.wake()
+        dispatcher.wake()
 
     worker.on_change = workers_changed
-    loop.start()
-    # The loop's first turn: a ready worker's KV cache is taken at its first schedule().
+    dispatcher.start()
+    streams.start()
+    # The dispatcher's first turn: a ready worker's KV cache is taken at its first schedule().
     await asyncio.sleep(0)
-    return streams, loop
+    return streams, Loop(dispatcher, streams)
 
 
 async def collect(streams, tokens, max_tokens: int, deltas: list | None = None, timeout: float = TIMEOUT) -> list:

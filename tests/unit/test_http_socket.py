@@ -12,7 +12,7 @@ from embedserv.config import ModelConfig, ServerConfig
 from embedserv.errors import ConfigError
 from embedserv.server.frontend import Frontend
 from embedserv.server.http.app import HttpServer
-from embedserv.server.served_models import InflightLimiter, ServedModels
+from embedserv.server.frontend import InflightLimiter, ServedModels
 from tests.helpers.server import free_port
 
 

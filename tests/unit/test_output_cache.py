@@ -20,7 +20,7 @@ from embedserv.engine.core.output_cache import (
     entry_bytes,
 )
 from embedserv.engine.ports import SequenceOutput
-from embedserv.engine.inputs.tokenizer import Encoded
+from embedserv.engine.inputs.sequence import InputSequence
 from embedserv.types import EmbedOutput
 
 
@@ -55,20 +55,20 @@ class CountingModel:
 
 
 def _keys(texts: list[str]) -> list[bytes]:
-    return [cache_key(Encoded(ids=[ord(c) for c in text]), ()) for text in texts]
+    return [cache_key(InputSequence(ids=[ord(c) for c in text]), ()) for text in texts]
 
 
 # The key
 
 
 def test_every_field_of_encoded_changes_the_key():
-    base = Encoded(ids=[101, 7, 8, 102], pool_start=1, token_type_ids=[0, 0, 1, 1], adapter=0)
+    base = InputSequence(ids=[101, 7, 8, 102], pool_start=1, token_type_ids=[0, 0, 1, 1], adapter=0)
     changed = {
         "ids": [101, 7, 9, 102], "pool_start": 2, "token_type_ids": [0, 1, 1, 1], "adapter": 1,
         "pixels": np.zeros((4, 3), dtype=np.float32), "image_grid": (2, 2),
     }
-    # A field added to Encoded later must be listed here, so this test says whether it reaches the key.
-    assert set(changed) == {f.name for f in dataclasses.fields(Encoded)}
+    # A field added to InputSequence later must be listed here, so this test says whether it reaches the key.
+    assert set(changed) == {f.name for f in dataclasses.fields(InputSequence)}
     keys = {cache_key(base, ())}
     for name, value in changed.items():
         keys.add(cache_key(dataclasses.replace(base, **{name: value}), ()))
@@ -84,7 +84,7 @@ def test_every_field_of_encoded_changes_the_key():
 
 
 def test_outputs_wanted_change_the_key_but_not_their_order():
-    encoded = Encoded(ids=[1, 2, 3])
+    encoded = InputSequence(ids=[1, 2, 3])
     dense, sparse, multi = EmbedOutput.DENSE, EmbedOutput.SPARSE, EmbedOutput.MULTI_VECTOR
     assert cache_key(encoded, ()) == cache_key(encoded, (dense,))
     assert cache_key(encoded, (dense, sparse)) == cache_key(encoded, (sparse, dense))
@@ -94,8 +94,8 @@ def test_outputs_wanted_change_the_key_but_not_their_order():
 @given(st.lists(st.integers(0, 2**40), max_size=20), st.lists(st.integers(0, 2**40), max_size=20))
 def test_ids_split_differently_never_collide(a, b):
     """Length-prefixed fields: the same numbers spread differently over ids and token types differ."""
-    one = Encoded(ids=a + b, token_type_ids=b)
-    two = Encoded(ids=a, token_type_ids=a + b)
+    one = InputSequence(ids=a + b, token_type_ids=b)
+    two = InputSequence(ids=a, token_type_ids=a + b)
     if (one.ids, one.token_type_ids) != (two.ids, two.token_type_ids):
         assert cache_key(one, ()) != cache_key(two, ())
 

@@ -1,4 +1,4 @@
-"""PrefillQueue and one WorkerLoop per fake worker, wired as Engine wires them: ordering, pipeline depth,
+"""PrefillWork and the Dispatcher over fake workers, wired as LocalCore wires them: ordering, pipeline depth,
 least-busy dispatch, retry on worker death, failures."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from embedserv.engine.core.prefill import MAX_ATTEMPTS, PrefillQueue
-from embedserv.engine.core.step_loop import WorkerLoop
+from embedserv.engine.core.dispatch import Dispatcher
+from embedserv.engine.core.prefill import MAX_ATTEMPTS, PrefillWork
 from embedserv.errors import NotReady
 from embedserv.executor.base import WorkerDied, WorkerStats
 from embedserv.steps import OutputKind, StepBatch, StepOutput
@@ -83,35 +83,34 @@ class FakeWorker:
 
 
 class Dispatch:
-    """The prefill side of an Engine without the model: the shared queue and one loop per worker, wired and
-    started and stopped as Engine.__init__ / start / stop / _workers_changed do."""
+    """The prefill side of a LocalCore without the model: the shared work and the dispatcher, wired and
+    started and stopped as LocalCore.__init__ / start / stop / _workers_changed do."""
 
     def __init__(self, workers, depth: int, max_batch_tokens: int, max_batch_requests: int) -> None:
         self.workers = workers
-        self.queue = PrefillQueue("m", workers, max_batch_tokens, max_batch_requests, OutputKind.POOL)
-        self.loops = [WorkerLoop("m", worker, [self.queue], depth) for worker in workers]
+        self.queue = PrefillWork(
+            "m", workers, max_batch_tokens, max_batch_requests, OutputKind.POOL, lambda: self.dispatcher.wake()
+        )
+        self.dispatcher = Dispatcher("m", workers, self.queue, [], depth)
         for worker in workers:
             worker.on_change = self.workers_changed
 
     def workers_changed(self) -> None:
         self.queue.workers_changed()
-        for loop in self.loops:
-            loop.wake()
+        self.dispatcher.wake()
 
     def start(self) -> None:
-        for loop in self.loops:
-            loop.start()
+        self.dispatcher.start()
         self.queue.accepting = True
         self.workers_changed()
 
     async def stop(self) -> None:
-        for loop in self.loops:
-            await loop.stop()
+        await self.dispatcher.stop()
         self.queue.fail_all(NotReady("model m is shutting down; retry on another replica"))
 
     @property
     def is_running(self) -> bool:
-        return all(loop.is_running for loop in self.loops)
+        return self.dispatcher.is_running
 
     def new_request(self, token_ids, pool_start: int = 0, token_type_ids=None):
         return self.queue.new_request(token_ids, pool_start, token_type_ids)

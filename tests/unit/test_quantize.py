@@ -167,7 +167,7 @@ class _FakeEngine:
     def __init__(self) -> None:
         self.embedded = 0
 
-    async def embed(self, texts: list[str], params: EmbedParams) -> EmbedResult:
+    async def embed_floats(self, texts: list[str], params: EmbedParams) -> EmbedResult:
         assert params.normalize is False and params.truncate and not params.chunking
         self.embedded += len(texts)
         await asyncio.sleep(0)
@@ -190,7 +190,7 @@ def test_calibration_embeds_the_texts_once_for_any_number_of_calls():
 
     texts = quantize.calibration_texts()
     assert engine.embedded == len(texts)
-    rows = asyncio.run(_FakeEngine().embed(texts, EmbedParams(normalize=False, truncate=True))).embeddings
+    rows = asyncio.run(_FakeEngine().embed_floats(texts, EmbedParams(normalize=False, truncate=True))).embeddings
     np.testing.assert_array_equal(results[0], quantize.ranges_of(rows, None, True))
     np.testing.assert_array_equal(results[1], quantize.ranges_of(rows, 2, True))
     assert results[1].shape == (2, 2)
@@ -215,6 +215,6 @@ def test_ranges_of_leaves_the_calibration_rows_alone():
 
     normalized, raw = asyncio.run(run())
 
-    rows = asyncio.run(_FakeEngine().embed(quantize.calibration_texts(), EmbedParams(normalize=False, truncate=True)))
+    rows = asyncio.run(_FakeEngine().embed_floats(quantize.calibration_texts(), EmbedParams(normalize=False, truncate=True)))
     np.testing.assert_array_equal(raw, np.vstack([rows.embeddings.min(axis=0), rows.embeddings.max(axis=0)]))
     assert raw[1, 2] > 1, "the raw third dimension reaches 1.0 and beyond; normalized ones cannot"

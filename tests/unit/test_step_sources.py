@@ -1,4 +1,4 @@
-"""A worker's step loop takes work from its step sources in the order it was given them, one step at a
+"""The dispatcher gives a worker its own generation steps before the shared prefill batches, one step at a
 time from a source that says so; the in-process worker pipelines as a worker process does: step k+1 is
 prepared while step k runs, before step k's result reaches the event loop."""
 
@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from embedserv.config import ModelConfig
-from embedserv.engine.core.step_loop import WorkerLoop
+from embedserv.engine.core.dispatch import Dispatcher, Step
 from embedserv.engine.sync import SyncEngine
 from embedserv.executor.local_worker import LocalWorker
 from embedserv.steps import OutputKind, ScheduledSequence, StepBatch, StepOutput
@@ -38,25 +38,17 @@ class FakeSource:
         self.batches = list(batches)
         self.one_step_at_a_time = one_step_at_a_time
         self.done: list[int] = []
-        self.loops = []
 
-    def add_loop(self, loop) -> None:
-        self.loops.append(loop)
+    def schedule(self) -> Step | None:
+        return Step(self.batches.pop(0)) if self.batches else None
 
-    def loop_started(self) -> None: ...
+    async def step_done(self, step, output, worker, started) -> None:
+        self.done.extend(s.request_id for s in step.batch.sequences)
 
-    def loop_stopped(self) -> None: ...
-
-    def schedule(self, loop) -> StepBatch | None:
-        return self.batches.pop(0) if self.batches else None
-
-    async def step_done(self, batch, output, worker, started) -> None:
-        self.done.extend(s.request_id for s in batch.sequences)
-
-    def step_failed(self, batch, exc) -> None:
+    def step_failed(self, step, exc) -> None:
         raise AssertionError(f"step failed: {exc}")
 
-    def worker_died(self, batch, died) -> None:
+    def worker_died(self, step, died) -> None:
         raise AssertionError(f"worker died: {died}")
 
     def fail_all(self, error) -> None: ...
@@ -80,31 +72,32 @@ class RecordingWorker:
         return _output(batch)
 
 
-async def _run_loop(sources: list[FakeSource], depth: int, expected_steps: int) -> list[int]:
+async def _run_dispatcher(streams: FakeSource, prefill: FakeSource, depth: int, expected_steps: int) -> list[int]:
+    """One worker: `streams` its own (generation) source, `prefill` the shared one."""
     worker = RecordingWorker()
-    loop = WorkerLoop("m", worker, sources, depth)
-    loop.start()
+    dispatcher = Dispatcher("m", [worker], prefill, [streams], depth)
+    dispatcher.start()
     try:
-        while sum(len(source.done) for source in sources) < expected_steps:
+        while len(streams.done) + len(prefill.done) < expected_steps:
             await asyncio.wait_for(asyncio.sleep(0.001), TIMEOUT)
     finally:
-        await loop.stop()
+        await dispatcher.stop()
     return worker.ran
 
 
 @run_async
-async def test_the_loop_takes_steps_from_its_sources_in_the_order_given():
+async def test_the_workers_own_steps_come_before_the_shared_ones():
     first, second = FakeSource([_batch(1), _batch(2)]), FakeSource([_batch(11), _batch(12)])
-    assert await _run_loop([first, second], 1, 4) == [1, 2, 11, 12]
+    assert await _run_dispatcher(first, second, 1, 4) == [1, 2, 11, 12]
     first, second = FakeSource([_batch(1), _batch(2)]), FakeSource([_batch(11), _batch(12)])
-    assert await _run_loop([second, first], 1, 4) == [11, 12, 1, 2]
+    assert await _run_dispatcher(second, first, 1, 4) == [11, 12, 1, 2]
 
 
 @run_async
 async def test_a_one_step_at_a_time_source_waits_for_its_step_while_later_sources_go_on():
     generation = FakeSource([_batch(1), _batch(2)], one_step_at_a_time=True)
     prefill = FakeSource([_batch(11), _batch(12)])
-    ran = await _run_loop([generation, prefill], 2, 4)
+    ran = await _run_dispatcher(generation, prefill, 2, 4)
     assert ran[:2] == [1, 11], "with room for 2 steps, the second comes from the next source"
     assert sorted(ran) == [1, 2, 11, 12]
 
@@ -146,18 +139,18 @@ async def test_the_in_process_worker_prepares_the_next_step_while_one_runs():
     source = FakeSource([_batch(1), _batch(2), _batch(3)])
     consumed = []
 
-    async def step_done(batch, output, worker, started) -> None:
-        consumed.append(batch.sequences[0].request_id)
-        runner._record("consumed", batch.sequences[0].request_id)
+    async def step_done(step, output, worker, started) -> None:
+        consumed.append(step.batch.sequences[0].request_id)
+        runner._record("consumed", step.batch.sequences[0].request_id)
 
     source.step_done = step_done
-    loop = WorkerLoop("m", worker, [source], 2)
-    loop.start()
+    dispatcher = Dispatcher("m", [worker], source, [], 2)
+    dispatcher.start()
     try:
         while len(consumed) < 3:
             await asyncio.wait_for(asyncio.sleep(0.001), TIMEOUT)
     finally:
-        await loop.stop()
+        await dispatcher.stop()
         await worker.stop()
 
     events = runner.events
@@ -172,7 +165,7 @@ async def test_the_in_process_worker_prepares_the_next_step_while_one_runs():
 def test_an_in_process_engine_prepares_a_batch_while_the_one_before_runs(bundled_dir):
     config = ModelConfig(path=str(bundled_dir), served_name="m", max_batch_requests=1, pipeline_depth=2)
     with SyncEngine(config, warm_up=False) as engine:
-        runner = engine.engine.workers[0].runner
+        runner = engine.core.workers[0].runner
         prepare, run = runner.prepare, runner.run
         prepared, ran = [], []
         second_prepared_first_running = threading.Event()

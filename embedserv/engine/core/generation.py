@@ -1,8 +1,8 @@
 """The generation side of an Engine, one per worker: continuous batching over that worker's paged KV
 cache, streamed text.
 
-`generate()` checks the request, tokenizes the prompt and queues it here; the worker's loop
-(step_loop.py, shared with the model's prefill-only work) runs one step at a time, and step_done turns
+`generate()` checks the request, tokenizes the prompt and queues it here; the dispatcher (dispatch.py,
+shared with the model's prefill-only work) runs the worker's steps one at a time, and step_done turns
 the sampled tokens into text deltas in the tokenizer pool and decides who is done (max_tokens, a stop
 string, EOS). A stream that ends for any reason, the client's cancel or deadline included, returns its
 KV blocks before the next step is scheduled.
@@ -17,20 +17,19 @@ import asyncio
 import itertools
 import logging
 import math
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from embedserv import metrics
-from embedserv.engine.core.step_source import LoopView
 from embedserv.engine.core.detokenizer import IncrementalDetokenizer
-from embedserv.engine.inputs.tokenizer import TextTokenizer
+from embedserv.engine.core.dispatch import Step
+from embedserv.engine.inputs.tokenizer import TextTokenizer, TokenizerPool
 from embedserv.errors import InvalidInput, NotReady
 from embedserv.executor.base import Worker, WorkerDied
 from embedserv.scheduler.generation import GenerationScheduler
 from embedserv.scheduler.kv_cache_manager import KvCacheManager
 from embedserv.scheduler.request import Request, RequestStatus
-from embedserv.steps import OutputKind, StepBatch, StepOutput
+from embedserv.steps import OutputKind, StepOutput
 from embedserv.types import FinishReason, GenerationDelta, KvCacheUsage, SamplingParams, TruncationDirection
 
 logger = logging.getLogger(__name__)
@@ -71,7 +70,7 @@ class PreparedPrompt:
 
 
 async def prepare_prompt(
-    tokenizer: TextTokenizer, pool: ThreadPoolExecutor, prompt: str | list[int], params: SamplingParams,
+    tokenizer: TextTokenizer, pool: TokenizerPool, prompt: str | list[int], params: SamplingParams,
     decoder_prompt: str = "", decoder_start_token_id: int | None = None, add_special_tokens: bool = True,
 ) -> PreparedPrompt:
     """Checks a Generate request and tokenizes it in the tokenizer pool (both decode).
@@ -102,12 +101,12 @@ async def prepare_prompt(
         detokenizer = IncrementalDetokenizer(tokenizer.hf_tokenizer, decoder_ids, params.stop)
         return PreparedPrompt(decoder_ids, detokenizer, token_ids)
 
-    return await asyncio.get_running_loop().run_in_executor(pool, prepare)
+    return await pool.run(prepare, (), None)
 
 
 class GenerationStreams:
-    """One worker's streams and the scheduler over its KV cache: a StepSource (step_source.py) of that
-    worker's loop alone, one step at a time (a step's sampled tokens are the next step's input)."""
+    """One worker's streams and the scheduler over its KV cache: a StepSource (dispatch.py) of that worker
+    alone, one step at a time (a step's sampled tokens are the next step's input)."""
 
     one_step_at_a_time = True
 
@@ -115,13 +114,15 @@ class GenerationStreams:
         self,
         name: str,
         worker: Worker,
-        tokenizer_pool: ThreadPoolExecutor,
+        tokenizer_pool: TokenizerPool,
         eos_token_ids: frozenset[int],
         max_model_len: int,
         max_batch_tokens: int,
         max_num_seqs: int,
         enable_prefix_caching: bool,
+        wake: Callable[[], None],
     ) -> None:
+        """`wake`: the dispatcher's, called when there is new work."""
         self.name = name
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -131,7 +132,7 @@ class GenerationStreams:
         # Built for each worker process once it is ready (its KV cache), see _reset.
         self.kv_cache: KvCacheManager | None = None
         self.scheduler: GenerationScheduler | None = None
-        # True while the worker's loop runs.
+        # True from start() to stop() (or the dispatcher's crash).
         self.running = False
         self._incarnation = 0
         # Counters of the schedulers of earlier worker processes.
@@ -142,16 +143,14 @@ class GenerationStreams:
         self._tokenizer_pool = tokenizer_pool
         self._streams: dict[int, _Stream] = {}
         self._ids = itertools.count()
-        self._wake = lambda: None
+        self._wake = wake
 
-    def add_loop(self, loop: LoopView) -> None:
-        self._wake = loop.wake
-
-    def loop_started(self) -> None:
+    def start(self) -> None:
         self.running = True
         self.follow_worker()
 
-    def loop_stopped(self) -> None:
+    def stop(self) -> None:
+        """The engine stops: every stream ends (CANCELLED)."""
         self.running = False
         self.end_all(FinishReason.CANCELLED)
 
@@ -193,7 +192,7 @@ class GenerationStreams:
     def workers_changed(self) -> None:
         """A dead worker's streams fail at once, even between steps; a new one is followed at once."""
         if not self.worker.ready:
-            self.fail_all(self._worker_gone())
+            self._fail_streams(self._worker_gone())
         elif self.running:
             self.follow_worker()
 
@@ -206,13 +205,14 @@ class GenerationStreams:
         """A new, ready worker process gets a fresh scheduler over its empty cache (streams of the old one
         have failed)."""
         if self.worker.ready and self._incarnation != self.worker.incarnation:
-            self.fail_all(self._worker_gone())
+            self._fail_streams(self._worker_gone())
             self._reset()
 
-    def schedule(self, loop: LoopView) -> StepBatch | None:
-        """The next step; call on a ready worker only (this source has one worker: `loop` is its loop)."""
+    def schedule(self) -> Step | None:
+        """The next step; call on a ready worker only."""
         self.follow_worker()
-        return self.scheduler.schedule()
+        batch = self.scheduler.schedule()
+        return Step(batch) if batch is not None else None
 
     async def stream(self, prompt: PreparedPrompt, params: SamplingParams) -> AsyncIterator[GenerationDelta]:
         """Runs a tokenized prompt (see prepare_prompt) on this worker; yields its deltas."""
@@ -284,16 +284,22 @@ class GenerationStreams:
             self._close(stream, GenerationDelta("", (), reason, _prompt_tokens(request), len(request.output_token_ids)))
 
     def fail_all(self, error: Exception) -> None:
+        """The dispatcher crashed: every stream fails, and no new one is taken."""
+        self.running = False
+        self._fail_streams(error)
+
+    def _fail_streams(self, error: Exception) -> None:
         for stream in list(self._streams.values()):
             self._close(stream, error)
 
-    async def step_done(self, batch: StepBatch, output: StepOutput, worker: Worker, started: float) -> None:
+    async def step_done(self, step: Step, output: StepOutput, worker: Worker, started: float) -> None:
+        batch = step.batch
         metrics.BATCH_SEQUENCES.labels(self.name, "generate").observe(batch.num_sequences)
         metrics.BATCH_TOKENS.labels(self.name, "generate").observe(batch.num_tokens)
         sampled = output.sampled()
         self.scheduler.update(batch, sampled)
         live = {rid: token for rid, token in sampled.items() if rid in self._streams}
-        deltas = await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self._detokenize, live)
+        deltas = await self._tokenizer_pool.run(self._detokenize, (live,), None)
         for request_id, delta in deltas:
             stream = self._streams.get(request_id)
             if stream is None:
@@ -303,16 +309,16 @@ class GenerationStreams:
             else:
                 stream.queue.put_nowait(delta)
 
-    def step_failed(self, batch: StepBatch, exc: Exception) -> None:
-        logger.error("generation step of %d sequences failed on %s", batch.num_sequences, self.name, exc_info=exc)
-        for chunk in batch.sequences:
+    def step_failed(self, step: Step, exc: Exception) -> None:
+        logger.error("generation step of %d sequences failed on %s", step.batch.num_sequences, self.name, exc_info=exc)
+        for chunk in step.batch.sequences:
             stream = self._streams.get(chunk.request_id)
             if stream is not None:
                 self._close(stream, RuntimeError(f"generation failed: {exc}"))
 
-    def worker_died(self, batch: StepBatch, died: WorkerDied) -> None:
+    def worker_died(self, step: Step, died: WorkerDied) -> None:
         logger.error("%s: %s; failing its %d streams", self.name, died, len(self._streams))
-        self.fail_all(NotReady(f"{died}; the generation cannot go on elsewhere, retry the call"))
+        self._fail_streams(NotReady(f"{died}; the generation cannot go on elsewhere, retry the call"))
 
     def _detokenize(self, sampled: dict[int, int]) -> list[tuple[int, GenerationDelta]]:
         """New text and the finish decision of every request that got a token (tokenizer thread)."""

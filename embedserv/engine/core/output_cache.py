@@ -2,7 +2,7 @@
 computed, by what its forward pass saw, in an LRU bounded in bytes.
 
 It sits at EngineCore.infer, which every task (embed, rerank, classify, chunking) calls, so a key needs only
-what reaches the workers: the sequence (all of Encoded's fields, its ids after the core strips padding) and
+what reaches the workers: the sequence (all of InputSequence's fields, its ids after the core strips padding) and
 the outputs wanted. The model is implicit (one cache per engine core). What a task does after the forward
 pass (dimensions, normalization, encodings, sparse top-k, activations) runs on the cached output each time,
 as on a computed one, so a hit gives the bytes the miss gave. With `--frontends N` the cache lives in the
@@ -25,7 +25,7 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from embedserv.engine.ports import SequenceOutput
-from embedserv.engine.inputs.tokenizer import Encoded
+from embedserv.engine.inputs.sequence import InputSequence
 from embedserv.scheduler.request import Request
 from embedserv.types import EmbedOutput
 
@@ -53,8 +53,8 @@ class CacheStats:
     entries: int = 0
 
 
-def cache_key(encoded: Encoded, wanted: tuple[EmbedOutput, ...]) -> bytes:
-    """Everything the forward pass of one sequence sees: every field of Encoded, by name (a field added to it
+def cache_key(encoded: InputSequence, wanted: tuple[EmbedOutput, ...]) -> bytes:
+    """Everything the forward pass of one sequence sees: every field of InputSequence, by name (a field added to it
     later joins the key by itself), and the outputs wanted in a canonical order."""
     digest = hashlib.blake2b(digest_size=KEY_BYTES)
     for field in dataclasses.fields(encoded):

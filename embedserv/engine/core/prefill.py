@@ -1,12 +1,12 @@
-"""The prefill-only work of an Engine (embed, rerank, classify): one FIFO queue shared by its workers.
+"""The prefill-only work of an engine core (embed, rerank, classify): one FIFO queue its workers share.
 
-Each worker's loop (step_loop.py) takes the queue's next batch when it has room (fewer than
-`pipeline_depth` steps in flight), so the least busy worker gets the work. With a depth of 2 a worker
-already holds batch k+1, packed on its device, while batch k runs.
+A call's sequences become Requests that carry the call's futures; the dispatcher (dispatch.py) gives the
+queue's batches to the least busy worker, and each step's result resolves the futures of the requests it
+carried. No table of requests: a request is in the scheduler's queue or in a step on a worker.
 
-When a worker dies, the sequences of its batches go back to the front of the queue for one more try if
-another worker is alive; otherwise they fail with NotReady (UNAVAILABLE). While no worker is alive,
-calls fail at once instead of queueing for a restart that may not come.
+When a worker dies, the sequences of its steps go back to the front of the queue for one more try if another
+worker is alive; otherwise they fail with NotReady (UNAVAILABLE). While no worker is alive, calls fail at once
+instead of queueing for a restart that may not come.
 """
 
 from __future__ import annotations
@@ -15,16 +15,17 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Callable
 
 from embedserv import metrics
-from embedserv.engine.core.step_source import LoopView
+from embedserv.engine.core.dispatch import Step
 from embedserv.engine.ports import SequenceOutput
 from embedserv.errors import NotReady
 from embedserv.executor.base import Worker, WorkerDied
 from embedserv.logs import REQUEST_ID
-from embedserv.scheduler.prefill_only import PrefillOnlyScheduler
+from embedserv.scheduler.prefill_only import PrefillOnlyScheduler, batch_of
 from embedserv.scheduler.request import Request
-from embedserv.steps import OutputKind, StepBatch, StepOutput
+from embedserv.steps import OutputKind, StepOutput
 from embedserv.types import EmbedOutput
 
 logger = logging.getLogger(__name__)
@@ -35,38 +36,26 @@ _LOGGED_CALLS = 8
 MAX_ATTEMPTS = 2
 
 
-class PrefillQueue:
-    """A StepSource (step_source.py) shared by every worker's loop."""
+class PrefillWork:
+    """A StepSource (dispatch.py) of every worker."""
 
     one_step_at_a_time = False
 
     def __init__(
-        self, name: str, workers: list[Worker], max_batch_tokens: int, max_batch_requests: int, output: OutputKind
+        self, name: str, workers: list[Worker], max_batch_tokens: int, max_batch_requests: int, output: OutputKind,
+        wake: Callable[[], None],
     ) -> None:
+        """`wake`: the dispatcher's, called when there is new work."""
         self.name = name
         self.workers = workers
         self.output = output
         self.scheduler = PrefillOnlyScheduler(max_batch_tokens, max_batch_requests)
-        # False until the engine starts, and again once it stops or a worker loop crashed.
+        # False until the engine starts, and again once it stops or its dispatcher crashed.
         self.accepting = False
+        self._wake = wake
         self._ids = itertools.count()
-        self._waiting: dict[int, tuple[Request, asyncio.Future]] = {}
-        # The workers' step loops: woken whenever there is new work.
-        self._loops: list[LoopView] = []
-
-    def add_loop(self, loop: LoopView) -> None:
-        self._loops.append(loop)
-
-    def loop_started(self) -> None:
-        return None
-
-    def loop_stopped(self) -> None:
-        """Nothing to do per loop: the engine fails what is queued once every loop has stopped."""
-        return None
-
-    def _wake(self) -> None:
-        for loop in self._loops:
-            loop.wake()
+        # The steps on workers now (what fail_all fails besides the queue).
+        self._running: set[Step] = set()
 
     def new_request(
         self, token_ids: list[int], pool_start: int = 0, token_type_ids=None, encoder_token_ids: list[int] | None = None,
@@ -89,11 +78,11 @@ class PrefillQueue:
 
     def workers_changed(self) -> None:
         """A worker became ready or died: with none alive, fail what is queued (what is on a worker ends with
-        its batch)."""
+        its step)."""
         if not any(worker.ready for worker in self.workers):
             error = NotReady(f"no worker of model {self.name} is running (restarting); retry shortly")
             for request in self.scheduler.drain():
-                self._fail_request(request.request_id, error)
+                _fail(request, error)
 
     async def run(self, requests: list[Request]) -> list[SequenceOutput]:
         """Each request's output, in order."""
@@ -102,86 +91,84 @@ class PrefillQueue:
         if not any(worker.ready for worker in self.workers):
             raise NotReady(f"no worker of model {self.name} is running (restarting); retry shortly")
         loop = asyncio.get_running_loop()
-        futures = []
         for request in requests:
-            future = loop.create_future()
-            self._waiting[request.request_id] = (request, future)
+            request.future = loop.create_future()
             self.scheduler.add(request)
-            futures.append(future)
         self._wake()
         try:
-            return await asyncio.gather(*futures)
+            return await asyncio.gather(*(request.future for request in requests))
         except BaseException:
             # The caller went away (or a sequence failed): drop what has not run yet.
-            for request, future in zip(requests, futures):
+            for request in requests:
                 self.scheduler.cancel(request)
-                self._waiting.pop(request.request_id, None)
-                future.cancel()
+                request.future.cancel()
             raise
 
-    def schedule(self, loop: LoopView) -> StepBatch | None:
-        """The next batch for `loop`'s worker, or None while a less busy ready worker can take it (that
-        worker's loop was woken too): the least busy worker gets the work."""
-        if any(other.worker.ready and other.in_flight < loop.in_flight for other in self._loops):
+    def schedule(self) -> Step | None:
+        requests = self.scheduler.pick()
+        if not requests:
             return None
-        batch = self.scheduler.schedule()
-        if batch is not None and self.scheduler.num_waiting:
-            # Loops that declined the batch before this one took it look again.
-            self._wake()
-        return batch
+        step = Step(batch_of(requests), tuple(requests))
+        self._running.add(step)
+        return step
 
     def fail_all(self, error: Exception) -> None:
         self.accepting = False
-        for request, future in self._waiting.values():
-            self.scheduler.cancel(request)
-            if not future.done():
-                future.set_exception(error)
-        self._waiting.clear()
+        for request in self.scheduler.drain():
+            _fail(request, error)
+        for step in self._running:
+            for request in step.requests:
+                _fail(request, error)
+        self._running.clear()
 
-    async def step_done(self, batch: StepBatch, output: StepOutput, worker: Worker, started: float) -> None:
+    async def step_done(self, step: Step, output: StepOutput, worker: Worker, started: float) -> None:
         finished = time.perf_counter()
-        self._observe(batch, worker, finished - started)
+        self._running.discard(step)
+        self._observe(step, worker, finished - started)
         rows = dict(zip(output.row_request_ids, output.rows))
         sparse = output.sparse.split() if output.sparse is not None else {}
         vectors = output.vectors.split() if output.vectors is not None else {}
-        num_sequences, num_tokens = batch.num_sequences, batch.num_tokens
-        for seq in batch.sequences:
-            _, future = self._waiting.pop(seq.request_id, (None, None))
-            if future is not None and not future.done():
-                own_vectors = vectors.get(seq.request_id)
-                future.set_result(SequenceOutput(
-                    rows.get(seq.request_id), started, finished, sparse.get(seq.request_id),
-                    own_vectors[0] if own_vectors is not None else None, num_sequences, num_tokens,
-                ))
+        batch = step.batch
+        for request in step.requests:
+            if request.future.done():
+                continue
+            request_id = request.request_id
+            own_vectors = vectors.get(request_id)
+            request.future.set_result(SequenceOutput(
+                rows.get(request_id), started, finished, sparse.get(request_id),
+                own_vectors[0] if own_vectors is not None else None, batch.num_sequences, batch.num_tokens,
+            ))
 
-    def step_failed(self, batch: StepBatch, exc: Exception) -> None:
-        logger.error("batch of %d sequences failed on %s", batch.num_sequences, self.name, exc_info=exc)
-        for seq in batch.sequences:
-            self._fail_request(seq.request_id, RuntimeError(f"inference failed: {exc}"))
+    def step_failed(self, step: Step, exc: Exception) -> None:
+        self._running.discard(step)
+        logger.error("batch of %d sequences failed on %s", len(step.requests), self.name, exc_info=exc)
+        for request in step.requests:
+            _fail(request, RuntimeError(f"inference failed: {exc}"))
 
-    def worker_died(self, batch: StepBatch, died: WorkerDied) -> None:
+    def worker_died(self, step: Step, died: WorkerDied) -> None:
+        self._running.discard(step)
         alive = any(worker.ready for worker in self.workers)
         retry = []
-        for seq in batch.sequences:
-            request, future = self._waiting.get(seq.request_id, (None, None))
-            if request is None or future.done():
+        for request in step.requests:
+            if request.future.done():
                 continue
             if died.sent:
                 request.attempts += 1
             if alive and request.attempts < MAX_ATTEMPTS:
                 retry.append(request)
             else:
-                self._fail_request(seq.request_id, NotReady(f"{died}; retry the call"))
+                _fail(request, NotReady(f"{died}; retry the call"))
         if retry:
             logger.warning("%s: retrying %d sequences after: %s", self.name, len(retry), died)
             self.scheduler.requeue(retry)
             self._wake()
 
-    def _observe(self, batch: StepBatch, worker: Worker, seconds: float) -> None:
+    def _observe(self, step: Step, worker: Worker, seconds: float) -> None:
+        batch = step.batch
         metrics.BATCH_SEQUENCES.labels(self.name, "prefill").observe(batch.num_sequences)
         metrics.BATCH_TOKENS.labels(self.name, "prefill").observe(batch.num_tokens)
         if logger.isEnabledFor(logging.INFO):
-            calls = {self._waiting[s.request_id][0].call_id for s in batch.sequences if s.request_id in self._waiting}
+            calls = {request.call_id for request in step.requests if not request.future.done()}
             calls.discard("")  # library calls have no id
             shown = sorted(calls)[:_LOGGED_CALLS]
             more = f" +{len(calls) - len(shown)} more" if len(calls) > len(shown) else ""
@@ -190,7 +177,7 @@ class PrefillQueue:
                 self.name, batch.num_sequences, batch.num_tokens, worker.index, seconds * 1e3, " ".join(shown), more,
             )
 
-    def _fail_request(self, request_id: int, error: Exception) -> None:
-        _, future = self._waiting.pop(request_id, (None, None))
-        if future is not None and not future.done():
-            future.set_exception(error)
+
+def _fail(request: Request, error: Exception) -> None:
+    if request.future is not None and not request.future.done():
+        request.future.set_exception(error)

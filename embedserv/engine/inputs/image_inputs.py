@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from embedserv.engine.served_model import ServedModel, VisionSpec
 from embedserv.engine.inputs.images import prepare_image
-from embedserv.engine.ports import Infer
+from embedserv.engine.ports import Core
 from embedserv.engine.inputs.token_rules import TokenRules
-from embedserv.engine.inputs.tokenizer import Encoded
+from embedserv.engine.inputs.sequence import InputSequence
 from embedserv.errors import InvalidInput
 from embedserv.types import EmbedOutput, EmbedParams, ImageInput, Modality
 
@@ -40,20 +40,20 @@ def check_call(served: ServedModel, inputs: list, params: EmbedParams) -> None:
 
 
 async def encode_inputs(
-    infer: Infer, served: ServedModel, rules: TokenRules, inputs: list, params: EmbedParams
-) -> list[Encoded]:
+    core: Core, served: ServedModel, rules: TokenRules, inputs: list, params: EmbedParams
+) -> list[InputSequence]:
     """Every input as a sequence, in input order; prompts apply to the texts only."""
     found = image_indices(inputs)
     text_at = [index for index, item in enumerate(inputs) if not isinstance(item, ImageInput)]
-    encoded: list[Encoded | None] = [None] * len(inputs)
+    encoded: list[InputSequence | None] = [None] * len(inputs)
     if text_at:
         texts = [inputs[index] for index in text_at]
-        tokenized = await infer.tokenize_with(rules.encode, served.tokenizer, texts, params, chars=sum(map(len, texts)))
+        tokenized = await core.tokenize_with(rules.encode, served.tokenizer, texts, params, chars=sum(map(len, texts)))
         for index, item in zip(text_at, tokenized):
             encoded[index] = item
     images = [(index, inputs[index].data) for index in found]
     # No `chars`: decoding is never cheap enough for the event loop.
-    prepared = await infer.tokenize_with(_encode_images, rules, served.vision, images, params)
+    prepared = await core.tokenize_with(_encode_images, rules, served.vision, images, params)
     for index, item in zip(found, prepared):
         encoded[index] = item
     return encoded
@@ -61,7 +61,7 @@ async def encode_inputs(
 
 def _encode_images(
     rules: TokenRules, vision: VisionSpec, images: list[tuple[int, bytes]], params: EmbedParams
-) -> list[Encoded]:
+) -> list[InputSequence]:
     """Blocking: decode, preprocess and shape each image (an ImageError names the first bad input)."""
     out = []
     for index, data in images:

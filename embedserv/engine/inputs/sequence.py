@@ -8,7 +8,7 @@ import numpy as np
 
 
 @dataclass(frozen=True)
-class Encoded:
+class InputSequence:
     """One input ready for the scheduler."""
 
     ids: list[int]

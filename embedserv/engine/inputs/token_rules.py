@@ -4,14 +4,32 @@ late-interaction ones (multi_vector.py subclasses them); embedding.py picks a mo
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from embedserv.engine.served_model import VisionSpec
-from embedserv.engine.inputs.tokenizer import Encoded, TextTokenizer
+from embedserv.engine.inputs.images import ImageLimits, ImageProcessing
+from embedserv.engine.inputs.sequence import InputSequence
+from embedserv.engine.inputs.tokenizer import TextTokenizer
 from embedserv.errors import InvalidInput
 from embedserv.types import EmbedParams
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """How a model's images become sequences (engine/tasks/token_rules.TokenRules.encode_image) and how its
+    texts are shaped beside them. Models with other image layouts add fields with defaults."""
+
+    processing: ImageProcessing
+    # ModelConfig.max_image_bytes / max_image_pixels.
+    limits: ImageLimits
+    patch_size: int
+    # A class-token row (zeros; the model puts its class embedding there) leads each image's patch rows (CLIP).
+    class_token: bool = False
+    # Texts are padded to this many tokens with text_pad_id, as the model's processor pads them (SigLIP's
+    # padding="max_length"); 0: texts go unpadded.
+    text_pad_to: int = 0
+    text_pad_id: int = 0
 
 
 class TokenRules:
@@ -26,36 +44,36 @@ class TokenRules:
         self.skip_first = skip_first
         self.vision = vision
 
-    def encode(self, tokenizer: TextTokenizer, texts: list[str], params: EmbedParams) -> list[Encoded]:
+    def encode(self, tokenizer: TextTokenizer, texts: list[str], params: EmbedParams) -> list[InputSequence]:
         return self.pad_texts(
             tokenizer.encode_batch(texts, params.truncate, params.truncation_direction, params.prompt_name)
         )
 
-    def pad_texts(self, encoded: list[Encoded]) -> list[Encoded]:
+    def pad_texts(self, encoded: list[InputSequence]) -> list[InputSequence]:
         """Texts as the model's processor pads them (SigLIP: padding="max_length"; its text tower reads the last
         position, a pad); unchanged for every other model."""
         length = self.vision.text_pad_to if self.vision is not None else 0
         return [_padded(e, length, self.vision.text_pad_id) for e in encoded] if length else encoded
 
-    def encode_image(self, rows: np.ndarray, grid: tuple[int, ...], params: EmbedParams) -> Encoded:
+    def encode_image(self, rows: np.ndarray, grid: tuple[int, ...], params: EmbedParams) -> InputSequence:
         """One image's sequence: its patch rows ([rows, patch_dim] float32, engine/inputs/images), a zero row first
         where the model puts its class embedding, and one placeholder token id per row."""
         if self.vision is None:
             raise InvalidInput("this model takes text only; send texts")
         if self.vision.class_token:
             rows = np.concatenate((np.zeros((1, rows.shape[1]), dtype=np.float32), rows))
-        return Encoded(ids=[0] * len(rows), pixels=rows, image_grid=tuple(grid))
+        return InputSequence(ids=[0] * len(rows), pixels=rows, image_grid=tuple(grid))
 
-    def check_ids(self, encoded: list[Encoded]) -> None:
+    def check_ids(self, encoded: list[InputSequence]) -> None:
         """Refuses token-id inputs (used as given) that the model cannot take; every id in the vocabulary can
         be taken unless a subclass reserves some."""
 
-    def keep(self, encoded: Encoded, params: EmbedParams) -> np.ndarray | slice:
+    def keep(self, encoded: InputSequence, params: EmbedParams) -> np.ndarray | slice:
         """Which of the sequence's token vectors the caller gets: a boolean mask or a slice."""
         return slice(self.skip_first, None)
 
 
-def _padded(encoded: Encoded, length: int, pad_id: int) -> Encoded:
+def _padded(encoded: InputSequence, length: int, pad_id: int) -> InputSequence:
     missing = length - len(encoded.ids)
     if missing <= 0:
         return encoded

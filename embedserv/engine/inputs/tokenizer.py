@@ -8,14 +8,17 @@ the backend takes when it truncates itself, without sharing mutable truncation s
 
 from __future__ import annotations
 
+import asyncio
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, Callable, TypeVar
 
 import tokenizers
 from transformers import AutoTokenizer
 
 from embedserv.engine.inputs import text_prefix
-from embedserv.engine.inputs.sequence import Encoded  # noqa: F401  (where most callers import it from)
+from embedserv.engine.inputs.sequence import InputSequence
 from embedserv.models.loading.tasks import Seq2SeqYesNoTemplate, YesNoTemplate
 from embedserv.types import TokenizedText, TruncationDirection
 from embedserv.errors import InvalidInput
@@ -23,6 +26,32 @@ from embedserv.errors import InvalidInput
 # Our tokenizer threads are the parallelism; the Rust library's own thread pool would compete with the
 # model for the same cores (measured: ~15% slower batches on 2 cores).
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+T = TypeVar("T")
+
+# Up to this many characters (about 1 ms of tokenizing) a call is tokenized on the event loop: handing it to
+# the tokenizer thread and back cost more than that under load, in GIL waits and wake-ups (one-text calls
+# 1.1-1.5x faster on 2 cores; docs/PERFORMANCE.md, issue 34). Longer inputs go to the pool, so the loop never
+# stalls on them.
+INLINE_TOKENIZE_CHARS = 4096
+
+
+class TokenizerPool:
+    """Where a model's tokenizer work runs: the event loop for short inputs, else its tokenizer threads."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._threads = ThreadPoolExecutor(threads, thread_name_prefix=f"tokenize-{name}")
+
+    async def run(self, encode: Callable[..., T], args: tuple[Any, ...], chars: int | None) -> T:
+        """`encode(*args)`, here when the caller says the inputs hold at most INLINE_TOKENIZE_CHARS characters
+        (`chars`), else in a tokenizer thread."""
+        if chars is not None and chars <= INLINE_TOKENIZE_CHARS:
+            return encode(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._threads, encode, *args)
+
+    def shutdown(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
 
 
 _FOREIGN_IDS = ("; token ids must come from this model's tokenizer (LangChain's OpenAIEmbeddings: give it "
@@ -93,7 +122,7 @@ class TextTokenizer:
         truncate: bool,
         direction: TruncationDirection = TruncationDirection.RIGHT,
         prompt_name: str | None = None,
-    ) -> list[Encoded]:
+    ) -> list[InputSequence]:
         """Token ids with special tokens; too-long texts are cut (truncate) or refused."""
         prompt = self.resolve_prompt(prompt_name)
         pool_start = self._prompt_pool_start(prompt)
@@ -110,10 +139,10 @@ class TextTokenizer:
                     raise self._too_long(f"input {index}", len(encoding.ids) + self._num_special, self.max_input_tokens)
                 encoding.truncate(room, direction=direction)
             ids = self._backend.post_process(encoding, None, True).ids
-            out.append(Encoded(ids=ids, pool_start=pool_start))
+            out.append(InputSequence(ids=ids, pool_start=pool_start))
         return out
 
-    def check_token_ids(self, token_ids: list[list[int]], truncate: bool, direction: TruncationDirection) -> list[Encoded]:
+    def check_token_ids(self, token_ids: list[list[int]], truncate: bool, direction: TruncationDirection) -> list[InputSequence]:
         """Pre-tokenized inputs (OpenAI's token-id `input`), used as given: no special tokens are added. Ids must be
         this model's (LangChain's OpenAIEmbeddings sends tiktoken's by default); too-long ones are cut or refused."""
         out = []
@@ -125,7 +154,7 @@ class TextTokenizer:
                 if not truncate:
                     raise self._too_long(f"input {index}", len(ids), self.max_input_tokens)
                 ids = ids[-self.max_input_tokens:] if direction is TruncationDirection.LEFT else ids[: self.max_input_tokens]
-            out.append(Encoded(ids=list(ids)))
+            out.append(InputSequence(ids=list(ids)))
         return out
 
     def apply_chat_template(self, messages: list[dict]) -> str:
@@ -164,7 +193,7 @@ class TextTokenizer:
 
     def encode_seq2seq_template(
         self, template: Seq2SeqYesNoTemplate, query: str, documents: list[str], truncate: bool
-    ) -> list[Encoded]:
+    ) -> list[InputSequence]:
         """A seq2seq reranker's encoder input per document (monoT5: `Query: q Document: d Relevant:` with
         the model's special tokens), tokenized as one text. When it is too long, the document is cut (never
         the query or the template): then the text's three parts are tokenized apart, which word-splitting
@@ -176,7 +205,7 @@ class TextTokenizer:
         for index, encoding in enumerate(encodings):
             if len(encoding.ids) + self._num_special > self.max_input_tokens:
                 encoding = self._cut_document(head, documents[index], template.after_document, truncate, index)
-            out.append(Encoded(ids=self._backend.post_process(encoding, None, True).ids))
+            out.append(InputSequence(ids=self._backend.post_process(encoding, None, True).ids))
         return out
 
     def _cut_document(self, head: str, document: str, tail: str, truncate: bool, index: int):
@@ -199,7 +228,7 @@ class TextTokenizer:
             f"{what} has {tokens} tokens, more than the model's limit of {limit}; shorten it or set truncate"
         )
 
-    def encode_pairs(self, query: str, documents: list[str], truncate: bool) -> list[Encoded]:
+    def encode_pairs(self, query: str, documents: list[str], truncate: bool) -> list[InputSequence]:
         """Query and document in one sequence each (cross-encoders); only documents are ever cut."""
         query_encoding, room = self._pair_room(query)
         encodings = self._backend.encode_batch([self._prepare(d) for d in documents], add_special_tokens=False)
@@ -213,7 +242,7 @@ class TextTokenizer:
             out.append(self._pair(query_encoding, document))
         return out
 
-    def encode_pair_windows(self, query: str, documents: list[str]) -> list[list[Encoded]]:
+    def encode_pair_windows(self, query: str, documents: list[str]) -> list[list[InputSequence]]:
         """Chunked Rerank's cross-encoder inputs: per document, the query paired with each window of the
         document that fits beside it (no overlap). A document that fits is one pair, as encode_pairs makes it."""
         query_encoding, room = self._pair_room(query)
@@ -231,12 +260,12 @@ class TextTokenizer:
             )
         return query_encoding, room
 
-    def _pair(self, query: tokenizers.Encoding, document: tokenizers.Encoding) -> Encoded:
+    def _pair(self, query: tokenizers.Encoding, document: tokenizers.Encoding) -> InputSequence:
         pair = self._backend.post_process(query, document, True)
         types = list(pair.type_ids) if self._feeds_token_types else None
-        return Encoded(ids=pair.ids, token_type_ids=types)
+        return InputSequence(ids=pair.ids, token_type_ids=types)
 
-    def encode_windows(self, texts: list[str], prompt_name: str | None = None) -> list[list[Encoded]]:
+    def encode_windows(self, texts: list[str], prompt_name: str | None = None) -> list[list[InputSequence]]:
         """Chunked Embed's inputs: each text as windows of at most the model's limit, each window wrapped in
         the special tokens and led by the prompt (pooled from pool_start, as encode_batch does). A text that
         fits is one window, exactly as encode_batch makes it; a longer one is split, without overlap, into
@@ -258,10 +287,10 @@ class TextTokenizer:
             if len(encoding.ids) > room:
                 content = self._backend.encode(self._prepare(text), add_special_tokens=False)
                 pieces = [tokenizers.Encoding.merge([prompt_encoding, w]) for w in _windows(content, size)]
-            out.append([Encoded(self._backend.post_process(p, None, True).ids, pool_start) for p in pieces])
+            out.append([InputSequence(self._backend.post_process(p, None, True).ids, pool_start) for p in pieces])
         return out
 
-    def encode_for_cosine(self, query: str, documents: list[str], truncate: bool) -> list[Encoded]:
+    def encode_for_cosine(self, query: str, documents: list[str], truncate: bool) -> list[InputSequence]:
         """The query (never cut) and the documents with the prompts sentence-transformers' encode_query /
         encode_document pick: "query"; "document", "passage" or "corpus"; else the default prompt."""
         query_prompt, document_prompt = self._cosine_prompts()
@@ -269,7 +298,7 @@ class TextTokenizer:
             documents, truncate, TruncationDirection.RIGHT, document_prompt
         )
 
-    def encode_cosine_windows(self, query: str, documents: list[str]) -> tuple[Encoded, list[list[Encoded]]]:
+    def encode_cosine_windows(self, query: str, documents: list[str]) -> tuple[InputSequence, list[list[InputSequence]]]:
         """Chunked Rerank's embedder inputs: the query as encode_for_cosine makes it, and each document's
         windows (encode_windows) with the document prompt."""
         query_prompt, document_prompt = self._cosine_prompts()
@@ -281,7 +310,7 @@ class TextTokenizer:
         document_prompt = next((n for n in ("document", "passage", "corpus") if n in prompts), None)
         return query_prompt, document_prompt
 
-    def _cosine_query(self, query: str, prompt_name: str | None) -> list[Encoded]:
+    def _cosine_query(self, query: str, prompt_name: str | None) -> list[InputSequence]:
         try:
             return self.encode_batch([query], False, TruncationDirection.RIGHT, prompt_name)
         except InvalidInput:
@@ -292,7 +321,7 @@ class TextTokenizer:
 
     def encode_premise_pairs(
         self, premises: list[str], hypotheses: list[str], truncate: bool, direction: TruncationDirection
-    ) -> list[Encoded]:
+    ) -> list[InputSequence]:
         """Each premise with each hypothesis as one pair sequence (input-major), as the pipeline's tokenizer
         call makes them: special tokens of a pair and its segment ids; with `truncate`, only the premise is
         cut ("only_first"), from the `direction` side; the hypothesis never is.
@@ -326,7 +355,7 @@ class TextTokenizer:
                     first.truncate(room, direction=str(direction))
                 pair = backend.post_process(first, hypothesis, True)
                 types = list(pair.type_ids) if self._feeds_token_types else None
-                out.append(Encoded(ids=pair.ids, token_type_ids=types))
+                out.append(InputSequence(ids=pair.ids, token_type_ids=types))
         return out
 
     def _template_ids(self, template: YesNoTemplate) -> tuple[list[int], list[int]]:
@@ -341,7 +370,7 @@ class TextTokenizer:
 
     def encode_templated(
         self, template: YesNoTemplate, instruction: str, query: str, documents: list[str], truncate: bool
-    ) -> list[Encoded]:
+    ) -> list[InputSequence]:
         """A yes/no reranker's prompt per document, as its model card builds it: prefix, then
         instruction + query + document tokenized as one text (cut at the end of the document), then suffix."""
         prefix, suffix = self._template_ids(template)
@@ -361,7 +390,7 @@ class TextTokenizer:
                     total = len(encoding.ids) + len(prefix) + len(suffix) + self._num_special
                     raise self._too_long(f"the prompt for document {index}", total, self.max_input_tokens)
                 encoding.truncate(room, direction="right")
-            out.append(Encoded(ids=prefix + self._backend.post_process(encoding, None, True).ids + suffix))
+            out.append(InputSequence(ids=prefix + self._backend.post_process(encoding, None, True).ids + suffix))
         return out
 
     def tokenize(

@@ -26,8 +26,8 @@ import numpy as np
 
 from embedserv.engine import checks
 from embedserv.engine.served_model import ServedModel
-from embedserv.engine.ports import Infer, stack_rows
-from embedserv.engine.tasks.outputs import activate, cosine_to_first, finish_embeddings, rank
+from embedserv.engine.ports import Core
+from embedserv.engine.tasks.outputs import activate, cosine_to_first, finish_embeddings, rank, stack_rows
 from embedserv.types import (
     EmbedParams,
     EmbedResult,
@@ -39,15 +39,15 @@ from embedserv.types import (
 
 
 async def embed_chunked(
-    infer: Infer, served: ServedModel, texts: list[str], params: EmbedParams, received: float, adapter: int = -1
+    core: Core, served: ServedModel, texts: list[str], params: EmbedParams, received: float, adapter: int = -1
 ) -> EmbedResult:
     """Each text's embedding as the token-count-weighted mean of its windows' pooled vectors (weight: the
     window's length in tokens, special tokens and prompt included), then dimensions and normalization; float32
     (quantize.py applies the call's encoding after)."""
     checks.check_embed_chunking(served.info, params)
-    windows = await infer.tokenize_with(served.tokenizer.encode_windows, texts, params.prompt_name)
+    windows = await core.tokenize_with(served.tokenizer.encode_windows, texts, params.prompt_name)
     flat = [replace(window, adapter=adapter) for text_windows in windows for window in text_windows]
-    outputs, prompt_tokens, timing = await infer.infer(
+    outputs, prompt_tokens, timing = await core.infer(
         flat, received, params.outputs, use_cache=not params.bypass_cache
     )
     rows = stack_rows(outputs)
@@ -58,22 +58,22 @@ async def embed_chunked(
 
 
 async def rerank_chunked(
-    infer: Infer, served: ServedModel, query: str, documents: list[str], params: RerankParams, received: float
+    core: Core, served: ServedModel, query: str, documents: list[str], params: RerankParams, received: float
 ) -> RerankResult:
     """Documents scored against the query by their best window, best first."""
     mode = served.task.rerank_mode
     checks.check_rerank_chunking(served.info, mode)
     tokenizer = served.tokenizer
     if mode is RerankMode.PAIR:
-        windows = await infer.tokenize_with(tokenizer.encode_pair_windows, query, documents)
+        windows = await core.tokenize_with(tokenizer.encode_pair_windows, query, documents)
         flat = [window for document_windows in windows for window in document_windows]
-        outputs, prompt_tokens, timing = await infer.infer(flat, received)
+        outputs, prompt_tokens, timing = await core.infer(flat, received)
         logits = stack_rows(outputs)
         scores = logits[:, 0] if params.raw_scores else activate(logits, served.task.rerank_activation)[:, 0]
     else:
-        encoded_query, windows = await infer.tokenize_with(tokenizer.encode_cosine_windows, query, documents)
+        encoded_query, windows = await core.tokenize_with(tokenizer.encode_cosine_windows, query, documents)
         flat = [window for document_windows in windows for window in document_windows]
-        outputs, prompt_tokens, timing = await infer.infer([encoded_query, *flat], received)
+        outputs, prompt_tokens, timing = await core.infer([encoded_query, *flat], received)
         scores = cosine_to_first(stack_rows(outputs))
     best = best_windows(scores, [len(w) for w in windows])
     results = [RankedDocument(index, score) for index, score in rank(best, params.top_n)]

@@ -22,10 +22,11 @@ import numpy as np
 import torch
 
 from embedserv.engine.served_model import ServedModel
-from embedserv.engine.ports import Infer, SequenceOutput
+from embedserv.engine.ports import Core, SequenceOutput
 from embedserv.engine.tasks import late_chunks
 from embedserv.engine.tasks.outputs import finish_embeddings
-from embedserv.engine.inputs.tokenizer import Encoded, TextTokenizer
+from embedserv.engine.inputs.sequence import InputSequence
+from embedserv.engine.inputs.tokenizer import TextTokenizer
 from embedserv.errors import InvalidInput
 from embedserv.models.heads.pooling import Dense
 from embedserv.models.loading.weights import load_dense_weights
@@ -36,7 +37,7 @@ from embedserv.types import ChunkSplitter, EmbedOutput, EmbedParams, EmbedResult
 class InputPlan:
     """What one input runs as and how its chunks are pooled."""
 
-    windows: list[Encoded]
+    windows: list[InputSequence]
     # Per window: the text tokens [first, stop) whose states it gives, and the row of token `first` in it.
     pieces: list[tuple[int, int, int]]
     spans: tuple[tuple[int, int], ...]
@@ -116,7 +117,7 @@ def plan_input(
     encoded, pieces = [], []
     for (first, stop), (own_first, own_stop) in zip(windows, late_chunks.owned_tokens(windows)):
         window_ids = ids if len(windows) == 1 else head + ids[len(head) + first : len(head) + stop] + after
-        encoded.append(Encoded(ids=list(window_ids), adapter=adapter))
+        encoded.append(InputSequence(ids=list(window_ids), adapter=adapter))
         pieces.append((own_first, own_stop, len(head) + own_first - first))
     spans = _chunk_spans(index, text, text_offsets, late)
     members = late_chunks.span_members(index, text_offsets, spans)
@@ -181,16 +182,16 @@ class HostDense:
 
 
 async def embed_late_chunks(
-    infer: Infer, served: ServedModel, texts: list[str], params: EmbedParams, received: float, dense: HostDense,
+    core: Core, served: ServedModel, texts: list[str], params: EmbedParams, received: float, dense: HostDense,
     adapter: int = -1,
 ) -> EmbedResult:
     """Per input, its chunks' spans and float32 vectors (EmbedResult.chunks); quantize.py encodes them after."""
     check_late_chunking(served, texts, params)
     if not dense.is_loaded:
-        await infer.tokenize_with(dense.load)
-    plans = await infer.tokenize_with(plan_inputs, served.tokenizer, texts, params, adapter, chars=sum(map(len, texts)))
+        await core.tokenize_with(dense.load)
+    plans = await core.tokenize_with(plan_inputs, served.tokenizer, texts, params, adapter, chars=sum(map(len, texts)))
     flat = [window for plan in plans for window in plan.windows]
-    outputs, prompt_tokens, timing = await infer.infer(
+    outputs, prompt_tokens, timing = await core.infer(
         flat, received, (EmbedOutput.MULTI_VECTOR,), use_cache=not params.bypass_cache
     )
     chunks, start = [], 0

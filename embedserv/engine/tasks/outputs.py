@@ -10,6 +10,12 @@ from embedserv.types import Activation
 _NORM_EPS = 1e-12
 
 
+def stack_rows(outputs) -> np.ndarray:
+    """[n, width] float32: the sequences' pooled vectors or score logits (engine/ports.py's SequenceOutputs), in
+    order."""
+    return np.stack([output.row for output in outputs])
+
+
 def finish_embeddings(rows: np.ndarray, dimensions: int | None, normalize: bool) -> np.ndarray:
     """[n, dim] float32 pooled rows -> the vectors the caller asked for (truncate first, then normalize), in a
     new array: `rows` is never changed (the calibration rows of int8 ranges are finished many ways)."""

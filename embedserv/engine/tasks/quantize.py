@@ -134,9 +134,9 @@ def encode(
 
 
 class Embedder(Protocol):
-    """The port calibration embeds through: float32 results, never encoded (embedding.Embedding)."""
+    """What calibration embeds through: float32 results, never encoded (embedding.Embedding)."""
 
-    async def embed(self, texts: list[str], params: EmbedParams) -> EmbedResult: ...
+    async def embed_floats(self, texts: list[str], params: EmbedParams) -> EmbedResult: ...
 
 
 class Encodings:
@@ -210,7 +210,7 @@ class Calibration:
                 texts = calibration_texts()
                 parts = []
                 for start in range(0, len(texts), _CALIBRATION_BATCH):
-                    result = await embedder.embed(texts[start : start + _CALIBRATION_BATCH], raw)
+                    result = await embedder.embed_floats(texts[start : start + _CALIBRATION_BATCH], raw)
                     parts.append(result.embeddings)
                 self._rows = np.concatenate(parts)
             return self._rows

@@ -12,12 +12,13 @@ import time
 
 from embedserv.engine import checks
 from embedserv.engine.served_model import ServedModel
-from embedserv.engine.ports import Infer, stack_rows
+from embedserv.engine.ports import Core
 from embedserv.engine.tasks import chunking, multi_vector
-from embedserv.engine.tasks.outputs import activate, cosine_to_first, rank
+from embedserv.engine.tasks.outputs import activate, cosine_to_first, rank, stack_rows
 from embedserv.engine.inputs.image_inputs import encode_inputs, image_indices
 from embedserv.engine.inputs.token_rules import TokenRules
-from embedserv.engine.tasks.vision_retrieval import VisionRetrievalRules, rerank_pages
+from embedserv.engine.inputs.vision_retrieval_rules import VisionRetrievalRules
+from embedserv.engine.tasks.vision_retrieval import rerank_pages
 from embedserv.errors import InvalidInput
 from embedserv.models.loading.tasks import Seq2SeqYesNoTemplate
 from embedserv.types import (
@@ -26,16 +27,21 @@ from embedserv.types import (
 
 
 class Reranking:
-    def __init__(self, infer: Infer, served: ServedModel, rules: TokenRules) -> None:
+    def __init__(self, core: Core, served: ServedModel, rules: TokenRules) -> None:
         """`rules`: the model's token rules (MultiVectorRules for a model that reranks by MaxSim)."""
-        self._infer = infer
+        self._core = core
         self._served = served
         self._rules = rules
 
     async def rerank(self, query: str, documents: list[str | ImageInput], params: RerankParams) -> RerankResult:
-        """Documents (texts, or images for models that take them) scored against the query, best first."""
+        """Documents scored against the query, best first: by the model's score head (cross-encoders, yes/no
+        rerankers), by cosine similarity of embeddings (embedders), or by MaxSim of token vectors
+        (late-interaction models); with chunking, by each document's best window. Documents may be images
+        (encoded bytes) for models whose modalities include IMAGE: text-image dual encoders rank them by
+        cosine, ColQwen2 / ColPali (page images only) by MaxSim."""
         received = time.perf_counter()
         served = self._served
+        params = checks.with_truncate(served.info, params)
         checks.require(served.info, Task.RERANK, "Rerank")
         checks.check_rerank(served.info, served.task, query, documents, params)
         images = image_indices(documents)
@@ -44,7 +50,7 @@ class Reranking:
         if isinstance(self._rules, VisionRetrievalRules):
             if params.chunking:
                 raise InvalidInput(f"model {served.info.name!r} ranks page images whole; leave chunking off")
-            return await rerank_pages(self._infer, served, self._rules, query, documents, params, received)
+            return await rerank_pages(self._core, served, self._rules, query, documents, params, received)
         if images:
             if params.chunking:
                 raise InvalidInput(f"chunking applies to text documents; document {images[0]} is an image")
@@ -55,10 +61,10 @@ class Reranking:
                 "unset (set truncate to cut long documents)"
             )
         if params.chunking:
-            return await chunking.rerank_chunked(self._infer, served, query, documents, params, received)
+            return await chunking.rerank_chunked(self._core, served, query, documents, params, received)
         if served.task.rerank_mode is RerankMode.MAXSIM:
             return await multi_vector.rerank_maxsim(
-                self._infer, served.tokenizer, self._rules, query, documents, params, received
+                self._core, served.tokenizer, self._rules, query, documents, params, received
             )
         return await self._rerank_whole(query, documents, params, received)
 
@@ -67,8 +73,8 @@ class Reranking:
     ) -> RerankResult:
         """A dual encoder's cosine of the query text's and each document's embedding, images among them."""
         embed = EmbedParams(outputs=(EmbedOutput.DENSE,), truncate=params.truncate)
-        encoded = await encode_inputs(self._infer, self._served, self._rules, [query, *documents], embed)
-        outputs, prompt_tokens, timing = await self._infer.infer(encoded, received)
+        encoded = await encode_inputs(self._core, self._served, self._rules, [query, *documents], embed)
+        outputs, prompt_tokens, timing = await self._core.infer(encoded, received)
         scores = cosine_to_first(stack_rows(outputs))
         results = [RankedDocument(index, score) for index, score in rank(scores, params.top_n)]
         return RerankResult(results=results, prompt_tokens=prompt_tokens, timing=timing)
@@ -77,7 +83,7 @@ class Reranking:
         self, query: str, documents: list[str], params: RerankParams, received: float
     ) -> RerankResult:
         """Each document is one sequence (cut only with truncate)."""
-        task, tokenizer, tokenize = self._served.task, self._served.tokenizer, self._infer.tokenize_with
+        task, tokenizer, tokenize = self._served.task, self._served.tokenizer, self._core.tokenize_with
         mode = task.rerank_mode
         if mode is RerankMode.EMBEDDINGS:
             encoded = await tokenize(tokenizer.encode_for_cosine, query, documents, params.truncate)
@@ -93,7 +99,7 @@ class Reranking:
             encoded = await tokenize(
                 tokenizer.encode_templated, task.template, instruction, query, documents, params.truncate
             )
-        outputs, prompt_tokens, timing = await self._infer.infer(encoded, received)
+        outputs, prompt_tokens, timing = await self._core.infer(encoded, received)
         rows = stack_rows(outputs)
         if mode is RerankMode.EMBEDDINGS:
             scores = cosine_to_first(rows)

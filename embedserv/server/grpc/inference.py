@@ -54,7 +54,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             inputs = self.frontend.check_items(engine, items, "items")
         params = embed_params(request)
         with self.frontend.hold(len(inputs)):
-            result = await engine.embed(inputs, params)
+            result = await engine.embedding.embed(inputs, params)
         call.answered(len(inputs), result.prompt_tokens, result.timing)
         return embed_response(result, request.encoding, engine.info.name, received)
 
@@ -79,7 +79,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             sparse_top_k=request.top_k if request.HasField("top_k") else None,
         )
         with self.frontend.hold(len(texts)):
-            result = await engine.embed(texts, params)
+            result = await engine.embedding.embed(texts, params)
         call.answered(len(texts), result.prompt_tokens, result.timing)
         return pb.EmbedSparseResponse(
             embeddings=[sparse_message(v) for v in result.sparse],
@@ -102,7 +102,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             truncate=truncate_of(request), prompt_name=request.prompt_name or None, outputs=(EmbedOutput.MULTI_VECTOR,)
         )
         with self.frontend.hold(len(texts) + len(images)):
-            result = await engine.embed(texts + images, params)
+            result = await engine.embedding.embed(texts + images, params)
         call.answered(len(texts) + len(images), result.prompt_tokens, result.timing)
         return pb.EmbedMultiVectorResponse(
             embeddings=[multi_vector_message(v) for v in result.multi_vectors],
@@ -115,7 +115,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         texts = self.frontend.check_inputs(request.inputs)
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         with self.frontend.hold(len(texts)):
-            tokenized = await engine.tokenize(texts, add_special, request.prompt_name or None)
+            tokenized = await engine.tokens.tokenize(texts, add_special, request.prompt_name or None)
         call.answered(len(texts), sum(len(x.ids) for x in tokenized))
         inputs = [
             pb.TokenizedInput(
@@ -135,7 +135,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         models = [
             model_info(engine.info, usage, _image_limits(engine))
             for base in served.engines
-            for engine, usage in ((base, base.kv_cache_usage()), *((a, None) for a in served.adapter_engines(base)))
+            for engine, usage in ((base, base.core.status().kv_cache), *((a, None) for a in served.adapter_engines(base)))
         ]
         limits = server_limits(self.frontend.config, self.frontend.receive_limit)
         return pb.ListModelsResponse(models=models, limits=limits)
@@ -155,7 +155,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             chunking=rerank_chunking(request.chunking),
         )
         with self.frontend.hold(len(documents)):
-            result = await engine.rerank(request.query, documents, params)
+            result = await engine.reranking.rerank(request.query, documents, params)
         call.answered(len(documents), result.prompt_tokens, result.timing)
         results = [
             pb.RerankResult(index=r.index, score=r.score, document=_echo(documents[r.index], request.return_documents))
@@ -192,7 +192,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             multi_label=request.multi_label,
         )
         with self.frontend.hold(sequences):
-            result = await engine.classify(texts, params)
+            result = await engine.classification.classify(texts, params)
         call.answered(len(texts), result.prompt_tokens, result.timing)
         classifications = [
             pb.Classification(
@@ -212,7 +212,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.frontend.check_chars(request.decoder_prompt, "decoder_prompt")
         params = sampling_params(request)
         with self.frontend.hold(1):
-            async for delta in engine.generate(request.prompt, params, decoder_prompt=request.decoder_prompt):
+            async for delta in engine.core.generate(request.prompt, params, decoder_prompt=request.decoder_prompt):
                 if delta.finish_reason is not None:
                     call.answered(1, delta.prompt_tokens)
                     metrics.GENERATED_TOKENS.labels(call.model).inc(delta.completion_tokens)

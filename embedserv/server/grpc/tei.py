@@ -147,7 +147,7 @@ class EmbedServicer(_TeiServicer, pb_grpc.EmbedServicer):
             prompt_name=request.prompt_name or None,
         )
         with self.frontend.hold(1):
-            result = await engine.embed([text], params)
+            result = await engine.embedding.embed([text], params)
         call.answered(1, result.prompt_tokens, result.timing)
         return pb.EmbedResponse(
             embeddings=result.embeddings[0].tolist(), metadata=metadata(len(text), result.prompt_tokens, result.timing)
@@ -174,7 +174,7 @@ class EmbedServicer(_TeiServicer, pb_grpc.EmbedServicer):
             outputs=(output,),
         )
         with self.frontend.hold(1):
-            result = await engine.embed([text], params)
+            result = await engine.embedding.embed([text], params)
         call.answered(1, result.prompt_tokens, result.timing)
         meta = metadata(len(text), result.prompt_tokens, result.timing)
         if output is EmbedOutput.SPARSE:
@@ -218,7 +218,7 @@ class PredictServicer(_TeiServicer, pb_grpc.PredictServicer):
             raw_scores=request.raw_scores,
         )
         with self.frontend.hold(1):
-            result = await engine.classify([text], params)
+            result = await engine.classification.classify([text], params)
         call.answered(1, result.prompt_tokens, result.timing)
         scored = sorted(zip(result.scores[0].tolist(), result.labels), key=lambda pair: -pair[0])
         return pb.PredictResponse(
@@ -241,7 +241,7 @@ class PredictServicer(_TeiServicer, pb_grpc.PredictServicer):
         right_only(request.truncation_direction, "PredictPair")
         with self.frontend.hold(1):
             params = RerankParams(raw_scores=request.raw_scores, truncate=truncate_of(request))
-            result = await engine.rerank(first, [second], params)
+            result = await engine.reranking.rerank(first, [second], params)
         call.answered(1, result.prompt_tokens, result.timing)
         return pb.PredictResponse(
             predictions=[pb.Prediction(score=result.results[0].score, label=engine.info.labels[0])],
@@ -276,7 +276,7 @@ class RerankServicer(_TeiServicer, pb_grpc.RerankServicer):
         right_only(request.truncation_direction, "Rerank")
         params = RerankParams(raw_scores=request.raw_scores, truncate=truncate_of(request))
         with self.frontend.hold(len(texts)):
-            result = await engine.rerank(request.query, texts, params)
+            result = await engine.reranking.rerank(request.query, texts, params)
         call.answered(len(texts), result.prompt_tokens, result.timing)
         chars = len(request.query) * len(texts) + sum(map(len, texts))
         return pb.RerankResponse(
@@ -310,7 +310,7 @@ class RerankServicer(_TeiServicer, pb_grpc.RerankServicer):
         raw = first.raw_scores
         with self.frontend.hold(count):
             tasks = [
-                asyncio.ensure_future(engine.rerank(query, texts, RerankParams(raw_scores=raw, truncate=truncate)))
+                asyncio.ensure_future(engine.reranking.rerank(query, texts, RerankParams(raw_scores=raw, truncate=truncate)))
                 for (query, truncate), (_, texts) in groups.items()
             ]
             try:
@@ -337,7 +337,7 @@ class TokenizeServicer(_TeiServicer, pb_grpc.TokenizeServicer):
         text = self._text(request.inputs)
         prompt_name = request.prompt_name or None
         with self.frontend.hold(1):
-            [tokenized] = await engine.tokenize([text], request.add_special_tokens, prompt_name)
+            [tokenized] = await engine.tokens.tokenize([text], request.add_special_tokens, prompt_name)
         call.answered(1, len(tokenized.ids))
         tokens = tei_tokens(engine, text, prompt_name, tokenized)
         return pb.EncodeResponse(tokens=[pb.SimpleToken(**token._asdict()) for token in tokens])
@@ -347,7 +347,7 @@ class TokenizeServicer(_TeiServicer, pb_grpc.TokenizeServicer):
         if not request.ids:
             raise InvalidInput("ids is empty; send at least one token id")
         with self.frontend.hold(1):
-            text = await engine.decode(list(request.ids), request.skip_special_tokens)
+            text = await engine.tokens.decode(list(request.ids), request.skip_special_tokens)
         call.answered(1, len(request.ids))
         return pb.DecodeResponse(text=text)
 

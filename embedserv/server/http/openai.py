@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import base64
 import time
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Callable, Literal
 
 import numpy as np
@@ -154,15 +154,15 @@ async def embeddings(request: Request, body: EmbeddingsBody):
     inputs = body.input if isinstance(body.input, list) else [body.input]
     if items is not None:
         _check_items(frontend, engine, items, params)
-        result = await _in_slices(frontend, items, engine.embed, params)
+        result = await _in_slices(frontend, items, engine.embedding.embed, params)
     elif _is_token_ids(inputs):
         if params.chunking:
             raise InvalidInput("chunking applies to text inputs; token-id inputs are used as given")
         token_ids = [inputs] if isinstance(inputs[0], int) else inputs
-        result = await _in_slices(frontend, _checked_count(token_ids), engine.embed_token_ids, params)
+        result = await _in_slices(frontend, _checked_count(token_ids), engine.embedding.embed_token_ids, params)
     else:
         texts = frontend.check_texts(_checked_count(inputs), "input")
-        result = await _in_slices(frontend, texts, engine.embed, params)
+        result = await _in_slices(frontend, texts, engine.embedding.embed, params)
     answered = result.chunks if result.chunks is not None else result.embeddings
     call_of(request).answered(len(answered), result.prompt_tokens, result.timing)
     if result.chunks is not None:
@@ -230,7 +230,7 @@ async def _in_slices(frontend: Frontend, inputs: list, embed: Callable, params: 
     def joined(name: str):
         return None if getattr(first, name) is None else [x for r in results for x in getattr(r, name)]
 
-    timing = Timing(*(sum(getattr(r.timing, f.name) for r in results) for f in fields(Timing)))
+    timing = Timing.summed([r.timing for r in results])
     return replace(
         first, embeddings=None if first.embeddings is None else np.concatenate([r.embeddings for r in results]),
         prompt_tokens=sum(r.prompt_tokens for r in results), timing=timing, sparse=joined("sparse"),

@@ -175,7 +175,7 @@ async def _generate(
     admitted = contextlib.ExitStack()
     admitted.enter_context(frontend.hold(len(prompts)))
     runs = [
-        _Run(i, engine.generate(prompt, params, add_special_tokens=add_special_tokens))
+        _Run(i, engine.core.generate(prompt, params, add_special_tokens=add_special_tokens))
         for i, prompt in enumerate(prompts)
     ]
     try:
@@ -310,7 +310,7 @@ async def chat_completions(request: Request, body: ChatBody):
         raise InvalidInput("response_format other than {\"type\": \"text\"} is not supported by this server")
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = body.sampling(max_tokens)
-    prompt = await engine.chat_prompt(_message_dicts(body, frontend.check_chars))
+    prompt = await engine.tokens.chat_prompt(_message_dicts(body, frontend.check_chars))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return await _generate(
         request, engine, [prompt], params, body.stream, "chat", include_usage, add_special_tokens=False

@@ -29,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
+from embedserv.engine import checks
 from embedserv.engine.engine import Engine
 from embedserv.errors import InvalidInput
 from embedserv.server.http.common import call_of, engine_for_task, frontend_of
@@ -77,7 +78,7 @@ async def rerank_documents(request: Request, engine: Engine, query: str, documen
     frontend = frontend_of(request)
     frontend.check_chars(query, "query")
     with frontend.hold(len(documents)):
-        result = await engine.rerank(query, documents, params)
+        result = await engine.reranking.rerank(query, documents, params)
     call_of(request).answered(len(documents), result.prompt_tokens, result.timing)
     return result
 
@@ -93,13 +94,13 @@ async def score_pairs(
             raise InvalidInput(f"the first text of pair {index} is empty; send the text to score against")
         groups.setdefault(first, []).append(index)
     results: list[RerankResult] = await asyncio.gather(
-        *(engine.rerank(first, [pairs[i][1] for i in indices], params) for first, indices in groups.items())
+        *(engine.reranking.rerank(first, [pairs[i][1] for i in indices], params) for first, indices in groups.items())
     )
     scores = [0.0] * len(pairs)
     for indices, result in zip(groups.values(), results):
         for ranked in result.results:
             scores[indices[ranked.index]] = ranked.score
-    return scores, sum(r.prompt_tokens for r in results), results[0].timing
+    return scores, sum(r.prompt_tokens for r in results), Timing.longest([r.timing for r in results])
 
 
 async def _documents_rerank(request: Request, body: RerankRequest) -> JSON:
@@ -129,7 +130,7 @@ async def _tei_rerank(request: Request, body: TeiRerankRequest) -> JSON:
     engine = engine_for_task(request, Task.RERANK)
     require_some(body.texts, "texts")
     frontend_of(request).check_inputs(body.texts, "texts")
-    truncate = engine.truncates(body.truncate)
+    truncate = checks.truncates(engine.info, body.truncate)
     check_direction(body.truncation_direction, truncate, "rerank")
     params = RerankParams(raw_scores=body.raw_scores, truncate=truncate, chunking=body.chunking == "max")
     result = await rerank_documents(request, engine, body.query, body.texts, params)
@@ -201,7 +202,7 @@ async def classify(request: Request, body: ClassifyRequest):
     frontend = frontend_of(request)
     texts = frontend.check_inputs([body.input] if isinstance(body.input, str) else body.input, "input")
     with frontend.hold(len(texts)):
-        result = await engine.classify(texts, ClassifyParams(truncate=body.truncate, raw_scores=body.raw_scores))
+        result = await engine.classification.classify(texts, ClassifyParams(truncate=body.truncate, raw_scores=body.raw_scores))
     call_of(request).answered(len(texts), result.prompt_tokens, result.timing)
     labels = result.labels
     data = [

@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 import embedserv
+from embedserv.engine import checks
 from embedserv.engine.engine import Engine
 from embedserv.errors import NotReady
 from embedserv.server.http.common import call_of, engine_for_task, engine_named, frontend_of
@@ -50,7 +51,9 @@ from embedserv.server.http.tei_models import (
 )
 from embedserv.server.frontend import MODEL_HEADER
 from embedserv.server.tei_semantics import model_kind, pair_scorer, tei_tokens
-from embedserv.types import ClassifyParams, EmbedOutput, EmbedParams, EmbedResult, ModelInfo, RerankParams, Task
+from embedserv.types import (
+    ClassifyParams, EmbedOutput, EmbedParams, EmbedResult, ModelInfo, RerankParams, Task, Timing,
+)
 
 TEI_ERRORS = {"4XX": {"model": TeiError}, "5XX": {"model": TeiError}}
 router = APIRouter(tags=["text-embeddings-inference"], responses=TEI_ERRORS)
@@ -77,11 +80,11 @@ async def _embed_parts(
     for index, text in texts:
         frontend.check_chars(text, f"inputs[{index}]")
     with frontend.hold(len(inputs)):
-        calls = [engine.embed([x for _, x in texts], params)] if texts else []
+        calls = [engine.embedding.embed([x for _, x in texts], params)] if texts else []
         if ids:
-            calls.append(engine.embed_token_ids([x for _, x in ids], params))
+            calls.append(engine.embedding.embed_token_ids([x for _, x in ids], params))
         results = await asyncio.gather(*calls)
-    call_of(request).answered(len(inputs), sum(r.prompt_tokens for r in results), results[0].timing)
+    call_of(request).answered(len(inputs), sum(r.prompt_tokens for r in results), Timing.longest([r.timing for r in results]))
     positions = [[index for index, _ in part] for part in (texts, ids) if part]
     return len(inputs), list(zip(positions, results))
 
@@ -150,22 +153,24 @@ def _pair_scorer(request: Request) -> Engine:
 
 
 async def _predict_pairs(engine: Engine, pairs: list[tuple[str, str]], body: TeiPredictRequest):
-    truncate = engine.truncates(body.truncate)
+    truncate = checks.truncates(engine.info, body.truncate)
     check_direction(body.truncation_direction, truncate, "pairs")
-    scores, tokens, _ = await score_pairs(engine, pairs, RerankParams(raw_scores=body.raw_scores, truncate=truncate))
-    return [[{"score": s, "label": engine.info.labels[0]}] for s in scores], tokens
+    scores, tokens, timing = await score_pairs(
+        engine, pairs, RerankParams(raw_scores=body.raw_scores, truncate=truncate)
+    )
+    return [[{"score": s, "label": engine.info.labels[0]}] for s in scores], tokens, timing
 
 
 async def _predict_texts(engine: Engine, texts: list[str], body: TeiPredictRequest):
     params = ClassifyParams(
         truncate=body.truncate, truncation_direction=body.truncation_direction, raw_scores=body.raw_scores
     )
-    result = await engine.classify(texts, params)
+    result = await engine.classification.classify(texts, params)
     predictions = []
     for row in result.scores.tolist():
         ranked = sorted(zip(row, result.labels), key=lambda x: x[0], reverse=True)
         predictions.append([{"score": score, "label": label} for score, label in ranked])
-    return predictions, result.prompt_tokens
+    return predictions, result.prompt_tokens, result.timing
 
 
 @router.post("/predict", response_model=list[TeiPrediction] | list[list[TeiPrediction]])
@@ -189,9 +194,10 @@ async def predict(request: Request, body: TeiPredictRequest):
         if pairs:
             calls.append(_predict_pairs(scorer, [tuple(sequences[i]) for i in pairs], body))
         results = await asyncio.gather(*calls)
-    call_of(request).answered(len(sequences), sum(tokens for _, tokens in results))
+    timing = Timing.longest([timing for _, _, timing in results])
+    call_of(request).answered(len(sequences), sum(tokens for _, tokens, _ in results), timing)
     predictions = [None] * len(sequences)
-    for indices, (part, _) in zip([p for p in (texts, pairs) if p], results):
+    for indices, (part, _, _) in zip([p for p in (texts, pairs) if p], results):
         for index, prediction in zip(indices, part):
             predictions[index] = prediction
     return JSON(predictions[0] if single else predictions)
@@ -206,7 +212,7 @@ async def tokenize(request: Request, body: TeiTokenizeRequest):
     require_some(texts, "inputs")
     frontend.check_inputs(texts)
     with frontend.hold(len(texts)):
-        tokenized = await engine.tokenize(texts, body.add_special_tokens, body.prompt_name)
+        tokenized = await engine.tokens.tokenize(texts, body.add_special_tokens, body.prompt_name)
     call_of(request).answered(len(texts), sum(len(x.ids) for x in tokenized))
     return JSON([
         [token._asdict() for token in tei_tokens(engine, text, body.prompt_name, tokens)]
@@ -222,7 +228,7 @@ async def decode(request: Request, body: TeiDecodeRequest):
     batch = [body.ids] if not body.ids or isinstance(body.ids[0], int) else body.ids
     frontend.check_batch(len(batch), "ids")
     with frontend.hold(len(batch)):
-        texts = await asyncio.gather(*(engine.decode(ids, body.skip_special_tokens) for ids in batch))
+        texts = await asyncio.gather(*(engine.tokens.decode(ids, body.skip_special_tokens) for ids in batch))
     call_of(request).answered(len(batch), sum(len(ids) for ids in batch))
     return JSON(list(texts))
 
@@ -271,7 +277,7 @@ async def health(request: Request):
     if frontend.draining:
         raise NotReady("unhealthy: the server is shutting down")
     engines = frontend.models.engines
-    waiting = [n for n in frontend.models.names if n not in {e.info.name for e in engines if e.is_serving}]
+    waiting = [n for n in frontend.models.names if n not in {e.info.name for e in engines if e.core.status().serving}]
     if waiting:
         raise NotReady(f"unhealthy: not serving yet: {', '.join(waiting)}")
     return Response(status_code=200)

@@ -1,11 +1,9 @@
-"""The engine core of one served model: its workers, one step loop per worker, the step sources those
-loops take work from, and the two ways in: `infer` (prefill-only sequences) and `generate` (streams).
+"""The engine core of one served model in this process: its workers, its prefill queue and generation streams,
+and the dispatcher that gives the workers their steps. It implements the Core port (engine/ports.py).
 
-Each worker's loop (step_loop.py) takes that worker's generation steps first (its streams live in its
-KV cache), then batches from the model's shared prefill queue. Workers are processes (the server:
-`--data-parallel-size` of them, each with its own replica), or one model thread in this process
-(Engine.load: library use and tests). The event loop stays free meanwhile, so new calls are tokenized
-and queued while the devices work. The task services reach this class only through engine/ports.py.
+Workers are processes (the server: `--data-parallel-size` of them, each with its own replica), or one model
+thread in this process (LocalCore.load: library use and tests). The event loop stays free meanwhile, so new
+calls are tokenized and queued while the devices work.
 """
 
 from __future__ import annotations
@@ -14,27 +12,28 @@ import asyncio
 import dataclasses
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from typing import Any, AsyncIterator, Callable, TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
-from embedserv import tracing
 from embedserv.config import ModelConfig
 from embedserv.engine import checks
+from embedserv.engine.core import workers as worker_builders
+from embedserv.engine.core.dispatch import Dispatcher
 from embedserv.engine.core.generation import GenerationStreams, prepare_prompt
 from embedserv.engine.core.output_cache import CacheStats, OutputCache, cache_key
-from embedserv.engine.core.prefill import PrefillQueue
-from embedserv.engine.core.step_loop import WorkerLoop
-from embedserv.engine.core.step_source import StepSource
-from embedserv.engine.served_model import ServedModel
-from embedserv.engine.ports import SequenceOutput, run_tokenizer
-from embedserv.engine.inputs.tokenizer import Encoded
-from embedserv.errors import InvalidInput, NotReady
+from embedserv.engine.core.prefill import PrefillWork
+from embedserv.engine.inputs.sequence import InputSequence
+from embedserv.engine.inputs.tokenizer import TokenizerPool
+from embedserv.engine.ports import CoreStatus, Inferred
+from embedserv.engine.served_model import ServedModel, log_spec, read_served_model
+from embedserv.errors import ConfigError, InvalidInput, NotReady
 from embedserv.executor.base import Worker, WorkerStats
 from embedserv.scheduler.load import CallCounts, ModelLoad
 from embedserv.scheduler.request import Request
 from embedserv.steps import OutputKind
-from embedserv.types import EmbedOutput, GenerationDelta, KvCacheUsage, SamplingParams, Task, Timing
+from embedserv.types import EmbedOutput, EngineRun, GenerationDelta, KvCacheUsage, SamplingParams, Task, Timing
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -44,23 +43,38 @@ def _us(seconds: float) -> int:
     return max(0, int(seconds * 1e6))
 
 
-class EngineCore:
-    """Implements the task services' port (engine/ports.py, Infer)."""
+@dataclass(frozen=True)
+class CoreStats:
+    """What /metrics reads of a model in the engine host (at scrape time, from another thread)."""
 
+    # Sequences queued for a first batch (prefill) or a first step (generation).
+    num_waiting: int
+    # Queued sequences and streams dropped without running because their call went away, since the start.
+    num_dropped: int
+    workers: list[WorkerStats]
+    load: ModelLoad
+    # The embedding cache's counters (None without one).
+    cache: CacheStats | None
+    kv_cache: KvCacheUsage | None
+
+
+class LocalCore:
     def __init__(
         self, config: ModelConfig, served: ServedModel, workers: list[Worker], tokenizer_threads: int = 1,
         pipeline_depth: int = 1,
     ) -> None:
+        self.served = served
         self.info, self.task, self.tokenizer = served.info, served.task, served.tokenizer
         self.workers = workers
         for worker in workers:
             worker.on_change = self._workers_changed
         name, budget, max_seqs = self.info.name, config.batch_token_budget, config.max_batch_requests
-        self._tokenizer_pool = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix=f"tokenize-{name}")
-        self.prefill: PrefillQueue | None = None
+        self._tokenizer_pool = TokenizerPool(tokenizer_threads, name)
+        wake = self._wake
+        self.prefill: PrefillWork | None = None
         if served.task.tasks != (Task.GENERATE,):
             output = OutputKind.POOL if served.spec.outputs.outputs else OutputKind.SCORE
-            self.prefill = PrefillQueue(name, workers, budget, max_seqs, output)
+            self.prefill = PrefillWork(name, workers, budget, max_seqs, output, wake)
         # Prefill outputs only: generation streams are not cached.
         self.cache: OutputCache | None = None
         if config.embedding_cache and self.prefill is not None:
@@ -70,57 +84,67 @@ class EngineCore:
             self.generation = [
                 GenerationStreams(
                     name, worker, self._tokenizer_pool, served.eos_token_ids, served.max_model_len, budget, max_seqs,
-                    config.enable_prefix_caching,
+                    config.enable_prefix_caching, wake,
                 )
                 for worker in workers
             ]
-        self._loops = [
-            WorkerLoop(name, worker, self._sources_of(index), pipeline_depth) for index, worker in enumerate(workers)
-        ]
+        self.dispatcher = Dispatcher(name, workers, self.prefill, list(self.generation), pipeline_depth)
         # Prefill calls in flight, waiting or running (generation streams are counted by their schedulers).
         self._calls = CallCounts()
         self._started = False
         self._serving = False
         self._serving_listeners: list[Callable[[bool], None]] = []
 
-    def _sources_of(self, index: int) -> list[StepSource]:
-        """Worker `index`'s step sources by priority: its own generation streams, then the shared prefill queue."""
-        sources: list[StepSource] = [self.generation[index]] if self.generation else []
-        return sources + ([self.prefill] if self.prefill is not None else [])
+    @classmethod
+    def load(cls, config: ModelConfig, tokenizer_threads: int = 1, warm_up: bool = True) -> LocalCore:
+        """The model in this process on one model thread (blocking; call it off the event loop)."""
+        if config.data_parallel_size != 1:
+            raise ConfigError("an in-process engine runs one replica; use worker processes for --data-parallel-size")
+        served = read_served_model(config)
+        log_spec(served, config)
+        worker = worker_builders.load_local_worker(config, served.spec, warm_up)
+        return cls(config, served, [worker], tokenizer_threads, config.pipeline_depth)
+
+    @classmethod
+    def with_worker_processes(cls, config: ModelConfig, tokenizer_threads: int = 1) -> LocalCore:
+        """`config.data_parallel_size` worker processes, started (and waited for) by start(). Blocking: reads
+        the model's config and tokenizer, and places the workers."""
+        served = read_served_model(config)
+        log_spec(served, config)
+        return cls(config, served, worker_builders.worker_processes(config), tokenizer_threads, config.pipeline_depth)
+
+    def _wake(self) -> None:
+        self.dispatcher.wake()
 
     @property
     def is_running(self) -> bool:
-        """Started, not stopped, and no loop crashed (workers may be restarting)."""
-        return self._started and all(loop.is_running for loop in self._loops)
+        """Started, not stopped, and the dispatcher did not crash (workers may be restarting)."""
+        return self._started and self.dispatcher.is_running
 
     @property
     def is_serving(self) -> bool:
-        """Running with at least one worker ready: what health reports for this model."""
         return self.is_running and any(worker.ready for worker in self.workers)
+
+    def status(self) -> CoreStatus:
+        return CoreStatus(self.is_running, self.is_serving, self.kv_cache_usage())
 
     def add_serving_listener(self, listener: Callable[[bool], None]) -> None:
         """`listener(is_serving)` is called on the event loop whenever is_serving flips."""
         self._serving_listeners.append(listener)
 
-    def worker_stats(self) -> list[WorkerStats]:
-        return [worker.stats() for worker in self.workers]
-
-    @property
-    def num_waiting(self) -> int:
-        """Sequences queued for a first batch (prefill) or a first step (generation)."""
+    def stats(self) -> CoreStats:
+        """Counters and snapshots only: safe to read from the metrics thread."""
         waiting = self.prefill.num_waiting if self.prefill is not None else 0
-        return waiting + sum(streams.num_waiting for streams in self.generation)
-
-    @property
-    def num_dropped(self) -> int:
-        """Queued sequences (prefill) and streams (generation) dropped without running because their call
-        went away, since the start."""
         dropped = self.prefill.num_dropped if self.prefill is not None else 0
-        return dropped + sum(streams.num_dropped for streams in self.generation)
+        cache = dataclasses.replace(self.cache.stats) if self.cache is not None else None
+        return CoreStats(
+            waiting + sum(streams.num_waiting for streams in self.generation),
+            dropped + sum(streams.num_dropped for streams in self.generation),
+            [worker.stats() for worker in self.workers], self._load(), cache, self.kv_cache_usage(),
+        )
 
-    def current_load(self) -> ModelLoad:
-        """Calls waiting and running, waiting tokens and the workers' recent busy share (read at scrape time,
-        from another thread: only counters and snapshots)."""
+    def _load(self) -> ModelLoad:
+        """Calls waiting and running, waiting tokens and the workers' recent busy share."""
         waiting, running = self._calls.waiting, self._calls.running
         tokens = self.prefill.scheduler.waiting_tokens if self.prefill is not None else 0
         for streams in self.generation:
@@ -129,8 +153,20 @@ class EngineCore:
                 waiting += scheduler.num_waiting
                 running += scheduler.num_running
                 tokens += scheduler.waiting_tokens
-        busy = sum(loop.busy.ratio() for loop in self._loops) / len(self._loops) if self._loops else 0.0
-        return ModelLoad(waiting, running, tokens, busy)
+        return ModelLoad(waiting, running, tokens, self.dispatcher.busy_ratio())
+
+    def kv_cache_usage(self) -> KvCacheUsage | None:
+        """Blocks in use now, summed over the workers (None for models that do not generate)."""
+        if not self.generation:
+            return None
+        usages = [streams.kv_cache_usage() for streams in self.generation]
+        return KvCacheUsage(
+            block_size=max(u.block_size for u in usages),
+            total_blocks=sum(u.total_blocks for u in usages),
+            used_blocks=sum(u.used_blocks for u in usages),
+            preemptions=sum(u.preemptions for u in usages),
+            cached_prompt_tokens=sum(u.cached_prompt_tokens for u in usages),
+        )
 
     async def start(self) -> None:
         """Starts every worker and waits until all are ready; if one cannot start, stops the rest and raises."""
@@ -149,11 +185,12 @@ class EngineCore:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
             await asyncio.gather(*(worker.stop() for worker in self.workers), return_exceptions=True)
-            self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+            self._tokenizer_pool.shutdown()
             raise failed
         self._started = True
-        for loop in self._loops:
-            loop.start()
+        self.dispatcher.start()
+        for streams in self.generation:
+            streams.start()
         if self.prefill is not None:
             self.prefill.accepting = True
         self._workers_changed()
@@ -163,8 +200,7 @@ class EngineCore:
             self.prefill.workers_changed()
         for streams in self.generation:
             streams.workers_changed()
-        for loop in self._loops:
-            loop.wake()
+        self.dispatcher.wake()
         serving = self.is_serving
         if serving != self._serving and self._started:
             self._serving = serving
@@ -177,19 +213,19 @@ class EngineCore:
 
     async def stop(self) -> None:
         self._started = False
-        for loop in self._loops:
-            await loop.stop()
+        await self.dispatcher.stop()
+        for streams in self.generation:
+            streams.stop()
         if self.prefill is not None:
             self.prefill.fail_all(NotReady(f"model {self.info.name} is shutting down; retry on another replica"))
         await asyncio.gather(*(worker.stop() for worker in self.workers))
-        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self._tokenizer_pool.shutdown()
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, decoder_prompt: str = "",
         add_special_tokens: bool = True,
     ) -> AsyncIterator[GenerationDelta]:
-        """Engine.generate: the tokenized request goes to the ready worker with the fewest streams and stays
-        there (its KV)."""
+        """The tokenized request goes to the ready worker with the fewest streams and stays there (its KV)."""
         checks.require(self.info, Task.GENERATE, "Generate")
         if decoder_prompt and not self.info.is_encoder_decoder:
             raise InvalidInput(
@@ -209,37 +245,23 @@ class EngineCore:
             async for delta in deltas:
                 yield delta
 
-    def kv_cache_usage(self) -> KvCacheUsage | None:
-        """Blocks in use now, summed over the workers (None for models that do not generate)."""
-        if not self.generation:
-            return None
-        usages = [streams.kv_cache_usage() for streams in self.generation]
-        return KvCacheUsage(
-            block_size=max(u.block_size for u in usages),
-            total_blocks=sum(u.total_blocks for u in usages),
-            used_blocks=sum(u.used_blocks for u in usages),
-            preemptions=sum(u.preemptions for u in usages),
-            cached_prompt_tokens=sum(u.cached_prompt_tokens for u in usages),
-        )
-
     async def tokenize_with(self, encode: Callable[..., T], *args: Any, chars: int | None = None) -> T:
-        """Runs a tokenizer method in the tokenizer pool, or here for short inputs (ports.run_tokenizer)."""
-        return await run_tokenizer(self._tokenizer_pool, encode, args, chars)
+        return await self._tokenizer_pool.run(encode, args, chars)
 
     async def infer(
-        self, encoded: list[Encoded], received: float, wanted: tuple[EmbedOutput, ...] = (), use_cache: bool = True
-    ) -> tuple[list[SequenceOutput], int, Timing]:
-        """Runs every sequence through the scheduler, or the embedding cache first unless `use_cache` is off;
-        outputs in input order, tokens run, and the call's timing."""
+        self, sequences: list[InputSequence], received: float, wanted: tuple[EmbedOutput, ...] = (),
+        use_cache: bool = True,
+    ) -> Inferred:
+        """Runs every sequence through the scheduler, or the embedding cache first unless `use_cache` is off."""
         tokenized = time.perf_counter()
-        stripped = [self._stripped(e) for e in encoded]
-        requests = [self._request(e, wanted) for e in stripped]
+        stripped = [self._stripped(sequence) for sequence in sequences]
+        requests = [self._request(sequence, wanted) for sequence in stripped]
         call = self._calls.admit()
         for request in requests:
             request.call = call
         try:
             if self.cache is not None and use_cache:
-                keys = [cache_key(e, wanted) for e in stripped]
+                keys = [cache_key(sequence, wanted) for sequence in stripped]
                 outputs, ran = await self.cache.run(requests, keys, self.prefill.run)
             else:
                 outputs = ran = await self.prefill.run(requests)
@@ -254,32 +276,28 @@ class EngineCore:
             tokenization_us=_us(tokenized - received),
             inference_us=_us(last_end - first_start),
             total_us=_us(time.perf_counter() - received),
+            runs=(EngineRun(received, tokenized, ran),),
         )
         # Usage counts the input's tokens, cached or not: an encoder-decoder request's encoder input (its
         # decoder reads the start token or the same input shifted).
-        tokens = sum(r.num_encoder_tokens or r.num_tokens for r in requests)
-        tracing.engine_ran(received, timing, ran)
-        return outputs, tokens, timing
+        tokens = sum(len(r.encoder_token_ids) or len(r.prompt_token_ids) for r in requests)
+        return Inferred(outputs, tokens, timing)
 
-    def cache_stats(self) -> CacheStats | None:
-        """The embedding cache's counters, or None when the model has none (--embedding-cache 0)."""
-        return dataclasses.replace(self.cache.stats) if self.cache is not None else None
-
-    def _stripped(self, encoded: Encoded) -> Encoded:
+    def _stripped(self, sequence: InputSequence) -> InputSequence:
         """Without the trailing pad ids of models whose tokenizer pads (what the workers run, and the cache key)."""
         pad = self.task.strip_trailing_pad_id
         if pad is None:
-            return encoded
-        ids, types = encoded.ids, encoded.token_type_ids
+            return sequence
+        ids, types = sequence.ids, sequence.token_type_ids
         end = len(ids)
         while end > 1 and ids[end - 1] == pad:
             end -= 1
         if end == len(ids):
-            return encoded
-        return dataclasses.replace(encoded, ids=ids[:end], token_type_ids=types[:end] if types is not None else None)
+            return sequence
+        return dataclasses.replace(sequence, ids=ids[:end], token_type_ids=types[:end] if types is not None else None)
 
-    def _request(self, encoded: Encoded, wanted: tuple[EmbedOutput, ...] = ()) -> Request:
-        ids, types = encoded.ids, encoded.token_type_ids
+    def _request(self, sequence: InputSequence, wanted: tuple[EmbedOutput, ...] = ()) -> Request:
+        ids, types = sequence.ids, sequence.token_type_ids
         start = self.task.decoder_start_token_id
         if start is not None:
             # Encoder-decoder: the text is the encoder's input; the decoder reads its start token (a yes/no
@@ -287,6 +305,6 @@ class EngineCore:
             decoder = [start] if self.task.prefill_decoder_input == "start" else [start] + ids[:-1]
             return self.prefill.new_request(decoder, encoder_token_ids=ids)
         return self.prefill.new_request(
-            ids, pool_start=encoded.pool_start, token_type_ids=types, outputs=wanted, adapter=encoded.adapter,
-            pixels=encoded.pixels, image_grid=encoded.image_grid,
+            ids, pool_start=sequence.pool_start, token_type_ids=types, outputs=wanted, adapter=sequence.adapter,
+            pixels=sequence.pixels, image_grid=sequence.image_grid,
         )

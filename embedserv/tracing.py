@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 _tracer: Tracer | None = None
 _provider: TracerProvider | None = None
 _owned: TracerProvider | None = None
+# Whether calls are traced (a plain flag: a call that is not traced reads it and nothing more).
+active = False
 # perf_counter seconds -> epoch nanoseconds (the offset of this process's clocks, taken once).
 _EPOCH_OFFSET_NS = time.time_ns() - time.perf_counter_ns()
 
@@ -59,13 +61,14 @@ def setup(endpoint: str | None) -> bool:
 
 def use_provider(provider: TracerProvider | None) -> None:
     """Traces calls with `provider` from now on (None: off). setup's way in, and the tests'."""
-    global _tracer, _provider
+    global _tracer, _provider, active
     _provider = provider
     _tracer = provider.get_tracer("embedserv") if provider is not None else None
+    active = _tracer is not None
 
 
 def enabled() -> bool:
-    return _tracer is not None
+    return active
 
 
 def shutdown() -> None:

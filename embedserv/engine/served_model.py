@@ -56,6 +56,7 @@ class ServedModel:
 def read_served_model(config: ModelConfig) -> ServedModel:
     spec = read_model_spec(config)
     st = spec.st
+    tower = spec.family.vision(spec.hf_config) if spec.family.vision is not None else None
     tokenizer = TextTokenizer(
         spec.model_dir,
         spec.info.max_input_tokens,
@@ -63,9 +64,12 @@ def read_served_model(config: ModelConfig) -> ServedModel:
         prompts=st.prompts,
         default_prompt_name=st.default_prompt_name,
         include_prompt=st.include_prompt,
+        # What the processor pads with: the tokenizer's pad token, else the config's.
+        pad_texts=tower is not None and tower.pads_texts,
+        fallback_pad_id=tower.text_pad_id if tower is not None else 0,
     )
     eos = eos_token_ids(spec.model_dir, spec.hf_config, tokenizer) if Task.GENERATE in spec.task.tasks else frozenset()
-    vision = read_vision_spec(config, spec, tokenizer)
+    vision = read_vision_spec(config, spec)
     rules = token_rules(spec, tokenizer, vision)
     return ServedModel(spec=spec, tokenizer=tokenizer, token_rules=rules, eos_token_ids=eos, vision=vision)
 
@@ -81,9 +85,7 @@ def token_rules(spec: ModelSpec, tokenizer: TextTokenizer, vision: VisionSpec | 
     return TokenRules(skip_first=heads.skip_first_tokens, vision=vision)
 
 
-def read_vision_spec(
-    config: ModelConfig, spec: ModelSpec, tokenizer: TextTokenizer
-) -> VisionSpec | None:
+def read_vision_spec(config: ModelConfig, spec: ModelSpec) -> VisionSpec | None:
     """A dual encoder's image side (its family's VisionTower), or a vision-language model's, with its image
     processor's settings; refuses at start-up a model that takes images without them (preprocessor_config.json,
     else processor_config.json's), or with settings we cannot follow."""
@@ -117,9 +119,6 @@ def read_vision_spec(
         limits=limits,
         patch_size=tower.patch_size,
         class_token=tower.class_token,
-        text_pad_to=spec.info.max_input_tokens if tower.pads_texts else 0,
-        # What the processor pads with: the tokenizer's pad token, else the config's.
-        text_pad_id=_first_id(tokenizer.hf_tokenizer.pad_token_id, tower.text_pad_id),
     )
 
 
@@ -188,10 +187,6 @@ def _processor_image_settings(model_dir: Path, patch_size: int | None) -> ImageP
         return None
     settings = json.loads(path.read_text()).get("image_processor")
     return processing_from_dict(settings, path, patch_size) if isinstance(settings, dict) else None
-
-
-def _first_id(*ids: int | None) -> int:
-    return next(int(i) for i in ids if i is not None)
 
 
 def _output_size(processing: ImageProcessing) -> tuple[int, int] | None:

@@ -91,7 +91,8 @@ class LocalWorker:
         started = time.perf_counter()
         try:
             output = self.runner.run(prepared)
-            self._running.record(output)
+            if output.sampled_request_ids:
+                self._running.record(output)
             return output
         finally:
             self._busy_seconds += time.perf_counter() - started

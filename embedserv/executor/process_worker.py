@@ -186,29 +186,37 @@ class ProcessWorker:
         logger.info("started worker %s (pid %d) on %s", self.name, self._proc.pid, self.placement.device)
 
     async def _receive(self, outbox: zmq.asyncio.Socket) -> None:
+        handlers = {
+            Ready: self._ready_message, LoadFailed: self._load_failed, StepDone: self._answer, StepFailed: self._answer,
+        }
         try:
             while True:
                 message = CODEC.decode(await outbox.recv_multipart(copy=False))
-                if isinstance(message, Ready):
-                    self.kv_cache = message.kv_cache
-                    self._ready.set()
-                    self.on_change()
-                    continue
-                if isinstance(message, LoadFailed):
-                    self._failure = message.message
-                    continue
-                if not isinstance(message, (StepDone, StepFailed)):
+                handler = handlers.get(type(message))
+                if handler is None:
                     raise ValueError(f"a worker sent {type(message).__name__}, which only the engine sends")
-                self._batches += 1
-                self._busy_seconds = message.busy_seconds
-                self._last_progress = time.monotonic()
-                step_id, future = self._pending.popleft()
-                if step_id != message.step_id:
-                    raise ValueError(f"worker answered step {message.step_id}, but step {step_id} came first")
-                if not future.done():
-                    future.set_result(message)
+                handler(message)
         finally:
             outbox.close(linger=0)
+
+    def _ready_message(self, ready: Ready) -> None:
+        self.kv_cache = ready.kv_cache
+        self._ready.set()
+        self.on_change()
+
+    def _load_failed(self, failed: LoadFailed) -> None:
+        self._failure = failed.message
+
+    def _answer(self, reply: StepDone | StepFailed) -> None:
+        """A step's answer: for the oldest step in flight (a worker runs its steps in the order they came)."""
+        self._batches += 1
+        self._busy_seconds = reply.busy_seconds
+        self._last_progress = time.monotonic()
+        step_id, future = self._pending.popleft()
+        if step_id != reply.step_id:
+            raise ValueError(f"worker answered step {reply.step_id}, but step {step_id} came first")
+        if not future.done():
+            future.set_result(reply)
 
     async def _read_failure(self) -> None:
         """Gives the receiver a moment to read the reason a process that just exited sent before it went."""

@@ -97,16 +97,20 @@ def _load(args: WorkerArgs):
     return runner
 
 
+# The StepBatch each message runs: a prefill step's as sent, a generation step's rebuilt from the running batch.
+_STEP_BATCH = {
+    RunStep: lambda message, running: message.batch,
+    RunGenerationStep: lambda message, running: running.apply(message.delta),
+}
+
+
 def _receive(runner, running: RunningBatch, inbox: zmq.Socket, prepared: queue.Queue) -> None:
     """Receiver thread: decode each step and pack its inputs ahead of its turn."""
     try:
         while True:
             message: RunStep | RunGenerationStep = CODEC.decode(inbox.recv_multipart(copy=False))
             try:
-                if isinstance(message, RunGenerationStep):
-                    work = runner.prepare(running.apply(message.delta))
-                else:
-                    work = runner.prepare(message.batch)
+                work = runner.prepare(_STEP_BATCH[type(message)](message, running))
             except Exception as exc:
                 work = exc
             prepared.put((message.step_id, work))
@@ -122,7 +126,8 @@ def _run(runner, running: RunningBatch, step_id: int, work, busy: float) -> tupl
         if isinstance(work, Exception):
             raise work
         output = runner.run(work)
-        running.record(output)
+        if output.sampled_request_ids:
+            running.record(output)
         busy += time.perf_counter() - started
         return StepDone(step_id, output, busy), busy
     except Exception as exc:

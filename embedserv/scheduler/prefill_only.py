@@ -1,4 +1,9 @@
-"""FIFO batching for prefill-only work (embed, rerank, classify): no KV cache, no preemption. No torch."""
+"""FIFO batching for prefill-only work (embed, rerank, classify): no KV cache, no preemption; and the counts of
+the calls whose sequences wait and run, which routers and autoscalers read (server/load_metrics.py). No torch.
+
+Counted on the engine's event loop where the events happen, and read from the metrics thread at scrape time:
+plain ints, so a scrape never iterates a container the loop is changing.
+"""
 
 from __future__ import annotations
 
@@ -108,3 +113,43 @@ def batch_of(requests: list[Request]) -> StepBatch:
 def _cost(request: Request) -> int:
     """A sequence's tokens in a batch: an encoder-decoder request costs its encoder and its decoder tokens."""
     return len(request.prompt_token_ids) + len(request.encoder_token_ids)
+
+
+class CallCounts:
+    """Calls admitted to a model and not answered, split into waiting (no sequence in a batch yet) and running."""
+
+    def __init__(self) -> None:
+        self.waiting = 0
+        self.running = 0
+
+    def admit(self) -> AdmittedCall:
+        self.waiting += 1
+        return AdmittedCall(self)
+
+
+class AdmittedCall:
+    """One admitted call; its sequences' Requests carry it, so the scheduler marks it started."""
+
+    __slots__ = ("_counts", "_done", "started")
+
+    def __init__(self, counts: CallCounts) -> None:
+        self._counts = counts
+        self.started = False
+        self._done = False
+
+    def start(self) -> None:
+        """One of its sequences went into a batch (idempotent)."""
+        if not self.started and not self._done:
+            self.started = True
+            self._counts.waiting -= 1
+            self._counts.running += 1
+
+    def done(self) -> None:
+        """Answered, failed or cancelled (idempotent)."""
+        if self._done:
+            return
+        self._done = True
+        if self.started:
+            self._counts.running -= 1
+        else:
+            self._counts.waiting -= 1

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from embedserv.scheduler.load import AdmittedCall
 from embedserv.steps import OutputKind
 from embedserv.types import EmbedOutput, SamplingParams
+
+
+class CallProgress(Protocol):
+    """The call a prefill request belongs to (prefill_only.AdmittedCall), as the scheduler sees it."""
+
+    def start(self) -> None:
+        """One of the call's sequences went into a batch."""
+        ...
 
 
 class RequestStatus(Enum):
@@ -54,7 +61,7 @@ class Request:
     # The task adapter its tokens run with (ModelInfo.adapters index); -1: the base weights.
     adapter: int = -1
     # The call it belongs to (prefill): marked started when the sequence goes into a batch (load metrics).
-    call: AdmittedCall | None = None
+    call: CallProgress | None = None
     # An image input's patch rows and grid (steps.ScheduledSequence.pixels); None for texts.
     pixels: np.ndarray | None = None
     image_grid: tuple[int, ...] = ()

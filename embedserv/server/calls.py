@@ -92,7 +92,7 @@ class Call:
 
     def start_trace(self, name: str, carrier_of, attributes: dict) -> None:
         """Opens the call's server span when tracing is on; `carrier_of()` gives the incoming headers."""
-        if tracing.enabled():
+        if tracing.active:
             attributes = {**attributes, "embedserv.request_id": self.request_id}
             self.trace = tracing.start(name, self.received, carrier_of(), attributes)
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from embedserv.engine import checks
+from embedserv.engine.tasks import embedding
 from embedserv.engine.tasks.embedding import top_k
 from embedserv.errors import ConfigError, InvalidInput
 from embedserv.executor.messages import CODEC, StepDone
@@ -101,13 +101,13 @@ def _info(outputs, tasks) -> ModelInfo:
 def test_outputs_a_model_cannot_give_are_refused_naming_its_outputs(params, message):
     info = _info((DENSE, MULTI), (Task.EMBED, Task.EMBED_MULTI_VECTOR, Task.RERANK))
     with pytest.raises(InvalidInput, match=message):
-        checks.check_outputs(info, params)
+        embedding.check_outputs(info, params)
 
 
 def test_sparse_top_k_zero_is_refused():
     info = _info((SPARSE,), (Task.EMBED_SPARSE,))
     with pytest.raises(InvalidInput, match="top_k must be at least 1"):
-        checks.check_outputs(info, EmbedParams(outputs=(SPARSE,), sparse_top_k=0))
+        embedding.check_outputs(info, EmbedParams(outputs=(SPARSE,), sparse_top_k=0))
 
 
 def _st_dir(root: Path, modules: list[tuple[str, str]], model_type: str | None = None, configs=None) -> Path:

@@ -8,8 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from embedserv.engine.core.dispatch import Dispatcher
-from embedserv.engine.core.prefill import MAX_ATTEMPTS, PrefillWork
+from embedserv.engine.core.dispatch import MAX_ATTEMPTS, Dispatcher, PrefillWork
 from embedserv.errors import NotReady
 from embedserv.executor.base import WorkerDied, WorkerStats
 from embedserv.steps import OutputKind, StepBatch, StepOutput

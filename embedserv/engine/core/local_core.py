@@ -20,17 +20,16 @@ from typing import Any, TypeVar
 from embedserv.config import ModelConfig
 from embedserv.engine import checks
 from embedserv.engine.core import workers as worker_builders
-from embedserv.engine.core.dispatch import Dispatcher
+from embedserv.engine.core.dispatch import Dispatcher, PrefillWork
 from embedserv.engine.core.generation import GenerationStreams, prepare_prompt
 from embedserv.engine.core.output_cache import CacheStats, OutputCache, cache_key
-from embedserv.engine.core.prefill import PrefillWork
 from embedserv.engine.inputs.sequence import InputSequence
 from embedserv.engine.inputs.tokenizer import TokenizerPool
 from embedserv.engine.ports import CoreStatus, Inferred
 from embedserv.engine.served_model import ServedModel, log_spec, read_served_model
 from embedserv.errors import ConfigError, InvalidInput, NotReady
 from embedserv.executor.base import Worker, WorkerStats
-from embedserv.scheduler.load import CallCounts, ModelLoad
+from embedserv.scheduler.prefill_only import CallCounts
 from embedserv.scheduler.request import Request
 from embedserv.steps import OutputKind
 from embedserv.types import EmbedOutput, EngineRun, GenerationDelta, KvCacheUsage, SamplingParams, Task, Timing
@@ -41,6 +40,17 @@ T = TypeVar("T")
 
 def _us(seconds: float) -> int:
     return max(0, int(seconds * 1e6))
+
+
+@dataclass(frozen=True)
+class ModelLoad:
+    """One model's load at a scrape: API calls (not sequences) waiting for their first batch and running,
+    tokens of the sequences waiting for a batch, and the workers' busy share of the last BUSY_WINDOW_S."""
+
+    requests_waiting: int
+    requests_running: int
+    waiting_tokens: int
+    worker_busy_ratio: float
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,8 @@ async def encode_inputs(
     encoded: list[InputSequence | None] = [None] * len(inputs)
     if text_at:
         texts = [inputs[index] for index in text_at]
-        tokenized = await core.tokenize_with(rules.encode, served.tokenizer, texts, params, chars=sum(map(len, texts)))
+        encode_texts = rules.text_encoder(served.tokenizer)
+        tokenized = await core.tokenize_with(encode_texts, texts, params, chars=sum(map(len, texts)))
         for index, item in zip(text_at, tokenized):
             encoded[index] = item
     images = [(index, inputs[index].data) for index in found]

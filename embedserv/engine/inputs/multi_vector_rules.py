@@ -16,6 +16,9 @@ tokenized, and which token vectors are returned (MaxSim rerank: engine/tasks/mul
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import numpy as np
 import tokenizers
 
@@ -93,6 +96,9 @@ class MultiVectorRules(TokenRules):
         # Past the positions the library's model fails; here the input is refused or cut there.
         limit = min(cap, self.max_positions) if cap is not None else self.max_input_tokens
         return limit, expansion.length if expansion is not None else 0
+
+    def text_encoder(self, tokenizer: TextTokenizer) -> Callable[[list[str], EmbedParams], list[InputSequence]]:
+        return partial(self.encode, tokenizer)
 
     def encode(self, tokenizer: TextTokenizer, texts: list[str], params: EmbedParams) -> list[InputSequence]:
         prompt = tokenizer.resolve_prompt(params.prompt_name)

@@ -4,7 +4,8 @@ late-interaction ones (multi_vector.py subclasses them); embedding.py picks a mo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -26,10 +27,6 @@ class VisionSpec:
     patch_size: int
     # A class-token row (zeros; the model puts its class embedding there) leads each image's patch rows (CLIP).
     class_token: bool = False
-    # Texts are padded to this many tokens with text_pad_id, as the model's processor pads them (SigLIP's
-    # padding="max_length"); 0: texts go unpadded.
-    text_pad_to: int = 0
-    text_pad_id: int = 0
 
 
 class TokenRules:
@@ -44,16 +41,10 @@ class TokenRules:
         self.skip_first = skip_first
         self.vision = vision
 
-    def encode(self, tokenizer: TextTokenizer, texts: list[str], params: EmbedParams) -> list[InputSequence]:
-        return self.pad_texts(
-            tokenizer.encode_batch(texts, params.truncate, params.truncation_direction, params.prompt_name)
-        )
-
-    def pad_texts(self, encoded: list[InputSequence]) -> list[InputSequence]:
-        """Texts as the model's processor pads them (SigLIP: padding="max_length"; its text tower reads the last
-        position, a pad); unchanged for every other model."""
-        length = self.vision.text_pad_to if self.vision is not None else 0
-        return [_padded(e, length, self.vision.text_pad_id) for e in encoded] if length else encoded
+    def text_encoder(self, tokenizer: TextTokenizer) -> Callable[[list[str], EmbedParams], list[InputSequence]]:
+        """How Embed's texts become sequences: as the tokenizer encodes them (the rules of late-interaction and
+        vision-retrieval models frame them their own way). Asked once, when a service is built."""
+        return tokenizer.encode_texts
 
     def encode_image(self, rows: np.ndarray, grid: tuple[int, ...], params: EmbedParams) -> InputSequence:
         """One image's sequence: its patch rows ([rows, patch_dim] float32, engine/inputs/images), a zero row first
@@ -71,11 +62,3 @@ class TokenRules:
     def keep(self, encoded: InputSequence, params: EmbedParams) -> np.ndarray | slice:
         """Which of the sequence's token vectors the caller gets: a boolean mask or a slice."""
         return slice(self.skip_first, None)
-
-
-def _padded(encoded: InputSequence, length: int, pad_id: int) -> InputSequence:
-    missing = length - len(encoded.ids)
-    if missing <= 0:
-        return encoded
-    types = encoded.token_type_ids + [0] * missing if encoded.token_type_ids is not None else None
-    return replace(encoded, ids=encoded.ids + [pad_id] * missing, token_type_ids=types)

@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 from embedserv.engine.inputs import text_prefix
 from embedserv.engine.inputs.sequence import InputSequence
 from embedserv.models.loading.tasks import Seq2SeqYesNoTemplate, YesNoTemplate
-from embedserv.types import TokenizedText, TruncationDirection
+from embedserv.types import EmbedParams, TokenizedText, TruncationDirection
 from embedserv.errors import InvalidInput
 
 # Our tokenizer threads are the parallelism; the Rust library's own thread pool would compete with the
@@ -67,7 +67,12 @@ class TextTokenizer:
         prompts: dict[str, str] | None = None,
         default_prompt_name: str | None = None,
         include_prompt: bool = True,
+        pad_texts: bool = False,
+        fallback_pad_id: int = 0,
     ) -> None:
+        """`pad_texts`: texts (and token-id inputs) are padded to `max_input_tokens` with the tokenizer's pad token,
+        else `fallback_pad_id`, as the model's processor pads them (SigLIP: padding="max_length"; its text tower
+        reads the last position, a pad)."""
         # Never the tokenizer code a model directory may ship (tokenizer_config.json's auto_map).
         hf_tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
         if not hf_tokenizer.is_fast:
@@ -91,6 +96,8 @@ class TextTokenizer:
         self.default_prompt_name = default_prompt_name
         self.include_prompt = include_prompt
         self._prompt_lengths: dict[str, int] = {}
+        self._pad_to = max_input_tokens if pad_texts else 0
+        self._pad_id = hf_tokenizer.pad_token_id if hf_tokenizer.pad_token_id is not None else fallback_pad_id
         self._template_cache: dict[YesNoTemplate, tuple[list[int], list[int]]] = {}
 
     def resolve_prompt(self, prompt_name: str | None) -> str:
@@ -139,8 +146,16 @@ class TextTokenizer:
                     raise self._too_long(f"input {index}", len(encoding.ids) + self._num_special, self.max_input_tokens)
                 encoding.truncate(room, direction=direction)
             ids = self._backend.post_process(encoding, None, True).ids
-            out.append(InputSequence(ids=ids, pool_start=pool_start))
+            out.append(InputSequence(ids=self._padded(ids), pool_start=pool_start))
         return out
+
+    def encode_texts(self, texts: list[str], params: EmbedParams) -> list[InputSequence]:
+        """Embed's texts: encode_batch with the call's truncation and prompt."""
+        return self.encode_batch(texts, params.truncate, params.truncation_direction, params.prompt_name)
+
+    def _padded(self, ids: list[int]) -> list[int]:
+        missing = self._pad_to - len(ids)
+        return ids + [self._pad_id] * missing if missing > 0 else ids
 
     def check_token_ids(self, token_ids: list[list[int]], truncate: bool, direction: TruncationDirection) -> list[InputSequence]:
         """Pre-tokenized inputs (OpenAI's token-id `input`), used as given: no special tokens are added. Ids must be
@@ -154,7 +169,7 @@ class TextTokenizer:
                 if not truncate:
                     raise self._too_long(f"input {index}", len(ids), self.max_input_tokens)
                 ids = ids[-self.max_input_tokens:] if direction is TruncationDirection.LEFT else ids[: self.max_input_tokens]
-            out.append(InputSequence(ids=list(ids)))
+            out.append(InputSequence(ids=self._padded(list(ids))))
         return out
 
     def apply_chat_template(self, messages: list[dict]) -> str:

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -97,6 +99,9 @@ class VisionRetrievalRules(TokenRules):
         at = page.index(self.image_token_id)
         # Tokenized once whole (the placeholder splits nothing around it), then expanded per image.
         self._page_head, self._page_tail = page[:at], page[at + 1:]
+
+    def text_encoder(self, tokenizer: TextTokenizer) -> Callable[[list[str], EmbedParams], list[InputSequence]]:
+        return partial(self.encode, tokenizer)
 
     def encode(self, tokenizer: TextTokenizer, texts: list[str], params: EmbedParams) -> list[InputSequence]:
         if params.prompt_name not in (None, QUERY):

@@ -87,7 +87,6 @@ class Reranking:
         mode = task.rerank_mode
         if mode is RerankMode.EMBEDDINGS:
             encoded = await tokenize(tokenizer.encode_for_cosine, query, documents, params.truncate)
-            encoded = self._rules.pad_texts(encoded)
         elif mode is RerankMode.PAIR:
             encoded = await tokenize(
                 tokenizer.encode_pairs, query, documents, params.truncate, chars=len(query) + sum(map(len, documents))

@@ -88,7 +88,7 @@ def embed_params(request: pb.EmbedRequest) -> EmbedParams:
         sparse_top_k=request.sparse_top_k if request.HasField("sparse_top_k") else None,
         encoding=_ENCODINGS[request.encoding],
         task=request.task or None,
-        late_chunking=late_chunking_params(request),
+        late_chunking=late_chunking_params(request) if request.HasField("late_chunking") else None,
         bypass_cache=request.bypass_cache,
     )
 
@@ -151,7 +151,7 @@ def embedding_messages(rows: np.ndarray, encoding: int) -> list[pb.Embedding]:
 def embed_response(result: EmbedResult, encoding: int, model: str, received: float) -> pb.EmbedResponse:
     return pb.EmbedResponse(
         embeddings=embedding_messages(result.embeddings, encoding) if result.embeddings is not None else [],
-        chunks=chunks_messages(result, lambda rows: embedding_messages(rows, encoding)),
+        chunks=chunks_messages(result, lambda rows: embedding_messages(rows, encoding)) if result.chunks else [],
         sparse_embeddings=[sparse_message(v) for v in result.sparse] if result.sparse is not None else [],
         multi_vectors=[multi_vector_message(v) for v in result.multi_vectors or ()],
         encoding_scale=result.encoding_scale,

@@ -84,13 +84,10 @@ class ServedModels:
         return self._adapter_engines[name] if name in self.adapters else engine
 
 
-class _LocalCount:
-    """A count only this process changes: the shape of multiprocessing.Value, without its lock."""
+class _Count:
+    """The shape of multiprocessing.Value("q") for a count only this process changes."""
 
     value = 0
-
-    def get_lock(self):
-        return nullcontext()
 
 
 class InflightLimiter:
@@ -102,7 +99,8 @@ class InflightLimiter:
     def __init__(self, limit: int, shared=None) -> None:
         self.limit = limit
         self.shared = shared
-        self._count = shared if shared is not None else _LocalCount()
+        self._count = shared if shared is not None else _Count()
+        self._lock = shared.get_lock() if shared is not None else nullcontext()
 
     @property
     def in_flight(self) -> int:
@@ -110,7 +108,7 @@ class InflightLimiter:
 
     @contextmanager
     def hold(self, count: int) -> Iterator[None]:
-        with self._count.get_lock():
+        with self._lock:
             in_flight = self._count.value
             if in_flight + count <= self.limit:
                 self._count.value = in_flight + count
@@ -122,7 +120,7 @@ class InflightLimiter:
         try:
             yield
         finally:
-            with self._count.get_lock():
+            with self._lock:
                 self._count.value -= count
 
 
@@ -158,10 +156,6 @@ class Frontend:
         self.active_calls = ActiveCalls()
         # Set when a drain starts: HTTP answers new calls 503 (gRPC's own server refuses them).
         self.draining = False
-
-    def engine(self, name: str) -> Engine:
-        """The engine serving `name`; an empty name means the first served model."""
-        return self.models.get(name)
 
     def engine_for(self, task: Task, name: str | None = None) -> Engine:
         """The named model, else the first served model (in --model order) that serves `task`."""

@@ -30,7 +30,7 @@ def pair_scorer(frontend: Frontend, name: str | None, carrier: str) -> Engine:
     """The named model, else the first served cross-encoder; refused unless it is a cross-encoder (the
     engine scores a pair only as a cross-encoder's rerank). `carrier`: "header" or "metadata key"."""
     scorers = [e for e in frontend.models.engines if scores_pairs(e)]
-    engine = frontend.engine(name) if name or not scorers else scorers[0]
+    engine = frontend.models.get(name) if name or not scorers else scorers[0]
     if not scores_pairs(engine):
         named = ", ".join(e.info.name for e in scorers) or "none is served here"
         raise InvalidInput(

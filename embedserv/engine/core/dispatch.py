@@ -26,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, Protocol
 
 from embedserv import metrics
@@ -70,6 +71,10 @@ class StepSource(Protocol):
     def fail_all(self, error: Exception) -> None:
         """Fails everything that waits on this source (the dispatcher stopped or crashed)."""
         ...
+
+
+# The least busy of several slots: the one with the fewest steps in flight.
+_IN_FLIGHT = attrgetter("in_flight")
 
 
 class _Slot:
@@ -144,26 +149,23 @@ class Dispatcher:
 
     def _place(self) -> bool:
         """Starts every step that can start now; whether it started any."""
-        placed = False
+        placed, depth = False, self.pipeline_depth
         for slot in self._slots:
-            if slot.streams is not None and not slot.stepping and self._has_room(slot):
+            if slot.streams is not None and not slot.stepping and slot.worker.ready and slot.in_flight < depth:
                 step = slot.streams.schedule()
                 if step is not None:
                     self._launch(slot, step, slot.streams)
                     placed = True
         while self.prefill is not None:
-            free = [slot for slot in self._slots if self._has_room(slot)]
+            free = [slot for slot in self._slots if slot.worker.ready and slot.in_flight < depth]
             if not free:
                 break
             step = self.prefill.schedule()
             if step is None:
                 break
-            self._launch(min(free, key=lambda slot: slot.in_flight), step, self.prefill)
+            self._launch(min(free, key=_IN_FLIGHT), step, self.prefill)
             placed = True
         return placed
-
-    def _has_room(self, slot: _Slot) -> bool:
-        return slot.worker.ready and slot.in_flight < self.pipeline_depth
 
     def _launch(self, slot: _Slot, step: Step, source: StepSource) -> None:
         slot.in_flight += 1

@@ -50,7 +50,8 @@ class Embedding:
         modalities include IMAGE; one call may mix them."""
         if params.truncate is None:
             params = replace(params, truncate=self._info.auto_truncate)  # the model's --auto-truncate
-        return await self._encoded(await self.embed_floats(inputs, params), params)
+        result = await self.embed_floats(inputs, params)
+        return result if params.encoding is Encoding.FLOAT32 else await self.encodings.apply(result, params)
 
     async def embed_token_ids(self, token_ids: list[list[int]], params: EmbedParams) -> EmbedResult:
         """Embeds pre-tokenized inputs, used as given (OpenAI's token-id `input`; no prompt, no special tokens
@@ -70,7 +71,8 @@ class Embedding:
             tokenizer.check_token_ids, token_ids, params.truncate, params.truncation_direction
         )
         self.token_rules.check_ids(encoded)
-        return await self._encoded(await self._pooled(with_adapter(encoded, adapter), params, received), params)
+        result = await self._pooled(with_adapter(encoded, adapter), params, received)
+        return result if params.encoding is Encoding.FLOAT32 else await self.encodings.apply(result, params)
 
     async def embed_floats(self, inputs: list[str | ImageInput], params: EmbedParams) -> EmbedResult:
         """embed() with float32 dense vectors, `truncate` as given (calibration embeds through this)."""
@@ -96,11 +98,6 @@ class Embedding:
 
     async def in_encoding(self, result: EmbedResult, params: EmbedParams) -> EmbedResult:
         """`result`'s float32 dense vectors in the encoding `params` asks for."""
-        return await self._encoded(result, params)
-
-    async def _encoded(self, result: EmbedResult, params: EmbedParams) -> EmbedResult:
-        if params.encoding is Encoding.FLOAT32:
-            return result
         return await self.encodings.apply(result, params)
 
     async def _pooled(self, encoded: list[InputSequence], params: EmbedParams, received: float) -> EmbedResult:

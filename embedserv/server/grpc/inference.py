@@ -40,7 +40,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.active_calls = frontend.active_calls
 
     def _engine(self, name: str, call: Call) -> Engine:
-        engine = self.frontend.engine(name)
+        engine = self.frontend.models.get(name)
         call.model = engine.info.name
         return engine
 

@@ -104,7 +104,7 @@ class _TeiServicer:
     def _engine(self, context: grpc.aio.ServicerContext, call: Call, task: Task | None = None) -> Engine:
         """The model the metadata names, else the first served model (that serves `task`)."""
         name = metadata_value(context, MODEL_HEADER) or ""
-        engine = self.frontend.engine_for(task, name) if task else self.frontend.engine(name)
+        engine = self.frontend.engine_for(task, name) if task else self.frontend.models.get(name)
         call.model = engine.info.name
         return engine
 

@@ -37,7 +37,7 @@ def _record(request: Request, engine: Engine) -> Engine:
 
 def engine_named(request: Request, name: str | None) -> Engine:
     """The model a body names (empty: the first served model), recorded on the request's Call."""
-    return _record(request, frontend_of(request).engine(name or ""))
+    return _record(request, frontend_of(request).models.get(name or ""))
 
 
 def engine_for_task(request: Request, task: Task, name: str | None = None) -> Engine:

@@ -280,5 +280,5 @@ async def list_models(request: Request):
 
 @router.get("/v1/models/{model:path}", tags=["OpenAI"])
 async def retrieve_model(request: Request, model: str):
-    return JSON(model_card(frontend_of(request).engine(model).info))
+    return JSON(model_card(frontend_of(request).models.get(model).info))
 

@@ -5,6 +5,8 @@ unknown fields (not the ones the openai SDK sends), and every 429 carries Retry-
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -17,10 +19,12 @@ JSON_TYPE = {"content-type": "application/json"}
 class _Overloaded:
     """A Frontend whose every model choice is refused for load."""
 
-    def engine(self, *names):
+    def engine_for(self, *names):
         raise Overloaded("server is at its limit of 1 inputs in flight (1 now); retry with backoff")
 
-    engine_for = engine
+    @property
+    def models(self):
+        return SimpleNamespace(get=self.engine_for)
 
 
 @pytest.fixture(scope="module")

@@ -41,47 +41,47 @@ class ServedModels:
     """Model names in --model order; an empty name in a request means the first. A --lora adapter answers to
     its own name and to `<base>:<name>`, on its base's engine (Engine.for_adapter)."""
 
-    def __init__(self, names: list[str], adapters: dict[str, str] | None = None) -> None:
+    def __init__(self, names: list[str], lora_bases: dict[str, str] | None = None) -> None:
         self.names = list(names)
-        # Adapter name -> its base model's name, from the config (known before the engines load).
-        self.adapters = dict(adapters or {})
+        # --lora adapter name -> its base model's name, from the config (known before the engines load).
+        self.lora_bases = dict(lora_bases or {})
         self._engines: dict[str, Engine] = {}
-        self._adapter_engines: dict[str, Engine] = {}
+        self._lora_engines: dict[str, Engine] = {}
 
     def add(self, engine: Engine) -> None:
         self._engines[engine.info.name] = engine
         for name in engine.info.lora_adapters:
-            self.adapters[name] = engine.info.name
-            self._adapter_engines[name] = engine.for_adapter(name)
+            self.lora_bases[name] = engine.info.name
+            self._lora_engines[name] = engine.for_adapter(name)
 
     @property
     def engines(self) -> list[Engine]:
         return [self._engines[n] for n in self.names if n in self._engines]
 
-    def adapter_engines(self, base: Engine) -> list[Engine]:
+    def lora_engines(self, base: Engine) -> list[Engine]:
         """The base model's adapters as served models, in their --lora order."""
-        return [self._adapter_engines[n] for n in base.info.lora_adapters if n in self._adapter_engines]
+        return [self._lora_engines[n] for n in base.info.lora_adapters if n in self._lora_engines]
 
     def served(self) -> str:
         """What an unknown name's message lists: every model, with its adapters."""
-        adapters = {base: [a for a, b in self.adapters.items() if b == base] for base in self.names}
+        adapters = {base: [a for a, b in self.lora_bases.items() if b == base] for base in self.names}
         return ", ".join(f"{n} (adapters: {', '.join(adapters[n])})" if adapters[n] else n for n in self.names)
 
     def get(self, name: str) -> Engine:
         name = name or self.names[0]
         base, colon, adapter = name.partition(":")
         if colon and base in self.names:
-            if self.adapters.get(adapter) != base:
+            if self.lora_bases.get(adapter) != base:
                 raise AdapterNotFound(
                     f"model {base!r} has no LoRA adapter {adapter!r}; served models: {self.served()}"
                 )
             name = adapter
-        elif name not in self.names and name not in self.adapters:
+        elif name not in self.names and name not in self.lora_bases:
             raise ModelNotFound(f"model {name!r} is not served here; served models: {self.served()}")
-        engine = self._engines.get(self.adapters.get(name, name))
+        engine = self._engines.get(self.lora_bases.get(name, name))
         if engine is None:
             raise NotReady(f"model {name!r} is still loading; retry when health reports SERVING")
-        return self._adapter_engines[name] if name in self.adapters else engine
+        return self._lora_engines[name] if name in self.lora_bases else engine
 
 
 class _Count:

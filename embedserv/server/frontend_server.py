@@ -100,7 +100,7 @@ class FrontendServer:
 
     async def listen(self) -> None:
         """gRPC (health NOT_SERVING) and HTTP on the configured ports; ConfigError when a port is taken."""
-        for name in ("", *self.models.names, *self.models.adapters):
+        for name in ("", *self.models.names, *self.models.lora_bases):
             await self.health.set(name, _NOT_SERVING)
         config = self.config
         # Here, in every process that answers calls (each front end builds its own provider, after spawn).

@@ -2,7 +2,7 @@
 the whole input rather than from the chunk embedded alone.
 
 The model runs once over each input as Embed would feed it (the call's prompt and the model's special tokens
-included); an input longer than the model's context runs as overlapping windows (late_chunks.py says which
+included); an input longer than the model's context runs as overlapping windows (chunk_spans.py says which
 window each token's state comes from). Each chunk's vector is the mean of its own tokens' final hidden states,
 whatever pooling the model's dense output uses (late chunking's pooling; a CLS or last-token model gets
 the mean too), then the model's sentence-transformers Dense modules if it has them (HostDense), `dimensions`
@@ -23,7 +23,7 @@ import torch
 
 from embedserv.engine.served_model import ServedModel
 from embedserv.engine.ports import Core, SequenceOutput
-from embedserv.engine.tasks import late_chunks
+from embedserv.engine.tasks import chunk_spans
 from embedserv.engine.tasks.outputs import finish_embeddings
 from embedserv.engine.inputs.sequence import InputSequence
 from embedserv.engine.inputs.tokenizer import TextTokenizer
@@ -73,7 +73,7 @@ def _check_options(late: LateChunking, texts: list[str]) -> None:
                 "send one per input, in order"
             )
         for index, (text, spans) in enumerate(zip(texts, late.spans)):
-            late_chunks.check_spans(index, text, spans)
+            chunk_spans.check_spans(index, text, spans)
     if late.splitter is ChunkSplitter.TOKENS:
         if late.chunk_tokens < 1:
             raise InvalidInput("the tokens splitter needs chunk_tokens of at least 1")
@@ -113,14 +113,14 @@ def plan_input(
             f"the prompt takes {prompt_tokens} tokens, which leaves no room for text within the model's limit of "
             f"{limit} tokens; use a shorter prompt_name"
         )
-    windows = late_chunks.context_windows(len(text_offsets), room) if len(ids) > limit else [(0, len(text_offsets))]
+    windows = chunk_spans.context_windows(len(text_offsets), room) if len(ids) > limit else [(0, len(text_offsets))]
     encoded, pieces = [], []
-    for (first, stop), (own_first, own_stop) in zip(windows, late_chunks.owned_tokens(windows)):
+    for (first, stop), (own_first, own_stop) in zip(windows, chunk_spans.owned_tokens(windows)):
         window_ids = ids if len(windows) == 1 else head + ids[len(head) + first : len(head) + stop] + after
         encoded.append(InputSequence(ids=list(window_ids), adapter=adapter))
         pieces.append((own_first, own_stop, len(head) + own_first - first))
     spans = _chunk_spans(index, text, text_offsets, late)
-    members = late_chunks.span_members(index, text_offsets, spans)
+    members = chunk_spans.span_members(index, text_offsets, spans)
     return InputPlan(encoded, pieces, tuple(spans), members)
 
 
@@ -128,9 +128,9 @@ def _chunk_spans(index: int, text: str, offsets: np.ndarray, late: LateChunking)
     if late.splitter is ChunkSplitter.SPANS:
         return [(int(start), int(end)) for start, end in late.spans[index]]
     if late.splitter is ChunkSplitter.TOKENS:
-        return late_chunks.token_window_spans(offsets, late.chunk_tokens, late.overlap_tokens)
+        return chunk_spans.token_window_spans(offsets, late.chunk_tokens, late.overlap_tokens)
     # A sentence of characters the tokenizer drops (no token) has nothing to pool: it is left out.
-    spans = late_chunks.sentence_spans(text)
+    spans = chunk_spans.sentence_spans(text)
     return [span for span in spans if _covers_token(offsets, span)]
 
 
@@ -143,7 +143,7 @@ def chunk_rows(plan: InputPlan, outputs: list[SequenceOutput]) -> np.ndarray:
     states = np.concatenate([
         output.vectors[row : row + stop - first] for (first, stop, row), output in zip(plan.pieces, outputs)
     ])
-    return late_chunks.mean_rows(states, plan.members)
+    return chunk_spans.mean_rows(states, plan.members)
 
 
 class HostDense:

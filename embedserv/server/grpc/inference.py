@@ -135,7 +135,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         models = [
             model_info(engine.info, usage, _image_limits(engine))
             for base in served.engines
-            for engine, usage in ((base, base.core.status().kv_cache), *((a, None) for a in served.adapter_engines(base)))
+            for engine, usage in ((base, base.core.status().kv_cache), *((a, None) for a in served.lora_engines(base)))
         ]
         limits = server_limits(self.frontend.config, self.frontend.receive_limit)
         return pb.ListModelsResponse(models=models, limits=limits)

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Callable
 
 import numpy as np
 
 from embedserv.config import ServerConfig
 from embedserv.engine.tasks.outputs import to_little_endian_bytes
 from embedserv.errors import InvalidInput
-from embedserv.server.grpc.late_chunks import chunks_messages, late_chunking_params
 from embedserv.types import (
+    ChunkSplitter,
     EmbedOutput,
     EmbedParams,
     EmbedResult,
@@ -20,6 +21,7 @@ from embedserv.types import (
     GenerationDelta,
     ImageInput,
     KvCacheUsage,
+    LateChunking,
     ModelInfo,
     SamplingParams,
     SparseVector,
@@ -65,6 +67,45 @@ _FINISH_REASONS = {
     FinishReason.EOS: pb.FINISH_REASON_EOS,
     FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
 }
+
+
+_SPLITTERS = {
+    pb.CHUNK_SPLITTER_SPANS: ChunkSplitter.SPANS,
+    pb.CHUNK_SPLITTER_SENTENCES: ChunkSplitter.SENTENCES,
+    pb.CHUNK_SPLITTER_TOKENS: ChunkSplitter.TOKENS,
+}
+
+
+def late_chunking_params(request: pb.EmbedRequest) -> LateChunking | None:
+    """None when the request has no late_chunking message (an empty message asks for the spans splitter)."""
+    if not request.HasField("late_chunking"):
+        return None
+    late = request.late_chunking
+    if late.splitter not in _SPLITTERS:
+        raise InvalidInput(
+            f"unknown late_chunking.splitter {late.splitter}; use CHUNK_SPLITTER_SPANS, _SENTENCES or _TOKENS"
+        )
+    return LateChunking(
+        splitter=_SPLITTERS[late.splitter],
+        spans=tuple(tuple((span.start, span.end) for span in entry.spans) for entry in late.spans),
+        chunk_tokens=late.chunk_tokens,
+        overlap_tokens=late.overlap_tokens,
+    )
+
+
+def chunks_messages(
+    result: EmbedResult, embeddings: Callable[[np.ndarray], list[pb.Embedding]]
+) -> list[pb.InputChunks]:
+    """EmbedResponse.chunks: per input, its chunks with their vectors as `embeddings` writes a call's rows."""
+    if result.chunks is None:
+        return []
+    return [
+        pb.InputChunks(chunks=[
+            pb.Chunk(start=start, end=end, embedding=embedding)
+            for (start, end), embedding in zip(spans, embeddings(rows))
+        ])
+        for spans, rows in result.chunks
+    ]
 
 
 def embed_params(request: pb.EmbedRequest) -> EmbedParams:

@@ -5,7 +5,7 @@ changing their base URL. Extensions a client may send beside OpenAI's fields: `t
 the model's limit instead of refusing them), `prompt_name` (a sentence-transformers prompt),
 `normalize` (default true, as OpenAI's vectors are unit length), `embedding_type` (a compact encoding of the
 vectors, see `embeddings`), `chunking` ("mean": texts past the model's limit are embedded by windows) and
-`late_chunking` (one vector per chunk of each text; late_chunks.py). /v1/embeddings takes OpenAI's 2048 inputs a
+`late_chunking` (one vector per chunk of each text; late_chunking.py). /v1/embeddings takes OpenAI's 2048 inputs a
 call (run in slices of --max-client-batch-size) and, as OpenAI does, refuses fields it does not know. Images
 (models that take them) come as content parts in `input` or as vLLM's `messages` form (image_inputs.py).
 """
@@ -34,7 +34,7 @@ from embedserv.server.http.image_inputs import (
     input_items,
     message_item,
 )
-from embedserv.server.http.late_chunks import LateChunkingBody, chunk_items
+from embedserv.server.http.late_chunking import LateChunkingBody, chunk_items
 from embedserv.server.http.openai_generate import router as generation_router
 from embedserv.types import EmbedParams, EmbedResult, Encoding, ImageInput, ModelInfo, Timing, TruncationDirection
 
@@ -274,7 +274,7 @@ def model_card(info: ModelInfo) -> dict:
 @router.get("/v1/models", tags=["OpenAI"])
 async def list_models(request: Request):
     served = frontend_of(request).models
-    cards = [model_card(e.info) for base in served.engines for e in (base, *served.adapter_engines(base))]
+    cards = [model_card(e.info) for base in served.engines for e in (base, *served.lora_engines(base))]
     return JSON({"object": "list", "data": cards})
 
 

@@ -1,7 +1,7 @@
 """The host ceiling: how many calls a server answers when the model costs nearly nothing.
 
-    python benchmarks/host_ceiling.py [--frontends 1,2] [--texts 3000] [--repeats 3] [--base DIR] [--no-vllm]
-                                      [--profile]
+    python benchmarks/host_ceiling.py [--frontends 1,2] [--texts 3000] [--repeats 3] [--rounds 1] [--base DIR]
+                                      [--no-vllm] [--profile]
 
 The model is a random one-layer, 64-wide BERT with the bundled tokenizer (benchmarks/peer_models.py
 "host-tiny", mean pooling), so what a call costs is parsing, tokenization, scheduling, IPC to the worker,
@@ -9,9 +9,12 @@ pooling and serialization. Every server runs it on this machine beside the load 
 (benchmarks/host_load.py, this process), over gRPC and HTTP (OpenAI /v1/embeddings, base64):
 - one text per call, 64 calls in flight: texts/s, and p50 / p99 of the calls' wall times under that load;
 - 32 texts per call, 8 calls in flight: texts/s.
-Rows: embedserv with each `--frontends N`; `--base DIR` another checkout (a worktree of the base commit, run
-without --frontends); vLLM's CPU OpenAI server from the peer harness's venv (.peers/vllm; HTTP only), with
-the peer harness's environment. Each server is started afresh, warmed, then measured best of --repeats.
+Rows: embedserv with each `--frontends N`; with `--base DIR` another checkout (a worktree of the base commit)
+with each `--frontends N` too, each base row right after this checkout's row of the same count, and a table of
+this checkout's texts/s over the base's; vLLM's CPU OpenAI server from the peer harness's venv (.peers/vllm;
+HTTP only), with the peer harness's environment. Each server is started afresh, warmed, then measured best of
+--repeats; `--rounds N` runs the whole list N times and keeps each row's best, so drift on a shared machine
+falls on every server alike.
 
 gRPC rows add the server's own Timing per call (tokenization, queue, inference, total; means) against the
 client's wall time: the rest is transport, parsing and serialization. `--profile` samples the embedserv
@@ -90,6 +93,27 @@ def run_server(label: str, cmd: list[str], spec: dict, texts: list[str], args, l
     return rows
 
 
+def best_rows(old: dict, new: dict) -> dict:
+    """Each (protocol, load) row at its best texts/s over the rounds so far."""
+    return {key: max((r for r in (old.get(key), row) if r is not None), key=lambda r: r.texts_per_s)
+            if isinstance(row, LoadResult) else row for key, row in new.items()}  # fmt: skip
+
+
+def render_ratios(results: dict[str, dict]) -> str:
+    """This checkout's texts/s over the base's, per front-end count, protocol and load."""
+    lines = ["", "This checkout's texts/s over the base's", "", "| --frontends | protocol | load | ratio |",
+             "|---|---|---|---|"]  # fmt: skip
+    for label, rows in results.items():
+        if not label.startswith("embedserv --frontends "):
+            continue
+        count = label.rsplit(" ", 1)[1]
+        base = next((r for name, r in results.items() if name.startswith("base ") and name.endswith(f" {count}")), None)
+        for key, row in rows.items():
+            if isinstance(row, LoadResult) and base is not None and key in base:
+                lines.append(f"| {count} | {key[0]} | {key[1]} | {row.texts_per_s / base[key].texts_per_s:.3f} |")
+    return "\n".join(lines)
+
+
 def render(results: dict[str, dict]) -> str:
     lines = ["| server | protocol | 1 text/call, 64 in flight: texts/s | p50 ms | p99 ms | 32 texts/call, 8 in flight: "
              "texts/s | client CPU s per 1k calls (1 text) |", "|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -130,7 +154,8 @@ def main() -> None:
     parser.add_argument("--frontends", default="1,2", help="embedserv rows, one per front-end count")
     parser.add_argument("--texts", type=int, default=3000)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--base", default=None, help="another checkout, run as one more row (without --frontends)")
+    parser.add_argument("--base", default=None, help="another checkout, run beside each --frontends row")
+    parser.add_argument("--rounds", type=int, default=1, help="run every server this many times; keep the best")
     parser.add_argument("--no-vllm", action="store_true")
     parser.add_argument("--profile", action="store_true", help="py-spy the embedserv servers: CPU per stage")
     parser.add_argument("--models", default=str(REPO_ROOT / ".peers" / "models"))
@@ -142,21 +167,23 @@ def main() -> None:
     for count in [int(n) for n in args.frontends.split(",") if n]:
         cmd, spec = embedserv_cmd(REPO_ROOT, model, count)
         servers.append((f"embedserv --frontends {count}", cmd, spec))
-    if args.base:
-        cmd, spec = embedserv_cmd(Path(args.base), model, None)
-        cmd[0] = str(REPO_ROOT / ".venv" / "bin" / "python")
-        servers.append((f"embedserv base {Path(args.base).name}", cmd, spec))
+        if args.base:
+            cmd, spec = embedserv_cmd(Path(args.base), model, count)
+            servers.append((f"base {Path(args.base).name} --frontends {count}", cmd, spec))
     if not args.no_vllm and VLLM_PYTHON.exists():
         servers.append(("vLLM CPU server", *vllm_cmd(model)))
-    results = {}
+    results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as logs:
-        for label, cmd, spec in servers:
-            results[label] = run_server(label, cmd, spec, texts, args, Path(logs))
+        for _ in range(args.rounds):
+            for label, cmd, spec in servers:
+                results[label] = best_rows(results.get(label, {}), run_server(label, cmd, spec, texts, args, Path(logs)))
     brand, flags = cpu_info()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True)
     print(f"\n{brand} ({isa_summary(flags)}), {platform.node()}, commit {commit.stdout.strip()}, "
           f"{time.strftime('%Y-%m-%d')}; {len(texts)} texts, best of {args.repeats}\n")  # fmt: skip
     print(render(results))
+    if args.base:
+        print(render_ratios(results))
 
 
 if __name__ == "__main__":

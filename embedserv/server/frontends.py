@@ -106,7 +106,7 @@ class FrontendProcesses:
         self._broadcasts: set[asyncio.Task] = set()
         self._handlers = {
             Hello: self._hello, CancelCall: self._cancel, Drained: self._drained_one,
-            InferCall: self._call, GenerateCall: self._call,
+            InferCall: self._start_infer, GenerateCall: self._start_generate,
         }  # fmt: skip
 
     async def start(self) -> None:
@@ -181,10 +181,15 @@ class FrontendProcesses:
     async def _drained_one(self, identity: bytes, drained: Drained) -> None:
         self._drained.add(drained.index)
 
-    async def _call(self, identity: bytes, call: InferCall | GenerateCall) -> None:
-        key = (identity, call.call_id)
-        run = self._infer if isinstance(call, InferCall) else self._generate
-        task = asyncio.create_task(run(identity, call))
+    async def _start_infer(self, identity: bytes, call: InferCall) -> None:
+        self._track((identity, call.call_id), self._infer(identity, call))
+
+    async def _start_generate(self, identity: bytes, call: GenerateCall) -> None:
+        self._track((identity, call.call_id), self._generate(identity, call))
+
+    def _track(self, key: tuple[bytes, int], run) -> None:
+        """A call runs in a task of its own, which CancelCall (or its front end's death) cancels."""
+        task = asyncio.create_task(run)
         self._calls[key] = task
         task.add_done_callback(lambda _: self._calls.pop(key, None))
 

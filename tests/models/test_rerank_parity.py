@@ -14,6 +14,7 @@ import pytest
 from sentence_transformers import util
 
 from benchmarks.corpus import stdlib_texts
+from embedserv.engine.inputs import pairs
 from tests.helpers.scorers import (
     CROSS_ENCODER_ARCHS,
     build_cross_encoder,
@@ -179,9 +180,10 @@ def test_yes_no_reranker_matches_the_model_card(tied, scorer_dir, engine_for, do
     assert engine.info.tasks == (engine.info.tasks[0],) and engine.info.tasks[0].value == "rerank"
     query = "how do I check whether a file is a zip archive"
     expected = qwen3_reranker_reference(model_dir, query, documents)
-    lengths = [len(engine.engine.served.tokenizer.encode_templated(engine.engine.served.task.template,
-                                                             engine.engine.served.task.template.default_instruction,
-                                                             query, [d], True)[0].ids) for d in documents]
+    served = engine.engine.served
+    template = served.task.template
+    lengths = [len(pairs.encode_templated(served.tokenizer, template, template.default_instruction, query, [d],
+                                          True)[0].ids) for d in documents]
     assert max(lengths) == 256, "some prompts must be cut at the model's limit"
 
     result = engine.rerank(query, documents, _params(truncate=True))

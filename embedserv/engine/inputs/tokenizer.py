@@ -78,18 +78,18 @@ class TextTokenizer:
         if not hf_tokenizer.is_fast:
             raise ValueError(f"{model_dir}: a fast (tokenizer.json) tokenizer is required")
         # A private copy: padding and truncation are mutable settings of the Rust object.
-        self._backend = tokenizers.Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str())
-        self._backend.no_padding()
-        self._backend.no_truncation()
-        self._cuts_safely = text_prefix.cuts_safely(self._backend)  # texts cut from the right: from a prefix
+        self.backend = tokenizers.Tokenizer.from_str(hf_tokenizer.backend_tokenizer.to_str())
+        self.backend.no_padding()
+        self.backend.no_truncation()
+        self._cuts_safely = text_prefix.cuts_safely(self.backend)  # texts cut from the right: from a prefix
         # Decoding generated text (engine/core/detokenizer.py) goes through transformers' own decode.
         self.hf_tokenizer = hf_tokenizer
         self.eos_token_id: int | None = hf_tokenizer.eos_token_id
         self._special_ids = set(hf_tokenizer.all_special_ids)
-        self._num_special = self._backend.num_special_tokens_to_add(False)
-        self._num_pair_special = self._backend.num_special_tokens_to_add(True)
+        self.num_special = self.backend.num_special_tokens_to_add(False)
+        self.num_pair_special = self.backend.num_special_tokens_to_add(True)
         # BERT feeds segment ids (0 query, 1 document); RoBERTa and XLM-R tokenizers do not.
-        self._feeds_token_types = "token_type_ids" in hf_tokenizer.model_input_names
+        self.feeds_token_types = "token_type_ids" in hf_tokenizer.model_input_names
         self.max_input_tokens = max_input_tokens
         self.do_lower_case = do_lower_case
         self.prompts = dict(prompts or {})
@@ -98,7 +98,8 @@ class TextTokenizer:
         self._prompt_lengths: dict[str, int] = {}
         self._pad_to = max_input_tokens if pad_texts else 0
         self._pad_id = hf_tokenizer.pad_token_id if hf_tokenizer.pad_token_id is not None else fallback_pad_id
-        self._template_cache: dict[YesNoTemplate, tuple[list[int], list[int]]] = {}
+        # A yes/no reranker's prompt template's prefix and suffix ids (pairs.py), tokenized once.
+        self.template_cache: dict[YesNoTemplate, tuple[list[int], list[int]]] = {}
 
     def resolve_prompt(self, prompt_name: str | None) -> str:
         """The prompt text for a name; None means the model's default prompt (if any)."""
@@ -115,12 +116,12 @@ class TextTokenizer:
         if not prompt or self.include_prompt:
             return 0
         if prompt not in self._prompt_lengths:
-            ids = self._backend.encode(self._prepare(prompt), add_special_tokens=True).ids
+            ids = self.backend.encode(self.prepare(prompt), add_special_tokens=True).ids
             length = len(ids) - (1 if ids and ids[-1] in self._special_ids else 0)
             self._prompt_lengths[prompt] = length
         return self._prompt_lengths[prompt]
 
-    def _prepare(self, text: str) -> str:
+    def prepare(self, text: str) -> str:
         return text.lower() if self.do_lower_case else text
 
     def encode_batch(
@@ -133,19 +134,19 @@ class TextTokenizer:
         """Token ids with special tokens; too-long texts are cut (truncate) or refused."""
         prompt = self.resolve_prompt(prompt_name)
         pool_start = self._prompt_pool_start(prompt)
-        prepared = [self._prepare(prompt + t) for t in texts]
-        room = self.max_input_tokens - self._num_special
+        prepared = [self.prepare(prompt + t) for t in texts]
+        room = self.max_input_tokens - self.num_special
         if truncate and direction is TruncationDirection.RIGHT and self._cuts_safely:
-            encodings = text_prefix.encode_for_room(self._backend, prepared, room)
+            encodings = text_prefix.encode_for_room(self.backend, prepared, room)
         else:
-            encodings = self._backend.encode_batch(prepared, add_special_tokens=False)
+            encodings = self.backend.encode_batch(prepared, add_special_tokens=False)
         out = []
         for index, encoding in enumerate(encodings):
             if len(encoding.ids) > room:
                 if not truncate:
-                    raise self._too_long(f"input {index}", len(encoding.ids) + self._num_special, self.max_input_tokens)
+                    raise self.too_long(f"input {index}", len(encoding.ids) + self.num_special, self.max_input_tokens)
                 encoding.truncate(room, direction=direction)
-            ids = self._backend.post_process(encoding, None, True).ids
+            ids = self.backend.post_process(encoding, None, True).ids
             out.append(InputSequence(ids=self._padded(ids), pool_start=pool_start))
         return out
 
@@ -167,7 +168,7 @@ class TextTokenizer:
             self._check_vocabulary(ids, f"input {index}", _FOREIGN_IDS)
             if len(ids) > self.max_input_tokens:
                 if not truncate:
-                    raise self._too_long(f"input {index}", len(ids), self.max_input_tokens)
+                    raise self.too_long(f"input {index}", len(ids), self.max_input_tokens)
                 ids = ids[-self.max_input_tokens:] if direction is TruncationDirection.LEFT else ids[: self.max_input_tokens]
             out.append(InputSequence(ids=self._padded(list(ids))))
         return out
@@ -185,100 +186,31 @@ class TextTokenizer:
             raise InvalidInput(f"the model's chat template cannot render these messages: {exc}") from None
 
     def _check_vocabulary(self, ids: list[int], what: str, hint: str = "") -> None:
-        vocab = self._backend.get_vocab_size(with_added_tokens=True)
+        vocab = self.backend.get_vocab_size(with_added_tokens=True)
         bad = next((i for i in ids if not 0 <= i < vocab), None)
         if bad is not None:
             raise InvalidInput(f"{what} holds token id {bad}, outside the model's vocabulary 0..{vocab - 1}{hint}")
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         self._check_vocabulary(ids, "ids")
-        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_id(self, token: str) -> int | None:
-        return self._backend.token_to_id(token)
+        return self.backend.token_to_id(token)
 
     def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A generation prompt with the model's special tokens, as `tokenizer(text)` gives it (without them
         for a chat template's output); the engine checks its length against the model's context."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_text(self, text: str) -> list[int]:
         """Tokens of a text without special tokens (an encoder-decoder model's decoder prompt)."""
-        return self._backend.encode(text, add_special_tokens=False).ids
+        return self.backend.encode(text, add_special_tokens=False).ids
 
-    def encode_seq2seq_template(
-        self, template: Seq2SeqYesNoTemplate, query: str, documents: list[str], truncate: bool
-    ) -> list[InputSequence]:
-        """A seq2seq reranker's encoder input per document (monoT5: `Query: q Document: d Relevant:` with
-        the model's special tokens), tokenized as one text. When it is too long, the document is cut (never
-        the query or the template): then the text's three parts are tokenized apart, which word-splitting
-        tokenizers (T5's Metaspace) tokenize the same way at those space-separated joins."""
-        head = f"{template.before_query}{query}{template.before_document}"
-        texts = [f"{head}{d}{template.after_document}" for d in documents]
-        encodings = self._backend.encode_batch(texts, add_special_tokens=False)
-        out = []
-        for index, encoding in enumerate(encodings):
-            if len(encoding.ids) + self._num_special > self.max_input_tokens:
-                encoding = self._cut_document(head, documents[index], template.after_document, truncate, index)
-            out.append(InputSequence(ids=self._backend.post_process(encoding, None, True).ids))
-        return out
-
-    def _cut_document(self, head: str, document: str, tail: str, truncate: bool, index: int):
-        head_e, tail_e = (self._backend.encode(t, add_special_tokens=False) for t in (head, tail))
-        room = self.max_input_tokens - self._num_special - len(head_e.ids) - len(tail_e.ids)
-        if room < 1:
-            raise InvalidInput(
-                f"the query and the reranking prompt take {len(head_e.ids) + len(tail_e.ids)} tokens, which leaves "
-                f"no room for a document within the model's limit of {self.max_input_tokens}; shorten the query"
-            )
-        document_e = self._backend.encode(document, add_special_tokens=False)
-        if not truncate:
-            total = len(head_e.ids) + len(document_e.ids) + len(tail_e.ids) + self._num_special
-            raise self._too_long(f"the prompt for document {index}", total, self.max_input_tokens)
-        document_e.truncate(room, direction="right")
-        return tokenizers.Encoding.merge([head_e, document_e, tail_e])
-
-    def _too_long(self, what: str, tokens: int, limit: int) -> InvalidInput:
+    def too_long(self, what: str, tokens: int, limit: int) -> InvalidInput:
         return InvalidInput(
             f"{what} has {tokens} tokens, more than the model's limit of {limit}; shorten it or set truncate"
         )
-
-    def encode_pairs(self, query: str, documents: list[str], truncate: bool) -> list[InputSequence]:
-        """Query and document in one sequence each (cross-encoders); only documents are ever cut."""
-        query_encoding, room = self._pair_room(query)
-        encodings = self._backend.encode_batch([self._prepare(d) for d in documents], add_special_tokens=False)
-        out = []
-        for index, document in enumerate(encodings):
-            if len(document.ids) > room:
-                if not truncate:
-                    total = len(document.ids) + len(query_encoding.ids) + self._num_pair_special
-                    raise self._too_long(f"the query with document {index}", total, self.max_input_tokens)
-                document.truncate(room, direction="right")
-            out.append(self._pair(query_encoding, document))
-        return out
-
-    def encode_pair_windows(self, query: str, documents: list[str]) -> list[list[InputSequence]]:
-        """Chunked Rerank's cross-encoder inputs: per document, the query paired with each window of the
-        document that fits beside it (no overlap). A document that fits is one pair, as encode_pairs makes it."""
-        query_encoding, room = self._pair_room(query)
-        encodings = self._backend.encode_batch([self._prepare(d) for d in documents], add_special_tokens=False)
-        return [[self._pair(query_encoding, window) for window in _windows(d, room)] for d in encodings]
-
-    def _pair_room(self, query: str) -> tuple[tokenizers.Encoding, int]:
-        """The query's tokens and the room they leave for a document; refused when they leave none."""
-        query_encoding = self._backend.encode(self._prepare(query), add_special_tokens=False)
-        room = self.max_input_tokens - self._num_pair_special - len(query_encoding.ids)
-        if room < 1:
-            raise InvalidInput(
-                f"the query has {len(query_encoding.ids)} tokens, which leaves no room for a document within the "
-                f"model's limit of {self.max_input_tokens} tokens; shorten the query"
-            )
-        return query_encoding, room
-
-    def _pair(self, query: tokenizers.Encoding, document: tokenizers.Encoding) -> InputSequence:
-        pair = self._backend.post_process(query, document, True)
-        types = list(pair.type_ids) if self._feeds_token_types else None
-        return InputSequence(ids=pair.ids, token_type_ids=types)
 
     def encode_windows(self, texts: list[str], prompt_name: str | None = None) -> list[list[InputSequence]]:
         """Chunked Embed's inputs: each text as windows of at most the model's limit, each window wrapped in
@@ -287,22 +219,22 @@ class TextTokenizer:
         windows of (limit - special tokens - prompt tokens) of its own tokens."""
         prompt = self.resolve_prompt(prompt_name)
         pool_start = self._prompt_pool_start(prompt)
-        room = self.max_input_tokens - self._num_special
-        prompt_encoding = self._backend.encode(self._prepare(prompt), add_special_tokens=False)
+        room = self.max_input_tokens - self.num_special
+        prompt_encoding = self.backend.encode(self.prepare(prompt), add_special_tokens=False)
         size = room - len(prompt_encoding.ids)
         if size < 1:
             raise InvalidInput(
                 f"the prompt takes {len(prompt_encoding.ids)} tokens, which leaves no room for text within the "
                 f"model's limit of {self.max_input_tokens} tokens; use a shorter prompt_name"
             )
-        encodings = self._backend.encode_batch([self._prepare(prompt + t) for t in texts], add_special_tokens=False)
+        encodings = self.backend.encode_batch([self.prepare(prompt + t) for t in texts], add_special_tokens=False)
         out = []
         for text, encoding in zip(texts, encodings):
             pieces = [encoding]
             if len(encoding.ids) > room:
-                content = self._backend.encode(self._prepare(text), add_special_tokens=False)
-                pieces = [tokenizers.Encoding.merge([prompt_encoding, w]) for w in _windows(content, size)]
-            out.append([InputSequence(self._backend.post_process(p, None, True).ids, pool_start) for p in pieces])
+                content = self.backend.encode(self.prepare(text), add_special_tokens=False)
+                pieces = [tokenizers.Encoding.merge([prompt_encoding, w]) for w in split_windows(content, size)]
+            out.append([InputSequence(self.backend.post_process(p, None, True).ids, pool_start) for p in pieces])
         return out
 
     def encode_for_cosine(self, query: str, documents: list[str], truncate: bool) -> list[InputSequence]:
@@ -334,87 +266,13 @@ class TextTokenizer:
                 "(queries are never truncated); shorten the query"
             ) from None
 
-    def encode_premise_pairs(
-        self, premises: list[str], hypotheses: list[str], truncate: bool, direction: TruncationDirection
-    ) -> list[InputSequence]:
-        """Each premise with each hypothesis as one pair sequence (input-major), as the pipeline's tokenizer
-        call makes them: special tokens of a pair and its segment ids; with `truncate`, only the premise is
-        cut ("only_first"), from the `direction` side; the hypothesis never is.
-
-        (encode_pairs cuts the second text, the document, instead.)
-        """
-        backend, limit = self._backend, self.max_input_tokens
-        num_special = self._num_pair_special
-        hypothesis_encodings = backend.encode_batch([self._prepare(h) for h in hypotheses], add_special_tokens=False)
-        for label, hypothesis in enumerate(hypothesis_encodings):
-            if len(hypothesis.ids) + num_special >= limit:
-                raise InvalidInput(
-                    f"the hypothesis of candidate_labels[{label}] has {len(hypothesis.ids)} tokens, which leaves no "
-                    f"room for an input within the model's limit of {limit} tokens; shorten the label or "
-                    "hypothesis_template"
-                )
-        prepared = [self._prepare(p) for p in premises]
-        out = []
-        for index, premise in enumerate(backend.encode_batch(prepared, add_special_tokens=False)):
-            for label, hypothesis in enumerate(hypothesis_encodings):
-                room = limit - num_special - len(hypothesis.ids)
-                first = premise
-                if len(premise.ids) > room:
-                    if not truncate:
-                        total = len(premise.ids) + len(hypothesis.ids) + num_special
-                        raise self._too_long(
-                            f"input {index} with the hypothesis of candidate_labels[{label}]", total, limit
-                        )
-                    # Truncation cuts an encoding in place, and each hypothesis leaves its own room.
-                    first = backend.encode(prepared[index], add_special_tokens=False)
-                    first.truncate(room, direction=str(direction))
-                pair = backend.post_process(first, hypothesis, True)
-                types = list(pair.type_ids) if self._feeds_token_types else None
-                out.append(InputSequence(ids=pair.ids, token_type_ids=types))
-        return out
-
-    def _template_ids(self, template: YesNoTemplate) -> tuple[list[int], list[int]]:
-        """The template's prefix and suffix tokens, tokenized once per tokenizer."""
-        if template not in self._template_cache:
-            encode = self._backend.encode
-            self._template_cache[template] = (
-                encode(template.prefix, add_special_tokens=False).ids,
-                encode(template.suffix, add_special_tokens=False).ids,
-            )
-        return self._template_cache[template]
-
-    def encode_templated(
-        self, template: YesNoTemplate, instruction: str, query: str, documents: list[str], truncate: bool
-    ) -> list[InputSequence]:
-        """A yes/no reranker's prompt per document, as its model card builds it: prefix, then
-        instruction + query + document tokenized as one text (cut at the end of the document), then suffix."""
-        prefix, suffix = self._template_ids(template)
-        room = self.max_input_tokens - len(prefix) - len(suffix) - self._num_special
-        head = template.query_part(instruction, query)
-        head_tokens = len(self._backend.encode(head, add_special_tokens=False).ids)
-        if head_tokens >= room:
-            raise InvalidInput(
-                f"the instruction and query take {head_tokens} tokens of the {room} the model's limit of "
-                f"{self.max_input_tokens} leaves beside its prompt template; shorten the query"
-            )
-        encodings = self._backend.encode_batch([head + d for d in documents], add_special_tokens=False)
-        out = []
-        for index, encoding in enumerate(encodings):
-            if len(encoding.ids) > room:
-                if not truncate:
-                    total = len(encoding.ids) + len(prefix) + len(suffix) + self._num_special
-                    raise self._too_long(f"the prompt for document {index}", total, self.max_input_tokens)
-                encoding.truncate(room, direction="right")
-            out.append(InputSequence(ids=prefix + self._backend.post_process(encoding, None, True).ids + suffix))
-        return out
-
     def tokenize(
         self, texts: list[str], add_special_tokens: bool = True, prompt_name: str | None = None
     ) -> list[TokenizedText]:
         """Tokens with their text and character offsets, for the Tokenize RPC (no truncation)."""
         prompt = self.resolve_prompt(prompt_name)
-        prepared = [self._prepare(prompt + t) for t in texts]
-        encodings = self._backend.encode_batch(prepared, add_special_tokens=add_special_tokens)
+        prepared = [self.prepare(prompt + t) for t in texts]
+        encodings = self.backend.encode_batch(prepared, add_special_tokens=add_special_tokens)
         return [
             TokenizedText(ids=list(e.ids), tokens=list(e.tokens), offsets=[tuple(o) for o in e.offsets],
                           special=[bool(m) for m in e.special_tokens_mask])
@@ -422,7 +280,7 @@ class TextTokenizer:
         ]
 
 
-def _windows(encoding: tokenizers.Encoding, size: int) -> list[tokenizers.Encoding]:
+def split_windows(encoding: tokenizers.Encoding, size: int) -> list[tokenizers.Encoding]:
     """The encoding cut into consecutive pieces of `size` tokens (the last one shorter), without overlap."""
     if len(encoding.ids) <= size:
         return [encoding]

@@ -24,6 +24,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from embedserv.engine.inputs import pairs
 from embedserv.engine import checks
 from embedserv.engine.served_model import ServedModel
 from embedserv.engine.ports import Core
@@ -65,7 +66,7 @@ async def rerank_chunked(
     checks.check_rerank_chunking(served.info, mode)
     tokenizer = served.tokenizer
     if mode is RerankMode.PAIR:
-        windows = await core.tokenize_with(tokenizer.encode_pair_windows, query, documents)
+        windows = await core.tokenize_with(pairs.encode_pair_windows, tokenizer, query, documents)
         flat = [window for document_windows in windows for window in document_windows]
         outputs, prompt_tokens, timing = await core.infer(flat, received)
         logits = stack_rows(outputs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+from embedserv.engine.inputs import pairs
 from embedserv.engine import checks
 from embedserv.engine.served_model import ServedModel
 from embedserv.engine.ports import Core
@@ -48,7 +49,7 @@ class Classification:
         entailment = zero_shot.require_entailment(self._served.task.labels, self._served.info.name)
         hypotheses = zero_shot.hypotheses(params.candidate_labels, params.hypothesis_template)
         encoded = await self._core.tokenize_with(
-            self._served.tokenizer.encode_premise_pairs, texts, hypotheses, params.truncate,
+            pairs.encode_premise_pairs, self._served.tokenizer, texts, hypotheses, params.truncate,
             params.truncation_direction,
         )
         outputs, prompt_tokens, timing = await self._core.infer(encoded, received)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from embedserv.engine.inputs import pairs
 from embedserv.engine import checks
 from embedserv.engine.served_model import ServedModel
 from embedserv.engine.ports import Core
@@ -89,14 +90,15 @@ class Reranking:
             encoded = await tokenize(tokenizer.encode_for_cosine, query, documents, params.truncate)
         elif mode is RerankMode.PAIR:
             encoded = await tokenize(
-                tokenizer.encode_pairs, query, documents, params.truncate, chars=len(query) + sum(map(len, documents))
+                pairs.encode_pairs, tokenizer, query, documents, params.truncate,
+                chars=len(query) + sum(map(len, documents)),
             )
         elif isinstance(task.template, Seq2SeqYesNoTemplate):
-            encoded = await tokenize(tokenizer.encode_seq2seq_template, task.template, query, documents, params.truncate)
+            encoded = await tokenize(pairs.encode_seq2seq_template, tokenizer, task.template, query, documents, params.truncate)
         else:
             instruction = params.instruction or task.template.default_instruction
             encoded = await tokenize(
-                tokenizer.encode_templated, task.template, instruction, query, documents, params.truncate
+                pairs.encode_templated, tokenizer, task.template, instruction, query, documents, params.truncate
             )
         outputs, prompt_tokens, timing = await self._core.infer(encoded, received)
         rows = stack_rows(outputs)

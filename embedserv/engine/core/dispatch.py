@@ -201,7 +201,7 @@ MAX_ATTEMPTS = 2
 
 
 class PrefillWork:
-    """A StepSource (dispatch.py) of every worker."""
+    """The model's prefill queue: a StepSource of every worker."""
 
     one_step_at_a_time = False
 
@@ -231,14 +231,6 @@ class PrefillWork:
             outputs=() if outputs == (EmbedOutput.DENSE,) else outputs, adapter=adapter, pixels=pixels,
             image_grid=image_grid,
         )
-
-    @property
-    def num_waiting(self) -> int:
-        return self.scheduler.num_waiting
-
-    @property
-    def num_dropped(self) -> int:
-        return self.scheduler.num_dropped
 
     def workers_changed(self) -> None:
         """A worker became ready or died: with none alive, fail what is queued (what is on a worker ends with

@@ -144,8 +144,8 @@ class LocalCore:
 
     def stats(self) -> CoreStats:
         """Counters and snapshots only: safe to read from the metrics thread."""
-        waiting = self.prefill.num_waiting if self.prefill is not None else 0
-        dropped = self.prefill.num_dropped if self.prefill is not None else 0
+        waiting = self.prefill.scheduler.num_waiting if self.prefill is not None else 0
+        dropped = self.prefill.scheduler.num_dropped if self.prefill is not None else 0
         cache = dataclasses.replace(self.cache.stats) if self.cache is not None else None
         return CoreStats(
             waiting + sum(streams.num_waiting for streams in self.generation),

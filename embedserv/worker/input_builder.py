@@ -98,7 +98,8 @@ class InputBuilder:
     def __init__(
         self, device: torch.device, position_offset: int, is_causal: bool, block_size: int = 0,
         fixed_groups: tuple[bool, ...] = (), is_encoder_decoder: bool = False, prefill_skip: bool = False,
-        rows_read_last: bool = False, pad_rows: bool = False, lora: bool = False,
+        rows_read_last: bool = False, pad_rows: bool = False, lora: bool = False, token_types: bool = False,
+        task_adapters: bool = False,
     ) -> None:
         self.device = device
         self.position_offset = position_offset
@@ -114,6 +115,9 @@ class InputBuilder:
         self.padded = padded_rows if pad_rows else _unpadded
         # --lora adapters: rows per adapter (AdapterRows) instead of per-token adapter ids.
         self.lora = lora
+        # The model reads token types; it has built-in task adapters (per-token adapter ids).
+        self.token_types = token_types
+        self.task_adapters = task_adapters
 
     def build(self, batch: StepBatch) -> ModelInputs:
         seqs = batch.sequences
@@ -170,11 +174,11 @@ class InputBuilder:
             if skip is not None:
                 raise ValueError("per-token outputs need every row; they cannot run with the prefill skip")
             parts += plan.parts
-        has_types = any(s.token_type_ids is not None for s in seqs)
+        has_types = self.token_types and any(s.token_type_ids is not None for s in seqs)
         if has_types:
             parts.append(pad(_token_types([seqs[i] for i in order], num_tokens), padded))
-        has_adapters = any(s.adapter >= 0 for s in seqs)
-        if has_adapters and not self.lora:
+        has_adapters = self.task_adapters and any(s.adapter >= 0 for s in seqs)
+        if has_adapters:
             # Shifted by one around pad() so that padding rows get -1 (no adapter) rather than adapter 0.
             parts.append(pad(np.repeat([seqs[i].adapter + 1 for i in order], packed_lens), padded) - 1)
         encoder = EncoderPlan(seqs, order, self.position_offset, self.padded) if self.is_encoder_decoder else None
@@ -194,7 +198,7 @@ class InputBuilder:
         sample_rows = next(device_parts) if samples else None
         tokens = {kind: plan.inputs(device_parts) for kind, plan in token_plans.items()}
         token_type_ids = next(device_parts) if has_types else None
-        adapter_ids = next(device_parts) if has_adapters and not self.lora else None
+        adapter_ids = next(device_parts) if has_adapters else None
         lora = adapter_rows(np.array([seqs[i].adapter for i in order]), packed_lens) if self.lora else None
         encoder_inputs = encoder.inputs(device_parts) if encoder is not None else (None, None, None)
         pixels, vision = images.inputs(device_parts, self.device) if images is not None else (None, None)

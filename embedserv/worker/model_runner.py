@@ -25,6 +25,7 @@ from embedserv.models.heads.pooling import TokenInputs
 from embedserv.models.layers import warm_linear_row_counts
 from embedserv.models.lora import has_lora
 from embedserv.models.heads.sampler import sample
+from embedserv.models.interface import Model, ModelKind
 from embedserv.padding import padded_rows, row_counts
 from embedserv.scheduler.kv_cache_manager import KvCacheLayout
 from embedserv.steps import OutputKind, RaggedRows, ScheduledSequence, StepBatch, StepOutput
@@ -82,15 +83,18 @@ class ModelRunner:
         self.kv_cache = kv_cache
         block_size = kv_cache.block_size if kv_cache is not None else 0
         fixed = tuple(group.fixed for group in kv_cache.groups) if kv_cache is not None else ()
-        self.is_encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
+        # The call the model's kind declares (models/interface.py).
+        self._forward = _FORWARDS[model.kind]
+        self.is_encoder_decoder = model.kind is ModelKind.ENCODER_DECODER
         # --kv-sharing-fast-prefill: the first layer that runs only the rows whose output is read.
-        self.skip_layer = getattr(model, "prefill_skip_layer", None) if kv_sharing_fast_prefill else None
+        self.skip_layer = model.prefill_skip_layer if kv_sharing_fast_prefill else None
         if kv_sharing_fast_prefill and self.skip_layer is None:
             raise ValueError("--kv-sharing-fast-prefill needs a model whose last layers share an earlier layer's KV")
         self.routes = LayerRoutes(attention_layers(model))
-        # Dual encoders (`one_tower_per_pass`) pool through the model's own heads: model.pool(hidden, pooling,
-        # images), each tower its own (CLIP's class token or last token and projection, SigLIP's attention head).
-        self.one_tower_per_pass = bool(getattr(model, "one_tower_per_pass", False))
+        # Dual encoders run one tower per pass and pool through the model's own heads: model.pool(hidden,
+        # pooling, images), each tower its own (CLIP's class token or last token and projection, SigLIP's
+        # attention head).
+        self.is_dual_encoder = model.kind is ModelKind.DUAL_ENCODER
         # --lora adapters: their layers find the step's rows per adapter in the forward context.
         self.has_lora = has_lora(model)
         # Resolved once: a KvCache keeps its tensors for its lifetime.
@@ -99,6 +103,8 @@ class ModelRunner:
             device, model.position_offset, is_causal, block_size, fixed, self.is_encoder_decoder,
             prefill_skip=self.skip_layer is not None, rows_read_last=rows_read_last,
             pad_rows=pad_rows and device.type == "cpu", lora=self.has_lora,
+            token_types=model.kind is ModelKind.ENCODER and model.reads_token_types,
+            task_adapters=model.kind is ModelKind.ENCODER and model.has_task_adapters,
         )
 
     def kv_cache_layout(self) -> KvCacheLayout | None:
@@ -116,7 +122,7 @@ class ModelRunner:
         """The step's inputs on the device. A worker calls this for step k+1 while step k runs."""
         if batch.uses_kv_cache and self.kv_cache is None:
             raise ValueError("this model keeps no KV cache; it cannot run generation steps")
-        if self.one_tower_per_pass:
+        if self.is_dual_encoder:
             images = tuple(s for s in batch.sequences if s.pixels is not None)
             if images and len(images) < batch.num_sequences:
                 texts = StepBatch(tuple(s for s in batch.sequences if s.pixels is None))
@@ -149,9 +155,7 @@ class ModelRunner:
         if inputs.adapter_rows is not None:
             context = replace(context, lora=inputs.adapter_rows)
         with set_forward_context(context):
-            hidden = self.model(
-                inputs.input_ids, inputs.positions, inputs.token_type_ids, **self._model_inputs(inputs, skip)
-            )
+            hidden = self._forward(self.model, inputs)
         if inputs.num_output_rows is not None:
             hidden = hidden[: inputs.num_output_rows]  # the padding rows (embedserv/padding.py)
         rows, tokens = _NO_ROWS, _NO_TOKENS
@@ -159,7 +163,7 @@ class ModelRunner:
         if inputs.pooling is not None:
             # --lora adapters with heads of their own (modules_to_save) pick each row's head.
             extra = (inputs.row_adapters,) if isinstance(self.row_head, AdapterScoreHeads) else ()
-            if self.one_tower_per_pass:
+            if self.is_dual_encoder:
                 rows = self.model.pool(hidden, inputs.pooling, inputs.pixel_values is not None).float().cpu().numpy()
             else:
                 rows = self.row_head(hidden, inputs.pooling, *extra).cpu().numpy()
@@ -190,22 +194,6 @@ class ModelRunner:
             tokens.request_ids, np.asarray(tokens.lengths, dtype=np.int64), vectors.float().cpu().numpy(), _NO_IDS
         )
 
-    def _model_inputs(self, inputs: ModelInputs, skip: PrefillSkip | None) -> dict:
-        """What a model takes beyond ids, positions and token types: an encoder-decoder's encoder inputs,
-        and with the prefill skip the rows its layers from `prefill_skip_layer` on run; and each token's task
-        adapter when a token has one (only models with adapters are sent such tokens; --lora adapters go
-        through the forward context instead)."""
-        if inputs.pixel_values is not None:
-            # Image sequences' patch rows; their grids where the tower needs them (Qwen2-VL's).
-            return {"pixel_values": inputs.pixel_values, "image_grids": inputs.image_grids}
-        if inputs.adapter_ids is not None:
-            return {"adapter_ids": inputs.adapter_ids}
-        if self.is_encoder_decoder:
-            return {"encoder_input_ids": inputs.encoder_input_ids, "encoder_positions": inputs.encoder_positions}
-        if self.skip_layer is not None:
-            return {"prefill_skip_rows": skip.rows if skip is not None else None}
-        return {}
-
     def _skip(self, inputs: ModelInputs) -> PrefillSkip | None:
         if inputs.skip_rows is None:
             return None
@@ -227,7 +215,7 @@ class ModelRunner:
 
     def _warm_up_steps(self, max_tokens: int, max_batch_tokens: int) -> None:
         # A model without a row head warms up its sparse or token output; dual encoders pool through their own.
-        pools = self.row_head is not None or self.one_tower_per_pass
+        pools = self.row_head is not None or self.is_dual_encoder
         outputs = () if pools else (EmbedOutput.SPARSE,) if self.sparse_head is not None else (
             (EmbedOutput.MULTI_VECTOR,) if self.token_head is not None else None
         )
@@ -243,7 +231,7 @@ class ModelRunner:
                 )))
         if self.lm_head is not None and self.kv_cache is not None:
             self._warm_up_generation(_GENERATION_WARM_UP_TOKENS)
-        if self.one_tower_per_pass:
+        if self.is_dual_encoder:
             self._warm_up_images(max_batch_tokens)
 
     def _warm_up_images(self, max_batch_tokens: int) -> None:
@@ -294,6 +282,43 @@ def _joined(first: StepOutput, second: StepOutput) -> StepOutput:
         first.rows if len(first.rows) else second.rows
     )
     return StepOutput(first.row_request_ids + second.row_request_ids, rows, (), _NO_TOKENS)
+
+
+def _forward_encoder(model: Model, inputs: ModelInputs) -> torch.Tensor:
+    """Token types to an encoder that reads them; each token's task adapter to one that has built-in adapters
+    (--lora adapters go through the forward context instead)."""
+    if model.has_task_adapters:
+        return model(inputs.input_ids, inputs.positions, inputs.token_type_ids, adapter_ids=inputs.adapter_ids)
+    if model.reads_token_types:
+        return model(inputs.input_ids, inputs.positions, inputs.token_type_ids)
+    return model(inputs.input_ids, inputs.positions)
+
+
+def _forward_decoder(model: Model, inputs: ModelInputs) -> torch.Tensor:
+    """A vision-language model's images (patch rows and their grids, in packed order); with the prefill
+    skip, the rows the layers from the model's `prefill_skip_layer` on run."""
+    if model.takes_images:
+        return model(inputs.input_ids, inputs.positions, inputs.pixel_values, inputs.image_grids)
+    if inputs.skip_rows is not None:
+        return model(inputs.input_ids, inputs.positions, prefill_skip_rows=inputs.skip_rows)
+    return model(inputs.input_ids, inputs.positions)
+
+
+def _forward_encoder_decoder(model: Model, inputs: ModelInputs) -> torch.Tensor:
+    return model(inputs.input_ids, inputs.positions, inputs.encoder_input_ids, inputs.encoder_positions)
+
+
+def _forward_dual_encoder(model: Model, inputs: ModelInputs) -> torch.Tensor:
+    """The text tower, or on the image pass the vision tower over the patch rows."""
+    return model(inputs.input_ids, inputs.positions, inputs.pixel_values, inputs.image_grids)
+
+
+_FORWARDS = {
+    ModelKind.ENCODER: _forward_encoder,
+    ModelKind.DECODER: _forward_decoder,
+    ModelKind.ENCODER_DECODER: _forward_encoder_decoder,
+    ModelKind.DUAL_ENCODER: _forward_dual_encoder,
+}
 
 
 def warm_up_sizes(max_batch_tokens: int) -> list[int]:

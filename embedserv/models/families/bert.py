@@ -11,6 +11,7 @@ from torch import nn
 
 from embedserv.attention.layer import Attention
 from embedserv.attention.relative_bias import RelativePositionBias
+from embedserv.models.interface import EncoderModel
 from embedserv.models.layers import Linear, packed_linear
 from embedserv.models.loading.family import CheckpointNames, Classifier, Family, MlmHeadNames
 
@@ -59,8 +60,10 @@ class BertLayer(nn.Module):
         return self.ffn_norm(self.ffn_out(self.ffn_in(hidden), residual=hidden))
 
 
-class BertModel(nn.Module):
+class BertModel(nn.Module, EncoderModel):
     """`forward(input_ids, positions[, token_type_ids]) -> [num_tokens, hidden]`."""
+
+    reads_token_types = True
 
     def __init__(self, config) -> None:
         super().__init__()

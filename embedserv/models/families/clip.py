@@ -1,8 +1,9 @@
 """CLIP dual encoders (CLIPModel): a text tower and a vision tower whose pooled outputs, projected, share one
 embedding space.
 
-The model holds both towers and runs one per pass (`one_tower_per_pass`: the runner splits a mixed step):
-a text pass over token ids, an image pass over patch rows (a zero row first, where the class embedding goes).
+The model holds both towers and runs one per pass (a dual encoder, models/interface.py: the runner splits a
+mixed step): a text pass over token ids, an image pass over patch rows (a zero row first, where the class
+embedding goes).
 The text tower is causal (the model's attention is causal, from its config), the vision tower reads the
 runner's bidirectional vision metadata. `pool` gives the joint-space vectors: text, the EOS token (the last:
 CLIP's tokenizer ends each text with it) -> final_layer_norm -> text_projection; image, the class token ->

@@ -14,12 +14,13 @@ native ones already (`model.` under *ForMaskedLM / *ForSequenceClassification).
 from __future__ import annotations
 
 from embedserv.errors import ConfigError
-from embedserv.models.families.llama import LlamaModel
+from embedserv.models.families.llama import LlamaStack
+from embedserv.models.interface import EncoderModel
 from embedserv.models.loading.family import QKV_GATE_UP, CheckpointNames, Classifier, Family
 
 
-class EuroBertModel(LlamaModel):
-    """`forward(input_ids, positions[, token_type_ids]) -> [num_tokens, hidden]`, final norm applied."""
+class EuroBertModel(LlamaStack, EncoderModel):
+    """`forward(input_ids, positions) -> [num_tokens, hidden]`, final norm applied."""
 
     def __init__(self, config) -> None:
         # The Llama layers give an MLP bias to model type "llama" only; no published EuroBERT has one.

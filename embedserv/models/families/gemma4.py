@@ -24,6 +24,7 @@ from torch import nn
 
 from embedserv.attention.layer import Attention, link_kv_sharing
 from embedserv.models.families.gemma import EMBEDDINGS, HEADS, GemmaMLP, check_layer_types, embedding_scale
+from embedserv.models.interface import DecoderModel
 from embedserv.models.layers import Linear, get_activation, packed_linear
 from embedserv.models.loading.family import QKV_GATE_UP, CheckpointNames, Family
 from embedserv.models.rotary import RotaryEmbedding, apply_rotary
@@ -145,8 +146,8 @@ class Gemma4DecoderLayer(nn.Module):
         return hidden * self.layer_scalar
 
 
-class Gemma4Model(nn.Module):
-    """`forward(input_ids, positions[, token_type_ids][, prefill_skip_rows]) -> [num_tokens, hidden]`, final
+class Gemma4Model(nn.Module, DecoderModel):
+    """`forward(input_ids, positions[, prefill_skip_rows]) -> [num_tokens, hidden]`, final
     norm applied; with `prefill_skip_rows` ([num_kept] int64, indices into the packed tokens), the layers
     from `prefill_skip_layer` on run only those rows, and so do the returned states."""
 
@@ -155,7 +156,6 @@ class Gemma4Model(nn.Module):
         if config.enable_moe_block:
             raise ValueError("MoE Gemma 4 (enable_moe_block) is not supported; serve a dense Gemma 4 model")
         self.config = config
-        self.position_offset = 0
         types = check_layer_types(config)
         window = gemma4_sliding_window(config)
         sources = kv_sources(config)
@@ -193,7 +193,7 @@ class Gemma4Model(nn.Module):
         projected = self.per_layer_projection_norm(projected.reshape(shape))
         return (projected + tokens) * 2.0**-0.5
 
-    def forward(self, input_ids, positions, token_type_ids=None, prefill_skip_rows=None) -> torch.Tensor:
+    def forward(self, input_ids, positions, prefill_skip_rows=None) -> torch.Tensor:
         embeds = self.embed_tokens(input_ids)
         hidden = embeds * embedding_scale(self.config.hidden_size**0.5, embeds.dtype)
         per_layer = self._per_layer_inputs(input_ids, hidden) if self.per_layer_size else None

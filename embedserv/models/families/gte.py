@@ -16,6 +16,7 @@ from torch import nn
 
 from embedserv.attention.layer import Attention
 from embedserv.errors import ConfigError
+from embedserv.models.interface import EncoderModel
 from embedserv.models.layers import Linear, get_activation, head_dim, packed_linear
 from embedserv.models.loading.family import QKV, CheckpointNames, Classifier, Family
 from embedserv.models.rotary import RotaryEmbedding, apply_rotary
@@ -88,16 +89,16 @@ class GteLayer(nn.Module):
         return self.post_mlp_layernorm(self.mlp(hidden))
 
 
-class GteModel(nn.Module):
+class GteModel(nn.Module, EncoderModel):
     """`forward(input_ids, positions[, token_type_ids]) -> [num_tokens, hidden]`."""
 
+    reads_token_types = True
     # The attention projections and the down projection carry biases (NomicBERT's, the same blocks, none).
     biases = True
 
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
-        self.position_offset = 0
         self.embeddings = GteEmbeddings(config)
         self.layers = nn.ModuleList(GteLayer(config, i, self.biases) for i in range(config.num_hidden_layers))
         self.rotary = RotaryEmbedding(config, head_dim(config), self.max_positions)

@@ -22,6 +22,7 @@ from torch import nn
 
 from embedserv.attention.layer import Attention
 from embedserv.models.families.bert import ROBERTA_CLASSIFIER
+from embedserv.models.interface import EncoderModel
 from embedserv.models.layers import Linear, get_activation, packed_linear
 from embedserv.models.loading.family import QKV, CheckpointNames, Family
 from embedserv.models.lora import LowRank, LowRankEmbedding, Routes, routes_of
@@ -114,14 +115,15 @@ class JinaLayer(nn.Module):
         return self.post_mlp_layernorm(self.mlp(hidden, routes))
 
 
-class JinaEmbeddingsV3Model(nn.Module):
+class JinaEmbeddingsV3Model(nn.Module, EncoderModel):
     """`forward(input_ids, positions[, token_type_ids][, adapter_ids]) -> [num_tokens, hidden]`."""
+
+    reads_token_types = True
+    has_task_adapters = True
 
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
-        # Positions are rotary and start at 0 (no RoBERTa padding offset: there is no position table).
-        self.position_offset = 0
         self.embeddings = JinaEmbeddings(config)
         self.layers = nn.ModuleList(JinaLayer(config, i) for i in range(config.num_hidden_layers))
         self.rotary = RotaryEmbedding(config, config.hidden_size // config.num_attention_heads, self.max_positions)

@@ -170,7 +170,7 @@ def _layout(model_class: type, hf_config, model_dir: Path) -> _Layout:
         kv_shared_layers=tuple(
             (layer.layer_index, layer.kv_source_layer) for layer in layers if layer.kv_source_layer is not None
         ),
-        prefill_skip_layer=getattr(model, "prefill_skip_layer", None),
+        prefill_skip_layer=model.prefill_skip_layer,
     )
 
 

@@ -27,8 +27,6 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from embedserv.models.loading.family import MlmHeadNames
-
 _NONE: Mapping = MappingProxyType({})
 
 
@@ -82,8 +80,9 @@ class EncoderModel(Model, Protocol):
     # Built-in task adapters (jina-embeddings-v3): forward takes `adapter_ids` ([num_rows] int64, -1 for no
     # adapter; None: no token has one).
     has_task_adapters: ClassVar[bool] = False
-    # config.json's model_type -> where its *ForMaskedLM checkpoint keeps the MLM head (SPLADE reads it).
-    mlm_heads: ClassVar[Mapping[str, MlmHeadNames]] = _NONE
+    # config.json's model_type -> where its *ForMaskedLM checkpoint keeps the MLM head, a loading/family.py
+    # MlmHeadNames (SPLADE reads it; typed loosely: the records import this module).
+    mlm_heads: ClassVar[Mapping[str, object]] = _NONE
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
 

@@ -21,7 +21,7 @@ from torch import nn
 from embedserv.attention.layer import Attention, AttentionKind
 from embedserv.models.interface import EncoderDecoderModel
 from embedserv.models.layers import Linear, packed_linear
-from embedserv.models.loading.family import QKV, CheckpointNames, Classifier, Family
+from embedserv.models.loading.family import QKV, CheckpointNames, Classifier, Family, FamilyDocs
 
 # fairseq reserved the first two rows of the position table: position p is row p + 2.
 POSITION_OFFSET = 2
@@ -226,10 +226,11 @@ FAMILY = Family(
     model_class=BartModel,
     checkpoint=CHECKPOINT,
     is_encoder=False,
-    is_encoder_decoder=True,
     classifiers={"BartForSequenceClassification": _CLASSIFIER},
     embeddings=("model.shared.weight", "shared.weight", "model.encoder.embed_tokens.weight", "encoder.embed_tokens.weight"),
-    final_logits_bias=("final_logits_bias", "model.final_logits_bias"),
+)
+
+DOCS = FamilyDocs(
     examples=("facebook/bart-large-mnli", "facebook/bart-large-cnn", "facebook/mbart-large-50"),
     tested_by=tuple(
         f"tests/models/test_{name}.py" for name in ("seq2seq_models", "seq2seq_prefill", "seq2seq_generation", "zero_shot")

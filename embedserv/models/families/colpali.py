@@ -21,7 +21,7 @@ from embedserv.models.families.llama import LlamaAttention
 from embedserv.models.families.siglip import SiglipVisionEmbeddings
 from embedserv.models.interface import DecoderModel
 from embedserv.models.layers import head_dim
-from embedserv.models.loading.family import QKV_GATE_UP, CheckpointNames, Family
+from embedserv.models.loading.family import QKV_GATE_UP, CheckpointNames, Family, FamilyDocs
 from embedserv.models.rotary import RotaryEmbedding
 from embedserv.models.vit import Encoder, num_patches
 
@@ -118,7 +118,9 @@ FAMILY = Family(
     model_class=ColPaliModel,
     checkpoint=CHECKPOINT,
     is_encoder=False,
-    language_config=language_config,
+)
+
+DOCS = FamilyDocs(
     examples=("vidore/colpali-v1.3-hf",),
     tested_by=("tests/models/test_colpali_parity.py", "tests/models/test_vision_retrieval_engine.py"),
 )

@@ -20,7 +20,7 @@ from torch import nn
 from embedserv.models.families.llama import LlamaStack
 from embedserv.models.families.qwen2_vision import Qwen2VisionTower
 from embedserv.models.interface import DecoderModel
-from embedserv.models.loading.family import QKV_GATE_UP, CheckpointNames, Family
+from embedserv.models.loading.family import QKV_GATE_UP, CheckpointNames, Family, FamilyDocs
 
 
 def text_config(config):
@@ -72,7 +72,9 @@ FAMILY = Family(
     model_class=ColQwen2Model,
     checkpoint=CHECKPOINT,
     is_encoder=False,
-    language_config=text_config,
+)
+
+DOCS = FamilyDocs(
     examples=("vidore/colqwen2-v1.0-hf",),
     tested_by=("tests/models/test_colqwen2_parity.py", "tests/models/test_vision_retrieval_engine.py"),
 )

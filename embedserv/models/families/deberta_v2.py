@@ -23,7 +23,7 @@ from embedserv.attention.disentangled import DisentangledPositions, PositionProj
 from embedserv.attention.layer import Attention, AttentionKind
 from embedserv.models.interface import EncoderModel
 from embedserv.models.layers import Linear, packed_linear
-from embedserv.models.loading.family import CheckpointNames, Classifier, Family
+from embedserv.models.loading.family import CheckpointNames, Classifier, Family, FamilyDocs
 
 _TERMS = ("c2p", "p2c")
 
@@ -216,6 +216,9 @@ FAMILY = Family(
     checkpoint=checkpoint_names,
     is_encoder=True,
     classifiers={"DebertaV2ForSequenceClassification": _CLASSIFIER},
+)
+
+DOCS = FamilyDocs(
     examples=(
         "mixedbread-ai/mxbai-rerank-base-v1",
         "mixedbread-ai/mxbai-rerank-large-v1",

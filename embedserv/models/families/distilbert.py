@@ -18,7 +18,7 @@ from torch import nn
 
 from embedserv.models.families.bert import BertLayer
 from embedserv.models.interface import EncoderModel
-from embedserv.models.loading.family import CheckpointNames, Classifier, Family
+from embedserv.models.loading.family import CheckpointNames, Classifier, Family, FamilyDocs
 
 # transformers hard-codes it for every DistilBERT LayerNorm.
 _LAYER_NORM_EPS = 1e-12
@@ -105,6 +105,9 @@ FAMILY = Family(
     checkpoint=CHECKPOINT,
     is_encoder=True,
     classifiers={"DistilBertForSequenceClassification": _CLASSIFIER},
+)
+
+DOCS = FamilyDocs(
     examples=(
         "sentence-transformers/msmarco-distilbert-base-v4",
         "sentence-transformers/distiluse-base-multilingual-cased-v2",

@@ -16,7 +16,7 @@ from embedserv.models.families.bert import CHECKPOINT as BERT_CHECKPOINT
 from embedserv.models.families.bert import ROBERTA_CLASSIFIER, BertEmbeddings, BertLayer
 from embedserv.models.interface import EncoderModel
 from embedserv.models.layers import Linear
-from embedserv.models.loading.family import CheckpointNames, Family
+from embedserv.models.loading.family import CheckpointNames, Family, FamilyDocs
 
 
 class ElectraModel(nn.Module, EncoderModel):
@@ -70,6 +70,9 @@ FAMILY = Family(
     checkpoint=CHECKPOINT,
     is_encoder=True,
     classifiers={"ElectraForSequenceClassification": _CLASSIFIER},
+)
+
+DOCS = FamilyDocs(
     examples=(
         "cross-encoder/ms-marco-electra-base",
         "google/electra-small-discriminator",

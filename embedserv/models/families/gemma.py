@@ -20,7 +20,7 @@ from torch import nn
 from embedserv.attention.layer import Attention
 from embedserv.models.interface import DecoderModel
 from embedserv.models.layers import Linear, get_activation, head_dim, packed_linear
-from embedserv.models.loading.family import QKV_GATE_UP, CheckpointNames, Family
+from embedserv.models.loading.family import QKV_GATE_UP, CheckpointNames, Family, FamilyDocs
 from embedserv.models.rotary import RotaryEmbedding, apply_rotary
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -175,6 +175,9 @@ FAMILY = Family(
     checkpoint=CHECKPOINT,
     is_encoder=False,
     embeddings=EMBEDDINGS,
+)
+
+DOCS = FamilyDocs(
     examples=("google/embeddinggemma-300m", "google/gemma-3-1b-it"),
     tested_by=tuple(f"tests/models/test_{name}.py" for name in ("gemma_parity", "gemma_embed", "gemma_parts")),
 )

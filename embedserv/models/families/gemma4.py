@@ -26,7 +26,7 @@ from embedserv.attention.layer import Attention, link_kv_sharing
 from embedserv.models.families.gemma import EMBEDDINGS, HEADS, GemmaMLP, check_layer_types, embedding_scale
 from embedserv.models.interface import DecoderModel
 from embedserv.models.layers import Linear, get_activation, packed_linear
-from embedserv.models.loading.family import QKV_GATE_UP, CheckpointNames, Family
+from embedserv.models.loading.family import QKV_GATE_UP, CheckpointNames, Family, FamilyDocs
 from embedserv.models.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -132,7 +132,7 @@ class Gemma4DecoderLayer(nn.Module):
             self.post_per_layer_input_norm = Gemma4RMSNorm(hidden, eps)
         else:
             self.per_layer_input_gate = None
-        # A buffer, not a parameter: checkpoints that lack it keep transformers' initial 1 (FAMILY.fill_defaults).
+        # A buffer, not a parameter: checkpoints that lack it keep transformers' initial 1 (Gemma4Model.fill_defaults).
         self.register_buffer("layer_scalar", torch.empty(1))
 
     def forward(self, hidden: torch.Tensor, per_layer_input: torch.Tensor | None, cos, sin) -> torch.Tensor:
@@ -184,6 +184,11 @@ class Gemma4Model(nn.Module, DecoderModel):
     def max_positions(self) -> int:
         return self.config.max_position_embeddings
 
+    def fill_defaults(self) -> None:
+        """Checkpoints that lack the layer scalars keep transformers' initial 1."""
+        for layer in self.layers:
+            layer.layer_scalar.fill_(1.0)
+
     def _per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """[num_tokens, layers, per_layer_size]: token identity plus a projection of the embeddings."""
         shape = (-1, self.config.num_hidden_layers, self.per_layer_size)
@@ -220,12 +225,6 @@ def checkpoint_names(config) -> CheckpointNames:
     return CheckpointNames(prefixes=("model.",), ignored=rf"^({HEADS}{shared_kv})", packed=QKV_GATE_UP)
 
 
-def _unit_layer_scalars(model: Gemma4Model) -> None:
-    """Checkpoints that lack the layer scalars keep transformers' initial 1."""
-    for layer in model.layers:
-        layer.layer_scalar.fill_(1.0)
-
-
 FAMILY = Family(
     name="gemma4",
     model_types=("gemma4_text",),
@@ -233,7 +232,9 @@ FAMILY = Family(
     checkpoint=checkpoint_names,
     is_encoder=False,
     embeddings=EMBEDDINGS,
-    fill_defaults=_unit_layer_scalars,
+)
+
+DOCS = FamilyDocs(
     tested_by=tuple(
         f"tests/models/test_{name}.py" for name in ("gemma_parity", "gemma_embed", "gemma_parts", "kv_sharing")
     ),

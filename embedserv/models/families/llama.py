@@ -15,7 +15,7 @@ from torch import nn
 from embedserv.attention.layer import Attention
 from embedserv.models.interface import DecoderModel
 from embedserv.models.layers import Linear, get_activation, head_dim, num_kv_heads, packed_linear
-from embedserv.models.loading.family import QKV_GATE_UP, CheckpointNames, Classifier, Family
+from embedserv.models.loading.family import QKV_GATE_UP, CheckpointNames, Classifier, Family, FamilyDocs
 from embedserv.models.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -187,6 +187,9 @@ FAMILY = Family(
         f"{name}ForSequenceClassification": SCORE_CLASSIFIER for name in ("Llama", "Mistral", "Qwen2", "Qwen3")
     },
     embeddings=EMBEDDINGS,
+)
+
+DOCS = FamilyDocs(
     examples=(
         "intfloat/e5-mistral-7b-instruct", "Alibaba-NLP/gte-Qwen2-1.5B-instruct", "Qwen/Qwen3-Embedding-0.6B",
         "Qwen/Qwen3-Reranker-0.6B", "meta-llama/Llama-3.2-1B-Instruct",

@@ -16,7 +16,7 @@ from torch import nn
 from embedserv.attention.layer import Attention
 from embedserv.models.interface import EncoderModel
 from embedserv.models.layers import Linear, get_activation
-from embedserv.models.loading.family import CheckpointNames, Classifier, Family
+from embedserv.models.loading.family import CheckpointNames, Classifier, Family, FamilyDocs
 from embedserv.models.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -152,6 +152,10 @@ FAMILY = Family(
     checkpoint=CHECKPOINT,
     is_encoder=True,
     classifiers={"ModernBertForSequenceClassification": CLASSIFIER},
+    lora=True,
+)
+
+DOCS = FamilyDocs(
     examples=(
         "answerdotai/ModernBERT-base",
         "answerdotai/ModernBERT-large",
@@ -159,6 +163,5 @@ FAMILY = Family(
         "Alibaba-NLP/gte-reranker-modernbert-base",
         "nomic-ai/modernbert-embed-base",
     ),
-    lora=True,
     tested_by=("tests/models/test_modernbert_parity.py", "tests/models/test_lora_parity.py"),
 )

@@ -16,7 +16,7 @@ from torch import nn
 from embedserv.attention.relative_bias import RelativePositionBias
 from embedserv.models.families.bert import ROBERTA_CLASSIFIER, BertLayer
 from embedserv.models.interface import EncoderModel
-from embedserv.models.loading.family import CheckpointNames, Family
+from embedserv.models.loading.family import CheckpointNames, Family, FamilyDocs
 
 # MPNetEmbeddings' fixed padding index: positions start after it.
 _PADDING_IDX = 1
@@ -100,6 +100,9 @@ FAMILY = Family(
     # MPNetClassificationHead is RoBERTa's: the first token through dense + tanh, then out_proj.
     classifiers={"MPNetForSequenceClassification": ROBERTA_CLASSIFIER},
     lora=True,
+)
+
+DOCS = FamilyDocs(
     examples=(
         "sentence-transformers/all-mpnet-base-v2",
         "sentence-transformers/multi-qa-mpnet-base-dot-v1",

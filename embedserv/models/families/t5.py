@@ -23,7 +23,7 @@ from embedserv.attention.layer import Attention, AttentionKind
 from embedserv.attention.relative_bias import RelativePositionBias
 from embedserv.models.interface import EncoderDecoderModel, EncoderModel
 from embedserv.models.layers import Linear, get_activation, packed_linear
-from embedserv.models.loading.family import CheckpointNames, Family
+from embedserv.models.loading.family import CheckpointNames, Family, FamilyDocs
 from embedserv.models.families.llama import RMSNorm
 
 # T5 has no position limit; the tokenizer's model_max_length bounds inputs.
@@ -295,9 +295,10 @@ FAMILY = Family(
     model_class=T5Model,
     checkpoint=CHECKPOINT,
     is_encoder=False,
-    is_encoder_decoder=True,
     embeddings=("shared.weight", "encoder.embed_tokens.weight"),
-    lm_head_scale=output_scale,
+)
+
+DOCS = FamilyDocs(
     examples=(
         "sentence-transformers/sentence-t5-base", "sentence-transformers/gtr-t5-base", "castorini/monot5-base-msmarco",
         "google/flan-t5-base",

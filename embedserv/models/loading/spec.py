@@ -105,7 +105,7 @@ def _check_quantization(config: ModelConfig, task: TaskSpec, family: Family, mod
             f"{model_dir}: --quantization int8 serves embedders, rerankers and classifiers; this model generates "
             "text, whose token-by-token sampling it was not validated for. Serve it without --quantization"
         )
-    if family.vision is not None or family.language_config is not None:
+    if family.takes_images:
         raise ConfigError(
             f"{model_dir}: --quantization int8 was not validated for text-image dual encoders (CLIP, SigLIP) or "
             "page-image retrievers (ColQwen2, ColPali); serve this model without it"
@@ -208,8 +208,7 @@ def _classifier_token(family: Family, hf_config) -> str | None:
 
 
 def _modalities(family: Family) -> tuple[Modality, ...]:
-    takes_images = family.vision is not None or family.language_config is not None
-    return (Modality.TEXT, Modality.IMAGE) if takes_images else (Modality.TEXT,)
+    return (Modality.TEXT, Modality.IMAGE) if family.takes_images else (Modality.TEXT,)
 
 
 def takes_images(config: ModelConfig) -> bool:
@@ -231,7 +230,7 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
     family = registry.lookup(
         hf_config.model_type, architecture_of(hf_config), sentence_transformers=(model_dir / "modules.json").exists()
     )
-    st = read_sentence_transformers(model_dir, family.st_transformer_modules)
+    st = read_sentence_transformers(model_dir, family.model_class.st_transformer_modules)
     device = _device(config.device)
     dtype = _DTYPES[config.torch_dtype_name]
     _check_dtype(hf_config, dtype, model_dir)

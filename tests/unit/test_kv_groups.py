@@ -188,7 +188,7 @@ def test_a_block_size_the_backend_cannot_read_stops_start_up():
     from embedserv.attention.backends.base import PagedBackendBase
     from embedserv.config import ModelConfig
     from embedserv.errors import ConfigError
-    from embedserv.models.loading.spec import _kv_block_size
+    from embedserv.models.loading.spec_reader import _kv_block_size
     from embedserv.models.loading.tasks import TaskSpec
     from embedserv.types import Task
 

@@ -69,11 +69,18 @@ class CommonAttentionMetadata:
 
     def __post_init__(self) -> None:
         reads_kv_cache = self.slot_mapping is not None
-        keys = self.seq_lens_k_cpu
+        queries, keys = self.seq_lens_q_cpu, self.seq_lens_k_cpu
+        num_query_rows = int(queries.sum())
+        # Queries that are their own keys (build_common_metadata) have one set of lengths.
+        own_keys = keys is queries
+        if reads_kv_cache:
+            num_key_rows = self.slot_mapping.shape[0]
+        else:
+            num_key_rows = num_query_rows if own_keys else int(keys.sum())
         object.__setattr__(self, "reads_kv_cache", reads_kv_cache)
-        object.__setattr__(self, "num_query_rows", int(self.seq_lens_q_cpu.sum()))
-        object.__setattr__(self, "num_key_rows", self.slot_mapping.shape[0] if reads_kv_cache else int(keys.sum()))
-        apart = keys is not self.seq_lens_q_cpu and not np.array_equal(self.seq_lens_q_cpu, keys)
+        object.__setattr__(self, "num_query_rows", num_query_rows)
+        object.__setattr__(self, "num_key_rows", num_key_rows)
+        apart = not own_keys and not np.array_equal(queries, keys)
         object.__setattr__(self, "suffix_queries", not self.cross and not reads_kv_cache and apart)
 
     @property

@@ -20,8 +20,8 @@ length, then encoder length, so that equal shapes sit together.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from itertools import chain
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -39,8 +39,7 @@ from embedserv.worker.paged_inputs import PagedPlan
 from embedserv.worker.prefill_skip import SkipPlan
 
 
-@dataclass(frozen=True)
-class _OutputRows:
+class _OutputRows(NamedTuple):
     """Where each sequence's outputs are (batch order) among the rows the heads read: the packed batch, or
     the rows the prefill skip keeps."""
 
@@ -52,8 +51,7 @@ class _OutputRows:
     pos: np.ndarray
 
 
-@dataclass(frozen=True)
-class _Packing:
+class _Packing(NamedTuple):
     # Batch index of each packed sequence.
     order: np.ndarray
     # In batch order: tokens this step, and the tokens known before it (start positions).

@@ -1,8 +1,9 @@
 """Writes docs/MODELS.md from the model registry: `python docs/models_table.py` (or `make models-doc`).
 
 Every column is read from the families' records and docs (models/loading/family.py), their model classes'
-declarations (models/interface.py) and a weightless instance of each family's model, never typed by hand, so the table cannot drift from the code; tests/unit/
-test_models_doc.py fails when docs/MODELS.md differs from what this script writes.
+declarations (models/interface.py) and a weightless instance of each family's model, never typed by hand, so
+the table cannot drift from the code; tests/unit/test_models_doc.py fails when docs/MODELS.md differs from
+what this script writes.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ The runner picks its call by the declared `kind` (worker/model_runner.py) and ne
 attributes. Every forward returns [num_rows, hidden]: the step's rows (padding rows included), or, given the
 prefill skip's kept rows, those. Positions come already shifted by `position_offset`.
 
-- EncoderModel: bidirectional over its tokens: `forward(input_ids, positions)`, plus `token_type_ids` where
-  it reads token types and `adapter_ids` where it has built-in task adapters.
+- EncoderModel: attends both ways (unless --attention says otherwise): `forward(input_ids, positions)`, plus
+  `token_type_ids` where it reads token types and `adapter_ids` where it has built-in task adapters.
 - DecoderModel: `forward(input_ids, positions)`, causal unless its config says otherwise; plus
   `prefill_skip_rows` where its last layers share KV, `pixel_values` and `image_grids` where it takes images
   (vision-language models: the features take the image placeholder tokens' places).

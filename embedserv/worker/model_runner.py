@@ -59,7 +59,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: Model,
         backend: AttentionBackend,
         device: torch.device,
         is_causal: bool,

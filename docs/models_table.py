@@ -1,8 +1,9 @@
 """Writes docs/MODELS.md from the model registry: `python docs/models_table.py` (or `make models-doc`).
 
-Every column is read from the families' records (models/loading/family.py) and a weightless instance of
-each family's model, never typed by hand, so the table cannot drift from the code; tests/unit/
-test_models_doc.py fails when docs/MODELS.md differs from what this script writes.
+Every column is read from the families' records and docs (models/loading/family.py), their model classes'
+declarations (models/interface.py) and a weightless instance of each family's model, never typed by hand, so
+the table cannot drift from the code; tests/unit/test_models_doc.py fails when docs/MODELS.md differs from
+what this script writes.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from transformers import CONFIG_MAPPING
 
 from embedserv.attention.layer import attention_layers
 from embedserv.models import registry
-from embedserv.models.loading.family import Family
+from embedserv.models.interface import ModelKind
+from embedserv.models.loading.family import Family, FamilyDocs
 
 DOC = Path(__file__).resolve().parent / "MODELS.md"
 
@@ -79,12 +81,12 @@ def _tasks(family: Family) -> list[str]:
         return tasks
     if family.vision is not None:
         return ["embed (texts and images, one space)", "rerank (texts and images, by cosine)"]
-    if family.language_config is not None:
+    if family.takes_images:
         return ["multi-vector (queries and page images)", "rerank (page images, by MaxSim)"]
     tasks = ["embed", "multi-vector"]
     if family.classifiers:
         tasks += ["rerank", "classify", "zero-shot"]
-    if family.mlm_heads:
+    if family.model_class.kind is ModelKind.ENCODER and family.model_class.mlm_heads:
         tasks.append("sparse")
     if not family.is_encoder:
         tasks += ["rerank (yes/no)", "generate"]
@@ -98,16 +100,14 @@ def _backends(family: Family) -> str:
 
 
 def _model_types(family: Family) -> str:
-    native = [
-        f"`{t}`" + (" (and its published custom-code form)" if t in family.config_forms else "")
-        for t in family.model_types
-    ]
-    published = [f"`{t}` (published custom-code form)" for t in family.config_forms if t not in family.model_types]
+    forms = family.model_class.config_forms
+    native = [f"`{t}`" + (" (and its published custom-code form)" if t in forms else "") for t in family.model_types]
+    published = [f"`{t}` (published custom-code form)" for t in forms if t not in family.model_types]
     return ", ".join(native + published)
 
 
 def _int8(family: Family) -> str:
-    if family.vision is not None or family.language_config is not None:
+    if family.takes_images:
         return "—"
     return "yes, not for generate" if not family.is_encoder else "yes"
 
@@ -117,18 +117,18 @@ def _cell(items) -> str:
     return "<br>".join(items) if items else "—"
 
 
-def row(family: Family) -> str:
+def row(family: Family, docs: FamilyDocs) -> str:
     return "| " + " | ".join(
         (
             f"**{family.name}**",
             _model_types(family),
             _cell(f"`{a}`" for a in family.classifiers),
-            _cell(family.examples),
+            _cell(docs.examples),
             ", ".join(_tasks(family)),
             _backends(family),
             _int8(family),
             "yes" if family.lora else "—",
-            _cell(f"`{t}`" for t in family.tested_by),
+            _cell(f"`{t}`" for t in docs.tested_by),
         )
     ) + " |"
 
@@ -139,7 +139,7 @@ def render() -> str:
         "| Attention backends | int8 | LoRA | Tested by |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    lines += [row(family) for family in registry.FAMILIES]
+    lines += [row(module.FAMILY, module.DOCS) for module in registry.FAMILY_MODULES]
     return HEADER + "\n".join(lines) + "\n"
 
 

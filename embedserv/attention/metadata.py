@@ -17,7 +17,7 @@ sequence's queries the last len_q of its len_k positions, as on paged steps, cau
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -55,23 +55,33 @@ class CommonAttentionMetadata:
     # given) are this step's encoder tokens, written to slot_mapping ([num_encoder_tokens], maybe
     # empty), and every key is read from the cache through block_tables (the cross tables).
     cross: bool = False
+    # Derived from the fields above when the record is made (every layer reads them, every call):
+    # paged KV (a slot mapping);
+    reads_kv_cache: bool = field(init=False)
+    # rows of q that belong to sequences (q may carry padding rows after them: embedserv/padding.py);
+    num_query_rows: int = field(init=False)
+    # rows of this step's k and v that belong to sequences (padding rows may follow): the new tokens written
+    # to the cache (slot_mapping), or, KV-free, every key;
+    num_key_rows: int = field(init=False)
+    # KV-free self-attention whose queries are the last tokens of their sequences, not all of them (the
+    # prefill skip): keys are packed by cu_seqlens_k apart from the queries.
+    suffix_queries: bool = field(init=False)
 
-    @property
-    def reads_kv_cache(self) -> bool:
-        return self.slot_mapping is not None
-
-    @property
-    def num_query_rows(self) -> int:
-        """Rows of q that belong to sequences; q may carry padding rows after them (embedserv/padding.py)."""
-        return int(self.seq_lens_q_cpu.sum())
-
-    @property
-    def num_key_rows(self) -> int:
-        """Rows of this step's k and v that belong to sequences (padding rows may follow): the new tokens
-        written to the cache (slot_mapping), or, KV-free, every key."""
-        if self.slot_mapping is not None:
-            return self.slot_mapping.shape[0]
-        return int(self.seq_lens_k_cpu.sum())
+    def __post_init__(self) -> None:
+        reads_kv_cache = self.slot_mapping is not None
+        queries, keys = self.seq_lens_q_cpu, self.seq_lens_k_cpu
+        num_query_rows = int(queries.sum())
+        # Queries that are their own keys (build_common_metadata) have one set of lengths.
+        own_keys = keys is queries
+        if reads_kv_cache:
+            num_key_rows = self.slot_mapping.shape[0]
+        else:
+            num_key_rows = num_query_rows if own_keys else int(keys.sum())
+        object.__setattr__(self, "reads_kv_cache", reads_kv_cache)
+        object.__setattr__(self, "num_query_rows", num_query_rows)
+        object.__setattr__(self, "num_key_rows", num_key_rows)
+        apart = not own_keys and not np.array_equal(queries, keys)
+        object.__setattr__(self, "suffix_queries", not self.cross and not reads_kv_cache and apart)
 
     @property
     def context_lens_cpu(self) -> np.ndarray:

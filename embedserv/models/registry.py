@@ -1,7 +1,8 @@
 """Which family runs which Hugging Face model type, and which heads make a model's sparse and token vectors.
 
-Adding a model family is one file in models/families/ (exporting its FAMILY record) and one line in
-FAMILIES; adding a head kind is one file in models/heads/ and one entry in HEAD_KINDS.
+Adding a model family is one file in models/families/ (exporting its FAMILY record, and its DOCS for
+docs/MODELS.md) and one line in FAMILY_MODULES; adding a head kind is one file in models/heads/ and one entry
+in HEAD_KINDS.
 """
 
 from __future__ import annotations
@@ -21,28 +22,12 @@ from embedserv.models.heads import bge_m3, multi_vector, splade, vision_retrieva
 from embedserv.models.loading.family import Family
 from embedserv.models.loading.multi_vector_files import MultiVectorSettings, read_multi_vector_settings
 
-FAMILIES: tuple[Family, ...] = (
-    bert.FAMILY,
-    llama.FAMILY,
-    gemma.FAMILY,
-    gemma4.FAMILY,
-    t5.FAMILY,
-    bart.FAMILY,
-    nomic_bert.FAMILY,
-    gte.FAMILY,
-    mpnet.FAMILY,
-    distilbert.FAMILY,
-    electra.FAMILY,
-    deberta_v2.FAMILY,
-    modernbert.FAMILY,
-    eurobert.FAMILY,
-    jina_v3.FAMILY,
-    clip.FAMILY,
-    siglip.FAMILY,
-    siglip2.FAMILY,
-    colqwen2.FAMILY,
-    colpali.FAMILY,
+# The family files, each with its FAMILY record and its DOCS (loading/family.FamilyDocs), in table order.
+FAMILY_MODULES = (
+    bert, llama, gemma, gemma4, t5, bart, nomic_bert, gte, mpnet, distilbert, electra, deberta_v2, modernbert,
+    eurobert, jina_v3, clip, siglip, siglip2, colqwen2, colpali,
 )
+FAMILIES: tuple[Family, ...] = tuple(module.FAMILY for module in FAMILY_MODULES)
 _BY_MODEL_TYPE: dict[str, Family] = {model_type: family for family in FAMILIES for model_type in family.model_types}
 
 # T5 checkpoints served by their encoder alone: T5EncoderModel ones, and sentence-transformers models
@@ -84,10 +69,11 @@ def lookup(model_type: str, architecture: str = "", sentence_transformers: bool 
 
 
 def native_config(raw: dict) -> dict | None:
-    """A published config.json dict in a form one of our families reads (loading/family.py config_forms)
-    as the native transformers config dict; None when no family reads it as such (AutoConfig reads it)."""
+    """A published config.json dict in a form one of our families reads (its model's config_forms,
+    models/interface.py) as the native transformers config dict; None when no family reads it as such
+    (AutoConfig reads it)."""
     for family in FAMILIES:
-        convert = family.config_forms.get(str(raw.get("model_type")))
+        convert = family.model_class.config_forms.get(str(raw.get("model_type")))
         native = convert(raw) if convert is not None else None
         if native is not None:
             return native

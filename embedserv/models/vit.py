@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from embedserv.attention.layer import Attention, AttentionKind
+from embedserv.models.interface import DualEncoderModel
 from embedserv.models.layers import Linear, packed_linear
 from embedserv.models.loading.family import QKV, CheckpointNames
 
@@ -97,16 +98,11 @@ class TextTower(nn.Module):
         return self.encoder(self.embeddings(input_ids, positions))
 
 
-class DualEncoder(nn.Module):
-    """What CLIP's and SigLIP's models share: `forward(input_ids, positions, token_type_ids=None,
-    pixel_values=None, image_grids=())` -> [num_tokens, hidden] of the text tower (`text_model`), or of the
-    vision tower (`vision_model(rows, positions, image_grids)`, the grids in packed order) when pixel_values
-    (patch rows) are given. Subclasses build the towers and `pool`."""
-
-    one_tower_per_pass = True
-    position_offset = 0
-    # A class-token row leads each image's rows (CLIP).
-    class_token = False
+class DualEncoder(nn.Module, DualEncoderModel):
+    """What CLIP's and SigLIP's models share: `forward(input_ids, positions, pixel_values=None,
+    image_grids=())` -> [num_tokens, hidden] of the text tower (`text_model`), or of the vision tower
+    (`vision_model(rows, positions, image_grids)`, the grids in packed order) when pixel_values (patch rows)
+    are given. Subclasses build the towers and `pool`."""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -122,7 +118,7 @@ class DualEncoder(nn.Module):
         side = self.config.vision_config.image_size // self.config.vision_config.patch_size
         return side * side + int(self.class_token), self.vision_model.embeddings.patch_embedding.patch_dim, (side, side)
 
-    def forward(self, input_ids, positions, token_type_ids=None, pixel_values=None, image_grids=()) -> torch.Tensor:
+    def forward(self, input_ids, positions, pixel_values=None, image_grids=()) -> torch.Tensor:
         if pixel_values is None:
             return self.text_model(input_ids, positions)
         return self.vision_model(pixel_values, positions, image_grids)

@@ -10,6 +10,7 @@ the result at the image's placeholder tokens.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -18,8 +19,21 @@ from embedserv.attention.metadata import CommonAttentionMetadata, build_common_m
 from embedserv.steps import ScheduledSequence
 
 
+@dataclass(frozen=True)
+class ImageInputs:
+    # [rows, patch_dim] float32: the image sequences' patch rows in packed order (padded like the token rows
+    # on CPU).
+    pixel_values: torch.Tensor
+    # Each image's grid, in the same order (the towers that need them: Qwen2-VL's, SigLIP 2's).
+    grids: tuple[tuple[int, ...], ...]
+    # The vision tower's metadata.
+    attention: CommonAttentionMetadata
+
+
 class ImagePlan:
-    def __init__(self, seqs: list[ScheduledSequence], order: np.ndarray, padded: Callable[[int], int]) -> None:
+    def __init__(
+        self, seqs: list[ScheduledSequence], order: np.ndarray, padded: Callable[[int], int], parts: dict
+    ) -> None:
         members = [seqs[i] for i in order if seqs[i].pixels is not None]
         self.lens = np.fromiter((len(s.pixels) for s in members), dtype=np.int64, count=len(members))
         self.grids = tuple(s.image_grid for s in members)
@@ -29,14 +43,10 @@ class ImagePlan:
             rows = np.concatenate((rows, np.zeros((padding, rows.shape[1]), dtype=np.float32)))
         self.rows = rows
         # The offsets travel with the step's other integers (input_builder.to_device).
-        self.parts = [cumulative_offsets(self.lens)]
+        parts["image_cu_seqlens"] = cumulative_offsets(self.lens)
 
-    @staticmethod
-    def wanted(seqs: list[ScheduledSequence]) -> bool:
-        return any(s.pixels is not None for s in seqs)
-
-    def inputs(self, device_parts, device: torch.device) -> tuple[torch.Tensor, CommonAttentionMetadata]:
-        """([rows, patch_dim] float32 pixels on the device, the vision tower's metadata)."""
+    def inputs(self, device_parts: dict, device: torch.device) -> ImageInputs:
         host = torch.from_numpy(np.ascontiguousarray(self.rows))
         pixels = host.pin_memory().to(device, non_blocking=True) if device.type != "cpu" else host
-        return pixels, build_common_metadata(self.lens, False, cu_seqlens=next(device_parts))
+        attention = build_common_metadata(self.lens, False, cu_seqlens=device_parts["image_cu_seqlens"])
+        return ImageInputs(pixels, self.grids, attention)

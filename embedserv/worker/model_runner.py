@@ -19,17 +19,19 @@ from torch import nn
 
 from embedserv.attention.backends.base import AttentionBackend
 from embedserv.attention.layer import attention_layers
-from embedserv.forward_context import set_forward_context
+from embedserv.forward_context import ForwardContext, set_forward_context
 from embedserv.models.heads.adapter_heads import AdapterScoreHeads
 from embedserv.models.heads.pooling import TokenInputs
 from embedserv.models.layers import warm_linear_row_counts
 from embedserv.models.lora import has_lora
 from embedserv.models.heads.sampler import sample
+from embedserv.models.interface import Model, ModelKind
 from embedserv.padding import padded_rows, row_counts
 from embedserv.scheduler.kv_cache_manager import KvCacheLayout
 from embedserv.steps import OutputKind, RaggedRows, ScheduledSequence, StepBatch, StepOutput
 from embedserv.types import EmbedOutput, SamplingParams
-from embedserv.worker.input_builder import InputBuilder, ModelInputs
+from embedserv.worker.input_builder import InputBuilder
+from embedserv.worker.model_inputs import ModelInputs
 from embedserv.worker.kv_cache import KvCache
 from embedserv.worker.layer_routes import LayerRoutes
 from embedserv.worker.prefill_skip import PrefillSkip
@@ -57,7 +59,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: Model,
         backend: AttentionBackend,
         device: torch.device,
         is_causal: bool,
@@ -75,6 +77,8 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.row_head = row_head
+        # --lora adapters with classifier heads of their own: the row head picks one per row.
+        self.heads_by_adapter = isinstance(row_head, AdapterScoreHeads)
         self.sparse_head = sparse_head
         # None: a sequence's token vectors are its last hidden states (float32).
         self.token_head = token_head
@@ -82,15 +86,18 @@ class ModelRunner:
         self.kv_cache = kv_cache
         block_size = kv_cache.block_size if kv_cache is not None else 0
         fixed = tuple(group.fixed for group in kv_cache.groups) if kv_cache is not None else ()
-        self.is_encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
+        # The call the model's kind declares (models/interface.py).
+        self._forward = _FORWARDS[model.kind]
+        self.is_encoder_decoder = model.kind is ModelKind.ENCODER_DECODER
         # --kv-sharing-fast-prefill: the first layer that runs only the rows whose output is read.
-        self.skip_layer = getattr(model, "prefill_skip_layer", None) if kv_sharing_fast_prefill else None
+        self.skip_layer = model.prefill_skip_layer if kv_sharing_fast_prefill else None
         if kv_sharing_fast_prefill and self.skip_layer is None:
             raise ValueError("--kv-sharing-fast-prefill needs a model whose last layers share an earlier layer's KV")
         self.routes = LayerRoutes(attention_layers(model))
-        # Dual encoders (`one_tower_per_pass`) pool through the model's own heads: model.pool(hidden, pooling,
-        # images), each tower its own (CLIP's class token or last token and projection, SigLIP's attention head).
-        self.one_tower_per_pass = bool(getattr(model, "one_tower_per_pass", False))
+        # Dual encoders run one tower per pass and pool through the model's own heads: model.pool(hidden,
+        # pooling, images), each tower its own (CLIP's class token or last token and projection, SigLIP's
+        # attention head).
+        self.is_dual_encoder = model.kind is ModelKind.DUAL_ENCODER
         # --lora adapters: their layers find the step's rows per adapter in the forward context.
         self.has_lora = has_lora(model)
         # Resolved once: a KvCache keeps its tensors for its lifetime.
@@ -99,6 +106,8 @@ class ModelRunner:
             device, model.position_offset, is_causal, block_size, fixed, self.is_encoder_decoder,
             prefill_skip=self.skip_layer is not None, rows_read_last=rows_read_last,
             pad_rows=pad_rows and device.type == "cpu", lora=self.has_lora,
+            token_types=model.kind is ModelKind.ENCODER and model.reads_token_types,
+            task_adapters=model.kind is ModelKind.ENCODER and model.has_task_adapters,
         )
 
     def kv_cache_layout(self) -> KvCacheLayout | None:
@@ -114,9 +123,7 @@ class ModelRunner:
     @torch.inference_mode()
     def prepare(self, batch: StepBatch) -> PreparedStep:
         """The step's inputs on the device. A worker calls this for step k+1 while step k runs."""
-        if batch.uses_kv_cache and self.kv_cache is None:
-            raise ValueError("this model keeps no KV cache; it cannot run generation steps")
-        if self.one_tower_per_pass:
+        if self.is_dual_encoder:
             images = tuple(s for s in batch.sequences if s.pixels is not None)
             if images and len(images) < batch.num_sequences:
                 texts = StepBatch(tuple(s for s in batch.sequences if s.pixels is None))
@@ -127,51 +134,61 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, prepared: PreparedStep) -> StepOutput:
-        output = self._run(prepared)
-        return output if prepared.images is None else _joined(output, self._run(prepared.images))
-
-    def _run(self, prepared: PreparedStep) -> StepOutput:
+        """One pass over the prepared step; a dual encoder's images, prepared apart, run as a second pass."""
         inputs = prepared.inputs
         if prepared.fresh_blocks is not None:
             self.kv_cache.zero(prepared.fresh_blocks)
-        build = self.backend.build_metadata
-        skip = self._skip(inputs)
-        # An encoder-decoder step's encoder inputs, or the vision tower's image rows (worker/image_inputs.py).
-        encoder = inputs.encoder_attention or inputs.vision_attention
-        context = self.routes.context(
-            self.backend,
-            tuple(build(common) for common in inputs.attention),
-            layer_kv_caches=self.layer_kv_caches if inputs.attention[0].reads_kv_cache else None,
-            encoder_metadata=build(encoder) if encoder is not None else None,
-            cross_metadata=build(inputs.cross_attention) if inputs.cross_attention is not None else None,
-            skip=skip,
-        )
-        if inputs.adapter_rows is not None:
-            context = replace(context, lora=inputs.adapter_rows)
-        with set_forward_context(context):
-            hidden = self.model(
-                inputs.input_ids, inputs.positions, inputs.token_type_ids, **self._model_inputs(inputs, skip)
-            )
+        with set_forward_context(self._context(inputs)):
+            hidden = self._forward(self.model, inputs)
         if inputs.num_output_rows is not None:
             hidden = hidden[: inputs.num_output_rows]  # the padding rows (embedserv/padding.py)
-        rows, tokens = _NO_ROWS, _NO_TOKENS
+        rows, tokens, sparse, vectors = _NO_ROWS, _NO_TOKENS, None, None
         # One device-to-host copy per kind of output.
-        if inputs.pooling is not None:
-            # --lora adapters with heads of their own (modules_to_save) pick each row's head.
-            extra = (inputs.row_adapters,) if isinstance(self.row_head, AdapterScoreHeads) else ()
-            if self.one_tower_per_pass:
-                rows = self.model.pool(hidden, inputs.pooling, inputs.pixel_values is not None).float().cpu().numpy()
+        if inputs.rows is not None:
+            if self.is_dual_encoder:
+                pooled = self.model.pool(hidden, inputs.rows.pooling, inputs.images is not None).float()
             else:
-                rows = self.row_head(hidden, inputs.pooling, *extra).cpu().numpy()
-        if inputs.sample_rows is not None:
-            logits = self.lm_head(hidden.index_select(0, inputs.sample_rows))[: len(inputs.sampling)].float()
-            tokens = sample(logits, inputs.sampling, inputs.sample_lengths).cpu().numpy()
-        sparse = vectors = None
+                # --lora adapters with heads of their own (modules_to_save) pick each row's head.
+                extra = (inputs.rows.adapters,) if self.heads_by_adapter else ()
+                pooled = self.row_head(hidden, inputs.rows.pooling, *extra)
+            rows = pooled.cpu().numpy()
+        if inputs.samples is not None:
+            samples = inputs.samples
+            logits = self.lm_head(hidden.index_select(0, samples.rows))[: len(samples.sampling)].float()
+            tokens = sample(logits, samples.sampling, samples.lengths).cpu().numpy()
         if inputs.sparse_tokens is not None:
             sparse = self._sparse(hidden, inputs.sparse_tokens)
         if inputs.vector_tokens is not None:
             vectors = self._vectors(hidden, inputs.vector_tokens)
-        return StepOutput(inputs.row_request_ids, rows, inputs.sampled_request_ids, tokens, sparse, vectors)
+        output = StepOutput(
+            inputs.rows.request_ids if inputs.rows is not None else (), rows,
+            inputs.samples.request_ids if inputs.samples is not None else (), tokens, sparse, vectors,
+        )
+        return output if prepared.images is None else _joined(output, self.run(prepared.images))
+
+    def _context(self, inputs: ModelInputs) -> ForwardContext:
+        """Each attention layer's metadata and cache in this step (worker/layer_routes.py)."""
+        build = self.backend.build_metadata
+        skip = encoder = cross = None
+        if inputs.skip is not None:
+            kept = tuple(build(common) for common in inputs.skip.attention)
+            skip = PrefillSkip(first_layer=self.skip_layer, rows=inputs.skip.rows, attn_metadata=kept)
+        if inputs.encoder is not None:
+            encoder = build(inputs.encoder.attention)
+            cross = build(inputs.encoder.cross_attention) if inputs.encoder.cross_attention is not None else None
+        elif inputs.images is not None:
+            # The vision tower's layers are encoder layers over the image rows (worker/image_inputs.py).
+            encoder = build(inputs.images.attention)
+        context = self.routes.context(
+            self.backend,
+            tuple(build(common) for common in inputs.attention),
+            layer_kv_caches=self.layer_kv_caches if inputs.attention[0].reads_kv_cache else None,
+            encoder_metadata=encoder,
+            cross_metadata=cross,
+            skip=skip,
+        )
+        lora = inputs.tokens.adapter_rows
+        return context if lora is None else replace(context, lora=lora)
 
     def _sparse(self, hidden: torch.Tensor, tokens: TokenInputs) -> RaggedRows:
         if self.sparse_head is None:
@@ -190,28 +207,6 @@ class ModelRunner:
             tokens.request_ids, np.asarray(tokens.lengths, dtype=np.int64), vectors.float().cpu().numpy(), _NO_IDS
         )
 
-    def _model_inputs(self, inputs: ModelInputs, skip: PrefillSkip | None) -> dict:
-        """What a model takes beyond ids, positions and token types: an encoder-decoder's encoder inputs,
-        and with the prefill skip the rows its layers from `prefill_skip_layer` on run; and each token's task
-        adapter when a token has one (only models with adapters are sent such tokens; --lora adapters go
-        through the forward context instead)."""
-        if inputs.pixel_values is not None:
-            # Image sequences' patch rows; their grids where the tower needs them (Qwen2-VL's).
-            return {"pixel_values": inputs.pixel_values, "image_grids": inputs.image_grids}
-        if inputs.adapter_ids is not None:
-            return {"adapter_ids": inputs.adapter_ids}
-        if self.is_encoder_decoder:
-            return {"encoder_input_ids": inputs.encoder_input_ids, "encoder_positions": inputs.encoder_positions}
-        if self.skip_layer is not None:
-            return {"prefill_skip_rows": skip.rows if skip is not None else None}
-        return {}
-
-    def _skip(self, inputs: ModelInputs) -> PrefillSkip | None:
-        if inputs.skip_rows is None:
-            return None
-        metadata = tuple(self.backend.build_metadata(common) for common in inputs.skip_attention)
-        return PrefillSkip(first_layer=self.skip_layer, rows=inputs.skip_rows, attn_metadata=metadata)
-
     def warm_up(self, max_tokens: int, max_batch_tokens: int) -> None:
         """Runs the shapes first requests would otherwise pay one-time costs for (oneDNN primitives per
         shape; the flex backend compiles a kernel per size class). With padded rows (CPU), then every
@@ -227,7 +222,7 @@ class ModelRunner:
 
     def _warm_up_steps(self, max_tokens: int, max_batch_tokens: int) -> None:
         # A model without a row head warms up its sparse or token output; dual encoders pool through their own.
-        pools = self.row_head is not None or self.one_tower_per_pass
+        pools = self.row_head is not None or self.is_dual_encoder
         outputs = () if pools else (EmbedOutput.SPARSE,) if self.sparse_head is not None else (
             (EmbedOutput.MULTI_VECTOR,) if self.token_head is not None else None
         )
@@ -243,7 +238,7 @@ class ModelRunner:
                 )))
         if self.lm_head is not None and self.kv_cache is not None:
             self._warm_up_generation(_GENERATION_WARM_UP_TOKENS)
-        if self.one_tower_per_pass:
+        if self.is_dual_encoder:
             self._warm_up_images(max_batch_tokens)
 
     def _warm_up_images(self, max_batch_tokens: int) -> None:
@@ -294,6 +289,54 @@ def _joined(first: StepOutput, second: StepOutput) -> StepOutput:
         first.rows if len(first.rows) else second.rows
     )
     return StepOutput(first.row_request_ids + second.row_request_ids, rows, (), _NO_TOKENS)
+
+
+def _forward_encoder(model: Model, inputs: ModelInputs) -> torch.Tensor:
+    """Token types to an encoder that reads them; each token's task adapter to one that has built-in adapters
+    (--lora adapters go through the forward context instead)."""
+    tokens = inputs.tokens
+    if model.has_task_adapters:
+        return model(tokens.input_ids, tokens.positions, tokens.token_type_ids, adapter_ids=tokens.adapter_ids)
+    if model.reads_token_types:
+        return model(tokens.input_ids, tokens.positions, tokens.token_type_ids)
+    return model(tokens.input_ids, tokens.positions)
+
+
+def _forward_decoder(model: Model, inputs: ModelInputs) -> torch.Tensor:
+    """A vision-language model's images (patch rows and their grids, in packed order); with the prefill
+    skip, the rows the layers from the model's `prefill_skip_layer` on run."""
+    tokens, images = inputs.tokens, inputs.images
+    if model.takes_images:
+        if images is None:
+            return model(tokens.input_ids, tokens.positions)
+        return model(tokens.input_ids, tokens.positions, images.pixel_values, images.grids)
+    if inputs.skip is not None:
+        return model(tokens.input_ids, tokens.positions, prefill_skip_rows=inputs.skip.rows)
+    return model(tokens.input_ids, tokens.positions)
+
+
+def _forward_encoder_decoder(model: Model, inputs: ModelInputs) -> torch.Tensor:
+    """The encoder over the encoder inputs that run now (none on later generation steps), then the decoder."""
+    tokens, encoder = inputs.tokens, inputs.encoder
+    if encoder is None:
+        return model(tokens.input_ids, tokens.positions)
+    return model(tokens.input_ids, tokens.positions, encoder.input_ids, encoder.positions)
+
+
+def _forward_dual_encoder(model: Model, inputs: ModelInputs) -> torch.Tensor:
+    """The text tower, or on the image pass the vision tower over the patch rows."""
+    tokens, images = inputs.tokens, inputs.images
+    if images is None:
+        return model(tokens.input_ids, tokens.positions)
+    return model(tokens.input_ids, tokens.positions, images.pixel_values, images.grids)
+
+
+_FORWARDS = {
+    ModelKind.ENCODER: _forward_encoder,
+    ModelKind.DECODER: _forward_decoder,
+    ModelKind.ENCODER_DECODER: _forward_encoder_decoder,
+    ModelKind.DUAL_ENCODER: _forward_dual_encoder,
+}
 
 
 def warm_up_sizes(max_batch_tokens: int) -> list[int]:

@@ -47,13 +47,24 @@ class PrefillSkip:
     attn_metadata: Sequence[AttentionMetadata]
 
 
+@dataclass(frozen=True)
+class SkipInputs:
+    """What the input builder gives the runner for the prefill skip (it makes the PrefillSkip from it)."""
+
+    # [num_kept] int64 (padded on CPU): the kept rows, as PrefillSkip.rows.
+    rows: torch.Tensor
+    # Per KV-cache group: each kept sequence's kept queries over all of its keys.
+    attention: tuple[CommonAttentionMetadata, ...]
+
+
 class SkipPlan:
     def __init__(
         self, seqs, order: np.ndarray, packed_lens: np.ndarray, lens_k: np.ndarray, rows_read_last: bool, paged: bool,
-        padded: Callable[[int], int],
+        padded: Callable[[int], int], parts: dict,
     ) -> None:
         """`packed_lens`, `lens_k`: each sequence's queries and keys, in packed order; `padded`: the rows
-        run for a number of kept rows."""
+        run for a number of kept rows. When the skip keeps fewer rows than the step has (`active`), its
+        arrays join the step's host `parts` (input_builder.to_device)."""
         keep = np.empty(len(seqs), dtype=np.int64)
         for p, i in enumerate(order):
             seq, length = seqs[i], int(packed_lens[p])
@@ -71,6 +82,8 @@ class SkipPlan:
         # Per packed position; and in batch order, each sequence's rows in the kept packing.
         self.keep = keep
         self.active = bool((keep < packed_lens).any())
+        if not self.active:
+            return
         self.kept = np.flatnonzero(keep > 0)
         self.cu = cumulative_offsets(keep[self.kept])
         ends = cumulative_offsets(packed_lens)[1:][self.kept]
@@ -87,33 +100,33 @@ class SkipPlan:
         self.dropped[order] = packed_lens - keep
         self.paged = paged
         self.lens_k = lens_k[self.kept]
-        self.parts = [pad(self.rows, padded(self.num_kept_rows)), self.cu, self.kept]
+        parts["skip_rows"] = pad(self.rows, padded(self.num_kept_rows))
+        parts["skip_cu_seqlens_q"] = self.cu
+        parts["skip_kept"] = self.kept
         if paged:
             # The kept sequences' key offsets, in the step's one host-to-device copy.
-            self.parts.append(cumulative_offsets(self.lens_k))
+            parts["skip_cu_seqlens_k"] = cumulative_offsets(self.lens_k)
 
     def pos_in_step(self) -> np.ndarray:
         """Each kept row's index among its sequence's kept rows (packed like the kept rows)."""
         return ranges(self.keep[self.kept])
 
-    def metadata(
-        self, device_parts, full: tuple[CommonAttentionMetadata, ...], is_causal: bool
-    ) -> tuple[torch.Tensor, tuple[CommonAttentionMetadata, ...]]:
-        """(kept rows [num_kept, padded on CPU] int64, per-group metadata of the kept queries over all of their
-        keys)."""
-        rows, cu_q, kept = next(device_parts), next(device_parts), next(device_parts)
+    def inputs(self, device_parts: dict, full: tuple[CommonAttentionMetadata, ...], is_causal: bool) -> SkipInputs:
+        """The kept rows and, per group, the metadata of the kept queries over all of their keys; `full`: the
+        step's metadata."""
+        rows, cu_q, kept = device_parts["skip_rows"], device_parts["skip_cu_seqlens_q"], device_parts["skip_kept"]
         lens_q = self.keep[self.kept]
         if not self.paged:
             (common,) = full
-            return rows, (build_suffix_metadata(lens_q, self.lens_k, cu_q, common.cu_seqlens_k, is_causal),)
-        cu_k = next(device_parts)
+            return SkipInputs(rows, (build_suffix_metadata(lens_q, self.lens_k, cu_q, common.cu_seqlens_k, is_causal),))
+        cu_k = device_parts["skip_cu_seqlens_k"]
         # The layers after the last writer write nothing.
         no_slots = torch.empty(0, dtype=torch.int64, device=cu_q.device)
-        return rows, tuple(
+        return SkipInputs(rows, tuple(
             build_paged_metadata(
                 lens_q, self.lens_k, cu_q, cu_k, no_slots, common.block_tables.index_select(0, kept),
                 common.seq_lens_k.index_select(0, kept), common.block_size,
             )
             for common in full
-        )
+        ))
 

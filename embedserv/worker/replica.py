@@ -24,7 +24,7 @@ from embedserv.models.heads.score import (
 )
 from embedserv.models.loading.lora_files import attach_lora
 from embedserv.models.loading.model_spec import ModelSpec
-from embedserv.models.loading.spec import DEFAULT_POOLING
+from embedserv.models.loading.spec_reader import DEFAULT_POOLING
 from embedserv.models.loading.tasks import Seq2SeqYesNoTemplate, architecture_of
 from embedserv.models.loading.weights import build_model, load_dense_weights
 from embedserv.types import Task

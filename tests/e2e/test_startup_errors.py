@@ -19,7 +19,7 @@ import torch
 from embedserv.cli import build_parser, server_config
 from embedserv.config import ServerConfig
 from embedserv.errors import ConfigError
-from embedserv.models.loading.spec import read_model_spec
+from embedserv.models.loading.spec_reader import read_model_spec
 from tests.helpers.inprocess import serve_main
 from tests.helpers.server import REPO_ROOT, free_port, server_env
 

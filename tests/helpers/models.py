@@ -353,7 +353,7 @@ def reference_token_counts(st, texts: list[str], prompt: str | None = None) -> l
 
 def load_in_process(config):
     """A model's weights, heads and runner in this process, as a worker process builds them."""
-    from embedserv.models.loading.spec import read_model_spec
+    from embedserv.models.loading.spec_reader import read_model_spec
     from embedserv.worker.replica import build_runner
 
     return build_runner(config, read_model_spec(config))

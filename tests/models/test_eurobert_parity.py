@@ -110,7 +110,7 @@ def test_an_unknown_classifier_pooling_is_refused_at_start_up(models, tmp_path):
     import json
     import shutil
 
-    from embedserv.models.loading.spec import read_model_spec
+    from embedserv.models.loading.spec_reader import read_model_spec
 
     model_dir = tmp_path / "max-pooling"
     shutil.copytree(models("classifier", "late"), model_dir)

@@ -25,7 +25,7 @@ from embedserv.models.heads.lm import SoftcappedLMHead, build_lm_head
 from embedserv.models.loading.checkpoint import checkpoint_files
 from embedserv.models.loading.hf_config import read_hf_config
 from embedserv.models.loading.weights import build_model
-from embedserv.models.loading.spec import read_model_spec
+from embedserv.models.loading.spec_reader import read_model_spec
 from embedserv.worker.layer_routes import forward_context_for
 from tests.helpers import gemma_models
 from tests.helpers.models import load_in_process

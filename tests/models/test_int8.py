@@ -19,7 +19,7 @@ from embedserv.errors import ConfigError
 from embedserv.models import int8 as int8_module
 from embedserv.models.int8 import Int8Weight
 from embedserv.models.layers import Linear
-from embedserv.models.loading.spec import read_model_spec
+from embedserv.models.loading.spec_reader import read_model_spec
 from embedserv.types import EmbedParams
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from embedserv.config import ModelConfig
 from embedserv.errors import ConfigError
-from embedserv.models.loading.spec import read_model_spec
+from embedserv.models.loading.spec_reader import read_model_spec
 from embedserv.types import RerankParams
 from tests.helpers import gemma_models
 from tests.helpers.scorers import qwen3_reranker_reference, qwen3_reranker_reference_logits

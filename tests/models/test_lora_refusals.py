@@ -10,7 +10,7 @@ import pytest
 
 from embedserv.config import ModelConfig, ServerConfig
 from embedserv.errors import ConfigError
-from embedserv.models.loading.spec import read_model_spec
+from embedserv.models.loading.spec_reader import read_model_spec
 from tests.helpers.classic_models import build_classic_encoder
 from tests.helpers.lora_models import BERT_TARGETS, MPNET_TARGETS, build_adapter, edit_adapter_config
 from tests.helpers.models import build_tiny_encoder

@@ -175,7 +175,7 @@ def _spec_error(model_dir) -> str:
     """The ConfigError start-up raises for a model directory."""
     from embedserv.config import ModelConfig
     from embedserv.errors import ConfigError
-    from embedserv.models.loading.spec import read_model_spec
+    from embedserv.models.loading.spec_reader import read_model_spec
 
     with pytest.raises(ConfigError) as error:
         read_model_spec(ModelConfig(path=str(model_dir), served_name="m"))
@@ -242,7 +242,7 @@ def test_tokenizer_settings_the_library_runs_differently_are_refused(case, model
 
 def test_the_library_default_module_order_loads(model_root):
     from embedserv.config import ModelConfig
-    from embedserv.models.loading.spec import read_model_spec
+    from embedserv.models.loading.spec_reader import read_model_spec
 
     model_dir = build_multi_vector_encoder(model_root, mask_before_normalize=True)
     spec = read_model_spec(ModelConfig(path=str(model_dir), served_name="m"))

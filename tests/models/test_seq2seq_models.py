@@ -24,6 +24,7 @@ from embedserv.models.loading.checkpoint import checkpoint_files
 from embedserv.models.loading.hf_config import read_hf_config
 from embedserv.models.loading.weights import build_model
 from embedserv.models.heads.score import build_classifier_head, build_seq2seq_yes_no_head
+from embedserv.models.interface import ModelKind
 from embedserv.models.families.t5 import T5EncoderModel, T5Model
 from embedserv.worker.layer_routes import forward_context_for
 from tests.helpers import seq2seq_models as builders
@@ -142,7 +143,7 @@ def test_decoder_logits_and_encoder_match_transformers(kind, model_root, texts):
     builder, options = SEQ2SEQ[kind]
     model_dir = builder(model_root, **options)
     model, hf_config, files, entry = _load_ours(model_dir)
-    assert entry.is_encoder_decoder and model.is_encoder_decoder
+    assert entry.is_encoder_decoder and model.kind is ModelKind.ENCODER_DECODER
     assert isinstance(model, BartModel if "bart" in kind else T5Model)
     pairs = _token_batches(model_dir, texts, model.decoder_start_token_id)
     hidden, encoded = _run(model, pairs)

@@ -152,7 +152,7 @@ def test_two_workers_rerank_and_classify_as_one(built, documents):
 
 def test_t5_start_up_refusals(built):
     from embedserv.errors import ConfigError
-    from embedserv.models.loading.spec import read_model_spec
+    from embedserv.models.loading.spec_reader import read_model_spec
 
     with pytest.raises(ConfigError, match="overflow float16.*bfloat16"):
         read_model_spec(ModelConfig(path=str(built["monot5"]), served_name="m", dtype="float16"))

@@ -155,7 +155,7 @@ def test_pooling_splade_refuses_a_model_without_a_masked_lm_head(model_root):
     """A bare encoder (BertModel) has no vocabulary logits: refused at start-up, not served wrong."""
     from embedserv.config import ModelConfig
     from embedserv.errors import ConfigError
-    from embedserv.models.loading.spec import read_model_spec
+    from embedserv.models.loading.spec_reader import read_model_spec
 
     bare = copy_model_dir(save_mlm(model_root, "bert"), model_root / "bare-bert", {"architectures": ["BertModel"]})
 
@@ -188,7 +188,7 @@ def test_logits_in_chunks_equal_one_pass(pooling, splade_dir):
     from embedserv.config import ModelConfig
     from embedserv.models.heads.pooling import TokenInputs
     from embedserv.models.heads.splade import build_splade_head
-    from embedserv.models.loading.spec import read_model_spec
+    from embedserv.models.loading.spec_reader import read_model_spec
 
     activation = "relu" if pooling == "max" else "log1p_relu"
     model_dir = splade_dir("bert", pooling, activation)

@@ -36,8 +36,8 @@ def test_each_sequence_gets_only_the_outputs_it_asked_for():
         _seq(13, (11, 12, 13, 14), (DENSE, SPARSE)),
     ))
     inputs = builder.build(batch)
-    ids = inputs.input_ids.tolist()
-    assert inputs.row_request_ids == (10, 13)
+    ids = inputs.tokens.input_ids.tolist()
+    assert inputs.rows.request_ids == (10, 13)
     sparse, vectors = inputs.sparse_tokens, inputs.vector_tokens
     assert sparse.request_ids == (11, 13) and list(sparse.lengths) == [5, 4]
     assert [ids[r] for r in sparse.rows.tolist()] == [4, 5, 6, 7, 8, 11, 12, 13, 14]
@@ -50,7 +50,7 @@ def test_each_sequence_gets_only_the_outputs_it_asked_for():
 
 def test_a_dense_only_batch_builds_no_token_plans():
     inputs = InputBuilder(torch.device("cpu"), 0, False).build(StepBatch((_seq(1, (1, 2)), _seq(2, (3,), (DENSE,)))))
-    assert inputs.row_request_ids == (1, 2) and inputs.sparse_tokens is None and inputs.vector_tokens is None
+    assert inputs.rows.request_ids == (1, 2) and inputs.sparse_tokens is None and inputs.vector_tokens is None
 
 
 def test_ragged_outputs_cross_the_worker_boundary_bit_exact():

@@ -188,7 +188,7 @@ def test_a_block_size_the_backend_cannot_read_stops_start_up():
     from embedserv.attention.backends.base import PagedBackendBase
     from embedserv.config import ModelConfig
     from embedserv.errors import ConfigError
-    from embedserv.models.loading.spec import _kv_block_size
+    from embedserv.models.loading.spec_reader import _kv_block_size
     from embedserv.models.loading.tasks import TaskSpec
     from embedserv.types import Task
 
@@ -278,8 +278,8 @@ def test_the_input_builder_writes_only_this_steps_encoder_tokens_to_the_cross_ta
     inputs = builder.build(StepBatch((decoding, fresh)))
     self_meta, cross = inputs.attention
     # Packed longest first: the fresh request (2 decoder tokens) before the decoding one.
-    assert inputs.encoder_input_ids.tolist() == [11, 12, 13, 14, 15]
-    assert inputs.encoder_positions.tolist() == [0, 1, 2, 3, 4]
+    assert inputs.encoder.input_ids.tolist() == [11, 12, 13, 14, 15]
+    assert inputs.encoder.positions.tolist() == [0, 1, 2, 3, 4]
     assert cross.cross and not cross.is_causal and self_meta.is_causal and not self_meta.cross
     assert cross.seq_lens_k_cpu.tolist() == [5, 6] and cross.seq_lens_q_cpu.tolist() == [2, 1]
     # Encoder positions 0..4 of the fresh request in its cross table (6, 7) of 4-token blocks.
@@ -287,4 +287,4 @@ def test_the_input_builder_writes_only_this_steps_encoder_tokens_to_the_cross_ta
     assert cross.block_tables.tolist() == [[6, 7], [3, 4]]
     assert self_meta.slot_mapping.tolist() == [20, 21, 9]
     assert self_meta.seq_lens_k_cpu.tolist() == [2, 6]
-    assert inputs.encoder_attention.seq_lens_q_cpu.tolist() == [5]
+    assert inputs.encoder.attention.seq_lens_q_cpu.tolist() == [5]

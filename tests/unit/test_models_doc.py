@@ -28,10 +28,11 @@ def test_models_doc_is_not_stale():
     )
 
 
-@pytest.mark.parametrize("family", registry.FAMILIES, ids=lambda f: f.name)
-def test_every_family_names_the_tests_that_show_it(family):
-    assert family.tested_by, f"{family.name} names no test files"
-    for path in family.tested_by:
+@pytest.mark.parametrize("module", registry.FAMILY_MODULES, ids=lambda m: m.FAMILY.name)
+def test_every_family_names_the_tests_that_show_it(module):
+    family = module.FAMILY
+    assert module.DOCS.tested_by, f"{family.name} names no test files"
+    for path in module.DOCS.tested_by:
         assert (ROOT / path).is_file(), f"{family.name}: {path} does not exist"
 
 

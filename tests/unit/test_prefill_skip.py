@@ -14,6 +14,7 @@ from embedserv.attention.backends.naive import NaiveBackend
 from embedserv.attention.backends.sdpa import SdpaBackend
 from embedserv.attention.layer import Attention, link_kv_sharing
 from embedserv.models.heads.pooling import EmbeddingPooler
+from embedserv.models.interface import DecoderModel
 from embedserv.steps import OutputKind, ScheduledSequence, StepBatch
 from embedserv.types import SamplingParams
 from embedserv.worker.kv_cache import KvCache, allocate_kv_caches, kv_cache_groups
@@ -41,10 +42,9 @@ class _Layer(nn.Module):
         return x + torch.tanh(self.out(self.attn(self.q(x), k, v)))
 
 
-class ToyModel(nn.Module):
+class ToyModel(nn.Module, DecoderModel):
     """Four layers; 2 and 3 read layer 1's KV (layer 3 through a window), so layer 2 is the skip layer."""
 
-    position_offset = 0
     max_positions = 512
     prefill_skip_layer = 2
 
@@ -57,7 +57,7 @@ class ToyModel(nn.Module):
         )
         link_kv_sharing([layer.attn for layer in self.layers])
 
-    def forward(self, input_ids, positions, token_type_ids=None, prefill_skip_rows=None) -> torch.Tensor:
+    def forward(self, input_ids, positions, prefill_skip_rows=None) -> torch.Tensor:
         hidden = self.embed(input_ids) + self.positions(positions)
         for index, layer in enumerate(self.layers):
             if index == self.prefill_skip_layer and prefill_skip_rows is not None:

@@ -58,7 +58,7 @@ from embedserv.attention.backends.flex_masks import (
     BLOCK_SIZE, document_block_mask, ordered_blocks, suffix_query_keys,
 )
 from embedserv.attention.backends.windows import (
-    has_suffix_queries, refuse_biased_suffix, refuse_biased_window, window_within,
+    refuse_biased_suffix, refuse_biased_window, window_within,
 )
 from embedserv.attention.disentangled import PositionProjections, refuse_disentangled
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata, ranges
@@ -177,7 +177,7 @@ class FlexBackend(PagedBackendBase):
             return FlexMetadata(common=common, padded_tokens=plan.q_pos.shape[0], paged=plan)
         size = padded_size(int(common.seq_lens_q_cpu.sum()))
         doc = _documents(common.cu_seqlens_q, size)
-        if not common.cross and not has_suffix_queries(common):
+        if not common.cross and not common.suffix_queries:
             return FlexMetadata(common=common, padded_tokens=size, documents=doc, padded_keys=size)
         key_size = padded_size(int(common.seq_lens_k_cpu.sum()))
         query_keys = None

@@ -54,7 +54,7 @@ from embedserv.attention.backends.sdpa_window import (
     attend_banded, chunk_window_mask, decode_window_mask, is_banded, run_window_mask, suffix_mask,
 )
 from embedserv.attention.backends.windows import (
-    has_suffix_queries, refuse_biased_suffix, refuse_biased_window, window_within,
+    refuse_biased_suffix, refuse_biased_window, window_within,
 )
 from embedserv.attention.disentangled import PositionProjections, refuse_disentangled
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
@@ -76,10 +76,9 @@ class SdpaBackend(PagedBackendBase):
     def build_metadata(self, common: CommonAttentionMetadata) -> SdpaMetadata:
         if common.reads_kv_cache:
             return SdpaMetadata(common=common, runs=(), paged=plan_paged(common))
-        suffix = has_suffix_queries(common)
-        if common.cross or suffix:
+        if common.cross or common.suffix_queries:
             runs = plan_cross_runs(common.seq_lens_q_cpu, common.seq_lens_k_cpu, common.cu_seqlens_q.device)
-            return SdpaMetadata(common=common, runs=runs, suffix=suffix)
+            return SdpaMetadata(common=common, runs=runs, suffix=common.suffix_queries)
         return SdpaMetadata(common=common, runs=plan_runs(common.seq_lens_q_cpu))
 
     def forward(
@@ -101,13 +100,15 @@ class SdpaBackend(PagedBackendBase):
                              disentangled_bias(layer, q[g.rows], k[g.rows], positions, meta, g, mask_dtype(q)))
                 for r in meta.runs for g in disentangled_groups(r, q.shape[1])
             ])
-        table = relative_bias_table(layer, meta.memo)
+        # T5's and MPNet's bias, a sliding window: only for the layers that have one.
+        table = relative_bias_table(layer, meta.memo) if layer.relative_bias is not None else None
         if table is not None:
             refuse_biased_window(layer, self.name)
+        windowed = layer.sliding_window is not None
         parts = []
         for r in meta.runs:
             # A bias or a window is the run's whole mask, causal included.
-            is_causal, mask, window = meta.is_causal, None, window_within(layer, r.length)
+            is_causal, mask, window = meta.is_causal, None, window_within(layer, r.length) if windowed else None
             if table is not None:
                 is_causal, mask = False, run_bias(layer, table, meta, r.length, mask_dtype(q))
             elif window is not None and is_banded(window, r.length):

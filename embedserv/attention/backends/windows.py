@@ -12,10 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
-
-from embedserv.attention.metadata import CommonAttentionMetadata
 
 if TYPE_CHECKING:
     from embedserv.attention.backends.base import AttentionLayer
@@ -46,16 +43,6 @@ def flash_window(window: int | None, is_causal: bool) -> tuple[int, int]:
     if window is None:
         return (-1, 0) if is_causal else (-1, -1)
     return (window - 1, 0 if is_causal else window - 1)
-
-
-def has_suffix_queries(common: CommonAttentionMetadata) -> bool:
-    """A KV-free self-attention step whose queries are the last tokens of their sequences (the prefill
-    skip), not all of them: keys are packed by cu_seqlens_k apart from the queries."""
-    return (
-        not common.cross
-        and not common.reads_kv_cache
-        and not np.array_equal(common.seq_lens_q_cpu, common.seq_lens_k_cpu)
-    )
 
 
 def refuse_biased_window(layer: AttentionLayer, backend: str) -> None:

@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from embedserv.attention.layer import Attention, AttentionKind
+from embedserv.models.interface import EncoderDecoderModel
 from embedserv.models.layers import Linear, packed_linear
-from embedserv.models.loading.family import QKV, CheckpointNames, Classifier, Family
+from embedserv.models.loading.family import QKV, CheckpointNames, Classifier, Family, FamilyDocs
 
 # fairseq reserved the first two rows of the position table: position p is row p + 2.
 POSITION_OFFSET = 2
@@ -144,19 +145,20 @@ class BartStack(nn.Module):
         return hidden if self.layer_norm is None else self.layer_norm(hidden)
 
 
-class BartModel(nn.Module):
+class BartModel(nn.Module, EncoderDecoderModel):
     """BART / mBART encoder-decoder: `forward(input_ids, positions, encoder_input_ids=..., ...) ->
     [num_decoder_tokens, d_model]`, the decoder's last norm applied. Positions come offset by 2.
 
     Attention layer indices: decoder self-attention 0..D-1, cross-attention D..2D-1, encoder 2D..2D+E-1.
     """
 
-    is_encoder_decoder = True
+    position_offset = POSITION_OFFSET
+    # The LM head's logits bias (models/heads/lm.py reads it).
+    final_logits_bias = ("final_logits_bias", "model.final_logits_bias")
 
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
-        self.position_offset = POSITION_OFFSET
         self.decoder_start_token_id = config.decoder_start_token_id
         self.embed_scale = math.sqrt(config.d_model) if config.scale_embedding else 1.0
         self.shared = nn.Embedding(config.vocab_size, config.d_model)
@@ -182,9 +184,7 @@ class BartModel(nn.Module):
         """[num_encoder_tokens, d_model]: the encoder output; positions offset as the decoder's."""
         return self.encoder(self._embed(encoder_input_ids), encoder_positions)
 
-    def forward(
-        self, input_ids, positions, token_type_ids=None, encoder_input_ids=None, encoder_positions=None
-    ) -> torch.Tensor:
+    def forward(self, input_ids, positions, encoder_input_ids=None, encoder_positions=None) -> torch.Tensor:
         encoder_hidden = None
         if encoder_input_ids is not None and encoder_input_ids.numel():
             if encoder_positions is None:
@@ -226,10 +226,11 @@ FAMILY = Family(
     model_class=BartModel,
     checkpoint=CHECKPOINT,
     is_encoder=False,
-    is_encoder_decoder=True,
     classifiers={"BartForSequenceClassification": _CLASSIFIER},
     embeddings=("model.shared.weight", "shared.weight", "model.encoder.embed_tokens.weight", "encoder.embed_tokens.weight"),
-    final_logits_bias=("final_logits_bias", "model.final_logits_bias"),
+)
+
+DOCS = FamilyDocs(
     examples=("facebook/bart-large-mnli", "facebook/bart-large-cnn", "facebook/mbart-large-50"),
     tested_by=tuple(
         f"tests/models/test_{name}.py" for name in ("seq2seq_models", "seq2seq_prefill", "seq2seq_generation", "zero_shot")

@@ -11,8 +11,9 @@ from torch import nn
 
 from embedserv.attention.layer import Attention
 from embedserv.attention.relative_bias import RelativePositionBias
+from embedserv.models.interface import EncoderModel
 from embedserv.models.layers import Linear, packed_linear
-from embedserv.models.loading.family import CheckpointNames, Classifier, Family, MlmHeadNames
+from embedserv.models.loading.family import CheckpointNames, Classifier, Family, FamilyDocs, MlmHeadNames
 
 # RoBERTa-style model types, whose positions start after the padding index.
 ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
@@ -59,8 +60,30 @@ class BertLayer(nn.Module):
         return self.ffn_norm(self.ffn_out(self.ffn_in(hidden), residual=hidden))
 
 
-class BertModel(nn.Module):
+# The MLM heads SPLADE reads (heads/splade.py): BERT's cls.predictions, RoBERTa's lm_head.
+_BERT_MLM = MlmHeadNames(
+    dense="cls.predictions.transform.dense",
+    norm="cls.predictions.transform.LayerNorm",
+    decoder="cls.predictions.decoder.weight",
+    bias=("cls.predictions.bias", "cls.predictions.decoder.bias"),
+    embeddings=("bert.embeddings.word_embeddings.weight", "embeddings.word_embeddings.weight"),
+    activation=None,
+)
+_ROBERTA_MLM = MlmHeadNames(
+    dense="lm_head.dense",
+    norm="lm_head.layer_norm",
+    decoder="lm_head.decoder.weight",
+    bias=("lm_head.bias", "lm_head.decoder.bias"),
+    embeddings=("roberta.embeddings.word_embeddings.weight", "embeddings.word_embeddings.weight"),
+    activation="gelu",
+)
+
+
+class BertModel(nn.Module, EncoderModel):
     """`forward(input_ids, positions[, token_type_ids]) -> [num_tokens, hidden]`."""
+
+    reads_token_types = True
+    mlm_heads = {"bert": _BERT_MLM} | {model_type: _ROBERTA_MLM for model_type in ROBERTA_TYPES}
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -125,23 +148,6 @@ ROBERTA_CLASSIFIER = Classifier(
         "out.bias": ("classifier.out_proj.bias",),
     },
 )
-# The MLM heads SPLADE reads (heads/splade.py): BERT's cls.predictions, RoBERTa's lm_head.
-_BERT_MLM = MlmHeadNames(
-    dense="cls.predictions.transform.dense",
-    norm="cls.predictions.transform.LayerNorm",
-    decoder="cls.predictions.decoder.weight",
-    bias=("cls.predictions.bias", "cls.predictions.decoder.bias"),
-    embeddings=("bert.embeddings.word_embeddings.weight", "embeddings.word_embeddings.weight"),
-    activation=None,
-)
-_ROBERTA_MLM = MlmHeadNames(
-    dense="lm_head.dense",
-    norm="lm_head.layer_norm",
-    decoder="lm_head.decoder.weight",
-    bias=("lm_head.bias", "lm_head.decoder.bias"),
-    embeddings=("roberta.embeddings.word_embeddings.weight", "embeddings.word_embeddings.weight"),
-    activation="gelu",
-)
 
 FAMILY = Family(
     name="bert",
@@ -156,7 +162,9 @@ FAMILY = Family(
         "CamembertForSequenceClassification": ROBERTA_CLASSIFIER,
     },
     lora=True,
-    mlm_heads={"bert": _BERT_MLM} | {model_type: _ROBERTA_MLM for model_type in ROBERTA_TYPES},
+)
+
+DOCS = FamilyDocs(
     examples=(
         "sentence-transformers/all-MiniLM-L6-v2", "BAAI/bge-base-en-v1.5", "intfloat/multilingual-e5-large",
         "BAAI/bge-m3", "cross-encoder/ms-marco-MiniLM-L-6-v2", "BAAI/bge-reranker-v2-m3",

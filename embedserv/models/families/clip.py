@@ -1,8 +1,9 @@
 """CLIP dual encoders (CLIPModel): a text tower and a vision tower whose pooled outputs, projected, share one
 embedding space.
 
-The model holds both towers and runs one per pass (`one_tower_per_pass`: the runner splits a mixed step):
-a text pass over token ids, an image pass over patch rows (a zero row first, where the class embedding goes).
+The model holds both towers and runs one per pass (a dual encoder, models/interface.py: the runner splits a
+mixed step): a text pass over token ids, an image pass over patch rows (a zero row first, where the class
+embedding goes).
 The text tower is causal (the model's attention is causal, from its config), the vision tower reads the
 runner's bidirectional vision metadata. `pool` gives the joint-space vectors: text, the EOS token (the last:
 CLIP's tokenizer ends each text with it) -> final_layer_norm -> text_projection; image, the class token ->
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from embedserv.models.layers import Linear
-from embedserv.models.loading.family import Family, VisionTower
+from embedserv.models.loading.family import Family, FamilyDocs, VisionTower
 from embedserv.models.vit import DualEncoder, Encoder, PatchEmbedding, TextTower, dual_encoder_checkpoint, num_patches
 
 
@@ -47,6 +48,9 @@ class ClipVisionTower(nn.Module):
 
 class ClipModel(DualEncoder):
     class_token = True
+    # sentence-transformers' CLIPModel module (5.4 on, at the directory's root) is the model's own
+    # get_text_features / get_image_features; the older folder layout is read by loading/st_files.model_root.
+    st_transformer_modules = ("sentence_transformers.sentence_transformer.modules.clip_model.CLIPModel",)
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -81,9 +85,9 @@ FAMILY = Family(
     # Its text tower is causal (the config's default); the vision tower is bidirectional all the same.
     is_encoder=False,
     vision=vision_tower,
-    # sentence-transformers' CLIPModel module (5.4 on, at the directory's root) is the model's own
-    # get_text_features / get_image_features; the older folder layout is read by loading/st_files.model_root.
-    st_transformer_modules=("sentence_transformers.sentence_transformer.modules.clip_model.CLIPModel",),
+)
+
+DOCS = FamilyDocs(
     examples=(
         "openai/clip-vit-base-patch32", "openai/clip-vit-large-patch14", "laion/CLIP-ViT-B-32-laion2B-s34B-b79K",
         "sentence-transformers/clip-ViT-B-32",

@@ -19,8 +19,9 @@ from torch import nn
 from embedserv.models.families.gemma import Gemma3RMSNorm, GemmaMLP, embedding_scale
 from embedserv.models.families.llama import LlamaAttention
 from embedserv.models.families.siglip import SiglipVisionEmbeddings
+from embedserv.models.interface import DecoderModel
 from embedserv.models.layers import head_dim
-from embedserv.models.loading.family import QKV_GATE_UP, CheckpointNames, Family
+from embedserv.models.loading.family import QKV_GATE_UP, CheckpointNames, Family, FamilyDocs
 from embedserv.models.rotary import RotaryEmbedding
 from embedserv.models.vit import Encoder, num_patches
 
@@ -58,11 +59,13 @@ class PaliGemmaVision(nn.Module):
         return self.post_layernorm(self.encoder(self.embeddings(rows, positions)))
 
 
-class ColPaliModel(nn.Module):
-    """`forward(input_ids, positions, token_type_ids=None, pixel_values=None, image_grids=()) -> [num_tokens,
-    hidden]`: image features at the placeholder tokens, images in packed order."""
+class ColPaliModel(nn.Module, DecoderModel):
+    """`forward(input_ids, positions, pixel_values=None, image_grids=()) -> [num_tokens, hidden]`: image
+    features at the placeholder tokens, images in packed order."""
 
     position_offset = 1
+    takes_images = True
+    text_config = staticmethod(language_config)
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -82,7 +85,7 @@ class ColPaliModel(nn.Module):
     def max_positions(self) -> int:
         return language_config(self.config).max_position_embeddings
 
-    def forward(self, input_ids, positions, token_type_ids=None, pixel_values=None, image_grids=()) -> torch.Tensor:
+    def forward(self, input_ids, positions, pixel_values=None, image_grids=()) -> torch.Tensor:
         is_image = input_ids == self.image_token_id
         # transformers embeds an out-of-vocabulary image token as id 0 (its features replace it anyway).
         ids = input_ids.masked_fill(is_image, 0) if self.image_token_id >= self.vocab_size else input_ids
@@ -115,7 +118,9 @@ FAMILY = Family(
     model_class=ColPaliModel,
     checkpoint=CHECKPOINT,
     is_encoder=False,
-    language_config=language_config,
+)
+
+DOCS = FamilyDocs(
     examples=("vidore/colpali-v1.3-hf",),
     tested_by=("tests/models/test_colpali_parity.py", "tests/models/test_vision_retrieval_engine.py"),
 )

@@ -17,9 +17,10 @@ import copy
 import torch
 from torch import nn
 
-from embedserv.models.families.llama import LlamaModel
+from embedserv.models.families.llama import LlamaStack
 from embedserv.models.families.qwen2_vision import Qwen2VisionTower
-from embedserv.models.loading.family import QKV_GATE_UP, CheckpointNames, Family
+from embedserv.models.interface import DecoderModel
+from embedserv.models.loading.family import QKV_GATE_UP, CheckpointNames, Family, FamilyDocs
 
 
 def text_config(config):
@@ -29,24 +30,26 @@ def text_config(config):
     return text
 
 
-class ColQwen2Model(nn.Module):
-    """`forward(input_ids, positions, token_type_ids=None, pixel_values=None, image_grids=()) -> [num_tokens,
-    hidden]`: image features at the placeholder tokens, in the order of `image_grids` (the packed order)."""
+class ColQwen2Model(nn.Module, DecoderModel):
+    """`forward(input_ids, positions, pixel_values=None, image_grids=()) -> [num_tokens, hidden]`: image
+    features at the placeholder tokens, in the order of `image_grids` (the packed order)."""
+
+    takes_images = True
+    text_config = staticmethod(text_config)
 
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
         vlm = config.vlm_config
         self.image_token_id = int(vlm.image_token_id)
-        self.language_model = LlamaModel(text_config(config))
+        self.language_model = LlamaStack(text_config(config))
         self.visual = Qwen2VisionTower(vlm.vision_config, first_layer_index=len(self.language_model.layers))
-        self.position_offset = 0
 
     @property
     def max_positions(self) -> int:
         return self.language_model.max_positions
 
-    def forward(self, input_ids, positions, token_type_ids=None, pixel_values=None, image_grids=()) -> torch.Tensor:
+    def forward(self, input_ids, positions, pixel_values=None, image_grids=()) -> torch.Tensor:
         hidden = self.language_model.embed_tokens(input_ids)
         if pixel_values is not None:
             features = self.visual(pixel_values, tuple(image_grids)).to(hidden.dtype)
@@ -69,7 +72,9 @@ FAMILY = Family(
     model_class=ColQwen2Model,
     checkpoint=CHECKPOINT,
     is_encoder=False,
-    language_config=text_config,
+)
+
+DOCS = FamilyDocs(
     examples=("vidore/colqwen2-v1.0-hf",),
     tested_by=("tests/models/test_colqwen2_parity.py", "tests/models/test_vision_retrieval_engine.py"),
 )

@@ -21,8 +21,9 @@ from torch import nn
 
 from embedserv.attention.disentangled import DisentangledPositions, PositionProjections
 from embedserv.attention.layer import Attention, AttentionKind
+from embedserv.models.interface import EncoderModel
 from embedserv.models.layers import Linear, packed_linear
-from embedserv.models.loading.family import CheckpointNames, Classifier, Family
+from embedserv.models.loading.family import CheckpointNames, Classifier, Family, FamilyDocs
 
 _TERMS = ("c2p", "p2c")
 
@@ -115,8 +116,10 @@ class DebertaV2Layer(nn.Module):
         return self.ffn_norm(self.ffn_out(self.ffn_in(hidden), residual=hidden))
 
 
-class DebertaV2Model(nn.Module):
+class DebertaV2Model(nn.Module, EncoderModel):
     """`forward(input_ids, positions[, token_type_ids]) -> [num_tokens, hidden]`."""
+
+    reads_token_types = True
 
     # For docs/models_table.py: published DeBERTa models add a score bias (the default config, which it
     # builds, has relative attention off), so the bias-free kernels cannot run them.
@@ -136,7 +139,6 @@ class DebertaV2Model(nn.Module):
             )
         self.config = config
         # Absolute positions (v2's, when position_biased_input) count from 0.
-        self.position_offset = 0
         self.embeddings = DebertaV2Embeddings(config)
         disentangled = None
         if config.relative_attention:
@@ -214,6 +216,9 @@ FAMILY = Family(
     checkpoint=checkpoint_names,
     is_encoder=True,
     classifiers={"DebertaV2ForSequenceClassification": _CLASSIFIER},
+)
+
+DOCS = FamilyDocs(
     examples=(
         "mixedbread-ai/mxbai-rerank-base-v1",
         "mixedbread-ai/mxbai-rerank-large-v1",

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from embedserv.models.families.bert import BertLayer
-from embedserv.models.loading.family import CheckpointNames, Classifier, Family
+from embedserv.models.interface import EncoderModel
+from embedserv.models.loading.family import CheckpointNames, Classifier, Family, FamilyDocs
 
 # transformers hard-codes it for every DistilBERT LayerNorm.
 _LAYER_NORM_EPS = 1e-12
@@ -45,13 +46,12 @@ class DistilBertEmbeddings(nn.Module):
         return self.norm(self.word_embeddings(input_ids) + self.position_embeddings(positions))
 
 
-class DistilBertModel(nn.Module):
-    """`forward(input_ids, positions[, token_type_ids]) -> [num_tokens, dim]`; token types are ignored."""
+class DistilBertModel(nn.Module, EncoderModel):
+    """`forward(input_ids, positions) -> [num_tokens, dim]`: DistilBERT has no token types."""
 
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
-        self.position_offset = 0
         self.embeddings = DistilBertEmbeddings(config)
         names = _bert_names(config)
         self.layers = nn.ModuleList(BertLayer(names, i) for i in range(config.n_layers))
@@ -60,7 +60,7 @@ class DistilBertModel(nn.Module):
     def max_positions(self) -> int:
         return self.config.max_position_embeddings
 
-    def forward(self, input_ids, positions, token_type_ids=None) -> torch.Tensor:
+    def forward(self, input_ids, positions) -> torch.Tensor:
         hidden = self.embeddings(input_ids, positions)
         for layer in self.layers:
             hidden = layer(hidden)
@@ -105,6 +105,9 @@ FAMILY = Family(
     checkpoint=CHECKPOINT,
     is_encoder=True,
     classifiers={"DistilBertForSequenceClassification": _CLASSIFIER},
+)
+
+DOCS = FamilyDocs(
     examples=(
         "sentence-transformers/msmarco-distilbert-base-v4",
         "sentence-transformers/distiluse-base-multilingual-cased-v2",

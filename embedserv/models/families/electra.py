@@ -14,19 +14,21 @@ from torch import nn
 
 from embedserv.models.families.bert import CHECKPOINT as BERT_CHECKPOINT
 from embedserv.models.families.bert import ROBERTA_CLASSIFIER, BertEmbeddings, BertLayer
+from embedserv.models.interface import EncoderModel
 from embedserv.models.layers import Linear
-from embedserv.models.loading.family import CheckpointNames, Family
+from embedserv.models.loading.family import CheckpointNames, Family, FamilyDocs
 
 
-class ElectraModel(nn.Module):
+class ElectraModel(nn.Module, EncoderModel):
     """`forward(input_ids, positions[, token_type_ids]) -> [num_tokens, hidden]`."""
+
+    reads_token_types = True
 
     def __init__(self, config) -> None:
         super().__init__()
         if getattr(config, "position_embedding_type", "absolute") not in ("absolute", None):
             raise ValueError(f"position_embedding_type {config.position_embedding_type!r} is not supported")
         self.config = config
-        self.position_offset = 0
         self.embeddings = BertEmbeddings(config, config.embedding_size)
         # transformers makes the projection only when the widths differ.
         self.embeddings_project = (
@@ -68,6 +70,9 @@ FAMILY = Family(
     checkpoint=CHECKPOINT,
     is_encoder=True,
     classifiers={"ElectraForSequenceClassification": _CLASSIFIER},
+)
+
+DOCS = FamilyDocs(
     examples=(
         "cross-encoder/ms-marco-electra-base",
         "google/electra-small-discriminator",

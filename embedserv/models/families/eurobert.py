@@ -14,18 +14,9 @@ native ones already (`model.` under *ForMaskedLM / *ForSequenceClassification).
 from __future__ import annotations
 
 from embedserv.errors import ConfigError
-from embedserv.models.families.llama import LlamaModel
-from embedserv.models.loading.family import QKV_GATE_UP, CheckpointNames, Classifier, Family
-
-
-class EuroBertModel(LlamaModel):
-    """`forward(input_ids, positions[, token_type_ids]) -> [num_tokens, hidden]`, final norm applied."""
-
-    def __init__(self, config) -> None:
-        # The Llama layers give an MLP bias to model type "llama" only; no published EuroBERT has one.
-        if getattr(config, "mlp_bias", False):
-            raise ConfigError("EuroBERT with mlp_bias is not supported (no published checkpoint has MLP biases)")
-        super().__init__(config)
+from embedserv.models.families.llama import LlamaStack
+from embedserv.models.interface import EncoderModel
+from embedserv.models.loading.family import QKV_GATE_UP, CheckpointNames, Classifier, Family, FamilyDocs
 
 
 def native_config(raw: dict) -> dict | None:
@@ -45,6 +36,18 @@ def native_config(raw: dict) -> dict | None:
         native["classifier_pooling"] = native.pop("clf_pooling")
     native["model_type"] = "eurobert"
     return native
+
+
+class EuroBertModel(LlamaStack, EncoderModel):
+    """`forward(input_ids, positions) -> [num_tokens, hidden]`, final norm applied."""
+
+    config_forms = {"eurobert": native_config}
+
+    def __init__(self, config) -> None:
+        # The Llama layers give an MLP bias to model type "llama" only; no published EuroBERT has one.
+        if getattr(config, "mlp_bias", False):
+            raise ConfigError("EuroBERT with mlp_bias is not supported (no published checkpoint has MLP biases)")
+        super().__init__(config)
 
 
 # Names a ForMaskedLM / ForSequenceClassification checkpoint uses (with `model.`), or sentence-transformers
@@ -89,7 +92,9 @@ FAMILY = Family(
     checkpoint=CHECKPOINT,
     is_encoder=True,
     classifiers={"EuroBertForSequenceClassification": CLASSIFIER},
-    config_forms={"eurobert": native_config},
+)
+
+DOCS = FamilyDocs(
     examples=("EuroBERT/EuroBERT-210m", "EuroBERT/EuroBERT-610m", "EuroBERT/EuroBERT-2.1B"),
     tested_by=("tests/models/test_eurobert_parity.py",),
 )

@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from embedserv.attention.layer import Attention
+from embedserv.models.interface import DecoderModel
 from embedserv.models.layers import Linear, get_activation, head_dim, packed_linear
-from embedserv.models.loading.family import QKV_GATE_UP, CheckpointNames, Family
+from embedserv.models.loading.family import QKV_GATE_UP, CheckpointNames, Family, FamilyDocs
 from embedserv.models.rotary import RotaryEmbedding, apply_rotary
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -124,8 +125,8 @@ class Gemma3DecoderLayer(nn.Module):
         return hidden + self.post_feedforward_layernorm(mlp)
 
 
-class Gemma3Model(nn.Module):
-    """`forward(input_ids, positions[, token_type_ids]) -> [num_tokens, hidden]`, final norm applied."""
+class Gemma3Model(nn.Module, DecoderModel):
+    """`forward(input_ids, positions) -> [num_tokens, hidden]`, final norm applied."""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -134,7 +135,6 @@ class Gemma3Model(nn.Module):
                 "attention logit softcapping (attn_logit_softcapping) is not supported: no attention backend caps scores"
             )
         self.config = config
-        self.position_offset = 0
         self.layer_types = check_layer_types(config)
         window = gemma3_sliding_window(config) if "sliding_attention" in self.layer_types else None
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -152,7 +152,7 @@ class Gemma3Model(nn.Module):
     def max_positions(self) -> int:
         return self.config.max_position_embeddings
 
-    def forward(self, input_ids, positions, token_type_ids=None) -> torch.Tensor:
+    def forward(self, input_ids, positions) -> torch.Tensor:
         embed = self.embed_tokens(input_ids)
         hidden = embed * embedding_scale(self.config.hidden_size**0.5, embed.dtype)
         rope = {kind: rotary(positions) for kind, rotary in self.rotary.items()}
@@ -175,6 +175,9 @@ FAMILY = Family(
     checkpoint=CHECKPOINT,
     is_encoder=False,
     embeddings=EMBEDDINGS,
+)
+
+DOCS = FamilyDocs(
     examples=("google/embeddinggemma-300m", "google/gemma-3-1b-it"),
     tested_by=tuple(f"tests/models/test_{name}.py" for name in ("gemma_parity", "gemma_embed", "gemma_parts")),
 )

@@ -24,8 +24,9 @@ from torch import nn
 
 from embedserv.attention.layer import Attention, link_kv_sharing
 from embedserv.models.families.gemma import EMBEDDINGS, HEADS, GemmaMLP, check_layer_types, embedding_scale
+from embedserv.models.interface import DecoderModel
 from embedserv.models.layers import Linear, get_activation, packed_linear
-from embedserv.models.loading.family import QKV_GATE_UP, CheckpointNames, Family
+from embedserv.models.loading.family import QKV_GATE_UP, CheckpointNames, Family, FamilyDocs
 from embedserv.models.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -131,7 +132,7 @@ class Gemma4DecoderLayer(nn.Module):
             self.post_per_layer_input_norm = Gemma4RMSNorm(hidden, eps)
         else:
             self.per_layer_input_gate = None
-        # A buffer, not a parameter: checkpoints that lack it keep transformers' initial 1 (FAMILY.fill_defaults).
+        # A buffer, not a parameter: checkpoints that lack it keep transformers' initial 1 (Gemma4Model.fill_defaults).
         self.register_buffer("layer_scalar", torch.empty(1))
 
     def forward(self, hidden: torch.Tensor, per_layer_input: torch.Tensor | None, cos, sin) -> torch.Tensor:
@@ -145,8 +146,8 @@ class Gemma4DecoderLayer(nn.Module):
         return hidden * self.layer_scalar
 
 
-class Gemma4Model(nn.Module):
-    """`forward(input_ids, positions[, token_type_ids][, prefill_skip_rows]) -> [num_tokens, hidden]`, final
+class Gemma4Model(nn.Module, DecoderModel):
+    """`forward(input_ids, positions[, prefill_skip_rows]) -> [num_tokens, hidden]`, final
     norm applied; with `prefill_skip_rows` ([num_kept] int64, indices into the packed tokens), the layers
     from `prefill_skip_layer` on run only those rows, and so do the returned states."""
 
@@ -155,7 +156,6 @@ class Gemma4Model(nn.Module):
         if config.enable_moe_block:
             raise ValueError("MoE Gemma 4 (enable_moe_block) is not supported; serve a dense Gemma 4 model")
         self.config = config
-        self.position_offset = 0
         types = check_layer_types(config)
         window = gemma4_sliding_window(config)
         sources = kv_sources(config)
@@ -184,6 +184,11 @@ class Gemma4Model(nn.Module):
     def max_positions(self) -> int:
         return self.config.max_position_embeddings
 
+    def fill_defaults(self) -> None:
+        """Checkpoints that lack the layer scalars keep transformers' initial 1."""
+        for layer in self.layers:
+            layer.layer_scalar.fill_(1.0)
+
     def _per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """[num_tokens, layers, per_layer_size]: token identity plus a projection of the embeddings."""
         shape = (-1, self.config.num_hidden_layers, self.per_layer_size)
@@ -193,7 +198,7 @@ class Gemma4Model(nn.Module):
         projected = self.per_layer_projection_norm(projected.reshape(shape))
         return (projected + tokens) * 2.0**-0.5
 
-    def forward(self, input_ids, positions, token_type_ids=None, prefill_skip_rows=None) -> torch.Tensor:
+    def forward(self, input_ids, positions, prefill_skip_rows=None) -> torch.Tensor:
         embeds = self.embed_tokens(input_ids)
         hidden = embeds * embedding_scale(self.config.hidden_size**0.5, embeds.dtype)
         per_layer = self._per_layer_inputs(input_ids, hidden) if self.per_layer_size else None
@@ -220,12 +225,6 @@ def checkpoint_names(config) -> CheckpointNames:
     return CheckpointNames(prefixes=("model.",), ignored=rf"^({HEADS}{shared_kv})", packed=QKV_GATE_UP)
 
 
-def _unit_layer_scalars(model: Gemma4Model) -> None:
-    """Checkpoints that lack the layer scalars keep transformers' initial 1."""
-    for layer in model.layers:
-        layer.layer_scalar.fill_(1.0)
-
-
 FAMILY = Family(
     name="gemma4",
     model_types=("gemma4_text",),
@@ -233,7 +232,9 @@ FAMILY = Family(
     checkpoint=checkpoint_names,
     is_encoder=False,
     embeddings=EMBEDDINGS,
-    fill_defaults=_unit_layer_scalars,
+)
+
+DOCS = FamilyDocs(
     tested_by=tuple(
         f"tests/models/test_{name}.py" for name in ("gemma_parity", "gemma_embed", "gemma_parts", "kv_sharing")
     ),

@@ -16,9 +16,60 @@ from torch import nn
 
 from embedserv.attention.layer import Attention
 from embedserv.errors import ConfigError
+from embedserv.models.interface import EncoderModel
 from embedserv.models.layers import Linear, get_activation, head_dim, packed_linear
-from embedserv.models.loading.family import QKV, CheckpointNames, Classifier, Family
+from embedserv.models.loading.family import QKV, CheckpointNames, Classifier, Family, FamilyDocs
 from embedserv.models.rotary import RotaryEmbedding, apply_rotary
+
+
+# new-impl switches the native architecture has no counterpart for, and the only value it matches.
+_PUBLISHED_FIXED = {
+    "layer_norm_type": "layer_norm",
+    "logn_attention_scale": False,
+    "position_embedding_type": "rope",
+    "pack_qkv": True,
+}
+# new-impl keys that say how its code runs, not what it computes (or that are checked above).
+_PUBLISHED_ONLY = (
+    "auto_map", "rope_scaling", "rope_theta", "unpad_inputs", "use_memory_efficient_attention",
+    "logn_attention_clip1", *_PUBLISHED_FIXED,
+)
+# new-impl's NewConfig defaults where transformers' GteConfig has others.
+_PUBLISHED_DEFAULTS = {"max_position_embeddings": 2048, "type_vocab_size": 1, "hidden_act": "gelu"}
+
+
+def published_config(raw: dict) -> dict | None:
+    """A config.json of Alibaba-NLP/new-impl (model_type "new", or "gte" with its keys, as Snowflake's
+    arctic-embed v2.0) as the native gte config dict; None for a native gte dict. Refuses, naming the key,
+    what the native architecture cannot run."""
+    if raw.get("model_type") == "gte" and not any(key in raw for key in _PUBLISHED_ONLY):
+        return None
+    for key, value in _PUBLISHED_FIXED.items():
+        if raw.get(key, value) != value:
+            raise ConfigError(
+                f"{raw.get('model_type')} config.json has {key}={raw[key]!r}; embedserv serves only {key}={value!r} "
+                "(the architecture transformers' gte implements)"
+            )
+    native = {key: value for key, value in raw.items() if key not in _PUBLISHED_ONLY}
+    native["model_type"] = "gte"
+    for key, value in _PUBLISHED_DEFAULTS.items():
+        native.setdefault(key, value)
+    native["rope_parameters"] = _rope_parameters(raw)
+    return native
+
+
+def _rope_parameters(raw: dict) -> dict:
+    """new-impl's rope_theta (default 10000) and rope_scaling (None, or NTK: models/rotary.py's "ntk")."""
+    params = {"rope_type": "default", "rope_theta": float(raw.get("rope_theta", 10_000.0))}
+    scaling = raw.get("rope_scaling")
+    if scaling:
+        kind = scaling.get("type") or scaling.get("rope_type")
+        if kind != "ntk":
+            raise ConfigError(f"{raw.get('model_type')} config.json has rope_scaling type {kind!r}; only 'ntk' is served")
+        params.update(rope_type="ntk", factor=float(scaling["factor"]))
+        if scaling.get("mixed_b") is not None:
+            params["mixed_b"] = float(scaling["mixed_b"])
+    return params
 
 
 class GteEmbeddings(nn.Module):
@@ -88,16 +139,17 @@ class GteLayer(nn.Module):
         return self.post_mlp_layernorm(self.mlp(hidden))
 
 
-class GteModel(nn.Module):
+class GteModel(nn.Module, EncoderModel):
     """`forward(input_ids, positions[, token_type_ids]) -> [num_tokens, hidden]`."""
 
+    reads_token_types = True
+    config_forms = {"new": published_config, "gte": published_config}
     # The attention projections and the down projection carry biases (NomicBERT's, the same blocks, none).
     biases = True
 
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
-        self.position_offset = 0
         self.embeddings = GteEmbeddings(config)
         self.layers = nn.ModuleList(GteLayer(config, i, self.biases) for i in range(config.num_hidden_layers))
         self.rotary = RotaryEmbedding(config, head_dim(config), self.max_positions)
@@ -112,56 +164,6 @@ class GteModel(nn.Module):
         for layer in self.layers:
             hidden = layer(hidden, cos, sin)
         return hidden
-
-
-# new-impl switches the native architecture has no counterpart for, and the only value it matches.
-_PUBLISHED_FIXED = {
-    "layer_norm_type": "layer_norm",
-    "logn_attention_scale": False,
-    "position_embedding_type": "rope",
-    "pack_qkv": True,
-}
-# new-impl keys that say how its code runs, not what it computes (or that are checked above).
-_PUBLISHED_ONLY = (
-    "auto_map", "rope_scaling", "rope_theta", "unpad_inputs", "use_memory_efficient_attention",
-    "logn_attention_clip1", *_PUBLISHED_FIXED,
-)
-# new-impl's NewConfig defaults where transformers' GteConfig has others.
-_PUBLISHED_DEFAULTS = {"max_position_embeddings": 2048, "type_vocab_size": 1, "hidden_act": "gelu"}
-
-
-def published_config(raw: dict) -> dict | None:
-    """A config.json of Alibaba-NLP/new-impl (model_type "new", or "gte" with its keys, as Snowflake's
-    arctic-embed v2.0) as the native gte config dict; None for a native gte dict. Refuses, naming the key,
-    what the native architecture cannot run."""
-    if raw.get("model_type") == "gte" and not any(key in raw for key in _PUBLISHED_ONLY):
-        return None
-    for key, value in _PUBLISHED_FIXED.items():
-        if raw.get(key, value) != value:
-            raise ConfigError(
-                f"{raw.get('model_type')} config.json has {key}={raw[key]!r}; embedserv serves only {key}={value!r} "
-                "(the architecture transformers' gte implements)"
-            )
-    native = {key: value for key, value in raw.items() if key not in _PUBLISHED_ONLY}
-    native["model_type"] = "gte"
-    for key, value in _PUBLISHED_DEFAULTS.items():
-        native.setdefault(key, value)
-    native["rope_parameters"] = _rope_parameters(raw)
-    return native
-
-
-def _rope_parameters(raw: dict) -> dict:
-    """new-impl's rope_theta (default 10000) and rope_scaling (None, or NTK: models/rotary.py's "ntk")."""
-    params = {"rope_type": "default", "rope_theta": float(raw.get("rope_theta", 10_000.0))}
-    scaling = raw.get("rope_scaling")
-    if scaling:
-        kind = scaling.get("type") or scaling.get("rope_type")
-        if kind != "ntk":
-            raise ConfigError(f"{raw.get('model_type')} config.json has rope_scaling type {kind!r}; only 'ntk' is served")
-        params.update(rope_type="ntk", factor=float(scaling["factor"]))
-        if scaling.get("mixed_b") is not None:
-            params["mixed_b"] = float(scaling["mixed_b"])
-    return params
 
 
 # GteModel names (bare), GteForSequenceClassification / ForMaskedLM (under `gte.`), new-impl's (bare, or
@@ -203,7 +205,9 @@ FAMILY = Family(
     checkpoint=CHECKPOINT,
     is_encoder=True,
     classifiers={"GteForSequenceClassification": _CLASSIFIER, "NewForSequenceClassification": _CLASSIFIER},
-    config_forms={"new": published_config, "gte": published_config},
+)
+
+DOCS = FamilyDocs(
     examples=(
         "Alibaba-NLP/gte-base-en-v1.5",
         "Alibaba-NLP/gte-large-en-v1.5",

@@ -22,10 +22,29 @@ from torch import nn
 
 from embedserv.attention.layer import Attention
 from embedserv.models.families.bert import ROBERTA_CLASSIFIER
+from embedserv.models.interface import EncoderModel
 from embedserv.models.layers import Linear, get_activation, packed_linear
-from embedserv.models.loading.family import QKV, CheckpointNames, Family
+from embedserv.models.loading.family import QKV, CheckpointNames, Family, FamilyDocs
 from embedserv.models.lora import LowRank, LowRankEmbedding, Routes, routes_of
 from embedserv.models.rotary import RotaryEmbedding, apply_rotary
+
+
+def published_config(raw: dict) -> dict | None:
+    """jinaai/jina-embeddings-v3's config.json (model_type xlm-roberta, custom code with rotary positions and
+    LoRA adapters) as transformers' jina_embeddings_v3 config; None for a plain XLM-RoBERTa config."""
+    if raw.get("position_embedding_type") != "rotary":
+        return None
+    keys = (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
+        "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "pad_token_id", "bos_token_id",
+        "eos_token_id", "lora_adaptations", "task_instructions", "lora_rank", "lora_alpha",
+    )
+    native = {key: raw[key] for key in keys if key in raw}
+    # The published code's default base when the config names none (its XLMRobertaFlashConfig).
+    native["rope_parameters"] = {"rope_type": "default", "rope_theta": float(raw.get("rotary_emb_base", 10000.0))}
+    native["architectures"] = ["JinaEmbeddingsV3Model"]
+    native["model_type"] = "jina_embeddings_v3"
+    return native
 
 
 def _low_rank(config, in_features: int, out_features: int, cls=LowRank):
@@ -114,14 +133,17 @@ class JinaLayer(nn.Module):
         return self.post_mlp_layernorm(self.mlp(hidden, routes))
 
 
-class JinaEmbeddingsV3Model(nn.Module):
+class JinaEmbeddingsV3Model(nn.Module, EncoderModel):
     """`forward(input_ids, positions[, token_type_ids][, adapter_ids]) -> [num_tokens, hidden]`."""
+
+    reads_token_types = True
+    has_task_adapters = True
+    config_forms = {"xlm-roberta": published_config}
+    st_transformer_modules = ("custom_st.Transformer",)
 
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
-        # Positions are rotary and start at 0 (no RoBERTa padding offset: there is no position table).
-        self.position_offset = 0
         self.embeddings = JinaEmbeddings(config)
         self.layers = nn.ModuleList(JinaLayer(config, i) for i in range(config.num_hidden_layers))
         self.rotary = RotaryEmbedding(config, config.hidden_size // config.num_attention_heads, self.max_positions)
@@ -137,24 +159,6 @@ class JinaEmbeddingsV3Model(nn.Module):
         for layer in self.layers:
             hidden = layer(hidden, cos, sin, routes)
         return hidden
-
-
-def published_config(raw: dict) -> dict | None:
-    """jinaai/jina-embeddings-v3's config.json (model_type xlm-roberta, custom code with rotary positions and
-    LoRA adapters) as transformers' jina_embeddings_v3 config; None for a plain XLM-RoBERTa config."""
-    if raw.get("position_embedding_type") != "rotary":
-        return None
-    keys = (
-        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
-        "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "pad_token_id", "bos_token_id",
-        "eos_token_id", "lora_adaptations", "task_instructions", "lora_rank", "lora_alpha",
-    )
-    native = {key: raw[key] for key in keys if key in raw}
-    # The published code's default base when the config names none (its XLMRobertaFlashConfig).
-    native["rope_parameters"] = {"rope_type": "default", "rope_theta": float(raw.get("rotary_emb_base", 10000.0))}
-    native["architectures"] = ["JinaEmbeddingsV3Model"]
-    native["model_type"] = "jina_embeddings_v3"
-    return native
 
 
 # Native names (JinaEmbeddingsV3Model, bare or under `roberta.`), and the published checkpoint's:
@@ -187,8 +191,9 @@ FAMILY = Family(
     is_encoder=True,
     # XLM-RoBERTa's head: the first token through dense + tanh, then `out_proj`.
     classifiers={"JinaEmbeddingsV3ForSequenceClassification": ROBERTA_CLASSIFIER},
-    config_forms={"xlm-roberta": published_config},
-    st_transformer_modules=("custom_st.Transformer",),
+)
+
+DOCS = FamilyDocs(
     examples=("jinaai/jina-embeddings-v3", "jinaai/jina-embeddings-v3-hf"),
     tested_by=("tests/models/test_jina_v3_parity.py",),
 )

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from embedserv.attention.layer import Attention
+from embedserv.models.interface import DecoderModel
 from embedserv.models.layers import Linear, get_activation, head_dim, num_kv_heads, packed_linear
-from embedserv.models.loading.family import QKV_GATE_UP, CheckpointNames, Classifier, Family
+from embedserv.models.loading.family import QKV_GATE_UP, CheckpointNames, Classifier, Family, FamilyDocs
 from embedserv.models.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -132,13 +133,13 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(hidden), hidden)
 
 
-class LlamaModel(nn.Module):
-    """`forward(input_ids, positions[, token_type_ids]) -> [num_tokens, hidden]`, final norm applied."""
+class LlamaStack(nn.Module):
+    """Llama's blocks over token embeddings, final norm applied: `forward(input_ids, positions) -> [num_tokens,
+    hidden]`. The Llama decoders, EuroBERT's encoder and ColQwen2's language model are this stack."""
 
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
-        self.position_offset = 0
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -148,7 +149,7 @@ class LlamaModel(nn.Module):
     def max_positions(self) -> int:
         return self.config.max_position_embeddings
 
-    def forward(self, input_ids, positions, token_type_ids=None) -> torch.Tensor:
+    def forward(self, input_ids, positions) -> torch.Tensor:
         return self.run_layers(self.embed_tokens(input_ids), positions)
 
     def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -158,6 +159,10 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             hidden = layer(hidden, cos, sin)
         return self.norm(hidden)
+
+
+class LlamaModel(LlamaStack, DecoderModel):
+    """Llama, Mistral, Qwen2 and Qwen3 decoders."""
 
 
 # Names a ForCausalLM / ForSequenceClassification checkpoint uses (with `model.`), or sentence-transformers
@@ -182,6 +187,9 @@ FAMILY = Family(
         f"{name}ForSequenceClassification": SCORE_CLASSIFIER for name in ("Llama", "Mistral", "Qwen2", "Qwen3")
     },
     embeddings=EMBEDDINGS,
+)
+
+DOCS = FamilyDocs(
     examples=(
         "intfloat/e5-mistral-7b-instruct", "Alibaba-NLP/gte-Qwen2-1.5B-instruct", "Qwen/Qwen3-Embedding-0.6B",
         "Qwen/Qwen3-Reranker-0.6B", "meta-llama/Llama-3.2-1B-Instruct",

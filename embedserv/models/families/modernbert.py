@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from embedserv.attention.layer import Attention
+from embedserv.models.interface import EncoderModel
 from embedserv.models.layers import Linear, get_activation
-from embedserv.models.loading.family import CheckpointNames, Classifier, Family
+from embedserv.models.loading.family import CheckpointNames, Classifier, Family, FamilyDocs
 from embedserv.models.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -91,13 +92,12 @@ class ModernBertLayer(nn.Module):
         return self.mlp(self.mlp_norm(hidden), hidden)
 
 
-class ModernBertModel(nn.Module):
-    """`forward(input_ids, positions[, token_type_ids]) -> [num_tokens, hidden]`, final norm applied."""
+class ModernBertModel(nn.Module, EncoderModel):
+    """`forward(input_ids, positions) -> [num_tokens, hidden]`, final norm applied."""
 
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
-        self.position_offset = 0
         self.embeddings = ModernBertEmbeddings(config)
         self.layers = nn.ModuleList(ModernBertLayer(config, i) for i in range(config.num_hidden_layers))
         self.final_norm = nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.norm_bias)
@@ -112,7 +112,7 @@ class ModernBertModel(nn.Module):
     def max_positions(self) -> int:
         return self.config.max_position_embeddings
 
-    def forward(self, input_ids, positions, token_type_ids=None) -> torch.Tensor:
+    def forward(self, input_ids, positions) -> torch.Tensor:
         hidden = self.embeddings(input_ids)
         tables = {kind: rotary(positions) for kind, rotary in self.rotary.items()}
         for layer in self.layers:
@@ -152,6 +152,10 @@ FAMILY = Family(
     checkpoint=CHECKPOINT,
     is_encoder=True,
     classifiers={"ModernBertForSequenceClassification": CLASSIFIER},
+    lora=True,
+)
+
+DOCS = FamilyDocs(
     examples=(
         "answerdotai/ModernBERT-base",
         "answerdotai/ModernBERT-large",
@@ -159,6 +163,5 @@ FAMILY = Family(
         "Alibaba-NLP/gte-reranker-modernbert-base",
         "nomic-ai/modernbert-embed-base",
     ),
-    lora=True,
     tested_by=("tests/models/test_modernbert_parity.py", "tests/models/test_lora_parity.py"),
 )

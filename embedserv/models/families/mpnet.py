@@ -15,7 +15,8 @@ from torch import nn
 
 from embedserv.attention.relative_bias import RelativePositionBias
 from embedserv.models.families.bert import ROBERTA_CLASSIFIER, BertLayer
-from embedserv.models.loading.family import CheckpointNames, Family
+from embedserv.models.interface import EncoderModel
+from embedserv.models.loading.family import CheckpointNames, Family, FamilyDocs
 
 # MPNetEmbeddings' fixed padding index: positions start after it.
 _PADDING_IDX = 1
@@ -35,8 +36,11 @@ class MPNetEmbeddings(nn.Module):
         return self.norm(self.word_embeddings(input_ids) + self.position_embeddings(positions))
 
 
-class MPNetModel(nn.Module):
-    """`forward(input_ids, positions[, token_type_ids]) -> [num_tokens, hidden]`; token types are ignored."""
+class MPNetModel(nn.Module, EncoderModel):
+    """`forward(input_ids, positions) -> [num_tokens, hidden]`: MPNet has no token types."""
+
+    # Positions start after the padding index, as RoBERTa's.
+    position_offset = _PADDING_IDX + 1
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -48,7 +52,6 @@ class MPNetModel(nn.Module):
                 f"(MPNet buckets relative positions into {_NUM_BUCKETS})"
             )
         self.config = config
-        self.position_offset = _PADDING_IDX + 1
         self.embeddings = MPNetEmbeddings(config)
         self.relative_bias = RelativePositionBias(
             _NUM_BUCKETS, _MAX_DISTANCE, config.num_attention_heads, bidirectional=True
@@ -61,7 +64,7 @@ class MPNetModel(nn.Module):
     def max_positions(self) -> int:
         return self.config.max_position_embeddings - self.position_offset
 
-    def forward(self, input_ids, positions, token_type_ids=None) -> torch.Tensor:
+    def forward(self, input_ids, positions) -> torch.Tensor:
         hidden = self.embeddings(input_ids, positions)
         for layer in self.layers:
             hidden = layer(hidden)
@@ -97,6 +100,9 @@ FAMILY = Family(
     # MPNetClassificationHead is RoBERTa's: the first token through dense + tanh, then out_proj.
     classifiers={"MPNetForSequenceClassification": ROBERTA_CLASSIFIER},
     lora=True,
+)
+
+DOCS = FamilyDocs(
     examples=(
         "sentence-transformers/all-mpnet-base-v2",
         "sentence-transformers/multi-qa-mpnet-base-dot-v1",

@@ -11,13 +11,7 @@ from __future__ import annotations
 
 from embedserv.errors import ConfigError
 from embedserv.models.families.gte import GteModel
-from embedserv.models.loading.family import QKV, CheckpointNames, Classifier, Family
-
-
-class NomicBertModel(GteModel):
-    """`forward(input_ids, positions[, token_type_ids]) -> [num_tokens, hidden]`: GTE's blocks without biases."""
-
-    biases = False
+from embedserv.models.loading.family import QKV, CheckpointNames, Classifier, Family, FamilyDocs
 
 
 # The published config.json's keys that the native form has no switch for, and the only value it matches.
@@ -73,6 +67,13 @@ def published_config(raw: dict) -> dict | None:
     return native
 
 
+class NomicBertModel(GteModel):
+    """`forward(input_ids, positions[, token_type_ids]) -> [num_tokens, hidden]`: GTE's blocks without biases."""
+
+    biases = False
+    config_forms = {"nomic_bert": published_config}
+
+
 # NomicBertModel names (bare), NomicBertForSequenceClassification / ForMaskedLM (under `nomic_bert.`), and the
 # published custom code's (encoder.layers.N.attn.Wqkv, ...; fc11 is the up projection, fc12 the gate).
 CHECKPOINT = CheckpointNames(
@@ -116,7 +117,9 @@ FAMILY = Family(
     checkpoint=CHECKPOINT,
     is_encoder=True,
     classifiers={"NomicBertForSequenceClassification": _CLASSIFIER},
-    config_forms={"nomic_bert": published_config},
+)
+
+DOCS = FamilyDocs(
     examples=("nomic-ai/nomic-embed-text-v1", "nomic-ai/nomic-embed-text-v1.5", "nomic-ai/nomic-bert-2048"),
     tested_by=("tests/models/test_nomic_bert_parity.py", "tests/unit/test_rotary_ntk.py"),
 )

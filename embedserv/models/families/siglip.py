@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from embedserv.models.layers import Linear
-from embedserv.models.loading.family import Family, VisionTower
+from embedserv.models.loading.family import Family, FamilyDocs, VisionTower
 from embedserv.models.vit import (
     DualEncoder, Encoder, Mlp, PatchEmbedding, TextTower, dual_encoder_checkpoint, num_patches,
 )
@@ -129,6 +129,9 @@ FAMILY = Family(
     checkpoint=dual_encoder_checkpoint(r"^(logit_scale$|logit_bias$|.*position_ids$)"),
     is_encoder=True,
     vision=vision_tower,
+)
+
+DOCS = FamilyDocs(
     # SigLIP (v1) checkpoints ship a SentencePiece tokenizer with Python-side text canonicalization and no
     # tokenizer.json: refused at start-up, as every tokenizer without one is. SigLIP 2's fixed-resolution
     # checkpoints (Gemma's tokenizer.json) are SiglipModels.

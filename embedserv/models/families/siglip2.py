@@ -13,7 +13,7 @@ from torch import nn
 
 from embedserv.models.families.siglip import SiglipModel
 from embedserv.models.layers import Linear
-from embedserv.models.loading.family import Family, VisionTower
+from embedserv.models.loading.family import Family, FamilyDocs, VisionTower
 from embedserv.models.vit import dual_encoder_checkpoint
 
 
@@ -65,6 +65,9 @@ FAMILY = Family(
     checkpoint=dual_encoder_checkpoint(r"^(logit_scale$|logit_bias$|.*position_ids$)"),
     is_encoder=True,
     vision=vision_tower,
+)
+
+DOCS = FamilyDocs(
     examples=("google/siglip2-base-patch16-naflex", "google/siglip2-so400m-patch16-naflex"),
     tested_by=("tests/models/test_siglip2_parity.py",),
 )

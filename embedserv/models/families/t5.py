@@ -21,8 +21,9 @@ from torch import nn
 
 from embedserv.attention.layer import Attention, AttentionKind
 from embedserv.attention.relative_bias import RelativePositionBias
+from embedserv.models.interface import EncoderDecoderModel, EncoderModel
 from embedserv.models.layers import Linear, get_activation, packed_linear
-from embedserv.models.loading.family import CheckpointNames, Family
+from embedserv.models.loading.family import CheckpointNames, Family, FamilyDocs
 from embedserv.models.families.llama import RMSNorm
 
 # T5 has no position limit; the tokenizer's model_max_length bounds inputs.
@@ -184,19 +185,18 @@ class T5Stack(nn.Module):
         return self.final_norm(hidden)
 
 
-class T5Model(nn.Module):
+class T5Model(nn.Module, EncoderDecoderModel):
     """T5 / mT5 encoder-decoder: `forward(input_ids, positions, encoder_input_ids=..., ...) ->
     [num_decoder_tokens, d_model]`, the decoder's final norm applied.
 
     Attention layer indices: decoder self-attention 0..D-1, cross-attention D..2D-1, encoder 2D..2D+E-1.
     """
 
-    is_encoder_decoder = True
+    output_scale = staticmethod(output_scale)
 
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
-        self.position_offset = 0
         self.decoder_start_token_id = config.decoder_start_token_id
         num_decoder = config.num_decoder_layers if config.num_decoder_layers is not None else config.num_layers
         self.shared = nn.Embedding(config.vocab_size, config.d_model)
@@ -216,28 +216,23 @@ class T5Model(nn.Module):
         """[num_encoder_tokens, d_model]: the encoder output (T5 reads no positions: its bias is relative)."""
         return self.encoder(self.shared(encoder_input_ids))
 
-    def forward(
-        self, input_ids, positions, token_type_ids=None, encoder_input_ids=None, encoder_positions=None
-    ) -> torch.Tensor:
+    def forward(self, input_ids, positions, encoder_input_ids=None, encoder_positions=None) -> torch.Tensor:
         encoder_hidden = None
         if encoder_input_ids is not None and encoder_input_ids.numel():
             encoder_hidden = self.encode(encoder_input_ids, encoder_positions)
         return self.decoder(self.shared(input_ids), encoder_hidden)
 
 
-class T5EncoderModel(nn.Module):
+class T5EncoderModel(nn.Module, EncoderModel):
     """The T5 / mT5 encoder alone: `forward(input_ids, positions) -> [num_tokens, d_model]`, final norm applied.
 
     Its attention layers are plain self-attention (kind DECODER, KV group 0) whose metadata, as for any
     encoder-only model, is bidirectional; they add the encoder's bidirectional relative bias.
     """
 
-    is_encoder_decoder = False
-
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
-        self.position_offset = 0
         self.decoder_start_token_id = getattr(config, "decoder_start_token_id", None)
         self.shared = nn.Embedding(config.vocab_size, config.d_model)
         self.encoder = T5Stack(config, config.num_layers, AttentionKind.DECODER, first_index=0, bidirectional=True)
@@ -246,7 +241,7 @@ class T5EncoderModel(nn.Module):
     def max_positions(self) -> int:
         return _UNLIMITED_POSITIONS
 
-    def forward(self, input_ids, positions, token_type_ids=None) -> torch.Tensor:
+    def forward(self, input_ids, positions) -> torch.Tensor:
         return self.encoder(self.shared(input_ids))
 
 
@@ -300,9 +295,10 @@ FAMILY = Family(
     model_class=T5Model,
     checkpoint=CHECKPOINT,
     is_encoder=False,
-    is_encoder_decoder=True,
     embeddings=("shared.weight", "encoder.embed_tokens.weight"),
-    lm_head_scale=output_scale,
+)
+
+DOCS = FamilyDocs(
     examples=(
         "sentence-transformers/sentence-t5-base", "sentence-transformers/gtr-t5-base", "castorini/monot5-base-msmarco",
         "google/flan-t5-base",

@@ -3,8 +3,8 @@
 Causal LMs: `lm_head.weight`, or the embeddings when tied. Encoder-decoders follow transformers 5, which
 ties the head to the token embeddings unless the checkpoint holds a head of its own, so `lm_head.weight`
 when the files have it, else the shared embeddings; on top of that
-- T5 v1.0 scales the decoder output by d_model**-0.5 before a head tied by its config (its family's
-  `lm_head_scale`): folded into the weight here, so the head stays one matmul;
+- T5 v1.0 scales the decoder output by d_model**-0.5 before a head tied by its config (its model's
+  `output_scale`): folded into the weight here, so the head stays one matmul;
 - BART and mBART add `final_logits_bias` ([1, vocab], zeros when the checkpoint lacks it).
 Gemma 3 and 4 cap the logits softly, `cap * tanh(logits / cap)` (`final_logit_softcapping`): the head
 does it, so the sampler reads the capped logits as transformers' generate does.
@@ -40,15 +40,16 @@ def seq2seq_head_weight(family: Family, hf_config, files: list[Path], rows: slic
         raise ConfigError(
             f"{files[0].parent}: the LM head has shape {tuple(weight.shape)}, not [vocab, {hf_config.d_model}]"
         )
-    scale = family.output_scale(hf_config)
+    scale = family.model_class.output_scale(hf_config)
     return weight * scale if scale != 1.0 else weight
 
 
 def seq2seq_final_logits_bias(family: Family, hf_config, files: list[Path]) -> torch.Tensor | None:
     """BART's and mBART's [vocab] float32 logits bias (zeros when the checkpoint lacks it); None for T5."""
-    if not family.final_logits_bias:
+    names = family.model_class.final_logits_bias
+    if not names:
         return None
-    for name in family.final_logits_bias:
+    for name in names:
         bias = read_tensor(files, name)
         if bias is not None:
             return bias.reshape(-1).float()

@@ -22,6 +22,7 @@ from torch import nn
 
 from embedserv.errors import ConfigError
 from embedserv.models.heads.pooling import TokenInputs
+from embedserv.models.interface import ModelKind
 from embedserv.models.layers import Linear, on_padded_rows
 from embedserv.models.loading.checkpoint import read_tensors
 from embedserv.models.loading.family import MlmHeadNames
@@ -159,7 +160,8 @@ def _mlm_tensors(spec: ModelSpec, names: MlmHeadNames) -> dict[str, torch.Tensor
 def build_splade_head(spec: ModelSpec) -> SpladeHead:
     """The SPLADE head of a *ForMaskedLM checkpoint on spec.device in spec.dtype (pooling in float32)."""
     config = spec.hf_config
-    names = spec.family.mlm_heads.get(config.model_type)
+    model_class = spec.family.model_class
+    names = model_class.mlm_heads.get(config.model_type) if model_class.kind is ModelKind.ENCODER else None
     if names is None:
         raise ConfigError(
             f"{spec.model_dir}: the sparse (SPLADE) output reads a masked-LM head, and embedserv knows none for "

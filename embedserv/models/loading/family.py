@@ -3,7 +3,7 @@
 A family says, as data, everything outside its own forward pass that depends on it: which Hugging Face
 model types it runs, whether its attention is an encoder's, how its checkpoint's tensor names become its
 parameters (loading/weights.py reads that), and where its heads keep their tensors (models/heads/ read
-those). Nothing here imports a family or a head.
+those); its model class declares the rest (models/interface.py). Nothing here imports a family or a head.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from torch import nn
+
+from embedserv.models.interface import ModelKind
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,9 @@ class VisionTower:
 
 @dataclass(frozen=True)
 class Family:
+    """What the runtime reads of a family. What only one or two families need, their model class declares
+    (models/interface.py); what only docs/MODELS.md reads is their FamilyDocs, beside this record."""
+
     name: str
     model_types: tuple[str, ...]
     model_class: type[nn.Module]
@@ -123,47 +128,38 @@ class Family:
     checkpoint: CheckpointNames | Callable[[object], CheckpointNames]
     # Encoders attend both ways; decoders are causal unless their config says otherwise.
     is_encoder: bool
-    # Encoder-decoders (T5, BART): an encoder over the encoder inputs, a causal decoder reading it.
-    is_encoder_decoder: bool = False
     # Architecture (config.json's first) -> its classification head.
     classifiers: Mapping[str, Classifier] = field(default_factory=dict)
     # The token embeddings' checkpoint names: a tied LM head's (and a yes/no reranker's) rows.
     embeddings: tuple[str, ...] = ()
-    # Model type -> its MLM head, for SPLADE over a *ForMaskedLM checkpoint.
-    mlm_heads: Mapping[str, MlmHeadNames] = field(default_factory=dict)
-    # BART's logits bias, added by its LM head (zeros when the checkpoint lacks it).
-    final_logits_bias: tuple[str, ...] = ()
-    # What the LM head multiplies the last hidden states by (T5 v1.0's tied-head scale); None: 1.
-    lm_head_scale: Callable[[object], float] | None = None
-    # Fills what checkpoints may leave out (Gemma 4's layer scalars), after allocation, before loading.
-    fill_defaults: Callable[[nn.Module], None] | None = None
-    # Published config.json forms this family also reads (custom-code configs): config.json's model_type ->
-    # a function of its raw dict giving the native transformers config dict (with its model_type), or None
-    # when the dict is not that form. Only the dict is read; the code it points at never runs.
-    config_forms: Mapping[str, Callable[[dict], dict | None]] = field(default_factory=dict)
-    # Custom sentence-transformers module types (modules.json) that only wrap this family's model as
-    # sentence-transformers' Transformer does (jina-embeddings-v3's custom_st.Transformer passes the task
-    # on): read as Transformer, their code never imported. Any other custom module is refused.
-    st_transformer_modules: tuple[str, ...] = ()
     # PEFT LoRA adapters (--lora) apply to its linears through its checkpoint names (loading/lora_files.py):
     # set where a test shows adapters equal to PEFT's merged model.
     lora: bool = False
     # Dual encoders (CLIP, SigLIP): a function of the config giving its image side; None: texts only.
     vision: Callable[[object], VisionTower] | None = None
-    # Vision-language models (ColQwen2, ColPali): their language model's config within theirs (its heads are
-    # what the attention backend runs, its flags say whether attention is causal); None: the config itself.
-    language_config: Callable[[object], object] | None = None
-    # For docs/MODELS.md (scripts/models_table.py): published model ids it serves, and the test files
-    # that show it equals the reference.
-    examples: tuple[str, ...] = ()
-    tested_by: tuple[str, ...] = ()
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        """T5, BART: an encoder over the encoder inputs, a causal decoder reading it."""
+        return self.model_class.kind is ModelKind.ENCODER_DECODER
+
+    @property
+    def takes_images(self) -> bool:
+        """Dual encoders (CLIP, SigLIP) and vision-language models (ColQwen2, ColPali)."""
+        return self.model_class.takes_images
 
     def checkpoint_names(self, hf_config) -> CheckpointNames:
         return self.checkpoint if isinstance(self.checkpoint, CheckpointNames) else self.checkpoint(hf_config)
 
     def text_config(self, hf_config):
         """The config of the model's language model: its own unless it is a vision-language model."""
-        return self.language_config(hf_config) if self.language_config is not None else hf_config
+        return self.model_class.text_config(hf_config)
 
-    def output_scale(self, hf_config) -> float:
-        return self.lm_head_scale(hf_config) if self.lm_head_scale is not None else 1.0
+
+@dataclass(frozen=True)
+class FamilyDocs:
+    """What docs/MODELS.md says of a family beyond its record (docs/models_table.py writes it): published model
+    ids it serves, and the test files that show it equals the reference."""
+
+    examples: tuple[str, ...] = ()
+    tested_by: tuple[str, ...] = ()

@@ -1,4 +1,4 @@
-"""ModelSpec: a model without its weights, as the engine and every worker see it (loading/spec.py reads it)."""
+"""ModelSpec: a model without its weights, as the engine and every worker see it (loading/spec_reader.py reads it)."""
 
 from __future__ import annotations
 

@@ -66,8 +66,7 @@ def load_weights(model: nn.Module, family: Family, weights: Iterable[tuple[str, 
 
     Refuses a tensor the model has no place for, or one whose shape differs from the config's (ValueError).
     """
-    if family.fill_defaults is not None:
-        family.fill_defaults(model)
+    model.fill_defaults()
     names = compiled_names(family, model.config)
     targets = dict(model.named_parameters()) | dict(model.named_buffers())
     loaded: set[str] = set()

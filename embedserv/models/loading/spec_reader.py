@@ -1,4 +1,5 @@
-"""What a served model is, read without its weights or tokenizer: the server process and every worker read it.
+"""read_model_spec: what a served model is (its ModelSpec, loading/model_spec.py), read without its weights or
+tokenizer and checked; the server process and every worker read it.
 
 config.json through transformers' AutoConfig (no remote code), the family in models/registry.py,
 the sentence-transformers files, causality (config, then --attention), the attention backend for the
@@ -105,7 +106,7 @@ def _check_quantization(config: ModelConfig, task: TaskSpec, family: Family, mod
             f"{model_dir}: --quantization int8 serves embedders, rerankers and classifiers; this model generates "
             "text, whose token-by-token sampling it was not validated for. Serve it without --quantization"
         )
-    if family.vision is not None or family.language_config is not None:
+    if family.takes_images:
         raise ConfigError(
             f"{model_dir}: --quantization int8 was not validated for text-image dual encoders (CLIP, SigLIP) or "
             "page-image retrievers (ColQwen2, ColPali); serve this model without it"
@@ -170,7 +171,7 @@ def _layout(model_class: type, hf_config, model_dir: Path) -> _Layout:
         kv_shared_layers=tuple(
             (layer.layer_index, layer.kv_source_layer) for layer in layers if layer.kv_source_layer is not None
         ),
-        prefill_skip_layer=getattr(model, "prefill_skip_layer", None),
+        prefill_skip_layer=model.prefill_skip_layer,
     )
 
 
@@ -208,8 +209,7 @@ def _classifier_token(family: Family, hf_config) -> str | None:
 
 
 def _modalities(family: Family) -> tuple[Modality, ...]:
-    takes_images = family.vision is not None or family.language_config is not None
-    return (Modality.TEXT, Modality.IMAGE) if takes_images else (Modality.TEXT,)
+    return (Modality.TEXT, Modality.IMAGE) if family.takes_images else (Modality.TEXT,)
 
 
 def takes_images(config: ModelConfig) -> bool:
@@ -223,6 +223,21 @@ def takes_images(config: ModelConfig) -> bool:
         return False
 
 
+def _output_spec(
+    config: ModelConfig, model_dir: Path, hf_config, st: SentenceTransformerFiles, family: Family, task: TaskSpec
+) -> OutputSpec:
+    """What Embed can return and how (models/loading/outputs.py); a dual encoder one vector per input, in the
+    joint space (model.pool)."""
+    outputs = read_output_spec(
+        model_dir, hf_config, st, config.pooling, architecture_of(hf_config), embeds=Task.EMBED in task.tasks
+    )
+    if family.vision is None:
+        return outputs
+    if st.pooling or st.dense:
+        raise ConfigError(f"{model_dir}: Pooling and Dense modules over a {family.name} model are not served")
+    return OutputSpec((EmbedOutput.DENSE,), head_kind="hidden")
+
+
 def read_model_spec(config: ModelConfig) -> ModelSpec:
     model_dir = model_root(Path(config.path).expanduser())
     if not (model_dir / "config.json").exists():
@@ -231,7 +246,7 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
     family = registry.lookup(
         hf_config.model_type, architecture_of(hf_config), sentence_transformers=(model_dir / "modules.json").exists()
     )
-    st = read_sentence_transformers(model_dir, family.st_transformer_modules)
+    st = read_sentence_transformers(model_dir, family.model_class.st_transformer_modules)
     device = _device(config.device)
     dtype = _DTYPES[config.torch_dtype_name]
     _check_dtype(hf_config, dtype, model_dir)
@@ -244,17 +259,9 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
     task = read_task_spec(
         model_dir, hf_config, family, is_causal, config.decoder_reranker, has_lm_head(family, hf_config, files)
     )
-    outputs = read_output_spec(
-        model_dir, hf_config, st, config.pooling, architecture_of(hf_config), embeds=Task.EMBED in task.tasks
-    )
-    if family.vision is not None:
-        if st.pooling or st.dense:
-            raise ConfigError(f"{model_dir}: Pooling and Dense modules over a {family.name} model are not served")
-        # Dual encoders give one vector per input, in the joint space (model.pool).
-        outputs = OutputSpec((EmbedOutput.DENSE,), head_kind="hidden")
+    outputs = _output_spec(config, model_dir, hf_config, st, family, task)
     task = with_outputs(task, outputs.tasks)
     _check_quantization(config, task, family, model_dir)
-    max_positions = layout.max_positions
     pooling, dimension = _pooling_and_dimension(config, task, st, hf_config, family)
     lora = _lora_adapters(config, task, family, hf_config, model_dir)
     info = ModelInfo(
@@ -264,7 +271,7 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
         is_causal=is_causal,
         pooling=pooling,
         dimension=dimension,
-        max_input_tokens=_max_input_tokens(model_dir, st, max_positions),
+        max_input_tokens=_max_input_tokens(model_dir, st, layout.max_positions),
         prompt_names=tuple(sorted(st.prompts)),
         dtype=config.quantization or config.torch_dtype_name,
         device=str(device),
@@ -282,7 +289,7 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
         modalities=_modalities(family),
     )
     return ModelSpec(
-        info=info, task=task, max_model_len=max_positions, model_dir=model_dir, hf_config=hf_config,
+        info=info, task=task, max_model_len=layout.max_positions, model_dir=model_dir, hf_config=hf_config,
         family=family, st=st, files=files, backend=backend, device=device, dtype=dtype,
         kv_block_size=_kv_block_size(config, backend, task, device), outputs=outputs, lora=lora,
     )

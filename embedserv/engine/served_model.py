@@ -1,4 +1,4 @@
-"""The engine's side of a served model: its ModelSpec (models/loading/spec.py) plus what turns its calls into
+"""The engine's side of a served model: its ModelSpec (models/loading/spec_reader.py) plus what turns its calls into
 inputs (engine/inputs/: the tokenizer, its token rules and, for models that take images, how their images become
 sequences) and its EOS ids. Read at start-up by the engine host and by every front-end process.
 
@@ -22,7 +22,8 @@ from embedserv.engine.inputs.tokenizer import TextTokenizer
 from embedserv.engine.inputs.vision_retrieval_rules import VISION_RETRIEVAL, VisionRetrievalRules, read_retrieval_prompts
 from embedserv.errors import ConfigError
 from embedserv.models import registry
-from embedserv.models.loading.spec import ModelSpec, read_model_spec
+from embedserv.models.loading.model_spec import ModelSpec
+from embedserv.models.loading.spec_reader import read_model_spec
 from embedserv.models.loading.tasks import TaskSpec
 from embedserv.types import ModelInfo, Task
 
@@ -89,7 +90,7 @@ def read_vision_spec(config: ModelConfig, spec: ModelSpec) -> VisionSpec | None:
     """A dual encoder's image side (its family's VisionTower), or a vision-language model's, with its image
     processor's settings; refuses at start-up a model that takes images without them (preprocessor_config.json,
     else processor_config.json's), or with settings we cannot follow."""
-    if spec.family.vision is None and spec.family.language_config is None:
+    if not spec.family.takes_images:
         return None
     tower = spec.family.vision(spec.hf_config) if spec.family.vision is not None else None
     processing = _image_processing(config, spec, tower.patch_size if tower is not None else None)

@@ -82,7 +82,7 @@ def die_with_parent(parent_pid: int) -> None:
 def _load(args: WorkerArgs):
     import torch
 
-    from embedserv.models.loading.spec import read_model_spec
+    from embedserv.models.loading.spec_reader import read_model_spec
     from embedserv.worker import allocator
     from embedserv.worker.replica import build_runner
 

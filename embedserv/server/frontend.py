@@ -15,7 +15,7 @@ from typing import Iterable, Iterator
 from embedserv.config import ServerConfig
 from embedserv.engine.engine import Engine
 from embedserv.errors import AdapterNotFound, InvalidInput, ModelNotFound, NotReady, Overloaded
-from embedserv.models.loading.spec import takes_images
+from embedserv.models.loading.spec_reader import takes_images
 from embedserv.types import ImageInput, Modality, Task
 
 def bound_socket(host: str, port: int, reuse_port: bool) -> socket.socket:

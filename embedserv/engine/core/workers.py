@@ -12,7 +12,7 @@ from embedserv.config import ModelConfig
 from embedserv.executor.local_worker import LocalWorker
 from embedserv.executor.placement import available_cores, place_workers
 from embedserv.executor.process_worker import ProcessWorker
-from embedserv.models.loading.spec import ModelSpec
+from embedserv.models.loading.model_spec import ModelSpec
 from embedserv.worker.replica import build_runner
 
 

@@ -7,7 +7,7 @@ embeddings) and a linear projector make one language-model token per patch; they
 (v1: RMSNorm scaled by 1 + weight, GeLU-gated MLP, embeddings times sqrt(hidden_size)). The image features
 are not scaled (transformers 5 scales only the token embeddings). As transformers runs it:
 - attention is bidirectional over the whole sequence, query or page: PaliGemmaConfig sets the text config's
-  use_bidirectional_attention (the language config, see FAMILY.language_config, carries it to causality);
+  use_bidirectional_attention (the language config, the model class's text_config, carries it to causality);
 - positions start at 1 (position_offset).
 """
 

@@ -1,5 +1,5 @@
 """SigLIP 2 with NaFlex variable resolution (Siglip2Model): SigLIP's towers and heads (siglip.py), with images
-kept near their aspect ratio at up to the processor's max_num_patches patches (engine/images: rows in
+kept near their aspect ratio at up to the processor's max_num_patches patches (engine/inputs/images: rows in
 (row, column, channel) order, the grid (rows, columns)). Its patch embedding is a linear layer, and its
 position embeddings, a square table, are resized per image to the image's grid (bilinear, antialiased) as
 transformers resizes them. Each image is its own sequence: no padding patches, so no attention mask.

@@ -94,7 +94,7 @@ class MlmHeadNames:
 
 @dataclass(frozen=True)
 class VisionTower:
-    """A family's image side, as the engine shapes its inputs (engine/loading.VisionSpec reads it)."""
+    """A family's image side, as the engine shapes its inputs (engine/served_model.read_vision_spec reads it)."""
 
     # Pixels per patch side: each patch row holds 3 * patch_size**2 values.
     patch_size: int
@@ -112,7 +112,7 @@ class VisionTower:
     # or where it has none this id (the config's).
     pads_texts: bool = False
     text_pad_id: int = 0
-    # The image processing layout it takes (engine/images ImageProcessing.layout).
+    # The image processing layout it takes (engine/inputs/images ImageProcessing.layout).
     layout: str = "chw"
 
 

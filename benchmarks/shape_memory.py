@@ -2,7 +2,7 @@
 
 Each case runs in a fresh interpreter: 3,000 calls of MiniLM's intermediate linear (384 -> 1536, the
 oneDNN-packed weight and fused GELU a CPU worker runs) on a random number of rows from 1 to 4,096, either
-as drawn or padded to `embedserv.padding.padded_rows`. After every 1,000 calls it prints glibc's view of the
+as drawn or padded to `embedserv.models.layers.padded_rows`. After every 1,000 calls it prints glibc's view of the
 heap (`mallinfo2`: bytes in use, bytes free but kept) and the resident set. oneDNN's primitive cache and
 ideep's LRU of them are keyed by shape; a case can shrink them through the environment.
 
@@ -26,13 +26,13 @@ CASES = [
         "random",
         {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0", "LRU_CACHE_CAPACITY": "16"},
     ),
-    ("rows padded (embedserv.padding)", "padded", {}),
+    ("rows padded (models/layers.padded_rows)", "padded", {}),
 ]
 
 _CHILD = """
 import ctypes, random, sys
 import torch
-from embedserv.padding import padded_rows
+from embedserv.models.layers import padded_rows
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in

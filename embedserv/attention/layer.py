@@ -113,7 +113,7 @@ class Attention(nn.Module):
         if meta is None:
             # The one way a routed layer gets none: a cross layer in a KV-free step without encoder inputs.
             raise RuntimeError(f"{self.kind.value} attention layer {self.layer_index} ran in a step without its inputs")
-        # Padding rows (embedserv/padding.py) follow the real ones: the backend never sees them.
+        # Padding rows (models/layers.py) follow the real ones: the backend never sees them.
         rows, num_queries = q.shape[0], meta.common.num_query_rows
         if k is not None:
             k = _real_rows(k, meta.common.num_key_rows).view(-1, self.num_kv_heads, self.head_size)

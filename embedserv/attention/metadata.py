@@ -58,7 +58,7 @@ class CommonAttentionMetadata:
     # Derived from the fields above when the record is made (every layer reads them, every call):
     # paged KV (a slot mapping);
     reads_kv_cache: bool = field(init=False)
-    # rows of q that belong to sequences (q may carry padding rows after them: embedserv/padding.py);
+    # rows of q that belong to sequences (q may carry padding rows after them: models/layers.py);
     num_query_rows: int = field(init=False)
     # rows of this step's k and v that belong to sequences (padding rows may follow): the new tokens written
     # to the cache (slot_mapping), or, KV-free, every key;

@@ -1,6 +1,6 @@
 """glibc malloc settings for a worker process, which the worker sets itself (nothing for a user to know).
 
-A step allocates and frees the same large buffers again and again (embedserv/padding.py keeps their sizes to a
+A step allocates and frees the same large buffers again and again (models/layers.py keeps their sizes to a
 bounded set). With glibc's defaults the heap's top is handed back to the kernel whenever more than twice
 the largest freed block lies free there, which is after nearly every step, and the next step faults the
 same pages in again: 4,500 to 9,000 page faults a step on MiniLM at 4,096 tokens, 2-4% of its time

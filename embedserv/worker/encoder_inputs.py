@@ -13,7 +13,7 @@ import torch
 from embedserv.attention.metadata import (
     CommonAttentionMetadata, build_common_metadata, build_cross_metadata, cumulative_offsets,
 )
-from embedserv.padding import pad
+from embedserv.models.layers import pad
 
 
 @dataclass(frozen=True)

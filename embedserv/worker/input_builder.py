@@ -8,7 +8,7 @@ rows; the prefill skip; encoder inputs; images; per KV-cache group the slot of e
 tables [num_seqs, max_blocks]) adds its host arrays to the step's `parts` under names of its own and reads its
 device tensors back by those names, so no plan depends on the order others added theirs.
 
-On CPU the rows are padded to a bounded set of counts (embedserv/padding.py); padding rows come after the
+On CPU the rows are padded to a bounded set of counts (models/layers.py); padding rows come after the
 real ones and belong to no sequence.
 
 Encoder-decoder steps also carry the encoder inputs of the sequences whose encoder runs now, packed in
@@ -29,7 +29,7 @@ import torch
 from embedserv.attention.metadata import build_common_metadata, cumulative_offsets
 from embedserv.models.heads.pooling import PoolingInputs, TokenInputs
 from embedserv.models.lora import adapter_rows
-from embedserv.padding import pad, padded_rows
+from embedserv.models.layers import pad, padded_rows
 from embedserv.steps import OutputKind, ScheduledSequence, StepBatch
 from embedserv.types import EmbedOutput
 from embedserv.worker.encoder_inputs import EncoderPlan

@@ -2,7 +2,7 @@
 who reads it: the model's forward (tokens, encoder inputs, images), the attention layers (metadata per
 KV-cache group, the prefill skip's kept rows), and the heads (pooled or scored rows, sampled rows, per-token
 outputs). Device tensors unless named `_cpu`; `[padded]`: the step's token rows, then padding rows up to the
-padded count on CPU (embedserv/padding.py; equal to num_tokens elsewhere).
+padded count on CPU (models/layers.py; equal to num_tokens elsewhere).
 """
 
 from __future__ import annotations

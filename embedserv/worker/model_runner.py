@@ -22,11 +22,10 @@ from embedserv.attention.layer import attention_layers
 from embedserv.forward_context import ForwardContext, set_forward_context
 from embedserv.models.heads.adapter_heads import AdapterScoreHeads
 from embedserv.models.heads.pooling import TokenInputs
-from embedserv.models.layers import warm_linear_row_counts
 from embedserv.models.lora import has_lora
 from embedserv.models.heads.sampler import sample
 from embedserv.models.interface import Model, ModelKind
-from embedserv.padding import padded_rows, row_counts
+from embedserv.models.layers import padded_rows, row_counts, warm_linear_row_counts
 from embedserv.scheduler.kv_cache_manager import KvCacheLayout
 from embedserv.steps import OutputKind, RaggedRows, ScheduledSequence, StepBatch, StepOutput
 from embedserv.types import EmbedOutput, SamplingParams
@@ -72,7 +71,7 @@ class ModelRunner:
         token_head: nn.Module | None = None,
         pad_rows: bool = True,
     ) -> None:
-        """`pad_rows`: on CPU, run padded row counts (embedserv/padding.py); tests that count rows turn it off."""
+        """`pad_rows`: on CPU, run padded row counts (models/layers.py); tests that count rows turn it off."""
         self.model = model
         self.backend = backend
         self.device = device
@@ -141,7 +140,7 @@ class ModelRunner:
         with set_forward_context(self._context(inputs)):
             hidden = self._forward(self.model, inputs)
         if inputs.num_output_rows is not None:
-            hidden = hidden[: inputs.num_output_rows]  # the padding rows (embedserv/padding.py)
+            hidden = hidden[: inputs.num_output_rows]  # the padding rows (models/layers.py)
         rows, tokens, sparse, vectors = _NO_ROWS, _NO_TOKENS, None, None
         # One device-to-host copy per kind of output.
         if inputs.rows is not None:

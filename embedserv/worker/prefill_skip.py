@@ -11,7 +11,7 @@ The kept rows are a new packing of the batch (in the batch's packed order): each
 paged, the kept sequences' rows of the block tables with one query each (a decode's shape) or their whole
 chunk; KV-free, queries that are the last `keep` of their sequence's keys (metadata.build_suffix_metadata).
 Outputs are then indexed in the kept packing: `out_start` and `out_len` give each sequence's rows there.
-The kept rows are padded like the step's (embedserv/padding.py), with row 0 again.
+The kept rows are padded like the step's (models/layers.py), with row 0 again.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from embedserv.attention.metadata import (
     AttentionMetadata, CommonAttentionMetadata, build_paged_metadata, build_suffix_metadata, cumulative_offsets,
     ranges,
 )
-from embedserv.padding import pad
+from embedserv.models.layers import pad
 from embedserv.steps import OutputKind
 
 
@@ -39,7 +39,7 @@ class PrefillSkip:
 
     # Attention layer_index of the first layer that runs the kept rows (the model's `prefill_skip_layer`).
     first_layer: int
-    # [num_kept] int64 (padded on CPU, embedserv/padding.py): the kept rows, indices into the step's packed
+    # [num_kept] int64 (padded on CPU, models/layers.py): the kept rows, indices into the step's packed
     # tokens, in packed order. The runner hands them to the model (`prefill_skip_rows=`), which keeps
     # them at its `prefill_skip_layer`.
     rows: torch.Tensor

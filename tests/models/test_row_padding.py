@@ -1,4 +1,4 @@
-"""Row padding on CPU (embedserv/padding.py).
+"""Row padding on CPU (models/layers.py).
 
 A worker's memory grew without bound under steady load: oneDNN builds and caches a primitive for every
 row count a linear sees, and steps of every size churned its caches and fragmented the heap. The runner
@@ -20,7 +20,7 @@ from embedserv.config import ModelConfig
 from embedserv.models.heads.pooling import Dense
 from embedserv.models.layers import Linear
 from embedserv.models.loading.st_files import DenseSpec
-from embedserv.padding import padded_rows, row_counts
+from embedserv.models.layers import padded_rows, row_counts
 from embedserv.steps import OutputKind, ScheduledSequence, StepBatch
 from embedserv.types import SamplingParams
 from tests.helpers.models import load_in_process

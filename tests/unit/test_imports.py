@@ -41,7 +41,7 @@ BELOW: dict[str, set[str]] = {
 }
 # Anyone may import these; they import only each other. "embedserv" is the root __init__ (__version__).
 SHARED = {
-    "embedserv", "types", "steps", "scheduler", "config", "errors", "logs", "metrics", "forward_context", "cpu_isa", "padding",
+    "embedserv", "types", "steps", "scheduler", "config", "errors", "logs", "metrics", "forward_context", "cpu_isa",
     "start_up", "tracing",
 }
 REPO = Path(__file__).resolve().parents[2]

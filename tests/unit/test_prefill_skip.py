@@ -19,7 +19,7 @@ from embedserv.steps import OutputKind, ScheduledSequence, StepBatch
 from embedserv.types import SamplingParams
 from embedserv.worker.kv_cache import KvCache, allocate_kv_caches, kv_cache_groups
 from embedserv.worker.model_runner import ModelRunner
-from embedserv.padding import padded_rows
+from embedserv.models.layers import padded_rows
 
 HIDDEN, HEADS, HEAD_SIZE, VOCAB, BLOCK = 32, 2, 16, 61, 4
 CPU = torch.device("cpu")
@@ -67,7 +67,7 @@ class ToyModel(nn.Module, DecoderModel):
 
 
 def _runner(backend, skip: bool, pooling: str | None = None, kv: bool = True, pad_rows: bool = False):
-    """Rows unpadded unless `pad_rows` (embedserv/padding.py): these tests count the rows each layer runs."""
+    """Rows unpadded unless `pad_rows` (models/layers.py): these tests count the rows each layer runs."""
     torch.manual_seed(0)
     model = ToyModel().eval()
     kv_cache = None
@@ -167,7 +167,7 @@ def test_prefill_only_steps_keep_the_rows_the_head_reads(pooling, kept, backend)
 
 @pytest.mark.parametrize("backend", [NaiveBackend(), SdpaBackend()], ids=["naive", "sdpa"])
 def test_padded_rows_change_no_output(backend):
-    """On CPU the runner pads the step's rows, the kept rows and the sampled rows (embedserv/padding.py): with
+    """On CPU the runner pads the step's rows, the kept rows and the sampled rows (models/layers.py): with
     the skip and padding it samples what the unpadded full run samples, from the same LM-head rows."""
     full, padded = _runner(backend, skip=False), _runner(backend, skip=True, pad_rows=True)
     rows = _count_rows(padded)

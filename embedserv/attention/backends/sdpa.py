@@ -66,7 +66,7 @@ from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetad
 _SCORES_BYTES = 2_500_000
 # ... with lengths padded to a multiple of this (padded keys masked, padded queries dropped): oneDNN keeps a
 # primitive per matmul shape, and every length and chunk size churned its caches and grew the heap without
-# bound (embedserv/padding.py says how). Padded, a 256-token model has about 160 shapes.
+# bound (models/layers.py says how). Padded, a 256-token model has about 160 shapes.
 _MATMUL_LENGTH_STEP = 8
 
 

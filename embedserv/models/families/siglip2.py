@@ -36,7 +36,7 @@ class ResizedPositionEmbeddings(nn.Module):
         ]
         patches = self.patch_embedding(rows.to(self.patch_embedding.weight.dtype))
         added = torch.cat(resized).to(patches.dtype)
-        # Padding rows (embedserv/padding.py) after the images' rows get none.
+        # Padding rows (models/layers.py) after the images' rows get none.
         return torch.cat((patches[: len(added)] + added, patches[len(added) :]))
 
 

@@ -123,13 +123,5 @@ class StepOutput:
     sparse: RaggedRows | None = None
     vectors: RaggedRows | None = None
 
-    def __post_init__(self) -> None:
-        # Also checked when a StepDone arrives from a worker (the codec runs __post_init__).
-        if len(self.rows) != len(self.row_request_ids) or len(self.tokens) != len(self.sampled_request_ids):
-            raise ValueError(
-                f"{len(self.rows)} rows and {len(self.tokens)} tokens for {len(self.row_request_ids)} and "
-                f"{len(self.sampled_request_ids)} request ids"
-            )
-
     def sampled(self) -> dict[int, int]:
         return dict(zip(self.sampled_request_ids, self.tokens.tolist(), strict=True))

@@ -61,8 +61,7 @@ class LocalWorker:
     async def wait_ready(self) -> None:
         return None
 
-    async def execute(self, batch: StepBatch) -> StepOutput:
-        generation = batch.uses_kv_cache
+    async def execute(self, batch: StepBatch, generation: bool = False) -> StepOutput:
         try:
             work = self._deltas.encode(batch) if generation else batch
             run = await asyncio.get_running_loop().run_in_executor(self._prepare_thread, self._prepare_and_queue, work)

@@ -124,14 +124,13 @@ class ProcessWorker:
         self._context.destroy(linger=0)
         shutil.rmtree(self._socket_dir, ignore_errors=True)
 
-    async def execute(self, batch: StepBatch) -> StepOutput:
+    async def execute(self, batch: StepBatch, generation: bool = False) -> StepOutput:
         if not self.ready:
             raise WorkerDied(f"worker {self.name} is restarting", sent=False)
         step_id = next(self._step_ids)
         future = asyncio.get_running_loop().create_future()
         if not self._pending:
             self._last_progress = time.monotonic()
-        generation = batch.uses_kv_cache
         pending = (step_id, future)
         try:
             message = RunGenerationStep(step_id, self._deltas.encode(batch)) if generation else RunStep(step_id, batch)

@@ -194,7 +194,7 @@ class RunningBatch:
     def record(self, output: StepOutput) -> None:
         """The tokens a step sampled: the next decode of each of those requests reads its own."""
         held = self._held
-        for request_id, token in zip(output.sampled_request_ids, output.tokens.tolist()):
+        for request_id, token in zip(output.sampled_request_ids, output.tokens.tolist(), strict=True):
             state = held.get(request_id)
             if state is not None:
                 state.last_token = token

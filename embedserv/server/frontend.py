@@ -108,6 +108,7 @@ class InflightLimiter:
 
     @contextmanager
     def hold(self, count: int) -> Iterator[None]:
+        """Admits `count` inputs for the duration of a with-block, or raises Overloaded at once."""
         with self._lock:
             in_flight = self._count.value
             if in_flight + count <= self.limit:
@@ -266,8 +267,3 @@ class Frontend:
                 f"--max-client-batch-size {self.config.max_client_batch_size}; split the call"
             )
         return pairs
-
-    def hold(self, count: int):
-        """Admits `count` inputs for the duration of a with-block, or raises Overloaded at once."""
-        return self.limiter.hold(count)
-

@@ -77,9 +77,9 @@ class FakeWorker:
         self._ready.set()
         self.on_change()
 
-    async def execute(self, batch: StepBatch) -> StepOutput:
+    async def execute(self, batch: StepBatch, generation: bool = False) -> StepOutput:
         assert self.ready, "a step was sent to a worker that is down"
-        assert batch.uses_kv_cache, "no prefill-only work here"
+        assert batch.uses_kv_cache and generation, "no prefill-only work here"
         self.steps += 1
         await asyncio.sleep(0)
         behaviour = self.behaviours.pop(0) if self.behaviours else "ok"
@@ -286,10 +286,10 @@ class GatedWorker(FakeWorker):
         self.gate = asyncio.Event()
         self.computed: set[int] = set()
 
-    async def execute(self, batch: StepBatch) -> StepOutput:
+    async def execute(self, batch: StepBatch, generation: bool = False) -> StepOutput:
         await self.gate.wait()
         self.computed.update(s.request_id for s in batch.sequences)
-        return await super().execute(batch)
+        return await super().execute(batch, generation)
 
 
 @run_async

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from embedserv.engine.core.dispatch import MAX_ATTEMPTS, Dispatcher, PrefillWork
+from embedserv.engine.inputs.sequence import InputSequence
 from embedserv.errors import NotReady
 from embedserv.executor.base import WorkerDied, WorkerStats
 from embedserv.steps import OutputKind, StepBatch, StepOutput
@@ -54,7 +55,7 @@ class FakeWorker:
         for gate in self._gates:
             gate.set()
 
-    async def execute(self, batch: StepBatch) -> StepOutput:
+    async def execute(self, batch: StepBatch, generation: bool = False) -> StepOutput:
         ids = tuple(s.request_id for s in batch.sequences)
         self.calls.append(ids)
         self.in_flight += 1
@@ -112,7 +113,7 @@ class Dispatch:
         return self.dispatcher.is_running
 
     def new_request(self, token_ids, pool_start: int = 0, token_type_ids=None):
-        return self.queue.new_request(token_ids, pool_start, token_type_ids)
+        return self.queue.new_request(InputSequence(token_ids, pool_start, token_type_ids))
 
     async def run(self, requests):
         return await self.queue.run(requests)

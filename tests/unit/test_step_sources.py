@@ -66,7 +66,7 @@ class RecordingWorker:
         self.on_change = lambda: None
         self.ran: list[int] = []
 
-    async def execute(self, batch: StepBatch) -> StepOutput:
+    async def execute(self, batch: StepBatch, generation: bool = False) -> StepOutput:
         self.ran.extend(s.request_id for s in batch.sequences)
         await asyncio.sleep(0)
         return _output(batch)

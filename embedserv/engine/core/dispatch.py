@@ -30,10 +30,12 @@ from operator import attrgetter
 from typing import Any, Protocol
 
 from embedserv import metrics
+from embedserv.engine.inputs.sequence import InputSequence
 from embedserv.engine.ports import SequenceOutput
 from embedserv.errors import NotReady
 from embedserv.executor.base import Worker, WorkerDied
 from embedserv.logs import REQUEST_ID
+from embedserv.models.loading.tasks import TaskSpec
 from embedserv.scheduler.prefill_only import PrefillOnlyScheduler, batch_of
 from embedserv.scheduler.request import Request
 from embedserv.steps import OutputKind, StepBatch, StepOutput
@@ -52,6 +54,10 @@ class Step:
 
     batch: StepBatch
     requests: tuple[Any, ...] = ()
+    # Prefill: the tokens the step computes (the batch metrics' and the trace's sizes).
+    num_tokens: int = 0
+    # A generation step continues the worker's running batch (sent as a delta against it).
+    generation: bool = False
 
 
 class StepSource(Protocol):
@@ -179,7 +185,7 @@ class Dispatcher:
     async def _step(self, slot: _Slot, step: Step, source: StepSource) -> None:
         started = time.perf_counter()
         try:
-            output = await slot.worker.execute(step.batch)
+            output = await slot.worker.execute(step.batch, step.generation)
             await source.step_done(step, output, slot.worker, started)
         except WorkerDied as died:
             source.worker_died(step, died)
@@ -207,12 +213,15 @@ class PrefillWork:
 
     def __init__(
         self, name: str, workers: list[Worker], max_batch_tokens: int, max_batch_requests: int, output: OutputKind,
-        wake: Callable[[], None],
+        wake: Callable[[], None], task: TaskSpec | None = None,
     ) -> None:
-        """`wake`: the dispatcher's, called when there is new work."""
+        """`wake`: the dispatcher's, called when there is new work. `task`: the model's (an encoder-decoder's
+        sequences are its encoder's input)."""
         self.name = name
         self.workers = workers
         self.output = output
+        self.decoder_start = task.decoder_start_token_id if task is not None else None
+        self.decoder_reads_start_only = task is not None and task.prefill_decoder_input == "start"
         self.scheduler = PrefillOnlyScheduler(max_batch_tokens, max_batch_requests)
         # False until the engine starts, and again once it stops or its dispatcher crashed.
         self.accepting = False
@@ -221,15 +230,19 @@ class PrefillWork:
         # The steps on workers now (what fail_all fails besides the queue).
         self._running: set[Step] = set()
 
-    def new_request(
-        self, token_ids: list[int], pool_start: int = 0, token_type_ids=None, encoder_token_ids: list[int] | None = None,
-        outputs: tuple[EmbedOutput, ...] = (), adapter: int = -1, pixels=None, image_grid: tuple[int, ...] = (),
-    ) -> Request:
+    def new_request(self, sequence: InputSequence, wanted: tuple[EmbedOutput, ...] = ()) -> Request:
+        """The request that computes one of a call's sequences (its outputs `wanted`)."""
+        if self.decoder_start is not None:
+            # Encoder-decoder: the text is the encoder's input; the decoder reads its start token (a yes/no
+            # reranker's first step) or the input shifted right behind it (BART's classifier).
+            start, ids = self.decoder_start, sequence.ids
+            decoder = [start] if self.decoder_reads_start_only else [start] + ids[:-1]
+            return Request(next(self._ids), decoder, self.output, encoder_token_ids=ids, call_id=REQUEST_ID.get())
         return Request(
-            next(self._ids), token_ids, self.output, pool_start=pool_start, token_type_ids=token_type_ids,
-            encoder_token_ids=encoder_token_ids or [], call_id=REQUEST_ID.get(),
-            outputs=() if outputs == (EmbedOutput.DENSE,) else outputs, adapter=adapter, pixels=pixels,
-            image_grid=image_grid,
+            next(self._ids), sequence.ids, self.output, pool_start=sequence.pool_start,
+            token_type_ids=sequence.token_type_ids, call_id=REQUEST_ID.get(),
+            outputs=() if wanted == (EmbedOutput.DENSE,) else wanted, adapter=sequence.adapter, pixels=sequence.pixels,
+            image_grid=sequence.image_grid,
         )
 
     def workers_changed(self) -> None:
@@ -264,7 +277,7 @@ class PrefillWork:
         requests = self.scheduler.pick()
         if not requests:
             return None
-        step = Step(batch_of(requests), tuple(requests))
+        step = Step(batch_of(requests), tuple(requests), sum(len(r.prompt_token_ids) for r in requests))
         self._running.add(step)
         return step
 
@@ -280,11 +293,17 @@ class PrefillWork:
     async def step_done(self, step: Step, output: StepOutput, worker: Worker, started: float) -> None:
         finished = time.perf_counter()
         self._running.discard(step)
-        self._observe(step, worker, finished - started)
+        num_sequences, num_tokens = len(step.requests), step.num_tokens
+        metrics.BATCH_SEQUENCES.labels(self.name, "prefill").observe(num_sequences)
+        metrics.BATCH_TOKENS.labels(self.name, "prefill").observe(num_tokens)
+        if logger.isEnabledFor(logging.INFO):
+            self._log(step, worker, finished - started)
+        if len(output.rows) != len(output.row_request_ids):
+            # Raised here, the step fails its calls (a malformed answer never reaches them).
+            raise ValueError(f"the worker gave {len(output.rows)} rows for {len(output.row_request_ids)} sequences")
         rows = dict(zip(output.row_request_ids, output.rows))
         sparse = output.sparse.split() if output.sparse is not None else {}
         vectors = output.vectors.split() if output.vectors is not None else {}
-        batch = step.batch
         for request in step.requests:
             if request.future.done():
                 continue
@@ -292,7 +311,7 @@ class PrefillWork:
             own_vectors = vectors.get(request_id)
             request.future.set_result(SequenceOutput(
                 rows.get(request_id), started, finished, sparse.get(request_id),
-                own_vectors[0] if own_vectors is not None else None, batch.num_sequences, batch.num_tokens,
+                own_vectors[0] if own_vectors is not None else None, num_sequences, num_tokens,
             ))
 
     def step_failed(self, step: Step, exc: Exception) -> None:
@@ -319,19 +338,15 @@ class PrefillWork:
             self.scheduler.requeue(retry)
             self._wake()
 
-    def _observe(self, step: Step, worker: Worker, seconds: float) -> None:
-        batch = step.batch
-        metrics.BATCH_SEQUENCES.labels(self.name, "prefill").observe(batch.num_sequences)
-        metrics.BATCH_TOKENS.labels(self.name, "prefill").observe(batch.num_tokens)
-        if logger.isEnabledFor(logging.INFO):
-            calls = {request.call_id for request in step.requests if not request.future.done()}
-            calls.discard("")  # library calls have no id
-            shown = sorted(calls)[:_LOGGED_CALLS]
-            more = f" +{len(calls) - len(shown)} more" if len(calls) > len(shown) else ""
-            logger.info(
-                "%s: batch of %d sequences, %d tokens on worker %d in %.1f ms; calls %s%s",
-                self.name, batch.num_sequences, batch.num_tokens, worker.index, seconds * 1e3, " ".join(shown), more,
-            )
+    def _log(self, step: Step, worker: Worker, seconds: float) -> None:
+        calls = {request.call_id for request in step.requests if not request.future.done()}
+        calls.discard("")  # library calls have no id
+        shown = sorted(calls)[:_LOGGED_CALLS]
+        more = f" +{len(calls) - len(shown)} more" if len(calls) > len(shown) else ""
+        logger.info(
+            "%s: batch of %d sequences, %d tokens on worker %d in %.1f ms; calls %s%s",
+            self.name, len(step.requests), step.num_tokens, worker.index, seconds * 1e3, " ".join(shown), more,
+        )
 
 
 def _fail(request: Request, error: Exception) -> None:

@@ -212,7 +212,7 @@ class GenerationStreams:
         """The next step; call on a ready worker only."""
         self.follow_worker()
         batch = self.scheduler.schedule()
-        return Step(batch) if batch is not None else None
+        return Step(batch, generation=True) if batch is not None else None
 
     async def stream(self, prompt: PreparedPrompt, params: SamplingParams) -> AsyncIterator[GenerationDelta]:
         """Runs a tokenized prompt (see prepare_prompt) on this worker; yields its deltas."""

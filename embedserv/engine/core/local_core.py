@@ -30,7 +30,6 @@ from embedserv.engine.served_model import ServedModel, log_spec, read_served_mod
 from embedserv.errors import ConfigError, InvalidInput, NotReady
 from embedserv.executor.base import Worker, WorkerStats
 from embedserv.scheduler.prefill_only import CallCounts
-from embedserv.scheduler.request import Request
 from embedserv.steps import OutputKind
 from embedserv.types import EmbedOutput, EngineRun, GenerationDelta, KvCacheUsage, SamplingParams, Task, Timing
 
@@ -84,7 +83,7 @@ class LocalCore:
         self.prefill: PrefillWork | None = None
         if served.task.tasks != (Task.GENERATE,):
             output = OutputKind.POOL if served.spec.outputs.outputs else OutputKind.SCORE
-            self.prefill = PrefillWork(name, workers, budget, max_seqs, output, wake)
+            self.prefill = PrefillWork(name, workers, budget, max_seqs, output, wake, served.task)
         # Prefill outputs only: generation streams are not cached.
         self.cache: OutputCache | None = None
         if config.embedding_cache and self.prefill is not None:
@@ -264,8 +263,10 @@ class LocalCore:
     ) -> Inferred:
         """Runs every sequence through the scheduler, or the embedding cache first unless `use_cache` is off."""
         tokenized = time.perf_counter()
-        stripped = [self._stripped(sequence) for sequence in sequences]
-        requests = [self._request(sequence, wanted) for sequence in stripped]
+        stripped = sequences
+        if self.task.strip_trailing_pad_id is not None:
+            stripped = [self._stripped(sequence) for sequence in sequences]
+        requests = [self.prefill.new_request(sequence, wanted) for sequence in stripped]
         call = self._calls.admit()
         for request in requests:
             request.call = call
@@ -296,8 +297,6 @@ class LocalCore:
     def _stripped(self, sequence: InputSequence) -> InputSequence:
         """Without the trailing pad ids of models whose tokenizer pads (what the workers run, and the cache key)."""
         pad = self.task.strip_trailing_pad_id
-        if pad is None:
-            return sequence
         ids, types = sequence.ids, sequence.token_type_ids
         end = len(ids)
         while end > 1 and ids[end - 1] == pad:
@@ -305,16 +304,3 @@ class LocalCore:
         if end == len(ids):
             return sequence
         return dataclasses.replace(sequence, ids=ids[:end], token_type_ids=types[:end] if types is not None else None)
-
-    def _request(self, sequence: InputSequence, wanted: tuple[EmbedOutput, ...] = ()) -> Request:
-        ids, types = sequence.ids, sequence.token_type_ids
-        start = self.task.decoder_start_token_id
-        if start is not None:
-            # Encoder-decoder: the text is the encoder's input; the decoder reads its start token (a yes/no
-            # reranker's first step) or the input shifted right behind it (BART's classifier).
-            decoder = [start] if self.task.prefill_decoder_input == "start" else [start] + ids[:-1]
-            return self.prefill.new_request(decoder, encoder_token_ids=ids)
-        return self.prefill.new_request(
-            ids, pool_start=sequence.pool_start, token_type_ids=types, outputs=wanted, adapter=sequence.adapter,
-            pixels=sequence.pixels, image_grid=sequence.image_grid,
-        )

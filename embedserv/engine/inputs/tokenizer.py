@@ -147,7 +147,7 @@ class TextTokenizer:
                     raise self.too_long(f"input {index}", len(encoding.ids) + self.num_special, self.max_input_tokens)
                 encoding.truncate(room, direction=direction)
             ids = self.backend.post_process(encoding, None, True).ids
-            out.append(InputSequence(ids=self._padded(ids), pool_start=pool_start))
+            out.append(InputSequence(ids=self._padded(ids) if self._pad_to else ids, pool_start=pool_start))
         return out
 
     def encode_texts(self, texts: list[str], params: EmbedParams) -> list[InputSequence]:
@@ -170,7 +170,7 @@ class TextTokenizer:
                 if not truncate:
                     raise self.too_long(f"input {index}", len(ids), self.max_input_tokens)
                 ids = ids[-self.max_input_tokens:] if direction is TruncationDirection.LEFT else ids[: self.max_input_tokens]
-            out.append(InputSequence(ids=self._padded(list(ids))))
+            out.append(InputSequence(ids=self._padded(list(ids)) if self._pad_to else list(ids)))
         return out
 
     def apply_chat_template(self, messages: list[dict]) -> str:

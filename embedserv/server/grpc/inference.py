@@ -53,7 +53,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         else:
             inputs = self.frontend.check_items(engine, items, "items")
         params = embed_params(request)
-        with self.frontend.hold(len(inputs)):
+        with self.frontend.limiter.hold(len(inputs)):
             result = await engine.embedding.embed(inputs, params)
         call.answered(len(inputs), result.prompt_tokens, result.timing)
         return embed_response(result, request.encoding, engine.info.name, received)
@@ -78,7 +78,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             prompt_name=request.prompt_name or None, outputs=(EmbedOutput.SPARSE,),
             sparse_top_k=request.top_k if request.HasField("top_k") else None,
         )
-        with self.frontend.hold(len(texts)):
+        with self.frontend.limiter.hold(len(texts)):
             result = await engine.embedding.embed(texts, params)
         call.answered(len(texts), result.prompt_tokens, result.timing)
         return pb.EmbedSparseResponse(
@@ -101,7 +101,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         params = EmbedParams(
             truncate=truncate_of(request), prompt_name=request.prompt_name or None, outputs=(EmbedOutput.MULTI_VECTOR,)
         )
-        with self.frontend.hold(len(texts) + len(images)):
+        with self.frontend.limiter.hold(len(texts) + len(images)):
             result = await engine.embedding.embed(texts + images, params)
         call.answered(len(texts) + len(images), result.prompt_tokens, result.timing)
         return pb.EmbedMultiVectorResponse(
@@ -114,7 +114,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         engine = self._engine(request.model, call)
         texts = self.frontend.check_inputs(request.inputs)
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        with self.frontend.hold(len(texts)):
+        with self.frontend.limiter.hold(len(texts)):
             tokenized = await engine.tokens.tokenize(texts, add_special, request.prompt_name or None)
         call.answered(len(texts), sum(len(x.ids) for x in tokenized))
         inputs = [
@@ -154,7 +154,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             instruction=request.instruction or None,
             chunking=rerank_chunking(request.chunking),
         )
-        with self.frontend.hold(len(documents)):
+        with self.frontend.limiter.hold(len(documents)):
             result = await engine.reranking.rerank(request.query, documents, params)
         call.answered(len(documents), result.prompt_tokens, result.timing)
         results = [
@@ -191,7 +191,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             hypothesis_template=request.hypothesis_template,
             multi_label=request.multi_label,
         )
-        with self.frontend.hold(sequences):
+        with self.frontend.limiter.hold(sequences):
             result = await engine.classification.classify(texts, params)
         call.answered(len(texts), result.prompt_tokens, result.timing)
         classifications = [
@@ -211,7 +211,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.frontend.check_chars(request.prompt, "prompt")
         self.frontend.check_chars(request.decoder_prompt, "decoder_prompt")
         params = sampling_params(request)
-        with self.frontend.hold(1):
+        with self.frontend.limiter.hold(1):
             async for delta in engine.core.generate(request.prompt, params, decoder_prompt=request.decoder_prompt):
                 if delta.finish_reason is not None:
                     call.answered(1, delta.prompt_tokens)

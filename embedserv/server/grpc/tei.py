@@ -146,7 +146,7 @@ class EmbedServicer(_TeiServicer, pb_grpc.EmbedServicer):
             dimensions=request.dimensions if request.HasField("dimensions") else None,
             prompt_name=request.prompt_name or None,
         )
-        with self.frontend.hold(1):
+        with self.frontend.limiter.hold(1):
             result = await engine.embedding.embed([text], params)
         call.answered(1, result.prompt_tokens, result.timing)
         return pb.EmbedResponse(
@@ -173,7 +173,7 @@ class EmbedServicer(_TeiServicer, pb_grpc.EmbedServicer):
             prompt_name=request.prompt_name or None,
             outputs=(output,),
         )
-        with self.frontend.hold(1):
+        with self.frontend.limiter.hold(1):
             result = await engine.embedding.embed([text], params)
         call.answered(1, result.prompt_tokens, result.timing)
         meta = metadata(len(text), result.prompt_tokens, result.timing)
@@ -217,7 +217,7 @@ class PredictServicer(_TeiServicer, pb_grpc.PredictServicer):
             truncation_direction=direction(request.truncation_direction),
             raw_scores=request.raw_scores,
         )
-        with self.frontend.hold(1):
+        with self.frontend.limiter.hold(1):
             result = await engine.classification.classify([text], params)
         call.answered(1, result.prompt_tokens, result.timing)
         scored = sorted(zip(result.scores[0].tolist(), result.labels), key=lambda pair: -pair[0])
@@ -239,7 +239,7 @@ class PredictServicer(_TeiServicer, pb_grpc.PredictServicer):
         engine = self._pair_scorer(context, call)
         first, second = (self._text(text, f"inputs[{i}]") for i, text in enumerate(request.inputs))
         right_only(request.truncation_direction, "PredictPair")
-        with self.frontend.hold(1):
+        with self.frontend.limiter.hold(1):
             params = RerankParams(raw_scores=request.raw_scores, truncate=truncate_of(request))
             result = await engine.reranking.rerank(first, [second], params)
         call.answered(1, result.prompt_tokens, result.timing)
@@ -275,7 +275,7 @@ class RerankServicer(_TeiServicer, pb_grpc.RerankServicer):
         self.frontend.check_chars(request.query, "query")
         right_only(request.truncation_direction, "Rerank")
         params = RerankParams(raw_scores=request.raw_scores, truncate=truncate_of(request))
-        with self.frontend.hold(len(texts)):
+        with self.frontend.limiter.hold(len(texts)):
             result = await engine.reranking.rerank(request.query, texts, params)
         call.answered(len(texts), result.prompt_tokens, result.timing)
         chars = len(request.query) * len(texts) + sum(map(len, texts))
@@ -308,7 +308,7 @@ class RerankServicer(_TeiServicer, pb_grpc.RerankServicer):
         if first is None:
             raise InvalidInput("the stream carried no requests; send at least one (query, text) request")
         raw = first.raw_scores
-        with self.frontend.hold(count):
+        with self.frontend.limiter.hold(count):
             tasks = [
                 asyncio.ensure_future(engine.reranking.rerank(query, texts, RerankParams(raw_scores=raw, truncate=truncate)))
                 for (query, truncate), (_, texts) in groups.items()
@@ -336,7 +336,7 @@ class TokenizeServicer(_TeiServicer, pb_grpc.TokenizeServicer):
         engine = self._engine(context, call)
         text = self._text(request.inputs)
         prompt_name = request.prompt_name or None
-        with self.frontend.hold(1):
+        with self.frontend.limiter.hold(1):
             [tokenized] = await engine.tokens.tokenize([text], request.add_special_tokens, prompt_name)
         call.answered(1, len(tokenized.ids))
         tokens = tei_tokens(engine, text, prompt_name, tokenized)
@@ -346,7 +346,7 @@ class TokenizeServicer(_TeiServicer, pb_grpc.TokenizeServicer):
         engine = self._engine(context, call)
         if not request.ids:
             raise InvalidInput("ids is empty; send at least one token id")
-        with self.frontend.hold(1):
+        with self.frontend.limiter.hold(1):
             text = await engine.tokens.decode(list(request.ids), request.skip_special_tokens)
         call.answered(1, len(request.ids))
         return pb.DecodeResponse(text=text)

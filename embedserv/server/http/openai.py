@@ -221,7 +221,7 @@ async def _in_slices(frontend: Frontend, inputs: list, embed: Callable, params: 
     results = []
     for start in range(0, len(inputs), size):
         part = inputs[start:start + size]
-        with frontend.hold(len(part)):
+        with frontend.limiter.hold(len(part)):
             results.append(await embed(part, _slice_of(params, start, start + size)))
     if len(results) == 1:
         return results[0]

@@ -173,7 +173,7 @@ async def _generate(
     frontend = frontend_of(request)
     call = call_of(request)
     admitted = contextlib.ExitStack()
-    admitted.enter_context(frontend.hold(len(prompts)))
+    admitted.enter_context(frontend.limiter.hold(len(prompts)))
     runs = [
         _Run(i, engine.core.generate(prompt, params, add_special_tokens=add_special_tokens))
         for i, prompt in enumerate(prompts)

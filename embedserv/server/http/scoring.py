@@ -77,7 +77,7 @@ async def rerank_documents(request: Request, engine: Engine, query: str, documen
     """engine.rerank under admission, counted on the request's Call; documents are checked already."""
     frontend = frontend_of(request)
     frontend.check_chars(query, "query")
-    with frontend.hold(len(documents)):
+    with frontend.limiter.hold(len(documents)):
         result = await engine.reranking.rerank(query, documents, params)
     call_of(request).answered(len(documents), result.prompt_tokens, result.timing)
     return result
@@ -201,7 +201,7 @@ async def classify(request: Request, body: ClassifyRequest):
     engine = engine_for_task(request, Task.CLASSIFY, body.model)
     frontend = frontend_of(request)
     texts = frontend.check_inputs([body.input] if isinstance(body.input, str) else body.input, "input")
-    with frontend.hold(len(texts)):
+    with frontend.limiter.hold(len(texts)):
         result = await engine.classification.classify(texts, ClassifyParams(truncate=body.truncate, raw_scores=body.raw_scores))
     call_of(request).answered(len(texts), result.prompt_tokens, result.timing)
     labels = result.labels
@@ -244,7 +244,7 @@ async def score(request: Request, body: ScoreRequest):
     frontend.check_inputs([second for _, second in pairs], "text_2")
     for first in set(first for first, _ in pairs):
         frontend.check_chars(first, "text_1")
-    with frontend.hold(len(pairs)):
+    with frontend.limiter.hold(len(pairs)):
         scores, tokens, timing = await score_pairs(
             engine, pairs, RerankParams(raw_scores=body.raw_scores, truncate=body.truncate)
         )

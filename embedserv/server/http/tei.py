@@ -79,7 +79,7 @@ async def _embed_parts(
     ids = [(i, x) for i, x in enumerate(inputs) if not isinstance(x, str)]
     for index, text in texts:
         frontend.check_chars(text, f"inputs[{index}]")
-    with frontend.hold(len(inputs)):
+    with frontend.limiter.hold(len(inputs)):
         calls = [engine.embedding.embed([x for _, x in texts], params)] if texts else []
         if ids:
             calls.append(engine.embedding.embed_token_ids([x for _, x in ids], params))
@@ -189,7 +189,7 @@ async def predict(request: Request, body: TeiPredictRequest):
     pairs = [i for i, s in enumerate(sequences) if len(s) == 2]
     classifier = engine_for_task(request, Task.CLASSIFY) if texts else None
     scorer = _pair_scorer(request) if pairs else None
-    with frontend.hold(len(sequences)):
+    with frontend.limiter.hold(len(sequences)):
         calls = [_predict_texts(classifier, [sequences[i][0] for i in texts], body)] if texts else []
         if pairs:
             calls.append(_predict_pairs(scorer, [tuple(sequences[i]) for i in pairs], body))
@@ -211,7 +211,7 @@ async def tokenize(request: Request, body: TeiTokenizeRequest):
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     require_some(texts, "inputs")
     frontend.check_inputs(texts)
-    with frontend.hold(len(texts)):
+    with frontend.limiter.hold(len(texts)):
         tokenized = await engine.tokens.tokenize(texts, body.add_special_tokens, body.prompt_name)
     call_of(request).answered(len(texts), sum(len(x.ids) for x in tokenized))
     return JSON([
@@ -227,7 +227,7 @@ async def decode(request: Request, body: TeiDecodeRequest):
     frontend = frontend_of(request)
     batch = [body.ids] if not body.ids or isinstance(body.ids[0], int) else body.ids
     frontend.check_batch(len(batch), "ids")
-    with frontend.hold(len(batch)):
+    with frontend.limiter.hold(len(batch)):
         texts = await asyncio.gather(*(engine.tokens.decode(ids, body.skip_special_tokens) for ids in batch))
     call_of(request).answered(len(batch), sum(len(ids) for ids in batch))
     return JSON(list(texts))

@@ -90,11 +90,11 @@ class Call:
         # The call's spans while tracing is on (start_trace), else None.
         self.trace: tracing.CallTrace | None = None
 
-    def start_trace(self, name: str, carrier_of, attributes: dict) -> None:
-        """Opens the call's server span when tracing is on; `carrier_of()` gives the incoming headers."""
-        if tracing.active:
-            attributes = {**attributes, "embedserv.request_id": self.request_id}
-            self.trace = tracing.start(name, self.received, carrier_of(), attributes)
+    def start_trace(self, name: str, carrier: dict[str, str], attributes: dict) -> None:
+        """Opens the call's server span (called while tracing is on: tracing.active); `carrier` holds the
+        incoming headers."""
+        attributes = {**attributes, "embedserv.request_id": self.request_id}
+        self.trace = tracing.start(name, self.received, carrier, attributes)
 
     def answered(self, inputs: int, tokens: int, timing: Timing | None = None) -> None:
         """A part of the call answered (all of it, or one request of a stream): its inputs, the tokens they
@@ -185,7 +185,8 @@ def _start(rpc: str, context: grpc.aio.ServicerContext) -> Call:
     # Each RPC runs in its own task, so this is the call's id for everything it awaits (batch log lines).
     REQUEST_ID.set(call.request_id)
     context.set_trailing_metadata(((REQUEST_ID_KEY, call.request_id),))
-    call.start_trace(rpc, lambda: dict(context.invocation_metadata() or ()), {"rpc.system": "grpc", "rpc.method": rpc})
+    if tracing.active:
+        call.start_trace(rpc, dict(context.invocation_metadata() or ()), {"rpc.system": "grpc", "rpc.method": rpc})
     return call
 
 

@@ -1,20 +1,16 @@
 """The steps an engine core's workers run: which worker runs which (the Dispatcher, one per core, on the event
-loop), and the prefill work they share (PrefillWork).
+loop), and the prefill queue they share (PrefillWork).
 
-Work comes from step sources: a worker's own generation streams (generation.py: its streams live in its KV
-cache, so only it can run their steps) and the model's shared prefill work. Whenever something changes (work
-arrives, a step ends, a worker comes or goes) the dispatcher places what it can: each ready worker with room
-(fewer than `pipeline_depth` steps in flight) takes its generation step first, then prefill batches go to the
-ready worker with the fewest steps in flight. A source that runs one step at a time (generation: a step's
-sampled tokens are the next step's input) gets its next step scheduled only once the last one is done. Each
-step runs as `worker.execute(StepBatch) -> StepOutput`, and its source then resolves what waited on it. A
-worker's busy share (the load metrics) counts the time it has a step in flight.
+Work comes from step sources: a worker's own generation streams (generation.py: they live in its KV cache) and
+the shared prefill queue. Whenever something changes (work arrives, a step ends, a worker comes or goes) the
+dispatcher places what it can: each ready worker with room (fewer than `pipeline_depth` steps in flight) takes
+its generation step first (one at a time: a step's sampled tokens are the next one's input), then prefill
+batches go to the ready worker with the fewest steps in flight. A step's source resolves what waited on it.
 
-Prefill (embed, rerank, classify): a call's sequences become Requests that carry the call's futures, queued in
-one FIFO scheduler; each step's result resolves the futures of the requests it carried. No table of requests:
-a request is in the queue or in a step on a worker. When a worker dies, the sequences of its steps go back to
-the front of the queue for one more try if another worker is alive; otherwise they fail with NotReady
-(UNAVAILABLE). While no worker is alive, calls fail at once instead of queueing for a restart that may not come.
+Prefill: a call's sequences become Requests that carry the call's futures; a request is in the FIFO queue or in
+a step on a worker, never in a table. When a worker dies, its steps' sequences go back to the front of the
+queue for one more try if another worker is alive, else fail with NotReady (UNAVAILABLE); while none is
+alive, calls fail at once instead of queueing for a restart that may not come.
 """
 
 from __future__ import annotations
@@ -111,11 +107,6 @@ class Dispatcher:
         self._steps: set[asyncio.Task] = set()
 
     @property
-    def sources(self) -> list[StepSource]:
-        streams = [slot.streams for slot in self._slots if slot.streams is not None]
-        return streams + ([self.prefill] if self.prefill is not None else [])
-
-    @property
     def is_running(self) -> bool:
         return self._task is not None and not self._task.done()
 
@@ -143,8 +134,9 @@ class Dispatcher:
             return
         logger.error("the step dispatcher of %s died", self.name, exc_info=task.exception())
         error = NotReady(f"model {self.name} stopped after an internal error; retry later")
-        for source in self.sources:
-            source.fail_all(error)
+        for source in [slot.streams for slot in self._slots] + [self.prefill]:
+            if source is not None:
+                source.fail_all(error)
 
     async def _run(self) -> None:
         while True:
@@ -355,16 +347,12 @@ def _fail(request: Request, error: Exception) -> None:
 
 
 class BusyWindow:
-    """The share of the last `window_s` seconds during which a worker had a step in flight.
-
-    begin() and end() bracket each busy period (the first step sent to the worker, the last one answered);
-    ratio() adds up the busy time within the window, the open period included, so a step that runs for a
-    minute reads busy throughout, not only once it ends. Before `window_s` has passed since it was made, the
-    window is the time since then.
-
-    Periods that end within `window_s / 100` of the start of the last record join it, so a worker running
-    thousands of short steps keeps about a hundred records; the one record the window's start cuts through
-    counts its busy time pro rata (at most 1% of the window off)."""
+    """The share of the last `window_s` seconds during which a worker had a step in flight (the time since it was
+    made, until `window_s` has passed). begin() and end() bracket each busy period (the first step sent, the last
+    one answered); ratio() adds up the busy time within the window, the open period included, so a step that runs
+    for a minute reads busy throughout. Periods that end within `window_s / 100` of the start of the last record
+    join it, so thousands of short steps keep about a hundred records; the one record the window's start cuts
+    through counts pro rata (at most 1% of the window off)."""
 
     def __init__(self, window_s: float = BUSY_WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.window_s = window_s

@@ -71,7 +71,7 @@ class Embedding:
             tokenizer.check_token_ids, token_ids, params.truncate, params.truncation_direction
         )
         self.token_rules.check_ids(encoded)
-        result = await self._pooled(with_adapter(encoded, adapter), params, received)
+        result = await self._pooled(encoded, adapter, params, received)
         return result if params.encoding is Encoding.FLOAT32 else await self.encodings.apply(result, params)
 
     async def embed_floats(self, inputs: list[str | ImageInput], params: EmbedParams) -> EmbedResult:
@@ -86,7 +86,7 @@ class Embedding:
         check_embed(self._info, tokenizer, inputs, params)
         if has_images:
             encoded = await image_inputs.encode_inputs(self._core, self._served, self.token_rules, inputs, params)
-            return await self._pooled(with_adapter(encoded, adapter), params, received)
+            return await self._pooled(encoded, adapter, params, received)
         if params.late_chunking is not None:
             return await late_chunking.embed_late_chunks(
                 self._core, self._served, inputs, params, received, self._dense, adapter
@@ -94,13 +94,18 @@ class Embedding:
         if params.chunking:
             return await chunking.embed_chunked(self._core, self._served, inputs, params, received, adapter)
         encoded = await self._core.tokenize_with(self._encode_texts, inputs, params, chars=sum(map(len, inputs)))
-        return await self._pooled(with_adapter(encoded, adapter), params, received)
+        return await self._pooled(encoded, adapter, params, received)
 
     async def in_encoding(self, result: EmbedResult, params: EmbedParams) -> EmbedResult:
         """`result`'s float32 dense vectors in the encoding `params` asks for."""
         return await self.encodings.apply(result, params)
 
-    async def _pooled(self, encoded: list[InputSequence], params: EmbedParams, received: float) -> EmbedResult:
+    async def _pooled(
+        self, encoded: list[InputSequence], adapter: int, params: EmbedParams, received: float
+    ) -> EmbedResult:
+        """The sequences run (with the task adapter `adapter`, -1: none) and their outputs assembled."""
+        if adapter >= 0:
+            encoded = [replace(e, adapter=adapter) for e in encoded]
         outputs, prompt_tokens, timing = await self._core.infer(
             encoded, received, params.outputs, use_cache=not params.bypass_cache
         )
@@ -161,10 +166,6 @@ def task_adapter(info: ModelInfo, tokenizer: TextTokenizer, params: EmbedParams)
         raise InvalidInput(f"unknown task {task!r}; model {info.name!r} has the tasks: {', '.join(info.adapters)}")
     prompt_name = params.prompt_name or (task if task in tokenizer.prompts else None)
     return info.adapters.index(task), prompt_name
-
-
-def with_adapter(encoded: list[InputSequence], adapter: int) -> list[InputSequence]:
-    return encoded if adapter < 0 else [replace(e, adapter=adapter) for e in encoded]
 
 
 def top_k(values: np.ndarray, indices: np.ndarray, k: int | None) -> SparseVector:

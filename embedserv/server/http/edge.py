@@ -16,8 +16,9 @@ import time
 
 from starlette.requests import Request
 
-from embedserv.server.http.error_responses import BodyTooLarge, error_response, error_style, exception_response
+from embedserv import tracing
 from embedserv.logs import REQUEST_ID
+from embedserv.server.http.error_responses import BodyTooLarge, error_response, error_style, exception_response
 from embedserv.server.calls import Call, request_id_or_new
 from embedserv.server.frontend import Frontend
 from embedserv.server.security import api_key_problem
@@ -73,7 +74,8 @@ class Edge:
         probe = path in HEALTH_PATHS or path.startswith(OPEN_PREFIXES)
         if not probe:  # probes and the docs are not traced
             attributes = {"http.request.method": call.method, "url.path": path}
-            call.start_trace(call.method, lambda: _carrier(scope), attributes)
+            if tracing.active:
+                call.start_trace(call.method, _carrier(scope), attributes)
         status = 0
 
         async def send_with_id(message) -> None:

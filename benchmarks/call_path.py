@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from benchmarks.peer_runners.servers import free_port, process_group, wait_http  # noqa: E402
 
 HOOK_DIR = Path(__file__).resolve().parent / "call_path_hook"
+_ORDER = ["server", "front end", "engine host", "worker"]
 _EXPRESSIONS = ("<listcomp>", "<genexpr>", "<dictcomp>", "<setcomp>", "<module>")
 
 
@@ -56,15 +57,11 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def role(record: dict, server_pid: int) -> str:
-    argv = " ".join(record["argv"])
+def role(record: dict, server_pid: int, frontends: int | None) -> str:
+    """server (one process), or engine host and front end (--frontends N above 1), or worker."""
     if record["pid"] == server_pid:
-        return "server"
-    if "worker_main" in argv:
-        return "worker"
-    if "multiprocessing" in argv or "spawn_main" in argv or "-c" in record["argv"]:
-        return "front end"
-    return f"other ({argv[:60]})"
+        return "engine host" if (frontends or 1) > 1 else "server"
+    return "worker" if "worker_main" in " ".join(record["argv"]) else "front end"
 
 
 def _wait_for(out_dir: Path, pattern: str, count: int) -> None:
@@ -120,7 +117,7 @@ def run(checkout: Path, frontends: int | None, calls: int) -> dict[str, set[tupl
             records = measure_once(stub, pb, pids, out_dir, f"measured call {i}: a sentence to embed")
             roles: dict[str, set] = defaultdict(set)
             for record in records.values():
-                where = role(record, proc.pid)
+                where = role(record, proc.pid, frontends)
                 for filename, _, qualname in record["functions"]:
                     if not qualname.endswith(_EXPRESSIONS):
                         roles[where].add((str(Path(filename).relative_to(checkout)), qualname))
@@ -133,12 +130,12 @@ def run(checkout: Path, frontends: int | None, calls: int) -> dict[str, set[tupl
 def render(label: str, roles: dict[str, set[tuple[str, str]]], listing: bool) -> str:
     union = set().union(*roles.values())
     lines = [f"## {label}", "", "| process | files | functions |", "|---|---:|---:|"]
-    for name in sorted(roles, key=lambda n: (n != "server", n)):
+    for name in sorted(roles, key=_ORDER.index):
         pairs = roles[name]
         lines.append(f"| {name} | {len({f for f, _ in pairs})} | {len(pairs)} |")
     lines.append(f"| **all (union)** | **{len({f for f, _ in union})}** | **{len(union)}** |")
     if listing:
-        for name in sorted(roles, key=lambda n: (n != "server", n)):
+        for name in sorted(roles, key=_ORDER.index):
             by_file: dict[str, list[str]] = defaultdict(list)
             for filename, qualname in roles[name]:
                 by_file[filename].append(qualname)

@@ -46,7 +46,8 @@ class ScheduledSequence:
     encoder_len: int = 0
     # POOL: the outputs to compute; empty means DENSE only.
     outputs: tuple[EmbedOutput, ...] = ()
-    # The index of the task adapter its tokens run with (ModelInfo.adapters); -1: the base weights.
+    # The adapter its tokens run with: a task adapter's index in ModelInfo.task_adapters, or a --lora adapter's
+    # in ModelInfo.lora_adapters; -1: the base weights.
     adapter: int = -1
     # An image input: its preprocessed pixels as patch rows [rows, patch_dim] float32, each row one patch
     # flattened in the patch embedding's weight order (channels, then patch rows, then columns; Qwen2-VL's

@@ -141,7 +141,7 @@ class EmbedParams:
     sparse_top_k: int | None = None
     # The dense vectors' encoding (applied after dimensions and normalization).
     encoding: Encoding = Encoding.FLOAT32
-    # The task adapter to run with (ModelInfo.adapters; also its prompt unless prompt_name names one); None
+    # The task adapter to run with (ModelInfo.task_adapters; also its prompt unless prompt_name names one); None
     # runs the base weights, unless prompt_name names a task.
     task: str | None = None
     # One vector per chunk of each input (EmbedResult.chunks) instead of one per input.
@@ -360,8 +360,9 @@ class ModelInfo:
     outputs: tuple[EmbedOutput, ...] = ()
     sparse_dimension: int = 0
     multi_vector_dimension: int = 0
-    # The task adapters (LoRA) a call may pick with EmbedParams.task, in the model's order; empty for most.
-    adapters: tuple[str, ...] = ()
+    # The task adapters built into the checkpoint (jina-embeddings-v3's LoRA per task) a call may pick with
+    # EmbedParams.task, in the model's order; empty for most. Served --lora adapters are lora_adapters.
+    task_adapters: tuple[str, ...] = ()
     # A LoRA adapter served as a model of its own: its base model's name; "" for others.
     base_model: str = ""
     # A base model's LoRA adapters, by served name.

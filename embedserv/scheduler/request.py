@@ -58,7 +58,7 @@ class Request:
     call_id: str = ""
     # POOL: the outputs to compute (empty: DENSE only).
     outputs: tuple[EmbedOutput, ...] = ()
-    # The task adapter its tokens run with (ModelInfo.adapters index); -1: the base weights.
+    # The adapter its tokens run with (InputSequence.adapter); -1: the base weights.
     adapter: int = -1
     # The call it belongs to (prefill): marked started when the sequence goes into a batch (load metrics).
     call: CallProgress | None = None

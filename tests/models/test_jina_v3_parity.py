@@ -48,7 +48,7 @@ def _reference(model_dir, texts, task=None) -> np.ndarray:
 def test_each_task_equals_transformers_with_its_adapter(pooling, jina, engine_for, texts):
     dirs = jina(pooling)
     engine = engine_for(dirs["published"])
-    assert engine.info.adapters == TASKS
+    assert engine.info.task_adapters == TASKS
     base = _reference(dirs["native"], texts)
 
     assert_cosine_at_least(engine.embed(texts, _params()).embeddings, base, MIN_COSINE, texts, what="no task: ")
@@ -135,7 +135,7 @@ def test_the_published_form_equals_the_native_form(jina, engine_for, texts):
     native = engine_for(dirs["native"]).embed(texts, _params()).embeddings
     published = engine_for(dirs["published"]).embed(texts, _params()).embeddings
     assert_cosine_at_least(published, native, 0.999999, texts, what="published vs native: ")
-    assert engine_for(dirs["native"]).info.adapters == ()
+    assert engine_for(dirs["native"]).info.task_adapters == ()
     # A plain XLM-RoBERTa config is left to AutoConfig (the bert family).
     assert published_config({"model_type": "xlm-roberta", "position_embedding_type": "absolute"}) is None
 

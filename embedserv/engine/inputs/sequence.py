@@ -16,7 +16,8 @@ class InputSequence:
     pool_start: int = 0
     # Segment ids of a query/document pair, for models whose tokenizer feeds them; None means all zeros.
     token_type_ids: list[int] | None = None
-    # The task adapter its tokens run with (ModelInfo.adapters index); -1: the base weights.
+    # The adapter its tokens run with: a task adapter's index in ModelInfo.task_adapters (jina-v3), or a --lora
+    # adapter's in ModelInfo.lora_adapters; -1: the base weights.
     adapter: int = -1
     # An image's patch rows [rows, patch_dim] float32 and grid (steps.ScheduledSequence.pixels); else None.
     pixels: np.ndarray | None = None

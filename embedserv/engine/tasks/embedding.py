@@ -152,20 +152,20 @@ def check_embed(info: ModelInfo, tokenizer: TextTokenizer, texts: list[str], par
 
 
 def task_adapter(info: ModelInfo, tokenizer: TextTokenizer, params: EmbedParams) -> tuple[int, str | None]:
-    """The call's task adapter (its index in info.adapters; -1: the base weights) and the prompt name to
+    """The call's task adapter (its index in info.task_adapters; -1: the base weights) and the prompt name to
     tokenize with. `task`, or else a prompt_name that names a task, picks the adapter; the prompt of the
     task's name applies (as sentence-transformers' prompt_name=task) unless prompt_name names another."""
     task = params.task or None
-    if task is None and params.prompt_name in info.adapters:
+    if task is None and params.prompt_name in info.task_adapters:
         task = params.prompt_name
     if task is None:
         return -1, params.prompt_name
-    if not info.adapters:
+    if not info.task_adapters:
         raise InvalidInput(f"model {info.name!r} has no task adapters; leave task unset")
-    if task not in info.adapters:
-        raise InvalidInput(f"unknown task {task!r}; model {info.name!r} has the tasks: {', '.join(info.adapters)}")
+    if task not in info.task_adapters:
+        raise InvalidInput(f"unknown task {task!r}; model {info.name!r} has the tasks: {', '.join(info.task_adapters)}")
     prompt_name = params.prompt_name or (task if task in tokenizer.prompts else None)
-    return info.adapters.index(task), prompt_name
+    return info.task_adapters.index(task), prompt_name
 
 
 def top_k(values: np.ndarray, indices: np.ndarray, k: int | None) -> SparseVector:

@@ -283,7 +283,7 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
         outputs=outputs.outputs,
         sparse_dimension=outputs.sparse_dimension,
         multi_vector_dimension=outputs.multi_vector_dimension,
-        adapters=tuple(getattr(hf_config, "lora_adaptations", None) or ()),
+        task_adapters=tuple(getattr(hf_config, "lora_adaptations", None) or ()),
         lora_adapters=tuple(adapter.name for adapter in lora),
         auto_truncate=config.auto_truncate,
         modalities=_modalities(family),

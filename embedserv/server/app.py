@@ -21,7 +21,7 @@ import signal
 from embedserv import tracing
 from embedserv.config import ModelConfig, ServerConfig
 from embedserv.engine.core.local_core import LocalCore
-from embedserv.server.engine_host import EngineHost
+from embedserv.server.engine_host import EngineHost, all_or_none
 from embedserv.server.frontend import InflightLimiter
 from embedserv.server.frontend_server import FrontendServer
 from embedserv.server.frontends import FrontendProcesses
@@ -70,16 +70,8 @@ class MultiFrontendServer:
     async def start(self) -> None:
         frontends = self.frontends
         self.host.serve_metrics(lambda: frontends.in_flight.value, frontends.metrics_dir)
-        # Models load at once, each in its own worker processes, while the front ends start; the first failure
-        # cancels the others.
-        loads = [asyncio.create_task(self.host.start(lambda config, core: None)), asyncio.create_task(frontends.start())]
-        try:
-            await asyncio.gather(*loads)
-        except BaseException:
-            for load in loads:
-                load.cancel()
-            await asyncio.gather(*loads, return_exceptions=True)
-            raise
+        # Models load at once, each in its own worker processes, while the front ends start.
+        await all_or_none([self.host.start(lambda config, core: None), frontends.start()])
 
     async def stop(self, grace: float | None = 5.0) -> None:
         await self.frontends.drain(grace)

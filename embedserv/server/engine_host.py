@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 
 from embedserv.config import ModelConfig, ServerConfig
@@ -20,6 +20,18 @@ from embedserv.engine.ports import CoreStatus
 from embedserv.server.metrics_endpoint import MetricsServer
 
 logger = logging.getLogger(__name__)
+
+
+async def all_or_none(coroutines: list[Coroutine]) -> None:
+    """Runs the coroutines at once; the first to fail cancels the others, and its error is raised."""
+    tasks = [asyncio.create_task(coroutine) for coroutine in coroutines]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 @dataclass(frozen=True)
@@ -59,14 +71,7 @@ class EngineHost:
 
     async def start(self, on_ready: Callable[[ModelConfig, LocalCore], None]) -> None:
         """Loads and starts every model, calling `on_ready(config, core)` as each is ready to serve."""
-        loads = [asyncio.create_task(self._start_model(m, on_ready)) for m in self.config.models]
-        try:
-            await asyncio.gather(*loads)
-        except BaseException:
-            for load in loads:
-                load.cancel()
-            await asyncio.gather(*loads, return_exceptions=True)
-            raise
+        await all_or_none([self._start_model(m, on_ready) for m in self.config.models])
         self.started = True
         self.on_change()
         logger.info("serving %s", ", ".join(self.cores))

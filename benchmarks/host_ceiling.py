@@ -176,7 +176,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as logs:
         for _ in range(args.rounds):
             for label, cmd, spec in servers:
-                results[label] = best_rows(results.get(label, {}), run_server(label, cmd, spec, texts, args, Path(logs)))
+                rows = run_server(label, cmd, spec, texts, args, Path(logs))
+                results[label] = best_rows(results.get(label, {}), rows)
     brand, flags = cpu_info()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True)
     print(f"\n{brand} ({isa_summary(flags)}), {platform.node()}, commit {commit.stdout.strip()}, "

@@ -20,8 +20,9 @@ from typing import Callable
 # Innermost match wins: (stage, substrings of a frame "function (file:line)").
 RULES = (
     ("tokenize", ("engine/inputs/tokenizer.py", "tokenizers/")),
-    ("IPC", ("executor/codec.py", "executor/process_worker.py", "multiprocessing/connection.py", "frontend_link")),
-    ("queue + schedule", ("scheduler/", "engine/core/prefill.py", "engine/core/step_loop.py", "engine/core/engine_core.py")),
+    ("IPC", ("executor/codec.py", "executor/process_worker.py", "multiprocessing/connection.py", "remote_core.py",
+             "server/frontends.py")),
+    ("queue + schedule", ("scheduler/", "engine/core/dispatch.py", "engine/core/local_core.py")),
     ("outputs", ("engine/tasks/",)),
     ("serialize", ("response", "serialize", "encode_vectors", "tobytes", "b64encode", "json/encoder", "orjson")),
     ("parse + validate", ("server/grpc/", "server/http/", "server/frontend.py", "pydantic", "fastapi", "starlette",

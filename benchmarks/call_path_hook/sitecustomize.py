@@ -1,9 +1,9 @@
 """benchmarks/call_path.py's recorder, loaded by every Python process of a server it starts (PYTHONPATH).
 
 With EMBEDSERV_CALL_PATH_DIR set, a profile function is installed in every thread from interpreter start;
-it records nothing until SIGUSR1 (which it acknowledges by writing DIR/<pid>.on) and, from then to SIGUSR2, notes each function of the project's files
-(EMBEDSERV_CALL_PATH_ROOT) that is called. SIGUSR2 writes them to DIR/<pid>.json. Without the variable
-this file does nothing.
+it records nothing until SIGUSR1 (which it acknowledges by writing DIR/<pid>.on) and, from then to SIGUSR2,
+notes each function of the project's files (EMBEDSERV_CALL_PATH_ROOT) that is called. SIGUSR2 writes them to
+DIR/<pid>.json. Without the variable this file does nothing.
 """
 
 import json

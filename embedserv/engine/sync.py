@@ -72,7 +72,8 @@ class SyncEngine:
         """(query, documents) calls submitted at once, as concurrent clients would."""
 
         async def run() -> list[RerankResult]:
-            return await asyncio.gather(*(self.engine.reranking.rerank(q, list(d), params or RerankParams()) for q, d in calls))
+            rerank = self.engine.reranking.rerank
+            return await asyncio.gather(*(rerank(q, list(d), params or RerankParams()) for q, d in calls))
 
         return self._call(run())
 

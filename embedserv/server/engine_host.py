@@ -59,7 +59,8 @@ class EngineHost:
     def status(self) -> HostStatus:
         names = [model.served_name for model in self.config.models]
         cores = self.cores
-        return HostStatus(self.started, {name: cores[name].status() if name in cores else CoreStatus() for name in names})
+        models = {name: cores[name].status() if name in cores else CoreStatus() for name in names}
+        return HostStatus(self.started, models)
 
     def serve_metrics(self, in_flight: Callable[[], int], frontends_dir: str | None = None) -> None:
         """/metrics on --metrics-port (if set): the cores' counts and `in_flight()`, the inputs admitted now;
@@ -83,7 +84,7 @@ class EngineHost:
         await core.start()
         self._loading.remove(core)
         self.cores[config.served_name] = core
-        core.add_serving_listener(lambda serving: self.on_change())
+        core.on_serving_change = lambda serving: self.on_change()
         on_ready(config, core)
         self.on_change()
 

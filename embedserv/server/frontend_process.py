@@ -30,7 +30,9 @@ logger = logging.getLogger("embedserv.server.frontend_process")
 _LAST_WORDS_MS = 5000
 
 
-def run_frontend(config: ServerConfig, index: int, address: str, shared_in_flight, log_settings: tuple[str, str]) -> None:
+def run_frontend(
+    config: ServerConfig, index: int, address: str, shared_in_flight, log_settings: tuple[str, str]
+) -> None:
     """The process's target (multiprocessing, spawn)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -52,7 +54,8 @@ class _Frontend:
         self.cores: dict[str, RemoteCore] = {}
         self.drain_grace: float | None = None
         self.draining = asyncio.Event()
-        self.link = FrontendLink(address, index, {Status: self._status, Drain: self._drain, CancelAll: self._cancel_all})
+        handlers = {Status: self._status, Drain: self._drain, CancelAll: self._cancel_all}
+        self.link = FrontendLink(address, index, handlers)
 
     async def add_models(self, config: ServerConfig) -> None:
         loop = asyncio.get_running_loop()

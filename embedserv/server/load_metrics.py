@@ -1,7 +1,7 @@
 """The load gauges routers and autoscalers read from /metrics, per served model, at scrape time: our own names and
 the vLLM names the Gateway API Inference Extension's endpoint picker reads by default (its model-server
-protocol), so a pool of embedserv pods works with it unchanged. The engine counts (scheduler/prefill_only.py, engine/core/dispatch.py); this
-only reads."""
+protocol), so a pool of embedserv pods works with it unchanged. The engine counts (scheduler/prefill_only.py,
+engine/core/dispatch.py); this only reads."""
 
 from __future__ import annotations
 

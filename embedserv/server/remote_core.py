@@ -156,14 +156,16 @@ class RemoteCore:
         return Inferred(done.outputs, done.tokens, timing)
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, decoder_prompt: str = "", add_special_tokens: bool = True,
+        self, prompt: str | list[int], params: SamplingParams, decoder_prompt: str = "",
+        add_special_tokens: bool = True,
     ) -> AsyncIterator[GenerationDelta]:
         if not isinstance(prompt, str):
             # Checked here as the engine checks it: an id past int64 could not even cross the link.
             self.tokenizer.check_token_ids([prompt], False, TruncationDirection.RIGHT)
 
         def call(call_id: int) -> GenerateCall:
-            return GenerateCall(call_id, self.name, prompt, params, decoder_prompt, add_special_tokens, REQUEST_ID.get())
+            request_id = REQUEST_ID.get()
+            return GenerateCall(call_id, self.name, prompt, params, decoder_prompt, add_special_tokens, request_id)
 
         async with contextlib.aclosing(self.link.generate(call)) as deltas:
             async for delta in deltas:

@@ -257,8 +257,8 @@ def test_rerank_of_document_images_by_cosine_equals_engine_rerank(served, stub):
 
     pages = [PNG, JPEG, WEBP]
     engine = _engine(served)
-    expected = served[2].call(engine.reranking.rerank("a photo of a cat", [ImageInput(p) for p in pages], RerankParams()),
-                              RPC_TIMEOUT_S)
+    ranked = engine.reranking.rerank("a photo of a cat", [ImageInput(p) for p in pages], RerankParams())
+    expected = served[2].call(ranked, RPC_TIMEOUT_S)
     request = _pb().RerankRequest(model=CLIP, query="a photo of a cat", document_images=pages)
     reply = stub.Rerank(request, timeout=RPC_TIMEOUT_S)
     assert [r.index for r in reply.results] == [r.index for r in expected.results]

@@ -234,7 +234,8 @@ def test_chunks_take_the_calls_encoding(tiny_encoder, engine_for, short_text):
 
     params = _params(spans=spans, encoding=Encoding.INT8)
     int8 = engine.embed([short_text], params).chunks[0][1]
-    as_embed = engine._call(engine.engine.embedding.in_encoding(EmbedResult(embeddings=floats.copy(), prompt_tokens=0), params))
+    floats_result = EmbedResult(embeddings=floats.copy(), prompt_tokens=0)
+    as_embed = engine._call(engine.engine.embedding.in_encoding(floats_result, params))
     assert int8.dtype == np.int8
     np.testing.assert_array_equal(int8, as_embed.embeddings)
 

@@ -1,5 +1,5 @@
 """The pieces of `--frontends N` that need no server: the link's messages, the shared admission count, and how
-many front ends `--frontends 0` starts (server/link_messages.py, served_models.py, config.py)."""
+many front ends `--frontends 0` starts (server/link_messages.py, server/frontend.py, config.py)."""
 
 from __future__ import annotations
 
@@ -10,22 +10,22 @@ import numpy as np
 import pytest
 
 from embedserv.config import ModelConfig, ServerConfig, bundled_model_path, frontends_for_cores, usable_cores
-from embedserv.engine.ports import SequenceOutput
 from embedserv.engine.inputs.sequence import InputSequence
+from embedserv.engine.ports import SequenceOutput
 from embedserv.errors import ConfigError, InvalidInput, NotReady, Overloaded
-from embedserv.server import link_messages as m
 from embedserv.server.frontend import InflightLimiter
+from embedserv.server.link_messages import CODEC, InferCall, InferDone, error_of, failure
 from embedserv.types import EmbedOutput, Timing
 
 
 def test_calls_and_answers_cross_the_link_intact():
-    call = m.InferCall(7, "minilm", [InputSequence([101, 7, 102]), InputSequence([101, 102], 1, [0, 0], 2)], 12.5,
-                       (EmbedOutput.SPARSE,), "req-1")  # fmt: skip
-    assert m.CODEC.decode(m.CODEC.encode(call)) == call
-    assert call.use_cache and not m.CODEC.decode(m.CODEC.encode(dataclasses.replace(call, use_cache=False))).use_cache
-    done = m.InferDone(7, [SequenceOutput(np.arange(4, dtype=np.float32), 1.0, 2.0,
-                                          sparse=(np.ones(2, np.float32), np.array([3, 9])))], 3, Timing(1, 2, 3, 4))  # fmt: skip
-    back = m.CODEC.decode(m.CODEC.encode(done))
+    sequences = [InputSequence([101, 7, 102]), InputSequence([101, 102], 1, [0, 0], 2)]
+    call = InferCall(7, "minilm", sequences, 12.5, (EmbedOutput.SPARSE,), "req-1")
+    assert CODEC.decode(CODEC.encode(call)) == call
+    assert call.use_cache and not CODEC.decode(CODEC.encode(dataclasses.replace(call, use_cache=False))).use_cache
+    output = SequenceOutput(np.arange(4, dtype=np.float32), 1.0, 2.0, sparse=(np.ones(2, np.float32), np.array([3, 9])))
+    done = InferDone(7, [output], 3, Timing(1, 2, 3, 4))
+    back = CODEC.decode(CODEC.encode(done))
     np.testing.assert_array_equal(back.outputs[0].row, done.outputs[0].row)
     np.testing.assert_array_equal(back.outputs[0].sparse[1], [3, 9])
     assert (back.tokens, back.timing) == (3, Timing(1, 2, 3, 4))
@@ -33,13 +33,13 @@ def test_calls_and_answers_cross_the_link_intact():
 
 @pytest.mark.parametrize("error", [InvalidInput("too long"), NotReady("loading"), Overloaded("full")])
 def test_an_engine_error_is_raised_again_at_the_front_end_as_itself(error):
-    failed = m.CODEC.decode(m.CODEC.encode(m.failure(3, error)))
-    again = m.error_of(failed)
+    failed = CODEC.decode(CODEC.encode(failure(3, error)))
+    again = error_of(failed)
     assert type(again) is type(error) and str(again) == str(error)
 
 
 def test_an_unexpected_engine_error_is_internal_and_says_what_it_was():
-    again = m.error_of(m.failure(3, KeyError("x")))
+    again = error_of(failure(3, KeyError("x")))
     assert type(again) is RuntimeError and "KeyError" in str(again)
 
 

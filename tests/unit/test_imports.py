@@ -298,7 +298,8 @@ def _torch_free_modules() -> list[str]:
     """Listed from the files, so that collecting this test imports nothing."""
     scheduler = pkgutil.iter_modules([str(REPO / "embedserv" / "scheduler")], "embedserv.scheduler.")
     # Image decoding and preprocessing run in the front end's pool: numpy and Pillow only.
-    images = pkgutil.iter_modules([str(REPO / "embedserv" / "engine" / "inputs" / "images")], "embedserv.engine.inputs.images.")
+    images_dir = REPO / "embedserv" / "engine" / "inputs" / "images"
+    images = pkgutil.iter_modules([str(images_dir)], "embedserv.engine.inputs.images.")
     return ["embedserv.types", "embedserv.steps", "embedserv.scheduler", *sorted(info.name for info in scheduler),
             "embedserv.engine.inputs.images", *sorted(info.name for info in images)]
 

@@ -1,13 +1,13 @@
-"""The load metrics' counting (engine/core/dispatch.py, scheduler/prefill_only.py): the busy ratio's sliding window on a fake clock, calls moving
-from waiting to running to done, and the schedulers' waiting tokens. No torch, no server."""
+"""The load metrics' counting (engine/core/dispatch.py, scheduler/prefill_only.py): the busy ratio's sliding
+window on a fake clock, calls moving from waiting to running to done, and the schedulers' waiting tokens. No
+server."""
 
 import pytest
 
+from embedserv.engine.core.dispatch import BusyWindow
 from embedserv.scheduler.generation import GenerationScheduler
 from embedserv.scheduler.kv_cache_manager import KvCacheManager, KvGroup
-from embedserv.engine.core.dispatch import BusyWindow
-from embedserv.scheduler.prefill_only import CallCounts
-from embedserv.scheduler.prefill_only import PrefillOnlyScheduler
+from embedserv.scheduler.prefill_only import CallCounts, PrefillOnlyScheduler
 from embedserv.scheduler.request import Request
 from embedserv.steps import OutputKind
 from embedserv.types import SamplingParams

@@ -215,6 +215,7 @@ def test_ranges_of_leaves_the_calibration_rows_alone():
 
     normalized, raw = asyncio.run(run())
 
-    rows = asyncio.run(_FakeEngine().embed_floats(quantize.calibration_texts(), EmbedParams(normalize=False, truncate=True)))
+    unnormalized = EmbedParams(normalize=False, truncate=True)
+    rows = asyncio.run(_FakeEngine().embed_floats(quantize.calibration_texts(), unnormalized))
     np.testing.assert_array_equal(raw, np.vstack([rows.embeddings.min(axis=0), rows.embeddings.max(axis=0)]))
     assert raw[1, 2] > 1, "the raw third dimension reaches 1.0 and beyond; normalized ones cannot"

@@ -102,7 +102,8 @@ class LocalCore:
         self._calls = CallCounts()
         self._started = False
         self._serving = False
-        self._serving_listeners: list[Callable[[bool], None]] = []
+        # Called on the event loop with is_serving whenever it flips (the engine host's health follows it).
+        self.on_serving_change: Callable[[bool], None] = lambda serving: None
 
     @classmethod
     def load(cls, config: ModelConfig, tokenizer_threads: int = 1, warm_up: bool = True) -> LocalCore:
@@ -136,10 +137,6 @@ class LocalCore:
 
     def status(self) -> CoreStatus:
         return CoreStatus(self.is_running, self.is_serving, self.kv_cache_usage())
-
-    def add_serving_listener(self, listener: Callable[[bool], None]) -> None:
-        """`listener(is_serving)` is called on the event loop whenever is_serving flips."""
-        self._serving_listeners.append(listener)
 
     def stats(self) -> CoreStats:
         """Counters and snapshots only: safe to read from the metrics thread."""
@@ -217,8 +214,7 @@ class LocalCore:
                 logging.INFO if serving else logging.ERROR, "%s: %s", self.info.name,
                 "serving" if serving else "no worker is running; NOT_SERVING until one is back",
             )
-            for listener in self._serving_listeners:
-                listener(serving)
+            self.on_serving_change(serving)
 
     async def stop(self) -> None:
         self._started = False

@@ -142,7 +142,8 @@ def _template_ids(tokenizer: TextTokenizer, template: YesNoTemplate) -> tuple[li
 
 
 def encode_templated(
-    tokenizer: TextTokenizer, template: YesNoTemplate, instruction: str, query: str, documents: list[str], truncate: bool
+    tokenizer: TextTokenizer, template: YesNoTemplate, instruction: str, query: str, documents: list[str],
+    truncate: bool,
 ) -> list[InputSequence]:
     """A yes/no reranker's prompt per document, as its model card builds it: prefix, then
     instruction + query + document tokenized as one text (cut at the end of the document), then suffix."""

@@ -158,7 +158,9 @@ class TextTokenizer:
         missing = self._pad_to - len(ids)
         return ids + [self._pad_id] * missing if missing > 0 else ids
 
-    def check_token_ids(self, token_ids: list[list[int]], truncate: bool, direction: TruncationDirection) -> list[InputSequence]:
+    def check_token_ids(
+        self, token_ids: list[list[int]], truncate: bool, direction: TruncationDirection
+    ) -> list[InputSequence]:
         """Pre-tokenized inputs (OpenAI's token-id `input`), used as given: no special tokens are added. Ids must be
         this model's (LangChain's OpenAIEmbeddings sends tiktoken's by default); too-long ones are cut or refused."""
         out = []
@@ -245,7 +247,9 @@ class TextTokenizer:
             documents, truncate, TruncationDirection.RIGHT, document_prompt
         )
 
-    def encode_cosine_windows(self, query: str, documents: list[str]) -> tuple[InputSequence, list[list[InputSequence]]]:
+    def encode_cosine_windows(
+        self, query: str, documents: list[str]
+    ) -> tuple[InputSequence, list[list[InputSequence]]]:
         """Chunked Rerank's embedder inputs: the query as encode_for_cosine makes it, and each document's
         windows (encode_windows) with the document prompt."""
         query_prompt, document_prompt = self._cosine_prompts()

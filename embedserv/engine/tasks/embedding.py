@@ -25,7 +25,9 @@ from embedserv.engine.inputs.sequence import InputSequence
 from embedserv.engine.inputs.tokenizer import TextTokenizer
 from embedserv.errors import InvalidInput
 from embedserv.engine.tasks.quantize import Encodings
-from embedserv.types import EmbedOutput, EmbedParams, EmbedResult, Encoding, ImageInput, ModelInfo, SparseVector, Task, Timing
+from embedserv.types import (
+    EmbedOutput, EmbedParams, EmbedResult, Encoding, ImageInput, ModelInfo, SparseVector, Task, Timing,
+)
 
 
 class Embedding:
@@ -112,8 +114,12 @@ class Embedding:
         return assemble(outputs, encoded, params, self.token_rules, prompt_tokens, timing)
 
 
-_OUTPUT_RPCS = {EmbedOutput.DENSE: "Embed", EmbedOutput.SPARSE: "EmbedSparse", EmbedOutput.MULTI_VECTOR: "EmbedMultiVector"}
-_OUTPUT_TASKS = {EmbedOutput.DENSE: Task.EMBED, EmbedOutput.SPARSE: Task.EMBED_SPARSE, EmbedOutput.MULTI_VECTOR: Task.EMBED_MULTI_VECTOR}
+_OUTPUT_RPCS = {
+    EmbedOutput.DENSE: "Embed", EmbedOutput.SPARSE: "EmbedSparse", EmbedOutput.MULTI_VECTOR: "EmbedMultiVector",
+}
+_OUTPUT_TASKS = {
+    EmbedOutput.DENSE: Task.EMBED, EmbedOutput.SPARSE: Task.EMBED_SPARSE, EmbedOutput.MULTI_VECTOR: Task.EMBED_MULTI_VECTOR,
+}
 
 
 def check_outputs(info: ModelInfo, params: EmbedParams) -> None:
@@ -132,7 +138,9 @@ def check_outputs(info: ModelInfo, params: EmbedParams) -> None:
         if EmbedOutput.SPARSE not in params.outputs:
             raise InvalidInput("top_k applies to the sparse output; ask for it or leave top_k unset")
         if params.sparse_top_k < 1:
-            raise InvalidInput(f"top_k must be at least 1 (or unset for every non-zero value), not {params.sparse_top_k}")
+            raise InvalidInput(
+                f"top_k must be at least 1 (or unset for every non-zero value), not {params.sparse_top_k}"
+            )
     if params.dimensions is not None and EmbedOutput.DENSE not in params.outputs:
         raise InvalidInput("dimensions applies to the dense output; leave it unset for sparse and multi-vector outputs")
 

@@ -94,7 +94,9 @@ class Reranking:
                 chars=len(query) + sum(map(len, documents)),
             )
         elif isinstance(task.template, Seq2SeqYesNoTemplate):
-            encoded = await tokenize(pairs.encode_seq2seq_template, tokenizer, task.template, query, documents, params.truncate)
+            encoded = await tokenize(
+                pairs.encode_seq2seq_template, tokenizer, task.template, query, documents, params.truncate
+            )
         else:
             instruction = params.instruction or task.template.default_instruction
             encoded = await tokenize(

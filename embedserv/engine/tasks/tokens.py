@@ -15,7 +15,9 @@ class Tokens:
         self._info = served.info
         self._tokenizer = served.tokenizer
 
-    async def tokenize(self, texts: list[str], add_special_tokens: bool, prompt_name: str | None) -> list[TokenizedText]:
+    async def tokenize(
+        self, texts: list[str], add_special_tokens: bool, prompt_name: str | None
+    ) -> list[TokenizedText]:
         return await self._core.tokenize_with(self._tokenizer.tokenize, texts, add_special_tokens, prompt_name)
 
     async def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

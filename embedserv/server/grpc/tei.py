@@ -310,7 +310,9 @@ class RerankServicer(_TeiServicer, pb_grpc.RerankServicer):
         raw = first.raw_scores
         with self.frontend.limiter.hold(count):
             tasks = [
-                asyncio.ensure_future(engine.reranking.rerank(query, texts, RerankParams(raw_scores=raw, truncate=truncate)))
+                asyncio.ensure_future(
+                    engine.reranking.rerank(query, texts, RerankParams(raw_scores=raw, truncate=truncate))
+                )
                 for (query, truncate), (_, texts) in groups.items()
             ]
             try:

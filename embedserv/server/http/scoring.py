@@ -202,7 +202,8 @@ async def classify(request: Request, body: ClassifyRequest):
     frontend = frontend_of(request)
     texts = frontend.check_inputs([body.input] if isinstance(body.input, str) else body.input, "input")
     with frontend.limiter.hold(len(texts)):
-        result = await engine.classification.classify(texts, ClassifyParams(truncate=body.truncate, raw_scores=body.raw_scores))
+        params = ClassifyParams(truncate=body.truncate, raw_scores=body.raw_scores)
+        result = await engine.classification.classify(texts, params)
     call_of(request).answered(len(texts), result.prompt_tokens, result.timing)
     labels = result.labels
     data = [

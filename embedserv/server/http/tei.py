@@ -84,7 +84,8 @@ async def _embed_parts(
         if ids:
             calls.append(engine.embedding.embed_token_ids([x for _, x in ids], params))
         results = await asyncio.gather(*calls)
-    call_of(request).answered(len(inputs), sum(r.prompt_tokens for r in results), Timing.longest([r.timing for r in results]))
+    timing = Timing.longest([r.timing for r in results])
+    call_of(request).answered(len(inputs), sum(r.prompt_tokens for r in results), timing)
     positions = [[index for index, _ in part] for part in (texts, ids) if part]
     return len(inputs), list(zip(positions, results))
 

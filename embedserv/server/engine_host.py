@@ -49,6 +49,7 @@ class EngineHost:
         self.config = config
         self.worker_processes = worker_processes
         self.cores: dict[str, LocalCore] = {}
+        self._names = [model.served_name for model in config.models]
         self.started = False
         self.metrics: MetricsServer | None = None
         # Called with no arguments whenever status() may have changed.
@@ -57,17 +58,20 @@ class EngineHost:
         self._loading: list[LocalCore] = []
 
     def status(self) -> HostStatus:
-        names = [model.served_name for model in self.config.models]
         cores = self.cores
-        models = {name: cores[name].status() if name in cores else CoreStatus() for name in names}
+        models = {name: cores[name].status() if name in cores else CoreStatus() for name in self._names}
         return HostStatus(self.started, models)
+
+    def serving_cores(self) -> list[LocalCore]:
+        """The cores started so far, in --model order."""
+        return [self.cores[name] for name in self._names if name in self.cores]
 
     def serve_metrics(self, in_flight: Callable[[], int], frontends_dir: str | None = None) -> None:
         """/metrics on --metrics-port (if set): the cores' counts and `in_flight()`, the inputs admitted now;
         with `frontends_dir`, the front-end processes' counters too."""
         if self.config.metrics_port is not None:
             self.metrics = MetricsServer(
-                self.config.host, self.config.metrics_port, lambda: list(self.cores.values()), in_flight, frontends_dir
+                self.config.host, self.config.metrics_port, self.serving_cores, in_flight, frontends_dir
             )
 
     async def start(self, on_ready: Callable[[ModelConfig, LocalCore], None]) -> None:
@@ -75,7 +79,7 @@ class EngineHost:
         await all_or_none([self._start_model(m, on_ready) for m in self.config.models])
         self.started = True
         self.on_change()
-        logger.info("serving %s", ", ".join(self.cores))
+        logger.info("serving %s", ", ".join(self._names))
 
     async def _start_model(self, config: ModelConfig, on_ready: Callable[[ModelConfig, LocalCore], None]) -> None:
         core = await asyncio.get_running_loop().run_in_executor(None, self._load, config)

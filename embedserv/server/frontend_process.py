@@ -66,10 +66,15 @@ class _Frontend:
             self.server.add_model(model, served, core)
 
     def _status(self, status: Status) -> None:
+        """The engine host's status (when it changes and each second): health follows what changed."""
+        changed = status.started != self.server.started
         for name, model in status.models.items():
-            if name in self.cores:
-                self.cores[name].update(model)
-        self.server.status_changed(status.started)
+            core = self.cores.get(name)
+            if core is not None:
+                changed = changed or core.status().serving != model.serving
+                core.update(model)
+        if changed:
+            self.server.status_changed(status.started)
 
     def _drain(self, drain: Drain) -> None:
         self.drain_grace = drain.grace

@@ -1,8 +1,8 @@
-"""An embedserv server inside the test process: the server's own EmbedServer (embedserv/server/app.py) on an
+"""An embedserv server inside the test process: the server's own OneProcessServer (embedserv/server/app.py) on an
 event loop in a background thread, configured by the flags `embedserv serve` takes, always stopped.
 
 It pays no interpreter start, no torch import and, by default, no worker processes and no warm-up: the
-models run in this process (Engine.load), as `EmbedServer(config, worker_processes=False)` loads them.
+models run in this process (LocalCore.load), as `OneProcessServer(config, worker_processes=False)` loads them.
 API tests use it; tests whose subject is the process (signals, drain, worker death, TLS, `make serve`)
 keep tests/helpers/server.py's subprocess.
 
@@ -33,7 +33,7 @@ STOP_GRACE_S = 5.0
 
 
 class InProcessServer:
-    """The handle a test gets: the running EmbedServer, its loop and its log."""
+    """The handle a test gets: the running OneProcessServer, its loop and its log."""
 
     def __init__(self, config: ServerConfig, worker_processes: bool) -> None:
         self.config = config
@@ -105,7 +105,7 @@ def in_process_config(
 ) -> tuple[ServerConfig, argparse.Namespace]:
     """ServerConfig and the parsed flags (--log-level, --log-format) from `embedserv serve` flags, through the CLI's parser and config
     loader. As launched_server does, HTTP is off unless `args` give --http-port, and warm-up is off unless
-    they give --warm-up; port 0 takes a free port at bind time (EmbedServer.port)."""
+    they give --warm-up; port 0 takes a free port at bind time (OneProcessServer.port)."""
     http = [] if "--http-port" in args else ["--http-port", "0"]
     warm = [] if "--warm-up" in args else ["--no-warm-up"]
     parsed = build_parser().parse_args(["serve", "--host", host, "--port", str(port), *http, *warm, *args])
@@ -116,7 +116,7 @@ def in_process_config(
 def in_process_server(
     args: list[str], worker_processes: bool = False, host: str = "127.0.0.1"
 ) -> Iterator[tuple[str, InProcessServer]]:
-    """An EmbedServer with `args` (embedserv serve flags) serving in this process; yield ("HOST:PORT",
+    """A OneProcessServer with `args` (embedserv serve flags) serving in this process; yield ("HOST:PORT",
     handle) once it is SERVING, and always stop it. `worker_processes` runs each model in worker
     processes, as `embedserv serve` does; else in this process, one replica."""
     config, flags = in_process_config(args, host)

@@ -1,7 +1,7 @@
 """The embedding cache of one served model (`--embedding-cache SIZE`): sequence outputs the model already
 computed, by what its forward pass saw, in an LRU bounded in bytes.
 
-It sits at EngineCore.infer, which every task (embed, rerank, classify, chunking) calls, so a key needs only
+It sits at LocalCore.infer, which every task (embed, rerank, classify, chunking) calls, so a key needs only
 what reaches the workers: the sequence (all of InputSequence's fields, its ids after the core strips padding) and
 the outputs wanted. The model is implicit (one cache per engine core). What a task does after the forward
 pass (dimensions, normalization, encodings, sparse top-k, activations) runs on the cached output each time,

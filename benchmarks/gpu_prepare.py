@@ -1,6 +1,6 @@
 """Packs what `make gpu-check` needs on a lent GPU machine that has no network, under .gpu/ (git-ignored).
 
-    python benchmarks/gpu_prepare.py [--out .gpu] [--extra msgspec,PyYAML] [--skip-wheels]
+    python benchmarks/gpu_prepare.py [--out .gpu] [--extra PKG,PKG] [--skip-wheels]
 
 - .gpu/minilm-fp16/: the bundled all-MiniLM-L6-v2 with its weights stored in float16 (45 MB instead of
   90 MB: files over 64 MiB do not travel). Its config.json says float32, so float32 runs load the
@@ -34,7 +34,7 @@ DEVICE_PYTHON = "3.12"
 DEVICE_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
                     "manylinux2014_x86_64", "manylinux1_x86_64")
 # Runtime dependencies of pyproject.toml that the GPU image already holds (KINDS.md, 2026-11-17).
-ON_DEVICE = {"torch", "transformers", "tokenizers", "safetensors", "numpy", "prometheus-client"}
+ON_DEVICE = {"torch", "transformers", "tokenizers", "safetensors", "numpy", "prometheus-client", "pillow", "pyyaml"}
 # Held there too, but at versions the generated stubs may refuse (they check grpcio and protobuf at import).
 VERSION_CHECKED = {"grpcio", "protobuf"}
 # Not needed there: gpu-check takes the model directory (.gpu/minilm-fp16) instead.
@@ -136,7 +136,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / ".gpu")
     parser.add_argument("--model", type=Path, default=None, help="model dir to copy (default: the bundled one)")
-    parser.add_argument("--extra", default="msgspec,PyYAML", help="more packages to carry, comma-separated")
+    parser.add_argument("--extra", default="", help="more packages to carry, comma-separated")
     parser.add_argument("--skip-wheels", action="store_true")
     args = parser.parse_args()
 
@@ -151,7 +151,18 @@ def main() -> None:
         download_wheels(args.out / "wheels", wanted_requirements(extras))
     write_commit(args.out)
     total = sum(p.stat().st_size for p in args.out.rglob("*") if p.is_file())
-    print(f"{args.out}: {total / 2**20:.1f} MiB to carry (the working tree and carried paths travel up to 64 MiB)")
+    tree = tracked_bytes()
+    print(f"{args.out}: {total / 2**20:.1f} MiB to carry, {tree / 2**20:.1f} MiB of tracked files beside it")
+    if total + tree > MAX_FILE_BYTES:
+        raise SystemExit(f"{(total + tree) / 2**20:.1f} MiB would not travel (the working tree and carried paths "
+                         "travel up to 64 MiB together): carry fewer wheels")
+
+
+def tracked_bytes() -> int:
+    """The size of the files git tracks: they travel with every device call, beside the carried paths."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO_ROOT, capture_output=True).stdout
+    return sum((REPO_ROOT / name).stat().st_size for name in listed.decode().split("\0")
+               if name and (REPO_ROOT / name).is_file())
 
 
 if __name__ == "__main__":

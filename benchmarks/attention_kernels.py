@@ -10,21 +10,22 @@ embedserv/cpu_isa.py (per ISA class) comes from this table. Prints markdown.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import numpy as np
+import torch
+import torch.nn.functional as F
 
-from embedserv.attention.backends.sdpa import SdpaBackend, _attend_with_matmuls  # noqa: E402
-from embedserv.attention.layer import Attention  # noqa: E402
-from embedserv.attention.metadata import build_common_metadata  # noqa: E402
-from embedserv.forward_context import set_forward_context  # noqa: E402
-from embedserv.worker.layer_routes import forward_context_for  # noqa: E402
+from embedserv.attention.backends.sdpa import SdpaBackend, _attend_with_matmuls
+from embedserv.attention.layer import Attention
+from embedserv.attention.metadata import build_common_metadata
+from embedserv.forward_context import set_forward_context
+from embedserv.worker.layer_routes import forward_context_for
 
 SHAPES = [(1, 32), (1, 64), (1, 128), (1, 256), (16, 64), (16, 128), (16, 256)]
 
@@ -71,8 +72,8 @@ def main() -> None:
                 shape = (num_seqs, args.heads, length, args.head_size)
                 q, k, v = (torch.randn(shape, dtype=dtype) for _ in range(3))
                 scale = args.head_size**-0.5
-                flash = best_us(lambda: F.scaled_dot_product_attention(q, k, v, scale=scale), args.repeats)
-                matmul = best_us(lambda: _attend_with_matmuls(q, k, v, scale, False), args.repeats)
+                flash = best_us(functools.partial(F.scaled_dot_product_attention, q, k, v, scale=scale), args.repeats)
+                matmul = best_us(functools.partial(_attend_with_matmuls, q, k, v, scale, False), args.repeats)
                 ours = packed_backend_us(num_seqs, length, args.heads, args.head_size, dtype, args.repeats)
                 winner = "matmuls" if matmul < flash else "flash"
                 print(f"| {str(dtype).removeprefix('torch.')} | {num_seqs} x {length} | {flash:.0f} | {matmul:.0f} "

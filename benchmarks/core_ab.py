@@ -114,8 +114,9 @@ def child(tree: str, workload: str, model: str, streams: int, max_tokens: int, d
 
 
 def cpu_name() -> str:
-    name = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
-    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
     isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_vnni") if f in flags]
     return f"{name or platform.processor()} ({', '.join(isa)})"
 

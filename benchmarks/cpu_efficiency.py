@@ -22,17 +22,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from benchmarks.attention_kernels import best_us  # noqa: E402
-from benchmarks.corpus import stdlib_texts  # noqa: E402
-from benchmarks.precisions import options as precision_options  # noqa: E402
-from embedserv import cpu_isa  # noqa: E402
-from embedserv.config import ModelConfig, bundled_model_path  # noqa: E402
-from embedserv.engine.sync import SyncEngine  # noqa: E402
-from embedserv.models.int8 import Int8Weight  # noqa: E402
-from embedserv.models.layers import Linear  # noqa: E402
-from embedserv.types import EmbedParams  # noqa: E402
+from benchmarks.attention_kernels import best_us
+from benchmarks.corpus import stdlib_texts
+from benchmarks.precisions import options as precision_options
+from embedserv import cpu_isa
+from embedserv.config import ModelConfig, bundled_model_path
+from embedserv.engine.sync import SyncEngine
+from embedserv.models.int8 import Int8Weight
+from embedserv.models.layers import Linear
+from embedserv.types import EmbedParams
 
 ROWS = 4096
 OPERATOR_GROUPS = {

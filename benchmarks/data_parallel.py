@@ -35,7 +35,7 @@ def _one_pass(engine: SyncEngine, calls: list[list[str]], num_texts: int) -> tup
     engine.embed_concurrently(calls, EmbedParams(truncate=True))
     wall = time.perf_counter() - start
     after = engine.worker_stats()
-    busy = sum(a.busy_seconds - b.busy_seconds for a, b in zip(after, before))
+    busy = sum(a.busy_seconds - b.busy_seconds for a, b in zip(after, before, strict=True))
     return num_texts / wall, 1.0 - busy / (len(after) * wall)
 
 

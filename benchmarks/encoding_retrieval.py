@@ -130,7 +130,7 @@ def top_k(scores_: np.ndarray, k: int = K) -> np.ndarray:
 
 
 def overlap_at_k(top: np.ndarray, reference_top: np.ndarray) -> float:
-    return float(np.mean([len(set(a) & set(b)) / top.shape[1] for a, b in zip(top, reference_top)]))
+    return float(np.mean([len(set(a) & set(b)) / top.shape[1] for a, b in zip(top, reference_top, strict=True)]))
 
 
 def recall_at_k(top: np.ndarray) -> float:

@@ -145,7 +145,7 @@ def one_pass(served: Served, protocol: str, texts: list[str], max_tokens: int) -
     wall = time.perf_counter() - start
     result = {"wall_s": wall, "tokens": tokens, "server_cpu_s": cpu_seconds(served.pid) - cpu_before}
     if before is not None:
-        steps, busy = (a - b for a, b in zip(read_metrics(served.metrics), before))
+        steps, busy = (a - b for a, b in zip(read_metrics(served.metrics), before, strict=True))
         result |= {"steps": steps, "busy_s": busy}
     time.sleep(2.0)  # threads spin a while after a pass (OpenMP, vLLM's engine loop): let them rest first
     return result

@@ -33,7 +33,6 @@ from benchmarks.embed_throughput import isolated  # noqa: E402
 from embedserv import cpu_isa  # noqa: E402
 from embedserv.config import ModelConfig, bundled_model_path  # noqa: E402
 
-
 # SmolLM2-135M's shape.
 SMOL_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                   num_key_value_heads=3)  # fmt: skip

@@ -141,7 +141,7 @@ def describe(device: str) -> list[str]:
         from importlib.metadata import version
 
         st_version = version("sentence-transformers")
-    except Exception:  # noqa: BLE001 - a missing package only blanks a line of the report
+    except Exception:
         st_version = "not installed"
     if device == "cpu":
         from embedserv import cpu_isa
@@ -256,7 +256,7 @@ def _attempt(in_process: bool, fn, *args) -> dict:
 
     try:
         return fn(*args) if in_process else isolated(fn, *args)
-    except Exception as exc:  # noqa: BLE001 - reported in the table and in the exit status
+    except Exception as exc:
         return {"error": _failure(exc)}
 
 
@@ -364,7 +364,7 @@ def main() -> int:
               "python benchmarks/gpu_check.py --device cpu --quick", file=sys.stderr)
         return 2
     model_dir = resolve_model(args.model)
-    report = Report(args.out, describe(args.device) + [f"- model: {model_dir}"])
+    report = Report(args.out, [*describe(args.device), f"- model: {model_dir}"])
     tests_rc = 0
     if args.skip_tests:
         report.header.append("- tests: not run (--skip-tests)")

@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import itertools
-import os
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -14,8 +14,8 @@ import subprocess
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 # Innermost match wins: (stage, substrings of a frame "function (file:line)").
 RULES = (

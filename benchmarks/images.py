@@ -26,14 +26,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from benchmarks.peer_runners.common import cpu_info  # noqa: E402
-from embedserv.config import ModelConfig  # noqa: E402
-from embedserv.engine.sync import SyncEngine  # noqa: E402
-from embedserv.types import EmbedParams, ImageInput  # noqa: E402
-from tests.helpers import vision_models  # noqa: E402
+from benchmarks.peer_runners.common import cpu_info
+from embedserv.config import ModelConfig
+from embedserv.engine.sync import SyncEngine
+from embedserv.types import EmbedParams, ImageInput
+from tests.helpers import vision_models
 
 ROOT = Path(__file__).resolve().parents[1]
 INFINITY_PYTHON = ROOT / ".peers" / "infinity" / "bin" / "python"
@@ -157,7 +157,7 @@ def bench(name: str, path: Path, images: list[bytes], peers: list[str], batch: i
         try:
             runners[peer] = RUNNERS[peer](path, batch)
             runners[peer].run(images[:batch])  # warm-up
-        except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
+        except Exception as e:
             failed[peer] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:100]}"
             runners.pop(peer, None)
     best = {peer: float("inf") for peer in runners}

@@ -15,12 +15,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from benchmarks.corpus import stdlib_texts  # noqa: E402
-from embedserv.config import ModelConfig  # noqa: E402
-from embedserv.engine.sync import SyncEngine  # noqa: E402
-from embedserv.types import EmbedParams  # noqa: E402
+from benchmarks.corpus import stdlib_texts
+from embedserv.config import ModelConfig
+from embedserv.engine.sync import SyncEngine
+from embedserv.types import EmbedParams
 
 
 def embed(model: str, texts: list[str], quantization: str | None) -> np.ndarray:

@@ -26,8 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.corpus import stdlib_texts  # noqa: E402
-from benchmarks.peer_models import BERT_INIT_STD, Shape, build_random_model  # noqa: E402
+from benchmarks.corpus import stdlib_texts
+from benchmarks.peer_models import BERT_INIT_STD, Shape, build_random_model
 
 SHAPE = Shape("modernbert", dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6, intermediate_size=576,
                                  global_attn_every_n_layers=3, local_attention=128, max_position_embeddings=8192,
@@ -96,7 +96,7 @@ def main() -> None:
         rows.append(("late chunking", seconds, chunks, result.prompt_tokens))
         seconds, result = timed(lambda: engine.embed(docs, EmbedParams(chunking=True)), args.repeats)
         rows.append(("chunk-and-pool (CHUNKING_MEAN)", seconds, 0, result.prompt_tokens))
-        pieces = [doc[start:end] for doc, doc_spans in zip(docs, spans) for start, end in doc_spans]
+        pieces = [doc[start:end] for doc, doc_spans in zip(docs, spans, strict=True) for start, end in doc_spans]
         seconds, result = timed(lambda: engine.embed(pieces, EmbedParams()), args.repeats)
         rows.append(("chunks embedded alone", seconds, len(pieces), result.prompt_tokens))
     with SyncEngine(ModelConfig(path=str(short), served_name="m", dtype="float32")) as engine:

@@ -36,7 +36,7 @@ def _config(num_layers: int, every: int):
 def _model(num_layers: int, every: int) -> ModernBertModel:
     torch.manual_seed(0)
     model = ModernBertModel(_config(num_layers, every)).eval().requires_grad_(False)
-    for name, param in model.named_parameters():
+    for param in model.parameters():
         param.data.normal_(0.0, 0.02) if param.dim() > 1 else param.data.fill_(1.0)
     for module in model.modules():
         if hasattr(module, "pack"):

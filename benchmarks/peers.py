@@ -42,7 +42,14 @@ from benchmarks.peer_models import MODEL_NAMES, max_seq_length, model_dir, pooli
 from benchmarks.peer_runners.common import cpu_info  # noqa: E402
 from benchmarks.peer_runners.report import REFERENCE, Row, cosines, render_header, render_table  # noqa: E402
 from benchmarks.peer_runners.servers import (  # noqa: E402
-    PeerError, Server, embedserv_server, infinity_server, log_tail, process_group, run, vllm_server,
+    PeerError,
+    Server,
+    embedserv_server,
+    infinity_server,
+    log_tail,
+    process_group,
+    run,
+    vllm_server,
     wait_http,
 )  # fmt: skip
 
@@ -216,7 +223,7 @@ def run_peer(peer: Peer, precision: str, bench: Bench) -> tuple[Row, np.ndarray 
         else:
             result = run_server_peer(peer, precision, bench, key)
         vectors = np.load(vectors_path(bench, key))
-    except Exception as err:  # noqa: BLE001 - any failure is reported in the table, the other peers go on
+    except Exception as err:
         row.notes = str(err) if isinstance(err, Skipped) else f"failed: {type(err).__name__}: {err}"
         return row, None
     row.seconds, row.p50_ms, row.p99_ms = result["seconds"], result.get("p50_ms"), result.get("p99_ms")

@@ -19,14 +19,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from benchmarks.corpus import stdlib_texts  # noqa: E402
-from embedserv import cpu_isa  # noqa: E402
-from embedserv.config import ModelConfig, bundled_model_path  # noqa: E402
-from embedserv.engine.sync import SyncEngine  # noqa: E402
-from embedserv.types import EmbedParams  # noqa: E402
-from embedserv.worker.allocator import keep_step_memory  # noqa: E402
+from benchmarks.corpus import stdlib_texts
+from embedserv import cpu_isa
+from embedserv.config import ModelConfig, bundled_model_path
+from embedserv.engine.sync import SyncEngine
+from embedserv.types import EmbedParams
+from embedserv.worker.allocator import keep_step_memory
 
 
 def options(precision: str) -> dict[str, str]:

@@ -158,7 +158,7 @@ def main() -> None:
                         best[(words, count)] = (seconds, cpu)
         shares = {}
         for count, replicas in sets.items():
-            calls = [r.embed_calls() - b for r, b in zip(replicas, before[count])]
+            calls = [r.embed_calls() - b for r, b in zip(replicas, before[count], strict=True)]
             shares[count] = " / ".join(f"{c / max(sum(calls), 1):.0%}" for c in calls)
     finally:
         for replicas in sets.values():

@@ -50,11 +50,10 @@ def _tokenizer():
 
 
 def build_models(root: Path) -> dict[str, Path]:
-    from sentence_transformers import MultiVectorEncoder, SparseEncoder
+    from sentence_transformers import MultiVectorEncoder, SentenceTransformer, SparseEncoder
     from sentence_transformers.base.modules import Dense, Normalize, Transformer
     from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
     from sentence_transformers.sentence_transformer.modules import Pooling
-    from sentence_transformers import SentenceTransformer
     from sentence_transformers.sparse_encoder.modules import SpladePooling
     from transformers import BertConfig, BertForMaskedLM, BertModel, XLMRobertaConfig, XLMRobertaModel
 
@@ -123,15 +122,15 @@ def transformers_bge_m3(model: str, texts: list[str], batch_size: int, repeats: 
             weights = torch.relu(sparse(hidden)).squeeze(-1) * batch["attention_mask"]
             weights = weights.masked_fill(torch.isin(batch["input_ids"], special), 0)
             lexical = []
-            for ids, w in zip(batch["input_ids"].tolist(), weights.tolist()):
+            for ids, w in zip(batch["input_ids"].tolist(), weights.tolist(), strict=True):
                 row: dict[int, float] = {}
-                for i, v in zip(ids, w):
+                for i, v in zip(ids, w, strict=True):
                     if v > 0 and v > row.get(i, 0.0):
                         row[i] = v
                 lexical.append(row)
             vectors = torch.nn.functional.normalize(colbert(hidden[:, 1:]), dim=-1)
             lengths = batch["attention_mask"].sum(1).tolist()
-            out.append((dense, lexical, [v[: n - 1] for v, n in zip(vectors, lengths)]))
+            out.append((dense, lexical, [v[: n - 1] for v, n in zip(vectors, lengths, strict=True)]))
         return out
 
     return best_of(repeats, run)[0]
@@ -182,7 +181,8 @@ def main() -> None:
             ("bge-m3-shaped, 3 calls (one per output)", "transformers + heads, one forward",
              None, isolated(engine_outputs, paths["bge_m3"], texts, bs, n, [dict(outputs=(o,)) for o in three])),
         ]
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "?")
     print(f"\n{len(texts)} texts, batch {args.batch_size}, best of {args.repeats}; {cpu}, {torch.get_num_threads()} "
           f"threads, torch {torch.__version__}, Python {platform.python_version()}\n")
     print("| Output | Reference | Reference texts/s | embedserv texts/s | ratio |")
@@ -193,7 +193,7 @@ def main() -> None:
         print(f"| {name} | {reference} | {len(texts) / ref_s:.0f} | {len(texts) / ours_s:.0f} | {ref_s / ours_s:.2f}x |")
     print("\n| Encoding | bytes per 384-dim vector | bytes per 1024-dim vector |")
     print("|---|---|---|")
-    for (name, small), (_, large) in zip(encoding_sizes(384), encoding_sizes(1024)):
+    for (name, small), (_, large) in zip(encoding_sizes(384), encoding_sizes(1024), strict=True):
         print(f"| {name} | {small} | {large} |")
 
 

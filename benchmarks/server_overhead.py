@@ -43,7 +43,7 @@ def configurations(pki: Path, base: str | None) -> dict[str, tuple[list[str], Pa
         "default (info: a line per batch)": ([], REPO_ROOT),
         "+ metrics port + API key": (production(), REPO_ROOT),
         "+ metrics port + API key + TLS": (production() + tls, REPO_ROOT),
-        "+ metrics port + API key, JSON logs": (production() + ["--log-format", "json"], REPO_ROOT),
+        "+ metrics port + API key, JSON logs": ([*production(), "--log-format", "json"], REPO_ROOT),
     }
     if base:
         rows[f"base checkout {Path(base).name} (info)"] = ([], Path(base))

@@ -15,6 +15,7 @@ the dataclasses' __post_init__, as for flags, and their messages are relabelled 
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 import typing
 from dataclasses import dataclass, fields
@@ -156,7 +157,7 @@ def _typed(value: object, key: str, where: str) -> object:
             return value
         if kind in (int, float) and isinstance(value, int) and not isinstance(value, bool):
             return kind(value)
-        if kind is float and isinstance(value, float) or kind is str and isinstance(value, str):
+        if (kind is float and isinstance(value, float)) or (kind is str and isinstance(value, str)):
             return value
     expected = " or ".join(_TYPE_NAMES[k] for k in allowed if k in _TYPE_NAMES)
     if key in ("kv_cache_memory", "embedding_cache"):
@@ -235,12 +236,12 @@ def assemble(
         for i, entry in enumerate(file.models):
             where = f"{file.path}: models[{i}] ({entry['path']})"
             places = {**from_defaults, **{key: where for key in entry}}
-            models.append(_relabelled(lambda: _model(entry, defaults, model_flags), places, where))
+            models.append(_relabelled(functools.partial(_model, entry, defaults, model_flags), places, where))
     else:
         paths = paths or [str(bundled_model_path())]
         models = [
-            _relabelled(lambda: _model({"path": p, "served_name": n}, defaults, model_flags), from_defaults)
-            for p, n in zip(paths, served_names(paths, names))
+            _relabelled(functools.partial(_model, {"path": p, "served_name": n}, defaults, model_flags), from_defaults)
+            for p, n in zip(paths, served_names(paths, names), strict=True)
         ]
     settings = {**file.server, **server_flags}
     return _relabelled(lambda: ServerConfig(models=tuple(models), **settings), from_server, file.path or None)

@@ -103,7 +103,7 @@ class RaggedRows:
         """request id -> (values, indices) of its entries (indices empty for token vectors)."""
         ends = np.cumsum(self.counts)
         out = {}
-        for request_id, end, count in zip(self.request_ids, ends.tolist(), self.counts.tolist()):
+        for request_id, end, count in zip(self.request_ids, ends.tolist(), self.counts.tolist(), strict=True):
             start = end - count
             indices = self.indices[start:end] if len(self.indices) else self.indices
             out[request_id] = (self.values[start:end], indices)

@@ -10,11 +10,11 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from pathlib import Path  # noqa: E402
+from pathlib import Path
 
-import pytest  # noqa: E402
+import pytest
 
-from tests.helpers.models import (  # noqa: E402
+from tests.helpers.models import (
     build_tiny_decoder,
     build_tiny_encoder,
     build_tiny_generator,

@@ -5,6 +5,7 @@ Runners run under the peers' own interpreters, so this module imports only the s
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import sys
@@ -71,10 +72,8 @@ def versions(*packages: str) -> dict[str, str]:
     """Installed versions of the named distributions; missing ones are left out."""
     found = {}
     for name in packages:
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
     return found
 
 

@@ -75,8 +75,10 @@ class CommonAttentionMetadata:
         own_keys = keys is queries
         if reads_kv_cache:
             num_key_rows = self.slot_mapping.shape[0]
+        elif own_keys:
+            num_key_rows = num_query_rows
         else:
-            num_key_rows = num_query_rows if own_keys else int(keys.sum())
+            num_key_rows = int(keys.sum())
         object.__setattr__(self, "reads_kv_cache", reads_kv_cache)
         object.__setattr__(self, "num_query_rows", num_query_rows)
         object.__setattr__(self, "num_key_rows", num_key_rows)

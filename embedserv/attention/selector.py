@@ -10,8 +10,8 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -8,7 +8,14 @@ from typing import TypeVar
 from embedserv.errors import InvalidInput
 from embedserv.models.loading.tasks import TaskSpec
 from embedserv.types import (
-    ClassifyParams, EmbedOutput, EmbedParams, ModelInfo, RerankMode, RerankParams, Task, TruncationDirection,
+    ClassifyParams,
+    EmbedOutput,
+    EmbedParams,
+    ModelInfo,
+    RerankMode,
+    RerankParams,
+    Task,
+    TruncationDirection,
 )
 
 Params = TypeVar("Params", EmbedParams, RerankParams, ClassifyParams)

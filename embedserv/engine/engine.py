@@ -7,8 +7,9 @@ generation streams read the Core itself.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import Any, TypeVar
 
 from embedserv.config import ModelConfig
 from embedserv.engine.inputs.sequence import InputSequence

@@ -20,7 +20,9 @@ from embedserv.engine.inputs.multi_vector_rules import MultiVectorRules
 from embedserv.engine.inputs.token_rules import TokenRules, VisionSpec
 from embedserv.engine.inputs.tokenizer import TextTokenizer
 from embedserv.engine.inputs.vision_retrieval_rules import (
-    VISION_RETRIEVAL, VisionRetrievalRules, read_retrieval_prompts,
+    VISION_RETRIEVAL,
+    VisionRetrievalRules,
+    read_retrieval_prompts,
 )
 from embedserv.errors import ConfigError
 from embedserv.models import registry

@@ -108,7 +108,7 @@ class SyncEngine:
             return deltas
 
         async def run() -> list[list[GenerationDelta]]:
-            return await asyncio.gather(*(collect(i, prompt, p) for i, (prompt, p) in enumerate(zip(prompts, params))))
+            return await asyncio.gather(*(collect(i, prompt, p) for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))))
 
         return self._call(run())
 

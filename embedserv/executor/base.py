@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 from embedserv.scheduler.kv_cache_manager import KvCacheLayout
 from embedserv.steps import StepBatch, StepOutput

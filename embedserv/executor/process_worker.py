@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio

@@ -99,7 +99,7 @@ class DeltaEncoder:
             if not (held.sampled and len(seq.token_ids) == 1):
                 sent[i] = len(seq.token_ids)
                 tokens.extend(seq.token_ids)
-            for group, (table, length) in enumerate(zip(seq.block_ids, held.table_lengths)):
+            for group, (table, length) in enumerate(zip(seq.block_ids, held.table_lengths, strict=True)):
                 if len(table) > length:
                     new_blocks[i, group] = len(table) - length
                     blocks.extend(table[length:])
@@ -116,7 +116,7 @@ class DeltaEncoder:
 
 
 def _shrank(before: tuple[int, ...], now: tuple[int, ...]) -> bool:
-    return len(before) != len(now) or any(a > b for a, b in zip(before, now))
+    return len(before) != len(now) or any(a > b for a, b in zip(before, now, strict=True))
 
 
 @dataclass
@@ -156,7 +156,7 @@ class RunningBatch:
         sequences = []
         columns = zip(
             delta.request_ids.tolist(), delta.num_tokens.tolist(), delta.sent.tolist(), delta.produces_output.tolist(),
-            delta.new_blocks.tolist(),
+            delta.new_blocks.tolist(), strict=True,
         )  # fmt: skip
         for request_id, num_tokens, sent, produces, appended in columns:
             seq = new.get(request_id)
@@ -177,7 +177,7 @@ class RunningBatch:
                 raise ValueError(f"request {request_id}'s step needs the token it last sampled, which it has not")
             if any(appended):
                 tables = []
-                for table, count in zip(state.tables, appended):
+                for table, count in zip(state.tables, appended, strict=True):
                     tables.append(table + tuple(blocks[block_at : block_at + count]))
                     block_at += count
                 state.tables = tuple(tables)

@@ -95,7 +95,7 @@ class Fused:
                 run = self._variants.setdefault(variant, compiled)
         try:
             return run(*args)
-        except Exception as exc:  # noqa: BLE001 - inductor raises many kinds; the eager path is the same math
+        except Exception as exc:
             self.failed = True
             cause = exc
             while cause.__cause__ is not None:

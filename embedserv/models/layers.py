@@ -26,7 +26,6 @@ from torch import nn
 
 from embedserv.models.int8 import Int8Weight
 
-
 # Row counts up to 256 are padded to a multiple of this; above, to 16 sizes per power of two.
 _MIN_STEP = 16
 

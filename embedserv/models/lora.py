@@ -79,7 +79,7 @@ class LowRank(nn.Module):
         """The same, one run of rows per adapter: each row pays for its own adapter's rank only, where the mask
         pays for every present adapter's (4 mixed adapters of rank 16 on every linear of MiniLM: 0.55x the
         base's throughput masked; benchmarks/lora.py measures this path)."""
-        for adapter, rows in zip(routes.adapters, routes.rows):
+        for adapter, rows in zip(routes.adapters, routes.rows, strict=True):
             xa, b = x[rows] @ self.lora_A[adapter].T, self.lora_B[adapter]
             if not self.blocks:
                 out[rows].addmm_(xa, b.T, alpha=self.scaling)

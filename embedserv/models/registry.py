@@ -15,8 +15,26 @@ from torch import nn
 
 from embedserv.errors import ConfigError
 from embedserv.models.families import (
-    bart, bert, clip, colpali, colqwen2, deberta_v2, distilbert, electra, eurobert, gemma, gemma4, gte, jina_v3, llama,
-    modernbert, mpnet, nomic_bert, siglip, siglip2, t5,
+    bart,
+    bert,
+    clip,
+    colpali,
+    colqwen2,
+    deberta_v2,
+    distilbert,
+    electra,
+    eurobert,
+    gemma,
+    gemma4,
+    gte,
+    jina_v3,
+    llama,
+    modernbert,
+    mpnet,
+    nomic_bert,
+    siglip,
+    siglip2,
+    t5,
 )
 from embedserv.models.heads import bge_m3, multi_vector, splade, vision_retrieval
 from embedserv.models.loading.family import Family

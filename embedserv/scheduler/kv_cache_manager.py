@@ -56,10 +56,10 @@ class KvCacheManager:
     def blocks_needed(self, request: Request, num_tokens: int) -> list[int]:
         """Blocks per group for a table covering `num_tokens` decoder tokens."""
         encoder_len = len(request.encoder_token_ids)
-        return [m.blocks_needed(encoder_len if g.fixed else num_tokens) for g, m in zip(self.groups, self.managers)]
+        return [m.blocks_needed(encoder_len if g.fixed else num_tokens) for g, m in zip(self.groups, self.managers, strict=True)]
 
     def can_ever_fit(self, request: Request, num_tokens: int) -> bool:
-        return all(n <= m.num_blocks for n, m in zip(self.blocks_needed(request, num_tokens), self.managers))
+        return all(n <= m.num_blocks for n, m in zip(self.blocks_needed(request, num_tokens), self.managers, strict=True))
 
     def covers(self, request: Request, num_tokens: int) -> bool:
         """Every table of the request already holds `num_tokens` tokens: the common decode step, which then
@@ -73,7 +73,7 @@ class KvCacheManager:
         tables = request.block_ids or [[] for _ in self.groups]
         return all(
             n - len(table) <= m.num_free_blocks
-            for n, table, m in zip(self.blocks_needed(request, num_tokens), tables, self.managers)
+            for n, table, m in zip(self.blocks_needed(request, num_tokens), tables, self.managers, strict=True)
         )
 
     def allocate(self, request: Request, num_tokens: int) -> None:
@@ -82,11 +82,11 @@ class KvCacheManager:
             request.block_ids = [[] for _ in self.groups]
         if not self.can_allocate(request, num_tokens):
             raise ValueError("allocate() without can_allocate()")
-        for group, manager, table in zip(self.groups, self.managers, request.block_ids):
+        for group, manager, table in zip(self.groups, self.managers, request.block_ids, strict=True):
             manager.allocate(table, len(request.encoder_token_ids) if group.fixed else num_tokens)
 
     def free(self, request: Request) -> None:
-        for manager, table in zip(self.managers, request.block_ids):
+        for manager, table in zip(self.managers, request.block_ids, strict=True):
             manager.free(table)
         request.block_ids = []
 

@@ -19,9 +19,9 @@ import grpc
 
 from embedserv import metrics, tracing
 from embedserv.errors import RETRY_AFTER_S
-from embedserv.types import Timing
 from embedserv.logs import REQUEST_ID
 from embedserv.server.grpc.status import message_for, status_for
+from embedserv.types import Timing
 
 logger = logging.getLogger("embedserv.server.calls")
 
@@ -206,7 +206,7 @@ def unary_call(handler):
         self.active_calls.enter()
         try:
             response = await handler(self, request, context, call)
-        except BaseException as exc:  # noqa: BLE001 - every end becomes a status, never a crash
+        except BaseException as exc:
             await _end_with_error(call, context, exc)
         finally:
             self.active_calls.exit()
@@ -226,7 +226,7 @@ def stream_call(handler):
         try:
             async for response in handler(self, request, context, call):
                 yield response
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             await _end_with_error(call, context, exc)
         finally:
             self.active_calls.exit()

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Iterable, Iterator
 
 from embedserv.config import ServerConfig
 from embedserv.engine.engine import Engine
 from embedserv.errors import AdapterNotFound, InvalidInput, ModelNotFound, NotReady, Overloaded
 from embedserv.models.loading.spec_reader import takes_images
 from embedserv.types import ImageInput, Modality, Task
+
 
 def bound_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
     """A TCP socket bound to host:port (port 0: a free one), not yet listening; OSError when the port is taken.

@@ -35,8 +35,19 @@ from embedserv.logs import REQUEST_ID
 from embedserv.server.engine_host import EngineHost
 from embedserv.server.frontend import bound_socket
 from embedserv.server.link_messages import (
-    CODEC, CancelAll, CancelCall, Drain, Drained, GenerateCall, GenerateDelta, GenerateEnd, Hello, InferCall, InferDone,
-    Status, failure,
+    CODEC,
+    CancelAll,
+    CancelCall,
+    Drain,
+    Drained,
+    GenerateCall,
+    GenerateDelta,
+    GenerateEnd,
+    Hello,
+    InferCall,
+    InferDone,
+    Status,
+    failure,
 )
 
 logger = logging.getLogger(__name__)
@@ -202,7 +213,7 @@ class FrontendProcesses:
             reply = InferDone(call.call_id, outputs, tokens, replace(timing, runs=()))
         except asyncio.CancelledError:
             return
-        except Exception as exc:  # noqa: BLE001 - every failure goes back to the caller
+        except Exception as exc:
             reply = failure(call.call_id, exc)
         await self._send(identity, reply)
 
@@ -217,7 +228,7 @@ class FrontendProcesses:
             reply = GenerateEnd(call.call_id)
         except asyncio.CancelledError:
             return
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             reply = failure(call.call_id, exc)
         await self._send(identity, reply)
 
@@ -241,7 +252,7 @@ class FrontendProcesses:
             try:
                 await self.broadcast(self.status())
                 self._replace_dead_frontends()
-            except Exception:  # noqa: BLE001 - the loop must outlive one bad second
+            except Exception:
                 logger.exception("front-end status update failed")
 
     def _replace_dead_frontends(self) -> None:

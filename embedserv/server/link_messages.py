@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from embedserv.engine.ports import CoreStatus, SequenceOutput
 from embedserv.engine.inputs.sequence import InputSequence
+from embedserv.engine.ports import CoreStatus, SequenceOutput
 from embedserv.errors import AdapterNotFound, EmbedservError, InvalidInput, ModelNotFound, NotReady, Overloaded
 from embedserv.executor.codec import Codec
 from embedserv.types import EmbedOutput, GenerationDelta, SamplingParams, Timing

@@ -6,8 +6,8 @@ import logging
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Metric, start_http_server
-from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 

@@ -27,7 +27,15 @@ from embedserv.engine.ports import CoreStatus, Inferred
 from embedserv.errors import NotReady
 from embedserv.logs import REQUEST_ID
 from embedserv.server.link_messages import (
-    CODEC, CallFailed, CancelCall, GenerateCall, GenerateEnd, Hello, InferCall, InferDone, error_of,
+    CODEC,
+    CallFailed,
+    CancelCall,
+    GenerateCall,
+    GenerateEnd,
+    Hello,
+    InferCall,
+    InferDone,
+    error_of,
 )
 from embedserv.types import EmbedOutput, EngineRun, GenerationDelta, SamplingParams, TruncationDirection
 

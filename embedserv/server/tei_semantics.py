@@ -60,5 +60,5 @@ def tei_tokens(engine: Engine, text: str, prompt_name: str | None, tokenized: To
     return [
         TeiToken(i, token, True, None, None) if special
         else TeiToken(i, seen[start:stop], False, byte_at[start], byte_at[stop])
-        for i, token, (start, stop), special in zip(tokenized.ids, tokenized.tokens, tokenized.offsets, tokenized.special)
+        for i, token, (start, stop), special in zip(tokenized.ids, tokenized.tokens, tokenized.offsets, tokenized.special, strict=True)
     ]

@@ -11,7 +11,10 @@ import numpy as np
 import torch
 
 from embedserv.attention.metadata import (
-    CommonAttentionMetadata, build_common_metadata, build_cross_metadata, cumulative_offsets,
+    CommonAttentionMetadata,
+    build_common_metadata,
+    build_cross_metadata,
+    cumulative_offsets,
 )
 from embedserv.models.layers import pad
 

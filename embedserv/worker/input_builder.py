@@ -28,8 +28,8 @@ import torch
 
 from embedserv.attention.metadata import build_common_metadata, cumulative_offsets
 from embedserv.models.heads.pooling import PoolingInputs, TokenInputs
-from embedserv.models.lora import adapter_rows
 from embedserv.models.layers import pad, padded_rows
+from embedserv.models.lora import adapter_rows
 from embedserv.steps import OutputKind, ScheduledSequence, StepBatch
 from embedserv.types import EmbedOutput
 from embedserv.worker.encoder_inputs import EncoderPlan
@@ -283,4 +283,4 @@ def to_device(parts: dict[str, np.ndarray], device: torch.device) -> dict[str, t
     host = torch.from_numpy(np.concatenate(arrays).astype(np.int64, copy=False))
     if device.type != "cpu":
         host = host.pin_memory().to(device, non_blocking=True)
-    return dict(zip(parts, host.split([len(a) for a in arrays])))
+    return dict(zip(parts, host.split([len(a) for a in arrays]), strict=True))

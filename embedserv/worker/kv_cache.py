@@ -70,7 +70,7 @@ class KvCache:
         """Blocks of a step that were never used before, per group (marked used now); None if none.
         Called in step order (a worker prepares steps in the order it runs them)."""
         fresh = []
-        for used, tables in zip(self._used, tables_per_group):
+        for used, tables in zip(self._used, tables_per_group, strict=True):
             blocks = np.unique(tables)
             new = blocks[~used[blocks]]
             used[new] = True
@@ -79,13 +79,13 @@ class KvCache:
 
     def zero(self, fresh: list[list[int]]) -> None:
         """Zeroes these blocks (per group) in every layer of their group."""
-        for group, blocks in zip(self.groups, fresh):
+        for group, blocks in zip(self.groups, fresh, strict=True):
             if not blocks:
                 continue
             index = torch.tensor(blocks, device=self.tensors[group.layers[0]].device)
             for layer in group.layers:
                 self.tensors[layer].index_fill_(1, index, 0)
-        for used, blocks in zip(self._used, fresh):
+        for used, blocks in zip(self._used, fresh, strict=True):
             used[blocks] = True
 
 
@@ -140,7 +140,7 @@ def allocate_kv_caches(
     layers = attention_layers(model)
     caches: list[torch.Tensor | None] = [None] * (max((m.layer_index for m in layers), default=-1) + 1)
     for group in groups:
-        for index, (kv_heads, head_size) in zip(group.layers, group.shapes):
+        for index, (kv_heads, head_size) in zip(group.layers, group.shapes, strict=True):
             shape = backend.kv_cache_shape(num_blocks, group.block_size, kv_heads, head_size)
             # Uninitialized, so that memory is committed only as blocks are used; each block is zeroed on
             # its first use (KvCache.fresh_blocks, KvCache.zero).

@@ -22,17 +22,17 @@ from embedserv.attention.layer import attention_layers
 from embedserv.forward_context import ForwardContext, set_forward_context
 from embedserv.models.heads.adapter_heads import AdapterScoreHeads
 from embedserv.models.heads.pooling import TokenInputs
-from embedserv.models.lora import has_lora
 from embedserv.models.heads.sampler import sample
 from embedserv.models.interface import Model, ModelKind
 from embedserv.models.layers import padded_rows, row_counts, warm_linear_row_counts
+from embedserv.models.lora import has_lora
 from embedserv.scheduler.kv_cache_manager import KvCacheLayout
 from embedserv.steps import OutputKind, RaggedRows, ScheduledSequence, StepBatch, StepOutput
 from embedserv.types import EmbedOutput, SamplingParams
 from embedserv.worker.input_builder import InputBuilder
-from embedserv.worker.model_inputs import ModelInputs
 from embedserv.worker.kv_cache import KvCache
 from embedserv.worker.layer_routes import LayerRoutes
+from embedserv.worker.model_inputs import ModelInputs
 from embedserv.worker.prefill_skip import PrefillSkip
 
 logger = logging.getLogger(__name__)

@@ -49,7 +49,7 @@ class PagedPlan:
         device = cu_q.device
         by_lengths: dict[bool, tuple] = {}
         out = []
-        for group, (width, fixed) in enumerate(zip(self.widths, self.fixed)):
+        for group, (width, fixed) in enumerate(zip(self.widths, self.fixed, strict=True)):
             slots, tables = device_parts[f"slots_{group}"], device_parts[f"block_tables_{group}"]
             if fixed not in by_lengths:
                 keys = self.encoder_lens if fixed else lens_k

@@ -23,7 +23,11 @@ import numpy as np
 import torch
 
 from embedserv.attention.metadata import (
-    AttentionMetadata, CommonAttentionMetadata, build_paged_metadata, build_suffix_metadata, cumulative_offsets,
+    AttentionMetadata,
+    CommonAttentionMetadata,
+    build_paged_metadata,
+    build_suffix_metadata,
+    cumulative_offsets,
     ranges,
 )
 from embedserv.models.layers import pad

@@ -11,10 +11,9 @@ from embedserv import cpu_isa
 from embedserv.config import ModelConfig
 from embedserv.errors import ConfigError
 from embedserv.models import int8, registry
+from embedserv.models.heads.adapter_heads import AdapterScoreHeads, adapter_head
 from embedserv.models.heads.lm import build_lm_head, logit_softcap
 from embedserv.models.heads.pooling import Dense, EmbeddingPooler
-from embedserv.models.layers import quantize_linears
-from embedserv.models.heads.adapter_heads import AdapterScoreHeads, adapter_head
 from embedserv.models.heads.score import (
     ScoreHead,
     YesNoTokens,
@@ -22,6 +21,7 @@ from embedserv.models.heads.score import (
     build_seq2seq_yes_no_head,
     build_yes_no_head,
 )
+from embedserv.models.layers import quantize_linears
 from embedserv.models.loading.lora_files import attach_lora
 from embedserv.models.loading.model_spec import ModelSpec
 from embedserv.models.loading.spec_reader import DEFAULT_POOLING

@@ -103,7 +103,7 @@ _FLEX_FAST = [
 
 # CPU serves with sdpa, and compiling flex there costs seconds a case: the default run compiles one case on
 # CPU (the first below) and every case on CUDA; the other compiled-flex tests run on CPU with --run-slow.
-COMPILED_FLEX_DEVICES = [pytest.param("cpu", marks=pytest.mark.slow)] + DEVICES[1:]
+COMPILED_FLEX_DEVICES = [pytest.param("cpu", marks=pytest.mark.slow), *DEVICES[1:]]
 
 
 def _compiled_flex_cases():

@@ -16,12 +16,14 @@ from embedserv.attention.backends.base import kv_cache_shape
 from embedserv.attention.backends.naive import NaiveBackend
 from embedserv.attention.layer import Attention, AttentionKind
 from embedserv.attention.metadata import (
-    build_common_metadata, build_cross_metadata, build_paged_metadata, cumulative_offsets,
+    build_cross_metadata,
+    build_paged_metadata,
+    cumulative_offsets,
 )
 from embedserv.forward_context import set_forward_context
 from embedserv.worker.layer_routes import forward_context_for
 from tests.attention.test_backends import DEVICES, TOLERANCE, make_backend
-from tests.attention.test_paged_backends import MIXES, Step, _backend, _block_tables, _padded, _slots
+from tests.attention.test_paged_backends import _backend, _block_tables, _padded, _slots
 
 BACKENDS = ["sdpa", "flex-eager", "varlen", "flash_attn"]
 # The flash kernels run half precision only: where a test has one dtype, theirs is bfloat16.
@@ -133,7 +135,7 @@ class CrossStep:
         flat_v = self.cache[1].view(-1, kv_heads, head_size)
         starts = cumulative_offsets(self.lens_k)
         written, slot_mapping = [], []
-        for table, start, length, writes in zip(self.tables, starts, self.lens_k, self.writes):
+        for table, start, length, writes in zip(self.tables, starts, self.lens_k, self.writes, strict=True):
             slots = _to(_slots(table, 0, int(length), block_size), device)
             rows = slice(int(start), int(start) + int(length))
             if writes:
@@ -189,7 +191,7 @@ def _paged_backend(name, device, dtype, head_size, heads, kv_heads, block_size):
     return backend, block_size
 
 
-@pytest.mark.parametrize("name", ["naive"] + BACKENDS)
+@pytest.mark.parametrize("name", ["naive", *BACKENDS])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mix", list(PAGED_CROSS_MIXES))
 @pytest.mark.parametrize("block_size,dtype", [(16, torch.float32), (12, torch.bfloat16)], ids=["16-fp32", "12-bf16"])
@@ -206,7 +208,7 @@ def test_paged_cross_matches_kv_free(name, device, mix, block_size, dtype):
     torch.testing.assert_close(step.run(backend), out, **_tolerance(dtype))
 
 
-@pytest.mark.parametrize("name", ["naive"] + BACKENDS)
+@pytest.mark.parametrize("name", ["naive", *BACKENDS])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mix", ["read-only", "some-write"])
 def test_paged_cross_sees_only_its_own_blocks(name, device, mix):

@@ -58,7 +58,7 @@ def _slots(table, start, stop, block_size):
 def _padded(tables):
     """[num_seqs, longest + 1] int32, padded with 0: one column more than any sequence needs."""
     out = np.zeros((len(tables), max(map(len, tables)) + 1), dtype=np.int32)
-    for row, table in zip(out, tables):
+    for row, table in zip(out, tables, strict=True):
         row[: len(table)] = table
     return out
 
@@ -85,13 +85,13 @@ class Step:
         self.cache = torch.full(shape, unowned_fill, dtype=dtype, device=device)
         self.cache[:, [b for table in self.tables for b in table]] = 0
         flat_k, flat_v = self._flat(self.cache)
-        for table, start, k, v in zip(self.tables, self.starts, self.ks, self.vs):
+        for table, start, k, v in zip(self.tables, self.starts, self.ks, self.vs, strict=True):
             slots = torch.from_numpy(_slots(table, 0, start, block_size)).to(device)
             flat_k[slots] = k[:start].view(-1, kv_heads, head_size)
             flat_v[slots] = v[:start].view(-1, kv_heads, head_size)
         to = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64)).to(device)  # noqa: E731
         self.slot_mapping = to(np.concatenate([
-            _slots(t, s, n, block_size) for t, s, n in zip(self.tables, self.starts, self.totals)
+            _slots(t, s, n, block_size) for t, s, n in zip(self.tables, self.starts, self.totals, strict=True)
         ]))
         news, totals = np.array(self.news), np.array(self.totals)
         self.common = build_paged_metadata(
@@ -99,9 +99,9 @@ class Step:
             torch.from_numpy(_padded(self.tables)).to(device), to(totals), block_size,
         )
         self.layer = Attention(heads, head_size, num_kv_heads=kv_heads)
-        self.q = torch.cat([q[s:] for q, s in zip(self.qs, self.starts)])
-        self.k = torch.cat([k[s:] for k, s in zip(self.ks, self.starts)])
-        self.v = torch.cat([v[s:] for v, s in zip(self.vs, self.starts)])
+        self.q = torch.cat([q[s:] for q, s in zip(self.qs, self.starts, strict=True)])
+        self.k = torch.cat([k[s:] for k, s in zip(self.ks, self.starts, strict=True)])
+        self.v = torch.cat([v[s:] for v, s in zip(self.vs, self.starts, strict=True)])
 
     def _flat(self, cache):
         return cache[0].view(-1, *cache.shape[-2:]), cache[1].view(-1, *cache.shape[-2:])
@@ -120,7 +120,7 @@ class Step:
         """The naive oracle over each whole sequence without a cache: its last `new` rows."""
         oracle = NaiveBackend()
         expected = []
-        for q_full, k_full, v_full, start, total in zip(self.qs, self.ks, self.vs, self.starts, self.totals):
+        for q_full, k_full, v_full, start, total in zip(self.qs, self.ks, self.vs, self.starts, self.totals, strict=True):
             meta = oracle.build_metadata(build_common_metadata(np.array([total]), is_causal=True))
             with set_forward_context(forward_context_for([self.layer], oracle, meta)):
                 expected.append(self.layer(q_full, k_full, v_full)[start:].float().cpu())
@@ -132,7 +132,7 @@ class Step:
         heads, size = self.layer.num_heads, self.layer.head_size
         q = self.q.view(-1, heads, size).double()
         out, row = [], 0
-        for table, new, total in zip(self.tables, self.news, self.totals):
+        for table, new, total in zip(self.tables, self.news, self.totals, strict=True):
             slots = torch.from_numpy(_slots(table, 0, total, self.block_size)).to(q.device)
             group = heads // flat_k.shape[1]
             keys = flat_k[slots].double().repeat_interleave(group, dim=1).transpose(0, 1)

@@ -80,10 +80,10 @@ def test_layers_of_a_step_share_one_metadata(calls):
     caches = [step.cache.clone() for _ in layers]
     queries = [step.q, step.q.view(-1, 8, 32)[:, :4].reshape(-1, 4 * 32), step.q]
     with set_forward_context(forward_context_for(layers, backend, meta, kv_caches=caches)):
-        outs = [layer(q, step.k, step.v) for layer, q in zip(layers, queries)]
+        outs = [layer(q, step.k, step.v) for layer, q in zip(layers, queries, strict=True)]
     assert len(calls) == 3 and len([k for k in meta.memo if k[0] == "decode-value-rows"]) == 2
     oracle = NaiveBackend()
-    for layer, q, cache, out in zip(layers, queries, caches, outs):
+    for layer, q, cache, out in zip(layers, queries, caches, outs, strict=True):
         alone = Attention(layer.num_heads, 32, num_kv_heads=2)
         with set_forward_context(forward_context_for([alone], oracle, oracle.build_metadata(step.common), [cache])):
             torch.testing.assert_close(out, alone(q, step.k, step.v), **TOLERANCE)

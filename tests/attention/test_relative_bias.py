@@ -17,7 +17,14 @@ from embedserv.forward_context import set_forward_context
 from embedserv.worker.layer_routes import forward_context_for
 from tests.attention.test_backends import COMPILED_FLEX_DEVICES, DEVICES, TOLERANCE, make_backend
 from tests.attention.test_cross_and_bias import (
-    CROSS_MIXES, HEADS_DTYPE_IDS, HEADS_DTYPES, PAGED_CROSS_MIXES, CrossStep, _paged_backend, _to, _tolerance,
+    CROSS_MIXES,
+    HEADS_DTYPE_IDS,
+    HEADS_DTYPES,
+    PAGED_CROSS_MIXES,
+    CrossStep,
+    _paged_backend,
+    _to,
+    _tolerance,
     check_cross,
 )
 from tests.attention.test_paged_backends import MIXES, Step, _backend
@@ -120,7 +127,7 @@ PAGED_BIAS_MIXES = {
 }
 
 
-@pytest.mark.parametrize("name", ["naive"] + BIAS_BACKENDS)
+@pytest.mark.parametrize("name", ["naive", *BIAS_BACKENDS])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mix", list(PAGED_BIAS_MIXES))
 @pytest.mark.parametrize(
@@ -139,7 +146,7 @@ def test_paged_relative_bias_matches_full_causal_attention(name, device, mix, bl
         torch.testing.assert_close(step.run(backend, shared=True), out, **_tolerance(dtype))
 
 
-@pytest.mark.parametrize("name", ["naive"] + BIAS_BACKENDS)
+@pytest.mark.parametrize("name", ["naive", *BIAS_BACKENDS])
 @pytest.mark.parametrize("device", DEVICES)
 def test_paged_relative_bias_sees_only_its_own_blocks(name, device):
     backend, _ = _backend(name, device, torch.float32, 32, 4, 4, 12)

@@ -64,7 +64,7 @@ def dense_reference(q, k, v, lens_q, lens_k, causal, window, scale):
     q, k, v = (x.double().cpu().view(x.shape[0], -1, HEAD_SIZE) for x in (q, k, v))
     group = q.shape[1] // k.shape[1]
     out, q_start, k_start = [], 0, 0
-    for len_q, len_k in zip(lens_q, lens_k):
+    for len_q, len_k in zip(lens_q, lens_k, strict=True):
         qs = q[q_start : q_start + len_q].transpose(0, 1)
         ks = k[k_start : k_start + len_k].repeat_interleave(group, dim=1).transpose(0, 1)
         vs = v[k_start : k_start + len_k].repeat_interleave(group, dim=1).transpose(0, 1)
@@ -211,7 +211,7 @@ def test_windowed_and_full_layers_share_a_step(name, dtype, device, kind):
         step = KvFreeStep(pairs, True, dtype, device)
         outs = step.run(backend, MIXED_LAYERS)
         expected = [step.run(NaiveBackend(), [w])[0] for w in MIXED_LAYERS]
-    for out, reference in zip(outs, expected):
+    for out, reference in zip(outs, expected, strict=True):
         torch.testing.assert_close(out, reference, **_tolerance(dtype))
 
 
@@ -222,7 +222,7 @@ def _listed(num_blocks, indices, nk):
     """[nq, nk] bool from a BlockMask's per-query-block counts and indices."""
     counts, indices = num_blocks[0, 0], indices[0, 0].long()
     listed = torch.zeros(counts.shape[0], nk, dtype=torch.bool)
-    for row, (count, index) in enumerate(zip(counts.tolist(), indices)):
+    for row, (count, index) in enumerate(zip(counts.tolist(), indices, strict=True)):
         listed[row, index[:count]] = True
     return listed
 
@@ -294,7 +294,7 @@ def test_compiled_flex_kv_free(device, kind):
     backend = _make("flex", device, torch.float32)
     step = KvFreeStep(*_COMPILED[kind], device=device)
     windows = [7, 130, 1]
-    for out, window in zip(step.run(backend, windows), windows):
+    for out, window in zip(step.run(backend, windows), windows, strict=True):
         torch.testing.assert_close(out, step.reference(window), **_tolerance(torch.float32))
 
 
@@ -307,7 +307,7 @@ def test_compiled_flex_paged(device, block_size, dtype):
     backend, _ = _backend("flex", device, dtype, HEAD_SIZE, HEADS, KV_HEADS, block_size)
     step = paged_step(_LONG_MIX, dtype, device, block_size)
     windows = [7, 100]
-    for out, window in zip(run_paged(step, backend, windows), windows):
+    for out, window in zip(run_paged(step, backend, windows), windows, strict=True):
         torch.testing.assert_close(out, paged_reference(step, window), **_tolerance(dtype))
 
 

@@ -85,7 +85,7 @@ def test_embed_one_string_gives_one_vector_and_options_pass_through(client, stub
 
 
 def test_embed_splits_a_large_batch_into_server_sized_requests(client, server):
-    target, metrics_port = server
+    _target, metrics_port = server
     one_by_one = np.stack([client.embed(text) for text in TEXTS])
     before = ok_calls(metrics_port, "Embed")
     matrix = client.embed(TEXTS)
@@ -139,7 +139,7 @@ def test_classify_equals_the_stub_and_one_string_gives_one(client, stub, pb):
                for i in (0, 3)]  # fmt: skip
     expected = [c for reply in replies for c in reply.classifications]
     assert len(results) == 6
-    for got, want in zip(results, expected):
+    for got, want in zip(results, expected, strict=True):
         assert got.label == want.label
         assert got.score == pytest.approx(want.score, abs=1e-5)
         assert list(got.scores) == [s.label for s in want.scores]

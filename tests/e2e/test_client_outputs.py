@@ -91,15 +91,15 @@ def test_outputs_and_multi_vector_equal_the_stubs(client, split, stub):
     expected = [np.frombuffer(m.raw, "<f4").reshape(m.num_vectors, m.dimension) for m in native]
     vectors = client.embed_multi_vector(TEXTS)
     assert [v.shape for v in vectors] == [e.shape for e in expected] and expected[0].shape[1] == 384
-    for got, want in zip(vectors, expected):
+    for got, want in zip(vectors, expected, strict=True):
         np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(client.embed_multi_vector(TEXTS[2]), expected[2])
-    for got, want in zip(split.embed_multi_vector(TEXTS), expected):
+    for got, want in zip(split.embed_multi_vector(TEXTS), expected, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5)
     both = client.embed(TEXTS, outputs=["dense", "multi_vector"], encoding="float16")
     assert isinstance(both, EmbedOutputs) and both.sparse is None
     np.testing.assert_array_equal(both.dense, client.embed(TEXTS, encoding="float16"))
-    for got, want in zip(both.multi_vector, expected):
+    for got, want in zip(both.multi_vector, expected, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5)  # batched with the dense output: other batch shapes
 
 
@@ -107,7 +107,7 @@ def test_sparse_equals_the_stub_and_top_k_keeps_the_largest(client, split, stub)
     native = stub.EmbedSparse(pb().EmbedSparseRequest(model=SPARSE, inputs=TEXTS), timeout=RPC_TIMEOUT_S)
     vectors = client.embed_sparse(TEXTS, model=SPARSE)
     assert len(vectors) == 3
-    for got, want in zip(vectors, native.embeddings):
+    for got, want in zip(vectors, native.embeddings, strict=True):
         assert got.indices.dtype == np.int64 and got.values.dtype == np.float32 and len(got.indices) > 10
         assert got.indices.tolist() == list(want.indices)
         np.testing.assert_array_equal(got.values, np.asarray(want.values, dtype=np.float32))

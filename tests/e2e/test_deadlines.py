@@ -32,7 +32,7 @@ def server(bundled_dir, request):
     metrics_port = free_port()
     args = ["--model", str(bundled_dir), "--served-model-name", SERVED, "--metrics-port", str(metrics_port)]
     launch = in_process_server if request.param == 1 else running_server
-    with launch(args + ["--frontends", str(request.param)]) as (target, proc):
+    with launch([*args, "--frontends", str(request.param)]) as (target, proc):
         with grpc.insecure_channel(target) as channel:
             yield inference_stub(channel), metrics_port, proc
 

@@ -112,7 +112,7 @@ def test_bytes_encoding_equals_float_values(stub, pb, texts):
     raw = stub.Embed(embed_request(batch, truncate=True, encoding=pb.ENCODING_BYTES), timeout=RPC_TIMEOUT_S)
 
     assert len(raw.embeddings) == len(batch)
-    for i, (f, r) in enumerate(zip(floats.embeddings, raw.embeddings)):
+    for i, (f, r) in enumerate(zip(floats.embeddings, raw.embeddings, strict=True)):
         assert len(r.values) == 0, f"input {i}: ENCODING_BYTES also filled values"
         assert len(r.raw) == 4 * DIMENSION, f"input {i}: raw holds {len(r.raw)} bytes"
         assert len(f.raw) == 0, f"input {i}: ENCODING_FLOAT also filled raw"
@@ -184,7 +184,7 @@ def test_concurrent_calls_equal_sequential_ones(stub, served, texts):
     def call(start: int, batch: list[str]) -> None:
         try:
             results[start] = response_matrix(stub.Embed(embed_request(batch, truncate=True), timeout=RPC_TIMEOUT_S))
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=call, args=chunk) for chunk in chunks]
@@ -297,25 +297,25 @@ def test_tokenize_matches_the_reference_tokenizer(stub, pb, bundled_reference):
 
     assert with_special.model == SERVED
     assert len(with_special.inputs) == len(inputs)
-    for text, tokenized, bare in zip(inputs, with_special.inputs, without.inputs):
+    for text, tokenized, bare in zip(inputs, with_special.inputs, without.inputs, strict=True):
         ref = tokenizer(text, return_offsets_mapping=True)
         assert [t.id for t in tokenized.tokens] == ref["input_ids"], text
         assert [t.id for t in bare.tokens] == tokenizer(text, add_special_tokens=False)["input_ids"], text
         assert [t.special for t in tokenized.tokens] == [True] + [False] * (len(ref["input_ids"]) - 2) + [True]
-        for token, (start, end) in zip(tokenized.tokens, ref["offset_mapping"]):
+        for token, (start, end) in zip(tokenized.tokens, ref["offset_mapping"], strict=True):
             if not token.special:
                 assert (token.start, token.end) == (start, end), f"offsets of {token.text!r} in {text!r}"
 
 
 def test_embed_stream_answers_each_request_in_order(stub, served, texts):
     sizes = [1, 3, 2, 5, 1]
-    starts = np.cumsum([0] + sizes[:-1]).tolist()
-    requests = [embed_request(texts[s : s + n], truncate=True) for s, n in zip(starts, sizes)]
+    starts = np.cumsum([0, *sizes[:-1]]).tolist()
+    requests = [embed_request(texts[s : s + n], truncate=True) for s, n in zip(starts, sizes, strict=True)]
 
     responses = list(stub.EmbedStream(iter(requests), timeout=RPC_TIMEOUT_S))
 
     assert len(responses) == len(requests)
-    for s, n, response in zip(starts, sizes, responses):
+    for s, n, response in zip(starts, sizes, responses, strict=True):
         assert response.model == SERVED
         got = response_matrix(response)
         assert got.shape == (n, DIMENSION)

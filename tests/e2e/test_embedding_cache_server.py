@@ -13,9 +13,9 @@ import json
 import grpc
 import httpx
 import pytest
+
 from embedserv_client import Client
 from embedserv_client import cli as client_cli
-
 from tests.helpers.client import RPC_TIMEOUT_S, inference_stub
 from tests.helpers.inprocess import in_process_server
 from tests.helpers.metrics import scrape
@@ -61,7 +61,7 @@ def cache_metrics(server) -> dict[str, float]:
 
 
 def moved(before: dict, after: dict) -> dict:
-    return {name: after[name] - before[name] for name in COUNTERS + ("entries",)}
+    return {name: after[name] - before[name] for name in (*COUNTERS, "entries")}
 
 
 def outputs_bytes(reply) -> bytes:

@@ -18,9 +18,9 @@ import grpc
 import httpx
 import pytest
 
+from tests.helpers.client import embed_request, inference_stub, response_matrix
 from tests.helpers.metrics import scrape
 from tests.helpers.models import build_tiny_generator
-from tests.helpers.client import embed_request, inference_stub, response_matrix
 from tests.helpers.processes import FRONTEND_MARKER, child_pids, has_marker, is_alive, wait_for
 from tests.helpers.server import free_port, running_server
 

@@ -35,12 +35,12 @@ from tests.helpers.fuzz_requests import (
     MAX_CLIENT_BATCH,
     MAX_INPUT_CHARS,
     SERVED,
-    pb_module,
     classify_requests,
     embed_requests,
     generate_requests,
     list_models_requests,
     mostly,
+    pb_module,
     rerank_requests,
     tokenize_requests,
 )

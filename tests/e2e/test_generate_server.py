@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from tests.helpers.client import RPC_TIMEOUT_S, inference_stub
-from tests.helpers.models import build_tiny_generator
 from tests.helpers.inprocess import in_process_server
+from tests.helpers.models import build_tiny_generator
 from tests.helpers.processes import cmdline, wait_for, worker_pids
 
 GEN, EMBEDDER = "tiny-llama", "minilm"

@@ -166,7 +166,7 @@ def test_sigterm_lets_http_calls_and_sse_streams_finish_refuses_new_and_exits_0(
     def unary(i: int) -> None:
         try:
             results[i] = sdk.completions.create(model="tiny-lm", prompt=f"call {i}", max_tokens=300, temperature=0)
-        except Exception as exc:  # noqa: BLE001 - recorded and asserted on below
+        except Exception as exc:
             results[i] = exc
 
     threads = [threading.Thread(target=unary, args=(i,)) for i in range(4)]

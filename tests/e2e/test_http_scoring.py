@@ -118,7 +118,7 @@ def test_classify_equals_native(stub, http):
     native = stub.Classify(pb().ClassifyRequest(model=CLASSIFIER, inputs=texts), timeout=RPC_TIMEOUT_S)
     assert body["id"] == "classify-cls-1" and body["object"] == "list" and body["model"] == CLASSIFIER
     assert [d["index"] for d in body["data"]] == [0, 1, 2]
-    for data, classification in zip(body["data"], native.classifications):
+    for data, classification in zip(body["data"], native.classifications, strict=True):
         np.testing.assert_allclose(data["probs"], [s.score for s in classification.scores], atol=1e-6)
         assert data["label"] == classification.label and data["num_classes"] == 3
     assert body["usage"]["prompt_tokens"] == native.usage.prompt_tokens
@@ -149,7 +149,7 @@ def test_score_equals_native(stub, http, model):
                                atol=1e-6)
     firsts = [QUERY, "json serialization", QUERY]
     pairwise = http.post("/v1/score", json={"model": model, "text_1": firsts, "text_2": DOCUMENTS[:3]}).json()
-    expected = [native_rerank(stub, model, a, [b]).results[0].score for a, b in zip(firsts, DOCUMENTS[:3])]
+    expected = [native_rerank(stub, model, a, [b]).results[0].score for a, b in zip(firsts, DOCUMENTS[:3], strict=True)]
     np.testing.assert_allclose([d["score"] for d in pairwise["data"]], expected, atol=1e-6)
 
 

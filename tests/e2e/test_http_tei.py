@@ -93,7 +93,7 @@ def test_predict_equals_native(stub, http):
     assert [p["label"] for p in one.json()] == [label for _, label in expected[0]]
     np.testing.assert_allclose([p["score"] for p in one.json()], [s for s, _ in expected[0]], atol=1e-6)
     batch = http.post("/predict", json={"inputs": [[t] for t in TEXTS]}, headers=headers).json()
-    for got, want in zip(batch, expected):
+    for got, want in zip(batch, expected, strict=True):
         assert [p["label"] for p in got] == [label for _, label in want]
         np.testing.assert_allclose([p["score"] for p in got], [s for s, _ in want], atol=1e-6)
 
@@ -115,11 +115,11 @@ def test_tokenize_equals_native(stub, http):
         assert reply.status_code == 200, reply.text
         request = pb().TokenizeRequest(model=EMBEDDER, inputs=TEXTS, add_special_tokens=add_special)
         native = stub.Tokenize(request, timeout=RPC_TIMEOUT_S)
-        for text, got, want in zip(TEXTS, reply.json(), native.inputs):
+        for text, got, want in zip(TEXTS, reply.json(), native.inputs, strict=True):
             assert [t["id"] for t in got] == [t.id for t in want.tokens]
             assert [t["special"] for t in got] == [t.special for t in want.tokens]
             assert any(t["special"] for t in got) == add_special
-            for token, native_token in zip(got, want.tokens):
+            for token, native_token in zip(got, want.tokens, strict=True):
                 if token["special"]:
                     assert token["text"] == native_token.text and token["start"] is token["stop"] is None
                 else:

@@ -55,7 +55,7 @@ def _vectors(reply) -> list[np.ndarray]:
 
 def _assert_same(got: list[np.ndarray], expected: list[np.ndarray]) -> None:
     assert len(got) == len(expected)
-    for a, b in zip(got, expected):
+    for a, b in zip(got, expected, strict=True):
         assert a.shape == b.shape
         np.testing.assert_allclose(a, b, atol=ATOL)
 

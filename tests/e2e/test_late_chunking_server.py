@@ -75,7 +75,7 @@ def _grpc(stub, texts=TEXTS, model="minilm", **fields):
 def test_grpc_answers_one_vector_per_span_in_input_order(stub):
     reply = _grpc(stub, late_chunking=_late(spans=SPANS))
     assert len(reply.embeddings) == 0 and len(reply.chunks) == len(TEXTS)
-    for entry, spans in zip(reply.chunks, SPANS):
+    for entry, spans in zip(reply.chunks, SPANS, strict=True):
         assert [(c.start, c.end) for c in entry.chunks] == spans
         vectors = np.array([list(c.embedding.values) for c in entry.chunks])
         np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
@@ -111,7 +111,7 @@ def test_openai_extension_lists_the_chunks_with_their_inputs_and_spans(stub, htt
     placed = [(i, (c.start, c.end), c.embedding.values) for i, e in enumerate(expected.chunks) for c in e.chunks]
     assert [d["index"] for d in data] == list(range(len(placed)))
     assert [(d["input_index"], (d["start"], d["end"])) for d in data] == [(i, span) for i, span, _ in placed]
-    for item, (_, _, values) in zip(data, placed):
+    for item, (_, _, values) in zip(data, placed, strict=True):
         vector = item["embedding"]
         got = np.frombuffer(base64.b64decode(vector), "<f4") if encoding_format == "base64" else np.array(vector)
         np.testing.assert_array_equal(got.astype(np.float32), np.array(values, dtype=np.float32))
@@ -181,7 +181,7 @@ def test_the_python_clients_embed_chunks(server, stub):
         both = client.embed_chunks(TEXTS, spans=SPANS, encoding="float16")
         one = client.embed_chunks(TEXTS[0], splitter="sentences")
     assert [c.spans for c in both] == SPANS and isinstance(one, TextChunks)
-    for got, entry in zip(both, expected.chunks):
+    for got, entry in zip(both, expected.chunks, strict=True):
         assert got.vectors.dtype == np.float16
         want = np.stack([np.frombuffer(c.embedding.raw, "<f2") for c in entry.chunks])
         np.testing.assert_array_equal(got.vectors, want)

@@ -109,7 +109,7 @@ def test_classify_labels_and_softmax(stub, model_dirs, documents):
     response = stub.Classify(_pb().ClassifyRequest(model=CLASSIFIER, inputs=documents, truncate=True), timeout=RPC_TIMEOUT_S)
 
     assert len(response.classifications) == len(documents)
-    for row, expected in zip(response.classifications, probabilities):
+    for row, expected in zip(response.classifications, probabilities, strict=True):
         assert [s.label for s in row.scores] == ["negative", "neutral", "positive"]
         np.testing.assert_allclose([s.score for s in row.scores], expected, atol=1e-4)
         assert row.label == ["negative", "neutral", "positive"][int(np.argmax(expected))]

@@ -46,7 +46,7 @@ def replicas(bundled_dir):
     metrics_ports = [free_port(), free_port()]
     with contextlib.ExitStack() as stack:
         procs = []
-        for host, metrics_port in zip(HOSTS, metrics_ports):
+        for host, metrics_port in zip(HOSTS, metrics_ports, strict=True):
             args = ["--model", str(bundled_dir), "--served-model-name", "minilm", "--dtype", "float32",
                     "--device", "cpu", "--max-client-batch-size", "4", "--metrics-port", str(metrics_port),
                     "--max-connection-age", "1"]  # fmt: skip
@@ -59,7 +59,7 @@ def replicas(bundled_dir):
 def ok_embeds(metrics_ports: list[int]) -> list[float]:
     return [
         scrape(port, host).total("embedserv_requests_total", rpc="Embed", status="OK")
-        for host, port in zip(HOSTS, metrics_ports)
+        for host, port in zip(HOSTS, metrics_ports, strict=True)
     ]
 
 
@@ -70,7 +70,7 @@ def test_round_robin_spreads_calls_over_both_replicas(replicas):
         vectors = [client.embed(text) for text in TEXTS[:20]]
         split = client.embed(TEXTS)  # 6 requests of 4, 4 in flight at once
     after = ok_embeds(metrics_ports)
-    received = [a - b for a, b in zip(after, before)]
+    received = [a - b for a, b in zip(after, before, strict=True)]
     assert dns.queries[(NAME, "A")] >= 1, "the client did not resolve the name through the fake DNS"
     # 20 one-text calls and 6 split requests; round robin alternates the two ready replicas.
     assert sum(received) == 26
@@ -86,7 +86,7 @@ def test_without_round_robin_one_replica_takes_everything(replicas):
     with Client(target, model="minilm", load_balancing=None) as client:
         for text in TEXTS[:10]:
             client.embed(text)
-    received = sorted(a - b for a, b in zip(ok_embeds(metrics_ports), before))
+    received = sorted(a - b for a, b in zip(ok_embeds(metrics_ports), before, strict=True))
     assert received == [0, 10]
 
 
@@ -102,7 +102,7 @@ def test_a_replica_added_behind_the_name_gets_calls_once_connections_age_out(rep
             before = ok_embeds(metrics_ports)
             for text in TEXTS[:5]:
                 client.embed(text)
-            assert [a - b for a, b in zip(ok_embeds(metrics_ports), before)] == [5, 0]
+            assert [a - b for a, b in zip(ok_embeds(metrics_ports), before, strict=True)] == [5, 0]
             dns.records[NAME] = list(HOSTS)
             deadline = time.monotonic() + 30
             while ok_embeds(metrics_ports)[1] == before[1] and time.monotonic() < deadline:

@@ -187,7 +187,7 @@ def test_tokenize_equals_native_tokenize(tei, native):
     tokens, native_tokens = list(response.tokens), list(expected.inputs[0].tokens)
     assert [(t.id, t.special) for t in tokens] == [(t.id, t.special) for t in native_tokens]
     assert tokens[0].special and tokens[-1].special  # [CLS] ... [SEP]
-    for token, native_token in zip(tokens, native_tokens):
+    for token, native_token in zip(tokens, native_tokens, strict=True):
         if token.special:
             # TEI: a special token's own text, no offsets.
             assert token.text == native_token.text and not token.HasField("start") and not token.HasField("stop")

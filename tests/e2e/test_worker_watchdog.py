@@ -14,8 +14,8 @@ import pytest
 from benchmarks.corpus import stdlib_texts
 from embedserv.config import ModelConfig
 from embedserv.engine.sync import SyncEngine
-from embedserv.types import EmbedParams
 from embedserv.errors import NotReady
+from embedserv.types import EmbedParams
 
 
 def test_watchdog_kills_a_stuck_worker_and_a_new_one_serves(bundled_dir):

@@ -59,7 +59,7 @@ def test_zero_shot_scores_candidate_labels_in_request_order(stub, pb, model_dirs
     response = stub.Classify(request, timeout=RPC_TIMEOUT_S)
 
     assert len(response.classifications) == 2
-    for row, want in zip(response.classifications, expected):
+    for row, want in zip(response.classifications, expected, strict=True):
         assert [s.label for s in row.scores] == LABELS
         np.testing.assert_allclose([s.score for s in row.scores], [want[label] for label in LABELS], atol=1e-4)
         best = max(want, key=want.get)
@@ -77,7 +77,7 @@ def test_client_passes_the_zero_shot_fields_and_splits_by_pairs(target, model_di
         finally:
             client.close()
         assert [list(r.scores) for r in results] == [LABELS] * len(TEXTS)
-        for got, want in zip(results, expected):
+        for got, want in zip(results, expected, strict=True):
             np.testing.assert_allclose([got.scores[label] for label in LABELS], [want[label] for label in LABELS], atol=1e-4)
 
 

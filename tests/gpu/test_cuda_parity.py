@@ -57,7 +57,7 @@ def test_embeddings_match_sentence_transformers_on_cuda(dtype, backend, gpu_mode
 def prompts() -> list[str]:
     """Twelve prompts from 1 to about 90 words (as tests/models/test_generate_parity.py)."""
     lengths = [1, 2, 3, 5, 8, 12, 17, 25, 33, 45, 60, 90]
-    return [" ".join(text.split()[:n]) for text, n in zip(stdlib_texts(12, seed=3), lengths)]
+    return [" ".join(text.split()[:n]) for text, n in zip(stdlib_texts(12, seed=3), lengths, strict=True)]
 
 
 def _hf_greedy(model_dir, prompts: list[str], device: str, dtype) -> list[list[int]]:
@@ -104,7 +104,7 @@ def test_greedy_generation_matches_transformers_on_cuda_float32(backend, llama_d
                  kv_cache_memory=2**28) as engine:
         got = _our_greedy(engine, prompts)
         assert engine.kv_cache_usage().used_blocks == 0
-    for prompt, ours, want in zip(prompts, got, expected):
+    for prompt, ours, want in zip(prompts, got, expected, strict=True):
         assert ours == want, f"prompt {prompt[:40]!r}: ours {ours} != transformers {want}"
 
 
@@ -113,6 +113,6 @@ def test_greedy_generation_on_cuda_bfloat16_agrees_with_transformers(llama_dir, 
     with _engine(llama_dir, dtype="bfloat16", kv_cache_memory=2**28) as engine:
         got = _our_greedy(engine, prompts)
     assert all(got), f"every prompt should generate something: {got}"
-    same_first = sum(bool(ours) and bool(want) and ours[0] == want[0] for ours, want in zip(got, expected))
+    same_first = sum(bool(ours) and bool(want) and ours[0] == want[0] for ours, want in zip(got, expected, strict=True))
     assert same_first >= 0.75 * len(prompts), (
         f"first tokens agree on {same_first} of {len(prompts)}: ours {got}, transformers {expected}")

@@ -30,7 +30,7 @@ MAX_TOKENS = 16
 @pytest.fixture(scope="module")
 def prompts() -> list[str]:
     lengths = [1, 2, 3, 5, 8, 12, 17, 25, 33, 45, 60, 90]
-    return [" ".join(text.split()[:n]) for text, n in zip(stdlib_texts(12, seed=5), lengths)]
+    return [" ".join(text.split()[:n]) for text, n in zip(stdlib_texts(12, seed=5), lengths, strict=True)]
 
 
 @pytest.fixture(scope="module")

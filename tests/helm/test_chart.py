@@ -12,10 +12,10 @@ import json
 from collections import Counter
 from pathlib import Path
 
-import pytest
 import helm_python as helm
 import jsonschema
 import kubernetes_validate as kv
+import pytest
 import yaml
 
 CHART_DIR = Path(__file__).resolve().parents[2] / "helm" / "embedserv"

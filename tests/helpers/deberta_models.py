@@ -21,7 +21,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.helpers.models import (
-    TINY_ENCODER, _bundled_tokenizer, _perturb_constant_parameters, _save_sentence_transformer,
+    TINY_ENCODER,
+    _bundled_tokenizer,
+    _perturb_constant_parameters,
+    _save_sentence_transformer,
 )
 from tests.helpers.nli_models import NLI_HEAD_SCALE, _center_head
 from tests.helpers.scorers import CROSS_ENCODER_HEAD_SCALE, _activation_module, _label_maps, _scale_classifier_output

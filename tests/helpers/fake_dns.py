@@ -22,6 +22,7 @@ every UDP reply truncated (TC bit, no answers), so resolvers must retry on TCP.
 from __future__ import annotations
 
 import collections
+import contextlib
 import selectors
 import socket
 import struct
@@ -82,7 +83,7 @@ class FakeDns:
         header = struct.pack("!HHHHHH", qid, out_flags, 1, len(answers), 0, 0)
         return header + question + b"".join(answers)
 
-    def __enter__(self) -> "FakeDns":
+    def __enter__(self) -> FakeDns:
         for _ in range(20):  # UDP and TCP on the same port: retry if the TCP port is taken
             self._udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             self._udp.bind((self.host, 0))
@@ -106,10 +107,8 @@ class FakeDns:
         self._stop.set()
         self._thread.join(timeout=5)
         for conn in self._conns:  # wakes the TCP threads' blocked reads
-            try:
+            with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
         self._udp.close()
         self._tcp.close()
 

@@ -21,7 +21,10 @@ import shutil
 from pathlib import Path
 
 from tests.helpers.models import (
-    _bundled_tokenizer, _check_weights_saved, _perturb_constant_parameters, _save_sentence_transformer,
+    _bundled_tokenizer,
+    _check_weights_saved,
+    _perturb_constant_parameters,
+    _save_sentence_transformer,
 )
 from tests.helpers.scorers import CROSS_ENCODER_HEAD_SCALE, _label_maps
 

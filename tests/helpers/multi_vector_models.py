@@ -13,7 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
-from tests.helpers.models import _bundled_tokenizer, _config, _check_weights_saved
+from tests.helpers.models import _bundled_tokenizer, _check_weights_saved, _config
 
 HIDDEN = 64
 # Two token-level Dense layers: 64 -> 48 (tanh) -> 32 (no bias).

@@ -33,7 +33,7 @@ def _center_head(model, tokenizer) -> None:
 
     head = model.classifier
     layer = head.out_proj if hasattr(head, "out_proj") else head
-    premises, hypotheses = zip(*_CENTERING_PAIRS)
+    premises, hypotheses = zip(*_CENTERING_PAIRS, strict=True)
     with torch.no_grad():
         logits = model(**tokenizer(list(premises), list(hypotheses), padding=True, return_tensors="pt")).logits
         layer.bias.sub_(logits.mean(dim=0))
@@ -93,4 +93,4 @@ def zero_shot_reference(
     results = classifier(list(texts), candidate_labels=list(candidate_labels), **kwargs)
     if isinstance(results, dict):
         results = [results]
-    return [dict(zip(r["labels"], r["scores"])) for r in results]
+    return [dict(zip(r["labels"], r["scores"], strict=True)) for r in results]

@@ -55,7 +55,7 @@ def _bpe_vocab_and_merges() -> tuple[tuple[tuple[str, int], ...], tuple[tuple[st
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=_BPE_VOCAB_SIZE,
-        special_tokens=list(BART_SPECIAL_TOKENS) + ["<mask>"],
+        special_tokens=[*list(BART_SPECIAL_TOKENS), "<mask>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

@@ -27,7 +27,7 @@ VOCAB_SIZE = 30522
 
 @pytest.fixture(scope="module")
 def sample(texts) -> list[str]:
-    return texts[:10] + ["bge-m3 gives dense, sparse and multi-vector outputs.", "word word word"]
+    return [*texts[:10], "bge-m3 gives dense, sparse and multi-vector outputs.", "word word word"]
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def reference(pt_dir, sample):
             dense.append(F.normalize(hidden[0], dim=-1).numpy())
             weights = torch.relu(F.linear(hidden, sparse["weight"], sparse["bias"]))[:, 0]
             result: dict[int, float] = {}
-            for token_id, weight in zip(encoded["input_ids"][0].tolist(), weights.tolist()):
+            for token_id, weight in zip(encoded["input_ids"][0].tolist(), weights.tolist(), strict=True):
                 if token_id not in special and weight > 0 and weight > result.get(token_id, 0.0):
                     result[token_id] = weight
             lexical.append(result)
@@ -111,14 +111,14 @@ def _one_output(output):
 
 
 def assert_lexical_weights(vectors, expected: list[dict[int, float]]) -> None:
-    for i, (vector, weights) in enumerate(zip(vectors, expected)):
+    for i, (vector, weights) in enumerate(zip(vectors, expected, strict=True)):
         ids = sorted(weights)
         np.testing.assert_array_equal(vector.indices, ids, err_msg=f"input {i}: ids differ")
         np.testing.assert_allclose(vector.values, [weights[t] for t in ids], rtol=0, atol=1e-4, err_msg=f"input {i}")
 
 
 def assert_token_vectors(vectors, expected: list[np.ndarray]) -> None:
-    for i, (got, want) in enumerate(zip(vectors, expected)):
+    for i, (got, want) in enumerate(zip(vectors, expected, strict=True)):
         assert got.shape == want.shape, f"input {i}: {got.shape} token vectors, the reference {want.shape}"
         assert got.dtype == np.float32
         assert_cosine_at_least(got, want, MIN_COSINE, what=f"input {i}: ")
@@ -177,10 +177,10 @@ def test_one_forward_pass_serves_all_three_outputs(pt_dir, engine, sample):
 
     np.testing.assert_allclose(together.embeddings, dense.embeddings, rtol=0, atol=1e-6)
     assert dense.sparse is None and dense.multi_vectors is None and sparse.embeddings is None
-    for a, b in zip(together.sparse, sparse.sparse):
+    for a, b in zip(together.sparse, sparse.sparse, strict=True):
         np.testing.assert_array_equal(a.indices, b.indices)
         np.testing.assert_allclose(a.values, b.values, rtol=0, atol=1e-6)
-    for a, b in zip(together.multi_vectors, multi.multi_vectors):
+    for a, b in zip(together.multi_vectors, multi.multi_vectors, strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
 
 
@@ -222,10 +222,10 @@ def test_safetensors_heads_load_without_allow_pickle(pt_dir, safetensors_dir, en
     original = engine(pt_dir, allow_pickle=True).embed(sample, _all_outputs())
 
     np.testing.assert_allclose(converted.embeddings, original.embeddings, rtol=0, atol=1e-6)
-    for a, b in zip(converted.sparse, original.sparse):
+    for a, b in zip(converted.sparse, original.sparse, strict=True):
         np.testing.assert_array_equal(a.indices, b.indices)
         np.testing.assert_allclose(a.values, b.values, rtol=0, atol=1e-6)
-    for a, b in zip(converted.multi_vectors, original.multi_vectors):
+    for a, b in zip(converted.multi_vectors, original.multi_vectors, strict=True):
         assert a.shape == b.shape and np.all(cosines(a, b) >= MIN_COSINE)
 
 
@@ -235,7 +235,7 @@ def test_sparse_top_k_and_special_tokens(pt_dir, engine, reference, sample):
 
     served = engine(pt_dir, allow_pickle=True)
     top = served.embed(sample, EmbedParams(outputs=(EmbedOutput.SPARSE,), truncate=True, sparse_top_k=3)).sparse
-    for vector, weights in zip(top, reference[1]):
+    for vector, weights in zip(top, reference[1], strict=True):
         best = sorted(sorted(weights, key=weights.get, reverse=True)[:3])
         np.testing.assert_array_equal(vector.indices, best)
     everything = np.concatenate([v.indices for v in served.embed(sample, _one_output(EmbedOutput.SPARSE)).sparse])

@@ -76,8 +76,8 @@ def test_classify_refuses_long_inputs_unless_truncate(models, engine_for, texts)
 
 
 def test_each_model_refuses_the_tasks_it_cannot_do(models, bundled_dir, engine_for):
-    from embedserv.types import EmbedParams
     from embedserv.errors import InvalidInput
+    from embedserv.types import EmbedParams
 
     classifier = engine_for(models["xlmr3"])
     embedder = engine_for(bundled_dir)

@@ -14,7 +14,12 @@ from embedserv.engine.inputs.images import patch_rows
 from embedserv.engine.tasks.multi_vector import maxsim_scores
 from tests.helpers.compare import assert_cosine_at_least
 from tests.helpers.vision_language_models import (
-    build_tiny_colpali, hub_layout_copy, load_ours, packed_vectors, page_image, same_parameters,
+    build_tiny_colpali,
+    hub_layout_copy,
+    load_ours,
+    packed_vectors,
+    page_image,
+    same_parameters,
 )
 
 QUERIES = ["what is a socket", "how to parse json files", "x"]

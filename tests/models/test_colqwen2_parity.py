@@ -18,7 +18,13 @@ from embedserv.models.families.qwen2_vision import patch_positions
 from embedserv.worker.layer_routes import forward_context_for
 from tests.helpers.compare import assert_cosine_at_least
 from tests.helpers.vision_language_models import (
-    COLQWEN2_SIZES, build_tiny_colqwen2, hub_layout_copy, load_ours, packed_vectors, page_image, same_parameters,
+    COLQWEN2_SIZES,
+    build_tiny_colqwen2,
+    hub_layout_copy,
+    load_ours,
+    packed_vectors,
+    page_image,
+    same_parameters,
 )
 
 QUERIES = ["what is a socket", "how to parse json files", "x"]
@@ -73,7 +79,7 @@ def _expected(reference, items) -> list[torch.Tensor]:
 
 def _assert_vectors_equal(got: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
     assert [len(g) for g in got] == [len(e) for e in expected]
-    for g, e in zip(got, expected):
+    for g, e in zip(got, expected, strict=True):
         assert_cosine_at_least(g.numpy(), e.numpy(), 0.9999)
 
 

@@ -199,7 +199,7 @@ def test_batch_invariance(tiny_decoder, engine_for):
     params = EmbedParams(truncate=True)
 
     alone = engine.embed([target], params).embeddings[0]
-    packed = engine.embed(others[:25] + [target] + others[25:], params).embeddings[25]
+    packed = engine.embed([*others[:25], target, *others[25:]], params).embeddings[25]
 
     diff = float(np.max(np.abs(packed - alone)))
     assert diff <= 1e-5, f"input packed with 50 others differs from alone by {diff}"

@@ -78,7 +78,7 @@ def _answer(engine, texts: list[str], params: EmbedParams):
         parts += [vectors.shape, vectors.tobytes()]
     for spans, vectors in result.chunks or []:
         parts += [spans, vectors.dtype.str, vectors.shape, vectors.tobytes()]
-    return tuple(parts + [result.encoding_scale])
+    return tuple([*parts, result.encoding_scale])
 
 
 def _check_cached_equals_computed(engine, first, second) -> None:
@@ -156,9 +156,9 @@ def test_a_hit_is_bit_identical_and_takes_no_inference_time(models, engine_for):
     after = engine.embedding_cache_stats()
     assert (after.hits - before.hits, after.misses - before.misses) == (2, 0)
     assert hit.embeddings.tobytes() == miss.embeddings.tobytes()
-    for a, b in zip(hit.sparse, miss.sparse):
+    for a, b in zip(hit.sparse, miss.sparse, strict=True):
         assert a.indices.tobytes() == b.indices.tobytes() and a.values.tobytes() == b.values.tobytes()
-    for a, b in zip(hit.multi_vectors, miss.multi_vectors):
+    for a, b in zip(hit.multi_vectors, miss.multi_vectors, strict=True):
         assert a.tobytes() == b.tobytes()
     assert hit.timing.queue_us == 0 and hit.timing.inference_us == 0 and hit.timing.total_us >= 0
     assert hit.prompt_tokens == miss.prompt_tokens

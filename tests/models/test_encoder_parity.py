@@ -126,7 +126,7 @@ def test_too_long_without_truncate_is_refused_with_both_numbers(tiny_encoder, re
 
 
 def _pack_around(target: str, others: list[str], position: int) -> list[str]:
-    return others[:position] + [target] + others[position:]
+    return [*others[:position], target, *others[position:]]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -202,7 +202,7 @@ def test_full_position_table(arch, tiny_encoder, reference, engine_for):
     st = reference(model_dir)
     pool = stdlib_texts(300, seed=0)
     counts = [len(st.tokenizer(t, truncation=False)["input_ids"]) for t in pool]
-    texts = [t for t, n in sorted(zip(pool, counts), key=lambda p: -p[1])][:6] + pool[:4]
+    texts = [t for t, n in sorted(zip(pool, counts, strict=True), key=lambda p: -p[1])][:6] + pool[:4]
     assert reference_token_counts(st, texts)[0] == 512
 
     result = engine_for(model_dir).embed(texts, _params(truncate=True))

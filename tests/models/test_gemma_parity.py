@@ -24,8 +24,8 @@ from embedserv.models import registry
 from embedserv.models.heads.lm import SoftcappedLMHead, build_lm_head
 from embedserv.models.loading.checkpoint import checkpoint_files
 from embedserv.models.loading.hf_config import read_hf_config
-from embedserv.models.loading.weights import build_model
 from embedserv.models.loading.spec_reader import read_model_spec
+from embedserv.models.loading.weights import build_model
 from embedserv.worker.layer_routes import forward_context_for
 from tests.helpers import gemma_models
 from tests.helpers.models import load_in_process
@@ -138,7 +138,7 @@ def test_logits_match_transformers(name, backend, gemma_lm, prompts):
 
     reference = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager").eval()
     with torch.inference_mode():
-        for sequence, got in zip(sequences, logits.split(lengths)):
+        for sequence, got in zip(sequences, logits.split(lengths), strict=True):
             expected = reference(input_ids=sequence[None]).logits[0]
             torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
     assert logits.abs().max() < gemma_models.SOFTCAP

@@ -176,7 +176,7 @@ def test_other_gemma4_variants_equal_transformers(overrides):
     sequences, ids, positions = _packed(LENGTHS)
     with torch.inference_mode(), set_forward_context(_context(model, LENGTHS)):
         hidden = model(ids, positions)
-        for sequence, got in zip(sequences, hidden.split(LENGTHS)):
+        for sequence, got in zip(sequences, hidden.split(LENGTHS), strict=True):
             expected = reference(input_ids=sequence[None]).last_hidden_state[0]
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
@@ -192,7 +192,7 @@ def test_prefill_skip_runs_the_shared_layers_on_the_kept_rows_only():
     # Keep each sequence's last token, and the whole of the first one.
     keep = np.array([LENGTHS[0], 1, 1, 1])
     ends = np.cumsum(LENGTHS)
-    rows = torch.from_numpy(np.concatenate([np.arange(e - k, e) for e, k in zip(ends, keep)]))
+    rows = torch.from_numpy(np.concatenate([np.arange(e - k, e) for e, k in zip(ends, keep, strict=True)]))
     cu_q = torch.from_numpy(np.concatenate([[0], np.cumsum(keep)]))
     cu_k = torch.from_numpy(np.concatenate([[0], ends]))
     backend = NaiveBackend()

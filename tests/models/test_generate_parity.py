@@ -23,7 +23,7 @@ def prompts() -> list[str]:
     """Twelve prompts from 1 to about 90 words."""
     texts = stdlib_texts(12, seed=3)
     lengths = [1, 2, 3, 5, 8, 12, 17, 25, 33, 45, 60, 90]
-    return [" ".join(text.split()[:n]) for text, n in zip(texts, lengths)]
+    return [" ".join(text.split()[:n]) for text, n in zip(texts, lengths, strict=True)]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def _generated_ids(deltas) -> list[int]:
 
 def _check_greedy(engine, prompts, expected):
     results = engine.generate_concurrently(prompts, [SamplingParams(max_tokens=MAX_TOKENS)] * len(prompts))
-    for prompt, deltas, want in zip(prompts, results, expected):
+    for prompt, deltas, want in zip(prompts, results, expected, strict=True):
         got = _generated_ids(deltas)
         assert got == want, f"prompt {prompt[:40]!r}: ours {got} != transformers {want}"
         last = deltas[-1]

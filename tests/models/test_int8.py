@@ -106,7 +106,7 @@ def test_minilm_int8_gives_a_text_the_same_vector_alone_or_in_any_batch(minilm_p
 
     alone = int8.embed([target], params).embeddings[0]
     for position in (0, 15, 30):
-        batch = others[:position] + [target] + others[position:]
+        batch = [*others[:position], target, *others[position:]]
         packed = int8.embed(batch, params).embeddings[position]
         np.testing.assert_allclose(packed, alone, rtol=0, atol=1e-6, err_msg=f"position {position}")
 
@@ -177,7 +177,7 @@ def test_a_compile_that_fails_falls_back_to_eager_and_says_so(monkeypatch, caplo
     monkeypatch.setattr(torch, "compile", broken)
     x = torch.randn(5, 16)
     with caplog.at_level("WARNING"):
-        q, low, spread = step(torch.float32, x)
+        q, _low, _spread = step(torch.float32, x)
     expected = int8_module.quantize_rows(x)
     assert torch.equal(q, expected[0]) and step.failed
     assert "compiled kernel unavailable" in caplog.text and "InvalidCxxCompiler" in caplog.text

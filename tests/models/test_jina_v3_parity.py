@@ -112,7 +112,7 @@ def test_concurrent_calls_of_different_tasks_equal_each_call_alone(jina, engine_
     async def together():
         return await asyncio.gather(*(engine.engine.embedding.embed(part, _params(task=task)) for part, task in calls))
 
-    for (part, task), result, expected in zip(calls, engine._call(together()), alone):
+    for (part, task), result, expected in zip(calls, engine._call(together()), alone, strict=True):
         assert_cosine_at_least(result.embeddings, expected, 0.99999, part, what=f"{task} beside other tasks: ")
 
 

@@ -17,8 +17,7 @@ from embedserv.models.families import llama
 from embedserv.models.families.llama import LlamaModel
 from embedserv.models.loading.weights import load_weights
 from embedserv.models.rotary import RotaryEmbedding, apply_rotary, inverse_frequencies, rope_parameters
-from tests.helpers.models import LINEAR_ROPE, LLAMA3_ROPE
-from tests.helpers.models import load_in_process
+from tests.helpers.models import LINEAR_ROPE, LLAMA3_ROPE, load_in_process
 
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96)
 ROPES = [None, LINEAR_ROPE, LLAMA3_ROPE]

@@ -129,7 +129,7 @@ def test_seq_cls_adapters_score_with_their_own_heads(tmp_path, texts):
     step = StepBatch(tuple(
         ScheduledSequence(request_id=i, token_ids=tuple(e.ids), output=OutputKind.SCORE, adapter=adapter,
                           token_type_ids=tuple(e.token_type_ids) if e.token_type_ids is not None else None)
-        for i, (e, adapter) in enumerate(zip(encoded, chosen))
+        for i, (e, adapter) in enumerate(zip(encoded, chosen, strict=True))
     ))
     got = runner.execute(step)
     references = {-1: classifier_reference(model_dir, texts[:6])} | {
@@ -169,7 +169,7 @@ def test_one_step_mixing_adapters_equals_each_alone(bert, texts):
     chosen = [-1, 0, 1, 2, 0, -1, 2, 1]
     sequences = tuple(
         ScheduledSequence(request_id=i, token_ids=tuple(tokens), output=OutputKind.POOL, adapter=adapter)
-        for i, (tokens, adapter) in enumerate(zip(ids, chosen))
+        for i, (tokens, adapter) in enumerate(zip(ids, chosen, strict=True))
     )
     mixed = runner.execute(StepBatch(sequences))
     for i, sequence in enumerate(sequences):

@@ -181,5 +181,5 @@ def test_banded_local_attention_equals_naive(is_causal):
                 layer(*(torch.randn(sum(lengths), 16 * n, generator=generator) for n in (4, layer.num_kv_heads, layer.num_kv_heads)))
                 for layer in layers
             ]
-    for got, expected in zip(outputs["sdpa"], outputs["naive"]):
+    for got, expected in zip(outputs["sdpa"], outputs["naive"], strict=True):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

@@ -45,7 +45,7 @@ def _params(prompt_name, **kwargs):
 @pytest.fixture(scope="module")
 def sample() -> list[str]:
     """Texts longer than every cap, middling ones, and short ones (expanded as queries)."""
-    return stdlib_texts(8, seed=3) + ["what is a list?", "sort it.", "the (the) the", "x"]
+    return [*stdlib_texts(8, seed=3), "what is a list?", "sort it.", "the (the) the", "x"]
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def model_a(model_root):
 def _assert_same_vectors(actual: list[np.ndarray], expected, texts: list[str], what: str) -> None:
     """Same number of vectors per input as the library, each at cosine >= MIN_COSINE, unit norm."""
     assert len(actual) == len(expected)
-    for index, (ours, theirs) in enumerate(zip(actual, expected)):
+    for index, (ours, theirs) in enumerate(zip(actual, expected, strict=True)):
         theirs = np.asarray(theirs)
         assert ours.dtype == np.float32
         where = f"{what}: input {index} ({texts[index][:40]!r})"
@@ -289,7 +289,7 @@ def test_fixed_expansion_meanmaxsim_and_allowlist_match_the_library(task, model_
         model_dir = _edited(model_dir, tmp_path, "tokenizer_config.json", {"padding_side": "left"})
     reference = load_multi_vector_reference(model_dir)
     encode = reference.encode_document if task == "document" else reference.encode_query
-    texts = sample + ["", "zebra"]
+    texts = [*sample, "", "zebra"]
 
     result = engines(model_dir).embed(texts, _params(task.split()[-1], truncate=True))
 

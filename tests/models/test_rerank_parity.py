@@ -56,7 +56,7 @@ def documents() -> list[str]:
 def queries() -> list[str]:
     """Short queries (well under half the limit, so CrossEncoder's longest_first truncation cuts only the
     document, which is what we always do)."""
-    return [" ".join(t.split()[:n]) for t, n in zip(stdlib_texts(3, seed=11), (3, 8, 14))]
+    return [" ".join(t.split()[:n]) for t, n in zip(stdlib_texts(3, seed=11), (3, 8, 14), strict=True)]
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,8 @@ import torch
 
 from embedserv.config import ModelConfig
 from embedserv.models.heads.pooling import Dense
-from embedserv.models.layers import Linear
+from embedserv.models.layers import Linear, padded_rows, row_counts
 from embedserv.models.loading.st_files import DenseSpec
-from embedserv.models.layers import padded_rows, row_counts
 from embedserv.steps import OutputKind, ScheduledSequence, StepBatch
 from embedserv.types import SamplingParams
 from tests.helpers.models import load_in_process

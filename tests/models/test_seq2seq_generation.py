@@ -56,7 +56,7 @@ def prompts() -> list[str]:
     """Twelve prompts from 1 to about 90 words: encoder inputs of mixed lengths."""
     texts = stdlib_texts(12, seed=5)
     lengths = [1, 2, 3, 5, 8, 12, 17, 25, 33, 45, 60, 90]
-    return [" ".join(text.split()[:n]) for text, n in zip(texts, lengths)]
+    return [" ".join(text.split()[:n]) for text, n in zip(texts, lengths, strict=True)]
 
 
 _REFERENCE: dict[tuple, list[list[int]]] = {}
@@ -91,7 +91,7 @@ def hf_generate(model_dir, prompts: list[str], decoder_prompts: list[str] | None
 def _check_greedy(engine, prompts, expected, decoder_prompts=None):
     params = [SamplingParams(max_tokens=MAX_TOKENS)] * len(prompts)
     results = engine.generate_concurrently(prompts, params, decoder_prompts=decoder_prompts)
-    for prompt, deltas, want in zip(prompts, results, expected):
+    for prompt, deltas, want in zip(prompts, results, expected, strict=True):
         got = [t for d in deltas for t in d.token_ids]
         assert got == want, f"prompt {prompt[:40]!r}: ours {got} != transformers {want}"
         last = deltas[-1]

@@ -18,14 +18,14 @@ from embedserv.attention.metadata import build_common_metadata, build_cross_meta
 from embedserv.forward_context import ForwardContext, set_forward_context
 from embedserv.models import registry
 from embedserv.models.families.bart import BartModel
-from embedserv.models.heads.pooling import PoolingInputs
+from embedserv.models.families.t5 import T5EncoderModel, T5Model
 from embedserv.models.heads.lm import build_lm_head
+from embedserv.models.heads.pooling import PoolingInputs
+from embedserv.models.heads.score import build_classifier_head, build_seq2seq_yes_no_head
+from embedserv.models.interface import ModelKind
 from embedserv.models.loading.checkpoint import checkpoint_files
 from embedserv.models.loading.hf_config import read_hf_config
 from embedserv.models.loading.weights import build_model
-from embedserv.models.heads.score import build_classifier_head, build_seq2seq_yes_no_head
-from embedserv.models.interface import ModelKind
-from embedserv.models.families.t5 import T5EncoderModel, T5Model
 from embedserv.worker.layer_routes import forward_context_for
 from tests.helpers import seq2seq_models as builders
 
@@ -79,7 +79,7 @@ def _token_batches(model_dir, texts, decoder_start: int):
     for i, (enc_len, dec_len) in enumerate(LENGTHS):
         encoder = tokenizer(texts[2 * i], truncation=True, max_length=enc_len)["input_ids"]
         target = tokenizer(texts[2 * i + 1])["input_ids"]
-        decoder = [decoder_start] + target[: dec_len - 1]
+        decoder = [decoder_start, *target[:dec_len - 1]]
         assert len(encoder) == enc_len and len(decoder) == dec_len, (len(encoder), len(decoder))
         pairs.append((torch.tensor(encoder), torch.tensor(decoder)))
     return pairs
@@ -153,7 +153,7 @@ def test_decoder_logits_and_encoder_match_transformers(kind, model_root, texts):
     ours_logits = _split(logits, [len(d) for _, d in pairs])
     ours_encoded = _split(encoded, [len(e) for e, _ in pairs])
     with torch.inference_mode():
-        for (encoder, decoder), got_logits, got_encoded in zip(pairs, ours_logits, ours_encoded):
+        for (encoder, decoder), got_logits, got_encoded in zip(pairs, ours_logits, ours_encoded, strict=True):
             out = reference(input_ids=encoder[None], decoder_input_ids=decoder[None])
             expected_encoded = out.encoder_last_hidden_state[0]
             torch.testing.assert_close(got_encoded, expected_encoded, atol=ATOL, rtol=0)
@@ -179,7 +179,7 @@ def _encoder_only_check(model, reference, model_dir, texts):
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     sequences = [
-        torch.tensor(tokenizer(t, truncation=True, max_length=n)["input_ids"]) for t, n in zip(texts, (5, 48, 1, 23))
+        torch.tensor(tokenizer(t, truncation=True, max_length=n)["input_ids"]) for t, n in zip(texts, (5, 48, 1, 23), strict=True)
     ]
     ids, positions = _packed(sequences, model.position_offset)
     lengths = [len(s) for s in sequences]
@@ -188,7 +188,7 @@ def _encoder_only_check(model, reference, model_dir, texts):
     context = forward_context_for(model, backend, metadata)
     with torch.inference_mode(), set_forward_context(context):
         hidden = model(ids, positions)
-        for sequence, got in zip(sequences, _split(hidden, lengths)):
+        for sequence, got in zip(sequences, _split(hidden, lengths), strict=True):
             expected = reference(input_ids=sequence[None]).last_hidden_state[0]
             torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
@@ -221,7 +221,7 @@ def test_bart_sequence_classification_matches_transformers(model_root, texts):
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     inputs = [torch.tensor(tokenizer(a, b, truncation=True, max_length=n)["input_ids"])
-              for a, b, n in zip(texts[::2], texts[1::2], (6, 40, 17, 90))]
+              for a, b, n in zip(texts[::2], texts[1::2], (6, 40, 17, 90), strict=True)]
     pairs = [(ids, shift_tokens_right(ids[None], hf_config.pad_token_id, hf_config.decoder_start_token_id)[0])
              for ids in inputs]
     hidden, _ = _run(model, pairs)
@@ -242,7 +242,7 @@ def test_monot5_head_matches_transformers(model_root, texts):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    prompts = [f"Query: {q[:40]} Document: {d[:300]} Relevant:" for q, d in zip(texts[:4], texts[4:8])]
+    prompts = [f"Query: {q[:40]} Document: {d[:300]} Relevant:" for q, d in zip(texts[:4], texts[4:8], strict=True)]
     start = torch.tensor([hf_config.decoder_start_token_id])
     pairs = [(torch.tensor(tokenizer(p)["input_ids"]), start) for p in prompts]
     hidden, _ = _run(model, pairs)
@@ -321,11 +321,8 @@ def test_paged_generation_steps_match_teacher_forcing(kind, model_root, texts):
     offset = model.position_offset
     got = []
     for step in range(steps + 1):
-        if step == 0:
-            ranges = [(0, n) for n in prompt_lens]
-        else:
-            ranges = [(n + step - 1, n + step) for n in prompt_lens]
-        decoder_ids = torch.cat([d[a:b] for (_, d), (a, b) in zip(full, ranges)])
+        ranges = [(0, n) if step == 0 else (n + step - 1, n + step) for n in prompt_lens]
+        decoder_ids = torch.cat([d[a:b] for (_, d), (a, b) in zip(full, ranges, strict=True)])
         positions = torch.cat([torch.arange(a, b) for a, b in ranges]) + offset
         lens_q = [b - a for a, b in ranges]
         lens_k = [b for _, b in ranges]

@@ -110,9 +110,9 @@ def test_bart_zero_shot_equals_the_transformers_pipeline(built, engine_for, docu
     engine = engine_for(model_dir)
     params = ClassifyParams(candidate_labels=tuple(labels), multi_label=multi_label)
     result = engine.classify(documents[:5], params)
-    for row, text in zip(result.scores, documents[:5]):
+    for row, text in zip(result.scores, documents[:5], strict=True):
         reference = classifier(text, candidate_labels=labels, multi_label=multi_label)
-        want = dict(zip(reference["labels"], reference["scores"]))
+        want = dict(zip(reference["labels"], reference["scores"], strict=True))
         np.testing.assert_allclose(row, [want[label] for label in labels], atol=1e-4, rtol=0)
 
 

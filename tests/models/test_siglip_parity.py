@@ -14,7 +14,11 @@ from embedserv.engine.sync import SyncEngine
 from embedserv.types import EmbedParams, RerankParams
 from tests.helpers import dual_encoder_checks as checks
 from tests.helpers.vision_models import (
-    SIGLIP_TEXT_LENGTH, load_reference, mixed_inputs, reference_embeddings, save_dual_encoder,
+    SIGLIP_TEXT_LENGTH,
+    load_reference,
+    mixed_inputs,
+    reference_embeddings,
+    save_dual_encoder,
 )
 
 

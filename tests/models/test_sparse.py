@@ -29,7 +29,7 @@ SPLADE_MODELS = [
 @pytest.fixture(scope="module")
 def sample(texts) -> list[str]:
     """Some texts longer than the 128-token limit (truncated), some short ones, one of a single word."""
-    return texts[:10] + ["SPLADE expands a query over the vocabulary.", "word"]
+    return [*texts[:10], "SPLADE expands a query over the vocabulary.", "word"]
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def _sparse_params(**kwargs):
 def assert_sparse_equal(vectors, expected: np.ndarray, what: str = "", atol: float = 1e-4) -> None:
     """Each SparseVector has the non-zero ids of its row of `expected` [n, vocab], values within atol."""
     assert len(vectors) == len(expected)
-    for i, (vector, row) in enumerate(zip(vectors, expected)):
+    for i, (vector, row) in enumerate(zip(vectors, expected, strict=True)):
         support = np.flatnonzero(row > 0)
         assert vector.indices.dtype == np.int64 and vector.values.dtype == np.float32
         np.testing.assert_array_equal(vector.indices, support, err_msg=f"{what}input {i}: non-zero ids differ")
@@ -114,10 +114,10 @@ def test_top_k_keeps_the_k_largest_values(splade_dir, engine, sample):
     full = served.embed(sample, _sparse_params()).sparse
     top = served.embed(sample, _sparse_params(sparse_top_k=5)).sparse
 
-    for vector, whole in zip(top, full):
+    for vector, whole in zip(top, full, strict=True):
         assert len(vector.indices) == min(5, len(whole.indices))
         assert np.all(np.diff(vector.indices) > 0), "indices must stay ascending"
-        kept = dict(zip(whole.indices.tolist(), whole.values.tolist()))
+        kept = dict(zip(whole.indices.tolist(), whole.values.tolist(), strict=True))
         np.testing.assert_array_equal(vector.values, [kept[i] for i in vector.indices.tolist()])
         # Nothing left out is larger than what was kept.
         assert min(vector.values) >= np.sort(whole.values)[-len(vector.values)]
@@ -210,7 +210,7 @@ def test_logits_in_chunks_equal_one_pass(pooling, splade_dir):
         for chunk_tokens in (4, 1, 7):
             head.chunk_tokens = chunk_tokens
             chunked = head(hidden, tokens)
-            for a, b in zip(whole[:2], chunked[:2]):
+            for a, b in zip(whole[:2], chunked[:2], strict=True):
                 torch.testing.assert_close(a, b, rtol=0, atol=0)
             torch.testing.assert_close(whole[2], chunked[2], rtol=1e-6, atol=1e-6)
     # Sorted by (sequence, id), every sequence present, values above 0.

@@ -64,7 +64,7 @@ def _params(**kwargs):
 
 
 def test_list_models_says_images_and_token_vectors(served):
-    from embedserv.types import EmbedOutput, Modality, RerankMode, Task
+    from embedserv.types import EmbedOutput, Modality, Task
 
     _, engine, reference = served
     info = engine.info
@@ -85,7 +85,7 @@ def test_pages_and_queries_in_one_call_equal_transformers(served):
     expected = _expected(reference, pages, QUERIES)
     order = [0, 4, 1, 2, 5, 3, 6]
     result = engine.embed(inputs, _params())
-    for got, index in zip(result.multi_vectors, order):
+    for got, index in zip(result.multi_vectors, order, strict=True):
         assert got.shape == expected[index].shape
         assert_cosine_at_least(got, expected[index], 0.9999)
         assert_unit_norm(got)

@@ -245,8 +245,8 @@ def test_a_custom_module_named_like_ours_is_refused_not_taken_for_ours(safetenso
 def test_dense_layer_follows_the_same_policy(tmp_path):
     """A sentence-transformers Dense folder with only pytorch_model.bin: refused, or with allow_pickle loaded."""
     from embedserv.models.heads.pooling import Dense
-    from embedserv.models.loading.weights import load_dense_weights
     from embedserv.models.loading.st_files import DenseSpec
+    from embedserv.models.loading.weights import load_dense_weights
 
     spec = DenseSpec(in_features=4, out_features=2, bias=True, activation="Tanh", directory=tmp_path)
     weights = {"linear.weight": torch.randn(2, 4), "linear.bias": torch.randn(2)}

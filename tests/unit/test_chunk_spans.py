@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -17,9 +19,9 @@ def test_windows_fit_overlap_and_their_owned_tokens_tile_the_text(room, count):
     assert windows[0][0] == 0 and windows[-1][1] == count
     assert all(stop - first == min(room, count) for first, stop in windows)
     assert [first for first, _ in owned] == [0, *[stop for _, stop in owned[:-1]]] and owned[-1][1] == count
-    for (first, stop), (own_first, own_stop) in zip(windows, owned):
+    for (first, stop), (own_first, own_stop) in zip(windows, owned, strict=True):
         assert first <= own_first < own_stop <= stop
-    for earlier, later in zip(windows, windows[1:]):
+    for earlier, later in itertools.pairwise(windows):
         # Neighbours share at least a quarter of the window, and the cut is the middle of what they share.
         assert earlier[1] - later[0] >= room // 4
 

@@ -76,7 +76,7 @@ def test_images_follow_the_texts_within_the_server_limits(recording, kind, tmp_p
     parts = [[item.WhichOneof("kind") for item in r.items] for r in servicer.requests]
     assert all(len(p) <= BATCH and p.count("image") <= MAX_IMAGES for p in parts), parts
     # The requests run in parallel: their order here is the server's; the result's order is checked above.
-    assert sorted(sum(parts, [])) == ["image"] * 5 + ["text"] * 2
+    assert sorted(kind for p in parts for kind in p) == ["image"] * 5 + ["text"] * 2
     assert not any(r.inputs for r in servicer.requests)
 
 
@@ -113,7 +113,7 @@ def test_model_info_and_limits_carry_the_image_fields(recording):
 
 
 def test_cli_embeds_image_files_after_the_texts(recording, tmp_path, capsys):
-    servicer, target = recording
+    _servicer, target = recording
     (tmp_path / "a.png").write_bytes(bytes([3]))
     (tmp_path / "b.jpg").write_bytes(bytes([4]))
     code = cli.main(["--target", target, "embed", "12", "--image", str(tmp_path / "a.png"),

@@ -101,7 +101,7 @@ def test_generate_prompt_stop_and_candidate_labels_are_checked(counting):
 
 
 def test_embed_stream_names_the_batch_and_index(counting):
-    servicer, target = counting
+    _servicer, target = counting
     with Client(target) as client:
         assert [m.shape for m in client.embed_stream([["a", "b"]])] == [(2, DIM)]
         with pytest.raises(TypeError, match=r"^batches\[1\]\[0\] must be str, not int"):

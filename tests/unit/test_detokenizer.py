@@ -15,7 +15,7 @@ from tests.helpers.models import bundled_model_dir
 REPLACEMENT_CHAR = "\ufffd"
 CORPUS = [
     "Hello world! The weather is nice today, isn't it?",
-    "你好，世界。今天天气很好。我们去公园散步吧。",
+    "你好，世界。今天天气很好。我们去公园散步吧。",  # noqa: RUF001 - a Chinese text has full-width commas
     "東京は日本の首都です。ラーメンが好きです。",
     "안녕하세요 세계, 반갑습니다.",
     "I love 🍕 and 🎉 parties 😀😀 with friends 👍🏽 and family 👨‍👩‍👧.",
@@ -91,7 +91,7 @@ def metaspace():
 def test_wordpiece_stream_equals_full_decode(wordpiece):
     prompt = wordpiece("Question: what are sentence embeddings, really?")["input_ids"]  # [CLS] ... [SEP]
     text = "They're dense vectors; tokenization splits 'unbelievably' long words (e.g. embeddings)!"
-    output = _ids(wordpiece, text) + [wordpiece.sep_token_id]
+    output = [*_ids(wordpiece, text), wordpiece.sep_token_id]
     assert any(token.startswith("##") for token in wordpiece.convert_ids_to_tokens(output))
     full = wordpiece.decode(prompt + output, skip_special_tokens=True)
     assert full.startswith(wordpiece.decode(prompt, skip_special_tokens=True))
@@ -118,19 +118,19 @@ def test_empty_prompt_starts_without_a_space(wordpiece, metaspace):
 
 def test_byte_level_waits_for_whole_characters(byte_level):
     prompt = _ids(byte_level, "Hello world!")
-    output = _ids(byte_level, " 🦙 llamas 你好 火箭 👍🏽 café") + [byte_level.eos_token_id]
+    output = [*_ids(byte_level, " 🦙 llamas 你好 火箭 👍🏽 café"), byte_level.eos_token_id]
     # Characters really are split: some single tokens decode to a partial character.
     assert any(REPLACEMENT_CHAR in byte_level.decode([token_id]) for token_id in output)
     deltas, tail, detokenizer = _stream(byte_level, prompt, output)
     assert "" in deltas[:-1]  # a step that waited for the rest of a character
-    assert not any(REPLACEMENT_CHAR in delta for delta in deltas + [tail])
+    assert not any(REPLACEMENT_CHAR in delta for delta in [*deltas, tail])
     expected = " 🦙 llamas 你好 火箭 👍🏽 café"
     assert "".join(deltas) + tail == _reference(byte_level, prompt, output) == expected == detokenizer.text
 
 
 def test_metaspace_spaces_between_words(metaspace):
     prompt = _ids(metaspace, "Hello world!")
-    output = _ids(metaspace, "The weather is nice today, isn't it?") + [metaspace.eos_token_id]
+    output = [*_ids(metaspace, "The weather is nice today, isn't it?"), metaspace.eos_token_id]
     assert metaspace.convert_ids_to_tokens(output[:1])[0].startswith("▁")
     deltas, tail, _ = _stream(metaspace, prompt, output)
     expected = " The weather is nice today, isn't it?"
@@ -224,7 +224,7 @@ def test_random_cleanup_sequences_match_the_full_decode(wordpiece_cleanup):
 
 def test_random_text_streams_exactly_and_never_shows_a_broken_character(byte_level):
     rng = random.Random(0)
-    sentences = [_ids(byte_level, sentence) for sentence in CORPUS + [" 🦙🚀 ☕ 火箭 🇫🇷"]]
+    sentences = [_ids(byte_level, sentence) for sentence in [*CORPUS, " 🦙🚀 ☕ 火箭 🇫🇷"]]
     for _ in range(200):
         ids = [token_id for _ in range(3) for token_id in rng.choice(sentences)]
         split = rng.randrange(len(ids))

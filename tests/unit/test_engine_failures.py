@@ -6,8 +6,8 @@ import pytest
 
 from embedserv.config import ModelConfig
 from embedserv.engine.sync import SyncEngine
-from embedserv.types import EmbedParams
 from embedserv.errors import NotReady
+from embedserv.types import EmbedParams
 
 
 @pytest.fixture()

@@ -8,8 +8,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from embedserv.engine.core.generation import GenerationStreams, PreparedPrompt
 from embedserv.engine.core.dispatch import Dispatcher
+from embedserv.engine.core.generation import GenerationStreams, PreparedPrompt
 from embedserv.engine.inputs.tokenizer import TokenizerPool
 from embedserv.errors import NotReady
 from embedserv.executor.base import WorkerDied, WorkerStats
@@ -182,7 +182,7 @@ async def test_death_mid_stream_fails_its_streams_then_the_loop_resets(pool):
     outcomes = await asyncio.gather(
         collect(streams, [1, 1, 1], 10, got[0]), collect(streams, [3, 4], 10, got[1]), return_exceptions=True
     )
-    for outcome, deltas in zip(outcomes, got):
+    for outcome, deltas in zip(outcomes, got, strict=True):
         assert isinstance(outcome, NotReady), outcome
         assert "retry the call" in str(outcome)
         assert [d.token_ids for d in deltas] == [(TOKEN,), (TOKEN,)]

@@ -10,9 +10,8 @@ import pytest
 
 from embedserv.config import ModelConfig, ServerConfig
 from embedserv.errors import ConfigError
-from embedserv.server.frontend import Frontend
+from embedserv.server.frontend import Frontend, InflightLimiter, ServedModels
 from embedserv.server.http.app import HttpServer
-from embedserv.server.frontend import InflightLimiter, ServedModels
 from tests.helpers.server import free_port
 
 

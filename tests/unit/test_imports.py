@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import itertools
 import pkgutil
 import subprocess
 import sys
@@ -143,7 +144,7 @@ def test_no_package_level_import_cycles() -> None:
     report = []
     for cycle in cycles:
         report.append(" -> ".join(cycle))
-        report.extend(f"    {why}" for a, b in zip(cycle, cycle[1:]) for why in edges[a, b])
+        report.extend(f"    {why}" for a, b in itertools.pairwise(cycle) for why in edges[a, b])
     assert not report, "package-level import cycles:\n" + "\n".join(report)
 
 

@@ -19,8 +19,8 @@ from embedserv.engine.core.output_cache import (
     cache_key,
     entry_bytes,
 )
-from embedserv.engine.ports import SequenceOutput
 from embedserv.engine.inputs.sequence import InputSequence
+from embedserv.engine.ports import SequenceOutput
 from embedserv.types import EmbedOutput
 
 
@@ -270,6 +270,6 @@ def test_random_concurrent_calls_each_get_their_own_answers():
         return calls, results, cache
 
     calls, results, cache = asyncio.run(run())
-    for texts, (outputs, _) in zip(calls, results):
+    for texts, (outputs, _) in zip(calls, results, strict=True):
         assert [o.row[0] for o in outputs] == [len(t) for t in texts]
     assert cache.stats.bytes <= cache.stats.capacity_bytes and not cache._pending

@@ -15,11 +15,11 @@ from embedserv.attention.backends.sdpa import SdpaBackend
 from embedserv.attention.layer import Attention, link_kv_sharing
 from embedserv.models.heads.pooling import EmbeddingPooler
 from embedserv.models.interface import DecoderModel
+from embedserv.models.layers import padded_rows
 from embedserv.steps import OutputKind, ScheduledSequence, StepBatch
 from embedserv.types import SamplingParams
 from embedserv.worker.kv_cache import KvCache, allocate_kv_caches, kv_cache_groups
 from embedserv.worker.model_runner import ModelRunner
-from embedserv.models.layers import padded_rows
 
 HIDDEN, HEADS, HEAD_SIZE, VOCAB, BLOCK = 32, 2, 16, 61, 4
 CPU = torch.device("cpu")
@@ -123,7 +123,7 @@ def test_generation_steps_run_only_sampled_rows_after_the_last_writer(backend):
         want, got = full.execute(step), skipped.execute(step)
         assert got.sampled_request_ids == want.sampled_request_ids
         assert got.tokens.tolist() == want.tokens.tolist()
-    for before, after in zip(full_lm, skipped_lm):
+    for before, after in zip(full_lm, skipped_lm, strict=True):
         torch.testing.assert_close(after, before, rtol=0, atol=1e-5)
     tokens = [8 + 6, 5 + 1 + 5, 1 + 1 + 4]
     sampled = [1, 2, 3]

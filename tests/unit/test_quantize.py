@@ -213,7 +213,7 @@ def test_ranges_of_leaves_the_calibration_rows_alone():
         raw = await calibration.ranges(engine, EmbedParams(normalize=False, encoding=Encoding.INT8_PER_DIMENSION))
         return normalized, raw
 
-    normalized, raw = asyncio.run(run())
+    _normalized, raw = asyncio.run(run())
 
     unnormalized = EmbedParams(normalize=False, truncate=True)
     rows = asyncio.run(_FakeEngine().embed_floats(quantize.calibration_texts(), unnormalized))

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from embedserv.types import SamplingParams
 from embedserv.models.heads.sampler import _cut, greedy_tokens, sample
+from embedserv.types import SamplingParams
 
 
 def _logits(rows=4, vocab=50, seed=0):

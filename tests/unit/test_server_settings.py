@@ -14,8 +14,8 @@ from embedserv.cli import build_parser, server_config
 from embedserv.config import ModelConfig, ServerConfig
 from embedserv.errors import ConfigError, Overloaded
 from embedserv.logs import REQUEST_ID, JsonFormatter
-from embedserv.server.frontend_server import server_options
 from embedserv.server.frontend import InflightLimiter
+from embedserv.server.frontend_server import server_options
 
 MODEL = (ModelConfig(path="/models/m", served_name="m"),)
 

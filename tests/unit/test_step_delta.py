@@ -53,7 +53,8 @@ def _run(scheduler: GenerationScheduler, rng: random.Random, steps: int, encoder
     return scheduler.num_preemptions
 
 
-def _scheduler(num_blocks: int, groups=(KvGroup(4),)) -> GenerationScheduler:
+def _scheduler(num_blocks: int, groups: tuple[KvGroup, ...] | None = None) -> GenerationScheduler:
+    groups = groups or (KvGroup(4),)
     return GenerationScheduler(KvCacheManager(list(groups), num_blocks), max_batch_tokens=24, max_num_seqs=8)
 
 

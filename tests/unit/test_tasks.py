@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from embedserv.engine.tasks.outputs import activate, rank
+from embedserv.errors import ConfigError
 from embedserv.models import registry
 from embedserv.models.loading.tasks import QWEN3_RERANKER, read_task_spec, rerank_activation
 from embedserv.types import Task
-from embedserv.errors import ConfigError
 
 
 def _config(architecture: str, **fields) -> SimpleNamespace:

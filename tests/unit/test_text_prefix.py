@@ -59,7 +59,7 @@ def test_the_first_room_tokens_equal_the_whole_texts(build, room):
     texts = _texts()
     whole = backend.encode_batch(texts, add_special_tokens=False)
     cut = text_prefix.encode_for_room(backend, texts, room)
-    for text, full, mine in zip(texts, whole, cut):
+    for text, full, mine in zip(texts, whole, cut, strict=True):
         assert mine.ids[:room] == full.ids[:room], text[:80]
         assert len(mine.ids) >= min(room, len(full.ids))
     # The point of it: long texts were not tokenized whole.

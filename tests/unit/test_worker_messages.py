@@ -245,7 +245,7 @@ def test_frames_are_a_header_then_raw_buffers():
     specs = [fields["output"]["rows"], fields["output"]["tokens"]]
     assert specs == [["<f4", [3, 8], 1], ["<i8", [2], 2]]
     assert len(frames) == 1 + len(specs)
-    for (dtype, shape, index), frame in zip(specs, frames[1:]):
+    for (dtype, shape, index), frame in zip(specs, frames[1:], strict=True):
         assert isinstance(frame, memoryview) and frames[index] is frame
         assert np.frombuffer(frame, dtype=dtype).reshape(shape).nbytes == memoryview(frame).nbytes
     # bytes and memoryview frames decode alike.

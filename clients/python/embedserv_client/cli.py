@@ -166,7 +166,7 @@ def _run(client: Client, args: argparse.Namespace) -> tuple[dict, int]:
             dimensions=args.dimensions, prompt_name=args.prompt_name,
         )
         inputs = [
-            {"chunks": [{"start": s, "end": e, "embedding": v.tolist()} for (s, e), v in zip(c.spans, c.vectors)]}
+            {"chunks": [{"start": s, "end": e, "embedding": v.tolist()} for (s, e), v in zip(c.spans, c.vectors, strict=True)]}
             for c in found
         ]
         return {"inputs": inputs}, 0

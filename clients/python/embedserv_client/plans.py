@@ -241,7 +241,7 @@ def rerank_plan(
     def merge(replies: list[pb.RerankResponse]) -> list[RerankResult]:
         results = [
             RerankResult(offset + r.index, r.score, r.document if fields.get("return_documents") else None)
-            for offset, reply in zip(offsets, replies)
+            for offset, reply in zip(offsets, replies, strict=True)
             for r in reply.results
         ]
         results.sort(key=lambda r: (-r.score, r.index))

@@ -6,7 +6,8 @@ backend only says which cache block sizes its paged kernel can read (`check_bloc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, ClassVar, Hashable, Protocol, TypeVar
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
 
 import numpy as np
 import torch

@@ -51,14 +51,23 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from embedserv.attention.backends.base import (
-    AttentionLayer, PagedBackendBase, relative_bias_table, step_memo, write_kv,
+    AttentionLayer,
+    PagedBackendBase,
+    relative_bias_table,
+    step_memo,
+    write_kv,
 )
 from embedserv.attention.backends.flex_bias import disentangled_mod, packed_positions, relative_bias_mod
 from embedserv.attention.backends.flex_masks import (
-    BLOCK_SIZE, document_block_mask, ordered_blocks, suffix_query_keys,
+    BLOCK_SIZE,
+    document_block_mask,
+    ordered_blocks,
+    suffix_query_keys,
 )
 from embedserv.attention.backends.windows import (
-    refuse_biased_suffix, refuse_biased_window, window_within,
+    refuse_biased_suffix,
+    refuse_biased_window,
+    window_within,
 )
 from embedserv.attention.disentangled import PositionProjections, refuse_disentangled
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata, ranges

@@ -44,7 +44,7 @@ class NaiveBackend(PagedBackendBase):
         group = q.shape[1] // kv_heads
         out = torch.empty_like(q)
         q_start = k_start = 0
-        lengths = zip(common.seq_lens_q_cpu.tolist(), common.seq_lens_k_cpu.tolist())
+        lengths = zip(common.seq_lens_q_cpu.tolist(), common.seq_lens_k_cpu.tolist(), strict=True)
         for seq, (len_q, len_k) in enumerate(lengths):
             rows = slice(q_start, q_start + len_q)
             if kv_cache is None:

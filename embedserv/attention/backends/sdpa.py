@@ -31,34 +31,58 @@ window, or whose window no sequence outgrows, runs as above with no mask.
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from embedserv import cpu_isa
 from embedserv.attention.backends.base import (
-    AttentionLayer, PagedBackendBase, gather_blocks, relative_bias_table, step_memo, write_kv,
+    AttentionLayer,
+    PagedBackendBase,
+    gather_blocks,
+    relative_bias_table,
+    step_memo,
+    write_kv,
 )
 from embedserv.attention.backends.naive import future_mask
 from embedserv.attention.backends.paged_decode import (
-    decode_gathered, decode_with_matmuls, uses_gathered_decode, value_rows,
+    decode_gathered,
+    decode_with_matmuls,
+    uses_gathered_decode,
+    value_rows,
 )
 from embedserv.attention.backends.sdpa_bias import (
-    chunk_bias, decode_bias, disentangled_bias, disentangled_groups, mask_dtype, run_bias,
+    chunk_bias,
+    decode_bias,
+    disentangled_bias,
+    disentangled_groups,
+    mask_dtype,
+    run_bias,
 )
 from embedserv.attention.backends.sdpa_runs import (
-    Chunk, CrossRun, PagedPlan, Run, SdpaMetadata, plan_cross_runs, plan_runs,
+    Chunk,
+    CrossRun,
+    PagedPlan,
+    Run,
+    SdpaMetadata,
+    plan_cross_runs,
+    plan_runs,
 )
 from embedserv.attention.backends.sdpa_window import (
-    attend_banded, chunk_window_mask, decode_window_mask, is_banded, run_window_mask, suffix_mask,
+    attend_banded,
+    chunk_window_mask,
+    decode_window_mask,
+    is_banded,
+    run_window_mask,
+    suffix_mask,
 )
 from embedserv.attention.backends.windows import (
-    refuse_biased_suffix, refuse_biased_window, window_within,
+    refuse_biased_suffix,
+    refuse_biased_window,
+    window_within,
 )
 from embedserv.attention.disentangled import PositionProjections, refuse_disentangled
-from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata
-
+from embedserv.attention.metadata import CommonAttentionMetadata
 
 # On CPU in bfloat16, where bf16 is native, two batched matmuls beat the flash kernel from a length on
 # (cpu_isa.bf16_matmul_attention), as long as the materialized scores stay in cache: runs are

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from embedserv.attention.backends.base import AttentionLayer, step_memo
+from embedserv.attention.backends.naive import future_mask
 from embedserv.attention.backends.sdpa_runs import Run, SdpaMetadata
 from embedserv.attention.disentangled import PositionProjections, content_position_scores, sequence_bias
-from embedserv.attention.backends.naive import future_mask
 
 
 def mask_dtype(q: torch.Tensor) -> torch.dtype:

@@ -61,7 +61,7 @@ def plan_runs(seq_lens: np.ndarray) -> tuple[Run, ...]:
     token_starts = np.concatenate(([0], np.cumsum(seq_lens)))[firsts]
     return tuple(
         Run(int(start), int(count), int(seq_lens[first]))
-        for start, count, first in zip(token_starts, counts, firsts)
+        for start, count, first in zip(token_starts, counts, firsts, strict=True)
     )
 
 
@@ -79,7 +79,7 @@ def plan_cross_runs(lens_q: np.ndarray, lens_k: np.ndarray, device: torch.device
     starts_q = np.concatenate(([0], np.cumsum(lens_q)))
     starts_k = np.concatenate(([0], np.cumsum(lens_k)))
     runs = []
-    for first, last in zip(firsts.tolist(), lasts.tolist()):
+    for first, last in zip(firsts.tolist(), lasts.tolist(), strict=True):
         run_k = lens_k[first:last]
         longest = int(run_k.max())
         rows = mask = None

@@ -29,7 +29,12 @@ import torch
 from torch.nn.attention.varlen import varlen_attn
 
 from embedserv.attention.backends.base import (
-    AttentionLayer, PagedBackendBase, gather_kv, packed_key_slots, refuse_score_bias, write_kv,
+    AttentionLayer,
+    PagedBackendBase,
+    gather_kv,
+    packed_key_slots,
+    refuse_score_bias,
+    write_kv,
 )
 from embedserv.attention.backends.windows import flash_window
 from embedserv.attention.metadata import AttentionMetadata, CommonAttentionMetadata

@@ -228,7 +228,7 @@ class PrefillWork:
             # Encoder-decoder: the text is the encoder's input; the decoder reads its start token (a yes/no
             # reranker's first step) or the input shifted right behind it (BART's classifier).
             start, ids = self.decoder_start, sequence.ids
-            decoder = [start] if self.decoder_reads_start_only else [start] + ids[:-1]
+            decoder = [start] if self.decoder_reads_start_only else [start, *ids[:-1]]
             return Request(next(self._ids), decoder, self.output, encoder_token_ids=ids, call_id=REQUEST_ID.get())
         return Request(
             next(self._ids), sequence.ids, self.output, pool_start=sequence.pool_start,
@@ -293,7 +293,7 @@ class PrefillWork:
         if len(output.rows) != len(output.row_request_ids):
             # Raised here, the step fails its calls (a malformed answer never reaches them).
             raise ValueError(f"the worker gave {len(output.rows)} rows for {len(output.row_request_ids)} sequences")
-        rows = dict(zip(output.row_request_ids, output.rows))
+        rows = dict(zip(output.row_request_ids, output.rows, strict=True))
         sparse = output.sparse.split() if output.sparse is not None else {}
         vectors = output.vectors.split() if output.vectors is not None else {}
         for request in step.requests:

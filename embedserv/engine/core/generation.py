@@ -17,8 +17,8 @@ import asyncio
 import itertools
 import logging
 import math
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator, Callable
 
 from embedserv import metrics
 from embedserv.engine.core.detokenizer import IncrementalDetokenizer

@@ -19,13 +19,13 @@ import asyncio
 import dataclasses
 import hashlib
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable
 
 import numpy as np
 
-from embedserv.engine.ports import SequenceOutput
 from embedserv.engine.inputs.sequence import InputSequence
+from embedserv.engine.ports import SequenceOutput
 from embedserv.scheduler.request import Request
 from embedserv.types import EmbedOutput
 
@@ -162,7 +162,7 @@ class OutputCache:
         while len(found) < len(unique):
             todo: dict[bytes, Request] = {}
             waits: dict[bytes, asyncio.Future] = {}
-            for key, request in zip(keys, requests):
+            for key, request in zip(keys, requests, strict=True):
                 if key in found or key in todo or key in waits:
                     continue
                 cached = self.get(key)
@@ -174,7 +174,7 @@ class OutputCache:
                     todo[key] = request
             if todo:
                 outputs = await self._compute(todo, compute)
-                found.update(zip(todo, outputs))
+                found.update(zip(todo, outputs, strict=True))
                 ran += outputs
                 own += len(outputs)
             for key, future in waits.items():
@@ -202,7 +202,7 @@ class OutputCache:
                     future.set_exception(exc)
                     future.exception()  # retrieved: no "never retrieved" log when nobody waited
             raise
-        for (key, future), output in zip(futures.items(), outputs):
+        for (key, future), output in zip(futures.items(), outputs, strict=True):
             del self._pending[key]
             # Waiters share the read-only copy: another call's results never alias this call's arrays.
             future.set_result(self.put(key, output))

@@ -5,11 +5,11 @@ its TokenRules.encode_image. Results keep the call's input order."""
 
 from __future__ import annotations
 
-from embedserv.engine.served_model import ServedModel, VisionSpec
 from embedserv.engine.inputs.images import prepare_image
-from embedserv.engine.ports import Core
-from embedserv.engine.inputs.token_rules import TokenRules
 from embedserv.engine.inputs.sequence import InputSequence
+from embedserv.engine.inputs.token_rules import TokenRules
+from embedserv.engine.ports import Core
+from embedserv.engine.served_model import ServedModel, VisionSpec
 from embedserv.errors import InvalidInput
 from embedserv.types import EmbedOutput, EmbedParams, ImageInput, Modality
 
@@ -50,12 +50,12 @@ async def encode_inputs(
         texts = [inputs[index] for index in text_at]
         encode_texts = rules.text_encoder(served.tokenizer)
         tokenized = await core.tokenize_with(encode_texts, texts, params, chars=sum(map(len, texts)))
-        for index, item in zip(text_at, tokenized):
+        for index, item in zip(text_at, tokenized, strict=True):
             encoded[index] = item
     images = [(index, inputs[index].data) for index in found]
     # No `chars`: decoding is never cheap enough for the event loop.
     prepared = await core.tokenize_with(_encode_images, rules, served.vision, images, params)
-    for index, item in zip(found, prepared):
+    for index, item in zip(found, prepared, strict=True):
         encoded[index] = item
     return encoded
 

@@ -22,8 +22,8 @@ from functools import partial
 import numpy as np
 import tokenizers
 
-from embedserv.engine.inputs.token_rules import TokenRules
 from embedserv.engine.inputs.sequence import InputSequence
+from embedserv.engine.inputs.token_rules import TokenRules
 from embedserv.engine.inputs.tokenizer import TextTokenizer
 from embedserv.errors import ConfigError, InvalidInput
 from embedserv.models.loading.multi_vector_files import MultiVectorSettings

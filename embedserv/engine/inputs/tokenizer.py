@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import tokenizers
 from transformers import AutoTokenizer
 
 from embedserv.engine.inputs import text_prefix
 from embedserv.engine.inputs.sequence import InputSequence
-from embedserv.models.loading.tasks import Seq2SeqYesNoTemplate, YesNoTemplate
-from embedserv.types import EmbedParams, TokenizedText, TruncationDirection
 from embedserv.errors import InvalidInput
+from embedserv.models.loading.tasks import YesNoTemplate
+from embedserv.types import EmbedParams, TokenizedText, TruncationDirection
 
 # Our tokenizer threads are the parallelism; the Rust library's own thread pool would compete with the
 # model for the same cores (measured: ~15% slower batches on 2 cores).
@@ -184,7 +185,7 @@ class TextTokenizer:
             )
         try:
             return self.hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # noqa: BLE001 - a template error (jinja2) is the request's, not the server's
+        except Exception as exc:
             raise InvalidInput(f"the model's chat template cannot render these messages: {exc}") from None
 
     def _check_vocabulary(self, ids: list[int], what: str, hint: str = "") -> None:
@@ -231,7 +232,7 @@ class TextTokenizer:
             )
         encodings = self.backend.encode_batch([self.prepare(prompt + t) for t in texts], add_special_tokens=False)
         out = []
-        for text, encoding in zip(texts, encodings):
+        for text, encoding in zip(texts, encodings, strict=True):
             pieces = [encoding]
             if len(encoding.ids) > room:
                 content = self.backend.encode(self.prepare(text), add_special_tokens=False)

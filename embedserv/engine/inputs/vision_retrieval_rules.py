@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from embedserv.engine.inputs.token_rules import TokenRules
 from embedserv.engine.inputs.sequence import InputSequence
+from embedserv.engine.inputs.token_rules import TokenRules
 from embedserv.engine.inputs.tokenizer import TextTokenizer
 from embedserv.errors import ConfigError, InvalidInput
 from embedserv.types import EmbedParams

@@ -23,6 +23,7 @@ Characters are Unicode code points (Python str indices, the Tokenize RPC's offse
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import numpy as np
@@ -103,9 +104,9 @@ def context_windows(num_tokens: int, room: int) -> list[Span]:
 
 def owned_tokens(windows: list[Span]) -> list[Span]:
     """[first, stop) text tokens whose states each window gives: neighbours split their overlap in half."""
-    cuts = [(later[0] + earlier[1]) // 2 for earlier, later in zip(windows, windows[1:])]
+    cuts = [(later[0] + earlier[1]) // 2 for earlier, later in itertools.pairwise(windows)]
     bounds = [windows[0][0], *cuts, windows[-1][1]]
-    return list(zip(bounds, bounds[1:]))
+    return list(itertools.pairwise(bounds))
 
 
 def mean_rows(states: np.ndarray, members: list[np.ndarray]) -> np.ndarray:

@@ -24,10 +24,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from embedserv.engine.inputs import pairs
 from embedserv.engine import checks
-from embedserv.engine.served_model import ServedModel
+from embedserv.engine.inputs import pairs
 from embedserv.engine.ports import Core
+from embedserv.engine.served_model import ServedModel
 from embedserv.engine.tasks.outputs import activate, cosine_to_first, finish_embeddings, rank, stack_rows
 from embedserv.types import (
     EmbedParams,

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import time
 
-from embedserv.engine.inputs import pairs
 from embedserv.engine import checks
-from embedserv.engine.served_model import ServedModel
+from embedserv.engine.inputs import pairs
 from embedserv.engine.ports import Core
+from embedserv.engine.served_model import ServedModel
 from embedserv.engine.tasks import zero_shot
 from embedserv.engine.tasks.outputs import activate, stack_rows
 from embedserv.errors import InvalidInput

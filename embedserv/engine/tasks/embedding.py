@@ -15,18 +15,26 @@ from dataclasses import replace
 import numpy as np
 
 from embedserv.engine import checks
-from embedserv.engine.served_model import ServedModel
-from embedserv.engine.ports import Core, SequenceOutput
 from embedserv.engine.inputs import image_inputs
+from embedserv.engine.inputs.sequence import InputSequence
+from embedserv.engine.inputs.token_rules import TokenRules
+from embedserv.engine.inputs.tokenizer import TextTokenizer
+from embedserv.engine.ports import Core, SequenceOutput
+from embedserv.engine.served_model import ServedModel
 from embedserv.engine.tasks import chunking, late_chunking
 from embedserv.engine.tasks.outputs import finish_embeddings, stack_rows
-from embedserv.engine.inputs.token_rules import TokenRules
-from embedserv.engine.inputs.sequence import InputSequence
-from embedserv.engine.inputs.tokenizer import TextTokenizer
-from embedserv.errors import InvalidInput
 from embedserv.engine.tasks.quantize import Encodings
+from embedserv.errors import InvalidInput
 from embedserv.types import (
-    EmbedOutput, EmbedParams, EmbedResult, Encoding, ImageInput, ModelInfo, SparseVector, Task, Timing,
+    EmbedOutput,
+    EmbedParams,
+    EmbedResult,
+    Encoding,
+    ImageInput,
+    ModelInfo,
+    SparseVector,
+    Task,
+    Timing,
 )
 
 
@@ -198,6 +206,6 @@ def assemble(
     if EmbedOutput.MULTI_VECTOR in params.outputs:
         result.multi_vectors = [
             np.ascontiguousarray(output.vectors[rules.keep(e, params)], dtype=np.float32)
-            for output, e in zip(outputs, encoded)
+            for output, e in zip(outputs, encoded, strict=True)
         ]
     return result

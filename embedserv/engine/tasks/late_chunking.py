@@ -21,12 +21,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from embedserv.engine.served_model import ServedModel
-from embedserv.engine.ports import Core, SequenceOutput
-from embedserv.engine.tasks import chunk_spans
-from embedserv.engine.tasks.outputs import finish_embeddings
 from embedserv.engine.inputs.sequence import InputSequence
 from embedserv.engine.inputs.tokenizer import TextTokenizer
+from embedserv.engine.ports import Core, SequenceOutput
+from embedserv.engine.served_model import ServedModel
+from embedserv.engine.tasks import chunk_spans
+from embedserv.engine.tasks.outputs import finish_embeddings
 from embedserv.errors import InvalidInput
 from embedserv.models.heads.pooling import Dense
 from embedserv.models.loading.weights import load_dense_weights
@@ -72,7 +72,7 @@ def _check_options(late: LateChunking, texts: list[str]) -> None:
                 f"late_chunking.spans has {len(late.spans)} entries for {len(texts)} inputs; "
                 "send one per input, in order"
             )
-        for index, (text, spans) in enumerate(zip(texts, late.spans)):
+        for index, (text, spans) in enumerate(zip(texts, late.spans, strict=True)):
             chunk_spans.check_spans(index, text, spans)
     if late.splitter is ChunkSplitter.TOKENS:
         if late.chunk_tokens < 1:
@@ -90,7 +90,7 @@ def plan_inputs(tokenizer: TextTokenizer, texts: list[str], params: EmbedParams,
     tokenized = tokenizer.tokenize(texts, add_special_tokens=True, prompt_name=params.prompt_name)
     return [
         plan_input(index, text, tokens, prompt_chars, tokenizer.max_input_tokens, params.late_chunking, adapter)
-        for index, (text, tokens) in enumerate(zip(texts, tokenized))
+        for index, (text, tokens) in enumerate(zip(texts, tokenized, strict=True))
     ]
 
 
@@ -115,7 +115,7 @@ def plan_input(
         )
     windows = chunk_spans.context_windows(len(text_offsets), room) if len(ids) > limit else [(0, len(text_offsets))]
     encoded, pieces = [], []
-    for (first, stop), (own_first, own_stop) in zip(windows, chunk_spans.owned_tokens(windows)):
+    for (first, stop), (own_first, own_stop) in zip(windows, chunk_spans.owned_tokens(windows), strict=True):
         window_ids = ids if len(windows) == 1 else head + ids[len(head) + first : len(head) + stop] + after
         encoded.append(InputSequence(ids=list(window_ids), adapter=adapter))
         pieces.append((own_first, own_stop, len(head) + own_first - first))
@@ -141,7 +141,7 @@ def _covers_token(offsets: np.ndarray, span: tuple[int, int]) -> bool:
 def chunk_rows(plan: InputPlan, outputs: list[SequenceOutput]) -> np.ndarray:
     """[chunks, hidden] float32: each chunk's mean token state, the states stitched from the input's windows."""
     states = np.concatenate([
-        output.vectors[row : row + stop - first] for (first, stop, row), output in zip(plan.pieces, outputs)
+        output.vectors[row : row + stop - first] for (first, stop, row), output in zip(plan.pieces, outputs, strict=True)
     ])
     return chunk_spans.mean_rows(states, plan.members)
 

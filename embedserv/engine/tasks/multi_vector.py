@@ -37,7 +37,7 @@ async def rerank_maxsim(
     encoded = await core.tokenize_with(rules.encode_for_maxsim, tokenizer, query, documents, params.truncate)
     outputs, prompt_tokens, timing = await core.infer(encoded, received, (EmbedOutput.MULTI_VECTOR,))
     tasks = [QUERY] + [DOCUMENT] * len(documents)
-    vectors = [o.vectors[rules.keep_for(e.ids, task)] for o, e, task in zip(outputs, encoded, tasks)]
+    vectors = [o.vectors[rules.keep_for(e.ids, task)] for o, e, task in zip(outputs, encoded, tasks, strict=True)]
     scores = maxsim_scores(vectors[0], vectors[1:], rules.settings.mean_maxsim)
     results = [RankedDocument(index, score) for index, score in rank(scores, params.top_n)]
     return RerankResult(results=results, prompt_tokens=prompt_tokens, timing=timing)

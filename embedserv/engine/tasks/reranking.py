@@ -10,20 +10,28 @@ from __future__ import annotations
 
 import time
 
-from embedserv.engine.inputs import pairs
 from embedserv.engine import checks
-from embedserv.engine.served_model import ServedModel
-from embedserv.engine.ports import Core
-from embedserv.engine.tasks import chunking, multi_vector
-from embedserv.engine.tasks.outputs import activate, cosine_to_first, rank, stack_rows
+from embedserv.engine.inputs import pairs
 from embedserv.engine.inputs.image_inputs import encode_inputs, image_indices
 from embedserv.engine.inputs.token_rules import TokenRules
 from embedserv.engine.inputs.vision_retrieval_rules import VisionRetrievalRules
+from embedserv.engine.ports import Core
+from embedserv.engine.served_model import ServedModel
+from embedserv.engine.tasks import chunking, multi_vector
+from embedserv.engine.tasks.outputs import activate, cosine_to_first, rank, stack_rows
 from embedserv.engine.tasks.vision_retrieval import rerank_pages
 from embedserv.errors import InvalidInput
 from embedserv.models.loading.tasks import Seq2SeqYesNoTemplate
 from embedserv.types import (
-    EmbedOutput, EmbedParams, ImageInput, Modality, RankedDocument, RerankMode, RerankParams, RerankResult, Task,
+    EmbedOutput,
+    EmbedParams,
+    ImageInput,
+    Modality,
+    RankedDocument,
+    RerankMode,
+    RerankParams,
+    RerankResult,
+    Task,
 )
 
 

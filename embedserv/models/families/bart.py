@@ -15,6 +15,7 @@ classification head in heads/score.py (this file's FAMILY record names their ten
 from __future__ import annotations
 
 import math
+
 import torch
 from torch import nn
 

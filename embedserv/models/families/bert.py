@@ -151,7 +151,7 @@ ROBERTA_CLASSIFIER = Classifier(
 
 FAMILY = Family(
     name="bert",
-    model_types=("bert",) + ROBERTA_TYPES,
+    model_types=("bert", *ROBERTA_TYPES),
     model_class=BertModel,
     checkpoint=CHECKPOINT,
     is_encoder=True,

@@ -13,6 +13,8 @@ native ones already (`model.` under *ForMaskedLM / *ForSequenceClassification).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from embedserv.errors import ConfigError
 from embedserv.models.families.llama import LlamaStack
 from embedserv.models.interface import EncoderModel
@@ -41,7 +43,7 @@ def native_config(raw: dict) -> dict | None:
 class EuroBertModel(LlamaStack, EncoderModel):
     """`forward(input_ids, positions) -> [num_tokens, hidden]`, final norm applied."""
 
-    config_forms = {"eurobert": native_config}
+    config_forms: ClassVar[dict] = {"eurobert": native_config}
 
     def __init__(self, config) -> None:
         # The Llama layers give an MLP bias to model type "llama" only; no published EuroBERT has one.

@@ -12,7 +12,7 @@ Gemma 2's attention logit softcapping would need every attention backend to cap 
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import torch
 from torch import nn
@@ -48,7 +48,7 @@ def check_layer_types(config) -> list[str]:
     return types
 
 
-@lru_cache(maxsize=None)
+@cache
 def embedding_scale(value: float, dtype: torch.dtype) -> float:
     """transformers keeps Gemma's embedding scales as float32 tensors cast to the weights' dtype (sqrt(3072)
     becomes 55.5 in bfloat16): the same rounding here (computed once per value and dtype, on the host)."""

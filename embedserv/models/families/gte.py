@@ -11,6 +11,8 @@ The custom code's unpadding and memory-efficient attention switches change nothi
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -20,7 +22,6 @@ from embedserv.models.interface import EncoderModel
 from embedserv.models.layers import Linear, get_activation, head_dim, packed_linear
 from embedserv.models.loading.family import QKV, CheckpointNames, Classifier, Family, FamilyDocs
 from embedserv.models.rotary import RotaryEmbedding, apply_rotary
-
 
 # new-impl switches the native architecture has no counterpart for, and the only value it matches.
 _PUBLISHED_FIXED = {
@@ -143,7 +144,7 @@ class GteModel(nn.Module, EncoderModel):
     """`forward(input_ids, positions[, token_type_ids]) -> [num_tokens, hidden]`."""
 
     reads_token_types = True
-    config_forms = {"new": published_config, "gte": published_config}
+    config_forms: ClassVar[dict] = {"new": published_config, "gte": published_config}
     # The attention projections and the down projection carry biases (NomicBERT's, the same blocks, none).
     biases = True
 

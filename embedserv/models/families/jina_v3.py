@@ -17,6 +17,8 @@ step, and loses the oneDNN-packed weight (F.linear on the merged weight: 63 ms).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -138,7 +140,7 @@ class JinaEmbeddingsV3Model(nn.Module, EncoderModel):
 
     reads_token_types = True
     has_task_adapters = True
-    config_forms = {"xlm-roberta": published_config}
+    config_forms: ClassVar[dict] = {"xlm-roberta": published_config}
     st_transformer_modules = ("custom_st.Transformer",)
 
     def __init__(self, config) -> None:

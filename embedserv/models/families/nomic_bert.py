@@ -9,10 +9,11 @@ biases in attention or MLP: Alibaba GTE's blocks (gte.py) with their biases off.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from embedserv.errors import ConfigError
 from embedserv.models.families.gte import GteModel
 from embedserv.models.loading.family import QKV, CheckpointNames, Classifier, Family, FamilyDocs
-
 
 # The published config.json's keys that the native form has no switch for, and the only value it matches.
 _PUBLISHED_FIXED = {
@@ -71,7 +72,7 @@ class NomicBertModel(GteModel):
     """`forward(input_ids, positions[, token_type_ids]) -> [num_tokens, hidden]`: GTE's blocks without biases."""
 
     biases = False
-    config_forms = {"nomic_bert": published_config}
+    config_forms: ClassVar[dict] = {"nomic_bert": published_config}
 
 
 # NomicBertModel names (bare), NomicBertForSequenceClassification / ForMaskedLM (under `nomic_bert.`), and the

@@ -16,7 +16,13 @@ from torch import nn
 from embedserv.models.layers import Linear
 from embedserv.models.loading.family import Family, FamilyDocs, VisionTower
 from embedserv.models.vit import (
-    DualEncoder, Encoder, Mlp, PatchEmbedding, TextTower, dual_encoder_checkpoint, num_patches,
+    DualEncoder,
+    Encoder,
+    Mlp,
+    PatchEmbedding,
+    TextTower,
+    dual_encoder_checkpoint,
+    num_patches,
 )
 
 

@@ -21,10 +21,10 @@ from torch import nn
 
 from embedserv.attention.layer import Attention, AttentionKind
 from embedserv.attention.relative_bias import RelativePositionBias
+from embedserv.models.families.llama import RMSNorm
 from embedserv.models.interface import EncoderDecoderModel, EncoderModel
 from embedserv.models.layers import Linear, get_activation, packed_linear
 from embedserv.models.loading.family import CheckpointNames, Family, FamilyDocs
-from embedserv.models.families.llama import RMSNorm
 
 # T5 has no position limit; the tokenizer's model_max_length bounds inputs.
 _UNLIMITED_POSITIONS = 1 << 20

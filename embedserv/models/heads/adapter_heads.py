@@ -28,7 +28,7 @@ class AdapterScoreHeads(nn.Module):
 
     def forward(self, hidden: torch.Tensor, pooling: PoolingInputs, row_adapters: tuple[int, ...]) -> torch.Tensor:
         out = self.base(hidden, pooling)
-        for adapter, head in zip(self.adapters, self.heads):
+        for adapter, head in zip(self.adapters, self.heads, strict=True):
             chosen = [row for row, row_adapter in enumerate(row_adapters) if row_adapter == adapter]
             if chosen:
                 index = torch.tensor(chosen, device=out.device)

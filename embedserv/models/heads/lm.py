@@ -34,7 +34,7 @@ def is_tied(hf_config) -> bool:
 
 def seq2seq_head_weight(family: Family, hf_config, files: list[Path], rows: slice | None = None) -> torch.Tensor:
     """An encoder-decoder's LM head matrix (or some of its rows) in float32, T5's output scale folded in."""
-    names = ("lm_head.weight",) + family.embeddings
+    names = ("lm_head.weight", *family.embeddings)
     weight = read_first_tensor(files, names, rows).float()
     if weight.shape[-1] != hf_config.d_model:
         raise ConfigError(

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from embedserv.errors import ConfigError
-from embedserv.models.heads.pooling import PoolingInputs, mean_per_sequence, pooled_rows
 from embedserv.models.heads.lm import seq2seq_final_logits_bias, seq2seq_head_weight
+from embedserv.models.heads.pooling import PoolingInputs, mean_per_sequence, pooled_rows
 from embedserv.models.layers import get_activation
 from embedserv.models.loading.checkpoint import read_first_tensor, read_tensor
 from embedserv.models.loading.family import Family

@@ -11,9 +11,8 @@ import json
 import logging
 import pickle
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors import safe_open
@@ -109,7 +108,7 @@ def iterate_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for path in files:
         if path.suffix == ".safetensors":
             with safe_open(str(path), framework="pt", device="cpu") as f:
-                for name in f.keys():
+                for name in f:
                     yield name, f.get_tensor(name)
         else:
             yield from _pickle_tensors(path)
@@ -119,7 +118,7 @@ def has_tensor(files: list[Path], name: str) -> bool:
     for path in files:
         if path.suffix == ".safetensors":
             with safe_open(str(path), framework="pt", device="cpu") as f:
-                if name in f.keys():
+                if name in f:
                     return True
         elif any(found == name for found, _ in _pickle_tensors(path)):
             return True
@@ -131,7 +130,7 @@ def read_tensor(files: list[Path], name: str, rows: slice | None = None) -> torc
     for path in files:
         if path.suffix == ".safetensors":
             with safe_open(str(path), framework="pt", device="cpu") as f:
-                if name in f.keys():
+                if name in f:
                     return f.get_slice(name)[rows] if rows is not None else f.get_tensor(name)
             continue
         for found, tensor in _pickle_tensors(path):

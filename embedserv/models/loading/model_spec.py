@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,6 +35,6 @@ class ModelSpec:
     # Tokens per KV-cache block: --kv-block-size, else the backend's default (what its paged kernel wants).
     kv_block_size: int
     # What Embed can return and how (models/loading/outputs.py).
-    outputs: OutputSpec = OutputSpec(())
+    outputs: OutputSpec = field(default_factory=lambda: OutputSpec(()))
     # --lora adapters, in order: a sequence's `adapter` indexes them (loading/lora_files.py).
     lora: tuple[LoraAdapter, ...] = ()

@@ -98,7 +98,7 @@ def read_output_spec(
     heads = [head_file(model_dir, name) for name in BGE_M3_HEADS]
     if any(heads):
         if not all(heads):
-            missing = [name for name, path in zip(BGE_M3_HEADS, heads) if path is None]
+            missing = [name for name, path in zip(BGE_M3_HEADS, heads, strict=True) if path is None]
             raise ConfigError(f"{model_dir}: a bge-m3 checkpoint needs both head files; {', '.join(missing)} is missing")
         return OutputSpec(
             (EmbedOutput.DENSE, EmbedOutput.SPARSE, EmbedOutput.MULTI_VECTOR), head_kind="bge_m3",

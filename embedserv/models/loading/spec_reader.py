@@ -21,8 +21,8 @@ from embedserv.attention.selector import AttentionSpec, select_backend
 from embedserv.config import ModelConfig
 from embedserv.errors import ConfigError
 from embedserv.models import registry
-from embedserv.models.layers import head_dim, num_kv_heads
 from embedserv.models.heads.lm import has_lm_head
+from embedserv.models.layers import head_dim, num_kv_heads
 from embedserv.models.loading.checkpoint import checkpoint_files
 from embedserv.models.loading.family import Family
 from embedserv.models.loading.hf_config import read_hf_config
@@ -31,7 +31,7 @@ from embedserv.models.loading.model_spec import ModelSpec
 from embedserv.models.loading.outputs import OutputSpec, read_output_spec
 from embedserv.models.loading.st_files import SentenceTransformerFiles, model_root, read_sentence_transformers
 from embedserv.models.loading.tasks import TaskSpec, architecture_of, read_task_spec, with_outputs
-from embedserv.types import EmbedOutput, ModelInfo, Modality, Task
+from embedserv.types import EmbedOutput, Modality, ModelInfo, Task
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Pooling for a plain Hugging Face directory, as sentence-transformers chooses for one.

@@ -121,7 +121,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             pb.TokenizedInput(
                 tokens=[
                     pb.Token(id=i, text=t, start=o[0], end=o[1], special=s)
-                    for i, t, o, s in zip(x.ids, x.tokens, x.offsets, x.special)
+                    for i, t, o, s in zip(x.ids, x.tokens, x.offsets, x.special, strict=True)
                 ]
             )
             for x in tokenized
@@ -196,11 +196,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         call.answered(len(texts), result.prompt_tokens, result.timing)
         classifications = [
             pb.Classification(
-                scores=[pb.LabelScore(label=label, score=score) for label, score in zip(result.labels, row)],
+                scores=[pb.LabelScore(label=label, score=score) for label, score in zip(result.labels, row, strict=True)],
                 label=result.labels[best],
                 score=row[best],
             )
-            for row, best in zip(result.scores.tolist(), result.scores.argmax(axis=1).tolist())
+            for row, best in zip(result.scores.tolist(), result.scores.argmax(axis=1).tolist(), strict=True)
         ]
         summary = call_summary(result.prompt_tokens, result.timing, engine.info.name, received)
         return pb.ClassifyResponse(classifications=classifications, **summary)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -102,7 +102,7 @@ def chunks_messages(
     return [
         pb.InputChunks(chunks=[
             pb.Chunk(start=start, end=end, embedding=embedding)
-            for (start, end), embedding in zip(spans, embeddings(rows))
+            for (start, end), embedding in zip(spans, embeddings(rows), strict=True)
         ])
         for spans, rows in result.chunks
     ]

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterable, AsyncIterator, Awaitable, Callable, TypeVar
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 Request = TypeVar("Request")
 Response = TypeVar("Response")

@@ -179,7 +179,7 @@ class EmbedServicer(_TeiServicer, pb_grpc.EmbedServicer):
         meta = metadata(len(text), result.prompt_tokens, result.timing)
         if output is EmbedOutput.SPARSE:
             [vector] = result.sparse
-            pairs = zip(vector.indices.tolist(), vector.values.tolist())
+            pairs = zip(vector.indices.tolist(), vector.values.tolist(), strict=True)
             values = [pb.SparseValue(index=i, value=v) for i, v in pairs]
             return pb.EmbedSparseResponse(sparse_embeddings=values, metadata=meta)
         [vectors] = result.multi_vectors
@@ -220,7 +220,7 @@ class PredictServicer(_TeiServicer, pb_grpc.PredictServicer):
         with self.frontend.limiter.hold(1):
             result = await engine.classification.classify([text], params)
         call.answered(1, result.prompt_tokens, result.timing)
-        scored = sorted(zip(result.scores[0].tolist(), result.labels), key=lambda pair: -pair[0])
+        scored = sorted(zip(result.scores[0].tolist(), result.labels, strict=True), key=lambda pair: -pair[0])
         return pb.PredictResponse(
             predictions=[pb.Prediction(score=score, label=label) for score, label in scored],
             metadata=metadata(len(text), result.prompt_tokens, result.timing),
@@ -322,7 +322,7 @@ class RerankServicer(_TeiServicer, pb_grpc.RerankServicer):
                     task.cancel()
         ranks = [
             rank
-            for ((indices, texts), result) in zip(groups.values(), results)
+            for ((indices, texts), result) in zip(groups.values(), results, strict=True)
             for rank in _ranks(result, indices, texts, first.return_text)
         ]
         # Best first across the groups; equal scores keep request order.

@@ -26,6 +26,7 @@ from starlette.staticfiles import StaticFiles
 
 import embedserv
 from embedserv.errors import ConfigError, EmbedservError
+from embedserv.server.frontend import Frontend, bound_socket
 from embedserv.server.http import metrics_route, openai, scoring, tei
 from embedserv.server.http.edge import Edge
 from embedserv.server.http.error_responses import (
@@ -36,7 +37,6 @@ from embedserv.server.http.error_responses import (
     exception_response,
     validation_message,
 )
-from embedserv.server.frontend import Frontend, bound_socket
 
 logger = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from starlette.requests import Request
 
 from embedserv import tracing
 from embedserv.logs import REQUEST_ID
-from embedserv.server.http.error_responses import BodyTooLarge, error_response, error_style, exception_response
 from embedserv.server.calls import Call, request_id_or_new
 from embedserv.server.frontend import Frontend
+from embedserv.server.http.error_responses import BodyTooLarge, error_response, error_style, exception_response
 from embedserv.server.security import api_key_problem
 
 logger = logging.getLogger("embedserv.server.http")
@@ -100,7 +100,7 @@ class Edge:
         self.frontend.active_calls.enter()
         try:
             await self.app(scope, self._limited(receive), send_with_id)
-        except Exception:  # noqa: BLE001 - answered (500) by the app already; never take the server down
+        except Exception:
             logger.exception("request %s: %s %s failed", request_id, scope.get("method"), path)
             if status == 0:
                 await exception_response(Request(scope), RuntimeError("unexpected error"))(scope, receive, send_with_id)

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import base64
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable, Literal
+from typing import Literal
 
 import numpy as np
 from fastapi import APIRouter, Request

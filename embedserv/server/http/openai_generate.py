@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import AsyncIterator, Literal
+from collections.abc import AsyncIterator
+from typing import Literal
 
 import anyio
 import orjson
@@ -149,7 +150,7 @@ async def _merged(runs: list[_Run]) -> AsyncIterator[tuple[int, GenerationDelta]
         try:
             async for delta in run.all():
                 await queue.put((run.index, delta))
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which answers with it
+        except Exception as exc:
             await queue.put(exc)
 
     tasks = [asyncio.create_task(pump(run)) for run in runs]
@@ -204,7 +205,7 @@ async def _generate(
             metrics.GENERATED_TOKENS.labels(call.model).inc(chunks.completion_tokens)
             if include_usage:
                 yield _event(chunks.usage_chunk())
-        except Exception as exc:  # noqa: BLE001 - the status is sent: the error goes in the stream
+        except Exception as exc:
             yield _event(error_body("openai", status_of(exc, "openai"), message_of(exc)))
         finally:
             # A client that leaves cancels this generator; the streams still end now (their KV blocks).
@@ -259,12 +260,12 @@ class _Chunks:
         if self.chat:
             choices = [
                 {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": None}
-                for i, (text, finish) in enumerate(zip(self.texts, self.finish))
+                for i, (text, finish) in enumerate(zip(self.texts, self.finish, strict=True))
             ]
             return {**self._head("chat.completion"), "choices": choices, "usage": self.usage()}
         choices = [
             {"index": i, "text": text, "finish_reason": finish, "logprobs": None}
-            for i, (text, finish) in enumerate(zip(self.texts, self.finish))
+            for i, (text, finish) in enumerate(zip(self.texts, self.finish, strict=True))
         ]
         return {**self._head("text_completion"), "choices": choices, "usage": self.usage()}
 

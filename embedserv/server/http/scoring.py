@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Union
 
 import orjson
 from fastapi import APIRouter
@@ -97,7 +96,7 @@ async def score_pairs(
         *(engine.reranking.rerank(first, [pairs[i][1] for i in indices], params) for first, indices in groups.items())
     )
     scores = [0.0] * len(pairs)
-    for indices, result in zip(groups.values(), results):
+    for indices, result in zip(groups.values(), results, strict=True):
         for ranked in result.results:
             scores[indices[ranked.index]] = ranked.score
     return scores, sum(r.prompt_tokens for r in results), Timing.longest([r.timing for r in results])
@@ -157,7 +156,7 @@ _SHARED_BODY = {
         },
     }
 }
-_SHARED_ERRORS = {"4XX": {"model": Union[OpenAIError, TeiError]}, "5XX": {"model": Union[OpenAIError, TeiError]}}
+_SHARED_ERRORS = {"4XX": {"model": OpenAIError | TeiError}, "5XX": {"model": OpenAIError | TeiError}}
 
 
 async def _json_object(request: Request) -> dict:
@@ -174,7 +173,7 @@ async def _json_object(request: Request) -> dict:
 
 @router.post(
     "/rerank",
-    response_model=Union[RerankResponse, list[TeiRank]],
+    response_model=RerankResponse | list[TeiRank],
     responses=_SHARED_ERRORS,
     openapi_extra=_SHARED_BODY,
 )
@@ -208,7 +207,7 @@ async def classify(request: Request, body: ClassifyRequest):
     labels = result.labels
     data = [
         {"index": index, "label": labels[best], "probs": row, "num_classes": len(labels)}
-        for index, (row, best) in enumerate(zip(result.scores.tolist(), result.scores.argmax(axis=1).tolist()))
+        for index, (row, best) in enumerate(zip(result.scores.tolist(), result.scores.argmax(axis=1).tolist(), strict=True))
     ]
     return JSON({
         "id": f"classify-{call_of(request).request_id}",
@@ -233,7 +232,7 @@ def _pairs(body: ScoreRequest) -> list[tuple[str, str]]:
             f"text_1 has {len(first)} texts and text_2 {len(second)}; send one text_1 to score against every "
             "text_2, or as many text_1 as text_2 to score them pairwise"
         )
-    return list(zip(first, second))
+    return list(zip(first, second, strict=True))
 
 
 @router.post("/v1/score", response_model=ScoreResponse)

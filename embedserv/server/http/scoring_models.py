@@ -4,7 +4,7 @@ max_tokens_per_doc, vLLM's truncate_prompt_tokens, `user`, ...)."""
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Literal
 
 from pydantic import BaseModel, Field, StrictBool, StrictStr
 
@@ -17,7 +17,7 @@ _TRUNCATE = (
     "--auto-truncate)"
 )
 _RAW = "Logits instead of the model's activation (an embedserv extra)"
-Texts = Union[StrictStr, list[StrictStr]]
+Texts = StrictStr | list[StrictStr]
 
 
 class RerankDocument(Body):
@@ -27,7 +27,7 @@ class RerankDocument(Body):
 class RerankRequest(Body):
     model: str | None = Field(None, description=_MODEL)
     query: NonEmptyText
-    documents: list[Union[StrictStr, RerankDocument]] = Field(
+    documents: list[StrictStr | RerankDocument] = Field(
         description="Texts, or objects with a `text`", json_schema_extra=NON_EMPTY
     )
     top_n: NonNegativeInt | None = Field(None, description="Keep the best N results; unset or 0: all (vLLM's 0)")
@@ -49,7 +49,7 @@ class ClassifyRequest(Body):
 
 class ScoreRequest(Body):
     model: str | None = Field(None, description=_MODEL)
-    text_1: Union[NonEmptyText, list[NonEmptyText]] = Field(
+    text_1: NonEmptyText | list[NonEmptyText] = Field(
         description="One text (scored against every text_2) or as many texts as text_2", json_schema_extra=NON_EMPTY
     )
     text_2: Texts = Field(json_schema_extra=NON_EMPTY)

@@ -29,6 +29,7 @@ import embedserv
 from embedserv.engine import checks
 from embedserv.engine.engine import Engine
 from embedserv.errors import NotReady
+from embedserv.server.frontend import MODEL_HEADER
 from embedserv.server.http.common import call_of, engine_for_task, engine_named, frontend_of
 from embedserv.server.http.error_responses import JSON
 from embedserv.server.http.scoring import score_pairs
@@ -49,10 +50,16 @@ from embedserv.server.http.tei_models import (
     predict_sequences,
     require_some,
 )
-from embedserv.server.frontend import MODEL_HEADER
 from embedserv.server.tei_semantics import model_kind, pair_scorer, tei_tokens
 from embedserv.types import (
-    ClassifyParams, EmbedOutput, EmbedParams, EmbedResult, ModelInfo, RerankParams, Task, Timing,
+    ClassifyParams,
+    EmbedOutput,
+    EmbedParams,
+    EmbedResult,
+    ModelInfo,
+    RerankParams,
+    Task,
+    Timing,
 )
 
 TEI_ERRORS = {"4XX": {"model": TeiError}, "5XX": {"model": TeiError}}
@@ -87,7 +94,7 @@ async def _embed_parts(
     timing = Timing.longest([r.timing for r in results])
     call_of(request).answered(len(inputs), sum(r.prompt_tokens for r in results), timing)
     positions = [[index for index, _ in part] for part in (texts, ids) if part]
-    return len(inputs), list(zip(positions, results))
+    return len(inputs), list(zip(positions, results, strict=True))
 
 
 def _in_input_order(
@@ -96,7 +103,7 @@ def _in_input_order(
     """Each input's item (`pick`: one result's items, in its inputs' order) at the input's position."""
     items: list = [None] * count
     for positions, result in parts:
-        for index, item in zip(positions, pick(result)):
+        for index, item in zip(positions, pick(result), strict=True):
             items[index] = item
     return items
 
@@ -132,7 +139,7 @@ async def embed_sparse(request: Request, body: TeiEmbedSparseRequest):
 
     def pick(result: EmbedResult) -> list:
         return [
-            [{"index": i, "value": v} for i, v in zip(s.indices.tolist(), s.values.tolist())] for s in result.sparse
+            [{"index": i, "value": v} for i, v in zip(s.indices.tolist(), s.values.tolist(), strict=True)] for s in result.sparse
         ]
 
     return JSON(_in_input_order(count, parts, pick))
@@ -169,7 +176,7 @@ async def _predict_texts(engine: Engine, texts: list[str], body: TeiPredictReque
     result = await engine.classification.classify(texts, params)
     predictions = []
     for row in result.scores.tolist():
-        ranked = sorted(zip(row, result.labels), key=lambda x: x[0], reverse=True)
+        ranked = sorted(zip(row, result.labels, strict=True), key=lambda x: x[0], reverse=True)
         predictions.append([{"score": score, "label": label} for score, label in ranked])
     return predictions, result.prompt_tokens, result.timing
 
@@ -198,8 +205,8 @@ async def predict(request: Request, body: TeiPredictRequest):
     timing = Timing.longest([timing for _, _, timing in results])
     call_of(request).answered(len(sequences), sum(tokens for _, tokens, _ in results), timing)
     predictions = [None] * len(sequences)
-    for indices, (part, _, _) in zip([p for p in (texts, pairs) if p], results):
-        for index, prediction in zip(indices, part):
+    for indices, (part, _, _) in zip([p for p in (texts, pairs) if p], results, strict=True):
+        for index, prediction in zip(indices, part, strict=True):
             predictions[index] = prediction
     return JSON(predictions[0] if single else predictions)
 
@@ -217,7 +224,7 @@ async def tokenize(request: Request, body: TeiTokenizeRequest):
     call_of(request).answered(len(texts), sum(len(x.ids) for x in tokenized))
     return JSON([
         [token._asdict() for token in tei_tokens(engine, text, body.prompt_name, tokens)]
-        for text, tokens in zip(texts, tokenized)
+        for text, tokens in zip(texts, tokenized, strict=True)
     ])
 
 

@@ -7,7 +7,7 @@ Defaults are TEI's: normalize and add_special_tokens and skip_special_tokens tru
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, StrictBool, StrictStr, WithJsonSchema
 
@@ -60,7 +60,7 @@ Sequence = Annotated[
 class TeiEmbedAllRequest(Body):
     """/embed_all's body, and /embed_sparse's; /embed's adds normalize and dimensions."""
 
-    inputs: Union[StrictStr, TokenIds, list[Union[StrictStr, TokenIds]]] = Field(
+    inputs: StrictStr | TokenIds | list[StrictStr | TokenIds] = Field(
         description="A text, a list of token ids, or a batch of texts and token-id lists", json_schema_extra=NON_EMPTY
     )
     truncate: StrictBool | None = Field(None, description=_TRUNCATE)
@@ -78,7 +78,7 @@ class TeiEmbedRequest(TeiEmbedAllRequest):
 
 
 class TeiPredictRequest(Body):
-    inputs: Union[StrictStr, Sequence, list[Sequence]] = Field(
+    inputs: StrictStr | Sequence | list[Sequence] = Field(
         description="A text, a pair [text, text], or a batch of single texts and pairs [[text], [text, text]]",
         json_schema_extra=NON_EMPTY,
     )
@@ -98,13 +98,13 @@ class TeiRerankRequest(Body):
 
 
 class TeiTokenizeRequest(Body):
-    inputs: Union[StrictStr, list[StrictStr]] = Field(json_schema_extra=NON_EMPTY)
+    inputs: StrictStr | list[StrictStr] = Field(json_schema_extra=NON_EMPTY)
     add_special_tokens: StrictBool = True
     prompt_name: str | None = None
 
 
 class TeiDecodeRequest(Body):
-    ids: Union[TokenIds, list[TokenIds]] = Field(description="One list of token ids, or a batch of them")
+    ids: TokenIds | list[TokenIds] = Field(description="One list of token ids, or a batch of them")
     skip_special_tokens: StrictBool = True
 
 

@@ -52,7 +52,7 @@ def decode_image(data: bytes, index: int, limits: ImageLimits) -> Image.Image:
     try:
         image.load()
         return to_rgb(image)
-    except Exception as e:  # noqa: BLE001 - Pillow's decoders raise many types (OSError, SyntaxError, EOFError...)
+    except Exception as e:
         raise ImageError(f"input {index}: the {kind} image is truncated or corrupt and cannot be decoded ({e}); "
                          f"send the complete file") from None
 
@@ -64,7 +64,7 @@ def _open(data: bytes, index: int, kind: str, limits: ImageLimits) -> Image.Imag
     except Image.DecompressionBombError as e:  # Pillow's own ceiling, twice MAX_IMAGE_PIXELS: its message has the size
         raise ImageError(f"input {index}: the image has too many pixels ({e}); this server's limit is "
                          f"{limits.max_pixels} pixels per image; downscale it") from None
-    except Exception as e:  # noqa: BLE001 - as in decode_image: any header Pillow cannot read is the input's fault
+    except Exception as e:
         raise ImageError(f"input {index}: the {kind} image's header cannot be read ({e}); "
                          f"send a valid PNG, JPEG or WebP file") from None
 

@@ -6,7 +6,6 @@ served as its PIL twin. The patch size comes from the file, else (CLIP/SigLIP) f
 """
 
 # A bad key of any type is a ValueError: start-up reports every configuration error the same way.
-# ruff: noqa: TRY004
 
 from __future__ import annotations
 
@@ -151,7 +150,7 @@ def _refuse_unknown(keys: dict[str, Any], path: Path | str, kind: str) -> None:
     if kind == "qwen2_vl":
         known |= {"min_pixels", "max_pixels"}
     for key, value in keys.items():
-        if key not in known and (key.startswith("do_") and value is True or key == "auto_map"):
+        if key not in known and ((key.startswith("do_") and value is True) or key == "auto_map"):
             raise ValueError(f"{path}: {key} is not supported by this server's image preprocessing")
 
 

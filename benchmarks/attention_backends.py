@@ -110,9 +110,11 @@ def main() -> None:
     dtypes = [getattr(torch, d) for d in (args.dtypes or "float32,bfloat16").split(",")]
     mixes = length_mixes(np.random.default_rng(0))
     names = [n for n in ATTENTION_BACKENDS if n != "naive"]
-    print(f"# torch {torch.__version__}, device {device}"
-          f" ({torch.cuda.get_device_name(device) if device.type == 'cuda' else f'{torch.get_num_threads()} threads'})"
-          f", best of {args.repeats}, us per layer (+1/{LAYERS} metadata); - = cannot run here")
+    print(
+        f"# torch {torch.__version__}, device {device}"
+        f" ({torch.cuda.get_device_name(device) if device.type == 'cuda' else f'{torch.get_num_threads()} threads'})"
+        f", best of {args.repeats}, us per layer (+1/{LAYERS} metadata); - = cannot run here"
+    )
     print("| shape | dtype | length mix | tokens | padded SDPA | " + " | ".join(names) + " | fastest |")
     print("|---|---|---|---:|---:|" + "---:|" * len(names) + "---|")
     torch.manual_seed(0)
@@ -121,14 +123,20 @@ def main() -> None:
             for dtype in dtypes:
                 spec = AttentionSpec(device, dtype, head_size, heads, kv_heads, causal)
                 for mix, lens in mixes.items():
-                    times = {"padded SDPA": padded_us(lens, heads, kv_heads, head_size, causal, dtype, device, args.repeats)}
+                    times = {
+                        "padded SDPA": padded_us(lens, heads, kv_heads, head_size, causal, dtype, device, args.repeats)
+                    }
                     for name in names:
                         if unsupported_reason(name, spec) is None:
-                            times[name] = packed_us(name, lens, heads, kv_heads, head_size, causal, dtype, device,
-                                                    args.repeats)
+                            times[name] = packed_us(
+                                name, lens, heads, kv_heads, head_size, causal, dtype, device, args.repeats
+                            )
                     cells = " | ".join(f"{times[n]:.0f}" if n in times else "-" for n in names)
-                    print(f"| {label} | {str(dtype).removeprefix('torch.')} | {mix} | {sum(lens)} "
-                          f"| {times['padded SDPA']:.0f} | {cells} | {min(times, key=times.get)} |", flush=True)
+                    print(
+                        f"| {label} | {str(dtype).removeprefix('torch.')} | {mix} | {sum(lens)} "
+                        f"| {times['padded SDPA']:.0f} | {cells} | {min(times, key=times.get)} |",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

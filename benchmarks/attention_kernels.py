@@ -61,8 +61,10 @@ def main() -> None:
     parser.add_argument("--head-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, heads {args.heads}, "
-          f"head size {args.head_size}, best of {args.repeats}")
+    print(
+        f"# torch {torch.__version__}, {torch.get_num_threads()} threads, heads {args.heads}, "
+        f"head size {args.head_size}, best of {args.repeats}"
+    )
     print("| dtype | seqs x length | SDPA (flash) us | two matmuls us | sdpa backend us | faster |")
     print("|---|---|---:|---:|---:|---|")
     torch.manual_seed(0)
@@ -76,8 +78,10 @@ def main() -> None:
                 matmul = best_us(functools.partial(_attend_with_matmuls, q, k, v, scale, False), args.repeats)
                 ours = packed_backend_us(num_seqs, length, args.heads, args.head_size, dtype, args.repeats)
                 winner = "matmuls" if matmul < flash else "flash"
-                print(f"| {str(dtype).removeprefix('torch.')} | {num_seqs} x {length} | {flash:.0f} | {matmul:.0f} "
-                      f"| {ours:.0f} | {winner} |")
+                print(
+                    f"| {str(dtype).removeprefix('torch.')} | {num_seqs} x {length} | {flash:.0f} | {matmul:.0f} "
+                    f"| {ours:.0f} | {winner} |"
+                )
 
 
 if __name__ == "__main__":

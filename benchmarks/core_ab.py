@@ -157,8 +157,13 @@ def main() -> None:
                     )  # fmt: skip
                     value = json.loads(out.stdout.strip().splitlines()[-1])
                     best[workload, label] = max(best[workload, label], value)
-    units = {"embed": "texts/s", "embed-fresh": "texts/s", "grpc-embed": "texts/s", "rerank": "pairs/s",
-             "generate": f"tokens/s at {args.streams} streams"}
+    units = {
+        "embed": "texts/s",
+        "embed-fresh": "texts/s",
+        "grpc-embed": "texts/s",
+        "rerank": "pairs/s",
+        "generate": f"tokens/s at {args.streams} streams",
+    }
     print(f"CPU: {cpu_name()}; best of {args.rounds} alternating rounds, {args.dtype}\n")
     print("| workload | base | new | new / base |\n|---|---|---|---|")
     for workload in workloads:

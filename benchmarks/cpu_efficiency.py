@@ -37,8 +37,12 @@ from embedserv.types import EmbedParams
 ROWS = 4096
 OPERATOR_GROUPS = {
     "linears": ("mkldnn::_linear_pointwise", "onednn::qlinear_pointwise", "aten::linear", "aten::addmm"),
-    "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::scaled_dot_product_attention",
-                  "aten::bmm", "aten::_softmax"),
+    "attention": (
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::scaled_dot_product_attention",
+        "aten::bmm",
+        "aten::_softmax",
+    ),
     # int8's per-token quantize and dequantize steps: eager passes, or inductor's compiled graphs.
     "int8 steps": ("aten::addcmul", "aten::amin", "aten::amax", "aten::addmm_"),
 }
@@ -51,9 +55,7 @@ def best_seconds(run, repeats: int) -> float:
 
 def linear_shapes(engine: SyncEngine) -> collections.Counter:
     model = engine.core.workers[0].runner.model
-    return collections.Counter(
-        (m.in_features, m.out_features) for m in model.modules() if isinstance(m, Linear)
-    )
+    return collections.Counter((m.in_features, m.out_features) for m in model.modules() if isinstance(m, Linear))
 
 
 def matmul_rates(shapes: collections.Counter, repeats: int) -> dict[str, float]:
@@ -107,8 +109,10 @@ def profile(engine: SyncEngine, texts: list[str]) -> tuple[dict[str, float], dic
         totals[group or "other ops"] += event.self_cpu_time_total
         operators[event.key] += event.self_cpu_time_total
     whole = sum(totals.values())
-    return ({group: value / whole for group, value in totals.items()},
-            {name: value / whole for name, value in operators.most_common()})
+    return (
+        {group: value / whole for group, value in totals.items()},
+        {name: value / whole for name, value in operators.most_common()},
+    )
 
 
 def main() -> None:
@@ -121,8 +125,10 @@ def main() -> None:
     parser.add_argument("--ops", type=int, default=12, help="operators in the per-op profile of each precision")
     args = parser.parse_args()
     texts = stdlib_texts(args.texts)
-    print(f"# {cpu_isa.detect().summary()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"{len(texts)} texts, best of {args.repeats}")
+    print(
+        f"# {cpu_isa.detect().summary()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"{len(texts)} texts, best of {args.repeats}"
+    )
 
     rows, shapes, linear_flops = [], None, 0
     for precision in args.precisions.split(","):
@@ -136,16 +142,20 @@ def main() -> None:
         rows.append((precision, tokens / seconds, groups, operators))
     rates = matmul_rates(shapes, args.repeats)
 
-    print("\n| precision | tokens/s | linears' GFLOP/s | machine's rate, same shapes | share | time in linears | attention "
-          "| int8 steps | other |")
+    print(
+        "\n| precision | tokens/s | linears' GFLOP/s | machine's rate, same shapes | share | time in linears | attention "
+        "| int8 steps | other |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for precision, rate, groups, _ in rows:
         achieved = rate * linear_flops / 1e9
         machine = rates.get("int8" if precision.startswith("int8") else precision)
         share = f"{achieved / machine:.0%}" if machine else "n/a"
-        print(f"| {precision} | {rate:.0f} | {achieved:.1f} | {machine or float('nan'):.1f} | {share} "
-              f"| {groups.get('linears', 0):.0%} | {groups.get('attention', 0):.0%} | {groups.get('int8 steps', 0):.0%} "
-              f"| {groups.get('other ops', 0):.0%} |")
+        print(
+            f"| {precision} | {rate:.0f} | {achieved:.1f} | {machine or float('nan'):.1f} | {share} "
+            f"| {groups.get('linears', 0):.0%} | {groups.get('attention', 0):.0%} | {groups.get('int8 steps', 0):.0%} "
+            f"| {groups.get('other ops', 0):.0%} |"
+        )
 
     for precision, _, _, operators in rows:
         print(f"\n| {precision}: operator | share of the model thread |")
@@ -167,7 +177,9 @@ def main() -> None:
     for budget in filter(None, args.budgets.split(",")):
         seconds, tokens, engine = run_engine(args.model, texts, args.repeats, max_batch_tokens=int(budget))
         engine.__exit__(None, None, None)
-        print(f"| {budget}{' (default here)' if int(budget) == cpu_isa.cpu_batch_tokens() else ''} | {tokens / seconds:.0f} |")
+        print(
+            f"| {budget}{' (default here)' if int(budget) == cpu_isa.cpu_batch_tokens() else ''} | {tokens / seconds:.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -59,8 +59,13 @@ def main() -> None:
     try:
         for n, d, b in configs:
             config = ModelConfig(
-                path=str(bundled_model_path()), served_name="bench", dtype=args.dtype, max_batch_tokens=b,
-                data_parallel_size=n, pipeline_depth=d, device=args.device,
+                path=str(bundled_model_path()),
+                served_name="bench",
+                dtype=args.dtype,
+                max_batch_tokens=b,
+                data_parallel_size=n,
+                pipeline_depth=d,
+                device=args.device,
                 replicas_per_device=args.replicas_per_device,
             )
             engines[(n, d, b)] = engine = SyncEngine(config, worker_processes=True)

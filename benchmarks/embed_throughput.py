@@ -92,8 +92,16 @@ def bench_grpc(
     model: str, texts: list[str], dtype: str, batch_size: int, concurrency: int, repeats: int
 ) -> tuple[float, int]:
     calls = chunked(texts, batch_size)
-    args = ["--model", model, "--served-model-name", "bench", "--dtype", dtype,
-            "--max-client-batch-size", str(batch_size)]
+    args = [
+        "--model",
+        model,
+        "--served-model-name",
+        "bench",
+        "--dtype",
+        dtype,
+        "--max-client-batch-size",
+        str(batch_size),
+    ]
     with running_server(args) as (target, _):
         return best_of(repeats, lambda: asyncio.run(grpc_embed_calls(target, calls, concurrency)))
 
@@ -110,8 +118,10 @@ def main() -> None:
     args = parser.parse_args()
 
     texts = stdlib_texts(args.texts)
-    print(f"# {len(texts)} texts, batch {args.batch_size}, gRPC concurrency {args.concurrency}, best of {args.repeats}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_isa.detect().summary()}")
+    print(
+        f"# {len(texts)} texts, batch {args.batch_size}, gRPC concurrency {args.concurrency}, best of {args.repeats}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_isa.detect().summary()}"
+    )
     rows = []
     for dtype in args.dtypes.split(","):
         engine_s, tokens = isolated(bench_engine, args.model, texts, dtype, args.batch_size, args.repeats)
@@ -119,17 +129,17 @@ def main() -> None:
         rows.append((dtype, "sentence-transformers", st_s, tokens, st_s))
         rows.append((dtype, "embedserv engine (in process)", engine_s, tokens, st_s))
         if not args.skip_grpc:
-            grpc_s, grpc_tokens = bench_grpc(
-                args.model, texts, dtype, args.batch_size, args.concurrency, args.repeats
-            )
+            grpc_s, grpc_tokens = bench_grpc(args.model, texts, dtype, args.batch_size, args.concurrency, args.repeats)
             assert grpc_tokens == tokens, (grpc_tokens, tokens)
             rows.append((dtype, "embedserv gRPC end to end", grpc_s, tokens, st_s))
 
     print("| dtype | system | seconds | texts/s | tokens/s | vs sentence-transformers |")
     print("|---|---|---:|---:|---:|---:|")
     for dtype, system, seconds, tokens, st_seconds in rows:
-        print(f"| {dtype} | {system} | {seconds:.2f} | {len(texts) / seconds:.0f} | {tokens / seconds:.0f} "
-              f"| {st_seconds / seconds:.2f}x |")
+        print(
+            f"| {dtype} | {system} | {seconds:.2f} | {len(texts) / seconds:.0f} | {tokens / seconds:.0f} "
+            f"| {st_seconds / seconds:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

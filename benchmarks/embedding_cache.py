@@ -98,8 +98,10 @@ def main() -> None:
             texts = stream(pool, args.texts, rate, seed=int(rate * 100))
             off, on, hit_rate, tokens = measure(engine, texts, cache_bytes, args)
             rows.append((rate, len(set(texts)), tokens, off, on, hit_rate))
-    print(f"{args.texts} texts in calls of {args.batch_size}, {args.concurrency} at a time; "
-          f"cache {args.cache}; best of {args.repeats}; {default_served_name(args.model)} fp32\n")
+    print(
+        f"{args.texts} texts in calls of {args.batch_size}, {args.concurrency} at a time; "
+        f"cache {args.cache}; best of {args.repeats}; {default_served_name(args.model)} fp32\n"
+    )
     print("| repeat rate | distinct texts | tokens | cache off (texts/s) | cache on (texts/s) | speed-up | hit rate |")
     print("|---|---|---|---|---|---|---|")
     for rate, distinct, tokens, off, on, hit_rate in rows:

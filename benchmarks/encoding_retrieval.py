@@ -103,8 +103,12 @@ def _bits(values: np.ndarray) -> np.ndarray:
 
 
 def scores(
-    queries: np.ndarray, documents: np.ndarray, encoding: Encoding, scoring: str,
-    calibrated: Calibrated | None = None, float_queries: np.ndarray | None = None,
+    queries: np.ndarray,
+    documents: np.ndarray,
+    encoding: Encoding,
+    scoring: str,
+    calibrated: Calibrated | None = None,
+    float_queries: np.ndarray | None = None,
 ) -> np.ndarray:
     """[num_queries, num_documents]: higher is better."""
     if scoring == "dot":
@@ -191,15 +195,21 @@ def main() -> None:
     dimension = engine.info.dimension
     rows = asyncio.run(_measure(core, engine, documents, queries))
 
-    print(f"{name}, {dimension} dims: {len(queries)} queries over {len(documents)} documents "
-          f"(stdlib docstrings), top {K}; {time.perf_counter() - started:.0f} s\n")
-    print(f"| encoding | scoring | bytes/vector ({dimension} dims) | bytes/vector (1024 dims) | overlap@{K} vs float32 "
-          f"| recall@{K} |")
+    print(
+        f"{name}, {dimension} dims: {len(queries)} queries over {len(documents)} documents "
+        f"(stdlib docstrings), top {K}; {time.perf_counter() - started:.0f} s\n"
+    )
+    print(
+        f"| encoding | scoring | bytes/vector ({dimension} dims) | bytes/vector (1024 dims) | overlap@{K} vs float32 "
+        f"| recall@{K} |"
+    )
     print("|---|---|---:|---:|---:|---:|")
     for name, scoring, overlap, recall in rows:
         encoding = Encoding(name)
-        print(f"| {name} | {scoring} | {bytes_per_vector(encoding, dimension)} | {bytes_per_vector(encoding, 1024)} "
-              f"| {overlap:.3f} | {recall:.3f} |")
+        print(
+            f"| {name} | {scoring} | {bytes_per_vector(encoding, dimension)} | {bytes_per_vector(encoding, 1024)} "
+            f"| {overlap:.3f} | {recall:.3f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -71,7 +71,9 @@ def embedserv_cmd(python: str, model: str) -> tuple[list[str], Served]:
     cmd = [python, "-m", "embedserv", "serve", "--model", model, "--served-model-name", NAME, "--host", "127.0.0.1",
            "--port", str(port), "--http-port", str(http_port), "--metrics-port", str(metrics_port), "--device", "cpu",
            "--dtype", "float32", "--log-level", "warning"]  # fmt: skip
-    served = Served("", f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}", f"http://127.0.0.1:{metrics_port}/metrics")
+    served = Served(
+        "", f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}", f"http://127.0.0.1:{metrics_port}/metrics"
+    )
     return cmd, served
 
 
@@ -157,7 +159,9 @@ def start_servers(stack: ExitStack, args, model: str, log_dir: Path) -> list[Ser
     specs = []
     if "embedserv" in wanted:
         cmd, served = embedserv_cmd(python, model)
-        specs.append(("embedserv", cmd, served, peer_env("embedserv", python) | {"PYTHONPATH": str(REPO_ROOT)}, REPO_ROOT))
+        specs.append(
+            ("embedserv", cmd, served, peer_env("embedserv", python) | {"PYTHONPATH": str(REPO_ROOT)}, REPO_ROOT)
+        )
     if "base" in wanted and args.base:
         cmd, served = embedserv_cmd(python, model)
         base = Path(args.base).resolve()
@@ -198,7 +202,7 @@ def main() -> None:
             texts = prompts(streams)
             for round_ in range(args.repeats + 1):
                 # Each round starts with another server, so that no row always follows the same one.
-                for served in servers[round_ % len(servers):] + servers[: round_ % len(servers)]:
+                for served in servers[round_ % len(servers) :] + servers[: round_ % len(servers)]:
                     for protocol in served.protocols:
                         result = one_pass(served, protocol, texts, args.max_tokens)
                         if round_:  # round 0 warms up
@@ -212,7 +216,9 @@ def print_table(results: dict, args) -> None:
     print("| server | protocol | streams | output tok/s | vs vLLM | tokens | steps | model ms/step | host ms/step "
           "| server CPU ms/step |")  # fmt: skip
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    vllm = {s: max(r["tokens"] / r["wall_s"] for r in rs) for (label, _, s), rs in results.items() if label == "vLLM server"}
+    vllm = {
+        s: max(r["tokens"] / r["wall_s"] for r in rs) for (label, _, s), rs in results.items() if label == "vLLM server"
+    }
     for (label, protocol, streams), runs in results.items():
         best = max(runs, key=lambda r: r["tokens"] / r["wall_s"])
         rate = best["tokens"] / best["wall_s"]

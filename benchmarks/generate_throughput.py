@@ -92,7 +92,9 @@ def bench_engine(model: str, streams: int, max_tokens: int, dtype: str, repeats:
         return dict(_timed(run, repeats), note=engine.info.attention_backend)
 
 
-def bench_transformers(model: str, streams: int, max_tokens: int, dtype: str, repeats: int, device: str = "cpu") -> dict:
+def bench_transformers(
+    model: str, streams: int, max_tokens: int, dtype: str, repeats: int, device: str = "cpu"
+) -> dict:
     """transformers' generate on the same prompts as one left-padded batch, greedy, exactly max_tokens new
     tokens per stream. Time to first token: the batch's first token (the streamer's second `put`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -120,7 +122,11 @@ def bench_transformers(model: str, streams: int, max_tokens: int, dtype: str, re
         streamer = FirstToken(start)
         with torch.inference_mode():
             out = lm.generate(
-                **batch, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, streamer=streamer,
+                **batch,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                streamer=streamer,
                 pad_token_id=tokenizer.pad_token_id,
             )
             out = out.cpu()
@@ -151,7 +157,9 @@ def main() -> None:
 
     print(f"\n{cpu_isa.detect().summary()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"{args.max_tokens} new tokens per stream; best of {args.repeats}\n")
-    print("| dtype | streams | transformers tok/s | embedserv tok/s | speed-up | transformers TTFT ms | embedserv TTFT ms |")
+    print(
+        "| dtype | streams | transformers tok/s | embedserv tok/s | speed-up | transformers TTFT ms | embedserv TTFT ms |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for dtype, streams, ours, theirs in rows:
         ours_rate, theirs_rate = ours["tokens"] / ours["wall_s"], theirs["tokens"] / theirs["wall_s"]

@@ -70,8 +70,12 @@ def build_bert(out: Path, tokenizer_dir: Path, shape: BertShape) -> Path:
     ]
     (out / "modules.json").write_text(json.dumps(modules, indent=2))
     (out / "1_Pooling").mkdir(exist_ok=True)
-    pooling = {"word_embedding_dimension": shape.hidden, "pooling_mode_cls_token": True,
-               "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False}
+    pooling = {
+        "word_embedding_dimension": shape.hidden,
+        "pooling_mode_cls_token": True,
+        "pooling_mode_mean_tokens": False,
+        "pooling_mode_max_tokens": False,
+    }
     (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2))
     st_config = {"max_seq_length": shape.max_length, "do_lower_case": True}
     (out / "sentence_bert_config.json").write_text(json.dumps(st_config, indent=2))

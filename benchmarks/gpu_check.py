@@ -45,29 +45,44 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ATTENTION_TESTS = ["tests/attention"]
 OTHER_TESTS = ["tests/unit/test_kv_groups.py", "tests/unit/test_placement.py", "tests/gpu"]
-COLUMNS = ("task", "model", "dtype", "system", "work", "seconds", "texts/s", "tokens/s", "TTFT ms", "speed-up",
-           "note")
+COLUMNS = ("task", "model", "dtype", "system", "work", "seconds", "texts/s", "tokens/s", "TTFT ms", "speed-up", "note")
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu for a dry run")
     parser.add_argument("--model", type=Path, default=None, help="all-MiniLM-L6-v2 directory (see above)")
-    parser.add_argument("--install-wheels", type=Path, default=None, metavar="DIR",
-                        help="first pip-install DIR/requirements.txt from DIR (no index, no deps) and this "
-                             "project (editable, no deps), leaving torch alone")
-    parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
-                        help="also write gpu-check.md and the test log here (default: $OUT if set)")
+    parser.add_argument(
+        "--install-wheels",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="first pip-install DIR/requirements.txt from DIR (no index, no deps) and this "
+        "project (editable, no deps), leaving torch alone",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
+        help="also write gpu-check.md and the test log here (default: $OUT if set)",
+    )
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
-    parser.add_argument("--bench", default="embed,generate",
-                        help="which benchmarks, comma-separated: embed, generate (default both)")
+    parser.add_argument(
+        "--bench", default="embed,generate", help="which benchmarks, comma-separated: embed, generate (default both)"
+    )
     parser.add_argument("--run-slow", action="store_true", help="also the slow tests (compiled flex matrix)")
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny models and few texts; on CPU also leaves out tests/attention (make test runs it)")
-    parser.add_argument("--in-process", action="store_true",
-                        help="run every system in this process (default: each in a fresh one; on with --quick "
-                             "on CPU, where starting ten processes would be most of the dry run)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny models and few texts; on CPU also leaves out tests/attention (make test runs it)",
+    )
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run every system in this process (default: each in a fresh one; on with --quick "
+        "on CPU, where starting ten processes would be most of the dry run)",
+    )
     parser.add_argument("--texts", type=int, default=None, help="texts per embedding pass (default 4000)")
     parser.add_argument("--batch-size", type=int, default=32, help="texts per engine call / ST batch")
     parser.add_argument("--streams", default=None, help="concurrent generations, comma-separated (1,8,32)")
@@ -181,13 +196,17 @@ def run_tests(args: argparse.Namespace, model_dir: Path) -> tuple[int, str]:
         command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}", *paths]
         command += ["--run-slow"] if args.run_slow else []
         command += shlex.split(args.pytest_args)
-        env = dict(os.environ, EMBEDSERV_GPU_MODEL=str(model_dir),
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+        env = dict(
+            os.environ,
+            EMBEDSERV_GPU_MODEL=str(model_dir),
+            PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+        )
         print("$", " ".join(command), flush=True)
         start = time.perf_counter()
         log = open(args.out / "pytest.log", "w", buffering=1) if args.out else None  # noqa: SIM115
-        with subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) as proc:
+        with subprocess.Popen(
+            command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        ) as proc:
             for line in proc.stdout:
                 sys.stdout.write(line)
                 if log:
@@ -198,7 +217,8 @@ def run_tests(args: argparse.Namespace, model_dir: Path) -> tuple[int, str]:
     seconds = time.perf_counter() - start
     status = "passed" if proc.returncode == 0 else f"FAILED (pytest exit {proc.returncode})"
     return proc.returncode, f"- tests: {status}; {counts}; {seconds:.0f} s; {', '.join(paths)}" + "".join(
-        f"; {n}" for n in notes)
+        f"; {n}" for n in notes
+    )
 
 
 def junit_counts(junit: Path) -> str:
@@ -211,13 +231,17 @@ def junit_counts(junit: Path) -> str:
         for key in totals:
             totals[key] += int(suite.get(key, 0))
     passed = totals["tests"] - totals["failures"] - totals["errors"] - totals["skipped"]
-    failing = [f"{case.get('classname')}::{case.get('name')}" for case in root.iter("testcase")
-               if case.find("failure") is not None or case.find("error") is not None]
+    failing = [
+        f"{case.get('classname')}::{case.get('name')}"
+        for case in root.iter("testcase")
+        if case.find("failure") is not None or case.find("error") is not None
+    ]
     text = f"{passed} passed, {totals['failures']} failed, {totals['errors']} errors, {totals['skipped']} skipped"
     if failing:
         more = f" and {len(failing) - 10} more" if len(failing) > 10 else ""
         text += "; failing: " + ", ".join(failing[:10]) + more
     return text
+
 
 class Report:
     """The header lines and the table's rows; rewritten to --out after every row, so a run cut short at the
@@ -229,8 +253,12 @@ class Report:
     def add(self, **row) -> None:
         self.rows.append(row)
         self.failed |= row.get("note", "").startswith("FAILED")
-        print(f"gpu-check: {row['task']} / {row['model']} / {row['dtype']} / {row['system']} / {row['work']}: "
-              f"{row.get('tokens/s', '')} tokens/s {row.get('note', '')}", file=sys.stderr, flush=True)
+        print(
+            f"gpu-check: {row['task']} / {row['model']} / {row['dtype']} / {row['system']} / {row['work']}: "
+            f"{row.get('tokens/s', '')} tokens/s {row.get('note', '')}",
+            file=sys.stderr,
+            flush=True,
+        )
         self.save()
 
     def render(self) -> str:
@@ -270,20 +298,29 @@ def bench_embedding(args, report: Report, name: str, model: Path, texts: list[st
 
     common = (args.device, args.batch_size, args.repeats)
     st = _attempt(args.in_process, gpu_bench.embed_sentence_transformers, str(model), texts, *common)
-    ours = {dtype: _attempt(args.in_process, gpu_bench.embed_engine, str(model), texts, dtype, *common)
-            for dtype in ("float16", "bfloat16")}
+    ours = {
+        dtype: _attempt(args.in_process, gpu_bench.embed_engine, str(model), texts, dtype, *common)
+        for dtype in ("float16", "bfloat16")
+    }
     tokens = next((r["tokens"] for r in ours.values() if "tokens" in r), None)
     work = f"{len(texts)} texts, {tokens} tokens" if tokens else f"{len(texts)} texts"
     results = [("float16", "sentence-transformers (.half())", st)] + [
-        (dtype, "embedserv engine (in process)", r) for dtype, r in ours.items()]
+        (dtype, "embedserv engine (in process)", r) for dtype, r in ours.items()
+    ]
     for dtype, system, result in results:
         row = dict(task="embed", model=name, dtype=dtype, system=system, work=work)
         if "error" in result:
             report.add(**row, note=result["error"])
             continue
         seconds = result["seconds"]
-        row.update({"seconds": f"{seconds:.2f}", "texts/s": _rate(len(texts), seconds),
-                    "tokens/s": _rate(tokens, seconds) if tokens else "", "note": result.get("note", "")})
+        row.update(
+            {
+                "seconds": f"{seconds:.2f}",
+                "texts/s": _rate(len(texts), seconds),
+                "tokens/s": _rate(tokens, seconds) if tokens else "",
+                "note": result.get("note", ""),
+            }
+        )
         if "seconds" in st:
             row["speed-up"] = f"{st['seconds'] / seconds:.2f}x"
         report.add(**row)
@@ -299,8 +336,13 @@ def bench_mfu(args, report: Report, name: str, model: Path, shape) -> None:
         if "error" in result:
             report.add(**row, note=result["error"])
             continue
-        report.add(**row, work=f"256 texts, {result['tokens']} tokens", seconds=f"{result['seconds']:.2f}",
-                   **{"tokens/s": _rate(result["tokens"], result["seconds"])}, note=result["note"])
+        report.add(
+            **row,
+            work=f"256 texts, {result['tokens']} tokens",
+            seconds=f"{result['seconds']:.2f}",
+            **{"tokens/s": _rate(result["tokens"], result["seconds"])},
+            note=result["note"],
+        )
 
 
 def bench_generation(args, report: Report, name: str, model: Path, streams: int) -> None:
@@ -316,8 +358,14 @@ def bench_generation(args, report: Report, name: str, model: Path, streams: int)
         if "error" in result:
             report.add(**row, note=result["error"])
             continue
-        row.update({"seconds": f"{result['wall_s']:.2f}", "tokens/s": _rate(result["tokens"], result["wall_s"]),
-                    "TTFT ms": f"{result['ttft_s'] * 1e3:.0f}", "note": result.get("note", "")})
+        row.update(
+            {
+                "seconds": f"{result['wall_s']:.2f}",
+                "tokens/s": _rate(result["tokens"], result["wall_s"]),
+                "TTFT ms": f"{result['ttft_s'] * 1e3:.0f}",
+                "note": result.get("note", ""),
+            }
+        )
         if "error" not in theirs:
             theirs_rate = theirs["tokens"] / theirs["wall_s"]
             row["speed-up"] = f"{result['tokens'] / result['wall_s'] / theirs_rate:.2f}x"
@@ -334,10 +382,12 @@ def run_benchmarks(args, model_dir: Path, report: Report) -> None:
     else:
         bert_shape, llama_shape = gpu_bench.BertShape(), gpu_bench.LlamaShape()
     texts = stdlib_texts(args.texts)
-    report.header.append(f"- work: {len(texts)} stdlib texts in calls / batches of {args.batch_size}; "
-                         f"generation prompts of 40-120 tokens, greedy, EOS ignored; each system "
-                         f"{'in this process' if args.in_process else 'in its own process'}, one untimed pass, "
-                         f"best of {args.repeats}; speed-up against the first row of its group")
+    report.header.append(
+        f"- work: {len(texts)} stdlib texts in calls / batches of {args.batch_size}; "
+        f"generation prompts of 40-120 tokens, greedy, EOS ignored; each system "
+        f"{'in this process' if args.in_process else 'in its own process'}, one untimed pass, "
+        f"best of {args.repeats}; speed-up against the first row of its group"
+    )
     chosen = set(args.bench.split(","))
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         if "embed" in chosen:
@@ -360,8 +410,11 @@ def main() -> int:
     import torch
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("gpu-check: torch sees no CUDA device. For a dry run on CPU: "
-              "python benchmarks/gpu_check.py --device cpu --quick", file=sys.stderr)
+        print(
+            "gpu-check: torch sees no CUDA device. For a dry run on CPU: "
+            "python benchmarks/gpu_check.py --device cpu --quick",
+            file=sys.stderr,
+        )
         return 2
     model_dir = resolve_model(args.model)
     report = Report(args.out, [*describe(args.device), f"- model: {model_dir}"])

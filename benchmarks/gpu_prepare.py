@@ -32,8 +32,13 @@ sys.path.insert(0, str(REPO_ROOT))
 
 # The GPU image's Python (KINDS.md: Python 3.12.3 at /opt/torch/.venv, x86-64).
 DEVICE_PYTHON = "3.12"
-DEVICE_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
-                    "manylinux2014_x86_64", "manylinux1_x86_64")
+DEVICE_PLATFORMS = (
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+)
 # Runtime dependencies of pyproject.toml that the GPU image already holds (KINDS.md, 2026-11-17).
 ON_DEVICE = {"torch", "transformers", "tokenizers", "safetensors", "numpy", "prometheus-client", "pillow", "pyyaml"}
 # Held there too, but at versions the generated stubs may refuse (they check grpcio and protobuf at import).
@@ -59,8 +64,11 @@ def runtime_requirements() -> list[tuple[str, str]]:
 
 def wanted_requirements(extras: list[str]) -> list[tuple[str, str]]:
     """What the device needs from us: missing runtime dependencies, the version-checked ones, the extras."""
-    wanted = [(name, spec) for name, spec in runtime_requirements()
-              if name not in NOT_NEEDED and (name not in ON_DEVICE or name in VERSION_CHECKED)]
+    wanted = [
+        (name, spec)
+        for name, spec in runtime_requirements()
+        if name not in NOT_NEEDED and (name not in ON_DEVICE or name in VERSION_CHECKED)
+    ]
     names = {name for name, _ in wanted}
     wanted += [(canonical(e), e) for e in extras if canonical(e) not in names]
     return wanted
@@ -84,8 +92,23 @@ def download_wheels(wheels: Path, wanted: list[tuple[str, str]]) -> None:
         version = local_version(name)
         pins.append(f"{name}=={version}" if version else spec)
     platforms = [arg for p in DEVICE_PLATFORMS for arg in ("--platform", p)]
-    command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-               "--python-version", DEVICE_PYTHON, "--implementation", "cp", *platforms, "-d", str(wheels), *pins]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        DEVICE_PYTHON,
+        "--implementation",
+        "cp",
+        *platforms,
+        "-d",
+        str(wheels),
+        *pins,
+    ]
     print("$", " ".join(command), flush=True)
     subprocess.run(command, check=True)
     # What gpu-check installs: pyproject's ranges, so a version the device already has that fits is kept.
@@ -155,15 +178,20 @@ def main() -> None:
     tree = tracked_bytes()
     print(f"{args.out}: {total / 2**20:.1f} MiB to carry, {tree / 2**20:.1f} MiB of tracked files beside it")
     if total + tree > MAX_FILE_BYTES:
-        raise SystemExit(f"{(total + tree) / 2**20:.1f} MiB would not travel (the working tree and carried paths "
-                         "travel up to 64 MiB together): carry fewer wheels")
+        raise SystemExit(
+            f"{(total + tree) / 2**20:.1f} MiB would not travel (the working tree and carried paths "
+            "travel up to 64 MiB together): carry fewer wheels"
+        )
 
 
 def tracked_bytes() -> int:
     """The size of the files git tracks: they travel with every device call, beside the carried paths."""
     listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO_ROOT, capture_output=True).stdout
-    return sum((REPO_ROOT / name).stat().st_size for name in listed.decode().split("\0")
-               if name and (REPO_ROOT / name).is_file())
+    return sum(
+        (REPO_ROOT / name).stat().st_size
+        for name in listed.decode().split("\0")
+        if name and (REPO_ROOT / name).is_file()
+    )
 
 
 if __name__ == "__main__":

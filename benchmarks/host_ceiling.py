@@ -89,7 +89,9 @@ def run_server(label: str, cmd: list[str], spec: dict, texts: list[str], args, l
                 print(f"  {label} {protocol} {load}: {result.texts_per_s:,.0f} texts/s", file=sys.stderr)
         if args.profile and "grpc" in spec["targets"]:
             batches = [[t] for t in texts]
-            rows["stages"] = profile_stages(proc.pid, lambda: asyncio.run(measure(spec["targets"]["grpc"], batches, 64, 1)))
+            rows["stages"] = profile_stages(
+                proc.pid, lambda: asyncio.run(measure(spec["targets"]["grpc"], batches, 64, 1))
+            )
     return rows
 
 

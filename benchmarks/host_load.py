@@ -80,7 +80,9 @@ class HttpEmbedder:
                 length = int(value)
         reply = await self.reader.readexactly(length)
         if b" 200 " not in status_line:
-            raise RuntimeError(f"{status_line.decode().strip()} from {self.path}: {reply[:300].decode(errors='replace')}")
+            raise RuntimeError(
+                f"{status_line.decode().strip()} from {self.path}: {reply[:300].decode(errors='replace')}"
+            )
         rows = json.loads(reply)["data"]
         if len(rows) != len(texts) or not base64.b64decode(rows[0]["embedding"]):
             raise RuntimeError(f"{len(rows)} vectors for {len(texts)} texts")
@@ -98,7 +100,9 @@ class GrpcEmbedder:
         pass
 
     async def embed(self, texts: list[str]) -> dict[str, float]:
-        reply = await self.stub.Embed(self.pb.EmbedRequest(inputs=texts, truncate=True, encoding=self.pb.ENCODING_BYTES))
+        reply = await self.stub.Embed(
+            self.pb.EmbedRequest(inputs=texts, truncate=True, encoding=self.pb.ENCODING_BYTES)
+        )
         if len(reply.embeddings) != len(texts) or not reply.embeddings[0].raw:
             raise RuntimeError(f"{len(reply.embeddings)} vectors for {len(texts)} texts")
         t = reply.timing

@@ -110,6 +110,7 @@ async def httpx_json(url: str, body: Callable[[list[str]], dict]):
 
 def openai_rows(server: str, url: str, extra: dict | None) -> dict[str, Opener]:
     """The openai SDK and httpx rows for an OpenAI-style /embeddings at `url` (its base URL)."""
+
     def body(encoding: str) -> Callable[[list[str]], dict]:
         return lambda texts: {"input": texts, "model": NAME, "encoding_format": encoding, **(extra or {})}
 
@@ -147,8 +148,9 @@ async def one_pass(embed: Embed, batches: list[list[str]], concurrency: int) -> 
     return time.perf_counter() - start, latencies
 
 
-async def measure(rows: dict[str, Opener], work: dict[str, tuple[list, int]], check: list[str],
-                  reference: np.ndarray, repeats: int) -> dict[tuple[str, str], tuple[float, list[float]]]:
+async def measure(
+    rows: dict[str, Opener], work: dict[str, tuple[list, int]], check: list[str], reference: np.ndarray, repeats: int
+) -> dict[tuple[str, str], tuple[float, list[float]]]:
     """{(row, workload): (seconds, latencies) of the fastest pass}. Each row's vectors for `check` must
     match `reference`; one warm-up pass of each workload; then the rows take turns."""
     best: dict[tuple[str, str], tuple[float, list[float]]] = {}
@@ -200,7 +202,9 @@ def infinity_server(binary: str, model: str):
 
 
 def table(title: str, best: dict, rows: list[str], texts: int, tokens: int) -> None:
-    print(f"\n{title}\n\n| client | texts/s | tokens/s | p50 ms | p99 ms | vs gRPC bytes |\n|---|---:|---:|---:|---:|---:|")
+    print(
+        f"\n{title}\n\n| client | texts/s | tokens/s | p50 ms | p99 ms | vs gRPC bytes |\n|---|---:|---:|---:|---:|---:|"
+    )
     base = texts / best[rows[0]][0]
     for name in rows:
         seconds, latencies = best[name]
@@ -243,8 +247,10 @@ def main() -> None:
             infinity = openai_rows("Infinity", url, None)
             best.update(asyncio.run(measure(infinity, work, texts[:32], ref, args.repeats)))
         rows.update(infinity)
-    print(f"\nCPU: {cpu_name()}; 1-minute load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after; "
-          f"{args.texts} texts, {tokens} tokens; float32; best of {args.repeats} passes")
+    print(
+        f"\nCPU: {cpu_name()}; 1-minute load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after; "
+        f"{args.texts} texts, {tokens} tokens; float32; best of {args.repeats} passes"
+    )
     for workload in work:
         count, count_tokens = (args.calls, latency_tokens) if workload == LATENCY else (args.texts, tokens)
         row_best = {name: best[name, workload] for name in rows}

@@ -131,10 +131,24 @@ class Infinity:
             for i, data in enumerate(images):
                 files.append(str(Path(work) / f"{i}.jpg"))
                 Path(files[-1]).write_bytes(data)
-            job.write_text(json.dumps({"model": str(self.path), "images": files, "batch": self.batch,
-                                       "vectors": str(Path(work) / "v.npy"), "threads": torch.get_num_threads()}))
-            done = subprocess.run([str(INFINITY_PYTHON), "-m", "benchmarks.peer_runners.infinity_images", str(job)],
-                                  cwd=ROOT, capture_output=True, text=True, timeout=1200)
+            job.write_text(
+                json.dumps(
+                    {
+                        "model": str(self.path),
+                        "images": files,
+                        "batch": self.batch,
+                        "vectors": str(Path(work) / "v.npy"),
+                        "threads": torch.get_num_threads(),
+                    }
+                )
+            )
+            done = subprocess.run(
+                [str(INFINITY_PYTHON), "-m", "benchmarks.peer_runners.infinity_images", str(job)],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=1200,
+            )
             if done.returncode != 0:
                 raise RuntimeError(done.stderr[-2000:])
             self.seconds = json.loads(done.stdout.strip().splitlines()[-1])["seconds"]
@@ -200,8 +214,10 @@ def main() -> None:
         rows += bench(name, model_dir(name, Path(args.cache)), images, peers, args.batch, args.rounds)
     name, flags = cpu_info()
     isa = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags)
-    print(f"CPU: {name} ({isa}); torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"{args.images} JPEG {args.size} images, batches of {args.batch}, best of {args.rounds}\n")
+    print(
+        f"CPU: {name} ({isa}); torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"{args.images} JPEG {args.size} images, batches of {args.batch}, best of {args.rounds}\n"
+    )
     print("| model | runner | images/s | vs transformers | min cosine vs transformers |")
     print("|---|---|---:|---:|---:|")
     base = {r["model"]: r["images_per_s"] for r in rows if r["peer"] == "transformers" and "images_per_s" in r}

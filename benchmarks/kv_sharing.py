@@ -36,11 +36,23 @@ from embedserv import cpu_isa  # noqa: E402
 from embedserv.config import ModelConfig  # noqa: E402
 
 E2B_SHAPE = dict(
-    hidden_size=512, intermediate_size=2048, num_hidden_layers=12, num_kv_shared_layers=6,
-    layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 2, num_attention_heads=8,
-    num_key_value_heads=2, head_dim=64, global_head_dim=128, num_global_key_value_heads=1, attention_k_eq_v=True,
-    hidden_size_per_layer_input=64, use_double_wide_mlp=True, sliding_window=512, max_position_embeddings=8192,
-    final_logit_softcapping=30.0, initializer_range=0.02,
+    hidden_size=512,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_kv_shared_layers=6,
+    layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=64,
+    global_head_dim=128,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+    hidden_size_per_layer_input=64,
+    use_double_wide_mlp=True,
+    sliding_window=512,
+    max_position_embeddings=8192,
+    final_logit_softcapping=30.0,
+    initializer_range=0.02,
 )
 
 
@@ -57,8 +69,11 @@ def build_models(root: Path, lm_tokens: int, embed_tokens: int) -> dict[str, Pat
     lm = _save(gemma4_config(vocab, **E2B_SHAPE), root / "gemma4-lm", AutoModelForCausalLM, 0, lm_tokens)
     reranker = with_config(lm, root / "gemma4-reranker")
     backbone = _save(
-        gemma4_config(vocab, **dict(E2B_SHAPE, final_logit_softcapping=None)), root / "gemma4-backbone", AutoModel,
-        0, embed_tokens,
+        gemma4_config(vocab, **dict(E2B_SHAPE, final_logit_softcapping=None)),
+        root / "gemma4-backbone",
+        AutoModel,
+        0,
+        embed_tokens,
     )
     transformer = Transformer(str(backbone), max_seq_length=embed_tokens)
     st = SentenceTransformer(modules=[transformer, Pooling(512, pooling_mode="lasttoken"), Normalize()], device="cpu")
@@ -81,8 +96,13 @@ def bench(kind: str, model: Path, skip: bool, prompt_tokens: int, repeats: int, 
     from embedserv.types import EmbedParams, RerankParams, SamplingParams
 
     config = ModelConfig(
-        path=str(model), served_name="m", dtype=dtype, device=device, kv_sharing_fast_prefill=skip,
-        kv_cache_memory=2**30 if kind == "ttft" else None, enable_prefix_caching=False,
+        path=str(model),
+        served_name="m",
+        dtype=dtype,
+        device=device,
+        kv_sharing_fast_prefill=skip,
+        kv_cache_memory=2**30 if kind == "ttft" else None,
+        enable_prefix_caching=False,
     )
     with SyncEngine(config) as engine:
         # About 1.3 WordPiece tokens a word: embed inputs are cut at their token count (the tokenizer's
@@ -157,8 +177,10 @@ def main() -> None:
                 isolated(bench, kind, model, skip, tokens, args.repeats, args.dtype, args.device)
                 for skip in (False, True)
             )
-            print(f"| {title} | {on['tokens']} | {off['seconds']:.3f} | {on['seconds']:.3f} | "
-                  f"{off['seconds'] / on['seconds']:.2f}x |")
+            print(
+                f"| {title} | {on['tokens']} | {off['seconds']:.3f} | {on['seconds']:.3f} | "
+                f"{off['seconds'] / on['seconds']:.2f}x |"
+            )
         print("\n| KV cache | blocks of 16 tokens per GiB, float32 | bfloat16 |")
         print("|---|---|---|")
         for shared in (False, True):

@@ -29,7 +29,9 @@ def _config(num_layers: int, every: int):
     from transformers import ModernBertConfig
 
     return ModernBertConfig(
-        num_hidden_layers=num_layers, global_attn_every_n_layers=every, max_position_embeddings=8192,
+        num_hidden_layers=num_layers,
+        global_attn_every_n_layers=every,
+        max_position_embeddings=8192,
     )
 
 

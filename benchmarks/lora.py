@@ -43,26 +43,31 @@ def bge_base_shaped(root: Path) -> Path:
 
     tokenizer = AutoTokenizer.from_pretrained(str(bundled_model_path()))
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(tokenizer), hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                        intermediate_size=3072, max_position_embeddings=512)
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        max_position_embeddings=512,
+    )
     out = root / "bge-base-shaped"
     BertModel(config).eval().save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
     return out
 
 
-def build_adapters(
-    model_dir: Path, root: Path, rank: int, targets: str = "all"
-) -> tuple[tuple[str, str], ...]:
+def build_adapters(model_dir: Path, root: Path, rank: int, targets: str = "all") -> tuple[tuple[str, str], ...]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModel
 
     adapters = []
     for index in range(ADAPTERS):
         torch.manual_seed(index)
-        model = get_peft_model(AutoModel.from_pretrained(str(model_dir)), LoraConfig(
-            r=rank, lora_alpha=2 * rank, target_modules=TARGETS[targets]
-        ))
+        model = get_peft_model(
+            AutoModel.from_pretrained(str(model_dir)),
+            LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS[targets]),
+        )
         with torch.no_grad():
             for name, parameter in model.named_parameters():
                 if "lora_B" in name:
@@ -75,10 +80,12 @@ def build_adapters(
 
 def step(num_sequences: int, tokens: int, adapter_of) -> StepBatch:
     ids = tuple(range(1000, 1000 + tokens))
-    return StepBatch(tuple(
-        ScheduledSequence(request_id=i, token_ids=ids, output=OutputKind.POOL, adapter=adapter_of(i))
-        for i in range(num_sequences)
-    ))
+    return StepBatch(
+        tuple(
+            ScheduledSequence(request_id=i, token_ids=ids, output=OutputKind.POOL, adapter=adapter_of(i))
+            for i in range(num_sequences)
+        )
+    )
 
 
 def best_seconds(cases: dict, batches: dict, repeats: int) -> dict[str, float]:
@@ -104,10 +111,18 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--sequences", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--targets", choices=tuple(TARGETS), default="all",
-                        help="every linear, or query and value only (PEFT's default for BERT)")
-    parser.add_argument("--shape", choices=("minilm", "bge-base"), default="minilm",
-                        help="the bundled all-MiniLM-L6-v2, or a random model of bge-base-en-v1.5's shape")
+    parser.add_argument(
+        "--targets",
+        choices=tuple(TARGETS),
+        default="all",
+        help="every linear, or query and value only (PEFT's default for BERT)",
+    )
+    parser.add_argument(
+        "--shape",
+        choices=("minilm", "bge-base"),
+        default="minilm",
+        help="the bundled all-MiniLM-L6-v2, or a random model of bge-base-en-v1.5's shape",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = bundled_model_path() if args.shape == "minilm" else bge_base_shaped(Path(tmp))
@@ -123,8 +138,10 @@ def main() -> None:
     }
     num_tokens = args.sequences * args.tokens
     where = "every linear" if args.targets == "all" else "query and value"
-    print(f"{args.shape}, {args.device}, float32, {args.sequences} x {args.tokens} tokens per step, "
-          f"rank {args.rank} on {where}, best of {args.repeats}\n")
+    print(
+        f"{args.shape}, {args.device}, float32, {args.sequences} x {args.tokens} tokens per step, "
+        f"rank {args.rank} on {where}, best of {args.repeats}\n"
+    )
     print("| step | ms | tokens/s | x base |")
     print("|---|---:|---:|---:|")
     batches = {name: step(args.sequences, args.tokens, adapter_of) for name, (_, adapter_of) in cases.items()}

@@ -176,8 +176,13 @@ def _write_sentence_transformers_files(out: Path, shape: Shape, hidden_size: int
         {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
     ]
     (out / "modules.json").write_text(json.dumps(modules, indent=2))
-    pooling = {"word_embedding_dimension": hidden_size, "pooling_mode_mean_sqrt_len_tokens": False,
-               "pooling_mode_max_tokens": False, "pooling_mode_weightedmean_tokens": False, "include_prompt": True}
+    pooling = {
+        "word_embedding_dimension": hidden_size,
+        "pooling_mode_mean_sqrt_len_tokens": False,
+        "pooling_mode_max_tokens": False,
+        "pooling_mode_weightedmean_tokens": False,
+        "include_prompt": True,
+    }
     pooling.update({key: mode == shape.pooling for mode, key in POOLING_KEYS.items()})
     (out / "1_Pooling").mkdir(exist_ok=True)
     (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2))

@@ -259,6 +259,7 @@ def venv_versions(venv: str, python: str) -> dict[str, str]:
 
 def embedserv_commit() -> str:
     """The checkout's commit, for the header: the numbers belong to it."""
+
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
@@ -281,8 +282,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--models", default=str(REPO_ROOT / ".peers" / "models"), help="cache of the built models")
     parser.add_argument("--out", default=str(REPO_ROOT / ".peers" / "results"), help="where each run's table, "
                         "jobs and logs go (a directory per run)")  # fmt: skip
-    parser.add_argument("--timeout", type=float, default=4 * 3600, help="seconds one peer may take, start to finish "
-                        "(bf16 where the CPU emulates it is about 7x slower than fp32)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=4 * 3600,
+        help="seconds one peer may take, start to finish (bf16 where the CPU emulates it is about 7x slower than fp32)",
+    )
     parser.add_argument("--start-timeout", type=float, default=300, help="seconds a server may take to be ready")
     args = parser.parse_args()
     unknown = sorted(set(args.peers.split(",")) - set(PEERS))

@@ -63,8 +63,10 @@ def main() -> None:
         for precision in precisions:
             seconds, tokens = one_round(args.model, precision, calls)
             best[precision] = max(best[precision], tokens / seconds)
-    print(f"# {cpu_isa.detect().summary()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"{Path(args.model).name}, {len(texts)} texts ({tokens} tokens), best of {args.rounds} interleaved rounds")
+    print(
+        f"# {cpu_isa.detect().summary()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"{Path(args.model).name}, {len(texts)} texts ({tokens} tokens), best of {args.rounds} interleaved rounds"
+    )
     print("\n| precision | tokens/s | vs first |")
     print("|---|---:|---:|")
     for precision in precisions:

@@ -93,8 +93,10 @@ def main() -> None:
     args = parser.parse_args()
     queries, documents = workload(args.queries, args.documents)
     pairs = len(queries) * len(documents)
-    print(f"# {cpu_isa.detect().summary()}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; {len(queries)} queries x {len(documents)} documents = {pairs} pairs")
+    print(
+        f"# {cpu_isa.detect().summary()}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; {len(queries)} queries x {len(documents)} documents = {pairs} pairs"
+    )
     print("| model | dtype | system | seconds | pairs/s | vs sentence-transformers |")
     print("|---|---|---|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
@@ -107,13 +109,24 @@ def main() -> None:
             for dtype in args.dtypes.split(","):
                 base = isolated(reference, model, queries, documents, dtype, args.repeats)
                 rows = [("sentence-transformers", base)]
-                rows.append(("embedserv, one call at a time",
-                             isolated(bench_engine, model, queries, documents, dtype, args.repeats, False)))
-                rows.append((f"embedserv, {len(queries)} concurrent calls",
-                             isolated(bench_engine, model, queries, documents, dtype, args.repeats, True)))
+                rows.append(
+                    (
+                        "embedserv, one call at a time",
+                        isolated(bench_engine, model, queries, documents, dtype, args.repeats, False),
+                    )
+                )
+                rows.append(
+                    (
+                        f"embedserv, {len(queries)} concurrent calls",
+                        isolated(bench_engine, model, queries, documents, dtype, args.repeats, True),
+                    )
+                )
                 for system, seconds in rows:
-                    print(f"| {label} | {dtype} | {system} | {seconds:.2f} | {pairs / seconds:.0f} | "
-                          f"{base / seconds:.2f}x |", flush=True)
+                    print(
+                        f"| {label} | {dtype} | {system} | {seconds:.2f} | {pairs / seconds:.0f} | "
+                        f"{base / seconds:.2f}x |",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

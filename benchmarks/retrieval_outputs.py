@@ -68,8 +68,14 @@ def build_models(root: Path) -> dict[str, Path]:
         str(root / "sparse")
     )
     paths["sparse"] = root / "sparse"
-    dense = Dense(384, 128, bias=False, activation_function=torch.nn.Identity(),
-                  module_input_name="token_embeddings", module_output_name="token_embeddings")
+    dense = Dense(
+        384,
+        128,
+        bias=False,
+        activation_function=torch.nn.Identity(),
+        module_input_name="token_embeddings",
+        module_output_name="token_embeddings",
+    )
     MultiVectorEncoder(modules=[Transformer(str(root / "bert")), dense, Normalize(), MultiVectorMask()]).save(
         str(root / "multi_vector")
     )
@@ -80,7 +86,9 @@ def build_models(root: Path) -> dict[str, Path]:
     XLMRobertaModel(xlmr, add_pooling_layer=False).save_pretrained(str(root / "xlmr"))
     tokenizer.save_pretrained(str(root / "xlmr"))
     m3 = root / "bge_m3"
-    SentenceTransformer(modules=[Transformer(str(root / "xlmr")), Pooling(384, pooling_mode="cls"), Normalize()]).save(str(m3))
+    SentenceTransformer(modules=[Transformer(str(root / "xlmr")), Pooling(384, pooling_mode="cls"), Normalize()]).save(
+        str(m3)
+    )
     torch.save(torch.nn.Linear(384, 1).state_dict(), m3 / "sparse_linear.pt")
     torch.save(torch.nn.Linear(384, 384).state_dict(), m3 / "colbert_linear.pt")
     paths["bge_m3"] = m3
@@ -142,6 +150,7 @@ def engine_outputs(model: str, texts: list[str], batch_size: int, repeats: int, 
 
     batches = [texts[i : i + batch_size] for i in range(0, len(texts), batch_size)]
     with SyncEngine(ModelConfig(path=model, served_name="bench", allow_pickle=True)) as engine:
+
         def run():
             for fields in calls:
                 engine.embed_concurrently(batches, EmbedParams(truncate=True, **fields))
@@ -170,27 +179,47 @@ def main() -> None:
         paths = {name: str(path) for name, path in build_models(Path(tmp)).items()}
         bs, n = args.batch_size, args.repeats
         rows = [
-            ("sparse (SPLADE max)", "SparseEncoder.encode", isolated(st_sparse, paths["sparse"], texts, bs, n),
-             isolated(engine_outputs, paths["sparse"], texts, bs, n, [dict(outputs=sparse)])),
-            ("multi-vector (token Dense 128)", "MultiVectorEncoder.encode_document",
-             isolated(st_multi_vector, paths["multi_vector"], texts, bs, n),
-             isolated(engine_outputs, paths["multi_vector"], texts, bs, n, [dict(outputs=multi, prompt_name="document")])),
-            ("bge-m3-shaped, 3 outputs in one call", "transformers + heads, one forward",
-             isolated(transformers_bge_m3, paths["bge_m3"], texts, bs, n),
-             isolated(engine_outputs, paths["bge_m3"], texts, bs, n, [dict(outputs=three)])),
-            ("bge-m3-shaped, 3 calls (one per output)", "transformers + heads, one forward",
-             None, isolated(engine_outputs, paths["bge_m3"], texts, bs, n, [dict(outputs=(o,)) for o in three])),
+            (
+                "sparse (SPLADE max)",
+                "SparseEncoder.encode",
+                isolated(st_sparse, paths["sparse"], texts, bs, n),
+                isolated(engine_outputs, paths["sparse"], texts, bs, n, [dict(outputs=sparse)]),
+            ),
+            (
+                "multi-vector (token Dense 128)",
+                "MultiVectorEncoder.encode_document",
+                isolated(st_multi_vector, paths["multi_vector"], texts, bs, n),
+                isolated(
+                    engine_outputs, paths["multi_vector"], texts, bs, n, [dict(outputs=multi, prompt_name="document")]
+                ),
+            ),
+            (
+                "bge-m3-shaped, 3 outputs in one call",
+                "transformers + heads, one forward",
+                isolated(transformers_bge_m3, paths["bge_m3"], texts, bs, n),
+                isolated(engine_outputs, paths["bge_m3"], texts, bs, n, [dict(outputs=three)]),
+            ),
+            (
+                "bge-m3-shaped, 3 calls (one per output)",
+                "transformers + heads, one forward",
+                None,
+                isolated(engine_outputs, paths["bge_m3"], texts, bs, n, [dict(outputs=(o,)) for o in three]),
+            ),
         ]
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "?")
-    print(f"\n{len(texts)} texts, batch {args.batch_size}, best of {args.repeats}; {cpu}, {torch.get_num_threads()} "
-          f"threads, torch {torch.__version__}, Python {platform.python_version()}\n")
+    print(
+        f"\n{len(texts)} texts, batch {args.batch_size}, best of {args.repeats}; {cpu}, {torch.get_num_threads()} "
+        f"threads, torch {torch.__version__}, Python {platform.python_version()}\n"
+    )
     print("| Output | Reference | Reference texts/s | embedserv texts/s | ratio |")
     print("|---|---|---|---|---|")
     reference_m3 = rows[2][2]
     for name, reference, ref_s, ours_s in rows:
         ref_s = ref_s if ref_s is not None else reference_m3
-        print(f"| {name} | {reference} | {len(texts) / ref_s:.0f} | {len(texts) / ours_s:.0f} | {ref_s / ours_s:.2f}x |")
+        print(
+            f"| {name} | {reference} | {len(texts) / ref_s:.0f} | {len(texts) / ours_s:.0f} | {ref_s / ours_s:.2f}x |"
+        )
     print("\n| Encoding | bytes per 384-dim vector | bytes per 1024-dim vector |")
     print("|---|---|---|")
     for (name, small), (_, large) in zip(encoding_sizes(384), encoding_sizes(1024), strict=True):

@@ -37,12 +37,28 @@ from embedserv import cpu_isa  # noqa: E402
 from embedserv.config import ModelConfig  # noqa: E402
 
 FLAN_T5_SMALL = dict(
-    variant="v1.1", tied=False, d_model=512, d_kv=64, d_ff=1024, num_layers=8, num_decoder_layers=8, num_heads=6,
-    relative_attention_num_buckets=32, relative_attention_max_distance=128, initializer_factor=1.0,
+    variant="v1.1",
+    tied=False,
+    d_model=512,
+    d_kv=64,
+    d_ff=1024,
+    num_layers=8,
+    num_decoder_layers=8,
+    num_heads=6,
+    relative_attention_num_buckets=32,
+    relative_attention_max_distance=128,
+    initializer_factor=1.0,
 )
 T5_SMALL = dict(
-    d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_decoder_layers=6, num_heads=8,
-    relative_attention_num_buckets=32, relative_attention_max_distance=128, initializer_factor=1.0,
+    d_model=512,
+    d_kv=64,
+    d_ff=2048,
+    num_layers=6,
+    num_decoder_layers=6,
+    num_heads=8,
+    relative_attention_num_buckets=32,
+    relative_attention_max_distance=128,
+    initializer_factor=1.0,
 )
 
 
@@ -75,7 +91,9 @@ def bench_engine_generate(model: str, streams: int, max_tokens: int, dtype: str,
         return dict(_timed(run, repeats), note=engine.info.attention_backend)
 
 
-def bench_transformers_generate(model: str, streams: int, max_tokens: int, dtype: str, repeats: int, device: str) -> dict:
+def bench_transformers_generate(
+    model: str, streams: int, max_tokens: int, dtype: str, repeats: int, device: str
+) -> dict:
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -86,7 +104,11 @@ def bench_transformers_generate(model: str, streams: int, max_tokens: int, dtype
         start = time.perf_counter()
         with torch.inference_mode():
             out = lm.generate(
-                **batch, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, num_beams=1,
+                **batch,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                num_beams=1,
             ).cpu()
         # The output starts with the decoder start token.
         return {"wall_s": time.perf_counter() - start, "tokens": (out.shape[1] - 1) * streams}
@@ -162,8 +184,10 @@ def main() -> None:
             isolated(bench_transformers_rerank, monot5, args.pairs, *common),
         )
 
-    print(f"\n{cpu_isa.detect().summary()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{args.device}, {args.dtype}; best of {args.repeats}\n")
+    print(
+        f"\n{cpu_isa.detect().summary()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{args.device}, {args.dtype}; best of {args.repeats}\n"
+    )
     print(f"Generation (Flan-T5-small shape), {args.max_tokens} new tokens per stream:\n")
     print("| streams | transformers tok/s | embedserv tok/s | speed-up | backend |")
     print("|---:|---:|---:|---:|---|")

@@ -134,6 +134,7 @@ async def http_calls(base_url: str):
     """{kind: call} over the OpenAI-compatible and rerank routes; a call raises on a non-200 answer."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=base_url, timeout=CALL_TIMEOUT_S, limits=limits) as client:
+
         async def post(path: str, kind: str, body: dict) -> dict:
             reply = await client.post(path, json={"model": SERVED_NAMES[kind], **body})
             if reply.status_code != 200:
@@ -231,14 +232,30 @@ class Monitor:
     def sample(self, minute: float, tally: Tally | None = None, seconds: float = 0.0) -> None:
         """Append and print a row {minute, processes, calls, errors, calls_per_s, p50_ms, p99_ms, notes}."""
         processes = sample_processes(self.server_pid)
-        row = {"minute": minute, "processes": processes, "calls": None, "errors": None, "calls_per_s": None,
-               "p50_ms": None, "p99_ms": None, "notes": []}
+        row = {
+            "minute": minute,
+            "processes": processes,
+            "calls": None,
+            "errors": None,
+            "calls_per_s": None,
+            "p50_ms": None,
+            "p99_ms": None,
+            "notes": [],
+        }
         if tally is not None:
-            row.update(calls=len(tally.latencies), errors=sum(tally.errors.values()), p50_ms=tally.percentile_ms(0.5),
-                       calls_per_s=len(tally.latencies) / seconds, p99_ms=tally.percentile_ms(0.99))
+            row.update(
+                calls=len(tally.latencies),
+                errors=sum(tally.errors.values()),
+                p50_ms=tally.percentile_ms(0.5),
+                calls_per_s=len(tally.latencies) / seconds,
+                p99_ms=tally.percentile_ms(0.99),
+            )
             row["notes"] += [f"{count}x {message}" for message, count in tally.errors.most_common(3)]
-        row["notes"] += [f"{label} restarted (pid {self.pids[label]} -> {sample['pid']})"
-                         for label, sample in processes.items() if self.pids.get(label, sample["pid"]) != sample["pid"]]
+        row["notes"] += [
+            f"{label} restarted (pid {self.pids[label]} -> {sample['pid']})"
+            for label, sample in processes.items()
+            if self.pids.get(label, sample["pid"]) != sample["pid"]
+        ]
         row["notes"] += [f"{label} gone (pid {pid})" for label, pid in self.pids.items() if label not in processes]
         self.pids.update({label: sample["pid"] for label, sample in processes.items()})
         if not self.columns:
@@ -275,8 +292,10 @@ def summarize(rows: list[dict], tallies: dict[str, Tally], warm_up_minutes: floa
         after = [(minute, sample["rss_mib"]) for minute, sample in series if minute >= warm_up_minutes]
         first = after[0] if after else (None, None)
         p = processes[label] = {
-            "pids": list(dict.fromkeys(sample["pid"] for _, sample in series)), "warm_up_end_minute": first[0],
-            "rss_mib_at_warm_up_end": first[1], "rss_mib_at_end": series[-1][1]["rss_mib"],
+            "pids": list(dict.fromkeys(sample["pid"] for _, sample in series)),
+            "warm_up_end_minute": first[0],
+            "rss_mib_at_warm_up_end": first[1],
+            "rss_mib_at_end": series[-1][1]["rss_mib"],
             "rss_mib_peak": max(sample["rss_mib"] for _, sample in series),
             "slope_mib_per_minute": slope_per_minute(after),
         }
@@ -285,8 +304,13 @@ def summarize(rows: list[dict], tallies: dict[str, Tally], warm_up_minutes: floa
                             fmt(p["slope_mib_per_minute"], 3)]))  # fmt: skip
     print("\n" + markdown_row(["calls", "answered", "errors", "p50 ms", "p99 ms"], head=True))
     for kind, t in [(kind, tally) for kind, tally in tallies.items() if kind != "interval"]:
-        k = kinds[kind] = {"calls": len(t.latencies), "errors": sum(t.errors.values()), "p50_ms": t.percentile_ms(0.5),
-                           "p99_ms": t.percentile_ms(0.99), "error_messages": dict(t.errors.most_common())}
+        k = kinds[kind] = {
+            "calls": len(t.latencies),
+            "errors": sum(t.errors.values()),
+            "p50_ms": t.percentile_ms(0.5),
+            "p99_ms": t.percentile_ms(0.99),
+            "error_messages": dict(t.errors.most_common()),
+        }
         print(markdown_row([kind, str(k["calls"]), str(k["errors"]), fmt(k["p50_ms"]), fmt(k["p99_ms"])]))
     for message, count in tallies["total"].errors.most_common(5):
         print(f"error, {count}x: {message}")
@@ -346,8 +370,14 @@ def header() -> dict:
 
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
     changed = " + uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else ""
-    return {"cpu": cpu_name(), "isa": cpu_isa.detect().summary(), "cores": os.cpu_count(), "commit": commit + changed,
-            "command": shlex.join([Path(sys.executable).name, *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M %Z")}
+    return {
+        "cpu": cpu_name(),
+        "isa": cpu_isa.detect().summary(),
+        "cores": os.cpu_count(),
+        "commit": commit + changed,
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+    }
 
 
 def parse_args() -> argparse.Namespace:
@@ -390,8 +420,14 @@ def main() -> None:
         sys.exit(1)
     summary = summarize(monitor.rows, tallies, args.warm_up_minutes)
     if args.json:
-        payload = {"header": info, "args": vars(args), "server_log": log, "interrupted": interrupted,
-                   "rows": monitor.rows, "summary": summary}
+        payload = {
+            "header": info,
+            "args": vars(args),
+            "server_log": log,
+            "interrupted": interrupted,
+            "rows": monitor.rows,
+            "summary": summary,
+        }
         args.json.write_text(json.dumps(payload, indent=1, default=str))
         print(f"\nwrote {args.json}")
 

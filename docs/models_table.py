@@ -118,19 +118,23 @@ def _cell(items) -> str:
 
 
 def row(family: Family, docs: FamilyDocs) -> str:
-    return "| " + " | ".join(
-        (
-            f"**{family.name}**",
-            _model_types(family),
-            _cell(f"`{a}`" for a in family.classifiers),
-            _cell(docs.examples),
-            ", ".join(_tasks(family)),
-            _backends(family),
-            _int8(family),
-            "yes" if family.lora else "—",
-            _cell(f"`{t}`" for t in docs.tested_by),
+    return (
+        "| "
+        + " | ".join(
+            (
+                f"**{family.name}**",
+                _model_types(family),
+                _cell(f"`{a}`" for a in family.classifiers),
+                _cell(docs.examples),
+                ", ".join(_tasks(family)),
+                _backends(family),
+                _int8(family),
+                "yes" if family.lora else "—",
+                _cell(f"`{t}`" for t in docs.tested_by),
+            )
         )
-    ) + " |"
+        + " |"
+    )
 
 
 def render() -> str:

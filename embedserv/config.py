@@ -28,6 +28,7 @@ def usable_cores(cgroup_cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
         pass
     return cores
 
+
 LOG_FORMATS = ("text", "json")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # int8: dynamic int8 linears on CPU (per-token activations, per-channel weights; models/int8.py).
@@ -59,7 +60,7 @@ def _size(text: str) -> float | None:
     """`2GiB`, `512MB`, `1e9` -> a number of bytes; None if it is not a size."""
     cleaned = text.strip().lower().replace(" ", "")
     number = cleaned.rstrip("kmgib")
-    unit = cleaned[len(number):]
+    unit = cleaned[len(number) :]
     try:
         return float(number) * _MEMORY_UNITS[unit]
     except (ValueError, KeyError):
@@ -178,8 +179,7 @@ class ModelConfig:
             raise ConfigError(f"--cpu-fusion must be one of {', '.join(cpu_isa.FUSIONS)}, not {self.cpu_fusion!r}")
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(
-                f"unknown --attention-backend {self.attention_backend!r}; "
-                f"choose one of {', '.join(ATTENTION_BACKENDS)}"
+                f"unknown --attention-backend {self.attention_backend!r}; choose one of {', '.join(ATTENTION_BACKENDS)}"
             )
         if self.attention is not None and self.attention not in ATTENTION_KINDS:
             raise ConfigError(f"--attention must be one of {', '.join(ATTENTION_KINDS)}, not {self.attention!r}")

@@ -93,8 +93,10 @@ def read_config_file(path: str) -> ConfigFile:
     if models is None:
         return ConfigFile(path, server, defaults, ())
     if not isinstance(models, list) or not models:
-        raise ConfigError(f"{path}: models must be a list of models (each a mapping with a path); "
-                          "leave it out to serve the --model flags")
+        raise ConfigError(
+            f"{path}: models must be a list of models (each a mapping with a path); "
+            "leave it out to serve the --model flags"
+        )
     return ConfigFile(path, server, defaults, tuple(_model_entry(path, i, entry) for i, entry in enumerate(models)))
 
 
@@ -197,9 +199,7 @@ def _key_if(match: re.Match, places: dict[str, str]) -> str:
 
 def served_names(paths: list[str], names: list[str] | None) -> list[str]:
     if names and len(names) != len(paths):
-        raise ConfigError(
-            f"{len(names)} --served-model-name for {len(paths)} --model; give one name per model or none"
-        )
+        raise ConfigError(f"{len(names)} --served-model-name for {len(paths)} --model; give one name per model or none")
     if names:
         return names
     return [default_served_name(p) for p in paths]

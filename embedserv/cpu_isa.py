@@ -16,7 +16,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Flags that matter here, in the order the start-up log names them.
-_NAMED_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "avx512_fp16", "amx_fp16")
+_NAMED_FLAGS = (
+    "avx2",
+    "avx512f",
+    "avx512_vnni",
+    "avx_vnni",
+    "avx512_bf16",
+    "amx_bf16",
+    "amx_int8",
+    "avx512_fp16",
+    "amx_fp16",
+)
 
 # bfloat16 emulated (no avx512_bf16/AMX): MiniLM served 772 against 4,449 tokens/s in float32 on an AVX2
 # EPYC, about 6x slower (docs/PERFORMANCE.md, issue 22); float16 has no fast path without avx512_fp16/AMX-FP16.
@@ -117,13 +127,21 @@ _NEVER = 1 << 30
 # What runs around int8 linears (norms, attention, the dequantized outputs) with --quantization int8 and
 # --dtype auto: bfloat16 where it is native, as fast as bf16 models there; float32 elsewhere.
 _INT8_ACTIVATIONS = {
-    "amx": "bfloat16", "avx512_bf16": "bfloat16", "avx512": "float32", "avx2": "float32", "baseline": "float32",
+    "amx": "bfloat16",
+    "avx512_bf16": "bfloat16",
+    "avx512": "float32",
+    "avx2": "float32",
+    "baseline": "float32",
 }
 
 # --cpu-fusion auto: int8's quantize and dequantize steps compiled by inductor into one C++ loop each
 # (models/int8.py), on every class: they are memory-bound passes, whatever the vector width.
 _FUSION = {
-    "amx": "compiled", "avx512_bf16": "compiled", "avx512": "compiled", "avx2": "compiled", "baseline": "compiled",
+    "amx": "compiled",
+    "avx512_bf16": "compiled",
+    "avx512": "compiled",
+    "avx2": "compiled",
+    "baseline": "compiled",
 }
 FUSIONS = ("auto", "compiled", "eager")
 

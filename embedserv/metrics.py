@@ -21,35 +21,56 @@ _TOKENS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 # protocol: grpc or http; rpc: the RPC (TEI's prefixed tei.v1.) or the HTTP route; status: the protocol's
 # own (a gRPC code name, an HTTP status number).
 REQUESTS = Counter(
-    "embedserv_requests", "Calls by protocol, RPC or route, model and status", ["protocol", "rpc", "model", "status"],
+    "embedserv_requests",
+    "Calls by protocol, RPC or route, model and status",
+    ["protocol", "rpc", "model", "status"],
     registry=REGISTRY,
 )
 INPUTS = Counter(
-    "embedserv_request_inputs", "Inputs (texts, documents, prompts) of calls that succeeded",
-    ["protocol", "rpc", "model"], registry=REGISTRY,
+    "embedserv_request_inputs",
+    "Inputs (texts, documents, prompts) of calls that succeeded",
+    ["protocol", "rpc", "model"],
+    registry=REGISTRY,
 )
 INPUT_TOKENS = Counter(
-    "embedserv_input_tokens", "Tokens of the inputs of calls that succeeded", ["protocol", "rpc", "model"],
+    "embedserv_input_tokens",
+    "Tokens of the inputs of calls that succeeded",
+    ["protocol", "rpc", "model"],
     registry=REGISTRY,
 )
 GENERATED_TOKENS = Counter("embedserv_generated_tokens", "Tokens generated", ["model"], registry=REGISTRY)
 QUEUE_SECONDS = Histogram(
-    "embedserv_queue_seconds", "Time a call's first sequence waited for a batch", ["rpc", "model"],
-    buckets=_SECONDS, registry=REGISTRY,
+    "embedserv_queue_seconds",
+    "Time a call's first sequence waited for a batch",
+    ["rpc", "model"],
+    buckets=_SECONDS,
+    registry=REGISTRY,
 )
 TOKENIZATION_SECONDS = Histogram(
-    "embedserv_tokenization_seconds", "Time a call spent tokenizing", ["rpc", "model"],
-    buckets=_SECONDS, registry=REGISTRY,
+    "embedserv_tokenization_seconds",
+    "Time a call spent tokenizing",
+    ["rpc", "model"],
+    buckets=_SECONDS,
+    registry=REGISTRY,
 )
 INFERENCE_SECONDS = Histogram(
-    "embedserv_inference_seconds", "From a call's first batch starting to its last batch ending", ["rpc", "model"],
-    buckets=_SECONDS, registry=REGISTRY,
+    "embedserv_inference_seconds",
+    "From a call's first batch starting to its last batch ending",
+    ["rpc", "model"],
+    buckets=_SECONDS,
+    registry=REGISTRY,
 )
 BATCH_SEQUENCES = Histogram(
-    "embedserv_batch_sequences", "Sequences per forward pass (kind: prefill or generate step)", ["model", "kind"],
-    buckets=_SEQUENCES, registry=REGISTRY,
+    "embedserv_batch_sequences",
+    "Sequences per forward pass (kind: prefill or generate step)",
+    ["model", "kind"],
+    buckets=_SEQUENCES,
+    registry=REGISTRY,
 )
 BATCH_TOKENS = Histogram(
-    "embedserv_batch_tokens", "Tokens per forward pass (kind: prefill or generate step)", ["model", "kind"],
-    buckets=_TOKENS, registry=REGISTRY,
+    "embedserv_batch_tokens",
+    "Tokens per forward pass (kind: prefill or generate step)",
+    ["model", "kind"],
+    buckets=_TOKENS,
+    registry=REGISTRY,
 )

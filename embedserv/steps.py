@@ -95,7 +95,9 @@ class RaggedRows:
     def __post_init__(self) -> None:
         total = int(self.counts.sum()) if len(self.counts) else 0
         if len(self.counts) != len(self.request_ids) or len(self.values) != total:
-            raise ValueError(f"{len(self.values)} entries and {len(self.counts)} counts for {len(self.request_ids)} requests")
+            raise ValueError(
+                f"{len(self.values)} entries and {len(self.counts)} counts for {len(self.request_ids)} requests"
+            )
         if len(self.indices) not in (0, total):
             raise ValueError(f"{len(self.indices)} indices for {total} entries")
 

@@ -131,9 +131,16 @@ class CallTrace:
             _child("tokenization", context, run.received, run.tokenized)
             _child("queue", context, run.tokenized, run.first_start)
             for step in run.steps:
-                _child("batch", context, step.started, step.finished, {
-                    "embedserv.batch.sequences": step.sequences, "embedserv.batch.tokens": step.tokens,
-                })
+                _child(
+                    "batch",
+                    context,
+                    step.started,
+                    step.finished,
+                    {
+                        "embedserv.batch.sequences": step.sequences,
+                        "embedserv.batch.tokens": step.tokens,
+                    },
+                )
         if self.answered_at is not None:
             _child("response", context, self.answered_at, ended)
         self.span.set_attributes(attributes)
@@ -155,7 +162,10 @@ def start(name: str, received: float, carrier: Mapping[str, str], attributes: Ma
     from opentelemetry.trace import SpanKind
 
     span = _tracer.start_span(
-        name, context=propagate.extract(carrier), kind=SpanKind.SERVER, start_time=epoch_ns(received),
+        name,
+        context=propagate.extract(carrier),
+        kind=SpanKind.SERVER,
+        start_time=epoch_ns(received),
         attributes=attributes,
     )
     return CallTrace(span, received)

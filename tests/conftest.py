@@ -26,7 +26,10 @@ from tests.helpers.models import (
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", default=False, help="also run tests marked slow")
     parser.addoption(
-        "--data-parallel-size", type=int, default=0, metavar="N",
+        "--data-parallel-size",
+        type=int,
+        default=0,
+        metavar="N",
         help="run the model parity tests' engines in N worker processes (default: in process)",
     )
 

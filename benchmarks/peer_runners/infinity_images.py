@@ -46,8 +46,15 @@ async def run(job: dict) -> tuple[float, object]:
     model = job["model"]
     if json.loads((Path(model) / "config.json").read_text())["model_type"] == "clip":
         model = with_clip_tokenizer(model, Path(job["vectors"]).parent)
-    args = EngineArgs(model_name_or_path=model, engine="torch", device="cpu", dtype="float32",
-                      batch_size=job["batch"], bettertransformer=False, model_warmup=False)
+    args = EngineArgs(
+        model_name_or_path=model,
+        engine="torch",
+        device="cpu",
+        dtype="float32",
+        batch_size=job["batch"],
+        bettertransformer=False,
+        model_warmup=False,
+    )
     images = [Path(p).read_bytes() for p in job["images"]]
     engine = AsyncEmbeddingEngine.from_args(args)
     async with engine:

@@ -125,8 +125,14 @@ def vllm_server(python: str, model: str, name: str, precision: str, max_len: int
            "--dtype", DTYPES[precision], "--max-model-len", str(max_len), "--served-model-name", name,
            "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]  # fmt: skip
     base = f"http://127.0.0.1:{port}"
-    return Server(cmd, f"{base}/health", f"{base}/v1/embeddings", "openai", {"truncate_prompt_tokens": -1},
-                  setup=f"vllm.entrypoints.openai.api_server --dtype {DTYPES[precision]}")
+    return Server(
+        cmd,
+        f"{base}/health",
+        f"{base}/v1/embeddings",
+        "openai",
+        {"truncate_prompt_tokens": -1},
+        setup=f"vllm.entrypoints.openai.api_server --dtype {DTYPES[precision]}",
+    )
 
 
 def infinity_server(python: str, model: str, name: str, engine: str, pooling: str) -> Server:
@@ -148,5 +154,11 @@ def infinity_server(python: str, model: str, name: str, engine: str, pooling: st
     base = f"http://127.0.0.1:{port}"
     # Infinity's optimum engine sets no ONNX Runtime threads: ORT's default, one per physical core.
     defaults = "" if engine == "torch" else ", ONNX graph not optimized, ORT threads = physical cores"
-    return Server(cmd, f"{base}/health", f"{base}/embeddings", "openai", cwd=None if engine == "torch" else model,
-                  setup=f"infinity_emb v2 --engine {engine}; its defaults: batch size 32{defaults}")
+    return Server(
+        cmd,
+        f"{base}/health",
+        f"{base}/embeddings",
+        "openai",
+        cwd=None if engine == "torch" else model,
+        setup=f"infinity_emb v2 --engine {engine}; its defaults: batch size 32{defaults}",
+    )

@@ -70,8 +70,10 @@ def load_openvino(job: dict):
     file_name = quantize_openvino_static(model, read_texts(job, "calibration"), job["max_seq_length"], saved)
     model = SentenceTransformer(str(saved), device="cpu", backend="openvino",
                                 model_kwargs={"ov_config": ov_config, "file_name": file_name})  # fmt: skip
-    return model, (f"int8 = OpenVINO static quantization (NNCF via optimum-intel OVQuantizer: int8 weights and "
-                   f"activations), calibrated on {len(read_texts(job, 'calibration'))} corpus texts of another seed")
+    return model, (
+        f"int8 = OpenVINO static quantization (NNCF via optimum-intel OVQuantizer: int8 weights and "
+        f"activations), calibrated on {len(read_texts(job, 'calibration'))} corpus texts of another seed"
+    )
 
 
 def quantize_openvino_static(model, texts: list[str], max_length: int, saved: Path) -> str:
@@ -115,8 +117,13 @@ def main() -> None:
         return model.encode(batch, batch_size=job["batch_size"], convert_to_numpy=True)
 
     seconds, vectors = warm_then_best_of(job, encode, texts)
-    write_result(job, vectors, seconds=seconds, load_seconds=load_seconds,
-                 setup=f"{setup}; encode(batch_size={job['batch_size']})")
+    write_result(
+        job,
+        vectors,
+        seconds=seconds,
+        load_seconds=load_seconds,
+        setup=f"{setup}; encode(batch_size={job['batch_size']})",
+    )
 
 
 if __name__ == "__main__":

@@ -32,8 +32,13 @@ def main() -> None:
         return [output.outputs.embedding for output in outputs]
 
     seconds, vectors = warm_then_best_of(job, embed, texts)
-    write_result(job, vectors, seconds=seconds, load_seconds=load_seconds,
-                 setup=f"LLM.embed(all texts), dtype {DTYPES[job['precision']]}, max_model_len {job['max_seq_length']}")
+    write_result(
+        job,
+        vectors,
+        seconds=seconds,
+        load_seconds=load_seconds,
+        setup=f"LLM.embed(all texts), dtype {DTYPES[job['precision']]}, max_model_len {job['max_seq_length']}",
+    )
 
 
 if __name__ == "__main__":

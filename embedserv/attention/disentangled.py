@@ -91,9 +91,7 @@ def content_position_scores(
     return c2p, p2c
 
 
-def sequence_bias(
-    c2p: torch.Tensor | None, p2c: torch.Tensor | None, rows: torch.Tensor
-) -> torch.Tensor:
+def sequence_bias(c2p: torch.Tensor | None, p2c: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
     """The [..., H, Lq, Lk] float32 bias of sequences of one length from content_position_scores;
     `rows` [Lq, Lk]: DisentangledPositions.rows of their positions."""
     bias = None

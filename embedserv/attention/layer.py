@@ -124,12 +124,19 @@ class Attention(nn.Module):
             elif self.is_kv_source:
                 context.shared_kv.put(self.layer_index, k, v)
         if positions is not None:
-            positions = PositionProjections(*(
-                None if p is None else p.view(-1, self.num_heads, self.head_size)
-                for p in (positions.keys, positions.queries)
-            ))
+            positions = PositionProjections(
+                *(
+                    None if p is None else p.view(-1, self.num_heads, self.head_size)
+                    for p in (positions.keys, positions.queries)
+                )
+            )
         out = context.attn_backend.forward(
-            self, _real_rows(q, num_queries).view(-1, self.num_heads, self.head_size), k, v, kv_cache, meta,
+            self,
+            _real_rows(q, num_queries).view(-1, self.num_heads, self.head_size),
+            k,
+            v,
+            kv_cache,
+            meta,
             positions=positions,
         ).reshape(-1, self.num_heads * self.head_size)
         if num_queries < rows:

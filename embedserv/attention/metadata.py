@@ -146,7 +146,10 @@ def build_cross_metadata(
 
 
 def build_suffix_metadata(
-    seq_lens_q: np.ndarray, seq_lens_k: np.ndarray, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    seq_lens_q: np.ndarray,
+    seq_lens_k: np.ndarray,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
     is_causal: bool,
 ) -> CommonAttentionMetadata:
     """KV-free queries that are the last seq_lens_q of their sequence's seq_lens_k keys (the prefill skip's

@@ -19,7 +19,9 @@ import torch
 from torch import nn
 
 
-def relative_position_bucket(distance: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int) -> torch.Tensor:
+def relative_position_bucket(
+    distance: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int
+) -> torch.Tensor:
     """transformers' T5Attention._relative_position_bucket, for `distance` = key - query positions."""
     buckets = torch.zeros_like(distance)
     if bidirectional:
@@ -30,9 +32,12 @@ def relative_position_bucket(distance: torch.Tensor, bidirectional: bool, num_bu
         distance = -torch.clamp(distance, max=0)
     max_exact = num_buckets // 2
     is_small = distance < max_exact
-    large = max_exact + (
-        torch.log(distance.float() / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
-    ).long()
+    large = (
+        max_exact
+        + (
+            torch.log(distance.float() / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
+        ).long()
+    )
     large = torch.clamp(large, max=num_buckets - 1)
     return buckets + torch.where(is_small, distance, large)
 
@@ -51,11 +56,15 @@ class RelativePositionBias(nn.Module):
 
     def distance_table(self) -> torch.Tensor:
         """[num_heads, 2 * max_distance + 1] float32: the bias of distance d (key - query) at d + max_distance."""
-        distance = torch.arange(-self.max_distance, self.max_distance + 1, device=self.relative_attention_bias.weight.device)
+        distance = torch.arange(
+            -self.max_distance, self.max_distance + 1, device=self.relative_attention_bias.weight.device
+        )
         buckets = relative_position_bucket(distance, self.bidirectional, self.num_buckets, self.max_distance)
         return self.relative_attention_bias(buckets).float().t().contiguous()
 
-    def bias(self, query_positions: torch.Tensor, key_positions: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
+    def bias(
+        self, query_positions: torch.Tensor, key_positions: torch.Tensor, table: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """[num_heads, len(query_positions), len(key_positions)] float32, from the table (computed if None)."""
         table = self.distance_table() if table is None else table
         distance = (key_positions[None, :] - query_positions[:, None]).clamp(-self.max_distance, self.max_distance)

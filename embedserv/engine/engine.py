@@ -60,7 +60,10 @@ class AdapterCore:
         return await self.base.tokenize_with(encode, *args, chars=chars)
 
     async def infer(
-        self, sequences: list[InputSequence], received: float, wanted: tuple[EmbedOutput, ...] = (),
+        self,
+        sequences: list[InputSequence],
+        received: float,
+        wanted: tuple[EmbedOutput, ...] = (),
         use_cache: bool = True,
     ) -> Inferred:
         # The adapter joins each sequence, and so the embedding cache's key (every field of InputSequence).
@@ -68,7 +71,10 @@ class AdapterCore:
         return await self.base.infer(sequences, received, wanted, use_cache)
 
     def generate(
-        self, prompt: str | list[int], params: SamplingParams, decoder_prompt: str = "",
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        decoder_prompt: str = "",
         add_special_tokens: bool = True,
     ) -> AsyncIterator[GenerationDelta]:
         return self.base.generate(prompt, params, decoder_prompt, add_special_tokens)

@@ -66,7 +66,10 @@ class Core(Protocol):
         ...
 
     async def infer(
-        self, sequences: list[InputSequence], received: float, wanted: tuple[EmbedOutput, ...] = (),
+        self,
+        sequences: list[InputSequence],
+        received: float,
+        wanted: tuple[EmbedOutput, ...] = (),
         use_cache: bool = True,
     ) -> Inferred:
         """Every sequence through the scheduler: outputs in input order, the input tokens run (usage), and the
@@ -75,7 +78,10 @@ class Core(Protocol):
         ...
 
     def generate(
-        self, prompt: str | list[int], params: SamplingParams, decoder_prompt: str = "",
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        decoder_prompt: str = "",
         add_special_tokens: bool = True,
     ) -> AsyncIterator[GenerationDelta]:
         """Streams the text the model appends to `prompt`; the last delta carries the finish reason.

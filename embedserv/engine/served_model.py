@@ -166,9 +166,18 @@ def log_spec(served: ServedModel, config: ModelConfig) -> None:
         what += f" ({len(task.labels)} labels{', multi-label' if task.multi_label else ''})"
     logger.info(
         "model %s at %s: %s for %s, %s attention (%s) via %s, %s pooling, dim %d, max %d tokens, %s on %s",
-        info.name, served.spec.model_dir, info.architecture, what, "causal" if info.is_causal else "bidirectional",
-        "from --attention" if config.attention else "from the model config", info.attention_backend,
-        info.pooling, info.dimension, info.max_input_tokens, info.dtype, info.device,
+        info.name,
+        served.spec.model_dir,
+        info.architecture,
+        what,
+        "causal" if info.is_causal else "bidirectional",
+        "from --attention" if config.attention else "from the model config",
+        info.attention_backend,
+        info.pooling,
+        info.dimension,
+        info.max_input_tokens,
+        info.dtype,
+        info.device,
     )
     if info.device == "cpu":
         logger.info("model %s: CPU %s", info.name, cpu_isa.detect().summary())
@@ -178,9 +187,12 @@ def log_spec(served: ServedModel, config: ModelConfig) -> None:
     if info.kv_shared_layers:
         logger.info(
             "model %s: %d layers reuse an earlier layer's KV cache (%s); --kv-sharing-fast-prefill is %s",
-            info.name, len(info.kv_shared_layers), ", ".join(f"{a}<-{b}" for a, b in info.kv_shared_layers),
+            info.name,
+            len(info.kv_shared_layers),
+            ", ".join(f"{a}<-{b}" for a, b in info.kv_shared_layers),
             "on: the layers after the last KV writer run only the rows whose output is read"
-            if info.kv_sharing_fast_prefill else "off",
+            if info.kv_sharing_fast_prefill
+            else "off",
         )
 
 

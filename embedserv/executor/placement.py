@@ -33,7 +33,7 @@ def place_workers(config: ModelConfig, num_gpus: int, cores: list[int]) -> list[
     if config.device == "cpu":
         share = max(1, len(cores) // n)
         pin = n > 1 and len(cores) % n == 0
-        return [Placement("cpu", share, tuple(cores[i * share:(i + 1) * share]) if pin else None) for i in range(n)]
+        return [Placement("cpu", share, tuple(cores[i * share : (i + 1) * share]) if pin else None) for i in range(n)]
     threads = max(1, len(cores) // n)
     if ":" in config.device:
         if n > config.replicas_per_device:

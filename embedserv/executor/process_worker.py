@@ -186,7 +186,10 @@ class ProcessWorker:
 
     async def _receive(self, outbox: zmq.asyncio.Socket) -> None:
         handlers = {
-            Ready: self._ready_message, LoadFailed: self._load_failed, StepDone: self._answer, StepFailed: self._answer,
+            Ready: self._ready_message,
+            LoadFailed: self._load_failed,
+            StepDone: self._answer,
+            StepFailed: self._answer,
         }
         try:
             while True:
@@ -237,7 +240,11 @@ class ProcessWorker:
             delay = min(_MAX_RESTART_DELAY_S, 0.5 * 2**failures)
             logger.error(
                 "worker %s (pid %d) died (exit code %s%s); starting a new one in %.1f s",
-                self.name, self._proc.pid, code, f": {self._failure}" if self._failure else "", delay,
+                self.name,
+                self._proc.pid,
+                code,
+                f": {self._failure}" if self._failure else "",
+                delay,
             )
             await asyncio.sleep(delay)
             self.restarts += 1
@@ -252,7 +259,9 @@ class ProcessWorker:
             if self._pending and stalled > self.config.worker_timeout:
                 logger.error(
                     "worker %s (pid %d) made no progress for %.0f s (--worker-timeout); killing it",
-                    self.name, self._proc.pid, stalled,
+                    self.name,
+                    self._proc.pid,
+                    stalled,
                 )
                 self._proc.kill()
             await asyncio.sleep(_POLL_S)

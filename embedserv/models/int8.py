@@ -45,8 +45,13 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def dequantize(
-    out: torch.Tensor, low: torch.Tensor, spread: torch.Tensor, terms: torch.Tensor,
-    activation, residual: torch.Tensor | None, dtype: torch.dtype,
+    out: torch.Tensor,
+    low: torch.Tensor,
+    spread: torch.Tensor,
+    terms: torch.Tensor,
+    activation,
+    residual: torch.Tensor | None,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
     """Step 3: `terms` is [2, n]: the weight as the int8 matmul sees it summed per output, and the bias.
     `activation` is a function of one tensor or None."""
@@ -100,8 +105,12 @@ class Fused:
             cause = exc
             while cause.__cause__ is not None:
                 cause = cause.__cause__
-            logger.warning("int8 %s: compiled kernel unavailable (%s: %s); running it eagerly", self.name,
-                           type(cause).__name__, (str(cause).strip().splitlines() or [""])[-1][:300])
+            logger.warning(
+                "int8 %s: compiled kernel unavailable (%s: %s); running it eagerly",
+                self.name,
+                type(cause).__name__,
+                (str(cause).strip().splitlines() or [""])[-1][:300],
+            )
             logger.debug("int8 %s: the compile failed", self.name, exc_info=exc)
             return self._eager(*args)
 
@@ -116,8 +125,13 @@ def _compile_in_process() -> None:
 
 def _copy(function: types.FunctionType) -> types.FunctionType:
     """`function` with a code object of its own."""
-    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
-                              function.__defaults__, function.__closure__)
+    return types.FunctionType(
+        function.__code__.replace(),
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
 
 
 _QUANTIZE = Fused("quantize", quantize_rows, quantize_rows)
@@ -148,7 +162,19 @@ class Int8Weight:
     def product(self, q: torch.Tensor) -> torch.Tensor:
         """oneDNN's int8 matmul of quantized rows: float32 `q / 255 @ (int8 W * scales).T`."""
         return torch.ops.onednn.qlinear_pointwise(
-            q, 1 / 255, 0, self.packed, self.scales, self.zero_points, None, 1.0, 0, torch.float32, "none", [], "",
+            q,
+            1 / 255,
+            0,
+            self.packed,
+            self.scales,
+            self.zero_points,
+            None,
+            1.0,
+            0,
+            torch.float32,
+            "none",
+            [],
+            "",
         )
 
     def matmul(self, x: torch.Tensor, activation=None, residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -105,7 +105,10 @@ class EncoderDecoderModel(Model, Protocol):
         return 1.0
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, encoder_input_ids: torch.Tensor | None = None,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        encoder_input_ids: torch.Tensor | None = None,
         encoder_positions: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
@@ -122,7 +125,10 @@ class DualEncoderModel(Model, Protocol):
         raise NotImplementedError
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, pixel_values: torch.Tensor | None = None,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        pixel_values: torch.Tensor | None = None,
         image_grids: tuple[tuple[int, ...], ...] = (),
     ) -> torch.Tensor: ...
 

@@ -114,7 +114,11 @@ def head_dim(config) -> int:
     T5 calls it d_kv. Configs with per-layer sizes (Gemma 4) give their largest."""
     if is_heterogeneous(config):
         return max(head_dim(layer) for layer in config.per_layer_config)
-    return getattr(config, "head_dim", None) or getattr(config, "d_kv", None) or config.hidden_size // config.num_attention_heads
+    return (
+        getattr(config, "head_dim", None)
+        or getattr(config, "d_kv", None)
+        or config.hidden_size // config.num_attention_heads
+    )
 
 
 def num_kv_heads(config) -> int:
@@ -217,8 +221,14 @@ def warm_linear_row_counts(
     def record(module: Linear, args: tuple, kwargs: dict) -> None:
         x, residual = args[0], kwargs.get("residual", args[1] if len(args) > 1 else None)
         signature = (
-            module.in_features, module.out_features, module.bias is None, module._int8 is not None,
-            module._packed is not None, module.activation, x.dtype, residual is not None,
+            module.in_features,
+            module.out_features,
+            module.bias is None,
+            module._int8 is not None,
+            module._packed is not None,
+            module.activation,
+            x.dtype,
+            residual is not None,
         )
         calls.setdefault(signature, (module, residual is not None))
 
@@ -245,7 +255,9 @@ def warm_linear_row_counts(
     return made
 
 
-def packed_linear(in_features: int, shard_sizes: tuple[int, ...], bias: bool = True, activation: str | None = None) -> Linear:
+def packed_linear(
+    in_features: int, shard_sizes: tuple[int, ...], bias: bool = True, activation: str | None = None
+) -> Linear:
     """A Linear whose output stacks checkpoint shards of `shard_sizes` (q/k/v, gate/up): one matmul for all."""
     linear = Linear(in_features, sum(shard_sizes), bias=bias, activation=activation)
     linear.shard_sizes = tuple(shard_sizes)

@@ -42,8 +42,26 @@ from embedserv.models.loading.multi_vector_files import MultiVectorSettings, rea
 
 # The family files, each with its FAMILY record and its DOCS (loading/family.FamilyDocs), in table order.
 FAMILY_MODULES = (
-    bert, llama, gemma, gemma4, t5, bart, nomic_bert, gte, mpnet, distilbert, electra, deberta_v2, modernbert,
-    eurobert, jina_v3, clip, siglip, siglip2, colqwen2, colpali,
+    bert,
+    llama,
+    gemma,
+    gemma4,
+    t5,
+    bart,
+    nomic_bert,
+    gte,
+    mpnet,
+    distilbert,
+    electra,
+    deberta_v2,
+    modernbert,
+    eurobert,
+    jina_v3,
+    clip,
+    siglip,
+    siglip2,
+    colqwen2,
+    colpali,
 )
 FAMILIES: tuple[Family, ...] = tuple(module.FAMILY for module in FAMILY_MODULES)
 _BY_MODEL_TYPE: dict[str, Family] = {model_type: family for family in FAMILIES for model_type in family.model_types}
@@ -143,9 +161,7 @@ HEAD_KINDS: dict[str, HeadKind] = {
     "hidden": HeadKind(),
     "splade": HeadKind(sparse_head=lambda spec, allow_pickle: splade.build_splade_head(spec)),
     "multi_vector_encoder": HeadKind(token_head=multi_vector.build_token_head, token_settings=_multi_vector_settings),
-    "bge_m3": HeadKind(
-        sparse_head=bge_m3.build_sparse_head, token_head=bge_m3.build_colbert_head, skip_first_tokens=1
-    ),
+    "bge_m3": HeadKind(sparse_head=bge_m3.build_sparse_head, token_head=bge_m3.build_colbert_head, skip_first_tokens=1),
     # ColQwen2 / ColPali: the projection and L2 norm on every token (queries and page images alike).
     "vision_retrieval": HeadKind(token_head=vision_retrieval.build_projection_head),
 }

@@ -91,7 +91,9 @@ class BlockManager:
                 self._release(block_id)
         block_ids.clear()
 
-    def allocate_cached_prefix(self, block_ids: list[int], token_ids: Sequence[int], root_hash: int | None = None) -> int:
+    def allocate_cached_prefix(
+        self, block_ids: list[int], token_ids: Sequence[int], root_hash: int | None = None
+    ) -> int:
         """Takes references to the cached full blocks matching the leading tokens of a new sequence.
 
         `root_hash` starts the chain: what the tokens' keys and values depend on besides the tokens (an

@@ -56,10 +56,15 @@ class KvCacheManager:
     def blocks_needed(self, request: Request, num_tokens: int) -> list[int]:
         """Blocks per group for a table covering `num_tokens` decoder tokens."""
         encoder_len = len(request.encoder_token_ids)
-        return [m.blocks_needed(encoder_len if g.fixed else num_tokens) for g, m in zip(self.groups, self.managers, strict=True)]
+        return [
+            m.blocks_needed(encoder_len if g.fixed else num_tokens)
+            for g, m in zip(self.groups, self.managers, strict=True)
+        ]
 
     def can_ever_fit(self, request: Request, num_tokens: int) -> bool:
-        return all(n <= m.num_blocks for n, m in zip(self.blocks_needed(request, num_tokens), self.managers, strict=True))
+        return all(
+            n <= m.num_blocks for n, m in zip(self.blocks_needed(request, num_tokens), self.managers, strict=True)
+        )
 
     def covers(self, request: Request, num_tokens: int) -> bool:
         """Every table of the request already holds `num_tokens` tokens: the common decode step, which then

@@ -92,22 +92,24 @@ class PrefillOnlyScheduler:
 
 def batch_of(requests: list[Request]) -> StepBatch:
     """The step that computes `requests` (prefill-only: every token of each, no KV)."""
-    return StepBatch(sequences=tuple(
-        ScheduledSequence(
-            request_id=request.request_id,
-            token_ids=tuple(request.prompt_token_ids),
-            output=request.output,
-            pool_start=request.pool_start,
-            token_type_ids=None if request.token_type_ids is None else tuple(request.token_type_ids),
-            encoder_token_ids=tuple(request.encoder_token_ids),
-            encoder_len=len(request.encoder_token_ids),
-            outputs=request.outputs,
-            adapter=request.adapter,
-            pixels=request.pixels,
-            image_grid=request.image_grid,
+    return StepBatch(
+        sequences=tuple(
+            ScheduledSequence(
+                request_id=request.request_id,
+                token_ids=tuple(request.prompt_token_ids),
+                output=request.output,
+                pool_start=request.pool_start,
+                token_type_ids=None if request.token_type_ids is None else tuple(request.token_type_ids),
+                encoder_token_ids=tuple(request.encoder_token_ids),
+                encoder_len=len(request.encoder_token_ids),
+                outputs=request.outputs,
+                adapter=request.adapter,
+                pixels=request.pixels,
+                image_grid=request.image_grid,
+            )
+            for request in requests
         )
-        for request in requests
-    ))
+    )
 
 
 def _cost(request: Request) -> int:

@@ -108,7 +108,8 @@ async def run(config: ServerConfig) -> None:
             freeze_start_up_objects()
             logger.info(
                 "%s: draining; refusing new calls, up to %.0f s for those in flight (signal again to cancel them)",
-                signal.Signals(await first_signal).name, config.drain_timeout,
+                signal.Signals(await first_signal).name,
+                config.drain_timeout,
             )
     finally:
         first_signal.cancel()

@@ -128,7 +128,8 @@ class Call:
             inference = min(_ms(self.timing.inference_us), total - queue)
             tokenization = min(_ms(self.timing.tokenization_us), total - queue - inference)
             fields += [
-                ("x-tokenization-time", str(tokenization)), ("x-queue-time", str(queue)),
+                ("x-tokenization-time", str(tokenization)),
+                ("x-queue-time", str(queue)),
                 ("x-inference-time", str(inference)),
             ]
         return fields
@@ -138,13 +139,22 @@ class Call:
         if self.trace is not None:
             self._end_trace(status)
         logger.debug(
-            "request %s: %s %s model=%s inputs=%d tokens=%d status=%s in %.1f ms", self.request_id, self.protocol,
-            self.rpc, self.model or "-", self.inputs, self.tokens, status, (time.perf_counter() - self.received) * 1e3,
+            "request %s: %s %s model=%s inputs=%d tokens=%d status=%s in %.1f ms",
+            self.request_id,
+            self.protocol,
+            self.rpc,
+            self.model or "-",
+            self.inputs,
+            self.tokens,
+            status,
+            (time.perf_counter() - self.received) * 1e3,
         )
 
     def _end_trace(self, status: str) -> None:
         attributes: dict[str, object] = {
-            "embedserv.model": self.model, "embedserv.inputs": self.inputs, "embedserv.tokens": self.tokens,
+            "embedserv.model": self.model,
+            "embedserv.inputs": self.inputs,
+            "embedserv.tokens": self.tokens,
         }
         if self.protocol == "http":
             code = int(status) if status.isdigit() else 0

@@ -73,9 +73,7 @@ class ServedModels:
         base, colon, adapter = name.partition(":")
         if colon and base in self.names:
             if self.lora_bases.get(adapter) != base:
-                raise AdapterNotFound(
-                    f"model {base!r} has no LoRA adapter {adapter!r}; served models: {self.served()}"
-                )
+                raise AdapterNotFound(f"model {base!r} has no LoRA adapter {adapter!r}; served models: {self.served()}")
             name = adapter
         elif name not in self.names and name not in self.lora_bases:
             raise ModelNotFound(f"model {name!r} is not served here; served models: {self.served()}")

@@ -129,7 +129,9 @@ class FrontendServer:
         if config.api_key:
             security.append("API key")
         logger.info(
-            "listening on %s:%d%s (NOT_SERVING until the models are warm)", config.host, self.port,
+            "listening on %s:%d%s (NOT_SERVING until the models are warm)",
+            config.host,
+            self.port,
             f" with {' and '.join(security)}" if security else "",
         )
 

@@ -17,7 +17,8 @@ def load_families(models: list[tuple[ModelInfo, CoreStats]]):
     """The families of ServerCollector's load gauges, for every model of this process."""
     ours = {
         "requests_waiting": GaugeMetricFamily(
-            "embedserv_requests_waiting", "API calls admitted whose sequences have not started a batch yet",
+            "embedserv_requests_waiting",
+            "API calls admitted whose sequences have not started a batch yet",
             labels=["model"],
         ),
         "requests_running": GaugeMetricFamily(
@@ -41,11 +42,13 @@ def load_families(models: list[tuple[ModelInfo, CoreStats]]):
         "vllm:num_requests_running", "embedserv_requests_running under vLLM's name", labels=["model_name"]
     )
     kv_usage = GaugeMetricFamily(
-        "vllm:kv_cache_usage_perc", "Share of the KV cache blocks in use, 0..1 (0: the model keeps no KV cache)",
+        "vllm:kv_cache_usage_perc",
+        "Share of the KV cache blocks in use, 0..1 (0: the model keeps no KV cache)",
         labels=["model_name"],
     )
     cache_config = GaugeMetricFamily(
-        "vllm:cache_config_info", "The KV cache's size (generating models; value 1, the labels tell)",
+        "vllm:cache_config_info",
+        "The KV cache's size (generating models; value 1, the labels tell)",
         labels=["model_name", "block_size", "num_gpu_blocks"],
     )
     lora = GaugeMetricFamily(

@@ -47,7 +47,8 @@ class ServerCollector(Collector):
             "embedserv_worker_busy_seconds", "Seconds a worker spent running batches", labels=["model", "worker"]
         )
         kv_usage = GaugeMetricFamily(
-            "embedserv_kv_cache_usage_ratio", "Share of the KV cache blocks in use (generating models)",
+            "embedserv_kv_cache_usage_ratio",
+            "Share of the KV cache blocks in use (generating models)",
             labels=["model"],
         )
         kv_blocks = GaugeMetricFamily("embedserv_kv_cache_blocks", "KV cache blocks", labels=["model", "state"])
@@ -127,7 +128,11 @@ class MetricsServer:
     """/metrics over HTTP in a thread of its own (prometheus-client's WSGI server)."""
 
     def __init__(
-        self, host: str, port: int, cores: Callable[[], list[LocalCore]], in_flight: Callable[[], int],
+        self,
+        host: str,
+        port: int,
+        cores: Callable[[], list[LocalCore]],
+        in_flight: Callable[[], int],
         frontends_dir: str | None = None,
     ) -> None:
         """`frontends_dir`: where the front-end processes keep their counters and histograms (frontends.py);

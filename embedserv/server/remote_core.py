@@ -90,7 +90,11 @@ class FrontendLink:
                 waiter.set_result(message)
 
     async def infer(
-        self, model: str, sequences: list[InputSequence], received: float, wanted: tuple[EmbedOutput, ...],
+        self,
+        model: str,
+        sequences: list[InputSequence],
+        received: float,
+        wanted: tuple[EmbedOutput, ...],
         use_cache: bool = True,
     ) -> InferDone:
         call_id = next(self._ids)
@@ -155,7 +159,10 @@ class RemoteCore:
         return await self._tokenizer_pool.run(encode, args, chars)
 
     async def infer(
-        self, sequences: list[InputSequence], received: float, wanted: tuple[EmbedOutput, ...] = (),
+        self,
+        sequences: list[InputSequence],
+        received: float,
+        wanted: tuple[EmbedOutput, ...] = (),
         use_cache: bool = True,
     ) -> Inferred:
         done = await self.link.infer(self.name, sequences, received, wanted, use_cache)
@@ -164,7 +171,10 @@ class RemoteCore:
         return Inferred(done.outputs, done.tokens, timing)
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, decoder_prompt: str = "",
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        decoder_prompt: str = "",
         add_special_tokens: bool = True,
     ) -> AsyncIterator[GenerationDelta]:
         if not isinstance(prompt, str):

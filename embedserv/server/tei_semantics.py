@@ -58,7 +58,10 @@ def tei_tokens(engine: Engine, text: str, prompt_name: str | None, tokenized: To
     for char in seen:
         byte_at.append(byte_at[-1] + len(char.encode("utf-8", "surrogatepass")))
     return [
-        TeiToken(i, token, True, None, None) if special
+        TeiToken(i, token, True, None, None)
+        if special
         else TeiToken(i, seen[start:stop], False, byte_at[start], byte_at[stop])
-        for i, token, (start, stop), special in zip(tokenized.ids, tokenized.tokens, tokenized.offsets, tokenized.special, strict=True)
+        for i, token, (start, stop), special in zip(
+            tokenized.ids, tokenized.tokens, tokenized.offsets, tokenized.special, strict=True
+        )
     ]

@@ -40,8 +40,10 @@ TRIM_THRESHOLD_BYTES = 2**30
 
 # Where distributions put tcmalloc (Debian/Ubuntu's libtcmalloc-minimal4, Fedora's gperftools-libs).
 _TCMALLOC_PATHS = (
-    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
-    "/usr/lib64/libtcmalloc_minimal.so.4", "/usr/lib/libtcmalloc_minimal.so.4",
+    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+    "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
+    "/usr/lib64/libtcmalloc_minimal.so.4",
+    "/usr/lib/libtcmalloc_minimal.so.4",
 )
 
 
@@ -69,8 +71,10 @@ def worker_environment(requested: str, device: str) -> dict[str, str]:
     path = find_tcmalloc()
     if path is None:
         if requested == "tcmalloc":
-            raise ConfigError("--cpu-allocator tcmalloc: no libtcmalloc_minimal.so.4 found; install tcmalloc "
-                              "(Debian/Ubuntu: apt install libtcmalloc-minimal4) or use --cpu-allocator auto")
+            raise ConfigError(
+                "--cpu-allocator tcmalloc: no libtcmalloc_minimal.so.4 found; install tcmalloc "
+                "(Debian/Ubuntu: apt install libtcmalloc-minimal4) or use --cpu-allocator auto"
+            )
         return {}
     preload = " ".join(filter(None, (os.environ.get("LD_PRELOAD"), path)))
     return {"LD_PRELOAD": preload}

@@ -68,9 +68,18 @@ class _Packing(NamedTuple):
 
 class InputBuilder:
     def __init__(
-        self, device: torch.device, position_offset: int, is_causal: bool, block_size: int = 0,
-        fixed_groups: tuple[bool, ...] = (), is_encoder_decoder: bool = False, prefill_skip: bool = False,
-        rows_read_last: bool = False, pad_rows: bool = False, lora: bool = False, token_types: bool = False,
+        self,
+        device: torch.device,
+        position_offset: int,
+        is_causal: bool,
+        block_size: int = 0,
+        fixed_groups: tuple[bool, ...] = (),
+        is_encoder_decoder: bool = False,
+        prefill_skip: bool = False,
+        rows_read_last: bool = False,
+        pad_rows: bool = False,
+        lora: bool = False,
+        token_types: bool = False,
         task_adapters: bool = False,
     ) -> None:
         self.device = device

@@ -103,10 +103,15 @@ def kv_cache_groups(model: nn.Module, block_size: int, dtype: torch.dtype) -> li
         kinds = {layer.kind for layer in layers}
         if len(kinds) != 1:
             raise ValueError(f"KV-cache group {group} mixes layer kinds: {sorted(kind.value for kind in kinds)}")
-        specs.append(KvCacheGroupSpec(
-            block_size, dtype, tuple(layer.layer_index for layer in layers),
-            tuple((layer.num_kv_heads, layer.head_size) for layer in layers), fixed=kinds.pop() is AttentionKind.CROSS,
-        ))
+        specs.append(
+            KvCacheGroupSpec(
+                block_size,
+                dtype,
+                tuple(layer.layer_index for layer in layers),
+                tuple((layer.num_kv_heads, layer.head_size) for layer in layers),
+                fixed=kinds.pop() is AttentionKind.CROSS,
+            )
+        )
     return specs
 
 
@@ -115,7 +120,9 @@ def kv_cache_bytes(memory: float, device: torch.device) -> int:
     if memory > 1:
         return int(memory)
     if device.type != "cuda":
-        raise ConfigError(f"--kv-cache-memory {memory} is a fraction, which needs CUDA; on {device.type} give bytes (e.g. 2GiB)")
+        raise ConfigError(
+            f"--kv-cache-memory {memory} is a fraction, which needs CUDA; on {device.type} give bytes (e.g. 2GiB)"
+        )
     free, _ = torch.cuda.mem_get_info(device)
     return int(free * memory)
 
@@ -133,7 +140,10 @@ def num_kv_blocks(memory: float, groups: list[KvCacheGroupSpec], device: torch.d
 
 
 def allocate_kv_caches(
-    model: nn.Module, groups: list[KvCacheGroupSpec], num_blocks: int, backend: AttentionBackend,
+    model: nn.Module,
+    groups: list[KvCacheGroupSpec],
+    num_blocks: int,
+    backend: AttentionBackend,
     device: torch.device,
 ) -> list[torch.Tensor | None]:
     """One cache tensor per owning layer, by layer_index; None for layers that own none."""

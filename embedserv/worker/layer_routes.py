@@ -136,6 +136,10 @@ def forward_context_for(
     if not isinstance(attn_metadata, (tuple, list)):
         attn_metadata = (attn_metadata,)
     return routes.context(
-        attn_backend, attn_metadata, routes.kv_caches(kv_caches) if kv_caches else None, encoder_metadata,
-        cross_metadata, skip,
+        attn_backend,
+        attn_metadata,
+        routes.kv_caches(kv_caches) if kv_caches else None,
+        encoder_metadata,
+        cross_metadata,
+        skip,
     )

@@ -102,9 +102,16 @@ class ModelRunner:
         # Resolved once: a KvCache keeps its tensors for its lifetime.
         self.layer_kv_caches = self.routes.kv_caches(kv_cache.tensors) if kv_cache is not None else None
         self.input_builder = InputBuilder(
-            device, model.position_offset, is_causal, block_size, fixed, self.is_encoder_decoder,
-            prefill_skip=self.skip_layer is not None, rows_read_last=rows_read_last,
-            pad_rows=pad_rows and device.type == "cpu", lora=self.has_lora,
+            device,
+            model.position_offset,
+            is_causal,
+            block_size,
+            fixed,
+            self.is_encoder_decoder,
+            prefill_skip=self.skip_layer is not None,
+            rows_read_last=rows_read_last,
+            pad_rows=pad_rows and device.type == "cpu",
+            lora=self.has_lora,
             token_types=model.kind is ModelKind.ENCODER and model.reads_token_types,
             task_adapters=model.kind is ModelKind.ENCODER and model.has_task_adapters,
         )
@@ -160,8 +167,12 @@ class ModelRunner:
         if inputs.vector_tokens is not None:
             vectors = self._vectors(hidden, inputs.vector_tokens)
         output = StepOutput(
-            inputs.rows.request_ids if inputs.rows is not None else (), rows,
-            inputs.samples.request_ids if inputs.samples is not None else (), tokens, sparse, vectors,
+            inputs.rows.request_ids if inputs.rows is not None else (),
+            rows,
+            inputs.samples.request_ids if inputs.samples is not None else (),
+            tokens,
+            sparse,
+            vectors,
         )
         return output if prepared.images is None else _joined(output, self.run(prepared.images))
 
@@ -195,7 +206,9 @@ class ModelRunner:
         seq, index, value = self.sparse_head(hidden, tokens)
         counts = torch.bincount(seq, minlength=tokens.num_seqs)
         return RaggedRows(
-            tokens.request_ids, counts.cpu().numpy().astype(np.int64), value.float().cpu().numpy(),
+            tokens.request_ids,
+            counts.cpu().numpy().astype(np.int64),
+            value.float().cpu().numpy(),
             index.cpu().numpy().astype(np.int64),
         )
 
@@ -222,8 +235,12 @@ class ModelRunner:
     def _warm_up_steps(self, max_tokens: int, max_batch_tokens: int) -> None:
         # A model without a row head warms up its sparse or token output; dual encoders pool through their own.
         pools = self.row_head is not None or self.is_dual_encoder
-        outputs = () if pools else (EmbedOutput.SPARSE,) if self.sparse_head is not None else (
-            (EmbedOutput.MULTI_VECTOR,) if self.token_head is not None else None
+        outputs = (
+            ()
+            if pools
+            else (EmbedOutput.SPARSE,)
+            if self.sparse_head is not None
+            else ((EmbedOutput.MULTI_VECTOR,) if self.token_head is not None else None)
         )
         if outputs is not None:
             kind = OutputKind.POOL
@@ -231,10 +248,14 @@ class ModelRunner:
             for size, adapter in product(warm_up_sizes(max_batch_tokens), (-1, 0) if self.has_lora else (-1,)):
                 full, rest = divmod(size, max_tokens)
                 lengths = [max_tokens] * full + ([rest] if rest else [])
-                self.execute(StepBatch(tuple(
-                    replace(self._warm_up_sequence(-1 - i, n, kind), outputs=outputs, adapter=adapter)
-                    for i, n in enumerate(lengths)
-                )))
+                self.execute(
+                    StepBatch(
+                        tuple(
+                            replace(self._warm_up_sequence(-1 - i, n, kind), outputs=outputs, adapter=adapter)
+                            for i, n in enumerate(lengths)
+                        )
+                    )
+                )
         if self.lm_head is not None and self.kv_cache is not None:
             self._warm_up_generation(_GENERATION_WARM_UP_TOKENS)
         if self.is_dual_encoder:
@@ -245,12 +266,20 @@ class ModelRunner:
         rows, patch_dim, grid = self.model.image_shape
         blank = np.zeros((rows, patch_dim), dtype=np.float32)
         for size in warm_up_sizes(max_batch_tokens):
-            self.execute(StepBatch(tuple(
-                ScheduledSequence(
-                    request_id=-1 - i, token_ids=(0,) * rows, output=OutputKind.POOL, pixels=blank, image_grid=grid
+            self.execute(
+                StepBatch(
+                    tuple(
+                        ScheduledSequence(
+                            request_id=-1 - i,
+                            token_ids=(0,) * rows,
+                            output=OutputKind.POOL,
+                            pixels=blank,
+                            image_grid=grid,
+                        )
+                        for i in range(max(1, size // rows))
+                    )
                 )
-                for i in range(max(1, size // rows))
-            )))
+            )
 
     def _warm_up_sequence(self, request_id: int, length: int, kind: OutputKind) -> ScheduledSequence:
         if not self.is_encoder_decoder:
@@ -273,19 +302,35 @@ class ModelRunner:
         # An encoder-decoder model's encoder takes the same length (the cross blocks are the same ids).
         encoder = (0,) * length if self.is_encoder_decoder else ()
         step = ScheduledSequence(
-            -1, (0,) * length, OutputKind.SAMPLE, 0, tables, True, greedy, encoder_token_ids=encoder, encoder_len=len(encoder)
+            -1,
+            (0,) * length,
+            OutputKind.SAMPLE,
+            0,
+            tables,
+            True,
+            greedy,
+            encoder_token_ids=encoder,
+            encoder_len=len(encoder),
         )
         self.execute(StepBatch((step,)))
         for offset in range(4):
-            self.execute(StepBatch((ScheduledSequence(
-                -1, (0,), OutputKind.SAMPLE, length + offset, tables, True, greedy, encoder_len=len(encoder)
-            ),)))
+            self.execute(
+                StepBatch(
+                    (
+                        ScheduledSequence(
+                            -1, (0,), OutputKind.SAMPLE, length + offset, tables, True, greedy, encoder_len=len(encoder)
+                        ),
+                    )
+                )
+            )
 
 
 def _joined(first: StepOutput, second: StepOutput) -> StepOutput:
     """Two passes' outputs as one step's (rows only: dual encoders give dense vectors)."""
-    rows = np.concatenate((first.rows, second.rows)) if len(first.rows) and len(second.rows) else (
-        first.rows if len(first.rows) else second.rows
+    rows = (
+        np.concatenate((first.rows, second.rows))
+        if len(first.rows) and len(second.rows)
+        else (first.rows if len(first.rows) else second.rows)
     )
     return StepOutput(first.row_request_ids + second.row_request_ids, rows, (), _NO_TOKENS)
 

@@ -54,11 +54,22 @@ class PagedPlan:
             if fixed not in by_lengths:
                 keys = self.encoder_lens if fixed else lens_k
                 by_lengths[fixed] = (
-                    keys, torch.from_numpy(keys).to(device), torch.from_numpy(cumulative_offsets(keys)).to(device)
+                    keys,
+                    torch.from_numpy(keys).to(device),
+                    torch.from_numpy(cumulative_offsets(keys)).to(device),
                 )
             keys, keys_t, cu_k = by_lengths[fixed]
-            out.append(build_paged_metadata(
-                lens_q, keys, cu_q, cu_k, slots, tables.view(self.num_seqs, width), keys_t, self.block_size,
-                cross=fixed,
-            ))
+            out.append(
+                build_paged_metadata(
+                    lens_q,
+                    keys,
+                    cu_q,
+                    cu_k,
+                    slots,
+                    tables.view(self.num_seqs, width),
+                    keys_t,
+                    self.block_size,
+                    cross=fixed,
+                )
+            )
         return tuple(out)

@@ -63,8 +63,15 @@ class SkipInputs:
 
 class SkipPlan:
     def __init__(
-        self, seqs, order: np.ndarray, packed_lens: np.ndarray, lens_k: np.ndarray, rows_read_last: bool, paged: bool,
-        padded: Callable[[int], int], parts: dict,
+        self,
+        seqs,
+        order: np.ndarray,
+        packed_lens: np.ndarray,
+        lens_k: np.ndarray,
+        rows_read_last: bool,
+        paged: bool,
+        padded: Callable[[int], int],
+        parts: dict,
     ) -> None:
         """`packed_lens`, `lens_k`: each sequence's queries and keys, in packed order; `padded`: the rows
         run for a number of kept rows. When the skip keeps fewer rows than the step has (`active`), its
@@ -126,11 +133,19 @@ class SkipPlan:
         cu_k = device_parts["skip_cu_seqlens_k"]
         # The layers after the last writer write nothing.
         no_slots = torch.empty(0, dtype=torch.int64, device=cu_q.device)
-        return SkipInputs(rows, tuple(
-            build_paged_metadata(
-                lens_q, self.lens_k, cu_q, cu_k, no_slots, common.block_tables.index_select(0, kept),
-                common.seq_lens_k.index_select(0, kept), common.block_size,
-            )
-            for common in full
-        ))
-
+        return SkipInputs(
+            rows,
+            tuple(
+                build_paged_metadata(
+                    lens_q,
+                    self.lens_k,
+                    cu_q,
+                    cu_k,
+                    no_slots,
+                    common.block_tables.index_select(0, kept),
+                    common.seq_lens_k.index_select(0, kept),
+                    common.block_size,
+                )
+                for common in full
+            ),
+        )

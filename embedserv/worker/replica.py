@@ -49,7 +49,9 @@ def _token_ids(spec: ModelSpec, yes: str, no: str) -> tuple[int, int]:
     backend = AutoTokenizer.from_pretrained(str(spec.model_dir), trust_remote_code=False).backend_tokenizer
     yes_id, no_id = backend.token_to_id(yes), backend.token_to_id(no)
     if yes_id is None or no_id is None:
-        raise ConfigError(f"{spec.model_dir}: a yes/no reranker needs {yes!r} and {no!r} tokens; its tokenizer lacks them")
+        raise ConfigError(
+            f"{spec.model_dir}: a yes/no reranker needs {yes!r} and {no!r} tokens; its tokenizer lacks them"
+        )
     return yes_id, no_id
 
 
@@ -106,7 +108,12 @@ def _kv_cache(config: ModelConfig, spec: ModelSpec, model) -> KvCache:
     tensors = allocate_kv_caches(model, groups, num_blocks, spec.backend, spec.device)
     logger.info(
         "%s: KV cache of %d blocks x %d tokens in %d group(s) on %s, %d tokens per request at most",
-        spec.info.name, num_blocks, spec.kv_block_size, len(groups), spec.device, spec.max_model_len,
+        spec.info.name,
+        num_blocks,
+        spec.kv_block_size,
+        len(groups),
+        spec.device,
+        spec.max_model_len,
     )
     return KvCache(tensors=tensors, groups=groups, num_blocks=num_blocks)
 
@@ -120,16 +127,26 @@ def build_runner(config: ModelConfig, spec: ModelSpec) -> ModelRunner:
         model.to(spec.dtype)
         fused, why = cpu_isa.fusion(config.cpu_fusion)
         int8.configure(fused == "compiled")
-        logger.info("%s: int8 linears, activations in %s; quantize and dequantize steps %s (%s)",
-                    spec.info.name, spec.dtype, fused, why)
+        logger.info(
+            "%s: int8 linears, activations in %s; quantize and dequantize steps %s (%s)",
+            spec.info.name,
+            spec.dtype,
+            fused,
+            why,
+        )
     else:
         model = build_model(spec.family, spec.hf_config, spec.files, spec.device, spec.dtype)
     adapter_heads = {}
     if spec.lora:
         # After int8: the adapters' updates stay in dtype, added to the int8 linears' outputs.
         wrapped, adapter_heads = attach_lora(model, spec.family, spec.lora, spec.dtype)
-        logger.info("%s: %d LoRA adapter(s) over %d linears, %d with a head of their own", spec.info.name,
-                    len(spec.lora), wrapped, len(adapter_heads))
+        logger.info(
+            "%s: %d LoRA adapter(s) over %d linears, %d with a head of their own",
+            spec.info.name,
+            len(spec.lora),
+            wrapped,
+            len(adapter_heads),
+        )
     lm_head = kv_cache = None
     if Task.GENERATE in spec.task.tasks:
         lm_head = build_lm_head(spec.family, spec.hf_config, spec.files, spec.device, spec.dtype)
@@ -137,10 +154,15 @@ def build_runner(config: ModelConfig, spec: ModelSpec) -> ModelRunner:
     # The heads that make sparse and token vectors (SPLADE, a MultiVectorEncoder's, bge-m3's), if any.
     heads = registry.head_kind(spec.outputs.head_kind)
     return ModelRunner(
-        model, spec.backend, spec.device, spec.info.is_causal,
-        row_head=_with_adapter_heads(_row_head(config, spec), spec, adapter_heads), lm_head=lm_head,
+        model,
+        spec.backend,
+        spec.device,
+        spec.info.is_causal,
+        row_head=_with_adapter_heads(_row_head(config, spec), spec, adapter_heads),
+        lm_head=lm_head,
         kv_cache=kv_cache,
-        kv_sharing_fast_prefill=config.kv_sharing_fast_prefill, rows_read_last=spec.info.pooling == "lasttoken",
+        kv_sharing_fast_prefill=config.kv_sharing_fast_prefill,
+        rows_read_last=spec.info.pooling == "lasttoken",
         sparse_head=heads.sparse_head(spec, config.allow_pickle) if heads.sparse_head else None,
         token_head=heads.token_head(spec, config.allow_pickle) if heads.token_head else None,
     )

@@ -158,9 +158,15 @@ def test_runs_split_where_length_changes():
 def test_compiled_flex_stays_compiled_past_eight_kernels(caplog):
     """torch stops compiling a function after 8 entries and silently runs eager FlexAttention (100-1000x
     slower); a server compiles one entry per size class, dtype and head shape, so flex must raise the limit."""
-    combos = [(dtype, head_size, causal) for dtype in (torch.float32, torch.bfloat16)
-              for head_size in (16, 32, 64) for causal in (False, True)]
+    combos = [
+        (dtype, head_size, causal)
+        for dtype in (torch.float32, torch.bfloat16)
+        for head_size in (16, 32, 64)
+        for causal in (False, True)
+    ]
     with caplog.at_level("WARNING"):
         for dtype, head_size, causal in combos:
             attend(FlexBackend(), [40, 30], 2, 2, head_size, causal, dtype)
-    assert not [r for r in caplog.records if "recompile_limit" in r.getMessage() or "cache_size_limit" in r.getMessage()]
+    assert not [
+        r for r in caplog.records if "recompile_limit" in r.getMessage() or "cache_size_limit" in r.getMessage()
+    ]

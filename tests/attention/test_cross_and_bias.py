@@ -38,9 +38,6 @@ def _tolerance(dtype):
     return dict(atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-
-
-
 def _to(a, device):
     return torch.from_numpy(np.asarray(a, dtype=np.int64)).to(device)
 
@@ -129,8 +126,9 @@ class CrossStep:
         needed = sum(-(-int(n) // block_size) for n in self.lens_k)
         num_blocks = max(64, 2 * needed)
         self.tables = _block_tables(self.lens_k.tolist(), block_size, num_blocks, seed=seed + 1)
-        self.cache = torch.full(kv_cache_shape(num_blocks, block_size, kv_heads, head_size), unowned_fill,
-                                dtype=dtype, device=device)
+        self.cache = torch.full(
+            kv_cache_shape(num_blocks, block_size, kv_heads, head_size), unowned_fill, dtype=dtype, device=device
+        )
         flat_k = self.cache[0].view(-1, kv_heads, head_size)
         flat_v = self.cache[1].view(-1, kv_heads, head_size)
         starts = cumulative_offsets(self.lens_k)
@@ -152,9 +150,15 @@ class CrossStep:
         no_slots = torch.zeros(0, dtype=torch.int64, device=device)
         self.slot_mapping = torch.cat(slot_mapping) if slot_mapping else no_slots
         self.common = build_paged_metadata(
-            self.lens_q, self.lens_k, _to(cumulative_offsets(self.lens_q), device),
-            _to(cumulative_offsets(self.lens_k), device), self.slot_mapping,
-            torch.from_numpy(_padded(self.tables)).to(device), _to(self.lens_k, device), block_size, cross=True,
+            self.lens_q,
+            self.lens_k,
+            _to(cumulative_offsets(self.lens_q), device),
+            _to(cumulative_offsets(self.lens_k), device),
+            self.slot_mapping,
+            torch.from_numpy(_padded(self.tables)).to(device),
+            _to(self.lens_k, device),
+            block_size,
+            cross=True,
         )
         self.layer = Attention(heads, head_size, num_kv_heads=kv_heads, kind=AttentionKind.CROSS)
         self.device = device
@@ -170,7 +174,9 @@ class CrossStep:
         """The naive oracle without a cache: every sequence's queries over its packed encoder keys."""
         oracle = NaiveBackend()
         common = build_cross_metadata(
-            self.lens_q, self.lens_k, _to(cumulative_offsets(self.lens_q), self.device),
+            self.lens_q,
+            self.lens_k,
+            _to(cumulative_offsets(self.lens_q), self.device),
             _to(cumulative_offsets(self.lens_k), self.device),
         )
         meta = oracle.build_metadata(common)

@@ -41,9 +41,15 @@ BACKENDS = {"naive": NaiveBackend, "sdpa": SdpaBackend, "flex-eager": lambda: Fl
 def reference_and_inputs(case: str, seed: int = 0, std: float = 0.3):
     buckets, max_relative, share, pos_att_type = CASES[case]
     config = DebertaV2Config(
-        hidden_size=HEADS * HEAD_SIZE, num_attention_heads=HEADS, relative_attention=True,
-        position_buckets=buckets, max_relative_positions=max_relative, share_att_key=share, pos_att_type=pos_att_type,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        hidden_size=HEADS * HEAD_SIZE,
+        num_attention_heads=HEADS,
+        relative_attention=True,
+        position_buckets=buckets,
+        max_relative_positions=max_relative,
+        share_att_key=share,
+        pos_att_type=pos_att_type,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
     )
     torch.manual_seed(seed)
     reference = DisentangledSelfAttention(config).eval()

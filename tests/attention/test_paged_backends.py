@@ -90,13 +90,21 @@ class Step:
             flat_k[slots] = k[:start].view(-1, kv_heads, head_size)
             flat_v[slots] = v[:start].view(-1, kv_heads, head_size)
         to = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64)).to(device)  # noqa: E731
-        self.slot_mapping = to(np.concatenate([
-            _slots(t, s, n, block_size) for t, s, n in zip(self.tables, self.starts, self.totals, strict=True)
-        ]))
+        self.slot_mapping = to(
+            np.concatenate(
+                [_slots(t, s, n, block_size) for t, s, n in zip(self.tables, self.starts, self.totals, strict=True)]
+            )
+        )
         news, totals = np.array(self.news), np.array(self.totals)
         self.common = build_paged_metadata(
-            news, totals, to(cumulative_offsets(news)), to(cumulative_offsets(totals)), self.slot_mapping,
-            torch.from_numpy(_padded(self.tables)).to(device), to(totals), block_size,
+            news,
+            totals,
+            to(cumulative_offsets(news)),
+            to(cumulative_offsets(totals)),
+            self.slot_mapping,
+            torch.from_numpy(_padded(self.tables)).to(device),
+            to(totals),
+            block_size,
         )
         self.layer = Attention(heads, head_size, num_kv_heads=kv_heads)
         self.q = torch.cat([q[s:] for q, s in zip(self.qs, self.starts, strict=True)])
@@ -120,7 +128,9 @@ class Step:
         """The naive oracle over each whole sequence without a cache: its last `new` rows."""
         oracle = NaiveBackend()
         expected = []
-        for q_full, k_full, v_full, start, total in zip(self.qs, self.ks, self.vs, self.starts, self.totals, strict=True):
+        for q_full, k_full, v_full, start, total in zip(
+            self.qs, self.ks, self.vs, self.starts, self.totals, strict=True
+        ):
             meta = oracle.build_metadata(build_common_metadata(np.array([total]), is_causal=True))
             with set_forward_context(forward_context_for([self.layer], oracle, meta)):
                 expected.append(self.layer(q_full, k_full, v_full)[start:].float().cpu())

@@ -152,8 +152,17 @@ def test_paged_relative_bias_sees_only_its_own_blocks(name, device):
     backend, _ = _backend(name, device, torch.float32, 32, 4, 4, 12)
     runs = []
     for fill in (0.0, 1e4):
-        step = _biased_step(PAGED_BIAS_MIXES["mixed"], 4, 4, 32, torch.float32, device, 12, make_bias(4, True, device),
-                            unowned_fill=fill)
+        step = _biased_step(
+            PAGED_BIAS_MIXES["mixed"],
+            4,
+            4,
+            32,
+            torch.float32,
+            device,
+            12,
+            make_bias(4, True, device),
+            unowned_fill=fill,
+        )
         with torch.inference_mode():
             runs.append(step.run(backend))
     torch.testing.assert_close(runs[1], runs[0], atol=0, rtol=0)

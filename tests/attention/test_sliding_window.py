@@ -48,8 +48,11 @@ PAGED_MIXES = {
 }
 # Backend and dtype: sdpa in bfloat16 too (its CPU matmul paths); the flash kernels run half precision.
 BACKEND_DTYPES = [
-    ("sdpa", torch.float32), ("sdpa", torch.bfloat16), ("flex-eager", torch.float32),
-    ("varlen", torch.bfloat16), ("flash_attn", torch.bfloat16),
+    ("sdpa", torch.float32),
+    ("sdpa", torch.bfloat16),
+    ("flex-eager", torch.float32),
+    ("varlen", torch.bfloat16),
+    ("flash_attn", torch.bfloat16),
 ]
 BACKEND_IDS = ["sdpa-fp32", "sdpa-bf16", "flex-eager-fp32", "varlen-bf16", "flash_attn-bf16"]
 
@@ -301,7 +304,8 @@ def test_compiled_flex_kv_free(device, kind):
 @pytest.mark.parametrize("device", COMPILED_FLEX_DEVICES)
 @pytest.mark.parametrize(
     "block_size,dtype",
-    [(16, torch.float32), pytest.param(12, torch.bfloat16, marks=pytest.mark.slow)], ids=["16-fp32", "12-bf16"],
+    [(16, torch.float32), pytest.param(12, torch.bfloat16, marks=pytest.mark.slow)],
+    ids=["16-fp32", "12-bf16"],
 )
 def test_compiled_flex_paged(device, block_size, dtype):
     backend, _ = _backend("flex", device, dtype, HEAD_SIZE, HEADS, KV_HEADS, block_size)
@@ -331,7 +335,13 @@ def test_compiled_flex_is_not_recompiled_for_another_window(device):
 
 def _spec(device="cpu", dtype=torch.float32, sliding_window=True, relative_bias=False):
     return AttentionSpec(
-        torch.device(device), dtype, 64, 8, 2, is_causal=True, relative_bias=relative_bias,
+        torch.device(device),
+        dtype,
+        64,
+        8,
+        2,
+        is_causal=True,
+        relative_bias=relative_bias,
         sliding_window=sliding_window,
     )
 

@@ -44,7 +44,10 @@ def server(bundled_dir, request):
 def _calls_by_status(port: int) -> dict[str, float]:
     page = scrape(port)
     codes = ("OK", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT")
-    return {code: page.value("embedserv_requests_total", protocol="grpc", rpc="Embed", model=SERVED, status=code) for code in codes}
+    return {
+        code: page.value("embedserv_requests_total", protocol="grpc", rpc="Embed", model=SERVED, status=code)
+        for code in codes
+    }
 
 
 def test_400_concurrent_calls_end_ok_or_resource_exhausted(server):
@@ -53,9 +56,7 @@ def test_400_concurrent_calls_end_ok_or_resource_exhausted(server):
     baseline = response_matrix(stub.Embed(embed_request(texts[:1]), timeout=CALL_TIMEOUT_S))
     before = _calls_by_status(metrics_port)
 
-    futures = [
-        stub.Embed.future(embed_request([text] * INPUTS_PER_CALL), timeout=CALL_TIMEOUT_S) for text in texts
-    ]
+    futures = [stub.Embed.future(embed_request([text] * INPUTS_PER_CALL), timeout=CALL_TIMEOUT_S) for text in texts]
     codes, messages = [], set()
     for future in futures:
         # A hang would surface here as DEADLINE_EXCEEDED and fail the assertion below.
@@ -96,9 +97,10 @@ def test_metrics_count_inputs_and_tokens_of_what_was_sent(server):
     assert after.value("embedserv_request_inputs_total", **counted) - before.value(
         "embedserv_request_inputs_total", **counted
     ) == len(texts)
-    assert after.value("embedserv_input_tokens_total", **counted) - before.value(
-        "embedserv_input_tokens_total", **counted
-    ) == response.usage.prompt_tokens
+    assert (
+        after.value("embedserv_input_tokens_total", **counted) - before.value("embedserv_input_tokens_total", **counted)
+        == response.usage.prompt_tokens
+    )
     for histogram in ("embedserv_queue_seconds", "embedserv_tokenization_seconds", "embedserv_inference_seconds"):
         count = f"{histogram}_count"
         assert after.value(count, **labels) - before.value(count, **labels) == 1, histogram
@@ -106,9 +108,10 @@ def test_metrics_count_inputs_and_tokens_of_what_was_sent(server):
     assert after.value("embedserv_batch_sequences_sum", **batch) - before.value(
         "embedserv_batch_sequences_sum", **batch
     ) == len(texts)
-    assert after.value("embedserv_batch_tokens_sum", **batch) - before.value(
-        "embedserv_batch_tokens_sum", **batch
-    ) == response.usage.prompt_tokens
+    assert (
+        after.value("embedserv_batch_tokens_sum", **batch) - before.value("embedserv_batch_tokens_sum", **batch)
+        == response.usage.prompt_tokens
+    )
     assert after.value("embedserv_workers_ready", model=SERVED) == 1
     assert after.value("embedserv_worker_restarts_total", model=SERVED) == 0
     assert after.value("embedserv_queue_depth", model=SERVED) == 0
@@ -133,7 +136,8 @@ def test_json_logs_name_each_call_by_its_request_id(server):
     stub, _, proc = server
     request_id = "test-json-logs-7"
     _, call = stub.Embed.with_call(
-        embed_request(["a call to find in the logs"]), metadata=(("x-request-id", request_id),),
+        embed_request(["a call to find in the logs"]),
+        metadata=(("x-request-id", request_id),),
         timeout=CALL_TIMEOUT_S,
     )
     assert (("x-request-id", request_id)) in [(m.key, m.value) for m in call.trailing_metadata()]

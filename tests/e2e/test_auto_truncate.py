@@ -32,9 +32,10 @@ def server(tmp_path_factory):
     http_port = free_port()
     args = ["--config", str(path), "--dtype", "float32", "--device", "cpu", "--http-port", str(http_port)]
     with in_process_server(args) as (target, _):
-        with grpc.insecure_channel(target) as channel, httpx.Client(
-            base_url=f"http://127.0.0.1:{http_port}", timeout=RPC_TIMEOUT_S
-        ) as http:
+        with (
+            grpc.insecure_channel(target) as channel,
+            httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=RPC_TIMEOUT_S) as http,
+        ):
             yield channel, http, target
 
 

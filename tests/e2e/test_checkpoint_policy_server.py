@@ -18,7 +18,9 @@ def test_pickle_only_model_exits_2_naming_allow_pickle(tiny_encoder, tmp_path, m
     shutil.copytree(source, model_dir)
     torch.save(load_file(str(model_dir / "model.safetensors")), model_dir / "pytorch_model.bin")
     (model_dir / "model.safetensors").unlink()
-    code, log = serve_main(["--port", str(free_port()), "--model", str(model_dir), "--device", "cpu"], monkeypatch, caplog)
+    code, log = serve_main(
+        ["--port", str(free_port()), "--model", str(model_dir), "--device", "cpu"], monkeypatch, caplog
+    )
     assert code == 2, log[-2000:]
     assert "--allow-pickle" in log and "pytorch_model.bin" in log, log[-2000:]
     assert "Traceback" not in log

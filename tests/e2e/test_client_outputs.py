@@ -20,8 +20,13 @@ from tests.helpers.compat_server import CROSS, EMBEDDER, SPARSE
 
 TEXTS = ["A cat sits on the mat.", "Quantized vectors are small.", "naïve café ☕"]
 DTYPES = {
-    "float16": np.float16, "int8": np.int8, "uint8": np.uint8, "int8_per_dimension": np.int8,
-    "uint8_per_dimension": np.uint8, "binary": np.int8, "ubinary": np.uint8,
+    "float16": np.float16,
+    "int8": np.int8,
+    "uint8": np.uint8,
+    "int8_per_dimension": np.int8,
+    "uint8_per_dimension": np.uint8,
+    "binary": np.int8,
+    "ubinary": np.uint8,
 }
 
 
@@ -137,7 +142,9 @@ def test_model_info_and_a_missing_output_is_refused(client):
     models = {m.name: m for m in client.models()}
     embedder, sparse = models[EMBEDDER], models[SPARSE]
     assert (embedder.outputs, embedder.multi_vector_dimension, embedder.sparse_dimension) == (
-        ("dense", "multi_vector"), 384, 0
+        ("dense", "multi_vector"),
+        384,
+        0,
     )
     assert "embed_multi_vector" in embedder.tasks and "embed_sparse" not in embedder.tasks
     assert (sparse.outputs, sparse.sparse_dimension, sparse.tasks) == (("sparse",), 30522, ("embed_sparse",))

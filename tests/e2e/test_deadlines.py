@@ -96,4 +96,3 @@ def test_expired_and_cancelled_calls_are_never_computed(server):
     assert grew("embedserv_dropped_sequences_total", model=SERVED) == EXPIRING_CALLS + CANCELLED_INPUTS
     assert after.value("embedserv_queue_depth", model=SERVED) == 0
     assert proc.poll() is None
-

@@ -131,8 +131,12 @@ def test_sigterm_while_loading_stops_at_once_and_exits_0(bundled_dir):
     # With the warm-up, as a production server loads: long enough to tell stopping at once from loading first.
     with launched_server([*_args(bundled_dir, 60), "--warm-up"]) as (target, proc):
         # Listening, a worker process started, the model not yet warm.
-        wait_for(lambda: worker_pids(proc.pid) and health_status(target, timeout=1.0) == "NOT_SERVING",
-                 timeout=60, interval=0.05, what="a worker loading behind a NOT_SERVING server")
+        wait_for(
+            lambda: worker_pids(proc.pid) and health_status(target, timeout=1.0) == "NOT_SERVING",
+            timeout=60,
+            interval=0.05,
+            what="a worker loading behind a NOT_SERVING server",
+        )
         workers = worker_pids(proc.pid)
         signalled = time.monotonic()
         proc.send_signal(signal.SIGTERM)

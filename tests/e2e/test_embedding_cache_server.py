@@ -33,8 +33,20 @@ def server(tmp_path_factory):
     model_dir = build_bge_m3(tmp_path_factory.mktemp("cache-server"), head_format="safetensors")
     metrics_port, http_port = free_port(), free_port()
     args = [
-        "--model", str(model_dir), "--served-model-name", MODEL, "--embedding-cache", "64KiB", "--attention-backend", "sdpa",
-        "--max-batch-requests", "1", "--metrics-port", str(metrics_port), "--http-port", str(http_port),
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        MODEL,
+        "--embedding-cache",
+        "64KiB",
+        "--attention-backend",
+        "sdpa",
+        "--max-batch-requests",
+        "1",
+        "--metrics-port",
+        str(metrics_port),
+        "--http-port",
+        str(http_port),
     ]
     with in_process_server(args) as (target, _):
         yield target, metrics_port, f"http://127.0.0.1:{http_port}"

@@ -67,7 +67,7 @@ def _reference(model_dir, max_tokens: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
                              eos_token_id=None)  # fmt: skip
-    return out[0, ids.shape[1]:].tolist()
+    return out[0, ids.shape[1] :].tolist()
 
 
 def test_two_frontend_processes_serve_generation_token_for_token(server, generator_dir):

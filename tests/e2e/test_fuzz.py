@@ -51,9 +51,10 @@ from tests.helpers.server import health_status, log_tail
 CALL_TIMEOUT_S = 30.0
 EXAMPLES = int(os.environ.get("EMBEDSERV_FUZZ_EXAMPLES", "30"))
 
-ALLOWED = frozenset(getattr(grpc.StatusCode, name) for name in (
-    "OK", "INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED"
-))
+ALLOWED = frozenset(
+    getattr(grpc.StatusCode, name)
+    for name in ("OK", "INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED")
+)
 
 FUZZ_SETTINGS = settings(
     max_examples=EXAMPLES,
@@ -110,9 +111,22 @@ def served(tmp_path_factory, bundled_dir):
     root = tmp_path_factory.mktemp("e2e-fuzz")
     model_dirs = every_task_models(root, bundled_dir, (EMBEDDER, CROSS, CLASSIFIER, GEN))
     # Small limits, so random requests reach them cheaply; a small KV cache makes start-up quick.
-    args = ["--dtype", "float32", "--device", "cpu", "--max-client-batch-size", str(MAX_CLIENT_BATCH),
-            "--max-concurrent-requests", "64", "--max-input-chars", str(MAX_INPUT_CHARS),
-            "--max-batch-tokens", "1024", "--kv-cache-memory", "64MiB"]
+    args = [
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--max-client-batch-size",
+        str(MAX_CLIENT_BATCH),
+        "--max-concurrent-requests",
+        "64",
+        "--max-input-chars",
+        str(MAX_INPUT_CHARS),
+        "--max-batch-tokens",
+        "1024",
+        "--kv-cache-memory",
+        "64MiB",
+    ]
     for name, path in model_dirs.items():
         args += ["--model", str(path), "--served-model-name", name]
     with in_process_server(args) as (target, proc):

@@ -43,9 +43,13 @@ def _reference(model_dir, prompt: str, max_tokens: int) -> tuple[list[int], list
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=None,
         )
-    return ids[0].tolist(), out[0, ids.shape[1]:].tolist()
+    return ids[0].tolist(), out[0, ids.shape[1] :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +68,18 @@ def generator_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(generator_dir, bundled_dir):
     """(stub, server handle). In this process, but with worker processes: the last test kills one."""
-    args = ["--dtype", "float32", "--model", str(generator_dir[0]), "--served-model-name", GEN,
-            "--model", str(bundled_dir), "--served-model-name", EMBEDDER]
+    args = [
+        "--dtype",
+        "float32",
+        "--model",
+        str(generator_dir[0]),
+        "--served-model-name",
+        GEN,
+        "--model",
+        str(bundled_dir),
+        "--served-model-name",
+        EMBEDDER,
+    ]
     with in_process_server(args, worker_processes=True) as (target, proc):
         with grpc.insecure_channel(target) as channel:
             yield inference_stub(channel), proc
@@ -110,7 +124,7 @@ def test_greedy_stream_equals_transformers(server, generator_dir):
     full = tokenizer.decode(prompt_ids + greedy[:30], skip_special_tokens=True)
     prompt_text = tokenizer.decode(prompt_ids, skip_special_tokens=True)
     assert full.startswith(prompt_text)
-    assert _text(responses) == full[len(prompt_text):]
+    assert _text(responses) == full[len(prompt_text) :]
 
 
 def test_eos_ends_the_stream_unless_ignored(server, generator_dir):

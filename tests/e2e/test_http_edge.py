@@ -33,11 +33,30 @@ def edge(bundled_dir, tmp_path_factory):
     generator = build_chat_generator(tmp_path_factory.mktemp("edge-models"))
     http_port, metrics_port = free_port(), free_port()
     args = [
-        "--model", str(bundled_dir), "--served-model-name", "minilm",
-        "--model", str(generator), "--served-model-name", "tiny-lm",
-        "--http-port", str(http_port), "--metrics-port", str(metrics_port), "--api-key", KEY,
-        "--max-input-chars", str(MAX_CHARS), "--max-client-batch-size", str(MAX_BATCH),
-        "--max-concurrent-requests", str(MAX_CONCURRENT), "--drain-timeout", "60", "--kv-cache-memory", "64MiB",
+        "--model",
+        str(bundled_dir),
+        "--served-model-name",
+        "minilm",
+        "--model",
+        str(generator),
+        "--served-model-name",
+        "tiny-lm",
+        "--http-port",
+        str(http_port),
+        "--metrics-port",
+        str(metrics_port),
+        "--api-key",
+        KEY,
+        "--max-input-chars",
+        str(MAX_CHARS),
+        "--max-client-batch-size",
+        str(MAX_BATCH),
+        "--max-concurrent-requests",
+        str(MAX_CONCURRENT),
+        "--drain-timeout",
+        "60",
+        "--kv-cache-memory",
+        "64MiB",
     ]
     with launched_server(args) as (target, proc):
         wait_until_serving(target, lambda: proc.poll() is None, proc.log_path, 180)
@@ -86,7 +105,7 @@ def test_body_past_the_limit_is_413_with_or_without_content_length(edge):
 
         def chunks():
             for start in range(0, len(body), 65536):
-                yield body[start:start + 65536]
+                yield body[start : start + 65536]
 
         chunked = http.post("/v1/embeddings", content=chunks(), headers={"content-type": "application/json"})
         assert chunked.status_code == 413
@@ -114,7 +133,9 @@ def test_a_400_call_burst_ends_200_or_429_and_the_sdk_raises_rate_limit(edge):
     async def burst() -> list[int]:
         limits = httpx.Limits(max_connections=400)
         async with httpx.AsyncClient(base_url=edge["http"], headers=AUTH, timeout=120, limits=limits) as http:
-            calls = [http.post("/v1/embeddings", json={"input": [f"burst {i} {j}" for j in range(8)]}) for i in range(400)]
+            calls = [
+                http.post("/v1/embeddings", json={"input": [f"burst {i} {j}" for j in range(8)]}) for i in range(400)
+            ]
             return [r.status_code for r in await asyncio.gather(*calls)]
 
     statuses = asyncio.run(burst())

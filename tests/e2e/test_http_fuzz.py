@@ -42,7 +42,10 @@ def test_no_route_answers_5xx_or_hangs(compat_server):
     for operation in operations:
 
         @settings(
-            max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+            max_examples=EXAMPLES,
+            deadline=None,
+            derandomize=True,
+            database=None,
             suppress_health_check=list(HealthCheck),
         )
         @given(case=operation.as_strategy().map(_to_a_model_that_can))
@@ -57,6 +60,8 @@ def test_no_route_answers_5xx_or_hangs(compat_server):
 
 
 def test_server_answers_normally_after_the_fuzz(compat_server):
-    reply = httpx.post(f"{compat_server.http}/v1/embeddings", json={"model": EMBEDDER, "input": "still here"}, timeout=30)
+    reply = httpx.post(
+        f"{compat_server.http}/v1/embeddings", json={"model": EMBEDDER, "input": "still here"}, timeout=30
+    )
     assert reply.status_code == 200 and len(reply.json()["data"][0]["embedding"]) == 384
     assert httpx.get(f"{compat_server.http}/health", timeout=30).status_code == 200

@@ -63,8 +63,13 @@ def test_embeddings_base64_with_dimensions_equal_grpc(client, stub):
 
 
 EMBEDDING_TYPES = {
-    "float16": "<f2", "int8": "i1", "uint8": "u1", "int8_per_dimension": "i1", "uint8_per_dimension": "u1",
-    "binary": "i1", "ubinary": "u1",
+    "float16": "<f2",
+    "int8": "i1",
+    "uint8": "u1",
+    "int8_per_dimension": "i1",
+    "uint8_per_dimension": "u1",
+    "binary": "i1",
+    "ubinary": "u1",
 }
 
 
@@ -142,7 +147,11 @@ def test_streamed_completion_equals_grpc_generate_and_ends_with_usage(client, st
     prompts = ["Once upon a time", "In a galaxy far away"]
     chunks = list(
         client.completions.create(
-            model=GENERATOR, prompt=prompts, max_tokens=10, temperature=0, stream=True,
+            model=GENERATOR,
+            prompt=prompts,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
             stream_options={"include_usage": True},
         )
     )
@@ -201,6 +210,7 @@ def test_a_lone_surrogate_is_400_not_500(compat_server):
     import httpx
 
     body = b'{"model": "%s", "input": ["fine", "bad \\ud800 text"]}' % EMBEDDER.encode()
-    reply = httpx.post(f"{compat_server.http}/v1/embeddings", content=body, timeout=60,
-                       headers={"content-type": "application/json"})
+    reply = httpx.post(
+        f"{compat_server.http}/v1/embeddings", content=body, timeout=60, headers={"content-type": "application/json"}
+    )
     assert reply.status_code == 400 and "input[1] is not valid Unicode" in reply.json()["error"]["message"]

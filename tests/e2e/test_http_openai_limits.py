@@ -27,9 +27,9 @@ def test_300_inputs_are_answered_in_order_with_usage_summed(http, stub):
     got = np.array([item["embedding"] for item in body["data"]], dtype=np.float32)
     tokens = 0
     for start in range(0, len(TEXTS), MAX_CLIENT_BATCH):
-        part = TEXTS[start:start + MAX_CLIENT_BATCH]
+        part = TEXTS[start : start + MAX_CLIENT_BATCH]
         expected = stub.Embed(pb().EmbedRequest(model=EMBEDDER, inputs=part), timeout=RPC_TIMEOUT_S)
-        np.testing.assert_allclose(got[start:start + len(part)], [e.values for e in expected.embeddings], atol=1e-5)
+        np.testing.assert_allclose(got[start : start + len(part)], [e.values for e in expected.embeddings], atol=1e-5)
         tokens += expected.usage.prompt_tokens
     assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
 
@@ -43,15 +43,20 @@ def test_token_id_inputs_past_the_batch_limit_are_split_too(http):
 
 
 def test_late_chunking_spans_follow_their_slice(http):
-    texts = TEXTS[:MAX_CLIENT_BATCH + 8]
+    texts = TEXTS[: MAX_CLIENT_BATCH + 8]
     late = {"splitter": "spans", "spans": [[[0, 4], [5, 11]] for _ in texts]}
     reply = http.post("/v1/embeddings", json={"model": EMBEDDER, "input": texts, "late_chunking": late})
     assert reply.status_code == 200, reply.text
     data = reply.json()["data"]
     assert [item["input_index"] for item in data] == [i for i in range(len(texts)) for _ in range(2)]
-    alone = http.post("/v1/embeddings", json={
-        "model": EMBEDDER, "input": texts[-1:], "late_chunking": {"splitter": "spans", "spans": late["spans"][-1:]},
-    }).json()["data"]
+    alone = http.post(
+        "/v1/embeddings",
+        json={
+            "model": EMBEDDER,
+            "input": texts[-1:],
+            "late_chunking": {"splitter": "spans", "spans": late["spans"][-1:]},
+        },
+    ).json()["data"]
     np.testing.assert_allclose([d["embedding"] for d in data[-2:]], [d["embedding"] for d in alone], atol=1e-5)
     late["spans"] = late["spans"][:-1]
     reply = http.post("/v1/embeddings", json={"model": EMBEDDER, "input": texts, "late_chunking": late})

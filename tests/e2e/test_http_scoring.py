@@ -32,8 +32,11 @@ def test_documents_rerank_equals_native(stub, http, path, model):
     """Cohere's body (texts and {text} objects mixed), top_n, documents echoed by default; the cross-encoder
     and the embedder (cosine) both rank as the native Rerank does."""
     documents = [DOCUMENTS[0], {"text": DOCUMENTS[1]}, *DOCUMENTS[2:]]
-    reply = http.post(path, json={"model": model, "query": QUERY, "documents": documents, "top_n": 3},
-                      headers={"x-request-id": "rerank-test-1"})
+    reply = http.post(
+        path,
+        json={"model": model, "query": QUERY, "documents": documents, "top_n": 3},
+        headers={"x-request-id": "rerank-test-1"},
+    )
     assert reply.status_code == 200, reply.text
     assert reply.headers["x-request-id"] == "rerank-test-1"
     body = reply.json()
@@ -49,8 +52,17 @@ def test_documents_rerank_equals_native(stub, http, path, model):
 def test_documents_rerank_options(stub, http):
     """return_documents false leaves documents out; top_n 0 (vLLM's "all") returns every document; raw_scores
     gives the native raw scores."""
-    reply = http.post("/v1/rerank", json={"model": CROSS, "query": QUERY, "documents": DOCUMENTS, "top_n": 0,
-                                          "return_documents": False, "raw_scores": True})
+    reply = http.post(
+        "/v1/rerank",
+        json={
+            "model": CROSS,
+            "query": QUERY,
+            "documents": DOCUMENTS,
+            "top_n": 0,
+            "return_documents": False,
+            "raw_scores": True,
+        },
+    )
     assert reply.status_code == 200, reply.text
     results = reply.json()["results"]
     native = native_rerank(stub, CROSS, QUERY, DOCUMENTS, raw_scores=True)
@@ -84,8 +96,9 @@ def test_rerank_chunking_max_equals_native(stub, http):
     results = cohere.json()["results"]
     assert [(r["index"], r["document"]["text"]) for r in results] == [(r.index, documents[r.index]) for r in native]
     np.testing.assert_allclose([r["relevance_score"] for r in results], [r.score for r in native], atol=1e-6)
-    tei = http.post("/rerank", json={"query": QUERY, "texts": documents, "chunking": "max"},
-                    headers={"x-embedserv-model": CROSS}).json()
+    tei = http.post(
+        "/rerank", json={"query": QUERY, "texts": documents, "chunking": "max"}, headers={"x-embedserv-model": CROSS}
+    ).json()
     assert [r["index"] for r in tei] == [r.index for r in native]
     np.testing.assert_allclose([r["score"] for r in tei], [r.score for r in native], atol=1e-6)
     assert_openai_error(http.post("/v1/rerank", json={"model": CROSS, "query": QUERY, "documents": documents}), 400)
@@ -96,10 +109,14 @@ def test_rerank_errors_answer_in_the_body_api_shape(http):
     Cohere body as OpenAI does (400, 404 model_not_found); a body that is not JSON gets OpenAI's 400."""
     assert_tei_error(http.post("/rerank", json={"query": QUERY, "texts": 5}), 422, "validation")
     assert_tei_error(http.post("/rerank", json={"query": QUERY, "texts": []}), 400, "empty")
-    assert_tei_error(http.post("/rerank", json={"query": QUERY, "texts": ["a"], "truncation_direction": "up"}), 422,
-                     "validation")
-    assert_tei_error(http.post("/rerank", json={"query": QUERY, "texts": ["a"]}, headers={"x-embedserv-model": "nope"}),
-                     404, "validation")
+    assert_tei_error(
+        http.post("/rerank", json={"query": QUERY, "texts": ["a"], "truncation_direction": "up"}), 422, "validation"
+    )
+    assert_tei_error(
+        http.post("/rerank", json={"query": QUERY, "texts": ["a"]}, headers={"x-embedserv-model": "nope"}),
+        404,
+        "validation",
+    )
     assert_openai_error(http.post("/rerank", json={"query": QUERY, "documents": 5}), 400, "documents")
     assert_openai_error(http.post("/rerank", json={"query": QUERY, "documents": []}), 400)
     error = assert_openai_error(http.post("/rerank", json={"model": "nope", "query": QUERY, "documents": ["a"]}), 404)
@@ -145,8 +162,9 @@ def test_score_equals_native(stub, http, model):
     by_index = {r.index: r.score for r in native.results}
     assert [d["index"] for d in body["data"]] == list(range(len(DOCUMENTS)))
     assert all(d["object"] == "score" for d in body["data"])
-    np.testing.assert_allclose([d["score"] for d in body["data"]], [by_index[i] for i in range(len(DOCUMENTS))],
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        [d["score"] for d in body["data"]], [by_index[i] for i in range(len(DOCUMENTS))], atol=1e-6
+    )
     firsts = [QUERY, "json serialization", QUERY]
     pairwise = http.post("/v1/score", json={"model": model, "text_1": firsts, "text_2": DOCUMENTS[:3]}).json()
     expected = [native_rerank(stub, model, a, [b]).results[0].score for a, b in zip(firsts, DOCUMENTS[:3], strict=True)]

@@ -38,8 +38,9 @@ def test_embed_equals_native(stub, http):
     np.testing.assert_allclose(raw, native_embed(stub, TEXTS, **options), atol=1e-6)
     long_text = " ".join(["word"] * 600)
     left = http.post("/embed", json={"inputs": [long_text + " end"], "truncate": True, "truncation_direction": "LEFT"})
-    native = native_embed(stub, [long_text + " end"], truncate=True,
-                          truncation_direction=pb().TRUNCATION_DIRECTION_LEFT)
+    native = native_embed(
+        stub, [long_text + " end"], truncate=True, truncation_direction=pb().TRUNCATION_DIRECTION_LEFT
+    )
     np.testing.assert_allclose(left.json(), native, atol=1e-6)
 
 
@@ -58,8 +59,10 @@ def test_embed_all_and_embed_sparse_equal_native(stub, http):
     MiniLM's last hidden states); /embed_sparse: TEI's [{index, value}] per input, the native EmbedSparse's
     (the first sparse model), token-id inputs beside texts; a model without the output is TEI's 422."""
     request = pb().EmbedMultiVectorRequest(model=EMBEDDER, inputs=TEXTS)
-    native = [np.frombuffer(m.raw, "<f4").reshape(m.num_vectors, m.dimension)
-              for m in stub.EmbedMultiVector(request, timeout=RPC_TIMEOUT_S).embeddings]
+    native = [
+        np.frombuffer(m.raw, "<f4").reshape(m.num_vectors, m.dimension)
+        for m in stub.EmbedMultiVector(request, timeout=RPC_TIMEOUT_S).embeddings
+    ]
     reply = http.post("/embed_all", json={"inputs": TEXTS})
     assert reply.status_code == 200, reply.text
     for got, want in zip(reply.json(), native, strict=True):
@@ -110,8 +113,9 @@ def test_tokenize_equals_native(stub, http):
     are the native character offsets in UTF-8 bytes (as TEI's); special tokens carry their own text and no
     offsets."""
     for add_special in (True, False):
-        reply = http.post("/tokenize", json={"inputs": TEXTS, "add_special_tokens": add_special},
-                          headers=model_header(EMBEDDER))
+        reply = http.post(
+            "/tokenize", json={"inputs": TEXTS, "add_special_tokens": add_special}, headers=model_header(EMBEDDER)
+        )
         assert reply.status_code == 200, reply.text
         request = pb().TokenizeRequest(model=EMBEDDER, inputs=TEXTS, add_special_tokens=add_special)
         native = stub.Tokenize(request, timeout=RPC_TIMEOUT_S)
@@ -123,8 +127,8 @@ def test_tokenize_equals_native(stub, http):
                 if token["special"]:
                     assert token["text"] == native_token.text and token["start"] is token["stop"] is None
                 else:
-                    assert token["text"] == text[native_token.start:native_token.end]
-                    start = len(text[:native_token.start].encode())
+                    assert token["text"] == text[native_token.start : native_token.end]
+                    start = len(text[: native_token.start].encode())
                     assert (token["start"], token["stop"]) == (start, start + len(token["text"].encode()))
     one = http.post("/tokenize", json={"inputs": TEXTS[0]}).json()
     assert len(one) == 1 and one[0][0]["text"] == "[CLS]"
@@ -148,8 +152,12 @@ def test_info_describes_each_model(stub, http):
     assert info["max_client_batch_size"] == MAX_CLIENT_BATCH and info["auto_truncate"] is False
     labels = list(models[CLASSIFIER].labels)
     classifier = http.get("/info", headers=model_header(CLASSIFIER)).json()["model_type"]
-    assert classifier == {"classifier": {"id2label": {str(i): x for i, x in enumerate(labels)},
-                                         "label2id": {x: i for i, x in enumerate(labels)}}}
+    assert classifier == {
+        "classifier": {
+            "id2label": {str(i): x for i, x in enumerate(labels)},
+            "label2id": {x: i for i, x in enumerate(labels)},
+        }
+    }
     assert list(http.get("/info", headers=model_header(CROSS)).json()["model_type"]) == ["reranker"]
     assert list(http.get("/info", headers=model_header(GENERATOR)).json()["model_type"]) == ["embedding"]
 

@@ -42,10 +42,26 @@ ITEMS = ["a photo of a cat", PNG, "a page of text", JPEG, WEBP]
 def served(tmp_path_factory):
     model_dir = save_dual_encoder(tmp_path_factory.mktemp("clip") / "clip", "clip")
     http_port = free_port()
-    args = ["--model", str(model_dir), "--served-model-name", CLIP, "--dtype", "float32", "--device", "cpu",
-            "--http-port", str(http_port), "--data-parallel-size", str(WORKERS),
-            "--max-images-per-request", str(MAX_IMAGES), "--max-image-bytes", str(MAX_BYTES),
-            "--max-client-batch-size", str(MAX_BATCH)]
+    args = [
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        CLIP,
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--http-port",
+        str(http_port),
+        "--data-parallel-size",
+        str(WORKERS),
+        "--max-images-per-request",
+        str(MAX_IMAGES),
+        "--max-image-bytes",
+        str(MAX_BYTES),
+        "--max-client-batch-size",
+        str(MAX_BATCH),
+    ]
     with in_process_server(args, worker_processes=True) as (target, handle):
         yield target, f"http://127.0.0.1:{http_port}", handle
 
@@ -114,7 +130,7 @@ def test_grpc_items_mixing_texts_and_image_sizes_equal_engine_embed(served, stub
     assert expected.shape[0] == len(ITEMS)
     reply = stub.Embed(_pb().EmbedRequest(model=CLIP, items=_grpc_items(ITEMS)), timeout=RPC_TIMEOUT_S)
     np.testing.assert_allclose(response_matrix(reply), expected, atol=ATOL)
-    requests = [_pb().EmbedRequest(model=CLIP, items=_grpc_items(ITEMS[i:i + 2])) for i in range(0, len(ITEMS), 2)]
+    requests = [_pb().EmbedRequest(model=CLIP, items=_grpc_items(ITEMS[i : i + 2])) for i in range(0, len(ITEMS), 2)]
     streamed = np.concatenate([response_matrix(r) for r in stub.EmbedStream(iter(requests), timeout=RPC_TIMEOUT_S)])
     np.testing.assert_allclose(streamed, expected, atol=ATOL)
 
@@ -141,8 +157,20 @@ def test_client_and_cli_images_equal_engine_embed(served, tmp_path, capsys):
         got = client.embed(["a photo of a cat", "a page of text"], images=[PNG, tmp_path / "page.jpg"])
     np.testing.assert_allclose(got, expected, atol=ATOL)
     (tmp_path / "cat.png").write_bytes(PNG)
-    code = cli.main(["--target", served[0], "--model", CLIP, "embed", "a photo of a cat",
-                     "--image", str(tmp_path / "cat.png"), "--image", str(tmp_path / "page.jpg")])
+    code = cli.main(
+        [
+            "--target",
+            served[0],
+            "--model",
+            CLIP,
+            "embed",
+            "a photo of a cat",
+            "--image",
+            str(tmp_path / "cat.png"),
+            "--image",
+            str(tmp_path / "page.jpg"),
+        ]
+    )
     assert code == 0
     printed = json.loads(capsys.readouterr().out)["embeddings"]
     np.testing.assert_allclose(printed, expected[[0, 2, 3]], atol=ATOL)
@@ -152,7 +180,7 @@ def test_the_async_client_splits_images_within_the_limit(served):
     from embedserv_client import AsyncClient
 
     images = [png_bytes(random_image(10 + i, 24 + i, 30)) for i in range(MAX_IMAGES * 2 + 1)]
-    expected = np.concatenate([_engine_embed(served, images[i:i + MAX_IMAGES]) for i in range(0, len(images), 4)])
+    expected = np.concatenate([_engine_embed(served, images[i : i + MAX_IMAGES]) for i in range(0, len(images), 4)])
 
     async def run():
         async with AsyncClient(served[0], model=CLIP) as client:
@@ -222,7 +250,7 @@ def test_a_fuzz_of_random_bytes_never_takes_a_worker_down(served, stub):
     images = _fuzz_images(300)
 
     def send(start: int) -> grpc.StatusCode:
-        request = _pb().EmbedRequest(model=CLIP, items=_grpc_items(["x", *images[start:start + 3]]))
+        request = _pb().EmbedRequest(model=CLIP, items=_grpc_items(["x", *images[start : start + 3]]))
         try:
             stub.Embed(request, timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as error:

@@ -35,11 +35,25 @@ DATA_URL = "data:image/png;base64," + base64.b64encode(PNG).decode()
 @pytest.fixture(scope="module")
 def server():
     http_port = free_port()
-    args = ["--model", str(bundled_model_dir()), "--served-model-name", SERVED, "--dtype", "float32",
-            "--device", "cpu", "--http-port", str(http_port), "--max-images-per-request", "4"]
+    args = [
+        "--model",
+        str(bundled_model_dir()),
+        "--served-model-name",
+        SERVED,
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--http-port",
+        str(http_port),
+        "--max-images-per-request",
+        "4",
+    ]
     with in_process_server(args) as (target, _):
-        with grpc.insecure_channel(target) as channel, \
-                httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=RPC_TIMEOUT_S) as http:
+        with (
+            grpc.insecure_channel(target) as channel,
+            httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=RPC_TIMEOUT_S) as http,
+        ):
             yield inference_stub(channel), http
 
 

@@ -126,7 +126,8 @@ REFUSALS = {
     "span without a token": (dict(texts=["a    b"], late=dict(spans=[[(1, 4)]])), "span 0 [1, 4) covers no token"),
     "zero chunk_tokens": (dict(late=dict(splitter="tokens")), "chunk_tokens of at least 1"),
     "overlap too large": (
-        dict(late=dict(splitter="tokens", chunk_tokens=4, overlap_tokens=4)), "less than chunk_tokens"
+        dict(late=dict(splitter="tokens", chunk_tokens=4, overlap_tokens=4)),
+        "less than chunk_tokens",
     ),
     "spans with sentences": (dict(late=dict(splitter="sentences", spans=SPANS)), "spans apply to the spans splitter"),
     "with chunking": (dict(late=dict(spans=SPANS), chunking=True), "cannot be combined"),

@@ -101,9 +101,7 @@ def test_embed_calls_wait_while_the_worker_is_busy_then_drain(server, gate):
         first = pool.submit(_embed, stub, "the first call holds the worker")
         _until(port, lambda s: s.value("embedserv_requests_running", model=EMBEDDER) == 1, "the first call to run")
         rest = [pool.submit(_embed, stub, f"call {i} waits for the worker with a few words") for i in range(3)]
-        held = _until(
-            port, lambda s: s.value("embedserv_requests_waiting", model=EMBEDDER) == 3, "three calls waiting"
-        )
+        held = _until(port, lambda s: s.value("embedserv_requests_waiting", model=EMBEDDER) == 3, "three calls waiting")
         assert held.value("embedserv_requests_running", model=EMBEDDER) == 1
         assert held.value("embedserv_waiting_tokens", model=EMBEDDER) >= 3 * 8
         assert held.value("embedserv_worker_busy_ratio", model=EMBEDDER) > 0

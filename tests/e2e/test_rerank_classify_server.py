@@ -85,7 +85,9 @@ def test_bi_encoder_rerank_without_documents_echo(stub, bundled_reference, docum
 
     assert response.model == EMBEDDER
     assert [r.index for r in response.results] == list(np.argsort(-expected, kind="stable"))
-    np.testing.assert_allclose(sorted((r.score for r in response.results), reverse=True), np.sort(expected)[::-1], atol=1e-4)
+    np.testing.assert_allclose(
+        sorted((r.score for r in response.results), reverse=True), np.sort(expected)[::-1], atol=1e-4
+    )
     assert all(r.document == "" for r in response.results)
 
 
@@ -106,7 +108,9 @@ def test_classify_labels_and_softmax(stub, model_dirs, documents):
     logits = classifier_reference(model_dirs[CLASSIFIER], documents)
     probabilities = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
 
-    response = stub.Classify(_pb().ClassifyRequest(model=CLASSIFIER, inputs=documents, truncate=True), timeout=RPC_TIMEOUT_S)
+    response = stub.Classify(
+        _pb().ClassifyRequest(model=CLASSIFIER, inputs=documents, truncate=True), timeout=RPC_TIMEOUT_S
+    )
 
     assert len(response.classifications) == len(documents)
     for row, expected in zip(response.classifications, probabilities, strict=True):

@@ -84,9 +84,9 @@ def test_embed_sparse_equals_native_sparse(tei, native):
     request = native_pb.EmbedSparseRequest(model=SPARSE, inputs=[TEXT, *TEXTS[:2]])
     want = native.EmbedSparse(request, timeout=RPC_TIMEOUT_S).embeddings
     response = tei["Embed"].EmbedSparse(pb.EmbedSparseRequest(inputs=TEXT), timeout=RPC_TIMEOUT_S)
-    streamed = list(tei["Embed"].EmbedSparseStream(
-        iter(pb.EmbedSparseRequest(inputs=t) for t in TEXTS[:2]), timeout=RPC_TIMEOUT_S
-    ))
+    streamed = list(
+        tei["Embed"].EmbedSparseStream(iter(pb.EmbedSparseRequest(inputs=t) for t in TEXTS[:2]), timeout=RPC_TIMEOUT_S)
+    )
     for got, expected in zip([response, *streamed], want, strict=True):
         assert [v.index for v in got.sparse_embeddings] == list(expected.indices) and expected.indices
         np.testing.assert_allclose([v.value for v in got.sparse_embeddings], expected.values, atol=1e-6)
@@ -112,8 +112,9 @@ def test_predict_equals_native_classify_best_first(tei, native):
     for other in (*streamed, single):
         # Equal up to float32 rounding: a stream's texts may share a batch, which sums in another order.
         assert [p.label for p in other.predictions] == [p.label for p in response.predictions]
-        np.testing.assert_allclose([p.score for p in other.predictions], [p.score for p in response.predictions],
-                                   rtol=0, atol=1e-6)
+        np.testing.assert_allclose(
+            [p.score for p in other.predictions], [p.score for p in response.predictions], rtol=0, atol=1e-6
+        )
 
 
 def test_predict_without_metadata_uses_the_first_classifier(tei):
@@ -167,7 +168,8 @@ def test_rerank_stream_ranks_every_request_together(tei, native):
     response = tei["Rerank"].RerankStream(iter(requests), metadata=_model(CROSS), timeout=RPC_TIMEOUT_S)
     unary = tei["Rerank"].Rerank(
         pb.RerankRequest(query=TEXT, texts=DOCUMENTS, raw_scores=True, return_text=True),
-        metadata=_model(CROSS), timeout=RPC_TIMEOUT_S,
+        metadata=_model(CROSS),
+        timeout=RPC_TIMEOUT_S,
     )
     assert list(response.ranks) == list(unary.ranks)
     # Each request keeps its own query, as in TEI: a pair scores the same whatever else the stream holds.
@@ -196,9 +198,7 @@ def test_tokenize_equals_native_tokenize(tei, native):
             assert (token.start, token.stop) == (native_token.start, native_token.end)
             assert token.text == text[token.start : token.stop]
     # proto3's add_special_tokens defaults to false, as in TEI; TokenizeStream answers in order.
-    streamed = list(
-        tei["Tokenize"].TokenizeStream(iter([pb.EncodeRequest(inputs=text)] * 2), timeout=RPC_TIMEOUT_S)
-    )
+    streamed = list(tei["Tokenize"].TokenizeStream(iter([pb.EncodeRequest(inputs=text)] * 2), timeout=RPC_TIMEOUT_S))
     assert [[t.id for t in r.tokens] for r in streamed] == [[t.id for t in tokens[1:-1]]] * 2
 
 
@@ -246,25 +246,32 @@ LEFT = pb.TRUNCATION_DIRECTION_LEFT
 BAD_CALLS = {
     "empty inputs": (lambda t: t["Embed"].Embed(pb.EmbedRequest(inputs="")), "INVALID_ARGUMENT", "empty"),
     "unknown model": (
-        lambda t: t["Embed"].Embed(pb.EmbedRequest(inputs=TEXT), metadata=_model("nope")), "NOT_FOUND", "nope"
+        lambda t: t["Embed"].Embed(pb.EmbedRequest(inputs=TEXT), metadata=_model("nope")),
+        "NOT_FOUND",
+        "nope",
     ),
     "left truncation": (
         lambda t: t["Rerank"].Rerank(pb.RerankRequest(query=TEXT, texts=DOCUMENTS, truncation_direction=LEFT)),
-        "INVALID_ARGUMENT", "left",
+        "INVALID_ARGUMENT",
+        "left",
     ),
     "no texts": (lambda t: t["Rerank"].Rerank(pb.RerankRequest(query=TEXT)), "INVALID_ARGUMENT", "texts"),
     "empty rerank stream": (lambda t: t["Rerank"].RerankStream(iter([])), "INVALID_ARGUMENT", "no requests"),
     "three inputs": (
-        lambda t: t["Predict"].PredictPair(pb.PredictPairRequest(inputs=["a", "b", "c"])), "INVALID_ARGUMENT", "pair"
+        lambda t: t["Predict"].PredictPair(pb.PredictPairRequest(inputs=["a", "b", "c"])),
+        "INVALID_ARGUMENT",
+        "pair",
     ),
     "no ids": (lambda t: t["Tokenize"].Decode(pb.DecodeRequest()), "INVALID_ARGUMENT", "ids"),
     "sparse from a dense model": (
         lambda t: t["Embed"].EmbedSparse(pb.EmbedSparseRequest(inputs=TEXT), metadata=_model(EMBEDDER)),
-        "INVALID_ARGUMENT", "cannot serve embedsparse; it serves: embed, embed_multi_vector",
+        "INVALID_ARGUMENT",
+        "cannot serve embedsparse; it serves: embed, embed_multi_vector",
     ),
     "token embeddings from a sparse model": (
         lambda t: list(t["Embed"].EmbedAllStream(iter([pb.EmbedAllRequest(inputs=TEXT)]), metadata=_model(SPARSE))),
-        "INVALID_ARGUMENT", "it serves: embed_sparse",
+        "INVALID_ARGUMENT",
+        "it serves: embed_sparse",
     ),
 }
 

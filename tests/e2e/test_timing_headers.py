@@ -36,8 +36,13 @@ ROUTES = [
     ("GET", "/v1/models", None, {}, False),
     ("GET", "/health", None, {}, False),
     ("POST", "/v1/completions", {"model": GENERATOR, "prompt": "hi", "max_tokens": 2}, {}, False),
-    ("POST", "/v1/chat/completions",
-     {"model": GENERATOR, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, {}, False),
+    (
+        "POST",
+        "/v1/chat/completions",
+        {"model": GENERATOR, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        {},
+        False,
+    ),
 ]
 
 
@@ -136,8 +141,9 @@ TEI_UNARY = [
 ]
 
 
-@pytest.mark.parametrize(("service", "method", "request_of", "model", "computed"), TEI_UNARY,
-                         ids=[f"{s}.{m}" for s, m, *_ in TEI_UNARY])
+@pytest.mark.parametrize(
+    ("service", "method", "request_of", "model", "computed"), TEI_UNARY, ids=[f"{s}.{m}" for s, m, *_ in TEI_UNARY]
+)
 def test_tei_rpcs_send_timing_as_trailing_metadata(compat_server, service, method, request_of, model, computed):
     metadata = (("x-embedserv-model", model),) if model else ()
     with grpc.insecure_channel(compat_server.target) as channel:

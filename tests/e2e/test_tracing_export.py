@@ -63,18 +63,22 @@ def collector():
 def _call(target: str, http_port: int) -> None:
     with grpc.insecure_channel(target) as channel:
         stub = inference_stub(channel)
-        stub.Embed(embed_request(["traced over gRPC", "two"]), metadata=(("traceparent", TRACEPARENT),),
-                   timeout=RPC_TIMEOUT_S)
-    reply = httpx.post(f"http://127.0.0.1:{http_port}/embed", json={"inputs": ["traced over HTTP"]},
-                       headers={"traceparent": TRACEPARENT}, timeout=RPC_TIMEOUT_S)
+        stub.Embed(
+            embed_request(["traced over gRPC", "two"]), metadata=(("traceparent", TRACEPARENT),), timeout=RPC_TIMEOUT_S
+        )
+    reply = httpx.post(
+        f"http://127.0.0.1:{http_port}/embed",
+        json={"inputs": ["traced over HTTP"]},
+        headers={"traceparent": TRACEPARENT},
+        timeout=RPC_TIMEOUT_S,
+    )
     assert reply.status_code == 200, reply.text
 
 
 def test_frontends_export_their_spans(collector, bundled_dir):
     servicer, endpoint = collector
     http_port = free_port()
-    args = ["--model", str(bundled_dir), "--frontends", "2", "--http-port", str(http_port),
-            "--otlp-endpoint", endpoint]
+    args = ["--model", str(bundled_dir), "--frontends", "2", "--http-port", str(http_port), "--otlp-endpoint", endpoint]
     env = {"OTEL_SERVICE_NAME": "embedserv-under-test"}
     with running_server(args, env=env) as (target, _):
         _call(target, http_port)

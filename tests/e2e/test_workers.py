@@ -95,8 +95,10 @@ class Server:
         return wait_for(
             exactly,
             timeout,
-            what=lambda: f"{count} workers under server pid {self.proc.pid} (now: {self.workers()}); "
-            f"server log tail:\n{self.log()}",
+            what=lambda: (
+                f"{count} workers under server pid {self.proc.pid} (now: {self.workers()}); "
+                f"server log tail:\n{self.log()}"
+            ),
         )
 
 
@@ -249,16 +251,20 @@ def test_sigkill_of_a_worker_under_load(server, stub, chunks, baseline):
             recovered,
             RECOVERY_TIMEOUT_S,
             interval=0.2,
-            what=lambda: f"a replacement for worker {victim} (workers now {server.workers()}, server alive: "
-            f"{server.proc.poll() is None}); {_summary(list(calls), killed_at)}; log tail:\n{server.log()}",
+            what=lambda: (
+                f"a replacement for worker {victim} (workers now {server.workers()}, server alive: "
+                f"{server.proc.poll() is None}); {_summary(list(calls), killed_at)}; log tail:\n{server.log()}"
+            ),
         )
         recovered_at = time.monotonic()
         # Keep the load on while the replacement starts (its pid shows at once, its model takes seconds
         # to load), and on the recovered pair for a moment.
         wait_for(
-            lambda: sample_health() is None
-            and time.monotonic() - killed_at >= LOAD_AFTER_KILL_S
-            and sum(c.started > recovered_at for c in list(calls)) >= 2 * LOAD_THREADS,
+            lambda: (
+                sample_health() is None
+                and time.monotonic() - killed_at >= LOAD_AFTER_KILL_S
+                and sum(c.started > recovered_at for c in list(calls)) >= 2 * LOAD_THREADS
+            ),
             LOAD_AFTER_KILL_S + CALL_DEADLINE_S,
             interval=0.2,
             what=lambda: f"calls after the recovery ({_summary(list(calls), recovered_at)}); log:\n{server.log()}",
@@ -344,8 +350,10 @@ def test_sigterm_stops_the_server_and_its_workers(bundled_dir):
         wait_for(
             lambda: not survivors(pids),
             max(0.0, WORKERS_GONE_S - (time.monotonic() - sent)),
-            what=lambda: f"workers {pids} to end after SIGTERM of the server (still running: {survivors(pids)}); "
-            f"log tail:\n{server.log()}",
+            what=lambda: (
+                f"workers {pids} to end after SIGTERM of the server (still running: {survivors(pids)}); "
+                f"log tail:\n{server.log()}"
+            ),
         )
 
 
@@ -359,8 +367,10 @@ def test_sigkill_of_the_server_takes_its_workers_down(bundled_dir):
         wait_for(
             lambda: not survivors(pids),
             max(0.0, WORKERS_GONE_S - (time.monotonic() - sent)),
-            what=lambda: f"workers {pids} to end after SIGKILL of their server (still running: {survivors(pids)}); "
-            f"log tail:\n{server.log()}",
+            what=lambda: (
+                f"workers {pids} to end after SIGKILL of their server (still running: {survivors(pids)}); "
+                f"log tail:\n{server.log()}"
+            ),
         )
 
 

@@ -78,7 +78,9 @@ def test_client_passes_the_zero_shot_fields_and_splits_by_pairs(target, model_di
             client.close()
         assert [list(r.scores) for r in results] == [LABELS] * len(TEXTS)
         for got, want in zip(results, expected, strict=True):
-            np.testing.assert_allclose([got.scores[label] for label in LABELS], [want[label] for label in LABELS], atol=1e-4)
+            np.testing.assert_allclose(
+                [got.scores[label] for label in LABELS], [want[label] for label in LABELS], atol=1e-4
+            )
 
 
 def test_list_models_reports_is_encoder_decoder(stub, pb):

@@ -72,9 +72,12 @@ def _hf_greedy(model_dir, prompts: list[str], device: str, dtype) -> list[list[i
         for prompt in prompts:
             ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
             generated = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
             )
-            out.append(generated[0, ids.shape[1]:].tolist())
+            out.append(generated[0, ids.shape[1] :].tolist())
     return out
 
 
@@ -100,8 +103,9 @@ def expected_float32(llama_dir, prompts) -> list[list[int]]:
 def test_greedy_generation_matches_transformers_on_cuda_float32(backend, llama_dir, prompts, expected_float32):
     expected = expected_float32
     # A 64-token budget splits the longer prompts over several steps (chunked prefill).
-    with _engine(llama_dir, dtype="float32", attention_backend=backend, max_batch_tokens=64,
-                 kv_cache_memory=2**28) as engine:
+    with _engine(
+        llama_dir, dtype="float32", attention_backend=backend, max_batch_tokens=64, kv_cache_memory=2**28
+    ) as engine:
         got = _our_greedy(engine, prompts)
         assert engine.kv_cache_usage().used_blocks == 0
     for prompt, ours, want in zip(prompts, got, expected, strict=True):
@@ -115,4 +119,5 @@ def test_greedy_generation_on_cuda_bfloat16_agrees_with_transformers(llama_dir, 
     assert all(got), f"every prompt should generate something: {got}"
     same_first = sum(bool(ours) and bool(want) and ours[0] == want[0] for ours, want in zip(got, expected, strict=True))
     assert same_first >= 0.75 * len(prompts), (
-        f"first tokens agree on {same_first} of {len(prompts)}: ours {got}, transformers {expected}")
+        f"first tokens agree on {same_first} of {len(prompts)}: ours {got}, transformers {expected}"
+    )

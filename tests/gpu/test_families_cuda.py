@@ -116,8 +116,9 @@ def test_bge_m3_heads_on_the_device_equal_the_cpu(texts, tmp_path):
     cpu, device = _on_both(model_dir, "float32", lambda e: e.embed(texts, params))
     assert_cosine_at_least(device.embeddings, cpu.embeddings, MIN_COSINE["float32"], texts, what="bge-m3 dense: ")
     size = 1 + max(int(v.indices.max(initial=0)) for v in cpu.sparse + device.sparse)
-    np.testing.assert_allclose(_sparse_dense(device.sparse, size), _sparse_dense(cpu.sparse, size),
-                               atol=1e-3, rtol=1e-3)
+    np.testing.assert_allclose(
+        _sparse_dense(device.sparse, size), _sparse_dense(cpu.sparse, size), atol=1e-3, rtol=1e-3
+    )
     _assert_multi_vectors_close(device.multi_vectors, cpu.multi_vectors, texts, "bge-m3 multi-vector: ")
 
 

@@ -71,7 +71,8 @@ def test_two_replicas_on_one_gpu_match_sentence_transformers(gpu_model_dir, refe
         placements = _placements_from_log(caplog.records)
         assert {placements.get(pid) for pid in pids} == {"cuda:0"}, (
             f"workers {pids}: NVML lists {sorted(on_gpu) if on_gpu else 'no processes'} on GPU 0, and the log "
-            f"places them at {placements}")
+            f"places them at {placements}"
+        )
     embeddings = np.concatenate([r.embeddings for r in results])
     expected = reference(gpu_model_dir).encode(texts, convert_to_numpy=True)
     assert_cosine_at_least(embeddings, expected, MIN_COSINE, texts, what="2 replicas on cuda:0, float32: ")

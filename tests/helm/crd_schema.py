@@ -35,8 +35,11 @@ def _close(node) -> None:
         return
     if not isinstance(node, dict):
         return
-    if ("properties" in node and "additionalProperties" not in node
-            and not node.get("x-kubernetes-preserve-unknown-fields")):
+    if (
+        "properties" in node
+        and "additionalProperties" not in node
+        and not node.get("x-kubernetes-preserve-unknown-fields")
+    ):
         node["additionalProperties"] = False
     for key, value in node.items():
         # Only schemas nest below these; `properties` maps names to schemas, and `enum`/`default` are data.

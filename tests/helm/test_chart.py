@@ -33,20 +33,30 @@ FULL = {
     "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}, "interval": "15s"},
     "model": {"source": "pvc", "name": "bge-m3", "pvc": {"claimName": "models", "subPath": "bge-m3"}},
     "apiKey": {"existingSecret": "es-api-key"},
-    "server": {"maxBatchTokens": 8192, "dataParallelSize": 2, "dtype": "bfloat16", "drainTimeout": 60,
-               "extraArgs": ["--attention-backend", "sdpa"]},
+    "server": {
+        "maxBatchTokens": 8192,
+        "dataParallelSize": 2,
+        "dtype": "bfloat16",
+        "drainTimeout": 60,
+        "extraArgs": ["--attention-backend", "sdpa"],
+    },
     "topologySpreadConstraints": [
-        {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway"}],
+        {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway"}
+    ],
 }
-IMAGE_SOURCE = {"model": {"source": "image", "image": {"repository": "registry.example/models/bge", "tag": "v1"}},
-                "apiKey": {"value": "s3cret-key-value"}}
+IMAGE_SOURCE = {
+    "model": {"source": "image", "image": {"repository": "registry.example/models/bge", "tag": "v1"}},
+    "apiKey": {"value": "s3cret-key-value"},
+}
 HOSTPATH_SOURCE = {"model": {"source": "hostPath", "hostPath": {"path": "/mnt/models/e5"}}}
 
 BASE_KINDS = Counter({"Deployment": 1, "Service": 2, "ServiceAccount": 1, "Pod": 1})
 CASES = {
     "default": ({}, BASE_KINDS),
-    "gpu-full": (FULL, BASE_KINDS + Counter(
-        {"HorizontalPodAutoscaler": 1, "PodDisruptionBudget": 1, "ServiceMonitor": 1})),
+    "gpu-full": (
+        FULL,
+        BASE_KINDS + Counter({"HorizontalPodAutoscaler": 1, "PodDisruptionBudget": 1, "ServiceMonitor": 1}),
+    ),
     "image-source-with-key": (IMAGE_SOURCE, BASE_KINDS + Counter({"Secret": 1})),
     "hostpath-source": (HOSTPATH_SOURCE, BASE_KINDS),
 }
@@ -111,6 +121,7 @@ def flag(args: list[str], name: str) -> str | None:
 
 # Every object is schema-valid, none skipped.
 
+
 @pytest.mark.parametrize("case", CASES)
 def test_every_rendered_object_is_valid(chart, case):
     values, kinds = CASES[case]
@@ -130,9 +141,12 @@ def test_every_rendered_object_is_valid(chart, case):
 
 
 def test_servicemonitor_schema_is_strict():
-    monitor = {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
-               "metadata": {"name": "x", "namespace": "ml", "labels": {}},
-               "spec": {"selector": {"matchLabels": {"a": "b"}}, "endpoints": [{"port": "metrics"}]}}
+    monitor = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": {"name": "x", "namespace": "ml", "labels": {}},
+        "spec": {"selector": {"matchLabels": {"a": "b"}}, "endpoints": [{"port": "metrics"}]},
+    }
     jsonschema.validate(monitor, SERVICEMONITOR_SCHEMA)
     monitor["spec"]["endpoints"][0]["intervall"] = "30s"
     with pytest.raises(jsonschema.ValidationError):
@@ -149,11 +163,16 @@ def test_lint_is_clean(case):
 def test_chart_metadata(chart):
     meta = chart.metadata
     assert (meta["apiVersion"], meta["name"], meta["version"], meta["appVersion"]) == (
-        "v2", "embedserv", "0.1.0", "0.1.0")
+        "v2",
+        "embedserv",
+        "0.1.0",
+        "0.1.0",
+    )
     assert meta["kubeVersion"] == ">=1.30.0-0" and meta["type"] == "application"
 
 
 # values.schema.json.
+
 
 @pytest.mark.parametrize("case", CASES)
 def test_schema_accepts_good_values(chart, case):
@@ -171,17 +190,22 @@ def test_schema_rejects_bad_values(chart, bad):
     assert any(m["severity"] == 3 for m in report["messages"])
 
 
-@pytest.mark.parametrize("values", [
-    {"apiKey": {"existingSecret": "a", "value": "b"}},
-    {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}},
-    {"model": {"lora": {"a": "/models/a"}}, "config": {"models": [{"path": "/models/m"}]}},
-], ids=["two-key-sources", "hpa-min-above-max", "lora-beside-config-models"])
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"apiKey": {"existingSecret": "a", "value": "b"}},
+        {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}},
+        {"model": {"lora": {"a": "/models/a"}}, "config": {"models": [{"path": "/models/m"}]}},
+    ],
+    ids=["two-key-sources", "hpa-min-above-max", "lora-beside-config-models"],
+)
 def test_render_refuses_contradictions(chart, values):
     with pytest.raises(helm.HelmRenderError):
         render_raw(chart, values)
 
 
 # Behaviour of the rendered objects.
+
 
 @pytest.mark.parametrize("case", ["default", "gpu-full"])
 def test_probes_are_grpc_health_on_the_grpc_port(chart, case):
@@ -228,12 +252,15 @@ def test_hpa_owns_the_replica_count(chart):
     assert one(render(chart, {"replicaCount": 3}), "Deployment")["spec"]["replicas"] == 3
 
 
-@pytest.mark.parametrize("pdb_values, expected", [
-    ({}, {"maxUnavailable": 1}),
-    ({"minAvailable": 1}, {"minAvailable": 1}),
-    ({"minAvailable": "50%", "maxUnavailable": None}, {"minAvailable": "50%"}),
-    ({"maxUnavailable": "25%"}, {"maxUnavailable": "25%"}),
-])
+@pytest.mark.parametrize(
+    "pdb_values, expected",
+    [
+        ({}, {"maxUnavailable": 1}),
+        ({"minAvailable": 1}, {"minAvailable": 1}),
+        ({"minAvailable": "50%", "maxUnavailable": None}, {"minAvailable": "50%"}),
+        ({"maxUnavailable": "25%"}, {"maxUnavailable": "25%"}),
+    ],
+)
 def test_pdb_has_exactly_one_budget(chart, pdb_values, expected):
     objects = render(chart, {"podDisruptionBudget": {"enabled": True, **pdb_values}})
     spec = one(objects, "PodDisruptionBudget")["spec"]
@@ -250,7 +277,9 @@ def test_services(chart):
     assert svc["type"] == "ClusterIP" and svc["selector"] == selector
     ports = {p["name"]: (p["port"], p["targetPort"], p.get("appProtocol")) for p in svc["ports"]}
     assert ports == {
-        "grpc": (50051, "grpc", "grpc"), "metrics": (9090, "metrics", "http"), "http": (8000, "http", "http")
+        "grpc": (50051, "grpc", "grpc"),
+        "metrics": (9090, "metrics", "http"),
+        "http": (8000, "http", "http"),
     }
     headless = one(objects, "Service", f"{FULLNAME}-headless")["spec"]
     assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is False
@@ -294,18 +323,35 @@ def test_hardened_security_context(chart):
 def test_args_carry_values_and_omit_unset_ones(chart):
     args = server(render(chart, FULL))["args"]
     assert all(isinstance(a, str) for a in args)
-    expected = {"--host": "0.0.0.0", "--port": "50051", "--metrics-port": "9090", "--http-port": "8000",
-                "--max-batch-tokens": "8192",
-                "--data-parallel-size": "2", "--dtype": "bfloat16", "--drain-timeout": "60",
-                "--log-format": "json", "--log-level": "info", "--attention-backend": "sdpa",
-                "--max-connection-age": "60"}
+    expected = {
+        "--host": "0.0.0.0",
+        "--port": "50051",
+        "--metrics-port": "9090",
+        "--http-port": "8000",
+        "--max-batch-tokens": "8192",
+        "--data-parallel-size": "2",
+        "--dtype": "bfloat16",
+        "--drain-timeout": "60",
+        "--log-format": "json",
+        "--log-level": "info",
+        "--attention-backend": "sdpa",
+        "--max-connection-age": "60",
+    }
     assert {f: flag(args, f) for f in expected} == expected
     assert args[-2:] == ["--attention-backend", "sdpa"]
     for absent in ("--max-concurrent-requests", "--max-client-batch-size", "--api-key"):
         assert absent not in args
     default_args = server(render(chart, {}))["args"]
-    for absent in ("--model", "--served-model-name", "--dtype", "--quantization", "--max-batch-tokens",
-                   "--data-parallel-size", "--max-concurrent-requests", "--max-client-batch-size"):
+    for absent in (
+        "--model",
+        "--served-model-name",
+        "--dtype",
+        "--quantization",
+        "--max-batch-tokens",
+        "--data-parallel-size",
+        "--max-concurrent-requests",
+        "--max-client-batch-size",
+    ):
         assert absent not in default_args
     assert flag(server(render(chart, {"server": {"quantization": "int8"}}))["args"], "--quantization") == "int8"
     assert flag(server(render(chart, {"server": {"cpuFusion": "eager"}}))["args"], "--cpu-fusion") == "eager"
@@ -313,8 +359,9 @@ def test_args_carry_values_and_omit_unset_ones(chart):
     assert flag(server(render(chart, {"server": {"cpuAllocator": "glibc"}}))["args"], "--cpu-allocator") == "glibc"
     assert flag(server(render(chart, {"server": {"frontends": 2}}))["args"], "--frontends") == "2"
     assert "--frontends" not in default_args
-    big = server(render(chart, {"server": {"maxConcurrentRequests": 1000000, "logLevel": None,
-                                            "maxConnectionAge": None}}))["args"]
+    big = server(
+        render(chart, {"server": {"maxConcurrentRequests": 1000000, "logLevel": None, "maxConnectionAge": None}})
+    )["args"]
     assert flag(big, "--max-concurrent-requests") == "1000000" and "--log-level" not in big
     assert "--max-connection-age" not in big
 
@@ -322,7 +369,9 @@ def test_args_carry_values_and_omit_unset_ones(chart):
 def test_api_key_comes_from_a_secret(chart):
     env = {e["name"]: e for e in server(render(chart, FULL))["env"]}
     assert env["EMBEDSERV_API_KEY"] == {
-        "name": "EMBEDSERV_API_KEY", "valueFrom": {"secretKeyRef": {"name": "es-api-key", "key": "api-key"}}}
+        "name": "EMBEDSERV_API_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "es-api-key", "key": "api-key"}},
+    }
     assert "EMBEDSERV_API_KEY" not in {e["name"] for e in server(render(chart, {}))["env"]}
 
     key = IMAGE_SOURCE["apiKey"]["value"]
@@ -362,7 +411,8 @@ def test_model_sources(chart, source):
         assert init["image"] == "registry.example/models/bge:v1"
         assert init["command"] == ["cp", "-R", "/model/.", "/models"]
         assert [(m["name"], m["mountPath"], m.get("readOnly", False)) for m in init["volumeMounts"]] == [
-            ("model", "/models", False)]
+            ("model", "/models", False)
+        ]
 
 
 @pytest.mark.parametrize("drain, pre_stop", [(30, 5), (120, 0), (0, 10)])

@@ -31,22 +31,43 @@ from tests.helm.test_chart import (  # noqa: F401 (chart is a fixture)
 
 PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
 KEDA = {"keda": {"enabled": True, "prometheus": {"serverAddress": PROMETHEUS}}}
-KEDA_FULL = {"keda": {
-    "enabled": True, "minReplicas": 2, "maxReplicas": 10, "pollingInterval": 5, "cooldownPeriod": 120,
-    "prometheus": {"serverAddress": PROMETHEUS, "threshold": 1000000, "activationThreshold": 2.5,
-                   "authenticationRef": {"name": "prom-auth", "kind": "ClusterTriggerAuthentication"},
-                   "authModes": "bearer"},
-    "fallback": {"failureThreshold": 3, "replicas": 4},
-    "behavior": {"scaleDown": {"stabilizationWindowSeconds": 600}},
-}}
+KEDA_FULL = {
+    "keda": {
+        "enabled": True,
+        "minReplicas": 2,
+        "maxReplicas": 10,
+        "pollingInterval": 5,
+        "cooldownPeriod": 120,
+        "prometheus": {
+            "serverAddress": PROMETHEUS,
+            "threshold": 1000000,
+            "activationThreshold": 2.5,
+            "authenticationRef": {"name": "prom-auth", "kind": "ClusterTriggerAuthentication"},
+            "authModes": "bearer",
+        },
+        "fallback": {"failureThreshold": 3, "replicas": 4},
+        "behavior": {"scaleDown": {"stabilizationWindowSeconds": 600}},
+    }
+}
 POD_METRICS = [
     {"name": "embedserv_requests_waiting", "averageValue": 4},
     {"name": "embedserv_waiting_tokens", "averageValue": "8k", "selector": {"matchLabels": {"model": "bge-m3"}}},
 ]
-EXTERNAL = {"type": "External", "external": {
-    "metric": {"name": "gateway_requests_per_second"}, "target": {"type": "AverageValue", "averageValue": "50"}}}
-CUSTOM_HPA = {"autoscaling": {"enabled": True, "targetCPUUtilizationPercentage": None,
-                              "podMetrics": POD_METRICS, "extraMetrics": [EXTERNAL]}}
+EXTERNAL = {
+    "type": "External",
+    "external": {
+        "metric": {"name": "gateway_requests_per_second"},
+        "target": {"type": "AverageValue", "averageValue": "50"},
+    },
+}
+CUSTOM_HPA = {
+    "autoscaling": {
+        "enabled": True,
+        "targetCPUUtilizationPercentage": None,
+        "podMetrics": POD_METRICS,
+        "extraMetrics": [EXTERNAL],
+    }
+}
 POOL = {"inferencePool": {"enabled": True, "endpointPicker": {"name": "embed-epp"}}}
 CASES = {
     "keda": (KEDA, BASE_KINDS + Counter({"ScaledObject": 1})),
@@ -61,6 +82,7 @@ POD_ID = "[bcdfghjklmnpqrstvwxz2456789]"
 
 
 # Every object is valid: Kubernetes kinds against 1.30, ours against the vendored CRDs, strictly.
+
 
 @pytest.mark.parametrize("case", CASES)
 def test_every_rendered_object_is_valid(chart, case):
@@ -95,14 +117,17 @@ def test_vendored_crds_are_the_versions_the_chart_renders():
     assert crd_schema("keda.sh/v1alpha1", "ScaledObject")["additionalProperties"] is False
 
 
-@pytest.mark.parametrize("case, path, key", [
-    ("keda", ["spec"], "maxReplicas"),
-    ("keda", ["spec", "triggers", 0], "authRef"),
-    ("keda", ["spec", "scaleTargetRef"], "deployment"),
-    ("inference-pool", ["spec"], "targetPort"),
-    ("inference-pool", ["spec", "endpointPickerRef"], "mode"),
-    ("inference-pool", ["spec", "endpointPickerRef", "port"], "port"),
-])
+@pytest.mark.parametrize(
+    "case, path, key",
+    [
+        ("keda", ["spec"], "maxReplicas"),
+        ("keda", ["spec", "triggers", 0], "authRef"),
+        ("keda", ["spec", "scaleTargetRef"], "deployment"),
+        ("inference-pool", ["spec"], "targetPort"),
+        ("inference-pool", ["spec", "endpointPickerRef"], "mode"),
+        ("inference-pool", ["spec", "endpointPickerRef", "port"], "port"),
+    ],
+)
 def test_the_crd_check_refuses_a_typo_a_cluster_would_prune(chart, case, path, key):
     """The CRD as vendored accepts the typo (a cluster drops it silently); the strict check does not."""
     obj = next(o for o in render(chart, CASES[case][0]) if o["kind"] in CUSTOM_KINDS)
@@ -116,12 +141,15 @@ def test_the_crd_check_refuses_a_typo_a_cluster_would_prune(chart, case, path, k
         validate_custom(obj)
 
 
-@pytest.mark.parametrize("case, path, value", [
-    ("keda", ["spec", "minReplicaCount"], "two"),
-    ("keda", ["spec", "triggers", 0, "metadata", "threshold"], 8),
-    ("inference-pool", ["spec", "endpointPickerRef", "failureMode"], "FailSometimes"),
-    ("inference-pool", ["spec", "targetPorts"], []),
-])
+@pytest.mark.parametrize(
+    "case, path, value",
+    [
+        ("keda", ["spec", "minReplicaCount"], "two"),
+        ("keda", ["spec", "triggers", 0, "metadata", "threshold"], 8),
+        ("inference-pool", ["spec", "endpointPickerRef", "failureMode"], "FailSometimes"),
+        ("inference-pool", ["spec", "targetPorts"], []),
+    ],
+)
 def test_the_crd_check_refuses_wrong_values(chart, case, path, value):
     obj = next(o for o in render(chart, CASES[case][0]) if o["kind"] in CUSTOM_KINDS)
     node = obj
@@ -133,6 +161,7 @@ def test_the_crd_check_refuses_wrong_values(chart, case, path, value):
 
 
 # KEDA.
+
 
 def test_keda_scales_the_deployment_on_the_load_metrics(chart):
     objects = render(chart, KEDA)
@@ -168,7 +197,11 @@ def test_the_default_query_selects_this_releases_pods_only(chart):
 def test_keda_values_reach_the_scaled_object(chart):
     spec = one(render(chart, KEDA_FULL), "ScaledObject")["spec"]
     assert (spec["minReplicaCount"], spec["maxReplicaCount"], spec["pollingInterval"], spec["cooldownPeriod"]) == (
-        2, 10, 5, 120)
+        2,
+        10,
+        5,
+        120,
+    )
     assert spec["fallback"] == {"failureThreshold": 3, "replicas": 4}
     assert spec["advanced"] == {"horizontalPodAutoscalerConfig": {"behavior": KEDA_FULL["keda"]["behavior"]}}
     (trigger,) = spec["triggers"]
@@ -180,44 +213,81 @@ def test_keda_values_reach_the_scaled_object(chart):
 
 def test_keda_takes_a_query_of_its_own_and_then_may_scale_to_zero(chart):
     query = 'sum(rate(gateway_requests_total{pool="embed"}[1m]))'
-    values = {"keda": {"enabled": True, "minReplicas": 0,
-                       "prometheus": {"serverAddress": PROMETHEUS, "query": query, "threshold": 20}}}
+    values = {
+        "keda": {
+            "enabled": True,
+            "minReplicas": 0,
+            "prometheus": {"serverAddress": PROMETHEUS, "query": query, "threshold": 20},
+        }
+    }
     objects = render(chart, values)
     spec = one(objects, "ScaledObject")["spec"]
     assert spec["minReplicaCount"] == 0 and spec["triggers"][0]["metadata"]["query"] == query
     validate_custom(one(objects, "ScaledObject"))
 
 
-@pytest.mark.parametrize("values, message", [
-    ({**KEDA, "autoscaling": {"enabled": True}}, "keda.enabled and autoscaling.enabled both scale the Deployment"),
-    ({"keda": {**KEDA["keda"], "minReplicas": 0}}, "keda.minReplicas 0 needs keda.prometheus.query"),
-    ({"keda": {**KEDA["keda"], "minReplicas": 5, "maxReplicas": 2}}, "keda.minReplicas must not exceed"),
-    ({"keda": {"enabled": True, "prometheus": {"serverAddress": PROMETHEUS, "authModes": "bearer"}}},
-     "authModes needs keda.prometheus.authenticationRef"),
-    ({"autoscaling": {"enabled": True, "targetCPUUtilizationPercentage": None}}, "autoscaling.enabled needs a metric"),
-], ids=["keda-beside-hpa", "keda-zero-on-own-metrics", "keda-min-above-max", "keda-auth-modes-alone",
-        "hpa-without-metrics"])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({**KEDA, "autoscaling": {"enabled": True}}, "keda.enabled and autoscaling.enabled both scale the Deployment"),
+        ({"keda": {**KEDA["keda"], "minReplicas": 0}}, "keda.minReplicas 0 needs keda.prometheus.query"),
+        ({"keda": {**KEDA["keda"], "minReplicas": 5, "maxReplicas": 2}}, "keda.minReplicas must not exceed"),
+        (
+            {"keda": {"enabled": True, "prometheus": {"serverAddress": PROMETHEUS, "authModes": "bearer"}}},
+            "authModes needs keda.prometheus.authenticationRef",
+        ),
+        (
+            {"autoscaling": {"enabled": True, "targetCPUUtilizationPercentage": None}},
+            "autoscaling.enabled needs a metric",
+        ),
+    ],
+    ids=[
+        "keda-beside-hpa",
+        "keda-zero-on-own-metrics",
+        "keda-min-above-max",
+        "keda-auth-modes-alone",
+        "hpa-without-metrics",
+    ],
+)
 def test_render_refuses_contradictions(chart, values, message):
     with pytest.raises(helm.HelmRenderError, match=re.escape(message)):
         render_raw(chart, values)
 
 
-@pytest.mark.parametrize("values", [
-    {"keda": {"enabled": True}},
-    {"keda": {"enabled": True, "prometheus": {"serverAddress": ""}}},
-    {"keda": {**KEDA["keda"], "prometheus": {"serverAddress": "prometheus:9090"}}},
-    {"keda": {**KEDA["keda"], "prometheus": {"serverAddress": PROMETHEUS, "threshold": 0}}},
-    {"keda": {**KEDA["keda"], "prometheus": {"serverAddress": PROMETHEUS, "treshold": 4}}},
-    {"keda": {**KEDA["keda"], "prometheus": {"serverAddress": PROMETHEUS, "authenticationRef": {"name": "a",
-                                                                                                "kind": "Secret"}}}},
-    {"keda": {**KEDA["keda"], "minReplicas": -1}},
-    {"autoscaling": {"podMetrics": [{"name": "embedserv_requests_waiting"}]}},
-    {"autoscaling": {"podMetrics": [{"name": "embedserv_requests_waiting", "averageValue": "lots"}]}},
-    {"autoscaling": {"podMetrics": [{"name": "embedserv_requests_waiting", "averageValue": 0}]}},
-    {"autoscaling": {"extraMetrics": [{"external": {}}]}},
-], ids=["keda-without-prometheus", "keda-empty-address", "keda-address-without-scheme", "keda-threshold-0",
-        "keda-typo", "keda-auth-kind", "keda-min-negative", "pod-metric-without-target", "pod-metric-not-quantity",
-        "pod-metric-zero", "extra-metric-without-type"])
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"keda": {"enabled": True}},
+        {"keda": {"enabled": True, "prometheus": {"serverAddress": ""}}},
+        {"keda": {**KEDA["keda"], "prometheus": {"serverAddress": "prometheus:9090"}}},
+        {"keda": {**KEDA["keda"], "prometheus": {"serverAddress": PROMETHEUS, "threshold": 0}}},
+        {"keda": {**KEDA["keda"], "prometheus": {"serverAddress": PROMETHEUS, "treshold": 4}}},
+        {
+            "keda": {
+                **KEDA["keda"],
+                "prometheus": {"serverAddress": PROMETHEUS, "authenticationRef": {"name": "a", "kind": "Secret"}},
+            }
+        },
+        {"keda": {**KEDA["keda"], "minReplicas": -1}},
+        {"autoscaling": {"podMetrics": [{"name": "embedserv_requests_waiting"}]}},
+        {"autoscaling": {"podMetrics": [{"name": "embedserv_requests_waiting", "averageValue": "lots"}]}},
+        {"autoscaling": {"podMetrics": [{"name": "embedserv_requests_waiting", "averageValue": 0}]}},
+        {"autoscaling": {"extraMetrics": [{"external": {}}]}},
+    ],
+    ids=[
+        "keda-without-prometheus",
+        "keda-empty-address",
+        "keda-address-without-scheme",
+        "keda-threshold-0",
+        "keda-typo",
+        "keda-auth-kind",
+        "keda-min-negative",
+        "pod-metric-without-target",
+        "pod-metric-not-quantity",
+        "pod-metric-zero",
+        "extra-metric-without-type",
+    ],
+)
 def test_schema_rejects_bad_autoscaling_values(chart, values):
     with pytest.raises(helm.HelmValuesError):
         chart.validate_schema(copy.deepcopy(values))
@@ -225,15 +295,25 @@ def test_schema_rejects_bad_autoscaling_values(chart, values):
 
 # The HPA on custom and external metrics.
 
+
 def test_hpa_scales_on_pod_and_external_metrics(chart):
     objects = render(chart, CUSTOM_HPA)
     metrics = one(objects, "HorizontalPodAutoscaler")["spec"]["metrics"]
     assert metrics == [
-        {"type": "Pods", "pods": {"metric": {"name": "embedserv_requests_waiting"},
-                                  "target": {"type": "AverageValue", "averageValue": "4"}}},
-        {"type": "Pods", "pods": {"metric": {"name": "embedserv_waiting_tokens",
-                                             "selector": {"matchLabels": {"model": "bge-m3"}}},
-                                  "target": {"type": "AverageValue", "averageValue": "8k"}}},
+        {
+            "type": "Pods",
+            "pods": {
+                "metric": {"name": "embedserv_requests_waiting"},
+                "target": {"type": "AverageValue", "averageValue": "4"},
+            },
+        },
+        {
+            "type": "Pods",
+            "pods": {
+                "metric": {"name": "embedserv_waiting_tokens", "selector": {"matchLabels": {"model": "bge-m3"}}},
+                "target": {"type": "AverageValue", "averageValue": "8k"},
+            },
+        },
         EXTERNAL,
     ]
     assert "replicas" not in one(objects, "Deployment")["spec"]

@@ -44,8 +44,10 @@ CONFIG_FILE = {
     },
 }
 # Beside --model: the file gives only server settings and defaults for the chart's model.
-DEFAULTS_ONLY = {"model": {"source": "hostPath", "hostPath": {"path": "/mnt/e5"}, "name": "e5"},
-                 "config": {"defaults": {"pooling": "mean"}}}
+DEFAULTS_ONLY = {
+    "model": {"source": "hostPath", "hostPath": {"path": "/mnt/e5"}, "name": "e5"},
+    "config": {"defaults": {"pooling": "mean"}},
+}
 BAD_CONFIG = {
     "unknown-section": {"config": {"model": [{"path": "/models"}]}},
     "model-without-path": {"config": {"models": [{"device": "cpu"}]}},
@@ -94,7 +96,9 @@ def test_the_config_file_reaches_the_server_as_rendered(chart, tmp_path):
     # The chart's flags win over config.server and config.defaults; each model's own keys over the flags.
     assert (config.port, config.max_concurrent_requests) == (50051, 1000000)
     assert [(m.served_name, m.device, m.dtype, m.max_batch_tokens, m.max_batch_requests) for m in config.models] == [
-        ("bge-small", "cpu", "float32", 4096, 64), ("qwen", "cuda", "bfloat16", None, 64)]
+        ("bge-small", "cpu", "float32", 4096, 64),
+        ("qwen", "cuda", "bfloat16", None, 64),
+    ]
     assert config.models[1].attention_backend == "flash_attn" and config.models[1].kv_cache_memory == 0.5
 
 
@@ -127,10 +131,14 @@ def test_http_port_zero_turns_http_off(chart):
         assert "http" not in {p["name"] for p in service["spec"]["ports"]}
 
 
-
 def test_lora_adapters_become_flags(chart):
-    values = {"model": {"source": "hostPath", "hostPath": {"path": "/data/bge"},
-                        "lora": {"legal": "/models/adapters/legal", "med": "/models/adapters/med"}}}
+    values = {
+        "model": {
+            "source": "hostPath",
+            "hostPath": {"path": "/data/bge"},
+            "lora": {"legal": "/models/adapters/legal", "med": "/models/adapters/med"},
+        }
+    }
     args = server(render(chart, values))["args"]
     loras = [args[i + 1] for i, a in enumerate(args) if a == "--lora"]
     assert loras == ["legal=/models/adapters/legal", "med=/models/adapters/med"]

@@ -33,6 +33,7 @@ POOL = {"inferencePool": {"enabled": True, "endpointPicker": {"name": "embed-epp
 
 # The InferencePool.
 
+
 def test_inference_pool_selects_the_release_pods_on_the_http_port(chart):
     objects = render(chart, POOL)
     pool = one(objects, "InferencePool")
@@ -45,14 +46,23 @@ def test_inference_pool_selects_the_release_pods_on_the_http_port(chart):
     http = {p["name"]: p["containerPort"] for p in server(objects)["ports"]}["http"]
     assert spec["targetPorts"] == [{"number": http}] and spec["appProtocol"] == "http"
     # The CRD's CEL rule, which jsonschema cannot run: a Service reference needs its port.
-    assert spec["endpointPickerRef"] == {"kind": "Service", "name": "embed-epp", "port": {"number": 9002},
-                                         "failureMode": "FailClose"}
+    assert spec["endpointPickerRef"] == {
+        "kind": "Service",
+        "name": "embed-epp",
+        "port": {"number": 9002},
+        "failureMode": "FailClose",
+    }
 
 
 def test_inference_pool_values(chart):
-    values = {"service": {"httpPort": 8080}, "inferencePool": {
-        "enabled": True, "name": "embeddings",
-        "endpointPicker": {"name": "epp", "port": 9003, "failureMode": "FailOpen"}}}
+    values = {
+        "service": {"httpPort": 8080},
+        "inferencePool": {
+            "enabled": True,
+            "name": "embeddings",
+            "endpointPicker": {"name": "epp", "port": 9003, "failureMode": "FailOpen"},
+        },
+    }
     pool = one(render(chart, values), "InferencePool", "embeddings")
     validate_custom(pool)
     assert pool["metadata"]["namespace"] == NAMESPACE
@@ -63,18 +73,23 @@ def test_inference_pool_values(chart):
 
 
 def test_inference_pool_needs_http(chart):
-    with pytest.raises(helm.HelmRenderError, match=re.escape("inferencePool.enabled routes HTTP to the pods: set "
-                                                             "service.httpPort")):
+    with pytest.raises(
+        helm.HelmRenderError, match=re.escape("inferencePool.enabled routes HTTP to the pods: set service.httpPort")
+    ):
         render_raw(chart, {**POOL, "service": {"httpPort": 0}})
 
 
-@pytest.mark.parametrize("values", [
-    {"inferencePool": {"enabled": True}},
-    {"inferencePool": {"enabled": True, "endpointPicker": {"name": ""}}},
-    {"inferencePool": {"enabled": True, "endpointPicker": {"name": "epp", "failureMode": "FailSometimes"}}},
-    {"inferencePool": {"enabled": True, "endpointPicker": {"name": "epp", "port": 0}}},
-    {"inferencePool": {"enabled": True, "endpointPicker": {"name": "epp", "kind": "Deployment"}}},
-], ids=["no-picker", "empty-picker", "failure-mode", "port-0", "unknown-key"])
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"inferencePool": {"enabled": True}},
+        {"inferencePool": {"enabled": True, "endpointPicker": {"name": ""}}},
+        {"inferencePool": {"enabled": True, "endpointPicker": {"name": "epp", "failureMode": "FailSometimes"}}},
+        {"inferencePool": {"enabled": True, "endpointPicker": {"name": "epp", "port": 0}}},
+        {"inferencePool": {"enabled": True, "endpointPicker": {"name": "epp", "kind": "Deployment"}}},
+    ],
+    ids=["no-picker", "empty-picker", "failure-mode", "port-0", "unknown-key"],
+)
 def test_schema_rejects_bad_pool_values(chart, values):
     with pytest.raises(helm.HelmValuesError):
         chart.validate_schema(copy.deepcopy(values))
@@ -82,16 +97,22 @@ def test_schema_rejects_bad_pool_values(chart, values):
 
 # GPU values.
 
+
 def test_gpu_resource_name_and_node_selector(chart):
-    values = {"gpu": {"enabled": True, "resourceName": "amd.com/gpu", "count": 2,
-                      "nodeSelector": {"amd.com/gpu.product-name": "MI300X", "pool": "gpu"}},
-              "nodeSelector": {"pool": "inference", "zone": "a"}}
+    values = {
+        "gpu": {
+            "enabled": True,
+            "resourceName": "amd.com/gpu",
+            "count": 2,
+            "nodeSelector": {"amd.com/gpu.product-name": "MI300X", "pool": "gpu"},
+        },
+        "nodeSelector": {"pool": "inference", "zone": "a"},
+    }
     objects = render(chart, values)
     limits = server(objects)["resources"]["limits"]
     assert limits["amd.com/gpu"] == 2 and "nvidia.com/gpu" not in limits
     # nodeSelector wins on a key both set.
-    assert pod_spec(objects)["nodeSelector"] == {"amd.com/gpu.product-name": "MI300X", "pool": "inference",
-                                                 "zone": "a"}
+    assert pod_spec(objects)["nodeSelector"] == {"amd.com/gpu.product-name": "MI300X", "pool": "inference", "zone": "a"}
     assert flag(server(objects)["args"], "--device") == "cuda"
 
 
@@ -107,17 +128,22 @@ def test_gpu_node_selector_only_with_gpu(chart):
     assert "nodeSelector" not in pod_spec(default_gpu)
 
 
-@pytest.mark.parametrize("values", [
-    {"gpu": {"resourceName": "gpu"}},
-    {"gpu": {"resourceName": "nvidia.com/"}},
-    {"gpu": {"nodeSelector": {"nvidia.com/gpu.present": True}}},
-], ids=["resource-without-domain", "resource-without-name", "selector-not-a-string"])
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"gpu": {"resourceName": "gpu"}},
+        {"gpu": {"resourceName": "nvidia.com/"}},
+        {"gpu": {"nodeSelector": {"nvidia.com/gpu.present": True}}},
+    ],
+    ids=["resource-without-domain", "resource-without-name", "selector-not-a-string"],
+)
 def test_schema_rejects_bad_gpu_values(chart, values):
     with pytest.raises(helm.HelmValuesError):
         chart.validate_schema(copy.deepcopy(values))
 
 
 # Tracing and auto-truncate reach the server as the flags it parses.
+
 
 def parsed(args: list[str]):
     return server_config(build_parser().parse_args(["serve", *args]))
@@ -127,8 +153,10 @@ def test_server_flags_for_tracing_and_auto_truncate(chart):
     default = server(render(chart, {}))["args"]
     assert not {"--auto-truncate", "--no-auto-truncate", "--otlp-endpoint"} & set(default)
     assert parsed(default).otlp_endpoint is None
-    values = {"server": {"autoTruncate": True, "otlpEndpoint": "http://otel-collector.observability:4317"},
-              "extraEnv": [{"name": "OTEL_SERVICE_NAME", "value": "embed"}]}
+    values = {
+        "server": {"autoTruncate": True, "otlpEndpoint": "http://otel-collector.observability:4317"},
+        "extraEnv": [{"name": "OTEL_SERVICE_NAME", "value": "embed"}],
+    }
     container = server(render(chart, values))
     config = parsed(container["args"])
     assert config.otlp_endpoint == "http://otel-collector.observability:4317"
@@ -138,17 +166,22 @@ def test_server_flags_for_tracing_and_auto_truncate(chart):
     assert "--no-auto-truncate" in off and [m.auto_truncate for m in parsed(off).models] == [False]
 
 
-@pytest.mark.parametrize("values", [
-    {"server": {"autoTruncate": "yes"}},
-    {"server": {"otlpEndpoint": "otel-collector:4317"}},
-    {"server": {"otlpEndpoint": ""}},
-], ids=["auto-truncate-string", "otlp-without-scheme", "otlp-empty"])
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"server": {"autoTruncate": "yes"}},
+        {"server": {"otlpEndpoint": "otel-collector:4317"}},
+        {"server": {"otlpEndpoint": ""}},
+    ],
+    ids=["auto-truncate-string", "otlp-without-scheme", "otlp-empty"],
+)
 def test_schema_rejects_bad_server_values(chart, values):
     with pytest.raises(helm.HelmValuesError):
         chart.validate_schema(copy.deepcopy(values))
 
 
 # The README documents every value.
+
 
 def value_keys(node: dict, prefix: str = "") -> dict[str, bool]:
     """Every key of values.yaml, dotted, and whether it is a leaf (no non-empty map below it)."""
@@ -180,7 +213,8 @@ def test_readme_documents_every_value():
     documented = documented_keys((CHART_DIR / "README.md").read_text())
     # A key is covered by its own row or by a row for a map it is in (resources, probes.startup, ...).
     keys = value_keys(values)
-    missing = [k for k, leaf in sorted(keys.items())
-               if leaf and not any(k == d or k.startswith(d + ".") for d in documented)]
+    missing = [
+        k for k, leaf in sorted(keys.items()) if leaf and not any(k == d or k.startswith(d + ".") for d in documented)
+    ]
     assert missing == []
     assert not documented - set(keys), "rows for keys values.yaml lacks"

@@ -11,11 +11,17 @@ from tests.helm.test_chart import FULLNAME, NAMESPACE, RELEASE, chart, one, rend
 def test_labels(chart):
     deployment = one(render(chart, {}), "Deployment")
     labels = deployment["metadata"]["labels"]
-    assert labels == {"helm.sh/chart": "embedserv-0.1.0", "app.kubernetes.io/name": "embedserv",
-                      "app.kubernetes.io/instance": RELEASE, "app.kubernetes.io/version": "0.1.0",
-                      "app.kubernetes.io/managed-by": "Helm"}
+    assert labels == {
+        "helm.sh/chart": "embedserv-0.1.0",
+        "app.kubernetes.io/name": "embedserv",
+        "app.kubernetes.io/instance": RELEASE,
+        "app.kubernetes.io/version": "0.1.0",
+        "app.kubernetes.io/managed-by": "Helm",
+    }
     assert deployment["spec"]["selector"]["matchLabels"] == {
-        "app.kubernetes.io/name": "embedserv", "app.kubernetes.io/instance": RELEASE}
+        "app.kubernetes.io/name": "embedserv",
+        "app.kubernetes.io/instance": RELEASE,
+    }
 
 
 def test_notes(chart):

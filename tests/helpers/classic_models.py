@@ -28,13 +28,29 @@ def classic_config(arch: str, vocab_size: int, **overrides):
 
     if arch == "distilbert":
         common = dict(
-            vocab_size=vocab_size, dim=64, n_layers=2, n_heads=4, hidden_dim=128, activation="gelu",
-            max_position_embeddings=512, dropout=0.0, attention_dropout=0.0, initializer_range=0.15, pad_token_id=0,
+            vocab_size=vocab_size,
+            dim=64,
+            n_layers=2,
+            n_heads=4,
+            hidden_dim=128,
+            activation="gelu",
+            max_position_embeddings=512,
+            dropout=0.0,
+            attention_dropout=0.0,
+            initializer_range=0.15,
+            pad_token_id=0,
         )
         return DistilBertConfig(**(common | overrides))
     common = dict(
-        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-        hidden_act="gelu", initializer_range=0.15, layer_norm_eps=1e-12, hidden_dropout_prob=0.0,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        hidden_act="gelu",
+        initializer_range=0.15,
+        layer_norm_eps=1e-12,
+        hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
     if arch == "mpnet":

@@ -63,9 +63,18 @@ def build_models(root: Path) -> dict[str, Path]:
 
 def server_args(models: dict[str, Path], http_port: int) -> list[str]:
     args = [
-        "--dtype", "float32", "--device", "cpu", "--http-port", str(http_port),
-        "--max-client-batch-size", str(MAX_CLIENT_BATCH), "--max-concurrent-requests", str(MAX_CONCURRENT),
-        "--kv-cache-memory", "64MiB",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--http-port",
+        str(http_port),
+        "--max-client-batch-size",
+        str(MAX_CLIENT_BATCH),
+        "--max-concurrent-requests",
+        str(MAX_CONCURRENT),
+        "--kv-cache-memory",
+        "64MiB",
     ]
     for name, path in models.items():
         args += ["--model", str(path), "--served-model-name", name]

@@ -47,14 +47,24 @@ def deberta_config(variant: str, vocab_size: int):
     )
     if variant == "v3":
         return DebertaV2Config(
-            position_buckets=16, max_relative_positions=64, share_att_key=True, pos_att_type="p2c|c2p",
-            norm_rel_ebd="layer_norm", position_biased_input=False, type_vocab_size=0, **common,
+            position_buckets=16,
+            max_relative_positions=64,
+            share_att_key=True,
+            pos_att_type="p2c|c2p",
+            norm_rel_ebd="layer_norm",
+            position_biased_input=False,
+            type_vocab_size=0,
+            **common,
         )
     if variant in ("v2", "absolute"):
         common["relative_attention"] = variant == "v2"
         return DebertaV2Config(
-            max_relative_positions=32, share_att_key=False, pos_att_type="c2p|p2c", position_biased_input=True,
-            type_vocab_size=2, **common,
+            max_relative_positions=32,
+            share_att_key=False,
+            pos_att_type="c2p|p2c",
+            position_biased_input=True,
+            type_vocab_size=2,
+            **common,
         )
     raise ValueError(f"variant must be one of {VARIANTS}, not {variant!r}")
 
@@ -65,7 +75,9 @@ def _saved(model, tokenizer, out: Path) -> Path:
     return out
 
 
-def build_deberta_embedder(tmp_dir: Path | str, variant: str, pooling: str, seed: int = 0, max_seq_length: int = 128) -> Path:
+def build_deberta_embedder(
+    tmp_dir: Path | str, variant: str, pooling: str, seed: int = 0, max_seq_length: int = 128
+) -> Path:
     """A sentence-transformers embedder (Transformer + Pooling) over a random DebertaV2Model."""
     import torch
     from transformers import AutoModel
@@ -111,13 +123,18 @@ def build_deberta_cross_encoder(
     tokenizer = _bundled_tokenizer(max_seq_length)
     model = _classifier(variant, tokenizer, seed, _label_maps(num_labels), CROSS_ENCODER_HEAD_SCALE)
     _saved(model, tokenizer, hf_dir)
-    CrossEncoder(str(hf_dir), device="cpu", activation_fn=_activation_module(None)).save(str(out), create_model_card=False)
+    CrossEncoder(str(hf_dir), device="cpu", activation_fn=_activation_module(None)).save(
+        str(out), create_model_card=False
+    )
     return out
 
 
 def build_deberta_nli(
-    tmp_dir: Path | str, variant: str = "v3", labels: tuple[str, ...] = ("entailment", "neutral", "contradiction"),
-    seed: int = 0, max_seq_length: int = 128,
+    tmp_dir: Path | str,
+    variant: str = "v3",
+    labels: tuple[str, ...] = ("entailment", "neutral", "contradiction"),
+    seed: int = 0,
+    max_seq_length: int = 128,
 ) -> Path:
     """A zero-shot NLI classifier saved as transformers saves one; labels in the MoritzLaurer models' order."""
     name = f"tiny-nli-deberta-{variant}-s{seed}-L{max_seq_length}-{'-'.join(labels)}"

@@ -42,11 +42,11 @@ def parse_question(msg: bytes) -> tuple[int, int, str, int, int, bytes]:
     while (length := msg[pos]) != 0:
         if length & 0xC0:  # compression pointers never occur in a query's first name
             raise ValueError("compressed name in question")
-        labels.append(msg[pos + 1:pos + 1 + length].decode("ascii"))
+        labels.append(msg[pos + 1 : pos + 1 + length].decode("ascii"))
         pos += 1 + length
     qtype, qclass = struct.unpack_from("!HH", msg, pos + 1)
     # Anything after the question (e.g. an EDNS OPT record in the additional section) is ignored.
-    return qid, flags, ".".join(labels), qtype, qclass, msg[12:pos + 5]
+    return qid, flags, ".".join(labels), qtype, qclass, msg[12 : pos + 5]
 
 
 class FakeDns:

@@ -145,6 +145,7 @@ def generate_requests() -> st.SearchStrategy:
 
 def _unknown_field(number: int, value: int | bytes) -> bytes:
     """One field in protobuf wire format: a varint, or length-delimited bytes."""
+
     def varint(n: int) -> bytes:
         out = bytearray()
         while True:

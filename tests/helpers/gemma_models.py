@@ -171,7 +171,10 @@ def build_embeddinggemma(tmp_dir: Path | str, seed: int = 0, max_seq_length: int
     tmp_dir = Path(tmp_dir)
     hf_dir = _save(
         gemma3_config(len(_bundled_tokenizer(max_seq_length)), bidirectional=True),
-        tmp_dir / f"embeddinggemma-s{seed}-hf", AutoModel, seed, max_seq_length,
+        tmp_dir / f"embeddinggemma-s{seed}-hf",
+        AutoModel,
+        seed,
+        max_seq_length,
     )
     torch.manual_seed(seed + 1)
     modules = [
@@ -195,9 +198,16 @@ def build_gemma4_embedder(tmp_dir: Path | str, seed: int = 0, max_seq_length: in
     tmp_dir = Path(tmp_dir)
     hf_dir = _save(
         gemma4_config(len(_bundled_tokenizer(max_seq_length)), final_logit_softcapping=None),
-        tmp_dir / f"gemma4-embedder-s{seed}-hf", AutoModel, seed, max_seq_length,
+        tmp_dir / f"gemma4-embedder-s{seed}-hf",
+        AutoModel,
+        seed,
+        max_seq_length,
     )
-    modules = [Transformer(str(hf_dir), max_seq_length=max_seq_length), Pooling(64, pooling_mode="lasttoken"), Normalize()]
+    modules = [
+        Transformer(str(hf_dir), max_seq_length=max_seq_length),
+        Pooling(64, pooling_mode="lasttoken"),
+        Normalize(),
+    ]
     out = tmp_dir / f"gemma4-embedder-s{seed}"
     _save_sentence_transformer(hf_dir, out, modules, None)
     return out

@@ -65,5 +65,5 @@ def huge_jpeg_header(width: int, height: int) -> bytes:
     """A small real JPEG whose frame header (SOF0) is rewritten to claim width x height: refused from the header."""
     data = bytearray(jpeg_bytes(random_image(0, 16, 16)))
     sof = data.index(b"\xff\xc0")
-    data[sof + 5: sof + 9] = struct.pack(">HH", height, width)
+    data[sof + 5 : sof + 9] = struct.pack(">HH", height, width)
     return bytes(data)

@@ -139,6 +139,7 @@ def _save_sentence_transformer(
 ) -> None:
     """Wrap the Hugging Face model in hf_dir as Transformer + Pooling and save that under out."""
     from sentence_transformers import SentenceTransformer
+
     try:
         from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
     except ImportError:  # sentence-transformers < 6
@@ -241,8 +242,17 @@ def build_tiny_decoder(
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     _check_pooling(pooling)
-    options = (prompts, default_prompt_name, is_causal, rope_scaling, legacy_rope_config, tie_word_embeddings,
-               causal_lm_weights, num_kv_heads, sorted(config_overrides.items()))
+    options = (
+        prompts,
+        default_prompt_name,
+        is_causal,
+        rope_scaling,
+        legacy_rope_config,
+        tie_word_embeddings,
+        causal_lm_weights,
+        num_kv_heads,
+        sorted(config_overrides.items()),
+    )
     digest = hashlib.sha1(repr(options).encode()).hexdigest()[:10]
     name = f"tiny-{arch}-{pooling}-s{seed}-L{max_seq_length}-{digest}"
     out = Path(tmp_dir) / name
@@ -310,8 +320,15 @@ def build_tiny_generator(
     options = (tie_word_embeddings, sorted(config_overrides.items()))
     digest = hashlib.sha1(repr(options).encode()).hexdigest()[:10]
     return save_random_decoder(
-        tmp_dir, f"tiny-{arch}-lm-s{seed}-{digest}", arch, seed, 512, AutoModelForCausalLM,
-        num_kv_heads=2, tie_word_embeddings=tie_word_embeddings, **config_overrides,
+        tmp_dir,
+        f"tiny-{arch}-lm-s{seed}-{digest}",
+        arch,
+        seed,
+        512,
+        AutoModelForCausalLM,
+        num_kv_heads=2,
+        tie_word_embeddings=tie_word_embeddings,
+        **config_overrides,
     )
 
 

@@ -48,9 +48,7 @@ def modernbert_config(vocab_size: int, biases: bool = False, **overrides):
         num_hidden_layers=NUM_LAYERS,
         num_attention_heads=4,
         max_position_embeddings=512,
-        layer_types=[
-            "full_attention" if i % GLOBAL_EVERY == 0 else "sliding_attention" for i in range(NUM_LAYERS)
-        ],
+        layer_types=["full_attention" if i % GLOBAL_EVERY == 0 else "sliding_attention" for i in range(NUM_LAYERS)],
         local_attention=LOCAL_ATTENTION,
         rope_parameters={
             "full_attention": {"rope_type": "default", "rope_theta": GLOBAL_THETA},
@@ -92,7 +90,10 @@ def build_modernbert_embedder(
     name = f"modernbert-{pooling}-s{seed}-L{max_seq_length}" + "".join(f"-{k}{v}" for k, v in sorted(overrides.items()))
     hf_dir = _save_hf(
         modernbert_config(len(_bundled_tokenizer(max_seq_length)), **overrides),
-        Path(tmp_dir) / f"{name}-hf", AutoModel, seed, max_seq_length,
+        Path(tmp_dir) / f"{name}-hf",
+        AutoModel,
+        seed,
+        max_seq_length,
     )
     out = Path(tmp_dir) / name
     _save_sentence_transformer(hf_dir, out, pooling, max_seq_length, prompts=None)
@@ -100,19 +101,30 @@ def build_modernbert_embedder(
 
 
 def build_modernbert_classifier(
-    tmp_dir: Path | str, pooling: str, num_labels: int = 3, seed: int = 0, biases: bool = False,
+    tmp_dir: Path | str,
+    pooling: str,
+    num_labels: int = 3,
+    seed: int = 0,
+    biases: bool = False,
     max_seq_length: int = 128,
 ) -> Path:
     """A ModernBertForSequenceClassification with `classifier_pooling` = pooling ("cls" or "mean")."""
     from transformers import AutoModelForSequenceClassification
 
     config = modernbert_config(
-        len(_bundled_tokenizer(max_seq_length)), biases=biases, classifier_pooling=pooling,
-        num_labels=num_labels, **_label_maps(num_labels),
+        len(_bundled_tokenizer(max_seq_length)),
+        biases=biases,
+        classifier_pooling=pooling,
+        num_labels=num_labels,
+        **_label_maps(num_labels),
     )
     name = f"modernbert-cls-{pooling}-n{num_labels}-s{seed}" + ("-biases" if biases else "")
     return _save_hf(
-        config, Path(tmp_dir) / name, AutoModelForSequenceClassification, seed, max_seq_length,
+        config,
+        Path(tmp_dir) / name,
+        AutoModelForSequenceClassification,
+        seed,
+        max_seq_length,
         head_scale=CROSS_ENCODER_HEAD_SCALE,
     )
 
@@ -168,7 +180,10 @@ def eurobert_config(vocab_size: int, **overrides):
         max_position_embeddings=512,
         rope_parameters={"rope_type": "default", "rope_theta": EUROBERT_THETA},
         initializer_range=0.15,
-        pad_token_id=0, bos_token_id=101, eos_token_id=102, mask_token_id=103,
+        pad_token_id=0,
+        bos_token_id=101,
+        eos_token_id=102,
+        mask_token_id=103,
     )
     settings.update(overrides)
     return EuroBertConfig(**settings)
@@ -179,7 +194,10 @@ def build_eurobert_embedder(tmp_dir: Path | str, pooling: str, seed: int = 0, ma
 
     name = f"eurobert-{pooling}-s{seed}-L{max_seq_length}"
     hf_dir = _save_hf(
-        eurobert_config(len(_bundled_tokenizer(max_seq_length))), Path(tmp_dir) / f"{name}-hf", AutoModel, seed,
+        eurobert_config(len(_bundled_tokenizer(max_seq_length))),
+        Path(tmp_dir) / f"{name}-hf",
+        AutoModel,
+        seed,
         max_seq_length,
     )
     out = Path(tmp_dir) / name
@@ -194,12 +212,18 @@ def build_eurobert_classifier(
     from transformers import AutoModelForSequenceClassification
 
     config = eurobert_config(
-        len(_bundled_tokenizer(max_seq_length)), classifier_pooling=pooling, num_labels=num_labels,
+        len(_bundled_tokenizer(max_seq_length)),
+        classifier_pooling=pooling,
+        num_labels=num_labels,
         **_label_maps(num_labels),
     )
     return _save_hf(
-        config, Path(tmp_dir) / f"eurobert-cls-{pooling}-n{num_labels}-s{seed}",
-        AutoModelForSequenceClassification, seed, max_seq_length, head_scale=CROSS_ENCODER_HEAD_SCALE,
+        config,
+        Path(tmp_dir) / f"eurobert-cls-{pooling}-n{num_labels}-s{seed}",
+        AutoModelForSequenceClassification,
+        seed,
+        max_seq_length,
+        head_scale=CROSS_ENCODER_HEAD_SCALE,
     )
 
 
@@ -233,5 +257,5 @@ def _rename_tensors(path: Path, prefix: str, new_prefix: str) -> None:
     from safetensors.torch import load_file, save_file
 
     weights = load_file(str(path))
-    renamed = {new_prefix + name[len(prefix):] if name.startswith(prefix) else name: t for name, t in weights.items()}
+    renamed = {new_prefix + name[len(prefix) :] if name.startswith(prefix) else name: t for name, t in weights.items()}
     save_file(renamed, str(path), metadata={"format": "pt"})

@@ -44,8 +44,21 @@ def build_multi_vector_encoder(
     from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
     from transformers import AutoModel
 
-    options = repr((seed, max_seq_length, prompts, skiplist_words, skiplist_tasks, query_length, document_length,
-                    query_expansion, similarity_fn_name, keep_only_token_ids, mask_before_normalize))
+    options = repr(
+        (
+            seed,
+            max_seq_length,
+            prompts,
+            skiplist_words,
+            skiplist_tasks,
+            query_length,
+            document_length,
+            query_expansion,
+            similarity_fn_name,
+            keep_only_token_ids,
+            mask_before_normalize,
+        )
+    )
     name = f"tiny-mve-{hashlib.sha1(options.encode()).hexdigest()[:10]}"
     out, hf_dir = Path(tmp_dir) / name, Path(tmp_dir) / f"{name}-hf"
     if out.exists():

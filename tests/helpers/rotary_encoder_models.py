@@ -48,8 +48,13 @@ def _config(arch: str, vocab_size: int, **overrides):
 
 
 def build_rotary_encoder(
-    tmp_dir: Path | str, arch: str, pooling: str, seed: int = 0, max_seq_length: int = 128,
-    prompts: dict[str, str] | None = None, **overrides,
+    tmp_dir: Path | str,
+    arch: str,
+    pooling: str,
+    seed: int = 0,
+    max_seq_length: int = 128,
+    prompts: dict[str, str] | None = None,
+    **overrides,
 ) -> Path:
     """A sentence-transformers directory around a random `arch` model (its norms and biases perturbed)."""
     import torch
@@ -215,4 +220,4 @@ def _rename_prefix(path: Path, old: str, new: str) -> None:
     from safetensors.torch import load_file, save_file
 
     state = load_file(str(path))
-    save_file({(new + name[len(old):] if name.startswith(old) else name): t for name, t in state.items()}, str(path))
+    save_file({(new + name[len(old) :] if name.startswith(old) else name): t for name, t in state.items()}, str(path))

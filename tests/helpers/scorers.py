@@ -136,8 +136,16 @@ def build_decoder_classifier(
     name = f"tiny-{arch}-cls-s{seed}-n{num_labels}-L{max_seq_length}-p{pad_token_id}-{digest}"
     config_overrides.update(_label_maps(num_labels))
     return save_random_decoder(
-        tmp_dir, name, arch, seed, max_seq_length, AutoModelForSequenceClassification,
-        num_kv_heads=2, pad_token_id=pad_token_id, num_labels=num_labels, **config_overrides,
+        tmp_dir,
+        name,
+        arch,
+        seed,
+        max_seq_length,
+        AutoModelForSequenceClassification,
+        num_kv_heads=2,
+        pad_token_id=pad_token_id,
+        num_labels=num_labels,
+        **config_overrides,
     )
 
 
@@ -160,8 +168,14 @@ def build_decoder_reranker(
         raise ValueError(f"name must contain 'reranker', not {name!r}")
     dir_name = f"{name}-{arch}-s{seed}-L{max_seq_length}" + ("-tied" if tie_word_embeddings else "")
     return save_random_decoder(
-        tmp_dir, dir_name, arch, seed, max_seq_length, AutoModelForCausalLM,
-        num_kv_heads=2, tie_word_embeddings=tie_word_embeddings,
+        tmp_dir,
+        dir_name,
+        arch,
+        seed,
+        max_seq_length,
+        AutoModelForCausalLM,
+        num_kv_heads=2,
+        tie_word_embeddings=tie_word_embeddings,
     )
 
 
@@ -199,8 +213,9 @@ def _qwen3_reranker_yes_no_logits(model_dir, query, documents, instruction, max_
     return torch.stack(rows).float() if rows else torch.zeros((0, 2))
 
 
-def qwen3_reranker_reference(model_dir, query: str, documents: list[str], instruction: str | None = None,
-                             max_length: int | None = None):
+def qwen3_reranker_reference(
+    model_dir, query: str, documents: list[str], instruction: str | None = None, max_length: int | None = None
+):
     """Qwen3-Reranker relevance scores P("yes") for each document (float32 numpy array)."""
     import torch
 
@@ -209,8 +224,9 @@ def qwen3_reranker_reference(model_dir, query: str, documents: list[str], instru
     return torch.nn.functional.log_softmax(logits, dim=1)[:, 1].exp().numpy().astype("float32")
 
 
-def qwen3_reranker_reference_logits(model_dir, query: str, documents: list[str], instruction: str | None = None,
-                                    max_length: int | None = None):
+def qwen3_reranker_reference_logits(
+    model_dir, query: str, documents: list[str], instruction: str | None = None, max_length: int | None = None
+):
     """Raw logit("yes") - logit("no") for each document (float32 numpy array); sigmoid of it is the score."""
     logits = _qwen3_reranker_yes_no_logits(model_dir, query, documents, instruction, max_length)
     return (logits[:, 1] - logits[:, 0]).numpy().astype("float32")

@@ -37,11 +37,14 @@ def _training_texts() -> list[str]:
     from benchmarks.corpus import stdlib_texts
 
     # monoT5's prompt ("Query: ... Document: ... Relevant:") and its answers, so they are whole pieces.
-    extra = [f"Query: {q} Document: {d} Relevant: {a}" for q, d, a in (
-        ("what is a socket", "A socket is an endpoint for sending or receiving data.", "true"),
-        ("how to parse json", "The calendar module prints calendars.", "false"),
-        ("is it true", "It is false, and it is not true.", "false"),
-    )] * 20
+    extra = [
+        f"Query: {q} Document: {d} Relevant: {a}"
+        for q, d, a in (
+            ("what is a socket", "A socket is an endpoint for sending or receiving data.", "true"),
+            ("how to parse json", "The calendar module prints calendars.", "false"),
+            ("is it true", "It is false, and it is not true.", "false"),
+        )
+    ] * 20
     return stdlib_texts(400, seed=7) + extra
 
 
@@ -375,8 +378,9 @@ def build_tiny_sentence_t5(
     dense = Dense(dimension, dimension, bias=False, activation_function=torch.nn.Identity())
     with torch.no_grad():
         dense.linear.weight.copy_(torch.randn(dense.linear.weight.shape, generator=generator) * dimension**-0.5)
-    st = SentenceTransformer(modules=[transformer, Pooling(dimension, pooling_mode="mean"), dense, Normalize()],
-                             device="cpu")
+    st = SentenceTransformer(
+        modules=[transformer, Pooling(dimension, pooling_mode="mean"), dense, Normalize()], device="cpu"
+    )
     st.save(str(out), create_model_card=False)
     shutil.rmtree(hf_dir)
     if classic_module_types:

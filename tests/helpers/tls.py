@@ -58,8 +58,9 @@ def make_pki(directory: Path) -> dict[str, bytes]:
     server = _certificate(
         "localhost", server_key, ca.subject, ca_key, is_ca=False, usage=ExtendedKeyUsageOID.SERVER_AUTH, san=san
     )
-    client = _certificate("test client", client_key, ca.subject, ca_key, is_ca=False,
-                          usage=ExtendedKeyUsageOID.CLIENT_AUTH)
+    client = _certificate(
+        "test client", client_key, ca.subject, ca_key, is_ca=False, usage=ExtendedKeyUsageOID.CLIENT_AUTH
+    )
     pems = {"ca": _pem_pair(ca, ca_key)[0]}
     pems["server_cert"], pems["server_key"] = _pem_pair(server, server_key)
     pems["client_cert"], pems["client_key"] = _pem_pair(client, client_key)

@@ -18,7 +18,12 @@ import numpy as np
 from tests.helpers.seq2seq_models import _bpe_vocab_and_merges, _perturb, _vocab_size
 
 QWEN_SPECIAL_TOKENS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
     "<|video_pad|>",
 )
 # 56x84 and 84x112 pixels: multiples of Qwen2-VL's 28 (patch 14 x merge 2), so the processor keeps the size.
@@ -43,8 +48,14 @@ def _qwen_tokenizer(out: Path):
 
     vocab, merges = _bpe_vocab_and_merges()
     tokenizer = Qwen2Tokenizer(
-        vocab=dict(vocab), merges=list(merges), unk_token=None, bos_token=None, eos_token="<|im_end|>",
-        pad_token="<|endoftext|>", model_max_length=512, padding_side="right",
+        vocab=dict(vocab),
+        merges=list(merges),
+        unk_token=None,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_max_length=512,
+        padding_side="right",
     )
     tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL_TOKENS[1:])})
     tokenizer.save_pretrained(str(out))
@@ -55,20 +66,41 @@ def _colqwen2_config(tokenizer, embedding_dim: int, **text_overrides):
     from transformers import ColQwen2Config
 
     text = dict(
-        vocab_size=_vocab_size(len(tokenizer)), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=512,
-        initializer_range=0.15, bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        vocab_size=_vocab_size(len(tokenizer)),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=512,
+        initializer_range=0.15,
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
     )
     text.update(text_overrides)
     vision = dict(
-        depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=14, temporal_patch_size=2,
-        spatial_merge_size=2, in_channels=3, initializer_range=0.15,
+        depth=2,
+        embed_dim=32,
+        hidden_size=64,
+        num_heads=4,
+        mlp_ratio=2,
+        patch_size=14,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+        in_channels=3,
+        initializer_range=0.15,
     )
-    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
-        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
-        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
-    )}
+    ids = {
+        name: tokenizer.convert_tokens_to_ids(token)
+        for name, token in (
+            ("image_token_id", "<|image_pad|>"),
+            ("video_token_id", "<|video_pad|>"),
+            ("vision_start_token_id", "<|vision_start|>"),
+            ("vision_end_token_id", "<|vision_end|>"),
+        )
+    }
     vlm = dict(model_type="qwen2_vl", text_config=text, vision_config=vision, **ids)
     return ColQwen2Config(vlm_config=vlm, embedding_dim=embedding_dim, initializer_range=0.15)
 
@@ -128,17 +160,37 @@ def _colpali_config(tokenizer, embedding_dim: int):
 
     vocab = _vocab_size(len(tokenizer) + 1)
     text = dict(
-        model_type="gemma", vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-6, max_position_embeddings=512,
-        initializer_range=0.15, hidden_activation="gelu_pytorch_tanh",
+        model_type="gemma",
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=512,
+        initializer_range=0.15,
+        hidden_activation="gelu_pytorch_tanh",
     )
     vision = dict(
-        model_type="siglip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=2, image_size=COLPALI_IMAGE_SIZE, patch_size=14, vision_use_head=False,
+        model_type="siglip_vision_model",
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=COLPALI_IMAGE_SIZE,
+        patch_size=14,
+        vision_use_head=False,
     )
     vlm = dict(
-        model_type="paligemma", text_config=text, vision_config=vision, projection_dim=64, hidden_size=64,
-        vocab_size=vocab, image_token_index=len(tokenizer),
+        model_type="paligemma",
+        text_config=text,
+        vision_config=vision,
+        projection_dim=64,
+        hidden_size=64,
+        vocab_size=vocab,
+        image_token_index=len(tokenizer),
     )
     return ColPaliConfig(vlm_config=vlm, embedding_dim=embedding_dim, initializer_range=0.15)
 

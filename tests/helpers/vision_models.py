@@ -30,10 +30,23 @@ _TOWER = dict(intermediate_size=64, num_hidden_layers=2, initializer_range=0.15,
 def clip_config(vocab_size: int, image_size: int = IMAGE_SIZE, patch_size: int = PATCH_SIZE):
     from transformers import CLIPConfig
 
-    text = dict(_TOWER, vocab_size=vocab_size, hidden_size=32, num_attention_heads=4, max_position_embeddings=64,
-                hidden_act="quick_gelu", **_SPECIAL_TOKENS)
-    vision = dict(_TOWER, hidden_size=48, num_attention_heads=6, image_size=image_size, patch_size=patch_size,
-                  hidden_act="quick_gelu")
+    text = dict(
+        _TOWER,
+        vocab_size=vocab_size,
+        hidden_size=32,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        hidden_act="quick_gelu",
+        **_SPECIAL_TOKENS,
+    )
+    vision = dict(
+        _TOWER,
+        hidden_size=48,
+        num_attention_heads=6,
+        image_size=image_size,
+        patch_size=patch_size,
+        hidden_act="quick_gelu",
+    )
     # initializer_factor scales CLIP's own init up, so that random outputs are well separated.
     return CLIPConfig(text_config=text, vision_config=vision, projection_dim=24, initializer_factor=4.0)
 
@@ -42,11 +55,24 @@ def siglip_config(vocab_size: int, image_size: int = IMAGE_SIZE, patch_size: int
     from transformers import SiglipConfig
 
     # The config's pad id differs from the tokenizer's [PAD] (0), which the processor pads with.
-    text = dict(_TOWER, vocab_size=vocab_size, hidden_size=32, num_attention_heads=4, projection_size=48,
-                max_position_embeddings=SIGLIP_TEXT_LENGTH, hidden_act="gelu_pytorch_tanh",
-                **dict(_SPECIAL_TOKENS, pad_token_id=1))
-    vision = dict(_TOWER, hidden_size=48, num_attention_heads=6, image_size=image_size, patch_size=patch_size,
-                  hidden_act="gelu_pytorch_tanh")
+    text = dict(
+        _TOWER,
+        vocab_size=vocab_size,
+        hidden_size=32,
+        num_attention_heads=4,
+        projection_size=48,
+        max_position_embeddings=SIGLIP_TEXT_LENGTH,
+        hidden_act="gelu_pytorch_tanh",
+        **dict(_SPECIAL_TOKENS, pad_token_id=1),
+    )
+    vision = dict(
+        _TOWER,
+        hidden_size=48,
+        num_attention_heads=6,
+        image_size=image_size,
+        patch_size=patch_size,
+        hidden_act="gelu_pytorch_tanh",
+    )
     return SiglipConfig(text_config=text, vision_config=vision)
 
 
@@ -55,10 +81,24 @@ def siglip2_config(vocab_size: int, patch_size: int = PATCH_SIZE, num_patches: i
 
     # transformers reads the bundled vocabulary for this model type with Gemma's tokenizer class, a token per
     # character: room for the test texts.
-    text = dict(_TOWER, vocab_size=vocab_size, hidden_size=32, num_attention_heads=4, projection_size=48,
-                max_position_embeddings=SIGLIP2_TEXT_LENGTH, hidden_act="gelu_pytorch_tanh", **_SPECIAL_TOKENS)
-    vision = dict(_TOWER, hidden_size=48, num_attention_heads=6, num_patches=num_patches, patch_size=patch_size,
-                  hidden_act="gelu_pytorch_tanh")
+    text = dict(
+        _TOWER,
+        vocab_size=vocab_size,
+        hidden_size=32,
+        num_attention_heads=4,
+        projection_size=48,
+        max_position_embeddings=SIGLIP2_TEXT_LENGTH,
+        hidden_act="gelu_pytorch_tanh",
+        **_SPECIAL_TOKENS,
+    )
+    vision = dict(
+        _TOWER,
+        hidden_size=48,
+        num_attention_heads=6,
+        num_patches=num_patches,
+        patch_size=patch_size,
+        hidden_act="gelu_pytorch_tanh",
+    )
     return Siglip2Config(text_config=text, vision_config=vision)
 
 
@@ -67,10 +107,23 @@ def clip_vit_b32_config(vocab_size: int = 49408):
     from transformers import CLIPConfig
 
     return CLIPConfig(
-        text_config=dict(vocab_size=vocab_size, hidden_size=512, intermediate_size=2048, num_hidden_layers=12,
-                         num_attention_heads=8, max_position_embeddings=77, **_SPECIAL_TOKENS),
-        vision_config=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-                           image_size=224, patch_size=32),
+        text_config=dict(
+            vocab_size=vocab_size,
+            hidden_size=512,
+            intermediate_size=2048,
+            num_hidden_layers=12,
+            num_attention_heads=8,
+            max_position_embeddings=77,
+            **_SPECIAL_TOKENS,
+        ),
+        vision_config=dict(
+            hidden_size=768,
+            intermediate_size=3072,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            image_size=224,
+            patch_size=32,
+        ),
         projection_dim=512,
     )
 
@@ -80,10 +133,23 @@ def siglip_base_config(vocab_size: int = 32000):
     from transformers import SiglipConfig
 
     return SiglipConfig(
-        text_config=dict(vocab_size=vocab_size, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
-                         num_attention_heads=12, max_position_embeddings=64, **_SPECIAL_TOKENS),
-        vision_config=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-                           image_size=224, patch_size=16),
+        text_config=dict(
+            vocab_size=vocab_size,
+            hidden_size=768,
+            intermediate_size=3072,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            max_position_embeddings=64,
+            **_SPECIAL_TOKENS,
+        ),
+        vision_config=dict(
+            hidden_size=768,
+            intermediate_size=3072,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            image_size=224,
+            patch_size=16,
+        ),
     )
 
 
@@ -113,8 +179,11 @@ def save_dual_encoder(out: Path | str, kind: str, seed: int = 0, config=None) ->
 
     out = Path(out)
     tokenizer = _bundled_tokenizer(SIGLIP_TEXT_LENGTH if kind == "siglip" else 64)
-    builders = {"clip": (clip_config, CLIPModel), "siglip": (siglip_config, SiglipModel),
-                "siglip2": (siglip2_config, Siglip2Model)}
+    builders = {
+        "clip": (clip_config, CLIPModel),
+        "siglip": (siglip_config, SiglipModel),
+        "siglip2": (siglip2_config, Siglip2Model),
+    }
     make_config, model_class = builders[kind]
     config = config or make_config(len(tokenizer))
     torch.manual_seed(seed)

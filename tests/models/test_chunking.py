@@ -150,8 +150,17 @@ def test_embed_chunking_refusals(tiny_encoder, engine_for, long_text):
     with pytest.raises(InvalidInput, match=r"chunking gives the dense output only.*outputs: dense, multi_vector"):
         engine.embed([long_text], _embed_params(outputs=(EmbedOutput.DENSE, EmbedOutput.MULTI_VECTOR)))
     sparse_only = ModelInfo(
-        name="splade", tasks=(), architecture="BertForMaskedLM", is_causal=False, pooling="splade", dimension=0,
-        max_input_tokens=LIMIT, prompt_names=(), dtype="float32", device="cpu", attention_backend="sdpa",
+        name="splade",
+        tasks=(),
+        architecture="BertForMaskedLM",
+        is_causal=False,
+        pooling="splade",
+        dimension=0,
+        max_input_tokens=LIMIT,
+        prompt_names=(),
+        dtype="float32",
+        device="cpu",
+        attention_backend="sdpa",
         outputs=(EmbedOutput.SPARSE,),
     )
     with pytest.raises(InvalidInput, match=r"cannot embed by windows .*its outputs: sparse"):

@@ -114,9 +114,11 @@ def test_sentence_transformers_directories(clip, clip_dir, tmp_path, layout):
     root = tmp_path / layout
     if layout == "folder":
         shutil.copytree(clip_dir, root / "0_CLIPModel")
-        (root / "modules.json").write_text(json.dumps(
-            [{"idx": 0, "name": "0", "path": "0_CLIPModel", "type": "sentence_transformers.models.CLIPModel"}]
-        ))
+        (root / "modules.json").write_text(
+            json.dumps(
+                [{"idx": 0, "name": "0", "path": "0_CLIPModel", "type": "sentence_transformers.models.CLIPModel"}]
+            )
+        )
     else:
         SentenceTransformer(str(clip_dir), device="cpu").save(str(root))
         assert not (root / "preprocessor_config.json").exists()
@@ -144,7 +146,8 @@ def test_published_shapes_load_every_tensor(kind):
     from tests.helpers.vision_models import clip_vit_b32_config, siglip_base_config
 
     config, model_class = {
-        "clip": (clip_vit_b32_config, CLIPModel), "siglip": (siglip_base_config, SiglipModel),
+        "clip": (clip_vit_b32_config, CLIPModel),
+        "siglip": (siglip_base_config, SiglipModel),
         "siglip2": (Siglip2Config, Siglip2Model),
     }[kind]
     config = config()

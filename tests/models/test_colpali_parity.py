@@ -62,8 +62,10 @@ def _expected(reference, processor, queries, fmt: str = "PNG") -> list[torch.Ten
     from PIL import Image
 
     model = reference[0]
-    batches = [processor.process_images([Image.open(io.BytesIO(page_image(h, w, seed=i, fmt=fmt)))])
-               for i, (h, w) in enumerate(SIZES)]
+    batches = [
+        processor.process_images([Image.open(io.BytesIO(page_image(h, w, seed=i, fmt=fmt)))])
+        for i, (h, w) in enumerate(SIZES)
+    ]
     batches += [processor.process_queries([q]) for q in queries]
     with torch.no_grad():
         return [model(**{k: v for k, v in b.items() if k != "labels"}).embeddings[0] for b in batches]
@@ -108,7 +110,9 @@ def test_the_hubs_checkpoint_layout_loads_the_same(model_dir, ours, tmp_path):
     """Checkpoints saved before transformers 5 nest the tower in `vision_tower.vision_model.` and keep the LM
     head (unused) at `language_model.lm_head`."""
     copy = hub_layout_copy(
-        model_dir, tmp_path / "hub", lambda name: name.replace("vlm.vision_tower.", "vlm.vision_tower.vision_model."),
+        model_dir,
+        tmp_path / "hub",
+        lambda name: name.replace("vlm.vision_tower.", "vlm.vision_tower.vision_model."),
         {"vlm.language_model.lm_head.weight": (8, 64)},
     )
     assert same_parameters(load_ours(copy)[0], ours[0])

@@ -153,7 +153,9 @@ def test_patch_positions_equal_transformers():
 def test_the_hubs_checkpoint_layout_loads_the_same(model_dir, ours, tmp_path):
     """Checkpoints saved before transformers 5 nest the model under `vlm.model.` beside an unused `vlm.lm_head`."""
     copy = hub_layout_copy(
-        model_dir, tmp_path / "hub", lambda name: name.replace("vlm.", "vlm.model.", 1),
+        model_dir,
+        tmp_path / "hub",
+        lambda name: name.replace("vlm.", "vlm.model.", 1),
         {"vlm.lm_head.weight": (8, 64)},
     )
     assert same_parameters(load_ours(copy)[0], ours[0])

@@ -41,9 +41,7 @@ def models(tmp_path_factory):
 @pytest.mark.parametrize("pooling", ["cls", "mean"])
 def test_embeddings_equal_sentence_transformers(pooling, models, reference, engine_for, texts):
     model_dir = models("embed", pooling)
-    check_embeddings(
-        engine_for(model_dir), reference(model_dir), texts, MAX_SEQ_LENGTH, what=f"distilbert/{pooling}: "
-    )
+    check_embeddings(engine_for(model_dir), reference(model_dir), texts, MAX_SEQ_LENGTH, what=f"distilbert/{pooling}: ")
 
 
 def test_a_dense_module_after_pooling_as_distiluse_has(models, reference, engine_for, texts):

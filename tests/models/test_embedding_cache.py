@@ -101,15 +101,20 @@ _common = {
     "normalize": st.booleans(),
     "encoding": st.sampled_from(list(Encoding)),
 }
-_late_chunking = st.sampled_from([
-    None,
-    None,
-    LateChunking(splitter=ChunkSplitter.SENTENCES),
-    LateChunking(splitter=ChunkSplitter.TOKENS, chunk_tokens=4, overlap_tokens=1),
-])
+_late_chunking = st.sampled_from(
+    [
+        None,
+        None,
+        LateChunking(splitter=ChunkSplitter.SENTENCES),
+        LateChunking(splitter=ChunkSplitter.TOKENS, chunk_tokens=4, overlap_tokens=1),
+    ]
+)
 _prompted_params = st.builds(
-    EmbedParams, prompt_name=st.sampled_from([None, "query", "doc"]), chunking=st.booleans(),
-    late_chunking=_late_chunking, **_common
+    EmbedParams,
+    prompt_name=st.sampled_from([None, "query", "doc"]),
+    chunking=st.booleans(),
+    late_chunking=_late_chunking,
+    **_common,
 )
 
 

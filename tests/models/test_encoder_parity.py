@@ -179,7 +179,8 @@ def test_batch_invariance_across_concurrent_calls(tiny_encoder, engine_for):
 # one compiled flex case against naive in the default run.
 @pytest.mark.parametrize(
     "arch,backend",
-    [("roberta", "naive"), ("bert", "naive")] + [pytest.param(a, "flex", marks=pytest.mark.slow) for a in ("roberta", "bert")],
+    [("roberta", "naive"), ("bert", "naive")]
+    + [pytest.param(a, "flex", marks=pytest.mark.slow) for a in ("roberta", "bert")],
 )
 def test_other_backends_equal_sdpa(arch, backend, tiny_encoder, engine_for, texts):
     model_dir = tiny_encoder(arch, "mean", max_seq_length=MAX_SEQ_LENGTH)

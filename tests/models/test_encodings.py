@@ -39,6 +39,7 @@ def _expected_codes(floats: np.ndarray, calibration: np.ndarray, encoding: Encod
     if encoding is Encoding.INT8:
         scale = float(np.float32(np.abs(calibration).max() / 127))
         return np.clip(np.rint(floats.astype(np.float64) / scale), -127, 127).astype(np.int8), scale
+
     def centred(x: np.ndarray) -> np.ndarray:
         return x.astype(np.float64) - x.astype(np.float64).mean(axis=1, keepdims=True)
 
@@ -88,9 +89,7 @@ def test_float16_and_bits_match_quantize_embeddings(dimensions, tiny, some_texts
         assert got.tobytes() == expected.tobytes(), encoding
 
 
-@pytest.mark.parametrize(
-    ("dimensions", "normalize"), [(None, True), pytest.param(24, False, marks=pytest.mark.slow)]
-)
+@pytest.mark.parametrize(("dimensions", "normalize"), [(None, True), pytest.param(24, False, marks=pytest.mark.slow)])
 def test_per_dimension_encodings_match_quantize_embeddings_with_the_calibration_ranges(
     dimensions, normalize, tiny, texts
 ):

@@ -85,7 +85,9 @@ def _prompt_ids(model_dir, prompts) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(("name", "options"), ENGINES)
-def test_greedy_matches_transformers_for_concurrent_prompts(name, options, gemma_lm, engine_for, prompts, hf_generations):
+def test_greedy_matches_transformers_for_concurrent_prompts(
+    name, options, gemma_lm, engine_for, prompts, hf_generations
+):
     model_dir = gemma_lm(name)
     window = read_hf_config(model_dir).sliding_window
     assert min(len(ids) for ids in _prompt_ids(model_dir, prompts)) > window, "every prompt must pass the window"
@@ -146,8 +148,12 @@ def test_logits_match_transformers(name, backend, gemma_lm, prompts):
 
 def test_moe_gemma4_is_refused_at_start_up(gemma_lm, tmp_path):
     model_dir = gemma_models.with_config(
-        gemma_lm("gemma4"), tmp_path / "moe",
-        enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+        gemma_lm("gemma4"),
+        tmp_path / "moe",
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
     )
     with pytest.raises(ConfigError) as err:
         read_model_spec(ModelConfig(path=str(model_dir), served_name="m"))

@@ -153,7 +153,11 @@ def test_loading_ignores_shared_kv_tensors_and_takes_bare_names():
     assert all(float(layer.layer_scalar) == 1.0 for layer in model.layers)
     with pytest.raises(ValueError, match="unexpected checkpoint tensor"):
         # Layer 2 is a full layer whose values are its keys (attention_k_eq_v): it has no value projection.
-        load_weights(Gemma4Model(config), registry.lookup(config.model_type), [("model.layers.2.self_attn.v_proj.weight", torch.zeros(32, 64))])
+        load_weights(
+            Gemma4Model(config),
+            registry.lookup(config.model_type),
+            [("model.layers.2.self_attn.v_proj.weight", torch.zeros(32, 64))],
+        )
     biased = gemma3_config(VOCAB, attention_bias=True)
     _loaded(Gemma3Model, biased, _state(Gemma3ForCausalLM, biased))
 
@@ -162,8 +166,12 @@ def test_loading_ignores_shared_kv_tensors_and_takes_bare_names():
     "overrides",
     [
         dict(num_kv_shared_layers=0, hidden_size_per_layer_input=0, attention_k_eq_v=False, use_double_wide_mlp=False),
-        dict(attention_k_eq_v=False, use_double_wide_mlp=False, layer_types=["sliding_attention", "full_attention"] * 3,
-             num_kv_shared_layers=2),
+        dict(
+            attention_k_eq_v=False,
+            use_double_wide_mlp=False,
+            layer_types=["sliding_attention", "full_attention"] * 3,
+            num_kv_shared_layers=2,
+        ),
     ],
     ids=["no-sharing-no-ple", "separate-values"],
 )

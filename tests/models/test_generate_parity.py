@@ -43,9 +43,12 @@ def hf_generations():
                 for prompt in prompts:
                     ids = tokenizer(prompt, return_tensors="pt").input_ids
                     generated = model.generate(
-                        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                        ids,
+                        attention_mask=torch.ones_like(ids),
+                        max_new_tokens=max_tokens,
+                        do_sample=False,
                     )
-                    out.append(generated[0, ids.shape[1]:].tolist())
+                    out.append(generated[0, ids.shape[1] :].tolist())
             cache[key] = out
         return cache[key]
 

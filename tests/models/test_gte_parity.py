@@ -47,7 +47,9 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expected(models, texts):
-    return {name: load_reference(models[name]).encode(texts, convert_to_numpy=True) for name in ("cls", "mean-no-types")}
+    return {
+        name: load_reference(models[name]).encode(texts, convert_to_numpy=True) for name in ("cls", "mean-no-types")
+    }
 
 
 @pytest.mark.parametrize("name", ["cls", "mean-no-types"])
@@ -106,8 +108,17 @@ def test_published_config_reads_as_the_native_one(models):
     for form in ("cls-new", "cls-snowflake", "cls-new-ntk"):
         published = read_hf_config(models[form])
         assert published.model_type == "gte"
-        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
-                    "type_vocab_size", "layer_norm_eps", "vocab_size", "max_position_embeddings"):
+        for key in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "hidden_act",
+            "type_vocab_size",
+            "layer_norm_eps",
+            "vocab_size",
+            "max_position_embeddings",
+        ):
             assert getattr(published, key) == getattr(native, key), (form, key)
     ntk = read_hf_config(models["cls-new-ntk"]).rope_parameters
     assert (ntk["rope_type"], ntk["factor"], ntk["rope_theta"]) == ("ntk", 2.0, 500_000.0)
@@ -115,8 +126,12 @@ def test_published_config_reads_as_the_native_one(models):
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("logn_attention_scale", True), ("layer_norm_type", "rms_norm"), ("pack_qkv", False),
-     ("rope_scaling", {"type": "yarn", "factor": 2.0})],
+    [
+        ("logn_attention_scale", True),
+        ("layer_norm_type", "rms_norm"),
+        ("pack_qkv", False),
+        ("rope_scaling", {"type": "yarn", "factor": 2.0}),
+    ],
 )
 def test_published_config_refuses_what_it_cannot_map(key, value, models, tmp_path):
     from embedserv.errors import ConfigError

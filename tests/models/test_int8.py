@@ -170,6 +170,7 @@ def test_a_compile_that_fails_falls_back_to_eager_and_says_so(monkeypatch, caplo
     def broken(function, **_):
         def run(*args):
             raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
+
         return run
 
     step = int8_module.Fused("quantize", int8_module.quantize_rows, int8_module.quantize_rows)

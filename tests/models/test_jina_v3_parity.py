@@ -140,7 +140,9 @@ def test_the_published_form_equals_the_native_form(jina, engine_for, texts):
     assert published_config({"model_type": "xlm-roberta", "position_embedding_type": "absolute"}) is None
 
 
-def test_the_published_modules_json_with_its_custom_transformer_loads_without_running_it(jina, engine_for, texts, tmp_path):
+def test_the_published_modules_json_with_its_custom_transformer_loads_without_running_it(
+    jina, engine_for, texts, tmp_path
+):
     """jinaai/jina-embeddings-v3's modules.json names custom_st.Transformer (a wrapper that passes the task
     on); it is read as Transformer and its file is never imported."""
     import json

@@ -78,8 +78,17 @@ def test_list_models_reports_the_shared_layers_and_the_skip():
     from embedserv_client.types import ModelInfo as ClientModelInfo
 
     base = dict(
-        name="m", tasks=(Task.GENERATE,), architecture="Gemma4ForCausalLM", is_causal=True, pooling="",
-        dimension=0, max_input_tokens=64, prompt_names=(), dtype="float32", device="cpu", attention_backend="sdpa",
+        name="m",
+        tasks=(Task.GENERATE,),
+        architecture="Gemma4ForCausalLM",
+        is_causal=True,
+        pooling="",
+        dimension=0,
+        max_input_tokens=64,
+        prompt_names=(),
+        dtype="float32",
+        device="cpu",
+        attention_backend="sdpa",
     )
     shared = model_info(ModelInfo(**base, kv_shared_layers=((4, 2), (5, 3)), kv_sharing_fast_prefill=True))
     assert [(s.layer, s.source_layer) for s in shared.kv_sharing.shared_layers] == [(4, 2), (5, 3)]
@@ -121,4 +130,3 @@ def test_prompts_sharing_a_cached_prefix_generate_as_transformers(gemma4, engine
     _check_greedy(engine, prompts[:1], expected[:1])
     _check_greedy(engine, prompts, expected)
     assert engine.kv_cache_usage().cached_prompt_tokens - before >= 4 * 16, "the shared blocks should be reused"
-

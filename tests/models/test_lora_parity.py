@@ -74,12 +74,18 @@ def test_bert_adapters_equal_peft_merged_sentence_transformers(bert, engine_for,
 @pytest.mark.parametrize("family", ["mpnet", "modernbert", "xlm-roberta"])
 def test_other_families_adapters_equal_peft_merged(family, tmp_path, engine_for, reference, texts):
     builders = {
-        "mpnet": (lambda: build_classic_encoder(tmp_path, "mpnet", "mean", max_seq_length=MAX_SEQ_LENGTH),
-                  MPNET_TARGETS),
-        "modernbert": (lambda: build_modernbert_embedder(tmp_path, "mean", max_seq_length=MAX_SEQ_LENGTH),
-                       MODERNBERT_TARGETS),
-        "xlm-roberta": (lambda: build_tiny_encoder(tmp_path, "xlm-roberta", "mean", max_seq_length=MAX_SEQ_LENGTH),
-                        BERT_TARGETS),
+        "mpnet": (
+            lambda: build_classic_encoder(tmp_path, "mpnet", "mean", max_seq_length=MAX_SEQ_LENGTH),
+            MPNET_TARGETS,
+        ),
+        "modernbert": (
+            lambda: build_modernbert_embedder(tmp_path, "mean", max_seq_length=MAX_SEQ_LENGTH),
+            MODERNBERT_TARGETS,
+        ),
+        "xlm-roberta": (
+            lambda: build_tiny_encoder(tmp_path, "xlm-roberta", "mean", max_seq_length=MAX_SEQ_LENGTH),
+            BERT_TARGETS,
+        ),
     }
     build, targets = builders[family]
     model_dir = build()
@@ -126,11 +132,18 @@ def test_seq_cls_adapters_score_with_their_own_heads(tmp_path, texts):
     runner = build_runner(config, served.spec)
     encoded = served.tokenizer.encode_batch(texts[:6], truncate=True)
     chosen = [0, -1, 1, 0, 1, -1]
-    step = StepBatch(tuple(
-        ScheduledSequence(request_id=i, token_ids=tuple(e.ids), output=OutputKind.SCORE, adapter=adapter,
-                          token_type_ids=tuple(e.token_type_ids) if e.token_type_ids is not None else None)
-        for i, (e, adapter) in enumerate(zip(encoded, chosen, strict=True))
-    ))
+    step = StepBatch(
+        tuple(
+            ScheduledSequence(
+                request_id=i,
+                token_ids=tuple(e.ids),
+                output=OutputKind.SCORE,
+                adapter=adapter,
+                token_type_ids=tuple(e.token_type_ids) if e.token_type_ids is not None else None,
+            )
+            for i, (e, adapter) in enumerate(zip(encoded, chosen, strict=True))
+        )
+    )
     got = runner.execute(step)
     references = {-1: classifier_reference(model_dir, texts[:6])} | {
         index: classifier_reference(merged_model(model_dir, path, tmp_path / f"merged-{name}", "classify"), texts[:6])

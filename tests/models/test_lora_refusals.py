@@ -55,15 +55,19 @@ def _load_refuses(model_dir, name, adapter_dir, *words: str) -> str:
     return message
 
 
-@pytest.mark.parametrize("changes, words", [
-    ({"use_dora": True}, ("DoRA",)),
-    ({"bias": "all"}, ("bias 'all'",)),
-    ({"modules_to_save": ["classifier", "pooler"]}, ("modules_to_save: pooler", "classifier head")),
-    ({"alpha_pattern": {"query": 4}}, ("alpha_pattern",)),
-    ({"r": 128}, ("rank 128", "64")),
-    ({"rank_pattern": {"value": 96}}, ("rank 96",)),
-    ({"peft_type": "IA3"}, ("IA3",)),
-], ids=["dora", "bias", "modules-to-save", "alpha-pattern", "rank", "rank-pattern", "not-lora"])
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"use_dora": True}, ("DoRA",)),
+        ({"bias": "all"}, ("bias 'all'",)),
+        ({"modules_to_save": ["classifier", "pooler"]}, ("modules_to_save: pooler", "classifier head")),
+        ({"alpha_pattern": {"query": 4}}, ("alpha_pattern",)),
+        ({"r": 128}, ("rank 128", "64")),
+        ({"rank_pattern": {"value": 96}}, ("rank 96",)),
+        ({"peft_type": "IA3"}, ("IA3",)),
+    ],
+    ids=["dora", "bias", "modules-to-save", "alpha-pattern", "rank", "rank-pattern", "not-lora"],
+)
 def test_adapter_configs_it_cannot_apply_are_refused(bert, changes, words):
     root, model_dir = bert
     adapter = edit_adapter_config(_adapter(root, model_dir, "bad"), **changes)
@@ -91,10 +95,14 @@ def test_an_adapter_of_another_model_is_refused_naming_its_target(bert, tmp_path
 
 def test_head_and_embedding_targets_are_refused(bert):
     root, model_dir = bert
-    _load_refuses(model_dir, "pooler", _adapter(root, model_dir, "pooler", target_modules=["pooler.dense"]),
-                  "pooler.dense", "head or pooler")
-    _load_refuses(model_dir, "emb", _adapter(root, model_dir, "emb", target_modules=["word_embeddings"]),
-                  "embedding")
+    _load_refuses(
+        model_dir,
+        "pooler",
+        _adapter(root, model_dir, "pooler", target_modules=["pooler.dense"]),
+        "pooler.dense",
+        "head or pooler",
+    )
+    _load_refuses(model_dir, "emb", _adapter(root, model_dir, "emb", target_modules=["word_embeddings"]), "embedding")
 
 
 def test_generating_models_and_uncovered_families_are_refused(bert, tiny_generator, tmp_path):

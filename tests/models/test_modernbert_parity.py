@@ -178,7 +178,12 @@ def test_banded_local_attention_equals_naive(is_causal):
         with torch.inference_mode(), set_forward_context(forward_context_for(layers, backend, metadata)):
             generator = torch.Generator().manual_seed(1)
             outputs[backend.name] = [
-                layer(*(torch.randn(sum(lengths), 16 * n, generator=generator) for n in (4, layer.num_kv_heads, layer.num_kv_heads)))
+                layer(
+                    *(
+                        torch.randn(sum(lengths), 16 * n, generator=generator)
+                        for n in (4, layer.num_kv_heads, layer.num_kv_heads)
+                    )
+                )
                 for layer in layers
             ]
     for got, expected in zip(outputs["sdpa"], outputs["naive"], strict=True):

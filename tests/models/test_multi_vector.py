@@ -67,7 +67,10 @@ def engines(request):
         def get(model_dir, warm_up: bool = False):
             if str(model_dir) not in started:
                 config = ModelConfig(
-                    path=str(model_dir), served_name="m", attention_backend="sdpa", dtype="float32",
+                    path=str(model_dir),
+                    served_name="m",
+                    attention_backend="sdpa",
+                    dtype="float32",
                     data_parallel_size=max(workers, 1),
                 )
                 engine = SyncEngine(config, warm_up=warm_up, worker_processes=workers > 0)
@@ -134,9 +137,7 @@ def test_rerank_equals_the_library_maxsim(model_a, engines, sample):
 
     model_dir, reference = model_a
     query, documents = sample[9], sample[:9] + sample[10:]
-    expected = reference.similarity(
-        reference.encode_query([query]), reference.encode_document(documents)
-    )[0].numpy()
+    expected = reference.similarity(reference.encode_query([query]), reference.encode_document(documents))[0].numpy()
 
     result = engines(model_dir).rerank(query, documents, RerankParams(truncate=True))
 
@@ -188,12 +189,19 @@ def test_token_level_modules_without_the_multi_vector_type_are_refused(model_a, 
     modules = [m for m in read_json(model_dir / "modules.json") if not m["type"].endswith("MultiVectorMask")]
     st_config = read_json(model_dir / "config_sentence_transformers.json")
     for model_type in ("SentenceTransformer", None):
-        edited = dict(st_config, model_type=model_type) if model_type else {
-            k: v for k, v in st_config.items() if k != "model_type"
-        }
-        copy = edited_copy(model_dir, tmp_path / f"as-{model_type}", {
-            "modules.json": modules, "config_sentence_transformers.json": edited,
-        })
+        edited = (
+            dict(st_config, model_type=model_type)
+            if model_type
+            else {k: v for k, v in st_config.items() if k != "model_type"}
+        )
+        copy = edited_copy(
+            model_dir,
+            tmp_path / f"as-{model_type}",
+            {
+                "modules.json": modules,
+                "config_sentence_transformers.json": edited,
+            },
+        )
         message = _spec_error(copy)
         assert "Transformer -> Dense -> Dense -> Normalize" in message and "SentenceTransformer" in message
 
@@ -202,8 +210,11 @@ BERT_CONFIG, ST_CONFIG = "sentence_bert_config.json", "config_sentence_transform
 DENSE_CONFIG = "1_Dense/config.json"
 # (file, changes to its JSON, what the start-up error says) per refused setting.
 REFUSED = {
-    "expansion-attend-false": (BERT_CONFIG, {"query_expansion": {"strategy": "fixed", "attend": False, "length": 16}},
-                               "attend false"),
+    "expansion-attend-false": (
+        BERT_CONFIG,
+        {"query_expansion": {"strategy": "fixed", "attend": False, "length": 16}},
+        "attend false",
+    ),
     "query-length-below-expansion": (BERT_CONFIG, {"query_length": 8}, "query_length 8 is below query_expansion"),
     "processing-kwargs": (BERT_CONFIG, {"processing_kwargs": {"text": {"padding": "max_length"}}}, "processing_kwargs"),
     "pylate-prefix": (ST_CONFIG, {"query_prefix": "[Q] "}, "PyLate-era settings"),
@@ -212,8 +223,11 @@ REFUSED = {
 }
 # The same, for what only the tokenizer shows (refused when the engine is built).
 REFUSED_WITH_TOKENIZER = {
-    "unknown-expansion-token": (BERT_CONFIG, {"query_expansion": dict(MODEL_A["query_expansion"], token="zzqxw")},
-                                "not in the tokenizer's vocabulary"),
+    "unknown-expansion-token": (
+        BERT_CONFIG,
+        {"query_expansion": dict(MODEL_A["query_expansion"], token="zzqxw")},
+        "not in the tokenizer's vocabulary",
+    ),
     "min-expansion-left-padding": ("tokenizer_config.json", {"padding_side": "left"}, "left-padding tokenizer"),
 }
 
@@ -281,8 +295,12 @@ def test_fixed_expansion_meanmaxsim_and_allowlist_match_the_library(task, model_
 
     keep = _bundled_tokenizer(128).convert_tokens_to_ids(["the", "a", "of", "is", "to"])
     model_dir = build_multi_vector_encoder(
-        model_root, seed=1, skiplist_words=["the", "."], skiplist_tasks=["query", "document"],
-        query_expansion={"strategy": "fixed", "attend": True, "length": 16}, similarity_fn_name="meanmaxsim",
+        model_root,
+        seed=1,
+        skiplist_words=["the", "."],
+        skiplist_tasks=["query", "document"],
+        query_expansion={"strategy": "fixed", "attend": True, "length": 16},
+        similarity_fn_name="meanmaxsim",
         keep_only_token_ids=keep,
     )
     if task == "left-padded query":

@@ -92,13 +92,25 @@ def test_published_config_reads_as_the_native_one(models):
     native = read_hf_config(models["mean"])
 
     assert published.model_type == "nomic_bert"
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
-                "type_vocab_size", "layer_norm_eps", "vocab_size", "max_position_embeddings", "head_dim"):
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "intermediate_size",
+        "hidden_act",
+        "type_vocab_size",
+        "layer_norm_eps",
+        "vocab_size",
+        "max_position_embeddings",
+        "head_dim",
+    ):
         assert getattr(published, key) == getattr(native, key), key
     assert published.rope_parameters["rope_theta"] == native.rope_parameters["rope_theta"] == 1000.0
 
 
-@pytest.mark.parametrize(("key", "value"), [("prenorm", True), ("rotary_emb_interleaved", True), ("qkv_proj_bias", True)])
+@pytest.mark.parametrize(
+    ("key", "value"), [("prenorm", True), ("rotary_emb_interleaved", True), ("qkv_proj_bias", True)]
+)
 def test_published_config_refuses_what_it_cannot_map(key, value, models, tmp_path):
     from embedserv.errors import ConfigError
     from embedserv.models.loading.hf_config import read_hf_config

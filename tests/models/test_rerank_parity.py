@@ -182,8 +182,10 @@ def test_yes_no_reranker_matches_the_model_card(tied, scorer_dir, engine_for, do
     expected = qwen3_reranker_reference(model_dir, query, documents)
     served = engine.engine.served
     template = served.task.template
-    lengths = [len(pairs.encode_templated(served.tokenizer, template, template.default_instruction, query, [d],
-                                          True)[0].ids) for d in documents]
+    lengths = [
+        len(pairs.encode_templated(served.tokenizer, template, template.default_instruction, query, [d], True)[0].ids)
+        for d in documents
+    ]
     assert max(lengths) == 256, "some prompts must be cut at the model's limit"
 
     result = engine.rerank(query, documents, _params(truncate=True))
@@ -191,7 +193,8 @@ def test_yes_no_reranker_matches_the_model_card(tied, scorer_dir, engine_for, do
 
     np.testing.assert_allclose(_scores_in_request_order(result, len(documents)), expected, atol=ATOL)
     np.testing.assert_allclose(
-        _scores_in_request_order(raw, len(documents)), qwen3_reranker_reference_logits(model_dir, query, documents),
+        _scores_in_request_order(raw, len(documents)),
+        qwen3_reranker_reference_logits(model_dir, query, documents),
         atol=ATOL,
     )
     assert expected.std() > 0.01
@@ -241,8 +244,10 @@ def test_bi_encoder_rerank_uses_query_and_document_prompts(tiny_encoder, referen
 @pytest.mark.parametrize("kind", ["cross", "reranker"])
 def test_bfloat16_scores_stay_close_to_float32(kind, scorer_dir, engine_for, documents):
     """The score head runs in float32 on bfloat16 hidden states; scores move by rounding only."""
-    model_dir = scorer_dir("cross", "bert", max_seq_length=MAX_SEQ_LENGTH) if kind == "cross" else scorer_dir(
-        "reranker", seed=3
+    model_dir = (
+        scorer_dir("cross", "bert", max_seq_length=MAX_SEQ_LENGTH)
+        if kind == "cross"
+        else scorer_dir("reranker", seed=3)
     )
     query = "read a gzip file"
     exact = engine_for(model_dir).rerank(query, documents, _params(truncate=True))

@@ -147,9 +147,11 @@ def test_memory_stays_flat_over_steps_of_varied_sizes(encoder_runner):
     for size in sorted({padded_rows(n) for n in range(1, MAX_STEP_TOKENS + 1)}):
         # Every row count the measured steps can run, once: what a warm worker has already built.
         lengths = [128] * (size // 128) + [size % 128] * (size % 128 > 0)
-        encoder_runner.execute(StepBatch(tuple(
-            ScheduledSequence(i, (1000,) * length, OutputKind.POOL) for i, length in enumerate(lengths)
-        )))
+        encoder_runner.execute(
+            StepBatch(
+                tuple(ScheduledSequence(i, (1000,) * length, OutputKind.POOL) for i, length in enumerate(lengths))
+            )
+        )
     for step in _random_steps(seed=2, count=100):
         encoder_runner.execute(step)
     before = _rss_mib()

@@ -31,8 +31,14 @@ VARIANTS = {
 }
 # transformers' generate exactly as greedy search, none of the configs' generation extras.
 _GREEDY = dict(
-    num_beams=1, do_sample=False, forced_bos_token_id=None, forced_eos_token_id=None, no_repeat_ngram_size=0,
-    min_length=0, repetition_penalty=1.0, length_penalty=1.0,
+    num_beams=1,
+    do_sample=False,
+    forced_bos_token_id=None,
+    forced_eos_token_id=None,
+    no_repeat_ngram_size=0,
+    min_length=0,
+    repetition_penalty=1.0,
+    length_penalty=1.0,
 )
 
 
@@ -80,10 +86,13 @@ def hf_generate(model_dir, prompts: list[str], decoder_prompts: list[str] | None
             if decoder_prompts:
                 decoder += tokenizer(decoder_prompts[index], add_special_tokens=False).input_ids
             generated = model.generate(
-                ids, attention_mask=torch.ones_like(ids), decoder_input_ids=torch.tensor([decoder]),
-                max_new_tokens=MAX_TOKENS, **_GREEDY,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                decoder_input_ids=torch.tensor([decoder]),
+                max_new_tokens=MAX_TOKENS,
+                **_GREEDY,
             )
-            out.append(generated[0, len(decoder):].tolist())
+            out.append(generated[0, len(decoder) :].tolist())
     _REFERENCE[key] = out
     return out
 

@@ -79,7 +79,7 @@ def _token_batches(model_dir, texts, decoder_start: int):
     for i, (enc_len, dec_len) in enumerate(LENGTHS):
         encoder = tokenizer(texts[2 * i], truncation=True, max_length=enc_len)["input_ids"]
         target = tokenizer(texts[2 * i + 1])["input_ids"]
-        decoder = [decoder_start, *target[:dec_len - 1]]
+        decoder = [decoder_start, *target[: dec_len - 1]]
         assert len(encoder) == enc_len and len(decoder) == dec_len, (len(encoder), len(decoder))
         pairs.append((torch.tensor(encoder), torch.tensor(decoder)))
     return pairs
@@ -96,7 +96,9 @@ def _context(model, decoder_lens, encoder_lens) -> ForwardContext:
     backend = NaiveBackend()
     decoder = build_common_metadata(np.array(decoder_lens), is_causal=True)
     encoder = build_common_metadata(np.array(encoder_lens), is_causal=False)
-    cross = build_cross_metadata(np.array(decoder_lens), np.array(encoder_lens), decoder.cu_seqlens_q, encoder.cu_seqlens_q)
+    cross = build_cross_metadata(
+        np.array(decoder_lens), np.array(encoder_lens), decoder.cu_seqlens_q, encoder.cu_seqlens_q
+    )
     return forward_context_for(
         model,
         backend,
@@ -113,7 +115,9 @@ def _run(model, pairs):
     decoder_ids, decoder_positions = _packed([d for _, d in pairs], offset)
     context = _context(model, [len(d) for _, d in pairs], [len(e) for e, _ in pairs])
     with torch.inference_mode(), set_forward_context(context):
-        hidden = model(decoder_ids, decoder_positions, encoder_input_ids=encoder_ids, encoder_positions=encoder_positions)
+        hidden = model(
+            decoder_ids, decoder_positions, encoder_input_ids=encoder_ids, encoder_positions=encoder_positions
+        )
         encoded = model.encode(encoder_ids, encoder_positions)
     return hidden, encoded
 
@@ -132,7 +136,9 @@ def _pooling(lengths: list[int]) -> PoolingInputs:
     ends = torch.tensor(np.cumsum(lengths), dtype=torch.int64)
     starts = ends - torch.tensor(lengths)
     return PoolingInputs(
-        first_index=starts, last_index=ends - 1, token_index=None,
+        first_index=starts,
+        last_index=ends - 1,
+        token_index=None,
         token_seq=torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)),
         token_count=torch.tensor(lengths, dtype=torch.float32),
     )
@@ -179,7 +185,8 @@ def _encoder_only_check(model, reference, model_dir, texts):
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     sequences = [
-        torch.tensor(tokenizer(t, truncation=True, max_length=n)["input_ids"]) for t, n in zip(texts, (5, 48, 1, 23), strict=True)
+        torch.tensor(tokenizer(t, truncation=True, max_length=n)["input_ids"])
+        for t, n in zip(texts, (5, 48, 1, 23), strict=True)
     ]
     ids, positions = _packed(sequences, model.position_offset)
     lengths = [len(s) for s in sequences]
@@ -220,10 +227,14 @@ def test_bart_sequence_classification_matches_transformers(model_root, texts):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    inputs = [torch.tensor(tokenizer(a, b, truncation=True, max_length=n)["input_ids"])
-              for a, b, n in zip(texts[::2], texts[1::2], (6, 40, 17, 90), strict=True)]
-    pairs = [(ids, shift_tokens_right(ids[None], hf_config.pad_token_id, hf_config.decoder_start_token_id)[0])
-             for ids in inputs]
+    inputs = [
+        torch.tensor(tokenizer(a, b, truncation=True, max_length=n)["input_ids"])
+        for a, b, n in zip(texts[::2], texts[1::2], (6, 40, 17, 90), strict=True)
+    ]
+    pairs = [
+        (ids, shift_tokens_right(ids[None], hf_config.pad_token_id, hf_config.decoder_start_token_id)[0])
+        for ids in inputs
+    ]
     hidden, _ = _run(model, pairs)
     got = head(hidden, _pooling([len(d) for _, d in pairs]))
 
@@ -275,7 +286,9 @@ def test_attention_layer_indices_are_unique(model_root):
     for model_dir in (builders.build_tiny_t5(model_root), builders.build_tiny_bart(model_root)):
         model, _, _, _ = _load_ours(model_dir)
         layers = [m for m in model.modules() if isinstance(m, Attention)]
-        by_kind = {kind: sorted(a.layer_index for a in layers if a.kind == kind) for kind in ("decoder", "cross", "encoder")}
+        by_kind = {
+            kind: sorted(a.layer_index for a in layers if a.kind == kind) for kind in ("decoder", "cross", "encoder")
+        }
         assert by_kind == {"decoder": [0, 1], "cross": [2, 3], "encoder": [4, 5]}
         assert all(a.kv_group == (1 if a.kind == "cross" else 0) for a in layers)
 
@@ -288,14 +301,23 @@ def _paged(lens_q, lens_k, tables, block_size, cross=False):
     lens_q, lens_k = np.array(lens_q), np.array(lens_k)
     table = torch.tensor(tables, dtype=torch.int32)
     return build_paged_metadata(
-        lens_q, lens_k, torch.from_numpy(cumulative_offsets(lens_q)), torch.from_numpy(cumulative_offsets(lens_k)),
-        torch.zeros(0, dtype=torch.int64), table, torch.from_numpy(lens_k), block_size, cross=cross,
+        lens_q,
+        lens_k,
+        torch.from_numpy(cumulative_offsets(lens_q)),
+        torch.from_numpy(cumulative_offsets(lens_k)),
+        torch.zeros(0, dtype=torch.int64),
+        table,
+        torch.from_numpy(lens_k),
+        block_size,
+        cross=cross,
     )
 
 
 def _slots(tables, block_size, ranges) -> torch.Tensor:
     """Cache slots of positions [start, end) of each sequence, packed."""
-    slots = [tables[s][p // block_size] * block_size + p % block_size for s, (a, b) in enumerate(ranges) for p in range(a, b)]
+    slots = [
+        tables[s][p // block_size] * block_size + p % block_size for s, (a, b) in enumerate(ranges) for p in range(a, b)
+    ]
     return torch.tensor(slots, dtype=torch.int64)
 
 

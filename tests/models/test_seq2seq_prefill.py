@@ -91,9 +91,9 @@ def test_bart_classifier_equals_transformers(built, engine_for, documents):
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForSequenceClassification.from_pretrained(str(model_dir), attn_implementation="eager").eval()
     with torch.no_grad():
-        want = np.stack([
-            model(**tokenizer(text, return_tensors="pt")).logits[0].softmax(-1).numpy() for text in documents
-        ])
+        want = np.stack(
+            [model(**tokenizer(text, return_tensors="pt")).logits[0].softmax(-1).numpy() for text in documents]
+        )
     engine = engine_for(model_dir)
     result = engine.classify(documents, ClassifyParams())
     assert result.labels == ("contradiction", "neutral", "entailment")
@@ -133,13 +133,16 @@ def test_two_workers_rerank_and_classify_as_one(built, documents):
     """Same ranking; scores equal up to float rounding (1e-6): unlike the encoders' path, these models'
     results move in the last bits with the batch they run in (a document scored alone and with nine
     others differ by about 1e-7, on every backend), and two workers batch differently."""
+
     def run(workers: int):
         results = []
         for key in ("monot5", "bart-nli"):
             config = ModelConfig(path=str(built[key]), served_name="m", data_parallel_size=workers)
             with SyncEngine(config, worker_processes=workers > 1) as engine:
                 if key == "monot5":
-                    results.append([(r.index, r.score) for r in engine.rerank(QUERY, documents, RerankParams()).results])
+                    results.append(
+                        [(r.index, r.score) for r in engine.rerank(QUERY, documents, RerankParams()).results]
+                    )
                 else:
                     results.append(engine.classify(documents, ClassifyParams()).scores)
         return results

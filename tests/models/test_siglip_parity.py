@@ -100,8 +100,11 @@ def test_pooling_head_reads_each_image_alone(siglip_dir):
     starts = torch.cumsum(lens, 0) - lens
     hidden = torch.randn(int(lens.sum()), 48, generator=torch.Generator().manual_seed(0))
     pooling = PoolingInputs(
-        first_index=starts, last_index=starts + lens - 1, token_index=None,
-        token_seq=torch.repeat_interleave(torch.arange(3), lens), token_count=lens.float(),
+        first_index=starts,
+        last_index=starts + lens - 1,
+        token_index=None,
+        token_seq=torch.repeat_interleave(torch.arange(3), lens),
+        token_count=lens.float(),
     )
     with torch.no_grad():
         got = ours.pool(hidden, pooling, images=True)

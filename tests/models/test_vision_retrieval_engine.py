@@ -37,7 +37,10 @@ def served(request, tmp_path_factory):
     model_dir = BUILDERS[request.param](tmp_path_factory.mktemp(request.param))
     workers = request.config.getoption("--data-parallel-size")
     config = ModelConfig(
-        path=str(model_dir), served_name=request.param, attention_backend="sdpa", dtype="float32",
+        path=str(model_dir),
+        served_name=request.param,
+        attention_backend="sdpa",
+        dtype="float32",
         data_parallel_size=max(workers, 1),
     )
     model_class = ColQwen2ForRetrieval if request.param == "colqwen2" else ColPaliForRetrieval
@@ -80,8 +83,15 @@ def test_pages_and_queries_in_one_call_equal_transformers(served):
     _, engine, reference = served
     pages = _pages()
     # Mixed in one call: the engine packs them longest first; results keep the call's order.
-    inputs = [ImageInput(pages[0]), QUERIES[0], ImageInput(pages[1]), ImageInput(pages[2]), QUERIES[1],
-              ImageInput(pages[3]), QUERIES[2]]
+    inputs = [
+        ImageInput(pages[0]),
+        QUERIES[0],
+        ImageInput(pages[1]),
+        ImageInput(pages[2]),
+        QUERIES[1],
+        ImageInput(pages[3]),
+        QUERIES[2],
+    ]
     expected = _expected(reference, pages, QUERIES)
     order = [0, 4, 1, 2, 5, 3, 6]
     result = engine.embed(inputs, _params())
@@ -109,8 +119,10 @@ def test_rerank_of_pages_equals_score_retrieval(served):
     pages = _pages()
     expected = _expected(reference, pages, QUERIES[:1])
     processor = reference[1]
-    scores = [float(processor.score_retrieval([torch.from_numpy(expected[-1])], [torch.from_numpy(page)])[0, 0])
-              for page in expected[:-1]]
+    scores = [
+        float(processor.score_retrieval([torch.from_numpy(expected[-1])], [torch.from_numpy(page)])[0, 0])
+        for page in expected[:-1]
+    ]
     result = engine.rerank(QUERIES[0], [ImageInput(data) for data in pages], RerankParams())
     assert [r.index for r in result.results] == list(np.argsort(scores)[::-1])
     for ranked in result.results:

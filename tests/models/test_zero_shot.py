@@ -131,7 +131,9 @@ def test_raw_scores_are_the_entailment_logits(nli_dirs, engine_for):
     model = AutoModelForSequenceClassification.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     pairs = [(text, f"This example is {label}.") for text in TEXTS[:2] for label in LABELS]
     with torch.no_grad():
-        logits = model(**tokenizer([p for p, _ in pairs], [h for _, h in pairs], padding=True, return_tensors="pt")).logits
+        logits = model(
+            **tokenizer([p for p, _ in pairs], [h for _, h in pairs], padding=True, return_tensors="pt")
+        ).logits
     expected = logits[:, 2].numpy().reshape(2, len(LABELS))
 
     result = engine_for(model_dir).classify(TEXTS[:2], _params(candidate_labels=tuple(LABELS), raw_scores=True))
@@ -157,8 +159,11 @@ def test_ordinary_classify_is_unchanged_on_an_nli_model(nli_dirs, engine_for):
         (dict(candidate_labels=("a",), hypothesis_template="About {"), "hypothesis_template .* is not a format"),
         (dict(hypothesis_template="About {}."), "hypothesis_template needs candidate_labels"),
         (dict(multi_label=True), "multi_label needs candidate_labels"),
-        (dict(candidate_labels=("a", "x " * 200)), r"hypothesis of candidate_labels\[1\] has \d+ tokens, which "
-                                                    "leaves no room"),
+        (
+            dict(candidate_labels=("a", "x " * 200)),
+            r"hypothesis of candidate_labels\[1\] has \d+ tokens, which "
+            "leaves no room",
+        ),
     ],
 )
 def test_bad_zero_shot_requests_name_the_field(nli_dirs, engine_for, fields, message):

@@ -21,7 +21,8 @@ def test_no_getattr_delegation_in_the_engine_and_the_server() -> None:
     for module in sorted(m for m in modules() if m.startswith(("embedserv.engine", "embedserv.server"))):
         for node in ast.walk(_tree(module)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in (
-                "__getattr__", "__getattribute__",
+                "__getattr__",
+                "__getattribute__",
             ):
                 report.append(f"{module}:{node.lineno} defines {node.name}")
     assert not report, "attribute delegation:\n" + "\n".join(report)
@@ -29,8 +30,11 @@ def test_no_getattr_delegation_in_the_engine_and_the_server() -> None:
 
 def _server_classes() -> set[str]:
     return {
-        node.name for module in modules() if module.startswith("embedserv.server")
-        for node in _tree(module).body if isinstance(node, ast.ClassDef)
+        node.name
+        for module in modules()
+        if module.startswith("embedserv.server")
+        for node in _tree(module).body
+        if isinstance(node, ast.ClassDef)
     }
 
 
@@ -41,9 +45,14 @@ def test_no_server_class_is_handed_to_a_child_process() -> None:
     report = []
     for module in sorted(modules()):
         for node in ast.walk(_tree(module)):
-            if not (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
-                "Process", "Popen",
-            )):
+            if not (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "attr", getattr(node.func, "id", ""))
+                in (
+                    "Process",
+                    "Popen",
+                )
+            ):
                 continue
             for part in ast.walk(ast.Tuple(elts=[*node.args, *(k.value for k in node.keywords)])):
                 name = getattr(part, "id", None) or getattr(part, "attr", None)
@@ -57,15 +66,24 @@ def test_no_server_class_is_handed_to_a_child_process() -> None:
 # Modules outside engine/inputs/ that open a tokenizer only to look up token ids when the worker loads (a yes/no
 # reranker's "yes" and "no", bge-m3's special ids): they tokenize nothing.
 _VOCABULARY_LOOKUPS = {"embedserv.worker.replica", "embedserv.models.heads.bge_m3"}
-_TOKENIZING_CALLS = {"encode", "encode_batch", "encode_plus", "batch_encode_plus", "apply_chat_template", "tokenize",
-                     "post_process", "decode"}
+_TOKENIZING_CALLS = {
+    "encode",
+    "encode_batch",
+    "encode_plus",
+    "batch_encode_plus",
+    "apply_chat_template",
+    "tokenize",
+    "post_process",
+    "decode",
+}
 
 
 def _opens_a_tokenizer(module: str) -> bool:
     if "tokenizers" in imports(module):
         return True
     return any(
-        isinstance(node, ast.ImportFrom) and node.module == "transformers"
+        isinstance(node, ast.ImportFrom)
+        and node.module == "transformers"
         and any("Tokenizer" in alias.name for alias in node.names)
         for node in ast.walk(_tree(module))
     )
@@ -78,7 +96,8 @@ def test_nothing_outside_engine_inputs_tokenizes() -> None:
     assert sorted(set(outside) - _VOCABULARY_LOOKUPS) == [], "tokenizers outside engine/inputs/"
     for module in _VOCABULARY_LOOKUPS:
         calls = {
-            node.func.attr for node in ast.walk(_tree(module))
+            node.func.attr
+            for node in ast.walk(_tree(module))
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
         }
         assert not calls & _TOKENIZING_CALLS, f"{module} tokenizes: {sorted(calls & _TOKENIZING_CALLS)}"

@@ -164,11 +164,15 @@ def test_directory_without_weights_says_what_is_missing(safetensors_dir, tmp_pat
 def _write_custom_code(model_dir: Path, marker: Path) -> None:
     """A module that creates `marker` when imported, with the classes the auto_map entries name (valid
     ones, so transformers would succeed in using them if it imported the module)."""
-    source = _touch_source(marker) + "\n" + (
-        "from transformers import BertConfig, BertModel, BertTokenizerFast\n"
-        "class CustomConfig(BertConfig):\n    pass\n"
-        "class CustomModel(BertModel):\n    config_class = CustomConfig\n"
-        "class CustomTokenizer(BertTokenizerFast):\n    pass\n"
+    source = (
+        _touch_source(marker)
+        + "\n"
+        + (
+            "from transformers import BertConfig, BertModel, BertTokenizerFast\n"
+            "class CustomConfig(BertConfig):\n    pass\n"
+            "class CustomModel(BertModel):\n    config_class = CustomConfig\n"
+            "class CustomTokenizer(BertTokenizerFast):\n    pass\n"
+        )
     )
     (model_dir / "custom_code.py").write_text(source)
 

@@ -28,8 +28,14 @@ class Recording(pb_grpc.InferenceServicer):
         self.requests: list = []
 
     def ListModels(self, request, context):
-        model = pb.ModelInfo(name="clip", tasks=[pb.TASK_EMBED], dimension=2, modalities=["text", "image"],
-                             max_image_bytes=1024, max_image_pixels=4096)
+        model = pb.ModelInfo(
+            name="clip",
+            tasks=[pb.TASK_EMBED],
+            dimension=2,
+            modalities=["text", "image"],
+            max_image_bytes=1024,
+            max_image_pixels=4096,
+        )
         limits = pb.ServerLimits(max_client_batch_size=BATCH, max_images_per_request=MAX_IMAGES)
         return pb.ListModelsResponse(models=[model], limits=limits)
 
@@ -116,8 +122,9 @@ def test_cli_embeds_image_files_after_the_texts(recording, tmp_path, capsys):
     _servicer, target = recording
     (tmp_path / "a.png").write_bytes(bytes([3]))
     (tmp_path / "b.jpg").write_bytes(bytes([4]))
-    code = cli.main(["--target", target, "embed", "12", "--image", str(tmp_path / "a.png"),
-                     "--image", str(tmp_path / "b.jpg")])
+    code = cli.main(
+        ["--target", target, "embed", "12", "--image", str(tmp_path / "a.png"), "--image", str(tmp_path / "b.jpg")]
+    )
     assert code == 0
     assert [row[0] for row in json.loads(capsys.readouterr().out)["embeddings"]] == [12, -3, -4]
 

@@ -42,13 +42,15 @@ def test_every_encoding_has_its_own_wire_value_and_outputs_carry_the_scale():
     assert wires["uint8_per_dimension"] == pb.ENCODING_UINT8_PER_DIMENSION != wires["uint8"] == pb.ENCODING_UINT8
     assert len(set(wires.values())) == len(wires)
     plan = plans.embed_plan(["a", "b"], 1, False, **_fields(encoding_name="int8", output_names=["dense"]))
-    replies = [
-        pb.EmbedResponse(embeddings=[pb.Embedding(raw=bytes([i, 2]))], encoding_scale=0.25) for i in (1, 255)
-    ]
+    replies = [pb.EmbedResponse(embeddings=[pb.Embedding(raw=bytes([i, 2]))], encoding_scale=0.25) for i in (1, 255)]
     merged = plan.merge(replies)
     assert merged.encoding_scale == 0.25 and merged.dense.tolist() == [[1, 2], [-1, 2]]
-    assert plans.embed_plan(["a"], 1, True, **_fields(output_names=["dense"])).merge([pb.EmbedResponse(
-        embeddings=[pb.Embedding(raw=np.zeros(2, "<f4").tobytes())])]).encoding_scale == 0.0
+    assert (
+        plans.embed_plan(["a"], 1, True, **_fields(output_names=["dense"]))
+        .merge([pb.EmbedResponse(embeddings=[pb.Embedding(raw=np.zeros(2, "<f4").tobytes())])])
+        .encoding_scale
+        == 0.0
+    )
 
 
 def test_split_replies_merge_every_output_in_input_order():
@@ -109,8 +111,10 @@ def test_bad_names_are_refused_with_the_choices():
 
 def test_model_info_shows_outputs_and_their_dimensions():
     message = pb.ModelInfo(
-        name="bge-m3", tasks=[pb.TASK_EMBED, pb.TASK_EMBED_SPARSE, pb.TASK_EMBED_MULTI_VECTOR],
-        outputs=[pb.OUTPUT_DENSE, pb.OUTPUT_SPARSE, pb.OUTPUT_MULTI_VECTOR], sparse_dimension=250002,
+        name="bge-m3",
+        tasks=[pb.TASK_EMBED, pb.TASK_EMBED_SPARSE, pb.TASK_EMBED_MULTI_VECTOR],
+        outputs=[pb.OUTPUT_DENSE, pb.OUTPUT_SPARSE, pb.OUTPUT_MULTI_VECTOR],
+        sparse_dimension=250002,
         multi_vector_dimension=1024,
     )
     info = ModelInfo.from_proto(message)

@@ -24,7 +24,9 @@ class Recording(pb_grpc.InferenceServicer):
         self.embed: list[pb.EmbedRequest] = []
 
     def ListModels(self, request, context):
-        model = pb.ModelInfo(name="jina", tasks=[pb.TASK_EMBED], dimension=2, adapters=["retrieval.query", "separation"])
+        model = pb.ModelInfo(
+            name="jina", tasks=[pb.TASK_EMBED], dimension=2, adapters=["retrieval.query", "separation"]
+        )
         return pb.ListModelsResponse(models=[model], limits=pb.ServerLimits(max_client_batch_size=SERVER_BATCH))
 
     def Embed(self, request, context):

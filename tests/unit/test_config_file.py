@@ -71,8 +71,20 @@ def test_two_models_with_their_own_device_dtype_backend_and_budget(tmp_path):
 
 
 def test_flags_override_server_and_defaults_but_not_a_models_own_keys(tmp_path):
-    config = load(tmp_path, TWO_MODELS, "--port", "6000", "--dtype", "float16", "--max-batch-requests", "8",
-                  "--device", "cuda:1", "--max-client-batch-size", "32")
+    config = load(
+        tmp_path,
+        TWO_MODELS,
+        "--port",
+        "6000",
+        "--dtype",
+        "float16",
+        "--max-batch-requests",
+        "8",
+        "--device",
+        "cuda:1",
+        "--max-client-batch-size",
+        "32",
+    )
     assert (config.port, config.max_concurrent_requests, config.max_client_batch_size) == (6000, 1024, 32)
     cpu, gpu = config.models
     # The flags beat defaults: ...
@@ -83,10 +95,22 @@ def test_flags_override_server_and_defaults_but_not_a_models_own_keys(tmp_path):
 
 def test_a_file_without_models_serves_the_model_flags_with_its_defaults(tmp_path):
     text = "defaults:\n  device: cuda\n  kv_cache_memory: 2GiB\nserver:\n  host: 0.0.0.0\n"
-    config = load(tmp_path, text, "--model", "/models/a", "--model", "/models/b", "--served-model-name", "x",
-                  "--served-model-name", "y")
+    config = load(
+        tmp_path,
+        text,
+        "--model",
+        "/models/a",
+        "--model",
+        "/models/b",
+        "--served-model-name",
+        "x",
+        "--served-model-name",
+        "y",
+    )
     assert [(m.path, m.served_name, m.device, m.kv_cache_memory) for m in config.models] == [
-        ("/models/a", "x", "cuda", 2 * 2**30), ("/models/b", "y", "cuda", 2 * 2**30)]
+        ("/models/a", "x", "cuda", 2 * 2**30),
+        ("/models/b", "y", "cuda", 2 * 2**30),
+    ]
     assert config.host == "0.0.0.0"
 
 
@@ -115,50 +139,80 @@ def test_the_api_key_flag_beats_the_environment_which_beats_the_file(tmp_path, m
 
 
 BAD_FILES = {
-    "unknown-top-level-key": ("model:\n  - path: /m\n", ["unknown key 'model'", "did you mean 'models'?",
-                                                         "valid keys: server, defaults, models"]),
-    "unknown-server-key": ("server:\n  max_concurent_requests: 5\n", [
-        "server: unknown key 'max_concurent_requests'", "did you mean 'max_concurrent_requests'", "host, port"]),
-    "unknown-model-key": ("models:\n  - path: /m\n  - path: /n\n    max_batch_token: 5\n", [
-        "models[1] (/n): unknown key 'max_batch_token'", "did you mean 'max_batch_tokens'"]),
+    "unknown-top-level-key": (
+        "model:\n  - path: /m\n",
+        ["unknown key 'model'", "did you mean 'models'?", "valid keys: server, defaults, models"],
+    ),
+    "unknown-server-key": (
+        "server:\n  max_concurent_requests: 5\n",
+        ["server: unknown key 'max_concurent_requests'", "did you mean 'max_concurrent_requests'", "host, port"],
+    ),
+    "unknown-model-key": (
+        "models:\n  - path: /m\n  - path: /n\n    max_batch_token: 5\n",
+        ["models[1] (/n): unknown key 'max_batch_token'", "did you mean 'max_batch_tokens'"],
+    ),
     "dashed-model-key": ("models:\n  - path: /m\n    max-batch-tokens: 5\n", ["did you mean 'max_batch_tokens'"]),
     "unknown-default-key": ("defaults:\n  devise: cpu\n", ["defaults: unknown key 'devise'", "did you mean 'device'"]),
-    "model-option-under-server": ("server:\n  device: cuda\n", [
-        "server: unknown key 'device'", "put it under defaults: for every model, or in a model's entry"]),
-    "server-setting-in-a-model": ("models:\n  - path: /m\n    port: 1\n", [
-        "models[0] (/m): unknown key 'port'", "put it under server:"]),
+    "model-option-under-server": (
+        "server:\n  device: cuda\n",
+        ["server: unknown key 'device'", "put it under defaults: for every model, or in a model's entry"],
+    ),
+    "server-setting-in-a-model": (
+        "models:\n  - path: /m\n    port: 1\n",
+        ["models[0] (/m): unknown key 'port'", "put it under server:"],
+    ),
     "path-in-defaults": ("defaults:\n  path: /m\n", ["defaults: unknown key 'path'", "in that model's entry"]),
-    "string-for-an-int": ("models:\n  - path: /m\n    max_batch_tokens: lots\n", [
-        "models[0] (/m): max_batch_tokens must be an integer or null, not 'lots' (str)"]),
+    "string-for-an-int": (
+        "models:\n  - path: /m\n    max_batch_tokens: lots\n",
+        ["models[0] (/m): max_batch_tokens must be an integer or null, not 'lots' (str)"],
+    ),
     "bool-for-an-int": ("server:\n  port: true\n", ["server: port must be an integer, not True (bool)"]),
     "float-for-an-int": ("defaults:\n  kv_block_size: 1.5\n", ["defaults: kv_block_size must be an integer"]),
     "int-for-a-bool": ("defaults:\n  allow_pickle: 1\n", ["allow_pickle must be true or false, not 1 (int)"]),
     "null-for-a-required-value": ("server:\n  host: null\n", ["server: host must be a string, not None (null)"]),
-    "number-for-a-string": ("models:\n  - path: /m\n    served_name: 2024\n", [
-        "served_name must be a string", "quote it"]),
-    "bad-value-in-a-model": ("models:\n  - path: /m\n  - path: /q\n    dtype: fp8\n", [
-        "models[1] (/q): dtype must be one of auto, float32, bfloat16, float16, not 'fp8'"]),
-    "bad-value-in-defaults": ("defaults:\n  device: gpu\nmodels:\n  - path: /m\n", [
-        "defaults: device must be cpu, cuda or cuda:N, not 'gpu'"]),
+    "number-for-a-string": (
+        "models:\n  - path: /m\n    served_name: 2024\n",
+        ["served_name must be a string", "quote it"],
+    ),
+    "bad-value-in-a-model": (
+        "models:\n  - path: /m\n  - path: /q\n    dtype: fp8\n",
+        ["models[1] (/q): dtype must be one of auto, float32, bfloat16, float16, not 'fp8'"],
+    ),
+    "bad-value-in-defaults": (
+        "defaults:\n  device: gpu\nmodels:\n  - path: /m\n",
+        ["defaults: device must be cpu, cuda or cuda:N, not 'gpu'"],
+    ),
     "bad-value-in-server": ("server:\n  port: 70000\n", ["server: port must be in 0..65535, not 70000"]),
-    "two-server-values-that-conflict": ("server:\n  max_client_batch_size: 600\n", [
-        "server: max_client_batch_size 600 exceeds --max-concurrent-requests 512"]),
-    "bad-memory-size": ("models:\n  - path: /m\n    kv_cache_memory: 2 gallons\n", [
-        "models[0] (/m): kv_cache_memory '2 gallons' is not a size"]),
-    "bad-cache-size": ("models:\n  - path: /m\n    embedding_cache: lots\n", [
-        "models[0] (/m): embedding_cache 'lots' is not a size"]),
-    "negative-cache-size": ("defaults:\n  embedding_cache: -1\nmodels:\n  - path: /m\n", [
-        "defaults: embedding_cache must be 0 (none) or more bytes, not -1"]),
-    "duplicate-served-names": ("models:\n  - path: /a/m\n  - path: /b/m\n", [
-        "embedserv.yaml: served model names must be unique; repeated: m"]),
+    "two-server-values-that-conflict": (
+        "server:\n  max_client_batch_size: 600\n",
+        ["server: max_client_batch_size 600 exceeds --max-concurrent-requests 512"],
+    ),
+    "bad-memory-size": (
+        "models:\n  - path: /m\n    kv_cache_memory: 2 gallons\n",
+        ["models[0] (/m): kv_cache_memory '2 gallons' is not a size"],
+    ),
+    "bad-cache-size": (
+        "models:\n  - path: /m\n    embedding_cache: lots\n",
+        ["models[0] (/m): embedding_cache 'lots' is not a size"],
+    ),
+    "negative-cache-size": (
+        "defaults:\n  embedding_cache: -1\nmodels:\n  - path: /m\n",
+        ["defaults: embedding_cache must be 0 (none) or more bytes, not -1"],
+    ),
+    "duplicate-served-names": (
+        "models:\n  - path: /a/m\n  - path: /b/m\n",
+        ["embedserv.yaml: served model names must be unique; repeated: m"],
+    ),
     "models-not-a-list": ("models:\n  path: /m\n", ["models must be a list of models"]),
     "models-empty": ("models: []\n", ["models must be a list of models"]),
     "model-without-path": ("models:\n  - device: cpu\n", ["models[0] needs a path"]),
     "model-not-a-mapping": ("models:\n  - /m\n", ["models[0] must be a mapping with at least a path, not str"]),
     "server-not-a-mapping": ("server: 50051\n", ["server must be a mapping of key: value, not int"]),
     "top-level-list": ("- path: /m\n", ["the top level must be a mapping"]),
-    "duplicate-key": ("models:\n  - path: /m\n    device: cpu\n    device: cuda\n", [
-        "embedserv.yaml:4:5: not valid YAML: key 'device' is given twice"]),
+    "duplicate-key": (
+        "models:\n  - path: /m\n    device: cpu\n    device: cuda\n",
+        ["embedserv.yaml:4:5: not valid YAML: key 'device' is given twice"],
+    ),
     "not-yaml": ("models: [\n", ["embedserv.yaml:2:1: not valid YAML: while parsing a flow node; expected"]),
 }
 
@@ -175,11 +229,14 @@ def test_a_bad_file_is_refused_naming_the_file_and_what_to_change(tmp_path, case
 
 
 def test_the_embedding_cache_is_a_size_per_model(tmp_path):
-    text = "defaults:\n  embedding_cache: 1GB\nmodels:\n  - path: /a\n  - path: /b\n    embedding_cache: 0\n" \
-           "  - path: /c\n    embedding_cache: 1048576\n"
+    text = (
+        "defaults:\n  embedding_cache: 1GB\nmodels:\n  - path: /a\n  - path: /b\n    embedding_cache: 0\n"
+        "  - path: /c\n    embedding_cache: 1048576\n"
+    )
     assert [m.embedding_cache for m in load(tmp_path, text).models] == [10**9, 0, 2**20]
-    flagged = load(tmp_path, "models:\n  - path: /a\n  - path: /b\n    embedding_cache: 1KiB\n",
-                   "--embedding-cache", "256MiB")
+    flagged = load(
+        tmp_path, "models:\n  - path: /a\n  - path: /b\n    embedding_cache: 1KiB\n", "--embedding-cache", "256MiB"
+    )
     assert [m.embedding_cache for m in flagged.models] == [256 * 2**20, 1024]
     assert load(tmp_path, "", "--model", "/m").models[0].embedding_cache == 0
     for bad in ("big", "-1MiB", "inf", "nan"):

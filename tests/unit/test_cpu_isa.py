@@ -15,7 +15,9 @@ from embedserv.engine.served_model import log_spec, read_served_model
 
 AVX2_EPYC = cpu_isa.CpuIsa("AMD EPYC 7B13", frozenset({"sse4_2", "avx", "avx2", "fma"}))
 AVX512_BF16 = cpu_isa.CpuIsa("Intel Xeon 8375C", frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}))
-AMX = cpu_isa.CpuIsa("Intel Xeon 8480+", frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8"}))
+AMX = cpu_isa.CpuIsa(
+    "Intel Xeon 8480+", frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8"})
+)
 AVX512_ONLY = cpu_isa.CpuIsa("Intel Xeon 8175M", frozenset({"avx2", "avx512f"}))
 
 
@@ -46,8 +48,12 @@ def test_a_missing_cpuinfo_gives_an_empty_probe(tmp_path):
 
 @pytest.mark.parametrize(
     ("isa", "level", "bf16", "vnni"),
-    [(AVX2_EPYC, "avx2", False, False), (AVX512_ONLY, "avx512", False, False),
-     (AVX512_BF16, "avx512_bf16", True, True), (AMX, "amx", True, True)],
+    [
+        (AVX2_EPYC, "avx2", False, False),
+        (AVX512_ONLY, "avx512", False, False),
+        (AVX512_BF16, "avx512_bf16", True, True),
+        (AMX, "amx", True, True),
+    ],
 )
 def test_levels_and_capabilities(isa, level, bf16, vnni):
     assert (isa.level, isa.native_bf16, isa.vnni) == (level, bf16, vnni)
@@ -105,9 +111,15 @@ def test_bfloat16_attention_on_either_path_matches_float32(isa, fake_cpu):
     torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.parametrize(("isa", "activations"), [
-    (AVX2_EPYC, "float32"), (AVX512_ONLY, "float32"), (AVX512_BF16, "bfloat16"), (AMX, "bfloat16"),
-])
+@pytest.mark.parametrize(
+    ("isa", "activations"),
+    [
+        (AVX2_EPYC, "float32"),
+        (AVX512_ONLY, "float32"),
+        (AVX512_BF16, "bfloat16"),
+        (AMX, "bfloat16"),
+    ],
+)
 def test_int8_activations_are_bfloat16_only_where_it_is_native(isa, activations, fake_cpu):
     fake_cpu(isa)
     assert cpu_isa.int8_activation_dtype() == activations

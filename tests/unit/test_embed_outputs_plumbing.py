@@ -29,12 +29,14 @@ def _seq(request_id: int, ids: tuple[int, ...], outputs=()) -> ScheduledSequence
 
 def test_each_sequence_gets_only_the_outputs_it_asked_for():
     builder = InputBuilder(torch.device("cpu"), 0, False)
-    batch = StepBatch((
-        _seq(10, (1, 2, 3)),
-        _seq(11, (4, 5, 6, 7, 8), (SPARSE, MULTI)),
-        _seq(12, (9, 10), (MULTI,)),
-        _seq(13, (11, 12, 13, 14), (DENSE, SPARSE)),
-    ))
+    batch = StepBatch(
+        (
+            _seq(10, (1, 2, 3)),
+            _seq(11, (4, 5, 6, 7, 8), (SPARSE, MULTI)),
+            _seq(12, (9, 10), (MULTI,)),
+            _seq(13, (11, 12, 13, 14), (DENSE, SPARSE)),
+        )
+    )
     inputs = builder.build(batch)
     ids = inputs.tokens.input_ids.tolist()
     assert inputs.rows.request_ids == (10, 13)
@@ -55,7 +57,9 @@ def test_a_dense_only_batch_builds_no_token_plans():
 
 def test_ragged_outputs_cross_the_worker_boundary_bit_exact():
     rng = np.random.default_rng(0)
-    vectors = RaggedRows((5, 7), np.array([3, 2]), rng.standard_normal((5, 4)).astype(np.float32), np.zeros(0, np.int64))
+    vectors = RaggedRows(
+        (5, 7), np.array([3, 2]), rng.standard_normal((5, 4)).astype(np.float32), np.zeros(0, np.int64)
+    )
     sparse = RaggedRows((5,), np.array([3]), np.array([0.5, 1.5, 2.5], np.float32), np.array([3, 17, 900]))
     done = StepDone(4, StepOutput((), np.zeros((0, 0), np.float32), (), np.zeros(0, np.int64), sparse, vectors), 0.1)
     back = CODEC.decode(CODEC.encode(done))
@@ -82,8 +86,18 @@ def test_top_k_keeps_the_largest_values_with_ascending_indices():
 
 def _info(outputs, tasks) -> ModelInfo:
     return ModelInfo(
-        name="m", tasks=tasks, architecture="BertModel", is_causal=False, pooling="mean", dimension=8,
-        max_input_tokens=16, prompt_names=(), dtype="float32", device="cpu", attention_backend="sdpa", outputs=outputs,
+        name="m",
+        tasks=tasks,
+        architecture="BertModel",
+        is_causal=False,
+        pooling="mean",
+        dimension=8,
+        max_input_tokens=16,
+        prompt_names=(),
+        dtype="float32",
+        device="cpu",
+        attention_backend="sdpa",
+        outputs=outputs,
     )
 
 
@@ -115,8 +129,10 @@ def _st_dir(root: Path, modules: list[tuple[str, str]], model_type: str | None =
     entries = []
     for idx, (kind, path) in enumerate(modules):
         package = {
-            "Transformer": "base.modules.transformer", "Pooling": "sentence_transformer.modules.pooling",
-            "Dense": "base.modules.dense", "Normalize": "base.modules.normalize",
+            "Transformer": "base.modules.transformer",
+            "Pooling": "sentence_transformer.modules.pooling",
+            "Dense": "base.modules.dense",
+            "Normalize": "base.modules.normalize",
             "SpladePooling": "sparse_encoder.modules.splade_pooling",
             "MultiVectorMask": "multi_vector_encoder.modules.multi_vector_mask",
         }[kind]
@@ -167,7 +183,8 @@ def test_a_multi_vector_encoder_keeps_its_token_modules_apart_from_pooled_ones(t
     model_dir = _st_dir(
         tmp_path / "mve",
         [("Transformer", ""), ("Dense", "1_Dense"), ("Normalize", "2_Normalize"), ("MultiVectorMask", "3_Mask")],
-        "MultiVectorEncoder", {"Dense": _DENSE_CONFIG, "MultiVectorMask": {"skiplist_words": ["!"]}},
+        "MultiVectorEncoder",
+        {"Dense": _DENSE_CONFIG, "MultiVectorMask": {"skiplist_words": ["!"]}},
     )
     st = read_sentence_transformers(model_dir)
     assert st.dense == () and st.pooling is None

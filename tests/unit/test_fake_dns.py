@@ -32,6 +32,7 @@ METHOD = "/fakedns.Who/Am"
 
 # --- the DNS wire format, over plain sockets ------------------------------------------------------
 
+
 def _query(name: str, qtype: int, qid: int) -> bytes:
     """A recursion-desired query for (name, qtype, IN), with an EDNS OPT record as c-ares sends."""
     qname = b"".join(bytes([len(label)]) + label.encode() for label in name.split(".")) + b"\0"
@@ -60,7 +61,7 @@ def _parse(reply: bytes, query: bytes) -> tuple[int, int, list[str]]:
     for _ in range(ancount):
         ptr, rtype, rclass, ttl, rdlen = struct.unpack_from("!HHHIH", reply, pos)
         assert (ptr, rtype, rclass, rdlen) == (0xC00C, 1, 1, 4) and ttl > 0
-        addrs.append(socket.inet_ntoa(reply[pos + 12:pos + 16]))
+        addrs.append(socket.inet_ntoa(reply[pos + 12 : pos + 16]))
         pos += 12 + rdlen
     assert pos == len(reply)
     return qid, flags, addrs
@@ -69,12 +70,15 @@ def _parse(reply: bytes, query: bytes) -> tuple[int, int, list[str]]:
 @pytest.mark.parametrize("transport", ["udp", "tcp"])
 def test_wire_format(transport):
     with FakeDns({NAME: ADDRS}) as dns:
-        for qid, (name, qtype, rcode, expected) in enumerate([
-            (NAME, 1, 0, ADDRS),  # A: every address
-            ("EmbedServ.Test", 1, 0, ADDRS),  # names are case-insensitive; the question is echoed as asked
-            (NAME, 28, 0, []),  # AAAA: NOERROR, no answers
-            ("nosuch.test", 1, 3, []),  # NXDOMAIN
-        ], start=100):
+        for qid, (name, qtype, rcode, expected) in enumerate(
+            [
+                (NAME, 1, 0, ADDRS),  # A: every address
+                ("EmbedServ.Test", 1, 0, ADDRS),  # names are case-insensitive; the question is echoed as asked
+                (NAME, 28, 0, []),  # AAAA: NOERROR, no answers
+                ("nosuch.test", 1, 3, []),  # NXDOMAIN
+            ],
+            start=100,
+        ):
             query = _query(name, qtype, qid)
             got_id, flags, addrs = _parse(_ask(dns.port, query, transport), query)
             assert got_id == qid and addrs == expected
@@ -86,15 +90,18 @@ def test_wire_format(transport):
 
 # --- gRPC: one name, two servers -----------------------------------------------------------------
 
+
 def _start(addr: str, port: int, hits: collections.Counter) -> tuple[grpc.Server, int] | None:
     """A server on addr:port (0: any) whose one method records the call and answers its own address."""
+
     def who_am_i(request, context):
         hits[addr] += 1
         return addr.encode()
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[("grpc.so_reuseport", 0)])
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-        "fakedns.Who", {"Am": grpc.unary_unary_rpc_method_handler(who_am_i)})])
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("fakedns.Who", {"Am": grpc.unary_unary_rpc_method_handler(who_am_i)})]
+    )
     try:
         bound = server.add_insecure_port(f"{addr}:{port}")
     except RuntimeError:  # "Failed to bind ..."

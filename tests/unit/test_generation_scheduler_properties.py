@@ -55,9 +55,7 @@ class _FakeRunner:
         return sampled
 
 
-def _check_tables(
-    s: GenerationScheduler, live: list[Request], batch: StepBatch | None
-) -> None:
+def _check_tables(s: GenerationScheduler, live: list[Request], batch: StepBatch | None) -> None:
     bm = s.kv_cache.managers[0]
     bm.check_invariants()
     scheduled = {c.request_id: len(c.token_ids) for c in batch.sequences} if batch else {}
@@ -79,9 +77,7 @@ def _check_tables(
     assert s.num_running + s.num_waiting == len(live)
 
 
-def _check_batch(
-    s: GenerationScheduler, batch: StepBatch, requests: dict[int, Request]
-) -> None:
+def _check_batch(s: GenerationScheduler, batch: StepBatch, requests: dict[int, Request]) -> None:
     assert batch.num_tokens <= s.max_batch_tokens and batch.num_sequences <= s.max_num_seqs
     assert len({c.request_id for c in batch.sequences}) == batch.num_sequences
     for chunk in batch.sequences:

@@ -141,9 +141,14 @@ def test_a_valid_image_decodes_to_its_pixels() -> None:
 
 def _fuzz_cases(rng: np.random.Generator) -> list[bytes]:
     """Random bytes, valid headers followed by garbage, truncations and flipped bytes of valid files."""
-    valid = [png_bytes(random_image(0, 24, 16)), jpeg_bytes(random_image(1, 24, 16)),
-             webp_bytes(random_image(2, 24, 16)), webp_bytes(random_image(3, 24, 16), lossless=False),
-             png_bytes(random_image(4, 24, 16, "RGBA")), png_bytes(Image.fromarray(random_image(5, 24, 16)).quantize())]
+    valid = [
+        png_bytes(random_image(0, 24, 16)),
+        jpeg_bytes(random_image(1, 24, 16)),
+        webp_bytes(random_image(2, 24, 16)),
+        webp_bytes(random_image(3, 24, 16), lossless=False),
+        png_bytes(random_image(4, 24, 16, "RGBA")),
+        png_bytes(Image.fromarray(random_image(5, 24, 16)).quantize()),
+    ]
     cases = []
     for i in range(2000):
         source = valid[i % len(valid)]

@@ -36,14 +36,23 @@ LIMITS = ImageLimits(max_bytes=8 << 20, max_pixels=40_000_000)
 PROCESSORS = {
     "clip": (CLIPImageProcessor, {}, 32),
     "clip-small-crop": (CLIPImageProcessor, {"size": {"shortest_edge": 64}, "crop_size": 56, "resample": 2}, 14),
-    "clip-short-long": (CLIPImageProcessor, {"size": {"shortest_edge": 48, "longest_edge": 80},
-                                             "do_center_crop": False}, 16),
+    "clip-short-long": (
+        CLIPImageProcessor,
+        {"size": {"shortest_edge": 48, "longest_edge": 80}, "do_center_crop": False},
+        16,
+    ),
     "siglip": (SiglipImageProcessor, {"size": {"height": 96, "width": 96}, "resample": 2}, 16),
-    "colpali": (SiglipImageProcessor, {"size": {"height": 448, "width": 448}, "resample": 3,
-                                       "image_mean": 0.5, "image_std": 0.5}, 14),
+    "colpali": (
+        SiglipImageProcessor,
+        {"size": {"height": 448, "width": 448}, "resample": 3, "image_mean": 0.5, "image_std": 0.5},
+        14,
+    ),
     "qwen2-vl": (Qwen2VLImageProcessor, {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 96}, 14),
-    "qwen2-vl-size": (Qwen2VLImageProcessor, {"size": {"shortest_edge": 128 * 28 * 28, "longest_edge": 256 * 28 * 28},
-                                              "merge_size": 2, "patch_size": 14}, 14),
+    "qwen2-vl-size": (
+        Qwen2VLImageProcessor,
+        {"size": {"shortest_edge": 128 * 28 * 28, "longest_edge": 256 * 28 * 28}, "merge_size": 2, "patch_size": 14},
+        14,
+    ),
     "siglip2": (Siglip2ImageProcessor, {"max_num_patches": 64, "patch_size": 16}, 16),
     "siglip2-bicubic": (Siglip2ImageProcessor, {"max_num_patches": 100, "patch_size": 8, "resample": 3}, 8),
 }
@@ -100,10 +109,16 @@ def _mode_images() -> dict[str, bytes]:
     transparent_palette.info["transparency"] = 3
     gray16 = Image.fromarray(random_image(9, 90, 60, "L").astype(np.uint16) * 257)
     return {
-        "RGBA": png_bytes(rgba), "RGBA-webp": webp_bytes(rgba), "L": png_bytes(random_image(5, 90, 60, "L")),
-        "L-jpeg": jpeg_bytes(random_image(5, 90, 60, "L")), "LA": png_bytes(Image.fromarray(rgba).convert("LA")),
-        "P": png_bytes(palette), "P-transparent": png_bytes(transparent_palette), "I;16": png_bytes(gray16),
-        "CMYK": jpeg_bytes(rgb.convert("CMYK")), "1": png_bytes(rgb.convert("1")),
+        "RGBA": png_bytes(rgba),
+        "RGBA-webp": webp_bytes(rgba),
+        "L": png_bytes(random_image(5, 90, 60, "L")),
+        "L-jpeg": jpeg_bytes(random_image(5, 90, 60, "L")),
+        "LA": png_bytes(Image.fromarray(rgba).convert("LA")),
+        "P": png_bytes(palette),
+        "P-transparent": png_bytes(transparent_palette),
+        "I;16": png_bytes(gray16),
+        "CMYK": jpeg_bytes(rgb.convert("CMYK")),
+        "1": png_bytes(rgb.convert("1")),
     }
 
 
@@ -176,27 +191,30 @@ def _config(**keys) -> dict:
     return {"image_processor_type": "CLIPImageProcessor", **keys}
 
 
-@pytest.mark.parametrize(("raw", "words"), [
-    ({"image_processor_type": "Siglip2ImageProcessor", "do_resize": False}, "do_resize"),
-    ({"image_processor_type": "Siglip2ImageProcessor", "max_num_patches": None}, "max_num_patches"),
-    ({"image_processor_type": "LlavaNextImageProcessor"}, "not supported"),
-    ({}, "not supported"),
-    (_config(do_pad=True), "do_pad"),
-    (_config(size={"max_height": 10, "max_width": 10}), "size"),
-    (_config(crop_size={"shortest_edge": 3}), "crop_size"),
-    (_config(resample=9), "resample"),
-    (_config(resample="bicubic"), "resample"),
-    (_config(resample=None), "resample is missing or null"),
-    (_config(size=None), "size is missing or null"),
-    ({"image_processor_type": "Qwen2VLImageProcessor", "merge_size": 0}, "merge_size"),
-    ({"image_processor_type": "Qwen2VLImageProcessor", "size": 448}, "size"),
-    (_config(image_mean=[0.5, 0.5]), "image_mean"),
-    (_config(do_convert_rgb="no"), "do_convert_rgb"),
-    (_config(do_normalize="yes"), "do_normalize"),
-    (_config(do_reduce_labels=True), "do_reduce_labels"),
-    ({"image_processor_type": "Qwen2VLImageProcessor", "do_resize": False}, "do_resize"),
-    ({"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 10, "max_pixels": 5}, "min_pixels"),
-])
+@pytest.mark.parametrize(
+    ("raw", "words"),
+    [
+        ({"image_processor_type": "Siglip2ImageProcessor", "do_resize": False}, "do_resize"),
+        ({"image_processor_type": "Siglip2ImageProcessor", "max_num_patches": None}, "max_num_patches"),
+        ({"image_processor_type": "LlavaNextImageProcessor"}, "not supported"),
+        ({}, "not supported"),
+        (_config(do_pad=True), "do_pad"),
+        (_config(size={"max_height": 10, "max_width": 10}), "size"),
+        (_config(crop_size={"shortest_edge": 3}), "crop_size"),
+        (_config(resample=9), "resample"),
+        (_config(resample="bicubic"), "resample"),
+        (_config(resample=None), "resample is missing or null"),
+        (_config(size=None), "size is missing or null"),
+        ({"image_processor_type": "Qwen2VLImageProcessor", "merge_size": 0}, "merge_size"),
+        ({"image_processor_type": "Qwen2VLImageProcessor", "size": 448}, "size"),
+        (_config(image_mean=[0.5, 0.5]), "image_mean"),
+        (_config(do_convert_rgb="no"), "do_convert_rgb"),
+        (_config(do_normalize="yes"), "do_normalize"),
+        (_config(do_reduce_labels=True), "do_reduce_labels"),
+        ({"image_processor_type": "Qwen2VLImageProcessor", "do_resize": False}, "do_resize"),
+        ({"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 10, "max_pixels": 5}, "min_pixels"),
+    ],
+)
 def test_what_cannot_be_reproduced_is_refused_at_start_up(raw: dict, words: str) -> None:
     with pytest.raises(ValueError, match=words) as caught:
         processing_from_dict(raw, "model/preprocessor_config.json", 16)
@@ -210,13 +228,17 @@ def test_a_patch_size_is_required(tmp_path: Path) -> None:
 
 
 def test_null_keys_stay_none_as_in_hf_and_inert_keys_pass() -> None:
-    processing = processing_from_dict(_config(do_center_crop=None, processor_class="CLIPProcessor",
-                                              feature_extractor_type="CLIPFeatureExtractor"), "p", 32)
+    processing = processing_from_dict(
+        _config(do_center_crop=None, processor_class="CLIPProcessor", feature_extractor_type="CLIPFeatureExtractor"),
+        "p",
+        32,
+    )
     assert processing.resample == 3 and processing.crop is None and processing.resize == ("shortest_edge", 224)
     with pytest.raises(ValueError, match="p: image_mean is missing or null"):
         processing_from_dict(_config(image_mean=None), "p", 32)
-    legacy = processing_from_dict({"feature_extractor_type": "CLIPFeatureExtractor", "size": 224, "crop_size": 224},
-                                  "p", 32)
+    legacy = processing_from_dict(
+        {"feature_extractor_type": "CLIPFeatureExtractor", "size": 224, "crop_size": 224}, "p", 32
+    )
     assert legacy.resize == ("shortest_edge", 224) and legacy.crop == (224, 224)
     assert processing_from_dict(_config(do_convert_rgb=False), "p", 32) == processing_from_dict(_config(), "p", 32)
     square = processing_from_dict(_config(use_square_size=True), "p", 32)
@@ -225,22 +247,71 @@ def test_null_keys_stay_none_as_in_hf_and_inert_keys_pass() -> None:
 
 # preprocessor_config.json as published models ship them (CLIP ViT-B/32, PaliGemma 448 under ColPali, ColQwen2).
 PUBLISHED = {
-    "clip-openai": ({"crop_size": 224, "do_center_crop": True, "do_normalize": True, "do_resize": True,
-                     "feature_extractor_type": "CLIPFeatureExtractor", "image_mean": list(CLIP_MEAN),
-                     "image_std": list(CLIP_STD), "resample": 3, "size": 224}, CLIPImageProcessor, 32),
-    "paligemma-448": ({"do_convert_rgb": None, "do_normalize": True, "do_rescale": True, "do_resize": True,
-                       "image_mean": [0.5, 0.5, 0.5], "image_processor_type": "SiglipImageProcessor",
-                       "image_seq_length": 1024, "image_std": [0.5, 0.5, 0.5], "processor_class": "PaliGemmaProcessor",
-                       "resample": 3, "rescale_factor": 0.00392156862745098, "size": {"height": 448, "width": 448}},
-                      SiglipImageProcessor, 14),
-    "siglip-nulls": ({"do_center_crop": None, "do_convert_rgb": None, "image_processor_type": "SiglipImageProcessor",
-                      "size": {"height": 64, "width": 80}}, SiglipImageProcessor, 16),
-    "colqwen2": ({"do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
-                  "image_mean": list(CLIP_MEAN), "image_processor_type": "Qwen2VLImageProcessor",
-                  "image_std": list(CLIP_STD), "max_pixels": 12845056, "merge_size": 2, "min_pixels": 3136,
-                  "patch_size": 14, "processor_class": "ColQwen2Processor", "resample": 3,
-                  "rescale_factor": 0.00392156862745098, "size": {"max_pixels": 12845056, "min_pixels": 3136},
-                  "temporal_patch_size": 2}, Qwen2VLImageProcessor, 14),
+    "clip-openai": (
+        {
+            "crop_size": 224,
+            "do_center_crop": True,
+            "do_normalize": True,
+            "do_resize": True,
+            "feature_extractor_type": "CLIPFeatureExtractor",
+            "image_mean": list(CLIP_MEAN),
+            "image_std": list(CLIP_STD),
+            "resample": 3,
+            "size": 224,
+        },
+        CLIPImageProcessor,
+        32,
+    ),
+    "paligemma-448": (
+        {
+            "do_convert_rgb": None,
+            "do_normalize": True,
+            "do_rescale": True,
+            "do_resize": True,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_processor_type": "SiglipImageProcessor",
+            "image_seq_length": 1024,
+            "image_std": [0.5, 0.5, 0.5],
+            "processor_class": "PaliGemmaProcessor",
+            "resample": 3,
+            "rescale_factor": 0.00392156862745098,
+            "size": {"height": 448, "width": 448},
+        },
+        SiglipImageProcessor,
+        14,
+    ),
+    "siglip-nulls": (
+        {
+            "do_center_crop": None,
+            "do_convert_rgb": None,
+            "image_processor_type": "SiglipImageProcessor",
+            "size": {"height": 64, "width": 80},
+        },
+        SiglipImageProcessor,
+        16,
+    ),
+    "colqwen2": (
+        {
+            "do_convert_rgb": True,
+            "do_normalize": True,
+            "do_rescale": True,
+            "do_resize": True,
+            "image_mean": list(CLIP_MEAN),
+            "image_processor_type": "Qwen2VLImageProcessor",
+            "image_std": list(CLIP_STD),
+            "max_pixels": 12845056,
+            "merge_size": 2,
+            "min_pixels": 3136,
+            "patch_size": 14,
+            "processor_class": "ColQwen2Processor",
+            "resample": 3,
+            "rescale_factor": 0.00392156862745098,
+            "size": {"max_pixels": 12845056, "min_pixels": 3136},
+            "temporal_patch_size": 2,
+        },
+        Qwen2VLImageProcessor,
+        14,
+    ),
 }
 
 

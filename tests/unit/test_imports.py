@@ -41,8 +41,18 @@ BELOW: dict[str, set[str]] = {
 }
 # Anyone may import these; they import only each other. "embedserv" is the root __init__ (__version__).
 SHARED = {
-    "embedserv", "types", "steps", "scheduler", "config", "errors", "logs", "metrics", "forward_context", "cpu_isa",
-    "start_up", "tracing",
+    "embedserv",
+    "types",
+    "steps",
+    "scheduler",
+    "config",
+    "errors",
+    "logs",
+    "metrics",
+    "forward_context",
+    "cpu_isa",
+    "start_up",
+    "tracing",
 }
 REPO = Path(__file__).resolve().parents[2]
 
@@ -140,7 +150,7 @@ def test_no_package_level_import_cycles() -> None:
         if cycle is not None:
             # One entry per cycle, whichever package it was found from.
             rotation = min(range(len(cycle) - 1), key=lambda i: cycle[i])
-            cycles[tuple(cycle[rotation:-1] + cycle[:rotation + 1])] = None
+            cycles[tuple(cycle[rotation:-1] + cycle[: rotation + 1])] = None
     report = []
     for cycle in cycles:
         report.append(" -> ".join(cycle))
@@ -235,8 +245,10 @@ def test_model_code_does_not_import_the_forward_context() -> None:
     """Models know nothing of attention metadata or KV caches (DESIGN.md, "Forward context"): only
     attention/layer.py (and the LoRA layer, models/lora.py) reads the context."""
     report = [
-        module for module in modules()
-        if module.startswith("embedserv.models.") and module not in _READS_THE_CONTEXT
+        module
+        for module in modules()
+        if module.startswith("embedserv.models.")
+        and module not in _READS_THE_CONTEXT
         and "embedserv.forward_context" in internal_imports(module)
     ]
     assert not report, "model code that imports embedserv.forward_context:\n" + "\n".join(report)
@@ -249,7 +261,8 @@ def _layout_breaches(module: str) -> set[str]:
     imported = internal_imports(module)
     if module.startswith("embedserv.models.families."):
         return {
-            m for m in imported
+            m
+            for m in imported
             if m.startswith(("embedserv.models.heads", "embedserv.models.registry"))
             or (m.startswith("embedserv.models.loading") and m not in _LOADING_TYPES)
         }
@@ -301,8 +314,14 @@ def _torch_free_modules() -> list[str]:
     # Image decoding and preprocessing run in the front end's pool: numpy and Pillow only.
     images_dir = REPO / "embedserv" / "engine" / "inputs" / "images"
     images = pkgutil.iter_modules([str(images_dir)], "embedserv.engine.inputs.images.")
-    return ["embedserv.types", "embedserv.steps", "embedserv.scheduler", *sorted(info.name for info in scheduler),
-            "embedserv.engine.inputs.images", *sorted(info.name for info in images)]
+    return [
+        "embedserv.types",
+        "embedserv.steps",
+        "embedserv.scheduler",
+        *sorted(info.name for info in scheduler),
+        "embedserv.engine.inputs.images",
+        *sorted(info.name for info in images),
+    ]
 
 
 def _runs_first(module: str) -> list[str]:

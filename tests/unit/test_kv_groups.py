@@ -30,11 +30,13 @@ class FakeModel(nn.Module):
 
 
 def _layers(shared: bool) -> FakeModel:
-    return FakeModel([
-        Attention(HEADS, HEAD_SIZE, layer_index=0),
-        Attention(HEADS, HEAD_SIZE, layer_index=1),
-        Attention(HEADS, HEAD_SIZE, layer_index=2, kv_source_layer=1 if shared else None),
-    ])
+    return FakeModel(
+        [
+            Attention(HEADS, HEAD_SIZE, layer_index=0),
+            Attention(HEADS, HEAD_SIZE, layer_index=1),
+            Attention(HEADS, HEAD_SIZE, layer_index=2, kv_source_layer=1 if shared else None),
+        ]
+    )
 
 
 def test_a_layer_reading_another_layers_cache_allocates_nothing():
@@ -54,11 +56,13 @@ def test_a_layer_reading_another_layers_cache_allocates_nothing():
 
 
 def test_groups_come_from_the_layers_kind_and_group():
-    model = FakeModel([
-        Attention(HEADS, HEAD_SIZE, layer_index=0, kind=AttentionKind.ENCODER),
-        Attention(HEADS, HEAD_SIZE, layer_index=1, kv_group=0),
-        Attention(HEADS, HEAD_SIZE, num_kv_heads=1, layer_index=2, kind=AttentionKind.CROSS, kv_group=1),
-    ])
+    model = FakeModel(
+        [
+            Attention(HEADS, HEAD_SIZE, layer_index=0, kind=AttentionKind.ENCODER),
+            Attention(HEADS, HEAD_SIZE, layer_index=1, kv_group=0),
+            Attention(HEADS, HEAD_SIZE, num_kv_heads=1, layer_index=2, kind=AttentionKind.CROSS, kv_group=1),
+        ]
+    )
     self_group, cross_group = kv_cache_groups(model, BLOCK, torch.float32)
     assert (self_group.layers, self_group.fixed, self_group.shapes) == ((1,), False, ((HEADS, HEAD_SIZE),))
     assert (cross_group.layers, cross_group.fixed, cross_group.shapes) == ((2,), True, ((1, HEAD_SIZE),))
@@ -69,9 +73,12 @@ def test_groups_come_from_the_layers_kind_and_group():
 
 
 def test_a_group_with_mixed_kinds_is_refused():
-    model = FakeModel([
-        Attention(HEADS, HEAD_SIZE, layer_index=0), Attention(HEADS, HEAD_SIZE, layer_index=1, kind=AttentionKind.CROSS)
-    ])
+    model = FakeModel(
+        [
+            Attention(HEADS, HEAD_SIZE, layer_index=0),
+            Attention(HEADS, HEAD_SIZE, layer_index=1, kind=AttentionKind.CROSS),
+        ]
+    )
     with pytest.raises(ValueError, match="mixes layer kinds"):
         kv_cache_groups(model, BLOCK, torch.float32)
 
@@ -79,9 +86,9 @@ def test_a_group_with_mixed_kinds_is_refused():
 def test_a_group_holds_layers_of_different_shapes():
     """Gemma 4's full layers have other KV heads and head sizes than its sliding ones; one table serves
     both: each layer's tensor has its own shape and the same block count."""
-    model = FakeModel([
-        Attention(HEADS, HEAD_SIZE, layer_index=0), Attention(HEADS, 2 * HEAD_SIZE, num_kv_heads=1, layer_index=1)
-    ])
+    model = FakeModel(
+        [Attention(HEADS, HEAD_SIZE, layer_index=0), Attention(HEADS, 2 * HEAD_SIZE, num_kv_heads=1, layer_index=1)]
+    )
     (group,) = kv_cache_groups(model, BLOCK, torch.float32)
     assert group.shapes == ((HEADS, HEAD_SIZE), (1, 2 * HEAD_SIZE))
     assert group.bytes_per_block == 2 * BLOCK * (HEADS * HEAD_SIZE + 2 * HEAD_SIZE) * 4
@@ -217,7 +224,9 @@ def test_the_encoder_runs_in_the_first_step_after_each_admission_only():
     runs_of_b = 1
     for _ in range(40):
         batch = _step(s)
-        for done in [r for r in (a, b) if len(r.output_token_ids) >= r.max_tokens and r.status is RequestStatus.RUNNING]:
+        for done in [
+            r for r in (a, b) if len(r.output_token_ids) >= r.max_tokens and r.status is RequestStatus.RUNNING
+        ]:
             s.finish(done.request_id)
         for q in batch.sequences:
             assert q.encoder_len == 8, "cross attention reads the whole encoder input every step"
@@ -269,11 +278,17 @@ def test_the_input_builder_writes_only_this_steps_encoder_tokens_to_the_cross_ta
 
     builder = InputBuilder(CPU, 0, True, BLOCK, fixed_groups=(False, True), is_encoder_decoder=True)
     greedy = SamplingParams(max_tokens=1)
-    decoding = ScheduledSequence(
-        0, (9,), OutputKind.SAMPLE, 5, ((1, 2), (3, 4)), True, greedy, encoder_len=6
-    )
+    decoding = ScheduledSequence(0, (9,), OutputKind.SAMPLE, 5, ((1, 2), (3, 4)), True, greedy, encoder_len=6)
     fresh = ScheduledSequence(
-        1, (9, 8), OutputKind.SAMPLE, 0, ((5,), (6, 7)), True, greedy, encoder_token_ids=(11, 12, 13, 14, 15), encoder_len=5
+        1,
+        (9, 8),
+        OutputKind.SAMPLE,
+        0,
+        ((5,), (6, 7)),
+        True,
+        greedy,
+        encoder_token_ids=(11, 12, 13, 14, 15),
+        encoder_len=5,
     )
     inputs = builder.build(StepBatch((decoding, fresh)))
     self_meta, cross = inputs.attention

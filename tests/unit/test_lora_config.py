@@ -38,11 +38,15 @@ def test_a_bad_flag_or_key_is_refused(tmp_path, capsys):
         _config(tmp_path, ["--model", "/m/a", "--model", "/m/b", "--lora", "x=/a/x"])
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model", "/m/base", "--lora", "base=/a/x"], "unique; repeated: base"),
-    (["--model", "/m/base", "--lora", "x=/a/x", "--lora", "x=/a/y"], "repeated: x"),
-    (["--model", "/m/base", "--lora", "a:b=/a/x"], "without ':'"),
-], ids=["clashes-with-a-model", "twice", "colon"])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "/m/base", "--lora", "base=/a/x"], "unique; repeated: base"),
+        (["--model", "/m/base", "--lora", "x=/a/x", "--lora", "x=/a/y"], "repeated: x"),
+        (["--model", "/m/base", "--lora", "a:b=/a/x"], "without ':'"),
+    ],
+    ids=["clashes-with-a-model", "twice", "colon"],
+)
 def test_adapter_names_must_name_one_thing(tmp_path, args, message):
     with pytest.raises(ConfigError, match=message):
         _config(tmp_path, args)

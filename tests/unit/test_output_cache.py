@@ -64,8 +64,12 @@ def _keys(texts: list[str]) -> list[bytes]:
 def test_every_field_of_encoded_changes_the_key():
     base = InputSequence(ids=[101, 7, 8, 102], pool_start=1, token_type_ids=[0, 0, 1, 1], adapter=0)
     changed = {
-        "ids": [101, 7, 9, 102], "pool_start": 2, "token_type_ids": [0, 1, 1, 1], "adapter": 1,
-        "pixels": np.zeros((4, 3), dtype=np.float32), "image_grid": (2, 2),
+        "ids": [101, 7, 9, 102],
+        "pool_start": 2,
+        "token_type_ids": [0, 1, 1, 1],
+        "adapter": 1,
+        "pixels": np.zeros((4, 3), dtype=np.float32),
+        "image_grid": (2, 2),
     }
     # A field added to InputSequence later must be listed here, so this test says whether it reaches the key.
     assert set(changed) == {f.name for f in dataclasses.fields(InputSequence)}
@@ -78,8 +82,11 @@ def test_every_field_of_encoded_changes_the_key():
     image = dataclasses.replace(base, pixels=np.zeros((4, 3), dtype=np.float32))
     other_pixel = np.zeros((4, 3), dtype=np.float32)
     other_pixel[3, 2] = 1e-6
-    keys = {cache_key(image, ()), cache_key(dataclasses.replace(image, pixels=other_pixel), ()),
-            cache_key(dataclasses.replace(image, pixels=np.zeros((3, 4), dtype=np.float32)), ())}
+    keys = {
+        cache_key(image, ()),
+        cache_key(dataclasses.replace(image, pixels=other_pixel), ()),
+        cache_key(dataclasses.replace(image, pixels=np.zeros((3, 4), dtype=np.float32)), ()),
+    }
     assert len(keys) == 3
 
 

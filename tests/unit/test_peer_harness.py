@@ -31,10 +31,18 @@ TINY = {
 
 def test_shapes_are_the_published_configs():
     bge_base, bge_large, qwen3 = SHAPES["bge-base"], SHAPES["bge-large"], SHAPES["qwen3-0.6b"]
-    assert (bge_base.config["hidden_size"], bge_base.config["num_hidden_layers"],
-            bge_base.config["num_attention_heads"], bge_base.config["intermediate_size"]) == (768, 12, 12, 3072)
-    assert (bge_large.config["hidden_size"], bge_large.config["num_hidden_layers"],
-            bge_large.config["num_attention_heads"], bge_large.config["intermediate_size"]) == (1024, 24, 16, 4096)
+    assert (
+        bge_base.config["hidden_size"],
+        bge_base.config["num_hidden_layers"],
+        bge_base.config["num_attention_heads"],
+        bge_base.config["intermediate_size"],
+    ) == (768, 12, 12, 3072)
+    assert (
+        bge_large.config["hidden_size"],
+        bge_large.config["num_hidden_layers"],
+        bge_large.config["num_attention_heads"],
+        bge_large.config["intermediate_size"],
+    ) == (1024, 24, 16, 4096)
     assert {k: qwen3.config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                                           "num_key_value_heads", "head_dim", "intermediate_size")} == {
         "hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
@@ -48,10 +56,18 @@ def test_shapes_are_the_published_configs():
                                                "max_position_embeddings")} == {
         "hidden_size": 768, "num_hidden_layers": 22, "num_attention_heads": 12, "intermediate_size": 1152,
         "global_attn_every_n_layers": 3, "local_attention": 128, "max_position_embeddings": 8192}  # fmt: skip
-    assert (mpnet.config["hidden_size"], mpnet.config["num_hidden_layers"], mpnet.config["num_attention_heads"],
-            mpnet.config["intermediate_size"]) == (768, 12, 12, 3072)
+    assert (
+        mpnet.config["hidden_size"],
+        mpnet.config["num_hidden_layers"],
+        mpnet.config["num_attention_heads"],
+        mpnet.config["intermediate_size"],
+    ) == (768, 12, 12, 3072)
     assert (modernbert.pooling, modernbert.max_seq_length, mpnet.pooling, mpnet.max_seq_length) == (
-        "mean", 512, "mean", 384)
+        "mean",
+        512,
+        "mean",
+        384,
+    )
 
 
 @pytest.mark.parametrize("arch", sorted(TINY))
@@ -120,8 +136,15 @@ def test_table_ratios_latency_flags_and_failures():
 def test_plan_runs_the_reference_first_once_and_only_supported_precisions():
     names = [(peer.name, precision) for peer, precision in plan(["embedserv-grpc", "st-torch", "st-onnx"],
                                                                   ("fp32", "bf16", "int8"))]  # fmt: skip
-    assert names == [("st-torch", "fp32"), ("embedserv-grpc", "fp32"), ("embedserv-grpc", "bf16"),
-                     ("embedserv-grpc", "int8"), ("st-torch", "bf16"), ("st-onnx", "fp32"), ("st-onnx", "int8")]
+    assert names == [
+        ("st-torch", "fp32"),
+        ("embedserv-grpc", "fp32"),
+        ("embedserv-grpc", "bf16"),
+        ("embedserv-grpc", "int8"),
+        ("st-torch", "bf16"),
+        ("st-onnx", "fp32"),
+        ("st-onnx", "int8"),
+    ]
     assert [(p.name, q) for p, q in plan(["infinity-onnx"], ("bf16",))] == [("st-torch", "fp32")]
 
 

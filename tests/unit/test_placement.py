@@ -131,7 +131,12 @@ def test_model_config_worker_defaults():
 
 def test_model_config_accepts_valid_worker_flags():
     cfg = ModelConfig(
-        path="x", served_name="m", device="cuda", data_parallel_size=4, replicas_per_device=2,
-        pipeline_depth=1, worker_timeout=0.5,
+        path="x",
+        served_name="m",
+        device="cuda",
+        data_parallel_size=4,
+        replicas_per_device=2,
+        pipeline_depth=1,
+        worker_timeout=0.5,
     )
     assert cfg.data_parallel_size == 4 and cfg.pipeline_depth == 1

@@ -137,6 +137,7 @@ async def settle(ticks: int = 20) -> None:
 
 async def drain(workers, tasks) -> None:
     """Releases hung batches until every task is done."""
+
     async def go():
         while not all(task.done() for task in tasks):
             for worker in workers:

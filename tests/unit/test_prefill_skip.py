@@ -52,9 +52,7 @@ class ToyModel(nn.Module, DecoderModel):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, HIDDEN)
         self.positions = nn.Embedding(512, HIDDEN)
-        self.layers = nn.ModuleList(
-            [_Layer(0, None, None), _Layer(1, None, 5), _Layer(2, 1, None), _Layer(3, 1, 5)]
-        )
+        self.layers = nn.ModuleList([_Layer(0, None, None), _Layer(1, None, 5), _Layer(2, 1, None), _Layer(3, 1, 5)])
         link_kv_sharing([layer.attn for layer in self.layers])
 
     def forward(self, input_ids, positions, prefill_skip_rows=None) -> torch.Tensor:
@@ -77,8 +75,16 @@ def _runner(backend, skip: bool, pooling: str | None = None, kv: bool = True, pa
     lm_head = nn.Linear(HIDDEN, VOCAB) if kv else None
     row_head = EmbeddingPooler(pooling, []) if pooling else None
     return ModelRunner(
-        model, backend, CPU, True, row_head=row_head, lm_head=lm_head, kv_cache=kv_cache,
-        kv_sharing_fast_prefill=skip, rows_read_last=pooling == "lasttoken", pad_rows=pad_rows,
+        model,
+        backend,
+        CPU,
+        True,
+        row_head=row_head,
+        lm_head=lm_head,
+        kv_cache=kv_cache,
+        kv_sharing_fast_prefill=skip,
+        rows_read_last=pooling == "lasttoken",
+        pad_rows=pad_rows,
     )
 
 
@@ -135,8 +141,11 @@ def test_generation_steps_run_only_sampled_rows_after_the_last_writer(backend):
     for layer in (2, 3):
         assert torch.isnan(skipped.kv_cache.tensors[layer]).all(), "a shared layer touched a cache of its own"
     # The source layer's cache holds the same keys and values, slot for slot (A: 14, B: 8, C: 9 tokens).
-    written = [b * BLOCK + i for b, n in ((1, 4), (2, 4), (3, 4), (4, 2), (5, 4), (6, 4), (8, 4), (9, 4), (10, 1))
-               for i in range(n)]
+    written = [
+        b * BLOCK + i
+        for b, n in ((1, 4), (2, 4), (3, 4), (4, 2), (5, 4), (6, 4), (8, 4), (9, 4), (10, 1))
+        for i in range(n)
+    ]
     source = [r.kv_cache.tensors[1].flatten(1, 2)[:, written] for r in (full, skipped)]
     torch.testing.assert_close(source[1], source[0], rtol=0, atol=0)
 
@@ -153,9 +162,9 @@ def test_a_step_that_samples_nothing_keeps_one_row():
 def test_prefill_only_steps_keep_the_rows_the_head_reads(pooling, kept, backend):
     """KV-free: the shared layers attend over layer 1's k and v of every token; a last-token head keeps one
     row a sequence, a mean-pooling head every row (no skip)."""
-    batch = StepBatch(tuple(
-        ScheduledSequence(i, tuple(range(3 + i, 3 + i + n)), OutputKind.POOL) for i, n in enumerate((7, 5, 3))
-    ))
+    batch = StepBatch(
+        tuple(ScheduledSequence(i, tuple(range(3 + i, 3 + i + n)), OutputKind.POOL) for i, n in enumerate((7, 5, 3)))
+    )
     full = _runner(backend, skip=False, pooling=pooling, kv=False)
     skipped = _runner(backend, skip=True, pooling=pooling, kv=False)
     rows = _count_rows(skipped)
@@ -185,9 +194,9 @@ def test_padded_rows_change_no_output(backend):
 
 @pytest.mark.parametrize("pooling", ["lasttoken", "mean"])
 def test_padded_rows_change_no_pooled_row(pooling):
-    batch = StepBatch(tuple(
-        ScheduledSequence(i, tuple(range(3 + i, 3 + i + n)), OutputKind.POOL) for i, n in enumerate((7, 5, 3))
-    ))
+    batch = StepBatch(
+        tuple(ScheduledSequence(i, tuple(range(3 + i, 3 + i + n)), OutputKind.POOL) for i, n in enumerate((7, 5, 3)))
+    )
     full = _runner(SdpaBackend(), skip=False, pooling=pooling, kv=False)
     padded = _runner(SdpaBackend(), skip=True, pooling=pooling, kv=False, pad_rows=True)
     want, got = full.execute(batch), padded.execute(batch)

@@ -39,6 +39,5 @@ def test_checked_in_stub_matches_generator(regenerated: Path, stub: str) -> None
     assert fresh.exists(), f"proto/generate.py did not write {stub}"
     assert checked_in.exists(), f"{stub} is missing: run `make proto` and commit the stubs"
     assert checked_in.read_bytes() == fresh.read_bytes(), (
-        f"{stub} differs from what its .proto under proto/ generates: "
-        "run `make proto` and commit the regenerated stubs"
+        f"{stub} differs from what its .proto under proto/ generates: run `make proto` and commit the regenerated stubs"
     )

@@ -197,7 +197,8 @@ def test_calibration_embeds_the_texts_once_for_any_number_of_calls():
     for i in range(2, 6):
         np.testing.assert_array_equal(results[i], results[i % 2])
     expected_scales = [
-        quantize.scale_of(rows, None, True, Encoding.INT8), quantize.scale_of(rows, 2, True, Encoding.UINT8)
+        quantize.scale_of(rows, None, True, Encoding.INT8),
+        quantize.scale_of(rows, 2, True, Encoding.UINT8),
     ]
     assert expected_scales[0] != expected_scales[1]
     assert results[6:] == expected_scales * 3

@@ -13,7 +13,9 @@ from embedserv.models.rotary import inverse_frequencies, rope_parameters
 def _gte_config(rope_parameters: dict):
     from transformers import GteConfig
 
-    return GteConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=512, rope_parameters=rope_parameters)
+    return GteConfig(
+        hidden_size=64, num_attention_heads=4, max_position_embeddings=512, rope_parameters=rope_parameters
+    )
 
 
 def _new_impl_inv_freq(dim: int, base: float, scaling_factor: float, mixed_b: float | None) -> torch.Tensor:
@@ -55,8 +57,14 @@ def test_ntk_is_not_a_transformers_rope_type():
     "params",
     [
         {"rope_type": "linear", "factor": 4.0, "rope_theta": 20_000.0},
-        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-         "original_max_position_embeddings": 64, "rope_theta": 500_000.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 500_000.0,
+        },
     ],
 )
 def test_other_types_equal_transformers_init_functions(params):

@@ -13,7 +13,12 @@ def _logits(rows=4, vocab=50, seed=0):
 
 def test_greedy_rows_take_the_argmax_beside_sampled_rows():
     logits = _logits()
-    params = [SamplingParams(1), SamplingParams(1, temperature=1.0), SamplingParams(1), SamplingParams(1, temperature=2.0)]
+    params = [
+        SamplingParams(1),
+        SamplingParams(1, temperature=1.0),
+        SamplingParams(1),
+        SamplingParams(1, temperature=2.0),
+    ]
     out = sample(logits, params, [5] * 4)
     assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
 

@@ -45,8 +45,9 @@ def test_receive_limit_fits_a_full_call_of_the_longest_inputs():
     assert 9 * 4000 <= config.receive_limit(images=False) < 9 * 4000 + 128 * 1024
     # A server with a model that takes images: also 3 images at the byte limit, base64 on HTTP.
     assert 9 * 4000 + 3 * 4000 <= config.receive_limit(images=True) < 9 * 4000 + 3 * 4000 + 128 * 1024
-    huge = ServerConfig(models=MODEL, max_client_batch_size=100_000, max_concurrent_requests=100_000,
-                        max_input_chars=10**7)
+    huge = ServerConfig(
+        models=MODEL, max_client_batch_size=100_000, max_concurrent_requests=100_000, max_input_chars=10**7
+    )
     assert huge.receive_limit(images=False) == 2**31 - 1
 
 
@@ -98,7 +99,9 @@ def test_flag_defaults_are_the_dataclass_defaults():
         covered.add(name)
         cls, field = fields[name]
         if action.default is not None:
-            assert action.default == field.default, f"{action.option_strings[0]} {action.default!r} != {cls.__name__}.{name}"
+            assert action.default == field.default, (
+                f"{action.option_strings[0]} {action.default!r} != {cls.__name__}.{name}"
+            )
         if field.default not in (dataclasses.MISSING, None) and action.help:
             assert f"(default: {field.default})" in action.help, action.option_strings[0]
     # Every field can be set by a flag (and so, by the same name with _, in a --config file).
@@ -131,7 +134,10 @@ def test_json_lines_carry_the_request_id_and_extra_fields():
         REQUEST_ID.reset(token)
     assert entry["message"] == "batch of 3 sequences"
     assert (entry["level"], entry["logger"], entry["request_id"], entry["worker"]) == (
-        "info", "embedserv.test", "req-42", "m/0"
+        "info",
+        "embedserv.test",
+        "req-42",
+        "m/0",
     )
     assert entry["time"].endswith("Z")
     assert "request_id" not in json.loads(formatter.format(_record("outside a call")))

@@ -50,4 +50,3 @@ def test_a_stream_closed_at_its_yield_counts_cancelled():
     before = _cancelled()
     asyncio.run(run())
     assert _cancelled() - before == 1
-

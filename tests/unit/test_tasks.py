@@ -30,7 +30,9 @@ def _labels(*names: str) -> dict[int, str]:
 
 
 def test_embedder_embeds_and_reranks_by_cosine(tmp_path):
-    spec = read_task_spec(tmp_path, _config("BertModel"), _family(_config("BertModel")), is_causal=False, decoder_reranker=None)
+    spec = read_task_spec(
+        tmp_path, _config("BertModel"), _family(_config("BertModel")), is_causal=False, decoder_reranker=None
+    )
     assert spec.tasks == (Task.EMBED, Task.RERANK) and spec.rerank_mode == "embeddings"
 
 
@@ -54,8 +56,14 @@ def test_many_label_classifier_only_classifies(tmp_path):
 
 def test_decoder_classifier_strips_trailing_padding_only_when_causal(tmp_path):
     config = _config("Qwen3ForSequenceClassification", id2label=_labels("x"), pad_token_id=7)
-    assert read_task_spec(tmp_path, config, _family(config), is_causal=True, decoder_reranker=None).strip_trailing_pad_id == 7
-    assert read_task_spec(tmp_path, config, _family(config), is_causal=False, decoder_reranker=None).strip_trailing_pad_id is None
+    assert (
+        read_task_spec(tmp_path, config, _family(config), is_causal=True, decoder_reranker=None).strip_trailing_pad_id
+        == 7
+    )
+    assert (
+        read_task_spec(tmp_path, config, _family(config), is_causal=False, decoder_reranker=None).strip_trailing_pad_id
+        is None
+    )
 
 
 @pytest.mark.parametrize(
@@ -68,13 +76,25 @@ def test_decoder_classifier_strips_trailing_padding_only_when_causal(tmp_path):
     ],
 )
 def test_causal_lm_is_a_yes_no_reranker_by_path_or_flag(tmp_path, directory, flag, expected):
-    spec = read_task_spec(tmp_path / directory, _config("Qwen3ForCausalLM"), _family(_config("Qwen3ForCausalLM")), is_causal=True, decoder_reranker=flag)
+    spec = read_task_spec(
+        tmp_path / directory,
+        _config("Qwen3ForCausalLM"),
+        _family(_config("Qwen3ForCausalLM")),
+        is_causal=True,
+        decoder_reranker=flag,
+    )
     assert (spec.template is QWEN3_RERANKER) is expected
     assert spec.tasks == ((Task.RERANK,) if expected else (Task.EMBED, Task.RERANK))
 
 
 def test_the_flag_leaves_other_models_alone(tmp_path):
-    spec = read_task_spec(tmp_path / "reranker", _config("BertModel"), _family(_config("BertModel")), is_causal=False, decoder_reranker=True)
+    spec = read_task_spec(
+        tmp_path / "reranker",
+        _config("BertModel"),
+        _family(_config("BertModel")),
+        is_causal=False,
+        decoder_reranker=True,
+    )
     assert spec.template is None and Task.EMBED in spec.tasks
 
 

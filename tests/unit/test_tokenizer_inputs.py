@@ -42,8 +42,10 @@ def test_chat_template_renders_with_the_generation_prompt(bundled_dir, tmp_path)
     model_dir = tmp_path / "with-template"
     shutil.copytree(bundled_dir, model_dir)
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
-    config["chat_template"] = "{% for m in messages %}{{ m['role'] }}={{ m['content'] }};{% endfor %}" \
+    config["chat_template"] = (
+        "{% for m in messages %}{{ m['role'] }}={{ m['content'] }};{% endfor %}"
         "{% if add_generation_prompt %}bot={% endif %}"
+    )
     (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
     rendered = TextTokenizer(model_dir, max_input_tokens=8).apply_chat_template([{"role": "user", "content": "hi"}])
     assert rendered == "user=hi;bot="

@@ -36,4 +36,3 @@ def test_an_endpoint_sets_up_a_provider_of_its_own(monkeypatch, env_name, expect
     assert not isinstance(otel_trace.get_tracer_provider(), TracerProvider)
     tracing.shutdown()
     assert not tracing.enabled()
-

@@ -159,7 +159,8 @@ def test_generation_round_trip(seed: int):
     got_batch = message.batch
     assert got_batch == batch and got_batch.uses_kv_cache
     assert all(
-        isinstance(s.token_ids, tuple) and isinstance(s.block_ids, tuple)
+        isinstance(s.token_ids, tuple)
+        and isinstance(s.block_ids, tuple)
         and all(isinstance(table, tuple) for table in s.block_ids)
         for s in got_batch.sequences
     )

@@ -78,8 +78,18 @@ class AsyncClient(ClientSettings):
     ) -> np.ndarray | EmbedOutputs:
         items, single = plans.as_list(texts, "texts")
         fields = plans.embed_fields(
-            self.model_name(model), normalize, truncate, truncation_direction, dimensions, prompt_name,
-            encoding, outputs, chunking, sparse_top_k, task, bypass_cache,
+            self.model_name(model),
+            normalize,
+            truncate,
+            truncation_direction,
+            dimensions,
+            prompt_name,
+            encoding,
+            outputs,
+            chunking,
+            sparse_top_k,
+            task,
+            bypass_cache,
         )
         deadline = self.deadline(timeout)
         if images is not None:
@@ -141,8 +151,9 @@ class AsyncClient(ClientSettings):
                 raise ValueError("give documents or document_images, not both")
             fields["return_documents"] = False  # images are never echoed
             size = (await self._image_sizes(deadline))[1]
-            plan = plans.rerank_plan(query, image_bytes(document_images, "document_images"), size, top_n,
-                                     field="document_images", **fields)
+            plan = plans.rerank_plan(
+                query, image_bytes(document_images, "document_images"), size, top_n, field="document_images", **fields
+            )
             return await self._run(plan, deadline)
         size = await self._batch_size(deadline)
         return await self._run(plans.rerank_plan(query, items, size, top_n, **fields), deadline)
@@ -236,7 +247,15 @@ class AsyncClient(ClientSettings):
     ) -> AsyncTextStream:
         """`async for text in client.generate(...)` (no await before it)."""
         request = plans.generate_request(
-            prompt, self.model_name(model), max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos,
+            prompt,
+            self.model_name(model),
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            stop,
+            ignore_eos,
             decoder_prompt,
         )
         return AsyncTextStream(

@@ -51,16 +51,28 @@ def _parser() -> argparse.ArgumentParser:
 
     multi = commands.add_parser("embed-multi-vector", help="token vectors: a [num_vectors, dim] list per text")
     multi.add_argument("texts", nargs="*", metavar="TEXT")
-    multi.add_argument("--image", dest="images", action="append", default=[], metavar="FILE",
-                       help="a page image file, its vectors after the texts' (repeat it)")
+    multi.add_argument(
+        "--image",
+        dest="images",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a page image file, its vectors after the texts' (repeat it)",
+    )
     multi.add_argument("--prompt-name", help='"query" or "document" for late-interaction models')
     multi.add_argument("--truncate", action=argparse.BooleanOptionalAction)
 
     rerank = commands.add_parser("rerank", help="score documents against a query, best first")
     rerank.add_argument("query")
     rerank.add_argument("documents", nargs="*", metavar="DOCUMENT")
-    rerank.add_argument("--document-image", dest="document_images", action="append", default=[], metavar="FILE",
-                        help="a page image file as a document, instead of DOCUMENTs (repeat it)")
+    rerank.add_argument(
+        "--document-image",
+        dest="document_images",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a page image file as a document, instead of DOCUMENTs (repeat it)",
+    )
     rerank.add_argument("--top-n", type=int)
     rerank.add_argument("--truncate", action=argparse.BooleanOptionalAction)
     rerank.add_argument("--chunking", choices=["max"], help="score a too-long document by its best window")
@@ -68,8 +80,13 @@ def _parser() -> argparse.ArgumentParser:
     classify = commands.add_parser("classify", help="label texts")
     classify.add_argument("texts", nargs="+", metavar="TEXT")
     classify.add_argument("--truncate", action=argparse.BooleanOptionalAction)
-    classify.add_argument("--label", dest="candidate_labels", action="append", default=[],
-                          help="a candidate label for zero-shot classification with an NLI model (repeat it)")
+    classify.add_argument(
+        "--label",
+        dest="candidate_labels",
+        action="append",
+        default=[],
+        help="a candidate label for zero-shot classification with an NLI model (repeat it)",
+    )
     classify.add_argument("--hypothesis-template", default="", help='default: "This example is {}."')
     classify.add_argument("--multi-label", action="store_true", help="score each --label on its own")
 
@@ -93,20 +110,31 @@ def _parser() -> argparse.ArgumentParser:
 def _add_embed(commands) -> None:
     embed = commands.add_parser("embed", help="embed texts and images (no TEXT nor --image: a text per line of stdin)")
     embed.add_argument("texts", nargs="*", metavar="TEXT")
-    embed.add_argument("--image", dest="images", action="append", default=[], metavar="FILE",
-                       help="an image file (PNG, JPEG, WebP) to embed after the texts (repeat it)")
+    embed.add_argument(
+        "--image",
+        dest="images",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="an image file (PNG, JPEG, WebP) to embed after the texts (repeat it)",
+    )
     embed.add_argument("--dimensions", type=int)
     embed.add_argument("--no-normalize", action="store_true")
     embed.add_argument("--truncate", action=argparse.BooleanOptionalAction)
     embed.add_argument("--prompt-name")
     embed.add_argument("--task", help="the model's task adapter (ListModels' adapters), e.g. retrieval.query")
     embed.add_argument(
-        "--encoding", default="float32", choices=list(ENCODINGS),
+        "--encoding",
+        default="float32",
+        choices=list(ENCODINGS),
         help="default: float32; int8 / uint8 also print the encoding_scale that decodes them",
     )
     embed.add_argument("--chunking", choices=["mean"], help="embed inputs past the model's limit by windows")
-    embed.add_argument("--bypass-cache", action="store_true",
-                       help="neither read nor fill the server's embedding cache (--embedding-cache)")
+    embed.add_argument(
+        "--bypass-cache",
+        action="store_true",
+        help="neither read nor fill the server's embedding cache (--embedding-cache)",
+    )
 
 
 def _add_embed_chunks(commands) -> None:
@@ -162,11 +190,20 @@ def _run(client: Client, args: argparse.Namespace) -> tuple[dict, int]:
         return {"embeddings": result.dense.tolist(), **scale}, 0
     if args.command == "embed-chunks":
         found = client.embed_chunks(
-            args.texts, splitter=args.splitter, chunk_tokens=args.chunk_tokens, overlap_tokens=args.overlap_tokens,
-            dimensions=args.dimensions, prompt_name=args.prompt_name,
+            args.texts,
+            splitter=args.splitter,
+            chunk_tokens=args.chunk_tokens,
+            overlap_tokens=args.overlap_tokens,
+            dimensions=args.dimensions,
+            prompt_name=args.prompt_name,
         )
         inputs = [
-            {"chunks": [{"start": s, "end": e, "embedding": v.tolist()} for (s, e), v in zip(c.spans, c.vectors, strict=True)]}
+            {
+                "chunks": [
+                    {"start": s, "end": e, "embedding": v.tolist()}
+                    for (s, e), v in zip(c.spans, c.vectors, strict=True)
+                ]
+            }
             for c in found
         ]
         return {"inputs": inputs}, 0
@@ -186,7 +223,11 @@ def _run(client: Client, args: argparse.Namespace) -> tuple[dict, int]:
         return {"classifications": [dataclasses.asdict(c) for c in classifications]}, 0
     if args.command == "generate":
         stream = client.generate(
-            args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, stop=args.stop,
+            args.prompt,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            stop=args.stop,
             decoder_prompt=args.decoder_prompt,
         )
         text = stream.text()
@@ -211,7 +252,11 @@ def _page_images_call(client: Client, args: argparse.Namespace) -> dict:
         return {"embeddings": [a.tolist() for a in arrays]}
     images = _read_images(args.document_images, "--document-image") or None
     results = client.rerank(
-        args.query, args.documents, document_images=images, top_n=args.top_n, truncate=args.truncate,
+        args.query,
+        args.documents,
+        document_images=images,
+        top_n=args.top_n,
+        truncate=args.truncate,
         chunking=args.chunking,
     )
     named = args.documents or args.document_images

@@ -101,8 +101,18 @@ class Client(ClientSettings):
         the result is a matrix (or EmbedOutputs) even for one string."""
         items, single = plans.as_list(texts, "texts")
         fields = plans.embed_fields(
-            self.model_name(model), normalize, truncate, truncation_direction, dimensions, prompt_name,
-            encoding, outputs, chunking, sparse_top_k, task, bypass_cache,
+            self.model_name(model),
+            normalize,
+            truncate,
+            truncation_direction,
+            dimensions,
+            prompt_name,
+            encoding,
+            outputs,
+            chunking,
+            sparse_top_k,
+            task,
+            bypass_cache,
         )
         deadline = self.deadline(timeout)
         if images is not None:
@@ -168,8 +178,9 @@ class Client(ClientSettings):
                 raise ValueError("give documents or document_images, not both")
             fields["return_documents"] = False  # images are never echoed
             size = (self._image_sizes(deadline))[1]
-            plan = plans.rerank_plan(query, image_bytes(document_images, "document_images"), size, top_n,
-                                     field="document_images", **fields)
+            plan = plans.rerank_plan(
+                query, image_bytes(document_images, "document_images"), size, top_n, field="document_images", **fields
+            )
             return self._run(plan, deadline)
         return self._run(plans.rerank_plan(query, items, self._batch_size(deadline), top_n, **fields), deadline)
 
@@ -269,7 +280,15 @@ class Client(ClientSettings):
     ) -> TextStream:
         """An iterator of text deltas; `.finish_reason` and `.usage` are set once it ends."""
         request = plans.generate_request(
-            prompt, self.model_name(model), max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos,
+            prompt,
+            self.model_name(model),
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            stop,
+            ignore_eos,
             decoder_prompt,
         )
         return TextStream(

@@ -41,8 +41,12 @@ def late_chunking(
 
 
 def prepared(
-    texts: str | Sequence[str], splitter: str, spans: Sequence[Sequence[tuple[int, int]]] | None, chunk_tokens: int,
-    overlap_tokens: int, encoding: str,
+    texts: str | Sequence[str],
+    splitter: str,
+    spans: Sequence[Sequence[tuple[int, int]]] | None,
+    chunk_tokens: int,
+    overlap_tokens: int,
+    encoding: str,
 ) -> tuple[list[str], bool, pb.LateChunking, str]:
     """What both clients' embed_chunks send: the texts as a list, whether one string came, the LateChunking
     message and the raw vectors' dtype."""

@@ -226,9 +226,7 @@ def embed_multi_vector_plan(texts: list[str], size: int, single: bool, **fields)
     return Plan("EmbedMultiVector", requests, merge, min(size, len(texts)))
 
 
-def rerank_plan(
-    query: str, documents: list, size: int, top_n: int | None, field: str = "documents", **fields
-) -> Plan:
+def rerank_plan(query: str, documents: list, size: int, top_n: int | None, field: str = "documents", **fields) -> Plan:
     """Each part scores its documents (texts, or images when `field` is document_images) against the same
     query; scores do not depend on the other documents, so the parts merge by score and the cut to `top_n`
     happens after the merge."""

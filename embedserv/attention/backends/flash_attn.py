@@ -35,7 +35,9 @@ class FlashAttnBackend(PagedBackendBase):
     def build_metadata(self, common: CommonAttentionMetadata) -> AttentionMetadata:
         return AttentionMetadata(common=common)
 
-    def forward(self, layer: AttentionLayer, q, k, v, kv_cache, meta: AttentionMetadata, positions=None) -> torch.Tensor:
+    def forward(
+        self, layer: AttentionLayer, q, k, v, kv_cache, meta: AttentionMetadata, positions=None
+    ) -> torch.Tensor:
         refuse_score_bias(layer, self.name)
         common = meta.common
         paged = {}
@@ -44,7 +46,9 @@ class FlashAttnBackend(PagedBackendBase):
             k, v = kv_cache[0], kv_cache[1]
             paged["block_table"] = common.block_tables
         return flash_attn_varlen_func(
-            q, k, v,
+            q,
+            k,
+            v,
             cu_seqlens_q=common.cu_seqlens_q,
             cu_seqlens_k=common.cu_seqlens_k,
             max_seqlen_q=common.max_seqlen_q,

@@ -193,8 +193,12 @@ class FlexBackend(PagedBackendBase):
         if not common.cross:
             query_keys = suffix_query_keys(doc, common.cu_seqlens_q, common.cu_seqlens_k)
         return FlexMetadata(
-            common=common, padded_tokens=size, documents=doc, padded_keys=key_size,
-            documents_k=_documents(common.cu_seqlens_k, key_size), query_keys=query_keys,
+            common=common,
+            padded_tokens=size,
+            documents=doc,
+            padded_keys=key_size,
+            documents_k=_documents(common.cu_seqlens_k, key_size),
+            query_keys=query_keys,
         )
 
     def forward(
@@ -212,8 +216,13 @@ class FlexBackend(PagedBackendBase):
         else:
             score_mod = disentangled_mod(layer, meta, qb, kb, positions)
         out = attend(
-            qb, kb, _batch(v, meta.padded_keys),
-            score_mod=score_mod, block_mask=block_mask, scale=layer.scale, enable_gqa=q.shape[1] != k.shape[1],
+            qb,
+            kb,
+            _batch(v, meta.padded_keys),
+            score_mod=score_mod,
+            block_mask=block_mask,
+            scale=layer.scale,
+            enable_gqa=q.shape[1] != k.shape[1],
         )
         return out[0, :, : q.shape[0]].transpose(0, 1)
 
@@ -260,8 +269,13 @@ def _forward_paged(attend, layer: AttentionLayer, q, k, v, kv_cache, meta: FlexM
     # divides the block size, at most 64, keeps each tile in one block.
     options = {"BLOCK_N": min(size & -size, _CUDA_MAX_TILE)} if q.is_cuda else None
     out = attend(
-        _batch(q, meta.padded_tokens), keys, values,
-        score_mod=score_mod, block_mask=block_mask, scale=layer.scale, enable_gqa=q.shape[1] != kv_heads,
+        _batch(q, meta.padded_tokens),
+        keys,
+        values,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=layer.scale,
+        enable_gqa=q.shape[1] != kv_heads,
         kernel_options=options,
     )
     return out[0, :, : q.shape[0]].transpose(0, 1)
@@ -312,9 +326,14 @@ def plan_paged(common: CommonAttentionMetadata) -> _PagedPlan:
     to = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)  # noqa: E731
     q_pos_t = to(q_pos)
     return _PagedPlan(
-        q_start=to(q_start), q_pos=q_pos_t, q_limit=q_pos_t if q_limit is q_pos else to(q_limit),
+        q_start=to(q_start),
+        q_pos=q_pos_t,
+        q_limit=q_pos_t if q_limit is q_pos else to(q_limit),
         owned=to(np.stack((np.repeat(seqs, blocks), ranges(blocks)))),
-        partial=to(entries[:, ~full]), full=to(entries[:, full]), spans_cpu=spans, single_cpu=single,
+        partial=to(entries[:, ~full]),
+        full=to(entries[:, full]),
+        spans_cpu=spans,
+        single_cpu=single,
     )
 
 
@@ -377,7 +396,11 @@ def paged_block_mask(
         return seen
 
     block_mask = BlockMask.from_kv_blocks(
-        *ordered(partial), *ordered(full), BLOCK_SIZE=(BLOCK_SIZE, size), mask_mod=paged_mask,
-        seq_lengths=(plan.q_pos.shape[0], num_blocks * size), compute_q_blocks=False,
+        *ordered(partial),
+        *ordered(full),
+        BLOCK_SIZE=(BLOCK_SIZE, size),
+        mask_mod=paged_mask,
+        seq_lengths=(plan.q_pos.shape[0], num_blocks * size),
+        compute_q_blocks=False,
     )
     return block_mask, logical

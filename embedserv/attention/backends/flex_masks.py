@@ -93,8 +93,11 @@ def document_block_mask(
     partial &= ~full
     window_t = None if window is None else torch.tensor(window, device=doc.device)
     return BlockMask.from_kv_blocks(
-        *ordered_blocks(partial), *ordered_blocks(full), BLOCK_SIZE=BLOCK_SIZE,
-        mask_mod=document_mask_mod(doc, is_causal, doc_k, q_key, window_t), seq_lengths=(doc.shape[0], keys.shape[0]),
+        *ordered_blocks(partial),
+        *ordered_blocks(full),
+        BLOCK_SIZE=BLOCK_SIZE,
+        mask_mod=document_mask_mod(doc, is_causal, doc_k, q_key, window_t),
+        seq_lengths=(doc.shape[0], keys.shape[0]),
     )
 
 

@@ -28,7 +28,14 @@ class NaiveBackend(PagedBackendBase):
         return AttentionMetadata(common=common)
 
     def forward(
-        self, layer: AttentionLayer, q, k, v, kv_cache, meta: AttentionMetadata, positions: PositionProjections | None = None
+        self,
+        layer: AttentionLayer,
+        q,
+        k,
+        v,
+        kv_cache,
+        meta: AttentionMetadata,
+        positions: PositionProjections | None = None,
     ) -> torch.Tensor:
         common = meta.common
         if kv_cache is not None or common.cross or meta.is_causal:

@@ -119,11 +119,22 @@ class SdpaBackend(PagedBackendBase):
             refuse_biased_suffix(layer, self.name)
             return _concat([_attend_suffix(layer, q, k, v, meta, i, gqa) for i in range(len(meta.runs))])
         if positions is not None:
-            return _concat([
-                self._attend(layer, q[g.rows], k[g.rows], v[g.rows], g, False, gqa,
-                             disentangled_bias(layer, q[g.rows], k[g.rows], positions, meta, g, mask_dtype(q)))
-                for r in meta.runs for g in disentangled_groups(r, q.shape[1])
-            ])
+            return _concat(
+                [
+                    self._attend(
+                        layer,
+                        q[g.rows],
+                        k[g.rows],
+                        v[g.rows],
+                        g,
+                        False,
+                        gqa,
+                        disentangled_bias(layer, q[g.rows], k[g.rows], positions, meta, g, mask_dtype(q)),
+                    )
+                    for r in meta.runs
+                    for g in disentangled_groups(r, q.shape[1])
+                ]
+            )
         # T5's and MPNet's bias, a sliding window: only for the layers that have one.
         table = relative_bias_table(layer, meta.memo) if layer.relative_bias is not None else None
         if table is not None:
@@ -136,10 +147,19 @@ class SdpaBackend(PagedBackendBase):
             if table is not None:
                 is_causal, mask = False, run_bias(layer, table, meta, r.length, mask_dtype(q))
             elif window is not None and is_banded(window, r.length):
-                parts.append(attend_banded(
-                    lambda qb, kb, vb, mask: _attend_batched(layer.scale, qb, kb, vb, False, gqa, mask),
-                    q[r.rows], k[r.rows], v[r.rows], r.num_seqs, r.length, window, meta, mask_dtype(q),
-                ))
+                parts.append(
+                    attend_banded(
+                        lambda qb, kb, vb, mask: _attend_batched(layer.scale, qb, kb, vb, False, gqa, mask),
+                        q[r.rows],
+                        k[r.rows],
+                        v[r.rows],
+                        r.num_seqs,
+                        r.length,
+                        window,
+                        meta,
+                        mask_dtype(q),
+                    )
+                )
                 continue
             elif window is not None:
                 is_causal, mask = False, run_window_mask(meta, window, r.length)
@@ -159,9 +179,7 @@ class SdpaBackend(PagedBackendBase):
 
 def _uses_matmuls(q: torch.Tensor, len_q: int) -> bool:
     """q: [num_seqs, heads, len_q, d]."""
-    return (
-        q.device.type == "cpu" and q.dtype == torch.bfloat16 and cpu_isa.bf16_matmul_attention(q.shape[0], len_q)
-    )
+    return q.device.type == "cpu" and q.dtype == torch.bfloat16 and cpu_isa.bf16_matmul_attention(q.shape[0], len_q)
 
 
 def _attend_batched(scale: float, qb, kb, vb, is_causal: bool, gqa: bool, mask=None) -> torch.Tensor:
@@ -173,11 +191,19 @@ def _attend_batched(scale: float, qb, kb, vb, is_causal: bool, gqa: bool, mask=N
         scores_bytes = heads * _padded_length(len_q) * _padded_length(kb.shape[2]) * qb.element_size()
         per_chunk = max(1, _SCORES_BYTES // scores_bytes)
         per_seq = mask is not None and mask.shape[0] > 1
-        return _concat([
-            _attend_with_matmuls(qb[i : i + per_chunk], kb[i : i + per_chunk], vb[i : i + per_chunk], scale,
-                                 is_causal, mask[i : i + per_chunk] if per_seq else mask)
-            for i in range(0, num_seqs, per_chunk)
-        ])
+        return _concat(
+            [
+                _attend_with_matmuls(
+                    qb[i : i + per_chunk],
+                    kb[i : i + per_chunk],
+                    vb[i : i + per_chunk],
+                    scale,
+                    is_causal,
+                    mask[i : i + per_chunk] if per_seq else mask,
+                )
+                for i in range(0, num_seqs, per_chunk)
+            ]
+        )
     return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa)
 
 
@@ -267,14 +293,23 @@ def plan_paged(common: CommonAttentionMetadata) -> PagedPlan:
         # Cross: every key of the cross table, no mask. Causal: a whole prompt (no context) sees its own
         # keys under the plain causal mask; a chunk with context its keys up to each query's position.
         causal = not common.cross
-        chunks.append(Chunk(
-            rows=slice(int(starts_q[i]), int(starts_q[i]) + len_q), len_q=len_q, len_k=len_k,
-            table=common.block_tables[int(i), : -(-len_k // size)],
-            mask=None if not causal or len_q == len_k else ~future_mask(len_q, len_k, device),
-            causal=causal, own_keys=causal and len_q == len_k,
-        ))
+        chunks.append(
+            Chunk(
+                rows=slice(int(starts_q[i]), int(starts_q[i]) + len_q),
+                len_q=len_q,
+                len_k=len_k,
+                table=common.block_tables[int(i), : -(-len_k // size)],
+                mask=None if not causal or len_q == len_k else ~future_mask(len_q, len_k, device),
+                causal=causal,
+                own_keys=causal and len_q == len_k,
+            )
+        )
     return PagedPlan(
-        decode_rows=rows, decode_tables=tables, decode_mask=mask, chunks=tuple(chunks), decode_positions=positions,
+        decode_rows=rows,
+        decode_tables=tables,
+        decode_mask=mask,
+        chunks=tuple(chunks),
+        decode_positions=positions,
     )
 
 
@@ -315,8 +350,13 @@ def _attend_chunk(layer: AttentionLayer, q, k, v, kv_cache, chunk: Chunk, gqa: b
     else:
         mask, is_causal = chunk.mask, chunk.causal and chunk.mask is None
     attended = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask, is_causal=is_causal, scale=layer.scale, enable_gqa=gqa,
+        q.transpose(0, 1).unsqueeze(0),
+        keys.transpose(0, 1).unsqueeze(0),
+        values.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=is_causal,
+        scale=layer.scale,
+        enable_gqa=gqa,
     )
     return attended[0].transpose(0, 1)
 
@@ -331,7 +371,8 @@ def _attend_decodes(layer: AttentionLayer, queries, kv_cache, meta: SdpaMetadata
     heads, kv_heads = queries.shape[1], kv_cache.shape[-2]
     if uses_gathered_decode(queries):
         rows = step_memo(
-            meta.memo, ("decode-value-rows", heads, kv_heads),
+            meta.memo,
+            ("decode-value-rows", heads, kv_heads),
             lambda: value_rows(plan.decode_tables, meta.common.block_size, heads, kv_heads),
         )
         return decode_gathered(queries, kv_cache, plan.decode_tables, rows, mask, layer.scale)
@@ -340,7 +381,11 @@ def _attend_decodes(layer: AttentionLayer, queries, kv_cache, meta: SdpaMetadata
     if queries.device.type == "cpu" and queries.dtype == torch.bfloat16:
         return decode_with_matmuls(queries, keys, values, mask, layer.scale)
     attended = F.scaled_dot_product_attention(
-        queries.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=mask, scale=layer.scale, enable_gqa=gqa,
+        queries.unsqueeze(2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=mask,
+        scale=layer.scale,
+        enable_gqa=gqa,
     )
     return attended.squeeze(2)

@@ -78,8 +78,11 @@ def disentangled_groups(run: Run, heads: int) -> list[Run]:
     """`run` cut into consecutive groups whose [n, heads, L, L] float32 mask fits _DISENTANGLED_BYTES."""
     per_group = max(1, _DISENTANGLED_BYTES // (heads * run.length * run.length * 4))
     return [
-        Run(token_start=run.token_start + first * run.length, num_seqs=min(per_group, run.num_seqs - first),
-            length=run.length)
+        Run(
+            token_start=run.token_start + first * run.length,
+            num_seqs=min(per_group, run.num_seqs - first),
+            length=run.length,
+        )
         for first in range(0, run.num_seqs, per_group)
     ]
 

@@ -89,10 +89,17 @@ def plan_cross_runs(lens_q: np.ndarray, lens_k: np.ndarray, device: torch.device
             rows_np = starts_k[first:last, None] + np.minimum(offsets, np.maximum(run_k[:, None] - 1, 0))
             rows = torch.from_numpy(rows_np).to(device)
             mask = torch.from_numpy(real).to(device)[:, None, None, :]
-        runs.append(CrossRun(
-            q_start=int(starts_q[first]), num_seqs=last - first, len_q=int(lens_q[first]),
-            k_start=int(starts_k[first]), len_k=longest, key_rows=rows, key_mask=mask,
-        ))
+        runs.append(
+            CrossRun(
+                q_start=int(starts_q[first]),
+                num_seqs=last - first,
+                len_q=int(lens_q[first]),
+                k_start=int(starts_k[first]),
+                len_k=longest,
+                key_rows=rows,
+                key_mask=mask,
+            )
+        )
     return tuple(runs)
 
 

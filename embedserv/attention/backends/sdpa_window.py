@@ -19,7 +19,8 @@ def run_window_mask(meta: SdpaMetadata, window: int, length: int) -> torch.Tenso
     """[1, 1, length, length]: a KV-free run's mask (every sequence of it alike), causal included."""
     device = meta.common.cu_seqlens_q.device
     return step_memo(
-        meta.memo, ("run-window", window, length),
+        meta.memo,
+        ("run-window", window, length),
         lambda: visible_keys(length, length, meta.is_causal, window, device)[None, None],
     )
 
@@ -66,7 +67,8 @@ def chunk_window_mask(meta: SdpaMetadata, index: int, window: int) -> torch.Tens
     chunk = meta.paged.chunks[index]
     device = chunk.table.device
     return step_memo(
-        meta.memo, ("chunk-window", index, window),
+        meta.memo,
+        ("chunk-window", index, window),
         lambda: visible_keys(chunk.len_q, chunk.len_k, True, window, device)[None, None],
     )
 

@@ -94,7 +94,11 @@ class _Slot:
 
 class Dispatcher:
     def __init__(
-        self, name: str, workers: list[Worker], prefill: StepSource | None, streams: list[StepSource],
+        self,
+        name: str,
+        workers: list[Worker],
+        prefill: StepSource | None,
+        streams: list[StepSource],
         pipeline_depth: int,
     ) -> None:
         """`streams`: each worker's generation streams, in worker order (empty for models that do not generate)."""
@@ -204,8 +208,14 @@ class PrefillWork:
     one_step_at_a_time = False
 
     def __init__(
-        self, name: str, workers: list[Worker], max_batch_tokens: int, max_batch_requests: int, output: OutputKind,
-        wake: Callable[[], None], task: TaskSpec | None = None,
+        self,
+        name: str,
+        workers: list[Worker],
+        max_batch_tokens: int,
+        max_batch_requests: int,
+        output: OutputKind,
+        wake: Callable[[], None],
+        task: TaskSpec | None = None,
     ) -> None:
         """`wake`: the dispatcher's, called when there is new work. `task`: the model's (an encoder-decoder's
         sequences are its encoder's input)."""
@@ -231,9 +241,15 @@ class PrefillWork:
             decoder = [start] if self.decoder_reads_start_only else [start, *ids[:-1]]
             return Request(next(self._ids), decoder, self.output, encoder_token_ids=ids, call_id=REQUEST_ID.get())
         return Request(
-            next(self._ids), sequence.ids, self.output, pool_start=sequence.pool_start,
-            token_type_ids=sequence.token_type_ids, call_id=REQUEST_ID.get(),
-            outputs=() if wanted == (EmbedOutput.DENSE,) else wanted, adapter=sequence.adapter, pixels=sequence.pixels,
+            next(self._ids),
+            sequence.ids,
+            self.output,
+            pool_start=sequence.pool_start,
+            token_type_ids=sequence.token_type_ids,
+            call_id=REQUEST_ID.get(),
+            outputs=() if wanted == (EmbedOutput.DENSE,) else wanted,
+            adapter=sequence.adapter,
+            pixels=sequence.pixels,
             image_grid=sequence.image_grid,
         )
 
@@ -301,10 +317,17 @@ class PrefillWork:
                 continue
             request_id = request.request_id
             own_vectors = vectors.get(request_id)
-            request.future.set_result(SequenceOutput(
-                rows.get(request_id), started, finished, sparse.get(request_id),
-                own_vectors[0] if own_vectors is not None else None, num_sequences, num_tokens,
-            ))
+            request.future.set_result(
+                SequenceOutput(
+                    rows.get(request_id),
+                    started,
+                    finished,
+                    sparse.get(request_id),
+                    own_vectors[0] if own_vectors is not None else None,
+                    num_sequences,
+                    num_tokens,
+                )
+            )
 
     def step_failed(self, step: Step, exc: Exception) -> None:
         self._running.discard(step)
@@ -337,7 +360,13 @@ class PrefillWork:
         more = f" +{len(calls) - len(shown)} more" if len(calls) > len(shown) else ""
         logger.info(
             "%s: batch of %d sequences, %d tokens on worker %d in %.1f ms; calls %s%s",
-            self.name, len(step.requests), step.num_tokens, worker.index, seconds * 1e3, " ".join(shown), more,
+            self.name,
+            len(step.requests),
+            step.num_tokens,
+            worker.index,
+            seconds * 1e3,
+            " ".join(shown),
+            more,
         )
 
 

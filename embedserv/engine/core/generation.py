@@ -70,8 +70,13 @@ class PreparedPrompt:
 
 
 async def prepare_prompt(
-    tokenizer: TextTokenizer, pool: TokenizerPool, prompt: str | list[int], params: SamplingParams,
-    decoder_prompt: str = "", decoder_start_token_id: int | None = None, add_special_tokens: bool = True,
+    tokenizer: TextTokenizer,
+    pool: TokenizerPool,
+    prompt: str | list[int],
+    params: SamplingParams,
+    decoder_prompt: str = "",
+    decoder_start_token_id: int | None = None,
+    add_special_tokens: bool = True,
 ) -> PreparedPrompt:
     """Checks a Generate request and tokenizes it in the tokenizer pool (both decode).
 
@@ -219,7 +224,10 @@ class GenerationStreams:
         if not self.is_accepting:
             raise NotReady(f"worker {self.worker.index} of model {self.name} is not running; retry shortly")
         request = Request(
-            next(self._ids), prompt.token_ids, OutputKind.SAMPLE, sampling=params,
+            next(self._ids),
+            prompt.token_ids,
+            OutputKind.SAMPLE,
+            sampling=params,
             encoder_token_ids=prompt.encoder_token_ids,
         )
         if params.max_tokens is None:

@@ -69,7 +69,11 @@ class CoreStats:
 
 class LocalCore:
     def __init__(
-        self, config: ModelConfig, served: ServedModel, workers: list[Worker], tokenizer_threads: int = 1,
+        self,
+        config: ModelConfig,
+        served: ServedModel,
+        workers: list[Worker],
+        tokenizer_threads: int = 1,
         pipeline_depth: int = 1,
     ) -> None:
         self.served = served
@@ -92,8 +96,15 @@ class LocalCore:
         if Task.GENERATE in served.task.tasks:
             self.generation = [
                 GenerationStreams(
-                    name, worker, self._tokenizer_pool, served.eos_token_ids, served.max_model_len, budget, max_seqs,
-                    config.enable_prefix_caching, wake,
+                    name,
+                    worker,
+                    self._tokenizer_pool,
+                    served.eos_token_ids,
+                    served.max_model_len,
+                    budget,
+                    max_seqs,
+                    config.enable_prefix_caching,
+                    wake,
                 )
                 for worker in workers
             ]
@@ -146,7 +157,10 @@ class LocalCore:
         return CoreStats(
             waiting + sum(streams.num_waiting for streams in self.generation),
             dropped + sum(streams.num_dropped for streams in self.generation),
-            [worker.stats() for worker in self.workers], self._load(), cache, self.kv_cache_usage(),
+            [worker.stats() for worker in self.workers],
+            self._load(),
+            cache,
+            self.kv_cache_usage(),
         )
 
     def _load(self) -> ModelLoad:
@@ -211,7 +225,9 @@ class LocalCore:
         if serving != self._serving and self._started:
             self._serving = serving
             logger.log(
-                logging.INFO if serving else logging.ERROR, "%s: %s", self.info.name,
+                logging.INFO if serving else logging.ERROR,
+                "%s: %s",
+                self.info.name,
                 "serving" if serving else "no worker is running; NOT_SERVING until one is back",
             )
             self.on_serving_change(serving)
@@ -227,7 +243,10 @@ class LocalCore:
         self._tokenizer_pool.shutdown()
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, decoder_prompt: str = "",
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        decoder_prompt: str = "",
         add_special_tokens: bool = True,
     ) -> AsyncIterator[GenerationDelta]:
         """The tokenized request goes to the ready worker with the fewest streams and stays there (its KV)."""
@@ -238,8 +257,13 @@ class LocalCore:
                 "(put the whole text in prompt)"
             )
         prepared = await prepare_prompt(
-            self.tokenizer, self._tokenizer_pool, prompt, params, decoder_prompt=decoder_prompt,
-            decoder_start_token_id=self.task.decoder_start_token_id, add_special_tokens=add_special_tokens,
+            self.tokenizer,
+            self._tokenizer_pool,
+            prompt,
+            params,
+            decoder_prompt=decoder_prompt,
+            decoder_start_token_id=self.task.decoder_start_token_id,
+            add_special_tokens=add_special_tokens,
         )
         ready = [streams for streams in self.generation if streams.is_accepting]
         if not ready:
@@ -254,7 +278,10 @@ class LocalCore:
         return await self._tokenizer_pool.run(encode, args, chars)
 
     async def infer(
-        self, sequences: list[InputSequence], received: float, wanted: tuple[EmbedOutput, ...] = (),
+        self,
+        sequences: list[InputSequence],
+        received: float,
+        wanted: tuple[EmbedOutput, ...] = (),
         use_cache: bool = True,
     ) -> Inferred:
         """Runs every sequence through the scheduler, or the embedding cache first unless `use_cache` is off."""

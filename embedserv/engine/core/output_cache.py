@@ -100,9 +100,13 @@ def _frozen(array: np.ndarray | None) -> np.ndarray | None:
 def stored(output: SequenceOutput) -> SequenceOutput:
     sparse = output.sparse
     return SequenceOutput(
-        _frozen(output.row), output.started, output.finished,
-        (_frozen(sparse[0]), _frozen(sparse[1])) if sparse is not None else None, _frozen(output.vectors),
-        output.batch_sequences, output.batch_tokens,
+        _frozen(output.row),
+        output.started,
+        output.finished,
+        (_frozen(sparse[0]), _frozen(sparse[1])) if sparse is not None else None,
+        _frozen(output.vectors),
+        output.batch_sequences,
+        output.batch_tokens,
     )
 
 

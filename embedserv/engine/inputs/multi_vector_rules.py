@@ -106,8 +106,14 @@ class MultiVectorRules(TokenRules):
         return self.encode_task(tokenizer, texts, task, prompt, params.truncate, params.truncation_direction)
 
     def encode_task(
-        self, tokenizer: TextTokenizer, texts: list[str], task: str | None, prompt: str, truncate: bool,
-        direction: TruncationDirection, what: str = "input {}",
+        self,
+        tokenizer: TextTokenizer,
+        texts: list[str],
+        task: str | None,
+        prompt: str,
+        truncate: bool,
+        direction: TruncationDirection,
+        what: str = "input {}",
     ) -> list[InputSequence]:
         """Token ids as the library's Transformer.preprocess makes them for `task`, without padding. `what`
         names an input in errors (formatted with its index)."""

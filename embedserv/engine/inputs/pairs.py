@@ -47,7 +47,6 @@ def _cut_document(tokenizer: TextTokenizer, head: str, document: str, tail: str,
     return tokenizers.Encoding.merge([head_e, document_e, tail_e])
 
 
-
 def encode_pairs(tokenizer: TextTokenizer, query: str, documents: list[str], truncate: bool) -> list[InputSequence]:
     """Query and document in one sequence each (cross-encoders); only documents are ever cut."""
     query_encoding, room = _pair_room(tokenizer, query)
@@ -87,7 +86,6 @@ def _pair(tokenizer: TextTokenizer, query: tokenizers.Encoding, document: tokeni
     pair = tokenizer.backend.post_process(query, document, True)
     types = list(pair.type_ids) if tokenizer.feeds_token_types else None
     return InputSequence(ids=pair.ids, token_type_ids=types)
-
 
 
 def encode_premise_pairs(
@@ -142,7 +140,11 @@ def _template_ids(tokenizer: TextTokenizer, template: YesNoTemplate) -> tuple[li
 
 
 def encode_templated(
-    tokenizer: TextTokenizer, template: YesNoTemplate, instruction: str, query: str, documents: list[str],
+    tokenizer: TextTokenizer,
+    template: YesNoTemplate,
+    instruction: str,
+    query: str,
+    documents: list[str],
     truncate: bool,
 ) -> list[InputSequence]:
     """A yes/no reranker's prompt per document, as its model card builds it: prefix, then

@@ -73,9 +73,17 @@ def encode_for_room(backend: tokenizers.Tokenizer, texts: list[str], room: int) 
     """Each text's encoding (no special tokens) with at least its first `room` tokens exactly as the whole
     text's; the caller truncates to `room` from the right."""
     cuts = [prefix(text, room * CHARS_PER_TOKEN) for text in texts]
-    encodings = backend.encode_batch([cut or text for cut, text in zip(cuts, texts, strict=True)], add_special_tokens=False)
-    short = [i for i, (cut, encoding) in enumerate(zip(cuts, encodings, strict=True)) if cut is not None and len(encoding.ids) < room]
+    encodings = backend.encode_batch(
+        [cut or text for cut, text in zip(cuts, texts, strict=True)], add_special_tokens=False
+    )
+    short = [
+        i
+        for i, (cut, encoding) in enumerate(zip(cuts, encodings, strict=True))
+        if cut is not None and len(encoding.ids) < room
+    ]
     if short:
-        for i, encoding in zip(short, backend.encode_batch([texts[i] for i in short], add_special_tokens=False), strict=True):
+        for i, encoding in zip(
+            short, backend.encode_batch([texts[i] for i in short], add_special_tokens=False), strict=True
+        ):
             encodings[i] = encoding
     return encodings

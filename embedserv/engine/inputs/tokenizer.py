@@ -55,8 +55,10 @@ class TokenizerPool:
         self._threads.shutdown(wait=False, cancel_futures=True)
 
 
-_FOREIGN_IDS = ("; token ids must come from this model's tokenizer (LangChain's OpenAIEmbeddings: give it "
-                "check_embedding_ctx_length=False), or send texts")
+_FOREIGN_IDS = (
+    "; token ids must come from this model's tokenizer (LangChain's OpenAIEmbeddings: give it "
+    "check_embedding_ctx_length=False), or send texts"
+)
 
 
 class TextTokenizer:
@@ -172,7 +174,11 @@ class TextTokenizer:
             if len(ids) > self.max_input_tokens:
                 if not truncate:
                     raise self.too_long(f"input {index}", len(ids), self.max_input_tokens)
-                ids = ids[-self.max_input_tokens:] if direction is TruncationDirection.LEFT else ids[: self.max_input_tokens]
+                ids = (
+                    ids[-self.max_input_tokens :]
+                    if direction is TruncationDirection.LEFT
+                    else ids[: self.max_input_tokens]
+                )
             out.append(InputSequence(ids=self._padded(list(ids)) if self._pad_to else list(ids)))
         return out
 
@@ -279,8 +285,12 @@ class TextTokenizer:
         prepared = [self.prepare(prompt + t) for t in texts]
         encodings = self.backend.encode_batch(prepared, add_special_tokens=add_special_tokens)
         return [
-            TokenizedText(ids=list(e.ids), tokens=list(e.tokens), offsets=[tuple(o) for o in e.offsets],
-                          special=[bool(m) for m in e.special_tokens_mask])
+            TokenizedText(
+                ids=list(e.ids),
+                tokens=list(e.tokens),
+                offsets=[tuple(o) for o in e.offsets],
+                special=[bool(m) for m in e.special_tokens_mask],
+            )
             for e in encodings
         ]
 

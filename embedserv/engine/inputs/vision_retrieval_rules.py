@@ -98,7 +98,7 @@ class VisionRetrievalRules(TokenRules):
             raise ConfigError(f"the visual prompt {prompts.page_text!r} must hold the image token once")
         at = page.index(self.image_token_id)
         # Tokenized once whole (the placeholder splits nothing around it), then expanded per image.
-        self._page_head, self._page_tail = page[:at], page[at + 1:]
+        self._page_head, self._page_tail = page[:at], page[at + 1 :]
 
     def text_encoder(self, tokenizer: TextTokenizer) -> Callable[[list[str], EmbedParams], list[InputSequence]]:
         return partial(self.encode, tokenizer)

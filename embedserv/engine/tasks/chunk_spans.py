@@ -86,9 +86,7 @@ def span_members(index: int, offsets: np.ndarray, spans: list[Span]) -> list[np.
         shared = np.minimum(offsets[:, 1], end) - np.maximum(offsets[:, 0], start)
         tokens = np.flatnonzero(shared > 0)
         if tokens.size == 0:
-            raise InvalidInput(
-                f"input {index}: span {number} [{start}, {end}) covers no token; widen it or drop it"
-            )
+            raise InvalidInput(f"input {index}: span {number} [{start}, {end}) covers no token; widen it or drop it")
         members.append(tokens)
     return members
 

@@ -48,9 +48,7 @@ async def embed_chunked(
     checks.check_embed_chunking(served.info, params)
     windows = await core.tokenize_with(served.tokenizer.encode_windows, texts, params.prompt_name)
     flat = [replace(window, adapter=adapter) for text_windows in windows for window in text_windows]
-    outputs, prompt_tokens, timing = await core.infer(
-        flat, received, params.outputs, use_cache=not params.bypass_cache
-    )
+    outputs, prompt_tokens, timing = await core.infer(flat, received, params.outputs, use_cache=not params.bypass_cache)
     rows = stack_rows(outputs)
     weights = np.array([len(window.ids) for window in flat], dtype=np.float64)
     means = weighted_means(rows, weights, [len(w) for w in windows])
@@ -98,4 +96,3 @@ def weighted_means(rows: np.ndarray, weights: np.ndarray, counts: list[int]) -> 
 def best_windows(scores: np.ndarray, counts: list[int]) -> np.ndarray:
     """[len(counts)] float32: each document's best window score."""
     return np.maximum.reduceat(scores, _starts(counts)).astype(np.float32)
-

@@ -32,7 +32,11 @@ class Classification:
         if params.candidate_labels:
             return await self._classify_zero_shot(texts, params, received)
         encoded = await self._core.tokenize_with(
-            self._served.tokenizer.encode_batch, texts, params.truncate, params.truncation_direction, None,
+            self._served.tokenizer.encode_batch,
+            texts,
+            params.truncate,
+            params.truncation_direction,
+            None,
             chars=sum(map(len, texts)),
         )
         outputs, prompt_tokens, timing = await self._core.infer(encoded, received)
@@ -49,7 +53,11 @@ class Classification:
         entailment = zero_shot.require_entailment(self._served.task.labels, self._served.info.name)
         hypotheses = zero_shot.hypotheses(params.candidate_labels, params.hypothesis_template)
         encoded = await self._core.tokenize_with(
-            pairs.encode_premise_pairs, self._served.tokenizer, texts, hypotheses, params.truncate,
+            pairs.encode_premise_pairs,
+            self._served.tokenizer,
+            texts,
+            hypotheses,
+            params.truncate,
             params.truncation_direction,
         )
         outputs, prompt_tokens, timing = await self._core.infer(encoded, received)

@@ -123,10 +123,14 @@ class Embedding:
 
 
 _OUTPUT_RPCS = {
-    EmbedOutput.DENSE: "Embed", EmbedOutput.SPARSE: "EmbedSparse", EmbedOutput.MULTI_VECTOR: "EmbedMultiVector",
+    EmbedOutput.DENSE: "Embed",
+    EmbedOutput.SPARSE: "EmbedSparse",
+    EmbedOutput.MULTI_VECTOR: "EmbedMultiVector",
 }
 _OUTPUT_TASKS = {
-    EmbedOutput.DENSE: Task.EMBED, EmbedOutput.SPARSE: Task.EMBED_SPARSE, EmbedOutput.MULTI_VECTOR: Task.EMBED_MULTI_VECTOR,
+    EmbedOutput.DENSE: Task.EMBED,
+    EmbedOutput.SPARSE: Task.EMBED_SPARSE,
+    EmbedOutput.MULTI_VECTOR: Task.EMBED_MULTI_VECTOR,
 }
 
 
@@ -193,8 +197,12 @@ def top_k(values: np.ndarray, indices: np.ndarray, k: int | None) -> SparseVecto
 
 
 def assemble(
-    outputs: list[SequenceOutput], encoded: list[InputSequence], params: EmbedParams, rules: TokenRules,
-    prompt_tokens: int, timing: Timing,
+    outputs: list[SequenceOutput],
+    encoded: list[InputSequence],
+    params: EmbedParams,
+    rules: TokenRules,
+    prompt_tokens: int,
+    timing: Timing,
 ) -> EmbedResult:
     """Each output the call asked for, in input order."""
     result = EmbedResult(embeddings=None, prompt_tokens=prompt_tokens, timing=timing)

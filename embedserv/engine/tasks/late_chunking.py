@@ -53,9 +53,7 @@ def check_late_chunking(served: ServedModel, texts: list[str], params: EmbedPara
     if tuple(params.outputs) != (EmbedOutput.DENSE,):
         raise InvalidInput("late_chunking gives dense vectors only; ask for outputs [dense] alone")
     if served.spec.outputs.head_kind != "hidden":
-        raise InvalidInput(
-            f"model {info.name!r} cannot late-chunk: its token vectors are not its final hidden states"
-        )
+        raise InvalidInput(f"model {info.name!r} cannot late-chunk: its token vectors are not its final hidden states")
     _check_options(late, texts)
 
 
@@ -140,9 +138,12 @@ def _covers_token(offsets: np.ndarray, span: tuple[int, int]) -> bool:
 
 def chunk_rows(plan: InputPlan, outputs: list[SequenceOutput]) -> np.ndarray:
     """[chunks, hidden] float32: each chunk's mean token state, the states stitched from the input's windows."""
-    states = np.concatenate([
-        output.vectors[row : row + stop - first] for (first, stop, row), output in zip(plan.pieces, outputs, strict=True)
-    ])
+    states = np.concatenate(
+        [
+            output.vectors[row : row + stop - first]
+            for (first, stop, row), output in zip(plan.pieces, outputs, strict=True)
+        ]
+    )
     return chunk_spans.mean_rows(states, plan.members)
 
 
@@ -182,7 +183,12 @@ class HostDense:
 
 
 async def embed_late_chunks(
-    core: Core, served: ServedModel, texts: list[str], params: EmbedParams, received: float, dense: HostDense,
+    core: Core,
+    served: ServedModel,
+    texts: list[str],
+    params: EmbedParams,
+    received: float,
+    dense: HostDense,
     adapter: int = -1,
 ) -> EmbedResult:
     """Per input, its chunks' spans and float32 vectors (EmbedResult.chunks); quantize.py encodes them after."""

@@ -30,8 +30,13 @@ def maxsim_scores(query: np.ndarray, documents: list[np.ndarray], mean: bool) ->
 
 
 async def rerank_maxsim(
-    core: Core, tokenizer: TextTokenizer, rules: MultiVectorRules, query: str, documents: list[str],
-    params: RerankParams, received: float,
+    core: Core,
+    tokenizer: TextTokenizer,
+    rules: MultiVectorRules,
+    query: str,
+    documents: list[str],
+    params: RerankParams,
+    received: float,
 ) -> RerankResult:
     """Documents scored against the query by MaxSim of their token vectors, best first."""
     encoded = await core.tokenize_with(rules.encode_for_maxsim, tokenizer, query, documents, params.truncate)

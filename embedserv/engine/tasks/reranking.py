@@ -98,7 +98,11 @@ class Reranking:
             encoded = await tokenize(tokenizer.encode_for_cosine, query, documents, params.truncate)
         elif mode is RerankMode.PAIR:
             encoded = await tokenize(
-                pairs.encode_pairs, tokenizer, query, documents, params.truncate,
+                pairs.encode_pairs,
+                tokenizer,
+                query,
+                documents,
+                params.truncate,
                 chars=len(query) + sum(map(len, documents)),
             )
         elif isinstance(task.template, Seq2SeqYesNoTemplate):

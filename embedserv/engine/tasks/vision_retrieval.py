@@ -17,7 +17,12 @@ from embedserv.types import EmbedOutput, EmbedParams, ImageInput, RankedDocument
 
 
 async def rerank_pages(
-    core: Core, served: ServedModel, rules: VisionRetrievalRules, query: str, documents: list, params: RerankParams,
+    core: Core,
+    served: ServedModel,
+    rules: VisionRetrievalRules,
+    query: str,
+    documents: list,
+    params: RerankParams,
     received: float,
 ) -> RerankResult:
     """Page images scored against a text query by MaxSim, best first."""

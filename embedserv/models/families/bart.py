@@ -165,12 +165,21 @@ class BartModel(nn.Module, EncoderDecoderModel):
         self.shared = nn.Embedding(config.vocab_size, config.d_model)
         num_decoder = config.decoder_layers
         self.encoder = BartStack(
-            config, config.encoder_layers, config.encoder_attention_heads, config.encoder_ffn_dim,
-            AttentionKind.ENCODER, first_index=2 * num_decoder,
+            config,
+            config.encoder_layers,
+            config.encoder_attention_heads,
+            config.encoder_ffn_dim,
+            AttentionKind.ENCODER,
+            first_index=2 * num_decoder,
         )
         self.decoder = BartStack(
-            config, num_decoder, config.decoder_attention_heads, config.decoder_ffn_dim,
-            AttentionKind.DECODER, first_index=0, cross_first_index=num_decoder,
+            config,
+            num_decoder,
+            config.decoder_attention_heads,
+            config.decoder_ffn_dim,
+            AttentionKind.DECODER,
+            first_index=0,
+            cross_first_index=num_decoder,
         )
 
     @property
@@ -228,12 +237,18 @@ FAMILY = Family(
     checkpoint=CHECKPOINT,
     is_encoder=False,
     classifiers={"BartForSequenceClassification": _CLASSIFIER},
-    embeddings=("model.shared.weight", "shared.weight", "model.encoder.embed_tokens.weight", "encoder.embed_tokens.weight"),
+    embeddings=(
+        "model.shared.weight",
+        "shared.weight",
+        "model.encoder.embed_tokens.weight",
+        "encoder.embed_tokens.weight",
+    ),
 )
 
 DOCS = FamilyDocs(
     examples=("facebook/bart-large-mnli", "facebook/bart-large-cnn", "facebook/mbart-large-50"),
     tested_by=tuple(
-        f"tests/models/test_{name}.py" for name in ("seq2seq_models", "seq2seq_prefill", "seq2seq_generation", "zero_shot")
+        f"tests/models/test_{name}.py"
+        for name in ("seq2seq_models", "seq2seq_prefill", "seq2seq_generation", "zero_shot")
     ),
 )

@@ -111,7 +111,8 @@ CHECKPOINT = CheckpointNames(
     # Pretraining and task heads (models/heads read the ones they serve), and buffers.
     ignored=r"^(pooler\.|cls\.|lm_head\.|classifier\.|embeddings\.position_ids)",
     packed=tuple(
-        (f"attention.self.{part}.", "attention.self.qkv.", index) for index, part in enumerate(("query", "key", "value"))
+        (f"attention.self.{part}.", "attention.self.qkv.", index)
+        for index, part in enumerate(("query", "key", "value"))
     ),
     renames=(
         (r"\.gamma$", ".weight"),
@@ -166,15 +167,27 @@ FAMILY = Family(
 
 DOCS = FamilyDocs(
     examples=(
-        "sentence-transformers/all-MiniLM-L6-v2", "BAAI/bge-base-en-v1.5", "intfloat/multilingual-e5-large",
-        "BAAI/bge-m3", "cross-encoder/ms-marco-MiniLM-L-6-v2", "BAAI/bge-reranker-v2-m3",
-        "naver/splade-cocondenser-ensembledistil", "colbert-ir/colbertv2.0",
+        "sentence-transformers/all-MiniLM-L6-v2",
+        "BAAI/bge-base-en-v1.5",
+        "intfloat/multilingual-e5-large",
+        "BAAI/bge-m3",
+        "cross-encoder/ms-marco-MiniLM-L-6-v2",
+        "BAAI/bge-reranker-v2-m3",
+        "naver/splade-cocondenser-ensembledistil",
+        "colbert-ir/colbertv2.0",
     ),
     tested_by=tuple(
         f"tests/models/test_{name}.py"
         for name in (
-            "encoder_parity", "classify_parity", "rerank_parity", "zero_shot", "sparse", "bge_m3", "multi_vector",
-            "int8", "lora_parity",
+            "encoder_parity",
+            "classify_parity",
+            "rerank_parity",
+            "zero_shot",
+            "sparse",
+            "bge_m3",
+            "multi_vector",
+            "int8",
+            "lora_parity",
         )
     ),
 )

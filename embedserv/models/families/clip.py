@@ -72,8 +72,11 @@ class ClipModel(DualEncoder):
 
 def vision_tower(config) -> VisionTower:
     return VisionTower(
-        patch_size=config.vision_config.patch_size, image_size=config.vision_config.image_size,
-        class_token=ClipModel.class_token, dimension=config.projection_dim, pooling="clip"
+        patch_size=config.vision_config.patch_size,
+        image_size=config.vision_config.image_size,
+        class_token=ClipModel.class_token,
+        dimension=config.projection_dim,
+        pooling="clip",
     )
 
 
@@ -89,7 +92,9 @@ FAMILY = Family(
 
 DOCS = FamilyDocs(
     examples=(
-        "openai/clip-vit-base-patch32", "openai/clip-vit-large-patch14", "laion/CLIP-ViT-B-32-laion2B-s34B-b79K",
+        "openai/clip-vit-base-patch32",
+        "openai/clip-vit-large-patch14",
+        "laion/CLIP-ViT-B-32-laion2B-s34B-b79K",
         "sentence-transformers/clip-ViT-B-32",
     ),
     tested_by=("tests/models/test_clip_parity.py",),

@@ -90,7 +90,7 @@ class ColPaliModel(nn.Module, DecoderModel):
         # transformers embeds an out-of-vocabulary image token as id 0 (its features replace it anyway).
         ids = input_ids.masked_fill(is_image, 0) if self.image_token_id >= self.vocab_size else input_ids
         embed = self.embed_tokens(ids)
-        hidden = embed * embedding_scale(language_config(self.config).hidden_size**0.5, embed.dtype)
+        hidden = embed * embedding_scale(language_config(self.config).hidden_size ** 0.5, embed.dtype)
         if pixel_values is not None:
             features = self.vision_tower(pixel_values.to(hidden.dtype))
             features = self.multi_modal_projector.linear(features)

@@ -87,8 +87,12 @@ class DebertaV2Layer(nn.Module):
         self.pos_query_proj = Linear(hidden, hidden) if separate and "p2c" in self.terms else None
         head_size = hidden // num_heads
         self.attn = Attention(
-            num_heads, head_size, scale=(head_size * (1 + len(listed))) ** -0.5, layer_index=layer_index,
-            kind=AttentionKind.ENCODER, disentangled=disentangled,
+            num_heads,
+            head_size,
+            scale=(head_size * (1 + len(listed))) ** -0.5,
+            layer_index=layer_index,
+            kind=AttentionKind.ENCODER,
+            disentangled=disentangled,
         )
         self.attn_out = Linear(hidden, hidden)
         self.attn_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
@@ -132,7 +136,10 @@ class DebertaV2Model(nn.Module, EncoderModel):
         if getattr(config, "pooler_hidden_size", config.hidden_size) != config.hidden_size:
             raise ValueError("a pooler_hidden_size other than hidden_size is not supported")
         head_size = config.hidden_size // config.num_attention_heads
-        if config.hidden_size % config.num_attention_heads or getattr(config, "attention_head_size", head_size) != head_size:
+        if (
+            config.hidden_size % config.num_attention_heads
+            or getattr(config, "attention_head_size", head_size) != head_size
+        ):
             # transformers' attention output projection is hidden_size wide: heads * head size must be that.
             raise ValueError(
                 f"hidden_size {config.hidden_size} is not {config.num_attention_heads} heads of attention_head_size"
@@ -148,7 +155,9 @@ class DebertaV2Model(nn.Module, EncoderModel):
             disentangled = DisentangledPositions(getattr(config, "position_buckets", -1), max_relative)
             self.rel_embeddings = nn.Embedding(2 * disentangled.span, config.hidden_size)
             norm_rel = [part.strip() for part in str(getattr(config, "norm_rel_ebd", "none")).lower().split("|")]
-            self.rel_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if "layer_norm" in norm_rel else None
+            self.rel_norm = (
+                nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if "layer_norm" in norm_rel else None
+            )
         self.layers = nn.ModuleList(DebertaV2Layer(config, i, disentangled) for i in range(config.num_hidden_layers))
 
     @property

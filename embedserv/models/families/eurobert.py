@@ -67,9 +67,7 @@ def _classifier_token(config) -> str:
     GELU on every token and averages the logits."""
     pooling = config.classifier_pooling
     if pooling not in ("bos", "mean", "late"):
-        raise ConfigError(
-            f"EuroBERT classifier_pooling {pooling!r} is not supported; supported: 'bos', 'mean', 'late'"
-        )
+        raise ConfigError(f"EuroBERT classifier_pooling {pooling!r} is not supported; supported: 'bos', 'mean', 'late'")
     return {"bos": "first", "mean": "mean", "late": "late"}[pooling]
 
 

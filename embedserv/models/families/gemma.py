@@ -94,8 +94,12 @@ class Gemma3Attention(nn.Module):
         self.q_norm = Gemma3RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = Gemma3RMSNorm(self.head_dim, config.rms_norm_eps)
         self.attn = Attention(
-            self.num_heads, self.head_dim, scale=config.query_pre_attn_scalar**-0.5, num_kv_heads=self.num_kv_heads,
-            layer_index=layer_index, sliding_window=sliding_window,
+            self.num_heads,
+            self.head_dim,
+            scale=config.query_pre_attn_scalar**-0.5,
+            num_kv_heads=self.num_kv_heads,
+            layer_index=layer_index,
+            sliding_window=sliding_window,
         )
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
 

@@ -53,7 +53,9 @@ def kv_sources(config) -> list[int | None]:
     for i in range(first_shared, config.num_hidden_layers):
         earlier = [j for j in range(first_shared) if types[j] == types[i]]
         if not earlier:
-            raise ValueError(f"shared layer {i} ({types[i]}) has no earlier {types[i]} layer to read keys and values from")
+            raise ValueError(
+                f"shared layer {i} ({types[i]}) has no earlier {types[i]} layer to read keys and values from"
+            )
         sources[i] = earlier[-1]
     return sources
 
@@ -95,8 +97,13 @@ class Gemma4Attention(nn.Module):
         self.k_norm = None if self.shared else Gemma4RMSNorm(self.head_dim, eps)
         self.v_norm = None if self.shared else Gemma4RMSNorm(self.head_dim, eps, with_scale=False)
         self.attn = Attention(
-            self.num_heads, self.head_dim, scale=1.0, num_kv_heads=self.num_kv_heads, layer_index=layer_index,
-            kv_source_layer=kv_source, sliding_window=sliding_window,
+            self.num_heads,
+            self.head_dim,
+            scale=1.0,
+            num_kv_heads=self.num_kv_heads,
+            layer_index=layer_index,
+            kv_source_layer=kv_source,
+            sliding_window=sliding_window,
         )
         self.o_proj = Linear(q_size, config.hidden_size, bias=config.attention_bias)
 

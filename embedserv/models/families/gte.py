@@ -32,8 +32,13 @@ _PUBLISHED_FIXED = {
 }
 # new-impl keys that say how its code runs, not what it computes (or that are checked above).
 _PUBLISHED_ONLY = (
-    "auto_map", "rope_scaling", "rope_theta", "unpad_inputs", "use_memory_efficient_attention",
-    "logn_attention_clip1", *_PUBLISHED_FIXED,
+    "auto_map",
+    "rope_scaling",
+    "rope_theta",
+    "unpad_inputs",
+    "use_memory_efficient_attention",
+    "logn_attention_clip1",
+    *_PUBLISHED_FIXED,
 )
 # new-impl's NewConfig defaults where transformers' GteConfig has others.
 _PUBLISHED_DEFAULTS = {"max_position_embeddings": 2048, "type_vocab_size": 1, "hidden_act": "gelu"}
@@ -66,7 +71,9 @@ def _rope_parameters(raw: dict) -> dict:
     if scaling:
         kind = scaling.get("type") or scaling.get("rope_type")
         if kind != "ntk":
-            raise ConfigError(f"{raw.get('model_type')} config.json has rope_scaling type {kind!r}; only 'ntk' is served")
+            raise ConfigError(
+                f"{raw.get('model_type')} config.json has rope_scaling type {kind!r}; only 'ntk' is served"
+            )
         params.update(rope_type="ntk", factor=float(scaling["factor"]))
         if scaling.get("mixed_b") is not None:
             params["mixed_b"] = float(scaling["mixed_b"])

@@ -37,9 +37,22 @@ def published_config(raw: dict) -> dict | None:
     if raw.get("position_embedding_type") != "rotary":
         return None
     keys = (
-        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
-        "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "pad_token_id", "bos_token_id",
-        "eos_token_id", "lora_adaptations", "task_instructions", "lora_rank", "lora_alpha",
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "intermediate_size",
+        "hidden_act",
+        "max_position_embeddings",
+        "type_vocab_size",
+        "layer_norm_eps",
+        "pad_token_id",
+        "bos_token_id",
+        "eos_token_id",
+        "lora_adaptations",
+        "task_instructions",
+        "lora_rank",
+        "lora_alpha",
     )
     native = {key: raw[key] for key in keys if key in raw}
     # The published code's default base when the config names none (its XLMRobertaFlashConfig).
@@ -170,9 +183,7 @@ CHECKPOINT = CheckpointNames(
     prefixes=("roberta.",),
     # Pooler and task heads (models/heads read the ones they serve), and buffers.
     ignored=r"^(pooler\.|classifier\.|lm_head\.|embeddings\.(position_ids|token_type_ids)$)",
-    packed=(
-        *QKV,
-    ),
+    packed=(*QKV,),
     renames=(
         (r"\.parametrizations\.weight\.original$", ".weight"),
         (r"\.parametrizations\.weight\.0\.(lora_[AB])$", r"_lora.\1"),

@@ -85,7 +85,10 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.attn = Attention(
-            self.num_heads, self.head_dim, num_kv_heads=self.num_kv_heads, layer_index=layer_index,
+            self.num_heads,
+            self.head_dim,
+            num_kv_heads=self.num_kv_heads,
+            layer_index=layer_index,
             sliding_window=layer_sliding_window(config, layer_index),
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
@@ -191,10 +194,14 @@ FAMILY = Family(
 
 DOCS = FamilyDocs(
     examples=(
-        "intfloat/e5-mistral-7b-instruct", "Alibaba-NLP/gte-Qwen2-1.5B-instruct", "Qwen/Qwen3-Embedding-0.6B",
-        "Qwen/Qwen3-Reranker-0.6B", "meta-llama/Llama-3.2-1B-Instruct",
+        "intfloat/e5-mistral-7b-instruct",
+        "Alibaba-NLP/gte-Qwen2-1.5B-instruct",
+        "Qwen/Qwen3-Embedding-0.6B",
+        "Qwen/Qwen3-Reranker-0.6B",
+        "meta-llama/Llama-3.2-1B-Instruct",
     ),
     tested_by=tuple(
-        f"tests/models/test_{name}.py" for name in ("decoder_parity", "llama_parts", "classify_parity", "generate_parity")
+        f"tests/models/test_{name}.py"
+        for name in ("decoder_parity", "llama_parts", "classify_parity", "generate_parity")
     ),
 )

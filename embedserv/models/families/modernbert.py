@@ -49,7 +49,9 @@ class ModernBertAttention(nn.Module):
         # The checkpoint keeps query, key and value as one tensor already, in that order.
         self.Wqkv = Linear(config.hidden_size, 3 * config.hidden_size, bias=config.attention_bias)
         self.attn = Attention(
-            self.num_heads, self.head_dim, layer_index=layer_index,
+            self.num_heads,
+            self.head_dim,
+            layer_index=layer_index,
             sliding_window=layer_sliding_window(config, layer_index),
         )
         self.Wo = Linear(config.hidden_size, config.hidden_size, bias=config.attention_bias)

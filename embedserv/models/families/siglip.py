@@ -122,9 +122,13 @@ class SiglipModel(DualEncoder):
 
 def vision_tower(config) -> VisionTower:
     return VisionTower(
-        patch_size=config.vision_config.patch_size, image_size=config.vision_config.image_size,
-        class_token=False, dimension=config.vision_config.hidden_size,
-        pooling="siglip", pads_texts=True, text_pad_id=int(config.text_config.pad_token_id or 0),
+        patch_size=config.vision_config.patch_size,
+        image_size=config.vision_config.image_size,
+        class_token=False,
+        dimension=config.vision_config.hidden_size,
+        pooling="siglip",
+        pads_texts=True,
+        text_pad_id=int(config.text_config.pad_token_id or 0),
     )
 
 
@@ -142,7 +146,9 @@ DOCS = FamilyDocs(
     # tokenizer.json: refused at start-up, as every tokenizer without one is. SigLIP 2's fixed-resolution
     # checkpoints (Gemma's tokenizer.json) are SiglipModels.
     examples=(
-        "google/siglip2-base-patch16-224", "google/siglip2-so400m-patch14-384", "google/siglip2-large-patch16-256",
+        "google/siglip2-base-patch16-224",
+        "google/siglip2-so400m-patch14-384",
+        "google/siglip2-large-patch16-256",
     ),
     tested_by=("tests/models/test_siglip_parity.py",),
 )

@@ -31,7 +31,8 @@ class ResizedPositionEmbeddings(nn.Module):
         table = self.position_embedding.weight.reshape(self.side, self.side, -1).permute(2, 0, 1)[None].float()
         resized = [
             F.interpolate(table, size=(h, w), mode="bilinear", align_corners=False, antialias=True)
-            .reshape(table.shape[1], h * w).T
+            .reshape(table.shape[1], h * w)
+            .T
             for h, w in grids
         ]
         patches = self.patch_embedding(rows.to(self.patch_embedding.weight.dtype))
@@ -52,9 +53,14 @@ class Siglip2Model(SiglipModel):
 
 def vision_tower(config) -> VisionTower:
     return VisionTower(
-        patch_size=config.vision_config.patch_size, image_size=0, class_token=False,
-        dimension=config.vision_config.hidden_size, pooling="siglip", pads_texts=True,
-        text_pad_id=int(config.text_config.pad_token_id or 0), layout="siglip2",
+        patch_size=config.vision_config.patch_size,
+        image_size=0,
+        class_token=False,
+        dimension=config.vision_config.hidden_size,
+        pooling="siglip",
+        pads_texts=True,
+        text_pad_id=int(config.text_config.pad_token_id or 0),
+        layout="siglip2",
     )
 
 

@@ -204,7 +204,11 @@ class T5Model(nn.Module, EncoderDecoderModel):
             config, config.num_layers, AttentionKind.ENCODER, first_index=2 * num_decoder, bidirectional=True
         )
         self.decoder = T5Stack(
-            config, num_decoder, AttentionKind.DECODER, first_index=0, bidirectional=False,
+            config,
+            num_decoder,
+            AttentionKind.DECODER,
+            first_index=0,
+            bidirectional=False,
             cross_first_index=num_decoder,
         )
 
@@ -300,7 +304,9 @@ FAMILY = Family(
 
 DOCS = FamilyDocs(
     examples=(
-        "sentence-transformers/sentence-t5-base", "sentence-transformers/gtr-t5-base", "castorini/monot5-base-msmarco",
+        "sentence-transformers/sentence-t5-base",
+        "sentence-transformers/gtr-t5-base",
+        "castorini/monot5-base-msmarco",
         "google/flan-t5-base",
     ),
     tested_by=tuple(

@@ -89,9 +89,7 @@ class SoftcappedLMHead(nn.Module):
         return torch.tanh(self.head(hidden).float() / self.cap) * self.cap
 
 
-def build_lm_head(
-    family: Family, hf_config, files: list[Path], device: torch.device, dtype: torch.dtype
-) -> nn.Module:
+def build_lm_head(family: Family, hf_config, files: list[Path], device: torch.device, dtype: torch.dtype) -> nn.Module:
     """[hidden] -> [vocab]: a Linear of `lm_head.weight`, or of the embeddings when tied (plus what the
     encoder-decoder families add, and Gemma's softcapping: see the module docstring)."""
     if family.is_encoder_decoder:

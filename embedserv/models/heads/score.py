@@ -45,8 +45,14 @@ class ScoreHead(nn.Module):
     """
 
     def __init__(
-        self, hidden_size: int, num_labels: int, token: str, pooler: bool, bias: bool,
-        activation: str = "tanh", norm_eps: float | None = None,
+        self,
+        hidden_size: int,
+        num_labels: int,
+        token: str,
+        pooler: bool,
+        bias: bool,
+        activation: str = "tanh",
+        norm_eps: float | None = None,
     ) -> None:
         super().__init__()
         if token not in ("first", "last", "mean", "late"):
@@ -87,9 +93,13 @@ def build_classifier_head(family: Family, hf_config, num_labels: int, files: lis
     if classifier.norm:
         norm_eps = getattr(hf_config, "norm_eps", None) or getattr(hf_config, "layer_norm_eps", 1e-12)
     head = ScoreHead(
-        hf_config.hidden_size, num_labels, token=classifier.token_for(hf_config), pooler=classifier.pooler,
+        hf_config.hidden_size,
+        num_labels,
+        token=classifier.token_for(hf_config),
+        pooler=classifier.pooler,
         bias=classifier.pooler or "out.bias" in classifier.sources,
-        activation=classifier.activation_for(hf_config), norm_eps=norm_eps,
+        activation=classifier.activation_for(hf_config),
+        norm_eps=norm_eps,
     )
     params = dict(head.named_parameters())
     for ours, param in params.items():
@@ -121,7 +131,11 @@ class SoftcappedYesNoHead(ScoreHead):
 
 
 def build_yes_no_head(
-    family: Family, hidden_size: int, tokens: YesNoTokens, tied: bool, files: list[Path],
+    family: Family,
+    hidden_size: int,
+    tokens: YesNoTokens,
+    tied: bool,
+    files: list[Path],
     softcap: float | None = None,
 ) -> ScoreHead:
     """logit(yes) - logit(no) at the last token, from the LM head's rows (the embeddings when tied); one row,

@@ -62,7 +62,9 @@ def checkpoint_files(model_dir: Path, allow_pickle: bool = False) -> list[Path]:
         )
     logger.warning(
         "%s: loading the pickle checkpoint %s (--allow-pickle), tensors only; convert it to safetensors to "
-        "load faster and safer", model_dir, pickles[0].name,
+        "load faster and safer",
+        model_dir,
+        pickles[0].name,
     )
     return pickles
 

@@ -45,7 +45,10 @@ def read_hf_config(model_dir: Path):
         # whose custom code differs from it fails to load (unexpected tensors) or must be checked by its user.
         logger.warning(
             "%s: config.json names custom code (auto_map: %s); embedserv never runs it and serves the model as "
-            "model type %r with its own implementation", model_dir, ", ".join(sorted(custom)), hf_config.model_type,
+            "model type %r with its own implementation",
+            model_dir,
+            ", ".join(sorted(custom)),
+            hf_config.model_type,
         )
     return hf_config
 
@@ -60,6 +63,9 @@ def _from_native_dict(model_dir: Path, raw: dict, native: dict):
         raise ConfigError(f"{model_dir}/config.json (read as {model_type}): {exc}") from exc
     logger.info(
         "%s: config.json in its published form (model_type %r%s) read as transformers' %r; its code never runs",
-        model_dir, raw.get("model_type"), ", auto_map" if raw.get("auto_map") else "", model_type,
+        model_dir,
+        raw.get("model_type"),
+        ", auto_map" if raw.get("auto_map") else "",
+        model_type,
     )
     return hf_config

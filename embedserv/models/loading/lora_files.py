@@ -60,10 +60,14 @@ def _weights_file(name: str, path: Path) -> Path:
     if weights.is_file():
         return weights
     if (path / "adapter_model.bin").is_file():
-        raise _refuse(name, path, (
-            "has only adapter_model.bin (a pickle, which can run code when loaded); adapters are read from "
-            "adapter_model.safetensors: save it with PEFT's save_pretrained(..., safe_serialization=True)"
-        ))
+        raise _refuse(
+            name,
+            path,
+            (
+                "has only adapter_model.bin (a pickle, which can run code when loaded); adapters are read from "
+                "adapter_model.safetensors: save it with PEFT's save_pretrained(..., safe_serialization=True)"
+            ),
+        )
     raise _refuse(name, path, f"no {_WEIGHTS} there; give a PEFT adapter directory (save_pretrained's output)")
 
 
@@ -72,11 +76,16 @@ def _check_config(name: str, path: Path, raw: dict) -> None:
     if raw.get("peft_type", "LORA") != "LORA":
         raise _refuse(name, path, f"peft_type {raw.get('peft_type')!r}; only LORA adapters are served")
     refusals = (
-        ("use_dora", "is a DoRA adapter (use_dora), whose magnitude vectors are not applied here; merge it "
-         "into the model and serve that instead"),
+        (
+            "use_dora",
+            "is a DoRA adapter (use_dora), whose magnitude vectors are not applied here; merge it "
+            "into the model and serve that instead",
+        ),
         ("fan_in_fan_out", "sets fan_in_fan_out (transposed Conv1D weights), which encoder linears do not have"),
-        ("alpha_pattern", "sets alpha_pattern (per-module alphas), which is not applied here; train with one "
-         "lora_alpha"),
+        (
+            "alpha_pattern",
+            "sets alpha_pattern (per-module alphas), which is not applied here; train with one lora_alpha",
+        ),
         ("target_parameters", "targets parameters directly (target_parameters), which is not applied here"),
         ("trainable_token_indices", "trains token embeddings (trainable_token_indices), which is not applied here"),
         ("lora_bias", "trains a bias for its B matrices (lora_bias), which is not applied here"),
@@ -87,10 +96,14 @@ def _check_config(name: str, path: Path, raw: dict) -> None:
             raise _refuse(name, path, why.format(value=value))
     others = [module for module in raw.get("modules_to_save") or () if module not in _HEAD_MODULES]
     if others:
-        raise _refuse(name, path, (
-            f"saves whole modules beside its LoRA weights (modules_to_save: {', '.join(others)}); only the "
-            f"classifier head ({' / '.join(_HEAD_MODULES)}, as task_type SEQ_CLS saves it) is served per adapter"
-        ))
+        raise _refuse(
+            name,
+            path,
+            (
+                f"saves whole modules beside its LoRA weights (modules_to_save: {', '.join(others)}); only the "
+                f"classifier head ({' / '.join(_HEAD_MODULES)}, as task_type SEQ_CLS saves it) is served per adapter"
+            ),
+        )
     if raw.get("bias", "none") != "none":
         raise _refuse(name, path, f"trains biases (bias {raw['bias']!r}); only bias 'none' is served")
     ranks = [raw.get("r", 8), *(raw.get("rank_pattern") or {}).values()]
@@ -152,8 +165,13 @@ def _read_updates(
                 heads[saved] = f.get_tensor(key)
                 continue
             if match is None:
-                what = "DoRA magnitude" if "lora_magnitude_vector" in key else "embedding LoRA" if (
-                    "lora_embedding_" in key) else "a tensor that is not a LoRA A/B weight"
+                what = (
+                    "DoRA magnitude"
+                    if "lora_magnitude_vector" in key
+                    else "embedding LoRA"
+                    if ("lora_embedding_" in key)
+                    else "a tensor that is not a LoRA A/B weight"
+                )
                 raise _refuse(adapter.name, adapter.path, f"{key!r} is {what}, which is not served")
             parts.setdefault(match["path"], {})[match["part"]] = f.get_tensor(key).float()
     for hf_path, pair in parts.items():
@@ -164,10 +182,14 @@ def _read_updates(
         sizes = linear.shard_sizes or (linear.out_features,)
         rank = a.shape[0]
         if a.shape != (rank, linear.in_features) or b.shape != (sizes[shard], rank):
-            raise _refuse(adapter.name, adapter.path, (
-                f"target {hf_path!r} has A {tuple(a.shape)} and B {tuple(b.shape)}; the model's layer takes "
-                f"A [r, {linear.in_features}] and B [{sizes[shard]}, r]: an adapter of another model?"
-            ))
+            raise _refuse(
+                adapter.name,
+                adapter.path,
+                (
+                    f"target {hf_path!r} has A {tuple(a.shape)} and B {tuple(b.shape)}; the model's layer takes "
+                    f"A [r, {linear.in_features}] and B [{sizes[shard]}, r]: an adapter of another model?"
+                ),
+            )
         if rank > MAX_LORA_RANK:
             raise _refuse(adapter.name, adapter.path, f"target {hf_path!r} has rank {rank}, more than {MAX_LORA_RANK}")
         updates.setdefault(module_name, {}).setdefault(index, {})[shard] = (a, b * adapter.scaling(rank))
@@ -178,8 +200,10 @@ def _stacked(linear: Linear, per_adapter: dict[int, dict[int, tuple]], num_adapt
     its largest rank over the adapters (smaller ones padded with zeros): A's stacked, B's block-diagonal."""
     sizes = linear.shard_sizes or (linear.out_features,)
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    widths = [max((shards[s][0].shape[0] for shards in per_adapter.values() if s in shards), default=0)
-              for s in range(len(sizes))]
+    widths = [
+        max((shards[s][0].shape[0] for shards in per_adapter.values() if s in shards), default=0)
+        for s in range(len(sizes))
+    ]
     offsets = [sum(widths[:s]) for s in range(len(sizes))]
     low_rank = LowRank(linear.in_features, linear.out_features, num_adapters, sum(widths), 1.0)
     lora_a = torch.zeros(num_adapters, sum(widths), linear.in_features)
@@ -194,7 +218,8 @@ def _stacked(linear: Linear, per_adapter: dict[int, dict[int, tuple]], num_adapt
     if len(sizes) > 1:
         low_rank.blocks = tuple(
             (starts[s], starts[s] + sizes[s], offsets[s], offsets[s] + widths[s])
-            for s in range(len(sizes)) if widths[s]
+            for s in range(len(sizes))
+            if widths[s]
         )
     return low_rank
 

@@ -32,8 +32,15 @@ TOKEN_EMBEDDINGS = "token_embeddings"
 # Keys of config_sentence_transformers.json that sentence-transformers reads as a PyLate / Stanford ColBERT
 # save: it then registers prefix tokens on the tokenizer and feeds lengths and expansion to the Transformer.
 _LEGACY_KEYS = (
-    "query_prefix", "document_prefix", "query_length", "document_length", "query_expansion",
-    "do_query_expansion", "attend_to_expansion_tokens", "attend_to_mask_tokens", "skiplist_words",
+    "query_prefix",
+    "document_prefix",
+    "query_length",
+    "document_length",
+    "query_expansion",
+    "do_query_expansion",
+    "attend_to_expansion_tokens",
+    "attend_to_mask_tokens",
+    "skiplist_words",
 )
 _EXPANSION_KEYS = {"strategy", "attend", "token", "length"}
 
@@ -175,8 +182,12 @@ def _normalizes_tokens(directory: Path) -> bool:
     target = config.get("module_output_name") or source
     if (source, target) == (TOKEN_EMBEDDINGS, TOKEN_EMBEDDINGS):
         return True
-    logger.warning("%s: Normalize acts on %r -> %r, not the token vectors; like sentence-transformers, it is skipped",
-                   directory, source, target)
+    logger.warning(
+        "%s: Normalize acts on %r -> %r, not the token vectors; like sentence-transformers, it is skipped",
+        directory,
+        source,
+        target,
+    )
     return False
 
 

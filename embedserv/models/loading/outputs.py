@@ -70,7 +70,11 @@ def head_file(model_dir: Path, name: str) -> Path | None:
 
 
 def read_output_spec(
-    model_dir: Path, hf_config, st: SentenceTransformerFiles, pooling_flag: str | None, architecture: str,
+    model_dir: Path,
+    hf_config,
+    st: SentenceTransformerFiles,
+    pooling_flag: str | None,
+    architecture: str,
     embeds: bool,
 ) -> OutputSpec:
     """The outputs of a model that embeds (`embeds`: its task spec says it does), or none."""
@@ -81,7 +85,9 @@ def read_output_spec(
             raise ConfigError(
                 f"{model_dir}: --pooling splade needs a masked-LM checkpoint (*ForMaskedLM), not {architecture or 'this model'}"
             )
-        return OutputSpec((EmbedOutput.SPARSE,), head_kind="splade", splade=st.splade or SpladeSpec(), sparse_dimension=vocab)
+        return OutputSpec(
+            (EmbedOutput.SPARSE,), head_kind="splade", splade=st.splade or SpladeSpec(), sparse_dimension=vocab
+        )
     if not embeds:
         return OutputSpec(())
     if architecture in RETRIEVAL_ARCHITECTURES:
@@ -99,11 +105,14 @@ def read_output_spec(
     if any(heads):
         if not all(heads):
             missing = [name for name, path in zip(BGE_M3_HEADS, heads, strict=True) if path is None]
-            raise ConfigError(f"{model_dir}: a bge-m3 checkpoint needs both head files; {', '.join(missing)} is missing")
+            raise ConfigError(
+                f"{model_dir}: a bge-m3 checkpoint needs both head files; {', '.join(missing)} is missing"
+            )
         return OutputSpec(
-            (EmbedOutput.DENSE, EmbedOutput.SPARSE, EmbedOutput.MULTI_VECTOR), head_kind="bge_m3",
-            sparse_dimension=vocab, multi_vector_dimension=hidden, head_files=tuple(heads),
+            (EmbedOutput.DENSE, EmbedOutput.SPARSE, EmbedOutput.MULTI_VECTOR),
+            head_kind="bge_m3",
+            sparse_dimension=vocab,
+            multi_vector_dimension=hidden,
+            head_files=tuple(heads),
         )
-    return OutputSpec(
-        (EmbedOutput.DENSE, EmbedOutput.MULTI_VECTOR), head_kind="hidden", multi_vector_dimension=hidden
-    )
+    return OutputSpec((EmbedOutput.DENSE, EmbedOutput.MULTI_VECTOR), head_kind="hidden", multi_vector_dimension=hidden)

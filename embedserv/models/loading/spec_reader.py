@@ -185,7 +185,9 @@ def _check_fast_prefill(config: ModelConfig, layout: _Layout, family: Family) ->
         )
 
 
-def _pooling_and_dimension(config: ModelConfig, task: TaskSpec, st: SentenceTransformerFiles, hf_config, family: Family):
+def _pooling_and_dimension(
+    config: ModelConfig, task: TaskSpec, st: SentenceTransformerFiles, hf_config, family: Family
+):
     if family.vision is not None:
         tower = family.vision(hf_config)
         return tower.pooling, tower.dimension
@@ -196,7 +198,8 @@ def _pooling_and_dimension(config: ModelConfig, task: TaskSpec, st: SentenceTran
         return config.pooling or st.pooling or DEFAULT_POOLING, dimension
     if task.tasks != (Task.GENERATE,):
         reads_last = (
-            task.template is not None or task.prefill_decoder_input is not None
+            task.template is not None
+            or task.prefill_decoder_input is not None
             or (not family.is_encoder_decoder and _classifier_token(family, hf_config) == "last")
         )
         return "lasttoken" if reads_last else "cls", 0
@@ -289,9 +292,20 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
         modalities=_modalities(family),
     )
     return ModelSpec(
-        info=info, task=task, max_model_len=layout.max_positions, model_dir=model_dir, hf_config=hf_config,
-        family=family, st=st, files=files, backend=backend, device=device, dtype=dtype,
-        kv_block_size=_kv_block_size(config, backend, task, device), outputs=outputs, lora=lora,
+        info=info,
+        task=task,
+        max_model_len=layout.max_positions,
+        model_dir=model_dir,
+        hf_config=hf_config,
+        family=family,
+        st=st,
+        files=files,
+        backend=backend,
+        device=device,
+        dtype=dtype,
+        kv_block_size=_kv_block_size(config, backend, task, device),
+        outputs=outputs,
+        lora=lora,
     )
 
 
@@ -302,5 +316,7 @@ def _kv_block_size(config: ModelConfig, backend: AttentionBackend, task: TaskSpe
         try:
             backend.check_block_size(block_size, device)
         except ValueError as exc:
-            raise ConfigError(f"--kv-block-size {block_size}: {exc}; leave it unset for the backend's default") from None
+            raise ConfigError(
+                f"--kv-block-size {block_size}: {exc}; leave it unset for the backend's default"
+            ) from None
     return block_size

@@ -61,7 +61,11 @@ class MultiVectorFiles:
     mask: dict | None = None
 
 
-SENTENCE_TRANSFORMER, SPARSE_ENCODER, MULTI_VECTOR_ENCODER = "SentenceTransformer", "SparseEncoder", "MultiVectorEncoder"
+SENTENCE_TRANSFORMER, SPARSE_ENCODER, MULTI_VECTOR_ENCODER = (
+    "SentenceTransformer",
+    "SparseEncoder",
+    "MultiVectorEncoder",
+)
 # A CrossEncoder directory (v6 saves modules.json too) is its *ForSequenceClassification checkpoint.
 CROSS_ENCODER = "CrossEncoder"
 
@@ -172,10 +176,15 @@ def _check_arrangement(model_type: str, kinds: list[str], modules_path: Path) ->
     ranked = [kind for kind in kinds[1:] if not (model_type == MULTI_VECTOR_ENCODER and kind == "MultiVectorMask")]
     rank = [order.index(kind) if kind in order else -1 for kind in ranked]
     ok = (
-        bool(kinds) and kinds[0] in ("Transformer", "MLMTransformer") and -1 not in rank and rank == sorted(rank)
+        bool(kinds)
+        and kinds[0] in ("Transformer", "MLMTransformer")
+        and -1 not in rank
+        and rank == sorted(rank)
         and (model_type != SENTENCE_TRANSFORMER or not rank or rank[0] == 0)  # Dense/Normalize need a Pooling first
         and (model_type != SPARSE_ENCODER or rank == [0])
-        and kinds.count("Pooling") <= 1 and kinds.count("Normalize") <= 1 and kinds.count("MultiVectorMask") <= 1
+        and kinds.count("Pooling") <= 1
+        and kinds.count("Normalize") <= 1
+        and kinds.count("MultiVectorMask") <= 1
     )
     if not ok:
         raise ConfigError(

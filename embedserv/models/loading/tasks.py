@@ -148,12 +148,18 @@ def rerank_activation(model_dir: Path, hf_config, num_labels: int) -> Activation
         return default
     name = path.rsplit(".", 1)[-1]
     if name not in _ACTIVATIONS:
-        raise ConfigError(f"{model_dir}: CrossEncoder activation {path} is not supported; supported: {', '.join(_ACTIVATIONS)}")
+        raise ConfigError(
+            f"{model_dir}: CrossEncoder activation {path} is not supported; supported: {', '.join(_ACTIVATIONS)}"
+        )
     return _ACTIVATIONS[name]
 
 
 def read_task_spec(
-    model_dir: Path, hf_config, family: Family, is_causal: bool, decoder_reranker: bool | None,
+    model_dir: Path,
+    hf_config,
+    family: Family,
+    is_causal: bool,
+    decoder_reranker: bool | None,
     has_lm_head: bool = False,
 ) -> TaskSpec:
     architecture = architecture_of(hf_config)
@@ -190,9 +196,11 @@ def _seq2seq_task_spec(model_dir: Path, hf_config, family: Family, decoder_reran
     if architecture in family.classifiers:
         labels = _labels(hf_config)
         return TaskSpec(
-            tasks=(Task.CLASSIFY,), labels=labels,
+            tasks=(Task.CLASSIFY,),
+            labels=labels,
             multi_label=getattr(hf_config, "problem_type", None) == "multi_label_classification",
-            decoder_start_token_id=start, prefill_decoder_input="shifted",
+            decoder_start_token_id=start,
+            prefill_decoder_input="shifted",
         )
     if architecture not in SEQ2SEQ_GENERATORS:
         raise ConfigError(
@@ -201,8 +209,11 @@ def _seq2seq_task_spec(model_dir: Path, hf_config, family: Family, decoder_reran
         )
     if is_decoder_reranker(model_dir, architecture, decoder_reranker):
         return TaskSpec(
-            tasks=(Task.RERANK,), rerank_mode=RerankMode.TEMPLATE, template=MONOT5,
-            decoder_start_token_id=start, prefill_decoder_input="start",
+            tasks=(Task.RERANK,),
+            rerank_mode=RerankMode.TEMPLATE,
+            template=MONOT5,
+            decoder_start_token_id=start,
+            prefill_decoder_input="start",
         )
     return TaskSpec(tasks=(Task.GENERATE,), decoder_start_token_id=start)
 

@@ -74,8 +74,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         engine = self._engine(request.model, call)
         texts = self.frontend.check_inputs(request.inputs)
         params = EmbedParams(
-            truncate=truncate_of(request), truncation_direction=direction(request.truncation_direction),
-            prompt_name=request.prompt_name or None, outputs=(EmbedOutput.SPARSE,),
+            truncate=truncate_of(request),
+            truncation_direction=direction(request.truncation_direction),
+            prompt_name=request.prompt_name or None,
+            outputs=(EmbedOutput.SPARSE,),
             sparse_top_k=request.top_k if request.HasField("top_k") else None,
         )
         with self.frontend.limiter.hold(len(texts)):
@@ -196,7 +198,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         call.answered(len(texts), result.prompt_tokens, result.timing)
         classifications = [
             pb.Classification(
-                scores=[pb.LabelScore(label=label, score=score) for label, score in zip(result.labels, row, strict=True)],
+                scores=[
+                    pb.LabelScore(label=label, score=score) for label, score in zip(result.labels, row, strict=True)
+                ],
                 label=result.labels[best],
                 score=row[best],
             )

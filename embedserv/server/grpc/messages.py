@@ -100,10 +100,12 @@ def chunks_messages(
     if result.chunks is None:
         return []
     return [
-        pb.InputChunks(chunks=[
-            pb.Chunk(start=start, end=end, embedding=embedding)
-            for (start, end), embedding in zip(spans, embeddings(rows), strict=True)
-        ])
+        pb.InputChunks(
+            chunks=[
+                pb.Chunk(start=start, end=end, embedding=embedding)
+                for (start, end), embedding in zip(spans, embeddings(rows), strict=True)
+            ]
+        )
         for spans, rows in result.chunks
     ]
 
@@ -256,7 +258,9 @@ def model_info(info: ModelInfo, kv_cache: KvCacheUsage | None = None, image_limi
         kv_sharing=pb.KvSharing(
             shared_layers=[pb.KvSharing.SharedLayer(layer=a, source_layer=b) for a, b in info.kv_shared_layers],
             fast_prefill=info.kv_sharing_fast_prefill,
-        ) if info.kv_shared_layers else None,
+        )
+        if info.kv_shared_layers
+        else None,
         outputs=[_OUTPUT_ENUMS[o] for o in info.outputs],
         sparse_dimension=info.sparse_dimension,
         multi_vector_dimension=info.multi_vector_dimension,

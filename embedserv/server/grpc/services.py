@@ -22,7 +22,9 @@ def add_services(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (
-            service, *tei_services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            service,
+            *tei_services,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
             reflection.SERVICE_NAME,
         ),
         server,

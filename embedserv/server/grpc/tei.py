@@ -75,7 +75,9 @@ def metadata(chars: int, tokens: int, timing: Timing) -> pb.Metadata:
 
 
 _MODEL_TYPES = {
-    "reranker": pb.MODEL_TYPE_RERANKER, "classifier": pb.MODEL_TYPE_CLASSIFIER, "embedding": pb.MODEL_TYPE_EMBEDDING,
+    "reranker": pb.MODEL_TYPE_RERANKER,
+    "classifier": pb.MODEL_TYPE_CLASSIFIER,
+    "embedding": pb.MODEL_TYPE_EMBEDDING,
 }
 
 

@@ -99,7 +99,9 @@ def error_body(style: str, status: int, message: str, param: str | None = None, 
     openai_type, tei_type = _KINDS.get(status, ("invalid_request_error" if status < 500 else "server_error", "backend"))
     if style == TEI:
         return {"error": message, "error_type": tei_type}
-    return {"error": {"message": message, "type": openai_type, "param": param, "code": code or _OPENAI_CODES.get(status)}}
+    return {
+        "error": {"message": message, "type": openai_type, "param": param, "code": code or _OPENAI_CODES.get(status)}
+    }
 
 
 def error_response(style: str, status: int, message: str, param: str | None = None, code: str | None = None) -> JSON:
@@ -119,7 +121,12 @@ _SHAPES = {
     "inputs": "inputs must be a string, a list of strings, a list of token ids or a list of lists of token ids",
 }
 _JSON_TYPES = {
-    str: "a string", bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object",
+    str: "a string",
+    bool: "a boolean",
+    int: "a number",
+    float: "a number",
+    list: "a list",
+    dict: "an object",
 }
 
 

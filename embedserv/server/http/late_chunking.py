@@ -45,8 +45,14 @@ def chunk_items(result: EmbedResult, vectors: list) -> list[dict]:
     items = []
     placed = ((index, span) for index, (spans, _) in enumerate(result.chunks) for span in spans)
     for position, ((input_index, (start, end)), vector) in enumerate(zip(placed, vectors, strict=True)):
-        items.append({
-            "object": "embedding", "index": position, "embedding": vector, "input_index": input_index,
-            "start": start, "end": end,
-        })
+        items.append(
+            {
+                "object": "embedding",
+                "index": position,
+                "embedding": vector,
+                "input_index": input_index,
+                "start": start,
+                "end": end,
+            }
+        )
     return items

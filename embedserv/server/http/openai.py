@@ -68,7 +68,9 @@ class EmbeddingsBody(Body):
     truncate: StrictBool | None = Field(
         None, description="Extension: cut inputs past the model's limit instead of refusing (unset: --auto-truncate)."
     )
-    prompt_name: str | None = Field(None, description="Extension: a prompt of the model's sentence-transformers config.")
+    prompt_name: str | None = Field(
+        None, description="Extension: a prompt of the model's sentence-transformers config."
+    )
     task: str | None = Field(
         None,
         description="Extension: the task adapter to run with (the model's adapters, e.g. jina-embeddings-v3's "
@@ -221,7 +223,7 @@ async def _in_slices(frontend: Frontend, inputs: list, embed: Callable, params: 
         raise InvalidInput(f"late_chunking.spans has {len(spans)} entries for {len(inputs)} inputs; give one per input")
     results = []
     for start in range(0, len(inputs), size):
-        part = inputs[start:start + size]
+        part = inputs[start : start + size]
         with frontend.limiter.hold(len(part)):
             results.append(await embed(part, _slice_of(params, start, start + size)))
     if len(results) == 1:
@@ -233,9 +235,13 @@ async def _in_slices(frontend: Frontend, inputs: list, embed: Callable, params: 
 
     timing = Timing.summed([r.timing for r in results])
     return replace(
-        first, embeddings=None if first.embeddings is None else np.concatenate([r.embeddings for r in results]),
-        prompt_tokens=sum(r.prompt_tokens for r in results), timing=timing, sparse=joined("sparse"),
-        multi_vectors=joined("multi_vectors"), chunks=joined("chunks"),
+        first,
+        embeddings=None if first.embeddings is None else np.concatenate([r.embeddings for r in results]),
+        prompt_tokens=sum(r.prompt_tokens for r in results),
+        timing=timing,
+        sparse=joined("sparse"),
+        multi_vectors=joined("multi_vectors"),
+        chunks=joined("chunks"),
     )
 
 
@@ -282,4 +288,3 @@ async def list_models(request: Request):
 @router.get("/v1/models/{model:path}", tags=["OpenAI"])
 async def retrieve_model(request: Request, model: str):
     return JSON(model_card(frontend_of(request).models.get(model).info))
-

@@ -33,10 +33,24 @@ from embedserv.server.http.error_responses import JSON, error_body, message_of, 
 from embedserv.types import FinishReason, GenerationDelta, SamplingParams
 
 router = APIRouter()
-_FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "abort"}
+_FINISH = {
+    FinishReason.EOS: "stop",
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.CANCELLED: "abort",
+}
 _UNSUPPORTED = {
-    "n": 1, "echo": False, "logprobs": None, "top_logprobs": None, "best_of": 1, "suffix": None,
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "tools": None, "functions": None,
+    "n": 1,
+    "echo": False,
+    "logprobs": None,
+    "top_logprobs": None,
+    "best_of": 1,
+    "suffix": None,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "logit_bias": None,
+    "tools": None,
+    "functions": None,
 }
 
 
@@ -66,8 +80,13 @@ class SamplingBody(Body):
         refuse_unsupported(self, _UNSUPPORTED)
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
-            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=stop,
+            ignore_eos=self.ignore_eos,
         )
 
 
@@ -168,8 +187,14 @@ async def _merged(runs: list[_Run]) -> AsyncIterator[tuple[int, GenerationDelta]
 
 
 async def _generate(
-    request: Request, engine: Engine, prompts: list, params: SamplingParams, stream: bool, kind: str,
-    include_usage: bool, add_special_tokens: bool = True,
+    request: Request,
+    engine: Engine,
+    prompts: list,
+    params: SamplingParams,
+    stream: bool,
+    kind: str,
+    include_usage: bool,
+    add_special_tokens: bool = True,
 ):
     frontend = frontend_of(request)
     call = call_of(request)
@@ -259,7 +284,12 @@ class _Chunks:
     def whole(self) -> dict:
         if self.chat:
             choices = [
-                {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": None}
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": finish,
+                    "logprobs": None,
+                }
                 for i, (text, finish) in enumerate(zip(self.texts, self.finish, strict=True))
             ]
             return {**self._head("chat.completion"), "choices": choices, "usage": self.usage()}
@@ -308,7 +338,7 @@ async def chat_completions(request: Request, body: ChatBody):
     frontend = frontend_of(request)
     engine = engine_named(request, body.model)
     if body.response_format not in (None, {"type": "text"}):
-        raise InvalidInput("response_format other than {\"type\": \"text\"} is not supported by this server")
+        raise InvalidInput('response_format other than {"type": "text"} is not supported by this server')
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = body.sampling(max_tokens)
     prompt = await engine.tokens.chat_prompt(_message_dicts(body, frontend.check_chars))

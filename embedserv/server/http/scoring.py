@@ -107,7 +107,10 @@ async def _documents_rerank(request: Request, body: RerankRequest) -> JSON:
     documents = [d if isinstance(d, str) else d.text for d in body.documents]
     frontend_of(request).check_inputs(documents, "documents")
     params = RerankParams(
-        top_n=body.top_n or None, raw_scores=body.raw_scores, truncate=body.truncate, instruction=body.instruction,
+        top_n=body.top_n or None,
+        raw_scores=body.raw_scores,
+        truncate=body.truncate,
+        instruction=body.instruction,
         chunking=body.chunking == "max",
     )
     result = await rerank_documents(request, engine, body.query, documents, params)
@@ -117,12 +120,14 @@ async def _documents_rerank(request: Request, body: RerankRequest) -> JSON:
         if body.return_documents:
             item["document"] = {"text": documents[ranked.index]}
         results.append(item)
-    return JSON({
-        "id": f"rerank-{call_of(request).request_id}",
-        "model": engine.info.name,
-        "results": results,
-        "usage": usage(result.prompt_tokens),
-    })
+    return JSON(
+        {
+            "id": f"rerank-{call_of(request).request_id}",
+            "model": engine.info.name,
+            "results": results,
+            "usage": usage(result.prompt_tokens),
+        }
+    )
 
 
 async def _tei_rerank(request: Request, body: TeiRerankRequest) -> JSON:
@@ -207,16 +212,20 @@ async def classify(request: Request, body: ClassifyRequest):
     labels = result.labels
     data = [
         {"index": index, "label": labels[best], "probs": row, "num_classes": len(labels)}
-        for index, (row, best) in enumerate(zip(result.scores.tolist(), result.scores.argmax(axis=1).tolist(), strict=True))
+        for index, (row, best) in enumerate(
+            zip(result.scores.tolist(), result.scores.argmax(axis=1).tolist(), strict=True)
+        )
     ]
-    return JSON({
-        "id": f"classify-{call_of(request).request_id}",
-        "object": "list",
-        "created": int(time.time()),
-        "model": engine.info.name,
-        "data": data,
-        "usage": usage(result.prompt_tokens, completion=True),
-    })
+    return JSON(
+        {
+            "id": f"classify-{call_of(request).request_id}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": engine.info.name,
+            "data": data,
+            "usage": usage(result.prompt_tokens, completion=True),
+        }
+    )
 
 
 def _pairs(body: ScoreRequest) -> list[tuple[str, str]]:
@@ -249,11 +258,13 @@ async def score(request: Request, body: ScoreRequest):
             engine, pairs, RerankParams(raw_scores=body.raw_scores, truncate=body.truncate)
         )
     call_of(request).answered(len(pairs), tokens, timing)
-    return JSON({
-        "id": f"score-{call_of(request).request_id}",
-        "object": "list",
-        "created": int(time.time()),
-        "model": engine.info.name,
-        "data": [{"index": index, "object": "score", "score": value} for index, value in enumerate(scores)],
-        "usage": usage(tokens, completion=True),
-    })
+    return JSON(
+        {
+            "id": f"score-{call_of(request).request_id}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": engine.info.name,
+            "data": [{"index": index, "object": "score", "score": value} for index, value in enumerate(scores)],
+            "usage": usage(tokens, completion=True),
+        }
+    )

@@ -110,7 +110,9 @@ def _in_input_order(
 
 def _text_params(body: TeiEmbedAllRequest, output: EmbedOutput) -> EmbedParams:
     return EmbedParams(
-        truncate=body.truncate, truncation_direction=body.truncation_direction, prompt_name=body.prompt_name,
+        truncate=body.truncate,
+        truncation_direction=body.truncation_direction,
+        prompt_name=body.prompt_name,
         outputs=(output,),
     )
 
@@ -139,7 +141,8 @@ async def embed_sparse(request: Request, body: TeiEmbedSparseRequest):
 
     def pick(result: EmbedResult) -> list:
         return [
-            [{"index": i, "value": v} for i, v in zip(s.indices.tolist(), s.values.tolist(), strict=True)] for s in result.sparse
+            [{"index": i, "value": v} for i, v in zip(s.indices.tolist(), s.values.tolist(), strict=True)]
+            for s in result.sparse
         ]
 
     return JSON(_in_input_order(count, parts, pick))
@@ -222,10 +225,12 @@ async def tokenize(request: Request, body: TeiTokenizeRequest):
     with frontend.limiter.hold(len(texts)):
         tokenized = await engine.tokens.tokenize(texts, body.add_special_tokens, body.prompt_name)
     call_of(request).answered(len(texts), sum(len(x.ids) for x in tokenized))
-    return JSON([
-        [token._asdict() for token in tei_tokens(engine, text, body.prompt_name, tokens)]
-        for text, tokens in zip(texts, tokenized, strict=True)
-    ])
+    return JSON(
+        [
+            [token._asdict() for token in tei_tokens(engine, text, body.prompt_name, tokens)]
+            for text, tokens in zip(texts, tokenized, strict=True)
+        ]
+    )
 
 
 @router.post("/decode", response_model=list[str])
@@ -247,7 +252,9 @@ def _model_type(info: ModelInfo) -> dict:
     if kind == "embedding":
         return {"embedding": {"pooling": info.pooling}}
     labels = info.labels or ("LABEL_0",)
-    return {kind: {"id2label": {str(i): x for i, x in enumerate(labels)}, "label2id": {x: i for i, x in enumerate(labels)}}}
+    return {
+        kind: {"id2label": {str(i): x for i, x in enumerate(labels)}, "label2id": {x: i for i, x in enumerate(labels)}}
+    }
 
 
 @router.get("/info", response_model=TeiInfo)
@@ -255,23 +262,25 @@ async def info(request: Request):
     """TEI's Info of the header's model, else of the first served model."""
     engine = _model_engine(request)
     config = frontend_of(request).config
-    return JSON({
-        "model_id": engine.info.name,
-        "model_sha": None,
-        "model_dtype": engine.info.dtype,
-        "served_model_name": engine.info.name,
-        "model_type": _model_type(engine.info),
-        "max_concurrent_requests": config.max_concurrent_requests,
-        "max_input_length": engine.info.max_input_tokens,
-        "max_batch_tokens": engine.config.batch_token_budget,
-        "max_batch_requests": engine.config.max_batch_requests,
-        "max_client_batch_size": config.max_client_batch_size,
-        "auto_truncate": engine.info.auto_truncate,
-        "tokenization_workers": config.tokenizer_threads,
-        "version": embedserv.__version__,
-        "sha": None,
-        "docker_label": None,
-    })
+    return JSON(
+        {
+            "model_id": engine.info.name,
+            "model_sha": None,
+            "model_dtype": engine.info.dtype,
+            "served_model_name": engine.info.name,
+            "model_type": _model_type(engine.info),
+            "max_concurrent_requests": config.max_concurrent_requests,
+            "max_input_length": engine.info.max_input_tokens,
+            "max_batch_tokens": engine.config.batch_token_budget,
+            "max_batch_requests": engine.config.max_batch_requests,
+            "max_client_batch_size": config.max_client_batch_size,
+            "auto_truncate": engine.info.auto_truncate,
+            "tokenization_workers": config.tokenizer_threads,
+            "version": embedserv.__version__,
+            "sha": None,
+            "docker_label": None,
+        }
+    )
 
 
 @router.get(

@@ -27,6 +27,14 @@ from embedserv.engine.inputs.images.pixels import patch_rows, pixel_values, prep
 from embedserv.engine.inputs.images.processing import ImageProcessing, read_image_processing
 
 __all__ = [
-    "MAX_ASPECT_RATIO", "MIN_SIDE", "ImageError", "ImageLimits", "ImageProcessing", "decode_image", "patch_rows",
-    "pixel_values", "prepare_image", "read_image_processing",
+    "MAX_ASPECT_RATIO",
+    "MIN_SIDE",
+    "ImageError",
+    "ImageLimits",
+    "ImageProcessing",
+    "decode_image",
+    "patch_rows",
+    "pixel_values",
+    "prepare_image",
+    "read_image_processing",
 ]

@@ -42,8 +42,10 @@ def decode_image(data: bytes, index: int, limits: ImageLimits) -> Image.Image:
     if ImageFile.LOAD_TRUNCATED_IMAGES:
         raise RuntimeError("PIL.ImageFile.LOAD_TRUNCATED_IMAGES is on: truncated images would decode as grey")
     if len(data) > limits.max_bytes:
-        raise ImageError(f"input {index}: the image has {len(data)} bytes, over this server's limit of "
-                         f"{limits.max_bytes} bytes per image; send a smaller or more compressed image")
+        raise ImageError(
+            f"input {index}: the image has {len(data)} bytes, over this server's limit of "
+            f"{limits.max_bytes} bytes per image; send a smaller or more compressed image"
+        )
     kind = image_format(data)
     if kind is None:
         raise ImageError(f"input {index} is not a PNG, JPEG or WebP image; convert it to one of those formats")
@@ -53,8 +55,10 @@ def decode_image(data: bytes, index: int, limits: ImageLimits) -> Image.Image:
         image.load()
         return to_rgb(image)
     except Exception as e:
-        raise ImageError(f"input {index}: the {kind} image is truncated or corrupt and cannot be decoded ({e}); "
-                         f"send the complete file") from None
+        raise ImageError(
+            f"input {index}: the {kind} image is truncated or corrupt and cannot be decoded ({e}); "
+            f"send the complete file"
+        ) from None
 
 
 def _open(data: bytes, index: int, kind: str, limits: ImageLimits) -> Image.Image:
@@ -62,11 +66,14 @@ def _open(data: bytes, index: int, kind: str, limits: ImageLimits) -> Image.Imag
     try:
         return Image.open(io.BytesIO(data), formats=[kind])
     except Image.DecompressionBombError as e:  # Pillow's own ceiling, twice MAX_IMAGE_PIXELS: its message has the size
-        raise ImageError(f"input {index}: the image has too many pixels ({e}); this server's limit is "
-                         f"{limits.max_pixels} pixels per image; downscale it") from None
+        raise ImageError(
+            f"input {index}: the image has too many pixels ({e}); this server's limit is "
+            f"{limits.max_pixels} pixels per image; downscale it"
+        ) from None
     except Exception as e:
-        raise ImageError(f"input {index}: the {kind} image's header cannot be read ({e}); "
-                         f"send a valid PNG, JPEG or WebP file") from None
+        raise ImageError(
+            f"input {index}: the {kind} image's header cannot be read ({e}); send a valid PNG, JPEG or WebP file"
+        ) from None
 
 
 def _check_size(size: tuple[int, int], index: int, limits: ImageLimits) -> None:
@@ -74,14 +81,19 @@ def _check_size(size: tuple[int, int], index: int, limits: ImageLimits) -> None:
     # Pillow warns above MAX_IMAGE_PIXELS: that is a refusal here too (a warning cannot be caught thread-safely).
     bomb = Image.MAX_IMAGE_PIXELS or width * height
     if width * height > min(limits.max_pixels, bomb):
-        raise ImageError(f"input {index}: the image is {width}x{height} = {width * height} pixels, over this "
-                         f"server's limit of {min(limits.max_pixels, bomb)} pixels per image; downscale it")
+        raise ImageError(
+            f"input {index}: the image is {width}x{height} = {width * height} pixels, over this "
+            f"server's limit of {min(limits.max_pixels, bomb)} pixels per image; downscale it"
+        )
     if min(width, height) < MIN_SIDE:
-        raise ImageError(f"input {index}: the image is {width}x{height} pixels; each side must be at least "
-                         f"{MIN_SIDE} pixels")
+        raise ImageError(
+            f"input {index}: the image is {width}x{height} pixels; each side must be at least {MIN_SIDE} pixels"
+        )
     if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
-        raise ImageError(f"input {index}: the image is {width}x{height} pixels; its longer side may be at most "
-                         f"{MAX_ASPECT_RATIO} times its shorter side; crop or pad it")
+        raise ImageError(
+            f"input {index}: the image is {width}x{height} pixels; its longer side may be at most "
+            f"{MAX_ASPECT_RATIO} times its shorter side; crop or pad it"
+        )
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

@@ -46,8 +46,9 @@ def patch_rows(pixels_chw: np.ndarray, patch_size: int) -> np.ndarray:
     return np.ascontiguousarray(patches.reshape(rows * cols, channels * patch_size * patch_size))
 
 
-def prepare_image(data: bytes, index: int, processing: ImageProcessing,
-                  limits: ImageLimits) -> tuple[np.ndarray, tuple[int, ...]]:
+def prepare_image(
+    data: bytes, index: int, processing: ImageProcessing, limits: ImageLimits
+) -> tuple[np.ndarray, tuple[int, ...]]:
     """Decode and preprocess one input: the rows its vision tower takes ([rows, patch_dim] float32) and its grid
     (CLIP/SigLIP: conv patch rows, see patch_rows; Qwen2-VL and SigLIP2: the processor's own patch rows)."""
     values, grid = pixel_values(decode_image(data, index, limits), processing)
@@ -61,13 +62,13 @@ def center_crop(chw: np.ndarray, height: int, width: int) -> np.ndarray:
     _, orig_h, orig_w = chw.shape
     top, left = (orig_h - height) // 2, (orig_w - width) // 2
     if top >= 0 and left >= 0:
-        return chw[:, top: top + height, left: left + width]
+        return chw[:, top : top + height, left : left + width]
     new_h, new_w = max(height, orig_h), max(width, orig_w)
     padded = np.zeros((chw.shape[0], new_h, new_w), dtype=chw.dtype)
     pad_top, pad_left = math.ceil((new_h - orig_h) / 2), math.ceil((new_w - orig_w) / 2)
-    padded[:, pad_top: pad_top + orig_h, pad_left: pad_left + orig_w] = chw
+    padded[:, pad_top : pad_top + orig_h, pad_left : pad_left + orig_w] = chw
     top, left = top + pad_top, left + pad_left
-    return padded[:, max(0, top): min(new_h, top + height), max(0, left): min(new_w, left + width)]
+    return padded[:, max(0, top) : min(new_h, top + height), max(0, left) : min(new_w, left + width)]
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:

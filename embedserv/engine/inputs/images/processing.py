@@ -23,21 +23,55 @@ QWEN2_VL_MAX_PIXELS = 28 * 28 * 1280
 RESAMPLE_FILTERS = range(6)
 
 _DEFAULTS: dict[str, dict[str, Any]] = {
-    "clip": {"size": {"shortest_edge": 224}, "do_center_crop": True, "crop_size": {"height": 224, "width": 224},
-             "image_mean": CLIP_MEAN, "image_std": CLIP_STD},
-    "siglip": {"size": {"height": 224, "width": 224}, "do_center_crop": False, "crop_size": None,
-               "image_mean": HALF, "image_std": HALF},
-    "qwen2_vl": {"size": {"shortest_edge": QWEN2_VL_MIN_PIXELS, "longest_edge": QWEN2_VL_MAX_PIXELS},
-                 "do_center_crop": False, "crop_size": None, "image_mean": CLIP_MEAN, "image_std": CLIP_STD,
-                 "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2},
+    "clip": {
+        "size": {"shortest_edge": 224},
+        "do_center_crop": True,
+        "crop_size": {"height": 224, "width": 224},
+        "image_mean": CLIP_MEAN,
+        "image_std": CLIP_STD,
+    },
+    "siglip": {
+        "size": {"height": 224, "width": 224},
+        "do_center_crop": False,
+        "crop_size": None,
+        "image_mean": HALF,
+        "image_std": HALF,
+    },
+    "qwen2_vl": {
+        "size": {"shortest_edge": QWEN2_VL_MIN_PIXELS, "longest_edge": QWEN2_VL_MAX_PIXELS},
+        "do_center_crop": False,
+        "crop_size": None,
+        "image_mean": CLIP_MEAN,
+        "image_std": CLIP_STD,
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+    },
     "siglip2": {"resample": 2, "image_mean": HALF, "image_std": HALF, "patch_size": 16, "max_num_patches": 256},
 }
-_TYPES = {"CLIPImageProcessor": "clip", "CLIPFeatureExtractor": "clip", "SiglipImageProcessor": "siglip",
-          "Qwen2VLImageProcessor": "qwen2_vl", "Siglip2ImageProcessor": "siglip2"}
+_TYPES = {
+    "CLIPImageProcessor": "clip",
+    "CLIPFeatureExtractor": "clip",
+    "SiglipImageProcessor": "siglip",
+    "Qwen2VLImageProcessor": "qwen2_vl",
+    "Siglip2ImageProcessor": "siglip2",
+}
 # Keys that change nothing in the pixel values of one RGB image.
-_INERT = {"image_processor_type", "feature_extractor_type", "processor_class", "default_to_square", "do_pad",
-          "pad_size", "return_tensors", "data_format", "input_data_format", "device", "disable_grouping",
-          "image_seq_length", "return_row_col_info"}
+_INERT = {
+    "image_processor_type",
+    "feature_extractor_type",
+    "processor_class",
+    "default_to_square",
+    "do_pad",
+    "pad_size",
+    "return_tensors",
+    "data_format",
+    "input_data_format",
+    "device",
+    "disable_grouping",
+    "image_seq_length",
+    "return_row_col_info",
+}
 
 
 @dataclass(frozen=True)
@@ -90,8 +124,16 @@ def processing_from_dict(raw: dict[str, Any], path: Path | str, model_patch: int
     if kind == "siglip2":
         if not get.flag("do_resize", True):
             raise ValueError(f"{path}: do_resize false is not supported for SigLIP2 (max_num_patches would not hold)")
-        return ImageProcessing("siglip2", None, get.resample(), None, get.rescale(), *get.normalize(),
-                               patch_size=patch, max_num_patches=get.number("max_num_patches"))
+        return ImageProcessing(
+            "siglip2",
+            None,
+            get.resample(),
+            None,
+            get.rescale(),
+            *get.normalize(),
+            patch_size=patch,
+            max_num_patches=get.number("max_num_patches"),
+        )
     resize = _resize_rule(get, path) if get.flag("do_resize", True) else None
     crop = _size_pair(get.required("crop_size"), path, "crop_size") if get.flag("do_center_crop") else None
     return ImageProcessing("chw", resize, get.resample(), crop, get.rescale(), *get.normalize(), patch_size=patch)
@@ -99,8 +141,10 @@ def processing_from_dict(raw: dict[str, Any], path: Path | str, model_patch: int
 
 def _qwen2_vl(get: _Getter, path: Path | str, patch: int) -> ImageProcessing:
     if not get.flag("do_resize", True):
-        raise ValueError(f"{path}: do_resize false is not supported for Qwen2-VL (sides must be multiples of "
-                         f"patch_size * merge_size)")
+        raise ValueError(
+            f"{path}: do_resize false is not supported for Qwen2-VL (sides must be multiples of "
+            f"patch_size * merge_size)"
+        )
     size = get.required("size")  # top-level min_pixels / max_pixels win, as in Qwen2VLImageProcessor
     if not isinstance(size, dict):
         raise ValueError(f"{path}: size {size!r} is not supported for Qwen2-VL; give shortest_edge and longest_edge")
@@ -108,9 +152,17 @@ def _qwen2_vl(get: _Getter, path: Path | str, patch: int) -> ImageProcessing:
     high = get.keys.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels") or QWEN2_VL_MAX_PIXELS
     if not (isinstance(low, int) and isinstance(high, int) and 0 < low <= high):
         raise ValueError(f"{path}: min_pixels {low} / max_pixels {high} must satisfy 0 < min <= max")
-    return ImageProcessing("qwen2_vl", ("pixels", low, high), get.resample(), None, get.rescale(),
-                           *get.normalize(), patch_size=patch,
-                           temporal_patch_size=get.number("temporal_patch_size"), merge_size=get.number("merge_size"))
+    return ImageProcessing(
+        "qwen2_vl",
+        ("pixels", low, high),
+        get.resample(),
+        None,
+        get.rescale(),
+        *get.normalize(),
+        patch_size=patch,
+        temporal_patch_size=get.number("temporal_patch_size"),
+        merge_size=get.number("merge_size"),
+    )
 
 
 def _resize_rule(get: _Getter, path: Path | str) -> tuple[str, ...]:
@@ -129,8 +181,9 @@ def _resize_rule(get: _Getter, path: Path | str) -> tuple[str, ...]:
         return ("shortest_edge", int(size["shortest_edge"]))
     if set(size) == {"height", "width"}:
         return ("fixed", int(size["height"]), int(size["width"]))
-    raise ValueError(f"{path}: size {size!r} is not supported; use shortest_edge (optionally with longest_edge) "
-                     f"or height and width")
+    raise ValueError(
+        f"{path}: size {size!r} is not supported; use shortest_edge (optionally with longest_edge) or height and width"
+    )
 
 
 def _size_pair(size: Any, path: Path | str, key: str) -> tuple[int, int]:
@@ -144,9 +197,25 @@ def _size_pair(size: Any, path: Path | str, key: str) -> tuple[int, int]:
 
 
 def _refuse_unknown(keys: dict[str, Any], path: Path | str, kind: str) -> None:
-    known = _INERT | set(_DEFAULTS[kind]) | {
-        "do_resize", "size", "resample", "do_center_crop", "crop_size", "do_rescale", "rescale_factor",
-        "do_normalize", "image_mean", "image_std", "do_convert_rgb", "use_square_size", "patch_size"}
+    known = (
+        _INERT
+        | set(_DEFAULTS[kind])
+        | {
+            "do_resize",
+            "size",
+            "resample",
+            "do_center_crop",
+            "crop_size",
+            "do_rescale",
+            "rescale_factor",
+            "do_normalize",
+            "image_mean",
+            "image_std",
+            "do_convert_rgb",
+            "use_square_size",
+            "patch_size",
+        }
+    )
     if kind == "qwen2_vl":
         known |= {"min_pixels", "max_pixels"}
     for key, value in keys.items():

@@ -15,7 +15,7 @@ HTTP_PORT ?= 8000
 METRICS_PORT ?= 9090
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-all proto models-doc bench clean
+.PHONY: serve test test-all lint format proto models-doc bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,21 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 $(VENV)/.installed-test: pyproject.toml clients/python/pyproject.toml $(VENV)/.torch
 	$(BIN)/pip install -e '.[test]' -e clients/python
 	touch $@ $(VENV)/.installed
+
+$(VENV)/.installed-lint: pyproject.toml $(VENV)/.installed-test
+	$(BIN)/pip install -e '.[lint]'
+	touch $@
+
+# ruff (lint and format, configured in pyproject.toml) on the whole tree; mypy on the torch-free core.
+lint: $(VENV)/.installed-lint
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+# Fixes what ruff can fix by itself and formats the tree.
+format: $(VENV)/.installed-lint
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 serve: $(VENV)/.installed
 	$(BIN)/embedserv serve --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT) \

@@ -143,8 +143,8 @@ def main() -> None:
     rates = matmul_rates(shapes, args.repeats)
 
     print(
-        "\n| precision | tokens/s | linears' GFLOP/s | machine's rate, same shapes | share | time in linears | attention "
-        "| int8 steps | other |"
+        "\n| precision | tokens/s | linears' GFLOP/s | machine's rate, same shapes | share | time in linears "
+        "| attention | int8 steps | other |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for precision, rate, groups, _ in rows:
@@ -178,7 +178,8 @@ def main() -> None:
         seconds, tokens, engine = run_engine(args.model, texts, args.repeats, max_batch_tokens=int(budget))
         engine.__exit__(None, None, None)
         print(
-            f"| {budget}{' (default here)' if int(budget) == cpu_isa.cpu_batch_tokens() else ''} | {tokens / seconds:.0f} |"
+            f"| {budget}{' (default here)' if int(budget) == cpu_isa.cpu_batch_tokens() else ''} "
+            f"| {tokens / seconds:.0f} |"
         )
 
 

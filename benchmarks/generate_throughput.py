@@ -158,7 +158,8 @@ def main() -> None:
     print(f"\n{cpu_isa.detect().summary()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"{args.max_tokens} new tokens per stream; best of {args.repeats}\n")
     print(
-        "| dtype | streams | transformers tok/s | embedserv tok/s | speed-up | transformers TTFT ms | embedserv TTFT ms |"
+        "| dtype | streams | transformers tok/s | embedserv tok/s | speed-up | transformers TTFT ms "
+        "| embedserv TTFT ms |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for dtype, streams, ours, theirs in rows:

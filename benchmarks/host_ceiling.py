@@ -128,8 +128,13 @@ def render(results: dict[str, dict]) -> str:
             per_1k = one.client_cpu_s / len(one.latencies) * 1000
             lines.append(f"| {label} | {protocol} | {one.texts_per_s:,.0f} | {one.percentile_ms(50):.1f} | "
                          f"{one.percentile_ms(99):.1f} | {many.texts_per_s:,.0f} | {per_1k:.2f} |")  # fmt: skip
-    timing = ["", "gRPC, 1 text per call: the server's Timing against the client's wall time (means, ms)", "",
-              "| server | client wall | server total | tokenization | queue | inference |", "|---|---|---|---|---|---|"]  # fmt: skip
+    timing = [
+        "",
+        "gRPC, 1 text per call: the server's Timing against the client's wall time (means, ms)",
+        "",
+        "| server | client wall | server total | tokenization | queue | inference |",
+        "|---|---|---|---|---|---|",
+    ]
     for label, rows in results.items():
         one = rows.get(("grpc", "1 text"))
         if one is not None and one.timing_us:
@@ -138,8 +143,13 @@ def render(results: dict[str, dict]) -> str:
             wall = sum(one.latencies) / n * 1e3
             timing.append(f"| {label} | {wall:.2f} | {t['total']:.2f} | {t['tokenization']:.2f} | {t['queue']:.2f} | "
                           f"{t['inference']:.2f} |")  # fmt: skip
-    roles = ["", "1 text per call: server CPU ms per call by process (all passes, warm-up included)", "",
-             "| server | protocol | engine / server process | front ends | workers | all |", "|---|---|---|---|---|---|"]  # fmt: skip
+    roles = [
+        "",
+        "1 text per call: server CPU ms per call by process (all passes, warm-up included)",
+        "",
+        "| server | protocol | engine / server process | front ends | workers | all |",
+        "|---|---|---|---|---|---|",
+    ]
     for label, rows in results.items():
         for protocol in ("grpc", "http"):
             one = rows.get((protocol, "1 text"))

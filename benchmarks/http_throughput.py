@@ -203,7 +203,8 @@ def infinity_server(binary: str, model: str):
 
 def table(title: str, best: dict, rows: list[str], texts: int, tokens: int) -> None:
     print(
-        f"\n{title}\n\n| client | texts/s | tokens/s | p50 ms | p99 ms | vs gRPC bytes |\n|---|---:|---:|---:|---:|---:|"
+        f"\n{title}\n\n| client | texts/s | tokens/s | p50 ms | p99 ms | vs gRPC bytes |"
+        "\n|---|---:|---:|---:|---:|---:|"
     )
     base = texts / best[rows[0]][0]
     for name in rows:

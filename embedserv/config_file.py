@@ -20,6 +20,7 @@ import re
 import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -243,11 +244,11 @@ def assemble(
             _relabelled(functools.partial(_model, {"path": p, "served_name": n}, defaults, model_flags), from_defaults)
             for p, n in zip(paths, served_names(paths, names), strict=True)
         ]
-    settings = {**file.server, **server_flags}
+    settings: dict[str, Any] = {**file.server, **server_flags}
     return _relabelled(lambda: ServerConfig(models=tuple(models), **settings), from_server, file.path or None)
 
 
-def _model(entry: dict[str, object], defaults: dict[str, object], flags: dict[str, object]) -> ModelConfig:
+def _model(entry: dict[str, Any], defaults: dict[str, Any], flags: dict[str, Any]) -> ModelConfig:
     options = {**defaults, **flags, **entry}
     if "served_name" not in options:
         options["served_name"] = default_served_name(str(options["path"]))

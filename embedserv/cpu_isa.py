@@ -69,7 +69,8 @@ class CpuIsa:
     def summary(self) -> str:
         present = [flag for flag in _NAMED_FLAGS if flag in self.flags]
         bf16 = "native bf16" if self.native_bf16 else "bf16 emulated"
-        return f"{self.model_name}: {' '.join(present) or 'no AVX2'} ({bf16}, int8 {'VNNI' if self.vnni else 'without VNNI'})"
+        int8 = "VNNI" if self.vnni else "without VNNI"
+        return f"{self.model_name}: {' '.join(present) or 'no AVX2'} ({bf16}, int8 {int8})"
 
 
 def _read_cpuinfo(path: Path = Path("/proc/cpuinfo")) -> CpuIsa:

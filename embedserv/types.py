@@ -3,7 +3,7 @@ steps.py). Plain dataclasses and enums, no torch (a test enforces it)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -263,14 +263,20 @@ class Timing:
     @staticmethod
     def longest(timings: list[Timing]) -> Timing:
         """The timing of passes that ran at once: each part as long as the longest."""
-        parts = (max(getattr(t, name) for t in timings) for name in _TIMING_PARTS)
-        return Timing(*parts, runs=tuple(run for t in timings for run in t.runs))
+        return Timing._combined(timings, max)
 
     @staticmethod
     def summed(timings: list[Timing]) -> Timing:
         """The timing of passes that ran one after another: each part the sum."""
-        parts = (sum(getattr(t, name) for t in timings) for name in _TIMING_PARTS)
-        return Timing(*parts, runs=tuple(run for t in timings for run in t.runs))
+        return Timing._combined(timings, sum)
+
+    @staticmethod
+    def _combined(timings: list[Timing], combine: Callable[[Iterable[int]], int]) -> Timing:
+        def part(name: str) -> int:
+            return combine(getattr(t, name) for t in timings)
+
+        runs = tuple(run for t in timings for run in t.runs)
+        return Timing(part("queue_us"), part("tokenization_us"), part("inference_us"), part("total_us"), runs)
 
 
 @dataclass(frozen=True)

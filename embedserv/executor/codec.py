@@ -64,7 +64,7 @@ class Codec:
             if array.dtype.str not in _DTYPES:
                 raise TypeError(f"arrays of dtype {obj.dtype} cannot be sent")
             # A flat byte view: zmq sends it without copying, and it also works for zero-size arrays.
-            buffers.append(memoryview(array.reshape(-1).view(np.uint8)))
+            buffers.append(array.reshape(-1).view(np.uint8).data)
             return _ArraySpec(array.dtype.str, array.shape, len(buffers))
 
         header = msgspec.msgpack.encode((name, message), enc_hook=array_to_spec)
@@ -103,7 +103,7 @@ class Codec:
                 raise ValueError(f"array frame {spec.frame} is out of order (expected {used})")
             return _array(spec, buffers[spec.frame])
 
-        message = msgspec.msgpack.decode(fields, type=cls, dec_hook=spec_to_array)
+        message: object = msgspec.msgpack.decode(fields, type=cls, dec_hook=spec_to_array)
         if used != len(buffers) - 1:
             raise ValueError(f"{len(buffers) - 1} array frames, but the header lists {used}")
         return message

@@ -1,8 +1,8 @@
 """The messages between the engine and a worker process, all sent through one codec (codec.py). No pickle.
 
-engine -> worker: RunStep (a whole StepBatch: prefill-only work) or RunGenerationStep (a generation step as
-a StepDelta against the worker's running batch, executor/step_delta.py). worker -> engine: StepDone or StepFailed per step, Ready once loaded, LoadFailed
-when it cannot load.
+engine -> worker: RunStep (a whole StepBatch: prefill-only work) or RunGenerationStep (a generation step as a
+StepDelta against the worker's running batch, executor/step_delta.py). worker -> engine: StepDone or StepFailed per
+step, Ready once loaded, LoadFailed when it cannot load.
 """
 
 from __future__ import annotations

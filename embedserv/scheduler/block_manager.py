@@ -171,7 +171,10 @@ class BlockManager:
             block_id = self._plain_free.popleft()
         else:
             block_id, _ = self._cached_free.popitem(last=False)
-            del self._hash_to_block[self._block_hashes[block_id]]
+            block_hash = self._block_hashes[block_id]
+            if block_hash is None:
+                raise AssertionError("a cached free block has no hash")
+            del self._hash_to_block[block_hash]
             self._block_hashes[block_id] = None
         self._ref_counts[block_id] = 1
         return block_id

@@ -78,7 +78,9 @@ class Request:
 
     @property
     def max_tokens(self) -> int:
-        return self.sampling.max_tokens if self.sampling is not None else 0
+        if self.sampling is None or self.sampling.max_tokens is None:
+            return 0
+        return self.sampling.max_tokens
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output."""

@@ -1,10 +1,10 @@
 """One call from start to end: its request id, the status it ends with, its metrics and its log line.
 
-`Call` is the same for every protocol (the HTTP face makes its own in http/edge.py). gRPC handlers are wrapped by `unary_call` or `stream_call`. The wrapper gives the call an id (the client's
-`x-request-id` metadata, or a new one), returns it as trailing metadata `x-request-id`, and turns every
-way a call can end into one status code: OK, an embedserv error's code, INTERNAL for a bug (logged with
-its traceback), and CANCELLED or DEADLINE_EXCEEDED when gRPC cancels the handler because the client
-went away or its deadline passed. The server never dies on a request.
+`Call` is the same for every protocol (the HTTP face makes its own in http/edge.py). gRPC handlers are wrapped by
+`unary_call` or `stream_call`. The wrapper gives the call an id (the client's `x-request-id` metadata, or a new
+one), returns it as trailing metadata `x-request-id`, and turns every way a call can end into one status code: OK,
+an embedserv error's code, INTERNAL for a bug (logged with its traceback), and CANCELLED or DEADLINE_EXCEEDED when
+gRPC cancels the handler because the client went away or its deadline passed. The server never dies on a request.
 """
 
 from __future__ import annotations

@@ -103,9 +103,9 @@ def _server_log(path: Path, log_format: str, level: str) -> Iterator[None]:
 def in_process_config(
     args: list[str], host: str = "127.0.0.1", port: int = 0
 ) -> tuple[ServerConfig, argparse.Namespace]:
-    """ServerConfig and the parsed flags (--log-level, --log-format) from `embedserv serve` flags, through the CLI's parser and config
-    loader. As launched_server does, HTTP is off unless `args` give --http-port, and warm-up is off unless
-    they give --warm-up; port 0 takes a free port at bind time (OneProcessServer.port)."""
+    """ServerConfig and the parsed flags (--log-level, --log-format) from `embedserv serve` flags, through the CLI's
+    parser and config loader. As launched_server does, HTTP is off unless `args` give --http-port, and warm-up is
+    off unless they give --warm-up; port 0 takes a free port at bind time (OneProcessServer.port)."""
     http = [] if "--http-port" in args else ["--http-port", "0"]
     warm = [] if "--warm-up" in args else ["--no-warm-up"]
     parsed = build_parser().parse_args(["serve", "--host", host, "--port", str(port), *http, *warm, *args])

@@ -15,11 +15,15 @@ import json
 import os
 import signal
 import sys
+from typing import cast
+
+import numpy as np
 
 from embedserv_client.client import Client
+from embedserv_client.late_chunks import TextChunks
 from embedserv_client.options import Tls
 from embedserv_client.plans import ENCODINGS
-from embedserv_client.types import EmbedservError
+from embedserv_client.types import Classification, EmbedOutputs, EmbedservError, Token
 
 # 128 + SIGPIPE (13 on every POSIX system; Windows has no SIGPIPE).
 CLOSED_PIPE = 128 + getattr(signal, "SIGPIPE", 13)
@@ -163,6 +167,10 @@ def _read_images(paths: list[str], flag: str) -> list[bytes]:
     return images
 
 
+def _asdict(value: object) -> dict | None:
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type) else None
+
+
 def _tls(args: argparse.Namespace) -> bool | Tls:
     if args.tls_ca or args.tls_cert or args.tls_key:
         return Tls(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
@@ -186,8 +194,9 @@ def _run(client: Client, args: argparse.Namespace) -> tuple[dict, int]:
             task=args.task,
             bypass_cache=args.bypass_cache,
         )
-        scale = {"encoding_scale": result.encoding_scale} if result.encoding_scale else {}
-        return {"embeddings": result.dense.tolist(), **scale}, 0
+        outputs = cast(EmbedOutputs, result)  # outputs= was given
+        scale = {"encoding_scale": outputs.encoding_scale} if outputs.encoding_scale else {}
+        return {"embeddings": np.asarray(outputs.dense).tolist(), **scale}, 0
     if args.command == "embed-chunks":
         found = client.embed_chunks(
             args.texts,
@@ -204,7 +213,7 @@ def _run(client: Client, args: argparse.Namespace) -> tuple[dict, int]:
                     for (s, e), v in zip(c.spans, c.vectors, strict=True)
                 ]
             }
-            for c in found
+            for c in cast(list[TextChunks], found)  # a list of texts gives a list
         ]
         return {"inputs": inputs}, 0
     if args.command == "embed-sparse":
@@ -220,7 +229,8 @@ def _run(client: Client, args: argparse.Namespace) -> tuple[dict, int]:
             hypothesis_template=args.hypothesis_template,
             multi_label=args.multi_label,
         )
-        return {"classifications": [dataclasses.asdict(c) for c in classifications]}, 0
+        found_classes = cast(list[Classification], classifications)  # a list of texts gives a list
+        return {"classifications": [dataclasses.asdict(c) for c in found_classes]}, 0
     if args.command == "generate":
         stream = client.generate(
             args.prompt,
@@ -231,10 +241,11 @@ def _run(client: Client, args: argparse.Namespace) -> tuple[dict, int]:
             decoder_prompt=args.decoder_prompt,
         )
         text = stream.text()
-        return {"text": text, "finish_reason": stream.finish_reason, "usage": dataclasses.asdict(stream.usage)}, 0
+        return {"text": text, "finish_reason": stream.finish_reason, "usage": _asdict(stream.usage)}, 0
     if args.command == "tokenize":
         tokenized = client.tokenize(args.texts)
-        return {"inputs": [[dataclasses.asdict(t) for t in tokens] for tokens in tokenized]}, 0
+        per_text = cast(list[list[Token]], tokenized)  # a list of texts gives a list
+        return {"inputs": [[dataclasses.asdict(t) for t in tokens] for tokens in per_text]}, 0
     if args.command == "models":
         models = [dataclasses.asdict(m) for m in client.models()]
         return {"models": models, "limits": dataclasses.asdict(client.limits())}, 0

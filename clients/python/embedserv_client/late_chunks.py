@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -51,9 +52,9 @@ def prepared(
     """What both clients' embed_chunks send: the texts as a list, whether one string came, the LateChunking
     message and the raw vectors' dtype."""
     items, single = plans.as_list(texts, "texts")
-    if spans is not None and single:
-        spans = [spans]
-    return items, single, late_chunking(splitter, spans, chunk_tokens, overlap_tokens), plans.ENCODINGS[encoding][1]
+    # One text came with its own spans: the per-text list holds them alone.
+    per_text = cast("Sequence[Sequence[tuple[int, int]]]", [spans]) if spans is not None and single else spans
+    return items, single, late_chunking(splitter, per_text, chunk_tokens, overlap_tokens), plans.ENCODINGS[encoding][1]
 
 
 def embed_chunks_plan(texts: list[str], size: int, single: bool, late: pb.LateChunking, dtype: str, **fields) -> Plan:

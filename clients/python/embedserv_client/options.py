@@ -97,7 +97,7 @@ def channel_options(load_balancing: str | None) -> list[tuple[str, object]]:
     if load_balancing:
         # Round robin over every address the name resolves to: one connection per replica behind a
         # headless Service (dns:///name.namespace.svc.cluster.local:50051), calls spread across them.
-        config = {"loadBalancingConfig": [{load_balancing: {}}]}
+        config: dict[str, object] = {"loadBalancingConfig": [{load_balancing: {}}]}
         options.append(("grpc.service_config", json.dumps(config)))
     return options
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -37,7 +37,8 @@ ENCODINGS = {
     "binary": (pb.ENCODING_BINARY, "i1"),
     "ubinary": (pb.ENCODING_UBINARY, "u1"),
 }
-_RAW_DTYPES = {wire: np.dtype(dtype) for wire, dtype in ENCODINGS.values()}
+_RAW_DTYPES: dict[int, np.dtype] = {wire: np.dtype(dtype) for wire, dtype in ENCODINGS.values()}
+T = TypeVar("T")
 _CHUNKING = {"embed": ("mean", pb.CHUNKING_MEAN), "rerank": ("max", pb.CHUNKING_MAX)}
 
 
@@ -49,7 +50,7 @@ class Plan:
     inputs_per_request: int  # the most inputs one request carries (the server's admission counts inputs)
 
 
-def chunks(items: Sequence[str], size: int) -> list[list[str]]:
+def chunks(items: Sequence[T], size: int) -> list[list[T]]:
     """`items` cut into lists of at most `size`; one empty list for no items (the server says why)."""
     if size < 1:
         raise ValueError(f"batch size must be at least 1, not {size}")
@@ -60,7 +61,7 @@ def as_list(texts: str | Sequence[str], what: str) -> tuple[list[str], bool]:
     """The texts as a list, and whether the caller gave one string (and wants one result back)."""
     if isinstance(texts, str):
         return [texts], True
-    if isinstance(texts, bytes):
+    if isinstance(texts, bytes):  # type: ignore[unreachable]  # callers without a type checker pass bytes
         raise TypeError(f"{what} must be str or a sequence of str, not bytes; decode it first")
     if not isinstance(texts, Iterable):
         raise TypeError(f"{what} must be str or a sequence of str, not {type(texts).__name__}")
@@ -182,7 +183,7 @@ def embed_fields(
     task: str | None = None,
     bypass_cache: bool = False,
 ) -> dict:
-    fields = dict(
+    fields: dict[str, Any] = dict(
         model=model,
         truncate=truncate,
         truncation_direction=direction(truncation_direction),
@@ -231,7 +232,7 @@ def rerank_plan(query: str, documents: list, size: int, top_n: int | None, field
     query; scores do not depend on the other documents, so the parts merge by score and the cut to `top_n`
     happens after the merge."""
     parts = chunks(documents, size)
-    requests = [pb.RerankRequest(query=query, **{field: part}, **fields) for part in parts]
+    requests = [pb.RerankRequest(query=query, **_named(field, part), **fields) for part in parts]
     if len(requests) == 1 and top_n is not None:
         requests[0].top_n = top_n
     offsets = np.cumsum([0] + [len(part) for part in parts[:-1]]).tolist()
@@ -305,3 +306,8 @@ def generate_request(
     if seed is not None:
         request.seed = seed
     return request
+
+
+def _named(field: str, value: object) -> dict[str, Any]:
+    """`{field: value}`, for a message field chosen at run time."""
+    return {field: value}

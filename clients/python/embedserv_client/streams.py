@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 import grpc
 
@@ -26,7 +27,7 @@ class _Generation:
         self._start = start  # timeout -> a new Generate call
         self._retry = retry
         self._deadline = deadline
-        self._call = None
+        self._call: Any = None  # the running grpc call (its stub types are not annotated)
         self._cancelled = False
 
     def cancel(self) -> None:

@@ -1,12 +1,12 @@
 """The oracle: one sequence at a time, explicit softmax in float32. Slow, obviously right.
 
-With a paged KV cache each sequence reads all of its keys (context and this step's, just written) out of
-the cache through its own row of the block tables, so the oracle checks the block tables too. Cross
-attention (decoder queries over encoder keys) is the same loop without the causal mask; T5's relative
-position bias is added to each sequence's scores by distance, and a sliding window hides the keys too far
-from a query. DeBERTa's disentangled bias is computed here straight from its definition, gathering each
-pair's position projections (memory Lq * Lk * heads * head_size; the other backends gather scores). Queries are the last len_q of their sequence's len_k positions on every path: KV-free with
-len_q == len_k, KV-free suffix queries (the prefill skip) and paged steps alike.
+With a paged KV cache each sequence reads all of its keys (context and this step's, just written) out of the cache
+through its own row of the block tables, so the oracle checks the block tables too. Cross attention (decoder queries
+over encoder keys) is the same loop without the causal mask; T5's relative position bias is added to each sequence's
+scores by distance, and a sliding window hides the keys too far from a query. DeBERTa's disentangled bias is
+computed here straight from its definition, gathering each pair's position projections (memory Lq * Lk * heads *
+head_size; the other backends gather scores). Queries are the last len_q of their sequence's len_k positions on
+every path: KV-free with len_q == len_k, KV-free suffix queries (the prefill skip) and paged steps alike.
 """
 
 from __future__ import annotations

@@ -10,13 +10,13 @@ KV-free cross-attention (decoder queries over their own encoder's keys, packed a
 by runs of one query length: keys are a view when the run's sequences share a key length too, else (one
 query each, as monoT5 scores) they are gathered, padded to the run's longest, and masked, in one call.
 
-With a paged KV cache, decoding sequences (one query each) go in one padded call over their blocks read
-through their block tables and a mask hiding what lies past each sequence's length: on CPU in float32
-(paged_decode.py) keys gathered a block at a time and values summed straight out of the cache; else whole
-blocks of both gathered (one index per block, not per token) for SDPA, or in bfloat16 two matmuls. Prompt chunks run one call each: a whole prompt attends over its own new keys and
-never reads the cache; a chunk with context reads its blocks. Paged cross-attention reads every key from
-the cache (the step's encoder keys, when given, are written first): the same calls, never causal. All
-of it is planned once per step.
+With a paged KV cache, decoding sequences (one query each) go in one padded call over their blocks read through
+their block tables and a mask hiding what lies past each sequence's length: on CPU in float32 (paged_decode.py) keys
+gathered a block at a time and values summed straight out of the cache; else whole blocks of both gathered (one
+index per block, not per token) for SDPA, or in bfloat16 two matmuls. Prompt chunks run one call each: a whole
+prompt attends over its own new keys and never reads the cache; a chunk with context reads its blocks. Paged
+cross-attention reads every key from the cache (the step's encoder keys, when given, are written first): the same
+calls, never causal. All of it is planned once per step.
 
 Suffix queries (the prefill skip: KV-free, each sequence's last len_q tokens over all its keys) run as
 KV-free cross-attention does, with a mask aligned at the end (causal, window, padded keys) where one is

@@ -17,7 +17,7 @@ import asyncio
 import itertools
 import logging
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field, replace
 
 from embedserv import metrics
@@ -190,6 +190,8 @@ class GenerationStreams:
             self._past_preemptions += self.scheduler.num_preemptions
             self._past_cached_tokens += self.scheduler.num_cached_tokens
         layout = self.worker.kv_cache
+        if layout is None:
+            raise NotReady(f"worker {self.worker.index} of model {self.name} has no KV cache yet")
         self.kv_cache = KvCacheManager(list(layout.groups), layout.num_blocks, self._enable_prefix_caching)
         self.scheduler = GenerationScheduler(self.kv_cache, *self._budgets)
         self._incarnation = self.worker.incarnation
@@ -213,13 +215,19 @@ class GenerationStreams:
             self._fail_streams(self._worker_gone())
             self._reset()
 
+    def _live(self) -> tuple[KvCacheManager, GenerationScheduler]:
+        """The current worker process's cache and scheduler (built once it is ready, see _reset)."""
+        if self.kv_cache is None or self.scheduler is None:
+            raise NotReady(f"worker {self.worker.index} of model {self.name} is not ready yet; retry shortly")
+        return self.kv_cache, self.scheduler
+
     def schedule(self) -> Step | None:
         """The next step; call on a ready worker only."""
         self.follow_worker()
-        batch = self.scheduler.schedule()
+        batch = self._live()[1].schedule()
         return Step(batch, generation=True) if batch is not None else None
 
-    async def stream(self, prompt: PreparedPrompt, params: SamplingParams) -> AsyncIterator[GenerationDelta]:
+    async def stream(self, prompt: PreparedPrompt, params: SamplingParams) -> AsyncGenerator[GenerationDelta, None]:
         """Runs a tokenized prompt (see prepare_prompt) on this worker; yields its deltas."""
         if not self.is_accepting:
             raise NotReady(f"worker {self.worker.index} of model {self.name} is not running; retry shortly")
@@ -230,13 +238,15 @@ class GenerationStreams:
             sampling=params,
             encoder_token_ids=prompt.encoder_token_ids,
         )
-        if params.max_tokens is None:
-            params = replace(params, max_tokens=self._room(request))
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self._room(request)
+            params = replace(params, max_tokens=max_tokens)
             request.sampling = params
-        self._check_fits(request, params.max_tokens)
+        self._check_fits(request, max_tokens)
         stream = _Stream(request, params, prompt.detokenizer)
         self._streams[request.request_id] = stream
-        self.scheduler.add(request)
+        self._live()[1].add(request)
         self._wake()
         try:
             while True:
@@ -256,7 +266,8 @@ class GenerationStreams:
     def _room(self, request: Request) -> int:
         """Tokens a request may generate when it sets no max_tokens: up to the model's context or what one
         stream can hold of the KV cache, whichever is less (at least 1, so that _check_fits explains)."""
-        capacity = self.kv_cache.managers[0].num_blocks * self.kv_cache.block_size
+        kv_cache = self._live()[0]
+        capacity = kv_cache.managers[0].num_blocks * kv_cache.block_size
         return max(1, min(self.max_model_len, capacity) - len(request.prompt_token_ids))
 
     def _check_fits(self, request: Request, max_tokens: int) -> None:
@@ -268,8 +279,9 @@ class GenerationStreams:
                 f"the prompt's {prompt_tokens} tokens plus max_tokens {max_tokens} make {total}, more than the "
                 f"model's context of {limit} tokens; shorten the prompt or lower max_tokens"
             )
-        if not self.scheduler.can_ever_fit(request, total):
-            capacity = self.kv_cache.managers[0].num_blocks * self.kv_cache.block_size
+        kv_cache, scheduler = self._live()
+        if not scheduler.can_ever_fit(request, total):
+            capacity = kv_cache.managers[0].num_blocks * kv_cache.block_size
             raise InvalidInput(
                 f"the prompt's {prompt_tokens} tokens plus max_tokens {max_tokens} need more than this server's "
                 f"KV cache of {capacity} tokens; lower max_tokens or shorten the prompt"
@@ -305,7 +317,7 @@ class GenerationStreams:
         metrics.BATCH_SEQUENCES.labels(self.name, "generate").observe(batch.num_sequences)
         metrics.BATCH_TOKENS.labels(self.name, "generate").observe(batch.num_tokens)
         sampled = output.sampled()
-        self.scheduler.update(batch, sampled)
+        self._live()[1].update(batch, sampled)
         live = {rid: token for rid, token in sampled.items() if rid in self._streams}
         deltas = await self._tokenizer_pool.run(self._detokenize, (live,), None)
         for request_id, delta in deltas:
@@ -346,7 +358,7 @@ class GenerationStreams:
             reason = FinishReason.STOP
         elif is_eos:
             reason = FinishReason.EOS
-        elif len(request.output_token_ids) >= params.max_tokens:
+        elif len(request.output_token_ids) >= request.max_tokens:
             reason = FinishReason.LENGTH
         else:
             return GenerationDelta(text, (token,))

@@ -289,16 +289,21 @@ class LocalCore:
         stripped = sequences
         if self.task.strip_trailing_pad_id is not None:
             stripped = [self._stripped(sequence) for sequence in sequences]
-        requests = [self.prefill.new_request(sequence, wanted) for sequence in stripped]
+        prefill = self.prefill
+        if prefill is None:
+            raise InvalidInput(
+                f"model {self.info.name} only generates text; it takes no embed, rerank or classify call"
+            )
+        requests = [prefill.new_request(sequence, wanted) for sequence in stripped]
         call = self._calls.admit()
         for request in requests:
             request.call = call
         try:
             if self.cache is not None and use_cache:
                 keys = [cache_key(sequence, wanted) for sequence in stripped]
-                outputs, ran = await self.cache.run(requests, keys, self.prefill.run)
+                outputs, ran = await self.cache.run(requests, keys, prefill.run)
             else:
-                outputs = ran = await self.prefill.run(requests)
+                outputs = ran = await prefill.run(requests)
         finally:
             call.done()
         # Only the sequences that ran for this call took queue and inference time: a call answered from the

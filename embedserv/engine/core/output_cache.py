@@ -89,9 +89,11 @@ def _serialized(value: object) -> bytes:
 
 
 def _frozen(array: np.ndarray | None) -> np.ndarray | None:
+    return None if array is None else _frozen_array(array)
+
+
+def _frozen_array(array: np.ndarray) -> np.ndarray:
     """A copy that owns its memory (a row is a view of its whole batch) and that nobody can write to."""
-    if array is None:
-        return None
     copy = np.array(array, copy=True)
     copy.flags.writeable = False
     return copy
@@ -103,7 +105,7 @@ def stored(output: SequenceOutput) -> SequenceOutput:
         _frozen(output.row),
         output.started,
         output.finished,
-        (_frozen(sparse[0]), _frozen(sparse[1])) if sparse is not None else None,
+        (_frozen_array(sparse[0]), _frozen_array(sparse[1])) if sparse is not None else None,
         _frozen(output.vectors),
         output.batch_sequences,
         output.batch_tokens,

@@ -1,13 +1,13 @@
 """Truncated inputs tokenized from a prefix: the same ids, without tokenizing text that truncation drops.
 
-A text that will be cut to `room` tokens from the right needs only as much of itself as makes `room` tokens.
-Cut where a run of whitespace starts, the text before the cut tokenizes exactly as it does inside the whole
-text, as long as the tokenizer's normalizer maps characters one by one and its pre-tokenizer splits words
-at whitespace: every word before the cut is whole, and no token spans whitespace. So if the prefix gives at
-least `room` tokens, its first `room` are the whole text's first `room`; if it gives fewer, the whole text
-is tokenized after all. On the benchmark corpus, a fifth of the texts are past 128 tokens, and they hold most
-of its characters (docs/PERFORMANCE.md, issue 34). Left truncation tokenizes the whole text. Tokenizers whose pieces may not be cut this way
-(SentencePiece without whitespace splitting, a charsmap normalizer, added tokens with spaces in them)
+A text that will be cut to `room` tokens from the right needs only as much of itself as makes `room` tokens. Cut
+where a run of whitespace starts, the text before the cut tokenizes exactly as it does inside the whole text, as
+long as the tokenizer's normalizer maps characters one by one and its pre-tokenizer splits words at whitespace:
+every word before the cut is whole, and no token spans whitespace. So if the prefix gives at least `room` tokens,
+its first `room` are the whole text's first `room`; if it gives fewer, the whole text is tokenized after all. On the
+benchmark corpus, a fifth of the texts are past 128 tokens, and they hold most of its characters
+(docs/PERFORMANCE.md, issue 34). Left truncation tokenizes the whole text. Tokenizers whose pieces may not be cut
+this way (SentencePiece without whitespace splitting, a charsmap normalizer, added tokens with spaces in them)
 always tokenize the whole text.
 """
 

@@ -136,7 +136,8 @@ class Gemma3Model(nn.Module, DecoderModel):
         super().__init__()
         if getattr(config, "attn_logit_softcapping", None) is not None:
             raise ValueError(
-                "attention logit softcapping (attn_logit_softcapping) is not supported: no attention backend caps scores"
+                "attention logit softcapping (attn_logit_softcapping) is not supported: "
+                "no attention backend caps scores"
             )
         self.config = config
         self.layer_types = check_layer_types(config)

@@ -83,7 +83,8 @@ def read_output_spec(
     if st.model_type == SPARSE_ENCODER or pooling_flag == SPLADE_POOLING:
         if not architecture.endswith("ForMaskedLM") and st.model_type != SPARSE_ENCODER:
             raise ConfigError(
-                f"{model_dir}: --pooling splade needs a masked-LM checkpoint (*ForMaskedLM), not {architecture or 'this model'}"
+                f"{model_dir}: --pooling splade needs a masked-LM checkpoint (*ForMaskedLM), "
+                f"not {architecture or 'this model'}"
             )
         return OutputSpec(
             (EmbedOutput.SPARSE,), head_kind="splade", splade=st.splade or SpladeSpec(), sparse_dimension=vocab

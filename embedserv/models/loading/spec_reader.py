@@ -94,7 +94,8 @@ def _check_dtype(hf_config, dtype: torch.dtype, model_dir: Path) -> None:
     # neither, and T5 v1.1 / Flan-T5 activations overflow float16's range.
     if dtype == torch.float16 and hf_config.model_type in _FLOAT32_FEED_FORWARD_TYPES:
         raise ConfigError(
-            f"{model_dir}: T5 models overflow float16 (their activations pass its range); use --dtype bfloat16 or float32"
+            f"{model_dir}: T5 models overflow float16 (their activations pass its range); "
+            "use --dtype bfloat16 or float32"
         )
 
 

@@ -110,7 +110,7 @@ def iterate_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for path in files:
         if path.suffix == ".safetensors":
             with safe_open(str(path), framework="pt", device="cpu") as f:
-                for name in f:
+                for name in f.keys():
                     yield name, f.get_tensor(name)
         else:
             yield from _pickle_tensors(path)
@@ -120,7 +120,7 @@ def has_tensor(files: list[Path], name: str) -> bool:
     for path in files:
         if path.suffix == ".safetensors":
             with safe_open(str(path), framework="pt", device="cpu") as f:
-                if name in f:
+                if name in f.keys():
                     return True
         elif any(found == name for found, _ in _pickle_tensors(path)):
             return True
@@ -132,7 +132,7 @@ def read_tensor(files: list[Path], name: str, rows: slice | None = None) -> torc
     for path in files:
         if path.suffix == ".safetensors":
             with safe_open(str(path), framework="pt", device="cpu") as f:
-                if name in f:
+                if name in f.keys():
                     return f.get_slice(name)[rows] if rows is not None else f.get_tensor(name)
             continue
         for found, tensor in _pickle_tensors(path):

@@ -158,7 +158,7 @@ def _read_updates(
 ) -> None:
     parts: dict[str, dict[str, torch.Tensor]] = {}
     with safe_open(str(adapter.path / _WEIGHTS), framework="pt", device="cpu") as f:
-        for key in f:
+        for key in f.keys():
             match = _KEY.match(key)
             saved = key.removeprefix("base_model.model.")
             if match is None and saved.split(".")[0] in adapter.saves_modules:

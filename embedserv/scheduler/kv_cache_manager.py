@@ -91,7 +91,8 @@ class KvCacheManager:
             manager.allocate(table, len(request.encoder_token_ids) if group.fixed else num_tokens)
 
     def free(self, request: Request) -> None:
-        for manager, table in zip(self.managers, request.block_ids, strict=True):
+        # A request that never got blocks (still waiting, or finished before its admission) has no tables.
+        for manager, table in zip(self.managers, request.block_ids, strict=True) if request.block_ids else ():
             manager.free(table)
         request.block_ids = []
 

@@ -133,7 +133,7 @@ class CrossStep:
         flat_v = self.cache[1].view(-1, kv_heads, head_size)
         starts = cumulative_offsets(self.lens_k)
         written, slot_mapping = [], []
-        for table, start, length, writes in zip(self.tables, starts, self.lens_k, self.writes, strict=True):
+        for table, start, length, writes in zip(self.tables, starts[:-1], self.lens_k, self.writes, strict=True):
             slots = _to(_slots(table, 0, int(length), block_size), device)
             rows = slice(int(start), int(start) + int(length))
             if writes:

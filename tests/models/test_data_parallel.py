@@ -45,7 +45,7 @@ def test_two_workers_embed_and_rerank_exactly_as_one(bundled_dir, texts):
 @pytest.mark.parametrize("arch", ["llama"])
 def test_two_workers_generate_exactly_as_one(arch, tiny_generator, texts):
     model_dir = tiny_generator(arch)
-    prompts = [" ".join(t.split()[:n]) for t, n in zip(texts, [1, 3, 8, 20, 45, 70, 5, 12], strict=True)]
+    prompts = [" ".join(t.split()[:n]) for t, n in zip(texts[:8], [1, 3, 8, 20, 45, 70, 5, 12], strict=True)]
     params = [SamplingParams(max_tokens=16)] * len(prompts)
     seeded = [SamplingParams(max_tokens=16, temperature=0.8, seed=7)] * len(prompts)
     with _engine(model_dir, 1, max_batch_tokens=64) as one:

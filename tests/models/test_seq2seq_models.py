@@ -186,7 +186,7 @@ def _encoder_only_check(model, reference, model_dir, texts):
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     sequences = [
         torch.tensor(tokenizer(t, truncation=True, max_length=n)["input_ids"])
-        for t, n in zip(texts, (5, 48, 1, 23), strict=True)
+        for t, n in zip(texts[:4], (5, 48, 1, 23), strict=True)
     ]
     ids, positions = _packed(sequences, model.position_offset)
     lengths = [len(s) for s in sequences]
@@ -229,7 +229,7 @@ def test_bart_sequence_classification_matches_transformers(model_root, texts):
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     inputs = [
         torch.tensor(tokenizer(a, b, truncation=True, max_length=n)["input_ids"])
-        for a, b, n in zip(texts[::2], texts[1::2], (6, 40, 17, 90), strict=True)
+        for a, b, n in zip(texts[0:8:2], texts[1:8:2], (6, 40, 17, 90), strict=True)
     ]
     pairs = [
         (ids, shift_tokens_right(ids[None], hf_config.pad_token_id, hf_config.decoder_start_token_id)[0])

@@ -16,6 +16,7 @@ from embedserv.attention.metadata import build_common_metadata
 from embedserv.attention.selector import AttentionSpec, backend_class, unsupported_reason
 from embedserv.forward_context import set_forward_context
 from embedserv.worker.layer_routes import forward_context_for
+from tests.helpers.matrix import matrix
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # flex-eager: FlexAttention uncompiled, the same mask logic without a compile per shape (fast to test).
@@ -84,8 +85,14 @@ def every_shape(test):
     return test
 
 
-@pytest.mark.parametrize("name", BACKENDS)
-@every_shape
+# The whole matrix runs with --run-slow; the default run, its pairwise cover (tests/helpers/matrix.py).
+@matrix(
+    "name,device,lens,causal,heads,kv_heads,head_size,dtype",
+    [BACKENDS, DEVICES, LENGTH_MIXES, [False, True], HEADS, [32, 64, 128], [torch.float32, torch.bfloat16]],
+    ids=[None, None, lambda lens: f"{len(lens)}seqs", lambda c: "causal" if c else "bidirectional",
+         lambda h: HEAD_IDS[HEADS.index(h)]],
+    spread=(4,),
+)  # fmt: skip
 def test_backend_matches_naive(name, device, lens, causal, heads, kv_heads, head_size, dtype):
     check_against_naive(name, device, lens, causal, heads, kv_heads, head_size, dtype)
 

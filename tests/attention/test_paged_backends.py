@@ -18,6 +18,7 @@ from embedserv.attention.metadata import build_common_metadata, build_paged_meta
 from embedserv.forward_context import set_forward_context
 from embedserv.worker.layer_routes import forward_context_for
 from tests.attention.test_backends import COMPILED_FLEX_DEVICES, DEVICES, HEAD_IDS, HEADS, TOLERANCE, make_backend
+from tests.helpers.matrix import matrix
 
 BLOCK_SIZE = 16
 # Blocks in the test cache: at least this many, and twice what the sequences need (so most are unowned).
@@ -167,12 +168,13 @@ def _backend(name, device, dtype, head_size, heads, kv_heads, block_size=None):
     return backend, block_size or BLOCK_SIZE
 
 
-@pytest.mark.parametrize("name", BACKENDS)
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("mix", list(MIXES), ids=list(MIXES))
-@pytest.mark.parametrize("heads,kv_heads", HEADS, ids=HEAD_IDS)
-@pytest.mark.parametrize("head_size", [32, 64])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+# The whole matrix runs with --run-slow; the default run, its pairwise cover (tests/helpers/matrix.py).
+@matrix(
+    "name,device,mix,heads,kv_heads,head_size,dtype",
+    [BACKENDS, DEVICES, list(MIXES), HEADS, [32, 64], [torch.float32, torch.bfloat16]],
+    ids=[None, None, None, lambda h: HEAD_IDS[HEADS.index(h)]],
+    spread=(3,),
+)
 def test_paged_step_matches_full_causal_attention(name, device, mix, heads, kv_heads, head_size, dtype):
     backend, block_size = _backend(name, device, dtype, head_size, heads, kv_heads)
     step = Step(MIXES[mix], heads, kv_heads, head_size, dtype, device, block_size)

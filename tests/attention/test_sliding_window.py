@@ -27,6 +27,7 @@ from tests.attention.test_backends import COMPILED_FLEX_DEVICES, DEVICES, TOLERA
 from tests.attention.test_cross_and_bias import _paged_backend
 from tests.attention.test_paged_backends import Step, _backend
 from tests.attention.test_relative_bias import biased_layer, make_bias
+from tests.helpers.matrix import matrix
 
 HEADS, KV_HEADS, HEAD_SIZE = 8, 2, 32
 WINDOWS = [1, 3, 7, 16, 100]
@@ -171,11 +172,12 @@ def test_kv_free_whole_sequences(name, dtype, device, causal, window):
     torch.testing.assert_close(out, expected, **_tolerance(dtype))
 
 
-@pytest.mark.parametrize("name,dtype", BACKEND_DTYPES, ids=BACKEND_IDS)
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("mix", list(SUFFIXES))
-@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
-@pytest.mark.parametrize("window", [None, *WINDOWS])
+@matrix(
+    "name,dtype,device,mix,causal,window",
+    [BACKEND_DTYPES, DEVICES, list(SUFFIXES), [False, True], [None, *WINDOWS]],
+    ids=[lambda b: BACKEND_IDS[BACKEND_DTYPES.index(b)], None, None, lambda c: "causal" if c else "bidirectional"],
+    spread=(0,),
+)
 def test_kv_free_suffix_queries(name, dtype, device, mix, causal, window):
     backend = _make(name, device, dtype)
     step = KvFreeStep(SUFFIXES[mix], causal, dtype, device)
@@ -183,10 +185,12 @@ def test_kv_free_suffix_queries(name, dtype, device, mix, causal, window):
     torch.testing.assert_close(out, expected, **_tolerance(dtype))
 
 
-@pytest.mark.parametrize("name,dtype", BACKEND_DTYPES, ids=BACKEND_IDS)
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("mix", list(PAGED_MIXES))
-@pytest.mark.parametrize("block_size,window", [(16, 1), (16, 3), (16, 7), (16, 16), (12, 3), (12, 16)])
+@matrix(
+    "name,dtype,device,mix,block_size,window",
+    [BACKEND_DTYPES, DEVICES, list(PAGED_MIXES), [(16, 1), (16, 3), (16, 7), (16, 16), (12, 3), (12, 16)]],
+    ids=[lambda b: BACKEND_IDS[BACKEND_DTYPES.index(b)], None, None, lambda bw: f"block{bw[0]}-window{bw[1]}"],
+    spread=(0, 3),
+)
 def test_paged(name, dtype, device, mix, block_size, window):
     backend, block_size = _paged_backend(name, device, dtype, HEAD_SIZE, HEADS, KV_HEADS, block_size)
     step = paged_step(PAGED_MIXES[mix], dtype, device, block_size)

@@ -19,7 +19,10 @@ from embedserv.types import EmbedParams
 
 
 def test_watchdog_kills_a_stuck_worker_and_a_new_one_serves(bundled_dir):
-    config = ModelConfig(path=str(bundled_dir), served_name="m", worker_timeout=0.3, max_batch_tokens=16384)
+    # No warm-up: at this budget it takes seconds per worker start, twice here, and it is not the subject.
+    config = ModelConfig(
+        path=str(bundled_dir), served_name="m", worker_timeout=0.3, max_batch_tokens=16384, warm_up=False
+    )
     with SyncEngine(config, worker_processes=True) as engine:
         first_pid = engine.worker_stats()[0].pid
         long_texts = [" ".join(stdlib_texts(8, seed=i)) for i in range(64)]

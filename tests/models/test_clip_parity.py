@@ -65,7 +65,9 @@ def test_start_up_refuses_a_model_without_its_image_processor(clip_dir, tmp_path
 def test_two_worker_processes_embed_images_as_one(clip, clip_dir):
     inputs = mixed_inputs()
     want = clip.embed(inputs, EmbedParams()).embeddings
-    config = ModelConfig(path=str(clip_dir), served_name="clip", data_parallel_size=2, max_batch_requests=2)
+    config = ModelConfig(
+        path=str(clip_dir), served_name="clip", data_parallel_size=2, max_batch_requests=2, warm_up=False
+    )
     with SyncEngine(config, worker_processes=True) as two:
         results = two.embed_concurrently([[item] for item in inputs] + [inputs], EmbedParams())
         stats = two.worker_stats()

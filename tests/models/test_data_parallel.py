@@ -16,7 +16,7 @@ from embedserv.types import EmbedParams, RerankParams, SamplingParams
 
 
 def _engine(model_dir, workers: int, **kwargs) -> SyncEngine:
-    config = ModelConfig(path=str(model_dir), served_name="m", data_parallel_size=workers, **kwargs)
+    config = ModelConfig(path=str(model_dir), served_name="m", data_parallel_size=workers, warm_up=False, **kwargs)
     return SyncEngine(config, worker_processes=workers > 1)
 
 

@@ -106,7 +106,9 @@ def test_greedy_matches_transformers_in_a_worker_process_under_preemption(tiny_g
 
     model_dir = tiny_generator("llama")
     expected = hf_generations(model_dir, prompts)
-    config = ModelConfig(path=str(model_dir), served_name="m", dtype="float32", kv_cache_memory=16 * 8192)
+    config = ModelConfig(
+        path=str(model_dir), served_name="m", dtype="float32", kv_cache_memory=16 * 8192, warm_up=False
+    )
     with SyncEngine(config, worker_processes=True) as engine:
         _check_greedy(engine, prompts, expected)
         assert engine.kv_cache_usage().preemptions > 0

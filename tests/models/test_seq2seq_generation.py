@@ -194,7 +194,9 @@ def test_two_workers_generate_exactly_as_one(seq2seq_dir, prompts):
     params = [SamplingParams(max_tokens=MAX_TOKENS)] * len(prompts)
     outputs = []
     for workers in (1, 2):
-        config = ModelConfig(path=str(model_dir), served_name="m", data_parallel_size=workers, max_batch_tokens=32)
+        config = ModelConfig(
+            path=str(model_dir), served_name="m", data_parallel_size=workers, max_batch_tokens=32, warm_up=False
+        )
         with SyncEngine(config, worker_processes=workers > 1) as engine:
             results = engine.generate_concurrently(prompts, params)
             outputs.append([[t for d in r for t in d.token_ids] for r in results])

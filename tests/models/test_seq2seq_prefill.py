@@ -137,7 +137,7 @@ def test_two_workers_rerank_and_classify_as_one(built, documents):
     def run(workers: int):
         results = []
         for key in ("monot5", "bart-nli"):
-            config = ModelConfig(path=str(built[key]), served_name="m", data_parallel_size=workers)
+            config = ModelConfig(path=str(built[key]), served_name="m", data_parallel_size=workers, warm_up=False)
             with SyncEngine(config, worker_processes=workers > 1) as engine:
                 if key == "monot5":
                     results.append(

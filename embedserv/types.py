@@ -246,9 +246,6 @@ class EngineRun:
     outputs: Sequence[Any] = ()
 
 
-_TIMING_PARTS = ("queue_us", "tokenization_us", "inference_us", "total_us")
-
-
 @dataclass
 class Timing:
     """Microseconds spent on one call; see proto Timing for what each covers."""

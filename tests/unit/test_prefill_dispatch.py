@@ -8,7 +8,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from embedserv.engine.core.dispatch import MAX_ATTEMPTS, Dispatcher, PrefillWork
+from embedserv.engine.core.dispatch import Dispatcher
+from embedserv.engine.core.prefill_work import MAX_ATTEMPTS, PrefillWork
 from embedserv.engine.inputs.sequence import InputSequence
 from embedserv.errors import NotReady
 from embedserv.executor.base import WorkerDied, WorkerStats

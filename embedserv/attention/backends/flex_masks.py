@@ -120,3 +120,8 @@ def _position_blocks(doc, num_seqs: int, q_key, num_keys: int, is_causal: bool, 
         some &= (k_lo - hi < window) & (lo - k_hi < window)
         every &= (hi - k_lo < window) & (k_hi - lo < window)
     return some, every
+
+
+def padded_size(num_tokens: int) -> int:
+    """The size class a packed batch of `num_tokens` rows is padded to: a power of two, at least one block."""
+    return max(BLOCK_SIZE, 1 << (num_tokens - 1).bit_length())

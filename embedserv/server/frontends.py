@@ -109,6 +109,8 @@ class FrontendProcesses:
         self._frontends: dict[bytes, int] = {}
         self._started_frontends: dict[int, str] = {}  # index -> "" once listening, else why it could not
         self._drained: set[int] = set()
+        # Set by drain(): a front end that says Hello after the drain began (it started late) drains too.
+        self._drain: Drain | None = None
         # Set once every front end listens, cleared by a drain: while set, a front end that dies is replaced.
         self._watching = False
         self._calls: dict[tuple[bytes, int], asyncio.Task] = {}
@@ -183,6 +185,8 @@ class FrontendProcesses:
         if not hello.error:
             self._frontends[identity] = hello.index
             await self._send(identity, self.status())
+            if self._drain is not None:
+                await self._send(identity, self._drain)
 
     async def _cancel(self, identity: bytes, cancel: CancelCall) -> None:
         task = self._calls.get((identity, cancel.call_id))
@@ -274,7 +278,8 @@ class FrontendProcesses:
     async def drain(self, grace: float | None) -> None:
         """Every front end drains its own calls (up to `grace` seconds), then this waits for their Drained."""
         self._watching = False
-        await self.broadcast(Drain(grace or 0.0))
+        self._drain = Drain(grace or 0.0)
+        await self.broadcast(self._drain)
         deadline = time.monotonic() + (grace or 0.0) + 5.0
         while len(self._drained) < len(self._frontends) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

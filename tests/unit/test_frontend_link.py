@@ -3,6 +3,7 @@ many front ends `--frontends 0` starts (server/link_messages.py, server/frontend
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import multiprocessing
 
@@ -71,3 +72,52 @@ def test_frontends_out_of_range_is_refused(frontends):
     model = ModelConfig(path=str(bundled_model_path()), served_name="m")
     with pytest.raises(ConfigError, match="--frontends must be in 0..64"):
         ServerConfig(models=(model,), frontends=frontends)
+
+
+def test_a_front_end_that_says_hello_after_the_drain_began_is_told_to_drain_too(monkeypatch):
+    """A SIGTERM just after the first front end listens, before the second: the late one must drain too, or
+    the engine host waits out its drain deadline for a Drained that never comes (and gets SIGKILLed)."""
+    from embedserv.server.engine_host import EngineHost
+    from embedserv.server.frontends import FrontendProcesses
+    from embedserv.server.link_messages import Drain, Drained, Hello, Status
+    from embedserv.server.remote_core import FrontendLink
+
+    monkeypatch.setattr(FrontendProcesses, "_spawn", lambda self, index: None)  # the front ends are this test's
+
+    def front_end(address: str, index: int, drains: list) -> FrontendLink:
+        async def drained() -> None:
+            await asyncio.sleep(0.5)  # its calls in flight finishing
+            await link.send(Drained(index))
+
+        def drain(message: Drain) -> None:
+            drains.append(message)
+            tasks.add(asyncio.get_running_loop().create_task(drained()))
+
+        link = FrontendLink(address, index, {Status: lambda status: None, Drain: drain})
+        return link
+
+    tasks: set[asyncio.Task] = set()
+
+    async def run() -> tuple[list, list]:
+        model = ModelConfig(path=str(bundled_model_path()), served_name="m")
+        config = ServerConfig(models=(model,), frontends=2, port=0, http_port=0)
+        frontends = FrontendProcesses(config, EngineHost(config))
+        await frontends.start()
+        first_drains, late_drains = [], []
+        first = front_end(frontends.address, 0, first_drains)
+        await first.start(Hello(0, 1))
+        await asyncio.sleep(0.2)  # the host knows the first front end
+        drain = asyncio.create_task(frontends.drain(0.0))
+        await asyncio.sleep(0.1)  # the drain went out to the first one only, which is still draining
+        late = front_end(frontends.address, 1, late_drains)
+        await late.start(Hello(1, 2))
+        try:
+            await asyncio.wait_for(drain, timeout=3.0)  # its own deadline is 5 s
+        finally:
+            first.close()
+            late.close()
+            await frontends.stop()
+        return first_drains, late_drains
+
+    first_drains, late_drains = asyncio.run(run())
+    assert first_drains == late_drains == [Drain(0.0)]

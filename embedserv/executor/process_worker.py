@@ -99,9 +99,15 @@ class ProcessWorker:
     async def wait_ready(self) -> None:
         await self._ready.wait()
 
+    def launch(self) -> None:
+        """Starts the first process without waiting for it (start() then waits); on the event loop."""
+        if self._proc is None:
+            self._launch()
+
     async def start(self) -> None:
-        """Starts the first process and returns once it is ready; one that cannot load raises ConfigError."""
-        self._launch()
+        """Starts the first process (unless launch() did) and returns once it is ready; one that cannot load
+        raises ConfigError."""
+        self.launch()
         while not self.ready:
             if self._proc.poll() is not None:
                 await self._read_failure()

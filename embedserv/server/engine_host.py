@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 from embedserv.config import ModelConfig, ServerConfig
 from embedserv.engine.core.local_core import LocalCore
+from embedserv.engine.core.workers import worker_processes
 from embedserv.engine.ports import CoreStatus
+from embedserv.executor.process_worker import ProcessWorker
 from embedserv.server.metrics_endpoint import MetricsServer
 
 logger = logging.getLogger(__name__)
@@ -82,7 +84,17 @@ class EngineHost:
         logger.info("serving %s", ", ".join(self._names))
 
     async def _start_model(self, config: ModelConfig, on_ready: Callable[[ModelConfig, LocalCore], None]) -> None:
-        core = await asyncio.get_running_loop().run_in_executor(None, self._load, config)
+        workers: list[ProcessWorker] = []
+        if self.worker_processes:
+            # Launched first: the processes import torch and load the weights while this one reads the model.
+            workers = worker_processes(config)
+            for worker in workers:
+                worker.launch()
+        try:
+            core = await asyncio.get_running_loop().run_in_executor(None, self._load, config, workers)
+        except BaseException:
+            await asyncio.gather(*(worker.stop() for worker in workers), return_exceptions=True)
+            raise
         # Until it serves, stop() finds it here (a signal or another model's failure during start-up).
         self._loading.append(core)
         await core.start()
@@ -92,10 +104,10 @@ class EngineHost:
         on_ready(config, core)
         self.on_change()
 
-    def _load(self, config: ModelConfig) -> LocalCore:
+    def _load(self, config: ModelConfig, workers: list[ProcessWorker]) -> LocalCore:
         threads = self.config.tokenizer_threads
         if self.worker_processes:
-            return LocalCore.with_worker_processes(config, threads)
+            return LocalCore.with_worker_processes(config, threads, workers)
         return LocalCore.load(config, threads, warm_up=config.warm_up)
 
     async def stop(self) -> None:

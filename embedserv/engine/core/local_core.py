@@ -30,6 +30,7 @@ from embedserv.engine.ports import CoreStatus, Inferred
 from embedserv.engine.served_model import ServedModel, log_spec, read_served_model
 from embedserv.errors import ConfigError, InvalidInput, NotReady
 from embedserv.executor.base import Worker, WorkerStats
+from embedserv.executor.process_worker import ProcessWorker
 from embedserv.scheduler.prefill_only import CallCounts
 from embedserv.steps import OutputKind
 from embedserv.types import EmbedOutput, EngineRun, GenerationDelta, KvCacheUsage, SamplingParams, Task, Timing
@@ -128,12 +129,15 @@ class LocalCore:
         return cls(config, served, [worker], tokenizer_threads, config.pipeline_depth)
 
     @classmethod
-    def with_worker_processes(cls, config: ModelConfig, tokenizer_threads: int = 1) -> LocalCore:
-        """`config.data_parallel_size` worker processes, started (and waited for) by start(). Blocking: reads
-        the model's config and tokenizer, and places the workers."""
+    def with_worker_processes(
+        cls, config: ModelConfig, tokenizer_threads: int = 1, workers: list[ProcessWorker] | None = None
+    ) -> LocalCore:
+        """`config.data_parallel_size` worker processes (`workers`, placed and perhaps launched already; else
+        placed here), started (and waited for) by start(). Blocking: reads the model's config and tokenizer."""
         served = read_served_model(config)
         log_spec(served, config)
-        return cls(config, served, worker_builders.worker_processes(config), tokenizer_threads, config.pipeline_depth)
+        workers = worker_builders.worker_processes(config) if workers is None else workers
+        return cls(config, served, list(workers), tokenizer_threads, config.pipeline_depth)
 
     def _wake(self) -> None:
         self.dispatcher.wake()

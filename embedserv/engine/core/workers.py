@@ -9,7 +9,6 @@ from dataclasses import replace
 import torch
 
 from embedserv.config import ModelConfig
-from embedserv.executor.base import Worker
 from embedserv.executor.local_worker import LocalWorker
 from embedserv.executor.placement import available_cores, place_workers
 from embedserv.executor.process_worker import ProcessWorker
@@ -34,7 +33,7 @@ def load_local_worker(config: ModelConfig, spec: ModelSpec, warm_up: bool) -> Lo
     return LocalWorker(runner, model_thread)
 
 
-def worker_processes(config: ModelConfig) -> list[Worker]:
+def worker_processes(config: ModelConfig) -> list[ProcessWorker]:
     """`config.data_parallel_size` worker processes, placed (started later, by the engine's start())."""
     num_gpus = torch.cuda.device_count() if config.device != "cpu" else 0
     placements = place_workers(config, num_gpus, available_cores())

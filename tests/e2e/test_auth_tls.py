@@ -1,7 +1,7 @@
-"""A real `embedserv serve` with an API key (flag, then environment) and with mutual TLS.
+"""A server with an API key (flag, then environment) and with mutual TLS, configured by `embedserv serve` flags.
 
-Three servers with the bundled all-MiniLM-L6-v2: --api-key, EMBEDSERV_API_KEY only, and
---tls-cert/--tls-key/--tls-client-ca with a CA, server and client certificate made here.
+Three in-process servers (tests/helpers/inprocess.py) with the bundled all-MiniLM-L6-v2: --api-key,
+EMBEDSERV_API_KEY only, and --tls-cert/--tls-key/--tls-client-ca with a CA, server and client certificate made here.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import pytest
 
 from tests.helpers.client import embed_request, inference_stub, response_matrix
 from tests.helpers.compare import assert_unit_norm
+from tests.helpers.inprocess import in_process_server
 from tests.helpers.metrics import scrape
-from tests.helpers.server import free_port, health_status, open_channel, running_server
+from tests.helpers.server import free_port, health_status, open_channel
 from tests.helpers.tls import make_pki
 
 SERVED = "minilm"
@@ -52,8 +53,10 @@ def key_server(bundled_dir):
     # The flag wins over an environment key; a stale one in the environment must not be what works.
     metrics_port = free_port()
     args = _server_args(bundled_dir, "--api-key", FLAG_KEY, "--metrics-port", str(metrics_port))
-    with running_server(args, env={"EMBEDSERV_API_KEY": "stale"}) as (target, proc):
-        yield target, proc, metrics_port
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("EMBEDSERV_API_KEY", "stale")
+        with in_process_server(args) as (target, proc):
+            yield target, proc, metrics_port
 
 
 @pytest.fixture(scope="module")
@@ -118,9 +121,10 @@ def test_refusals_are_counted_and_metrics_need_no_key(key_server, key_stub):
     assert scrape(metrics_port).value("embedserv_requests_total", **labels) - before == 2
 
 
-def test_key_from_the_environment(bundled_dir):
+def test_key_from_the_environment(bundled_dir, monkeypatch):
     """Without --api-key the server takes EMBEDSERV_API_KEY (which keeps the key out of `ps`)."""
-    with running_server(_server_args(bundled_dir), env={"EMBEDSERV_API_KEY": ENV_KEY}) as (target, _):
+    monkeypatch.setenv("EMBEDSERV_API_KEY", ENV_KEY)
+    with in_process_server(_server_args(bundled_dir)) as (target, _):
         with grpc.insecure_channel(target) as channel:
             stub = inference_stub(channel)
             assert _embed_code(stub, _bearer(ENV_KEY)) == grpc.StatusCode.OK
@@ -142,8 +146,10 @@ def mtls_server(bundled_dir, tmp_path_factory):
         "--tls-cert", str(directory / "server_cert.pem"), "--tls-key", str(directory / "server_key.pem"),
         "--tls-client-ca", str(directory / "ca.pem"), "--http-port", str(http_port),
     )  # fmt: skip
-    with running_server(args, env={"EMBEDSERV_API_KEY": None}, credentials=with_client_cert) as (target, _):
-        yield target, pems, with_client_cert, directory, http_port
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("EMBEDSERV_API_KEY", raising=False)
+        with in_process_server(args) as (target, _):
+            yield target, pems, with_client_cert, directory, http_port
 
 
 def test_http_is_https_with_the_same_mutual_tls(mtls_server):

@@ -3,7 +3,8 @@ event loop in a background thread, configured by the flags `embedserv serve` tak
 
 It pays no interpreter start, no torch import and, by default, no worker processes and no warm-up: the
 models run in this process (LocalCore.load), as `OneProcessServer(config, worker_processes=False)` loads them.
-API tests use it; tests whose subject is the process (signals, drain, worker death, TLS, `make serve`)
+API tests use it; tests whose subject is the process (signals, drain, worker death, front-end processes,
+`make serve`)
 keep tests/helpers/server.py's subprocess.
 
 What a test read from the subprocess it reads from the yielded handle: `poll()` is None while the

@@ -51,8 +51,8 @@ CALL_DEADLINE_S = 30.0
 CALL_END_BOUND_S = 20.0
 STARTUP_WORKERS_S = 10.0
 RECOVERY_TIMEOUT_S = 60.0
-# The load goes on at least this long after the kill: past the replacement's start-up (about 6 s on 2 cores).
-LOAD_AFTER_KILL_S = 10.0
+# Each worker process logs this once its model is loaded: the load goes on until the replacement's does.
+READY_LINE = ": ready on cpu"
 SERVER_EXIT_S = 15.0
 WORKERS_GONE_S = 10.0
 # Calls that meet other calls in a batch may differ from a lone call in the last bits.
@@ -256,18 +256,21 @@ def test_sigkill_of_a_worker_under_load(server, stub, chunks, baseline):
                 f"{server.proc.poll() is None}); {_summary(list(calls), killed_at)}; log tail:\n{server.log()}"
             ),
         )
-        recovered_at = time.monotonic()
-        # Keep the load on while the replacement starts (its pid shows at once, its model takes seconds
-        # to load), and on the recovered pair for a moment.
+        # Keep the load on while the replacement starts (its pid shows at once, its model takes seconds to
+        # load) and on the recovered pair for a moment: until calls started after the replacement was ready.
+        ready_at: list[float] = []
+
+        def served_by_the_recovered_pair() -> bool:
+            sample_health()
+            if not ready_at and server.proc.log_path.read_text().count(READY_LINE) > WORKERS:  # type: ignore[attr-defined]
+                ready_at.append(time.monotonic())
+            return bool(ready_at) and sum(c.started > ready_at[0] for c in list(calls)) >= 2 * LOAD_THREADS
+
         wait_for(
-            lambda: (
-                sample_health() is None
-                and time.monotonic() - killed_at >= LOAD_AFTER_KILL_S
-                and sum(c.started > recovered_at for c in list(calls)) >= 2 * LOAD_THREADS
-            ),
-            LOAD_AFTER_KILL_S + CALL_DEADLINE_S,
+            served_by_the_recovered_pair,
+            RECOVERY_TIMEOUT_S,
             interval=0.2,
-            what=lambda: f"calls after the recovery ({_summary(list(calls), recovered_at)}); log:\n{server.log()}",
+            what=lambda: f"calls after the recovery ({_summary(list(calls), killed_at)}); log:\n{server.log()}",
         )
     finally:
         stop.set()

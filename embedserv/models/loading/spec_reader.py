@@ -27,6 +27,7 @@ from embedserv.models.loading.checkpoint import checkpoint_files
 from embedserv.models.loading.family import Family
 from embedserv.models.loading.hf_config import read_hf_config
 from embedserv.models.loading.lora_files import read_lora_adapters
+from embedserv.models.loading.meta import meta_model
 from embedserv.models.loading.model_spec import ModelSpec
 from embedserv.models.loading.outputs import OutputSpec, read_output_spec
 from embedserv.models.loading.st_files import SentenceTransformerFiles, model_root, read_sentence_transformers
@@ -159,7 +160,7 @@ class _Layout:
 def _layout(model_class: type, hf_config, model_dir: Path) -> _Layout:
     """Reads the model's layout off a meta instance; also refuses configs it cannot run."""
     try:
-        with torch.device("meta"):
+        with meta_model():
             model = model_class(hf_config)
     except ValueError as exc:
         raise ConfigError(f"{model_dir}: {exc}") from exc

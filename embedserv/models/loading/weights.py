@@ -18,6 +18,7 @@ from embedserv.errors import ConfigError
 from embedserv.models.layers import copy_checked, pack_linears
 from embedserv.models.loading.checkpoint import checkpoint_files, iterate_weights
 from embedserv.models.loading.family import CheckpointNames, Family
+from embedserv.models.loading.meta import meta_model
 
 
 class _Names:
@@ -101,7 +102,7 @@ def load_into(model: nn.Module, family: Family, files: list[Path]) -> None:
 def build_model(family: Family, hf_config, files: list[Path], device: torch.device, dtype) -> nn.Module:
     """Constructs without initializing (meta device), then allocates on `device` and loads weights."""
     try:
-        with torch.device("meta"):
+        with meta_model():
             model = family.model_class(hf_config)
         model = model.to_empty(device=device).to(dtype)
         load_into(model, family, files)

@@ -182,3 +182,23 @@ def test_errors_in_tei_shape(http):
     assert_tei_error(http.post("/decode", json={"ids": [[10**9]]}), 422)
     assert_tei_error(http.post("/decode", json={"ids": "abc"}), 422)
     assert_tei_error(http.post("/embed_all", json={"inputs": []}), 400, "empty")
+
+
+def test_the_root_route_serves_the_models_own_task(http):
+    """POST / (what huggingface_hub's InferenceClient and LangChain's HuggingFaceEndpointEmbeddings call) is
+    /embed for an embedder, /embed_sparse for a sparse model, /predict for a classifier and /rerank for a
+    cross-encoder: the header's model, else the first served; TEI's errors."""
+    texts = {"inputs": TEXTS}
+    assert http.post("/", json=texts).json() == http.post("/embed", json=texts).json()
+    sparse = model_header(SPARSE)
+    assert http.post("/", json=texts, headers=sparse).json() == http.post("/embed_sparse", json=texts).json()
+    labels = model_header(CLASSIFIER)
+    one = {"inputs": TEXTS[0]}
+    assert http.post("/", json=one, headers=labels).json() == http.post("/predict", json=one, headers=labels).json()
+    pairs = {"query": TEXTS[1], "texts": TEXTS}
+    cross = model_header(CROSS)
+    assert http.post("/", json=pairs, headers=cross).json() == http.post("/rerank", json=pairs, headers=cross).json()
+    assert_tei_error(http.post("/", json={"inputs": 5}), 422)
+    assert_tei_error(http.post("/", json={"query": "q"}, headers=cross), 422)
+    assert_tei_error(http.post("/", content=b"[1]", headers={"content-type": "application/json"}), 422)
+    assert_tei_error(http.post("/", json=texts, headers=model_header("nope")), 404)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from typing import TypeVar
+
+import orjson
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.requests import Request
 
 from embedserv.engine.engine import Engine
@@ -10,6 +14,8 @@ from embedserv.errors import InvalidInput
 from embedserv.server.calls import Call
 from embedserv.server.frontend import MODEL_HEADER, Frontend
 from embedserv.types import Task
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
 class Body(BaseModel):
@@ -53,3 +59,23 @@ def refuse_unsupported(body: Body, defaults: dict[str, object]) -> None:
         value = getattr(body, name, default)
         if value is not None and value != default:
             raise InvalidInput(f"{name} is not supported by this server; leave it unset (or {default!r})")
+
+
+async def json_object(request: Request, expected: str) -> dict:
+    """The body as a JSON object, for routes whose body model follows from the body or the model; otherwise
+    InvalidInput (400 in OpenAI's style, 422 in TEI's) naming `expected`, what the route takes."""
+    try:
+        body = orjson.loads(await request.body())
+    except orjson.JSONDecodeError as exc:
+        raise InvalidInput(f"the body is not valid JSON ({exc}); send a JSON object") from None
+    if not isinstance(body, dict):
+        raise InvalidInput(f"the body must be a JSON object: {expected}")
+    return body
+
+
+def parsed(model: type[BodyT], body: dict) -> BodyT:
+    """`body` validated as `model`; a bad one is the route's 400 or 422, as FastAPI's own validation is."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None

@@ -22,17 +22,15 @@ from __future__ import annotations
 import asyncio
 import time
 
-import orjson
 from fastapi import APIRouter
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.requests import Request
 
 from embedserv.engine import checks
 from embedserv.engine.engine import Engine
 from embedserv.errors import InvalidInput
-from embedserv.server.http.common import call_of, engine_for_task, frontend_of
-from embedserv.server.http.error_responses import JSON, OPENAI, TEI, HttpError
+from embedserv.server.http.common import call_of, engine_for_task, frontend_of, json_object, parsed
+from embedserv.server.http.error_responses import JSON, OPENAI, TEI
 from embedserv.server.http.scoring_models import (
     ClassifyRequest,
     ClassifyResponse,
@@ -130,7 +128,7 @@ async def _documents_rerank(request: Request, body: RerankRequest) -> JSON:
     )
 
 
-async def _tei_rerank(request: Request, body: TeiRerankRequest) -> JSON:
+async def tei_rerank(request: Request, body: TeiRerankRequest) -> JSON:
     engine = engine_for_task(request, Task.RERANK)
     require_some(body.texts, "texts")
     frontend_of(request).check_inputs(body.texts, "texts")
@@ -164,18 +162,6 @@ _SHARED_BODY = {
 _SHARED_ERRORS = {"4XX": {"model": OpenAIError | TeiError}, "5XX": {"model": OpenAIError | TeiError}}
 
 
-async def _json_object(request: Request) -> dict:
-    try:
-        body = orjson.loads(await request.body())
-    except orjson.JSONDecodeError as exc:
-        raise HttpError(400, f"the body is not valid JSON ({exc}); send a JSON object") from None
-    if not isinstance(body, dict):
-        raise HttpError(
-            400, "the body must be a JSON object: query and documents (Cohere, Jina, vLLM) or query and texts (TEI)"
-        )
-    return body
-
-
 @router.post(
     "/rerank",
     response_model=RerankResponse | list[TeiRank],
@@ -186,17 +172,12 @@ async def rerank_shared(request: Request):
     """Cohere / Jina / vLLM rerank (a body with `documents`), or TEI's rerank (a body with `texts` and no
     `documents`: TEI's answer, a list of {index, score, text?} best first, and TEI's errors, 422 for a bad
     body)."""
-    body = await _json_object(request)
-    is_tei = "texts" in body and "documents" not in body
-    request.state.error_style = TEI if is_tei else OPENAI
-    model = TeiRerankRequest if is_tei else RerankRequest
-    try:
-        parsed = model.model_validate(body)
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors()) from None
-    if is_tei:
-        return await _tei_rerank(request, parsed)
-    return await _documents_rerank(request, parsed)
+    body = await json_object(request, "query and documents (Cohere, Jina, vLLM) or query and texts (TEI)")
+    if "texts" in body and "documents" not in body:
+        request.state.error_style = TEI
+        return await tei_rerank(request, parsed(TeiRerankRequest, body))
+    request.state.error_style = OPENAI
+    return await _documents_rerank(request, parsed(RerankRequest, body))
 
 
 @router.post("/v1/classify", response_model=ClassifyResponse)

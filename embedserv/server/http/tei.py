@@ -1,6 +1,6 @@
 """text-embeddings-inference's HTTP API (router/src/http/server.rs): /embed, /embed_sparse, /embed_all,
-/predict, /tokenize, /decode, /info and /health, with TEI's fields, defaults and answers; TEI's /rerank is
-served by scoring.py.
+/predict, /tokenize, /decode, /info, /health and the root route (POST /: the model's own task), with TEI's
+fields, defaults and answers; TEI's /rerank is served by scoring.py.
 
 TEI serves one model and its bodies name none: each route takes the model the `x-embedserv-model` header
 names, else the first served model that can do the route's task (/tokenize, /decode and /info: the first
@@ -30,9 +30,9 @@ from embedserv.engine import checks
 from embedserv.engine.engine import Engine
 from embedserv.errors import NotReady
 from embedserv.server.frontend import MODEL_HEADER
-from embedserv.server.http.common import call_of, engine_for_task, engine_named, frontend_of
-from embedserv.server.http.error_responses import JSON
-from embedserv.server.http.scoring import score_pairs
+from embedserv.server.http.common import call_of, engine_for_task, engine_named, frontend_of, json_object, parsed
+from embedserv.server.http.error_responses import JSON, TEI
+from embedserv.server.http.scoring import inline_schema, score_pairs, tei_rerank
 from embedserv.server.http.tei_models import (
     TeiDecodeRequest,
     TeiEmbedAllRequest,
@@ -42,6 +42,8 @@ from embedserv.server.http.tei_models import (
     TeiInfo,
     TeiPrediction,
     TeiPredictRequest,
+    TeiRank,
+    TeiRerankRequest,
     TeiSparseValue,
     TeiToken,
     TeiTokenizeRequest,
@@ -281,6 +283,36 @@ async def info(request: Request):
             "docker_label": None,
         }
     )
+
+
+@router.post(
+    "/",
+    response_model=list[list[float]] | list[list[TeiSparseValue]] | list[TeiPrediction] | list[list[TeiPrediction]]
+    | list[TeiRank],
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"oneOf": [
+                inline_schema(TeiEmbedRequest), inline_schema(TeiPredictRequest), inline_schema(TeiRerankRequest),
+            ]}}},
+        }
+    },
+)  # fmt: skip
+async def root(request: Request):
+    """TEI's root route, which huggingface_hub's InferenceClient and LangChain's HuggingFaceEndpointEmbeddings
+    call: the task of the header's model, else of the first served model, as TEI serves its one model's: /embed
+    for an embedder (/embed_sparse for a sparse-only one), /predict for a classifier, /rerank for a reranker."""
+    request.state.error_style = TEI
+    info = _model_engine(request).info
+    body = await json_object(request, "TEI's body for the model's task (inputs; query and texts for a reranker)")
+    kind = model_kind(info)
+    if kind == "reranker":
+        return await tei_rerank(request, parsed(TeiRerankRequest, body))
+    if kind == "classifier":
+        return await predict(request, parsed(TeiPredictRequest, body))
+    if Task.EMBED not in info.tasks and Task.EMBED_SPARSE in info.tasks:
+        return await embed_sparse(request, parsed(TeiEmbedSparseRequest, body))
+    return await embed(request, parsed(TeiEmbedRequest, body))
 
 
 @router.get(

@@ -4,7 +4,7 @@ A step allocates and frees the same large buffers again and again (models/layers
 bounded set). With glibc's defaults the heap's top is handed back to the kernel whenever more than twice
 the largest freed block lies free there, which is after nearly every step, and the next step faults the
 same pages in again: 4,500 to 9,000 page faults a step on MiniLM at 4,096 tokens, 2-4% of its time
-(docs/PERFORMANCE.md, "Memory under steady load"). Settings:
+(docs/performance-history.md, "Memory under steady load"). Settings:
 - mmap threshold 32 MiB (glibc's ceiling; fixed, where glibc would adapt it): blocks below it come from
   the heap, as they do after glibc's own adaptation;
 - trim threshold 1 GiB: the heap's free top is kept, up to that much, for the next step.
@@ -17,7 +17,7 @@ CPU workers run on tcmalloc instead where it is installed (`--cpu-allocator`, de
 starts them with it in LD_PRELOAD (`worker_environment`), as vLLM's CPU guide does for its workers. Its
 per-thread caches make the many short-lived buffers of a step cheaper: MiniLM in process, interleaved
 rounds, 1.10-1.12x int8, 1.05-1.11x bfloat16, 1.02-1.09x float32 over glibc with the settings above
-(docs/PERFORMANCE.md, issue 33). The glibc settings are then moot (they set an allocator nobody calls).
+(docs/performance-history.md, issue 33). The glibc settings are then moot (they set an allocator nobody calls).
 """
 
 from __future__ import annotations
@@ -75,9 +75,24 @@ def worker_environment(requested: str, device: str) -> dict[str, str]:
                 "--cpu-allocator tcmalloc: no libtcmalloc_minimal.so.4 found; install tcmalloc "
                 "(Debian/Ubuntu: apt install libtcmalloc-minimal4) or use --cpu-allocator auto"
             )
+        _tell_once_how_to_get_tcmalloc()
         return {}
     preload = " ".join(filter(None, (os.environ.get("LD_PRELOAD"), path)))
     return {"LD_PRELOAD": preload}
+
+
+_told = False
+
+
+def _tell_once_how_to_get_tcmalloc() -> None:
+    global _told
+    if not _told:
+        _told = True
+        logger.info(
+            "CPU workers run on glibc's malloc: tcmalloc (libtcmalloc_minimal.so.4) is not installed here; "
+            "with it they run 1.02-1.12x faster (MiniLM, docs/performance-history.md). Debian/Ubuntu: "
+            "apt install libtcmalloc-minimal4 (the Docker image has it); --cpu-allocator glibc silences this"
+        )
 
 
 def in_use() -> str:

@@ -34,6 +34,17 @@ def test_without_tcmalloc_auto_keeps_glibc_and_tcmalloc_is_refused(monkeypatch):
         allocator.worker_environment("tcmalloc", "cpu")
 
 
+def test_without_tcmalloc_the_server_says_once_how_to_get_it(monkeypatch, caplog):
+    monkeypatch.setattr(allocator, "find_tcmalloc", lambda: None)
+    monkeypatch.setattr(allocator, "_told", False)
+    with caplog.at_level("INFO", logger="embedserv.worker.allocator"):
+        for _ in range(3):  # three workers, or one restarted
+            assert allocator.worker_environment("auto", "cpu") == {}
+        allocator.worker_environment("glibc", "cpu")
+    told = [r.getMessage() for r in caplog.records if "libtcmalloc-minimal4" in r.getMessage()]
+    assert len(told) == 1 and "1.02-1.12x" in told[0]
+
+
 def test_the_worker_names_its_allocator(monkeypatch):
     monkeypatch.setenv("LD_PRELOAD", TCMALLOC)
     assert allocator.in_use() == "tcmalloc"

@@ -15,7 +15,7 @@ HTTP_PORT ?= 8000
 METRICS_PORT ?= 9090
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-all lint format proto models-doc bench clean
+.PHONY: serve test test-all lint format proto models-doc docs bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +69,14 @@ proto: $(VENV)/.installed-test
 # docs/MODELS.md from the model registry (a test fails when it is stale).
 models-doc: $(VENV)/.installed-test
 	$(BIN)/python docs/models_table.py
+
+# The docs site: the generated pages (reference, models, performance and its charts), then the site into site/,
+# strictly (a broken link or anchor, or a page outside the nav, fails). `$(BIN)/mkdocs serve` previews it.
+docs: $(VENV)/.installed-test
+	$(BIN)/python docs/reference.py
+	$(BIN)/python docs/models_table.py
+	$(BIN)/python benchmarks/performance_page.py
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 bench: $(VENV)/.installed-test
 	$(BIN)/python benchmarks/embed_throughput.py

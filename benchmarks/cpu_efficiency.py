@@ -10,7 +10,7 @@
 4. The same number of tokens in texts of one length (one attention call per batch) against the real mix
    (one call per run of equal lengths): what the distinct lengths cost.
 5. The token budget per forward pass (cpu_isa.py's constant for this ISA class).
-Prints markdown for docs/PERFORMANCE.md, with the CPU's ISA.
+Prints markdown for docs/performance-history.md, with the CPU's ISA.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 Every system embeds the same real texts (stdlib docstrings, 20% short, 15% over the 256-token limit and
 truncated). Tokens are counted after truncation, special tokens included (the server's usage). Each
 system gets one untimed warm-up pass over all texts, then --repeats timed passes; the fastest counts.
-Each system runs in a process of its own. Prints a markdown table for docs/PERFORMANCE.md.
+Each system runs in a process of its own. Prints a markdown table for docs/performance-history.md.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ A precision is `float32`, `bfloat16`, or `int8[:ACTIVATIONS[:FUSION]]` (activati
 auto; fusion auto, compiled or eager, as --dtype and --cpu-fusion take them). Each round starts every
 precision's engine afresh, runs one untimed pass and one timed pass over the same real texts (calls of 32,
 all in flight), and stops it; the best round counts. Interleaving rounds is what makes the ratios hold on a
-machine that drifts by 5-20% between runs (docs/PERFORMANCE.md). Prints a markdown table with the CPU.
+machine that drifts by 5-20% between runs (docs/performance-history.md). Prints a markdown table with the CPU.
 """
 
 from __future__ import annotations

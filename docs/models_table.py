@@ -44,7 +44,7 @@ with the list of served types and, where there is one, the closest served archit
   transformers 5.23, which runs ColQwen2 with plain 1-D positions (no M-RoPE) and ColPali's Gemma with
   bidirectional attention.
 - **LoRA**: `--lora NAME=PATH` serves PEFT LoRA adapters over the family's embedders, cross-encoders and
-  classifiers (README: LoRA adapters); other families refuse them at start-up.
+  classifiers ([LoRA adapters](operations.md#lora-adapters)); other families refuse them at start-up.
 - **Tested by**: parity tests against transformers / sentence-transformers on random-weight models
   built from configs (and the bundled all-MiniLM-L6-v2 for real weights).
 

@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="FILE",
         help="YAML file with server: settings, defaults: for every model and a models: list with "
-        "each model's own options (README: Configuration file)",
+        "each model's own options (docs/configuration.md)",
     )
     serve.add_argument(
         "--model",
@@ -304,8 +304,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="send OpenTelemetry traces to this OTLP/gRPC collector (http://HOST:4317); the "
         "OTEL_* environment applies (default: off)",
     )
-    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    serve.add_argument("--log-format", default="text", choices=LOG_FORMATS, help="json: one JSON object per line")
+    serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="info logs every prefill batch; debug every call and generation step (default: info)",
+    )
+    serve.add_argument(
+        "--log-format",
+        default="text",
+        choices=LOG_FORMATS,
+        help="json: one JSON object per line, the workers' and front ends' too (default: text)",
+    )
     return parser
 
 

@@ -13,7 +13,7 @@ MAX_FRONTENDS = 64
 
 
 def frontends_for_cores(cores: int) -> int:
-    """--frontends 0: one front-end process per 4 cores, at most 8 (docs/PERFORMANCE.md, issue 34)."""
+    """--frontends 0: one front-end process per 4 cores, at most 8 (docs/performance-history.md, issue 34)."""
     return max(1, min(8, cores // 4))
 
 

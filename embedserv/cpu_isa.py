@@ -29,7 +29,7 @@ _NAMED_FLAGS = (
 )
 
 # bfloat16 emulated (no avx512_bf16/AMX): MiniLM served 772 against 4,449 tokens/s in float32 on an AVX2
-# EPYC, about 6x slower (docs/PERFORMANCE.md, issue 22); float16 has no fast path without avx512_fp16/AMX-FP16.
+# EPYC, about 6x slower (docs/performance-history.md, issue 22); float16 has no fast path without avx512_fp16/AMX-FP16.
 EMULATED_BF16_SLOWDOWN = 6
 
 
@@ -109,17 +109,17 @@ def dtype_warning(dtype: str) -> str | None:
     return None
 
 
-# --- Constants tuned per ISA class (measured where docs/PERFORMANCE.md says; the rest inherit). ---
+# --- Constants tuned per ISA class (measured where docs/performance-history.md says; the rest inherit). ---
 
 # Token budget of one CPU forward pass. Past it the activations spill out of cache and the time per token
-# rises. 4096 was measured on an AVX-512-bf16 machine (docs/PERFORMANCE.md) and is kept for the other
+# rises. 4096 was measured on an AVX-512-bf16 machine (docs/performance-history.md) and is kept for the other
 # classes until benchmarks/cpu_efficiency.py's sweep on one of them says otherwise.
 _CPU_BATCH_TOKENS = {"amx": 4096, "avx512_bf16": 4096, "avx512": 4096, "avx2": 4096, "baseline": 4096}
 
 # bfloat16 attention on CPU: two batched matmuls beat SDPA's flash kernel from a run length on, and from a
 # shorter length when the run holds enough tokens to pay the matmuls' fixed cost (about 40 us a call):
 # (length, short length, tokens of a run of short sequences). Measured on an AVX-512-bf16 machine
-# (docs/PERFORMANCE.md, issue 33: 4 x 57 tokens 186 us against the kernel's 329); where bf16 is emulated
+# (docs/performance-history.md, issue 33: 4 x 57 tokens 186 us against the kernel's 329); where bf16 is emulated
 # the matmuls are as slow as the kernel's own emulated math, so the flash kernel (less memory) stays.
 _BF16_MATMUL_ATTENTION = {"amx": (64, 32, 128), "avx512_bf16": (64, 32, 128)}
 _NEVER = 1 << 30

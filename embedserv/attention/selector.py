@@ -2,7 +2,7 @@
 
 Capability checks live here, not in the backends: each backend computes one function, and this file
 says where each can compute it. The order of PREFERENCE is the speed order measured in
-benchmarks/attention_backends.py (docs/PERFORMANCE.md); the selector takes the first that can run.
+benchmarks/attention_backends.py (docs/performance-history.md); the selector takes the first that can run.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def cpu_thread_environment(environ) -> dict[str, str]:
     A CPU worker's thread team shares the cores with the server's event loop and tokenizer. Spinning
     teammates take those cores between steps, and a team member the kernel then deschedules stalls every
     parallel region of the next step: small steps on 2 cores ran at 3-25x their cost, one-text p99 240 ms
-    against 70 ms passive, with no loss on compute-bound steps (docs/PERFORMANCE.md, issue 34)."""
+    against 70 ms passive, with no loss on compute-bound steps (docs/performance-history.md, issue 34)."""
     return {} if "OMP_WAIT_POLICY" in environ else {"OMP_WAIT_POLICY": "PASSIVE"}
 
 

@@ -13,7 +13,7 @@ A Linear whose weight is quantized (`Linear.quantize_int8`) runs three steps:
 
 Steps 1 and 3 are memory-bound passes over the rows; eagerly they are six to nine passes (amin, amax,
 addcmul, a cast; mul, a rank-2 addmm, the activation, the add, a cast) and took more of int8's time than
-its matmuls (docs/PERFORMANCE.md, issue 33). Compiled by inductor each is one C++ loop over the rows
+its matmuls (docs/performance-history.md, issue 33). Compiled by inductor each is one C++ loop over the rows
 (`Fused`), where a C++ compiler is present; without one, or with `--cpu-fusion eager`, they run eagerly,
 and the start-up log says which. Either way a row's result depends only on that row (row-wise reductions,
 element-wise epilogues, exact integer products), so vectors do not depend on their batch.

@@ -5,7 +5,7 @@ linears (int8 too) and torch's bfloat16 matmuls, builds a primitive for every sh
 two caches of 1,024 entries each (oneDNN's own and ideep's; about 0.3 MiB an entry on MiniLM's shapes). Steps of
 every possible size churned both caches without end, and their long-lived entries interleaved with each step's
 activations in the heap, which then grew without bound: 80 to 125 MiB a minute under steady load
-(docs/PERFORMANCE.md, "Memory under steady load"). Padded to a bounded set of sizes, every primitive is built
+(docs/performance-history.md, "Memory under steady load"). Padded to a bounded set of sizes, every primitive is built
 once and stays cached, and the heap stops growing.
 
 The input builder pads the step's token rows (and the encoder's, the prefill skip's kept rows and the sampled

@@ -110,7 +110,7 @@ def _linear_calls(model: torch.nn.Module) -> dict[tuple, set[int]]:
 
 def test_warm_up_runs_every_linear_call_at_every_row_count(tiny_encoder):
     """A worker builds every oneDNN primitive its steps can need before it serves: one built mid-step sits
-    between the step's buffers and keeps heap memory (docs/PERFORMANCE.md, "Memory under steady load")."""
+    between the step's buffers and keeps heap memory (docs/performance-history.md, "Memory under steady load")."""
     runner = load_in_process(ModelConfig(path=str(tiny_encoder("bert", "mean")), served_name="m"))
     calls = _linear_calls(runner.model)
     runner.warm_up(max_tokens=128, max_batch_tokens=512)
@@ -143,7 +143,7 @@ def _rss_mib() -> float:
 
 def test_memory_stays_flat_over_steps_of_varied_sizes(encoder_runner):
     """Without padding the 600 measured steps below added 4 oneDNN primitives per new row count, filled
-    both caches and grew the heap by hundreds of MiB (docs/PERFORMANCE.md, "Memory under steady load")."""
+    both caches and grew the heap by hundreds of MiB (docs/performance-history.md, "Memory under steady load")."""
     for size in sorted({padded_rows(n) for n in range(1, MAX_STEP_TOKENS + 1)}):
         # Every row count the measured steps can run, once: what a warm worker has already built.
         lengths = [128] * (size // 128) + [size % 128] * (size % 128 > 0)

@@ -271,8 +271,8 @@ def test_help_says_how_flags_and_file_combine():
     assert "a model's own keys in the file override the flags" in text
 
 
-def test_the_readme_example_is_a_valid_file(tmp_path):
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+def test_the_documented_example_is_a_valid_file(tmp_path):
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     example = readme.split("```yaml\n# embedserv.yaml\n", 1)[1].split("```", 1)[0]
     cpu, gpu = load(tmp_path, example).models
     assert (cpu.device, gpu.device, gpu.dtype, gpu.attention_backend) == ("cpu", "cuda:0", "bfloat16", "flash_attn")

@@ -33,7 +33,7 @@ T = TypeVar("T")
 
 # Up to this many characters (about 1 ms of tokenizing) a call is tokenized on the event loop: handing it to
 # the tokenizer thread and back cost more than that under load, in GIL waits and wake-ups (one-text calls
-# 1.1-1.5x faster on 2 cores; docs/PERFORMANCE.md, issue 34). Longer inputs go to the pool, so the loop never
+# 1.1-1.5x faster on 2 cores; docs/performance-history.md, issue 34). Longer inputs go to the pool, so the loop never
 # stalls on them.
 INLINE_TOKENIZE_CHARS = 4096
 

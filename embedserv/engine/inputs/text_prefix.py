@@ -6,8 +6,8 @@ long as the tokenizer's normalizer maps characters one by one and its pre-tokeni
 every word before the cut is whole, and no token spans whitespace. So if the prefix gives at least `room` tokens,
 its first `room` are the whole text's first `room`; if it gives fewer, the whole text is tokenized after all. On the
 benchmark corpus, a fifth of the texts are past 128 tokens, and they hold most of its characters
-(docs/performance-history.md, issue 34). Left truncation tokenizes the whole text. Tokenizers whose pieces may not be cut
-this way (SentencePiece without whitespace splitting, a charsmap normalizer, added tokens with spaces in them)
+(docs/performance-history.md, issue 34). Left truncation tokenizes the whole text. Tokenizers whose pieces may not
+be cut this way (SentencePiece without whitespace splitting, a charsmap normalizer, added tokens with spaces in them)
 always tokenize the whole text.
 """
 

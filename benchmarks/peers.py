@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 from benchmarks.corpus import stdlib_texts  # noqa: E402
 from benchmarks.peer_models import MODEL_NAMES, max_seq_length, model_dir, pooling_mode  # noqa: E402
 from benchmarks.peer_runners.common import cpu_info  # noqa: E402
-from benchmarks.peer_runners.report import REFERENCE, Row, cosines, render_header, render_table  # noqa: E402
+from benchmarks.peer_runners.report import REFERENCE, Row, cosines, render_header, render_table, results_file  # noqa: E402
 from benchmarks.peer_runners.servers import (  # noqa: E402
     PeerError,
     Server,
@@ -289,6 +289,11 @@ def parse_args() -> argparse.Namespace:
         help="seconds one peer may take, start to finish (bf16 where the CPU emulates it is about 7x slower than fp32)",
     )
     parser.add_argument("--start-timeout", type=float, default=300, help="seconds a server may take to be ready")
+    parser.add_argument(
+        "--results-file",
+        help="also write the run as a performance-page results file here (benchmarks/results/NAME.json; then "
+        "`make docs` adds it to docs/PERFORMANCE.md)",
+    )
     args = parser.parse_args()
     unknown = sorted(set(args.peers.split(",")) - set(PEERS))
     if unknown:
@@ -345,6 +350,14 @@ def main() -> None:
     print("\n" + text)
     (run_dir / "table.md").write_text(text)
     print(f"saved {run_dir / 'table.md'}")
+    command = "python benchmarks/peers.py " + " ".join(sys.argv[1:])
+    setup = (f"{THREADS} threads a peer, servers get {BATCH_SIZE} texts per request with {CONCURRENCY} in flight, "
+             f"best of {args.repeats} passes")  # fmt: skip
+    result = results_file(rows, facts, f"{args.model} ({model.name})", command, setup)
+    (run_dir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+    if args.results_file:
+        Path(args.results_file).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"saved {args.results_file}")
 
 
 if __name__ == "__main__":

@@ -101,3 +101,48 @@ def render_header(facts: dict) -> str:
         f"{facts['latency_requests']} one-text requests in sequence. Cosines against st-torch fp32.",
         f"Versions: {versions}.",
     ])  # fmt: skip
+
+
+# How the performance page (benchmarks/performance_page.py) names each peer.
+SYSTEMS = {
+    "st-torch": "sentence-transformers (torch)",
+    "st-onnx": "sentence-transformers (ONNX Runtime)",
+    "st-openvino": "sentence-transformers (OpenVINO)",
+    "vllm-offline": "vLLM CPU, offline LLM.embed",
+    "vllm-server": "vLLM CPU, OpenAI server",
+    "infinity-torch": "Infinity (torch engine)",
+    "infinity-onnx": "Infinity (ONNX engine)",
+    "embedserv-grpc": "embedserv gRPC",
+    "embedserv-http": "embedserv HTTP",
+}
+
+
+def cpu_class(flags: frozenset[str]) -> str:
+    """The CPU class a run's figures hold for (the performance page's sections)."""
+    if "amx_tile" in flags:
+        return "AMX"
+    if "avx512f" in flags:
+        return "AVX-512 + bf16 + VNNI" if {"avx512_bf16", "avx512_vnni"} <= flags else "AVX-512"
+    return "AVX2"
+
+
+def results_file(rows: list[Row], facts: dict, title: str, command: str, setup: str) -> dict:
+    """The run as benchmarks/results/*.json holds it for the performance page: the rows that ran, in tokens/s."""
+    return {
+        "title": title,
+        "cpu_class": cpu_class(facts["flags"]),
+        "cpu": f"{facts['cpu']}, {facts['cores']} cores",
+        "date": facts["date"][:10],
+        "commit": facts["commit"],
+        "command": command,
+        "setup": setup,
+        "texts": facts["texts"],
+        "tokens": facts["tokens"],
+        "source": "written by benchmarks/peers.py",
+        "rows": [
+            {"system": SYSTEMS.get(row.peer, row.peer), "precision": row.precision,
+             "tokens_per_s": round(facts["tokens"] / row.seconds),
+             **({"min_cos": round(row.cos_min, 5)} if row.cos_min is not None else {})}
+            for row in rows if row.seconds is not None
+        ],
+    }  # fmt: skip

@@ -71,6 +71,7 @@ def sdk(edge):
 def test_health_and_docs_need_no_key_and_no_internet(edge):
     with httpx.Client(base_url=edge["http"], timeout=30) as http:
         assert http.get("/health").status_code == 200
+        assert http.get("/ping").status_code == 200  # SageMaker's health check sends no key
         # Scrapers (an inference gateway's endpoint picker) read the metrics port's page here too.
         metrics = http.get("/metrics")
         assert metrics.status_code == 200 and 'vllm:num_requests_running{model_name="minilm"}' in metrics.text
@@ -95,6 +96,9 @@ def test_api_key_is_required_except_for_health(edge, sdk):
         assert missing.status_code == 401 and "Bearer" in missing.json()["error"]["message"]
         tei = http.post("/embed", json={"inputs": "x"})
         assert tei.status_code == 401 and set(tei.json()) == {"error", "error_type"}
+        for path in ("/", "/invocations"):  # TEI's and SageMaker's inference routes need the key too
+            root = http.post(path, json={"inputs": "x"})
+            assert root.status_code == 401 and set(root.json()) == {"error", "error_type"}, path
 
 
 def test_body_past_the_limit_is_413_with_or_without_content_length(edge):

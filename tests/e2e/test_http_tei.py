@@ -202,3 +202,12 @@ def test_the_root_route_serves_the_models_own_task(http):
     assert_tei_error(http.post("/", json={"query": "q"}, headers=cross), 422)
     assert_tei_error(http.post("/", content=b"[1]", headers={"content-type": "application/json"}), 422)
     assert_tei_error(http.post("/", json=texts, headers=model_header("nope")), 404)
+
+
+def test_sagemakers_contract_and_the_root_health(http):
+    """SageMaker's POST /invocations is the root route; GET /ping and GET / are /health."""
+    texts = {"inputs": TEXTS}
+    assert http.post("/invocations", json=texts).json() == http.post("/embed", json=texts).json()
+    for path in ("/ping", "/"):
+        reply = http.get(path)
+        assert reply.status_code == 200 and reply.content == b"", path

@@ -159,3 +159,23 @@ def test_small_helpers():
     texts = [f"t{i}" for i in range(1000)]
     picked = latency_texts(texts, 200)
     assert len(picked) == 200 and picked[:2] == ["t0", "t5"] and picked == latency_texts(texts, 200)
+
+
+def test_a_run_becomes_a_results_file_the_performance_page_renders():
+    """peers.py's result.json is what benchmarks/performance_page.py reads: tokens/s per row that ran, the CPU class
+    from the flags, the command; a failed row is left out."""
+    from benchmarks.peer_runners.report import cpu_class, results_file
+    from benchmarks.performance_page import render
+
+    rows = [Row("st-torch", "fp32", seconds=2.0, cos_min=1.0), Row("embedserv-grpc", "fp32", seconds=1.0, cos_min=1.0),
+            Row("vllm-server", "fp32", notes="failed")]  # fmt: skip
+    facts = dict(flags=frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_vnni"}), cpu="AMD EPYC", cores=2,
+                 date="2026-11-28 02:30", commit="abc1234", texts=100, tokens=8000)  # fmt: skip
+    result = results_file(rows, facts, "minilm (all-MiniLM-L6-v2)", "python benchmarks/peers.py --model minilm", "s")
+    assert result["cpu_class"] == "AVX-512 + bf16 + VNNI" and result["date"] == "2026-11-28"
+    assert [(r["system"], r["tokens_per_s"]) for r in result["rows"]] == [
+        ("sentence-transformers (torch)", 4000), ("embedserv gRPC", 8000)
+    ]  # fmt: skip
+    assert cpu_class(frozenset({"avx2"})) == "AVX2" and cpu_class(frozenset({"avx512f", "amx_tile"})) == "AMX"
+    page = render([("run", json.loads(json.dumps(result)))])
+    assert "| sentence-transformers (torch) | fp32 | 4,000 | 2.00x | 1.000 |" in page

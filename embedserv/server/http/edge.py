@@ -26,7 +26,7 @@ from embedserv.server.security import api_key_problem
 logger = logging.getLogger("embedserv.server.http")
 
 # Open without an API key and never refused while draining (probes and scrapers call them).
-HEALTH_PATHS = frozenset({"/health", "/metrics"})
+HEALTH_PATHS = frozenset({"/health", "/ping", "/metrics"})
 OPEN_PREFIXES = ("/docs", "/openapi.json")
 _REQUEST_ID = b"x-request-id"
 _EVENT_STREAM = b"text/event-stream"

@@ -18,7 +18,21 @@ from embedserv.errors import RETRY_AFTER_S, EmbedservError, InvalidInput, ModelN
 
 OPENAI, TEI = "openai", "tei"
 # Routes that answer in TEI's shape (/rerank answers in the shape of the body it was sent).
-TEI_PATHS = frozenset({"/embed", "/embed_all", "/embed_sparse", "/predict", "/tokenize", "/decode", "/info", "/health"})
+TEI_PATHS = frozenset(
+    {
+        "/embed",
+        "/embed_all",
+        "/embed_sparse",
+        "/predict",
+        "/tokenize",
+        "/decode",
+        "/info",
+        "/health",
+        "/ping",
+        "/",
+        "/invocations",
+    }
+)
 
 
 class JSON(JSONResponse):

@@ -1,6 +1,7 @@
 """text-embeddings-inference's HTTP API (router/src/http/server.rs): /embed, /embed_sparse, /embed_all,
-/predict, /tokenize, /decode, /info, /health and the root route (POST /: the model's own task), with TEI's
-fields, defaults and answers; TEI's /rerank is served by scoring.py.
+/predict, /tokenize, /decode, /info, /health, the root route (POST /: the model's own task) and SageMaker's
+contract (POST /invocations, GET /ping), with TEI's fields, defaults and answers; TEI's /rerank is served by
+scoring.py.
 
 TEI serves one model and its bodies name none: each route takes the model the `x-embedserv-model` header
 names, else the first served model that can do the route's task (/tokenize, /decode and /info: the first
@@ -285,6 +286,7 @@ async def info(request: Request):
     )
 
 
+@router.post("/invocations")
 @router.post(
     "/",
     response_model=list[list[float]] | list[list[TeiSparseValue]] | list[TeiPrediction] | list[list[TeiPrediction]]
@@ -301,7 +303,8 @@ async def info(request: Request):
 async def root(request: Request):
     """TEI's root route, which huggingface_hub's InferenceClient and LangChain's HuggingFaceEndpointEmbeddings
     call: the task of the header's model, else of the first served model, as TEI serves its one model's: /embed
-    for an embedder (/embed_sparse for a sparse-only one), /predict for a classifier, /rerank for a reranker."""
+    for an embedder (/embed_sparse for a sparse-only one), /predict for a classifier, /rerank for a reranker.
+    SageMaker's POST /invocations is the same route."""
     request.state.error_style = TEI
     info = _model_engine(request).info
     body = await json_object(request, "TEI's body for the model's task (inputs; query and texts for a reranker)")
@@ -315,13 +318,16 @@ async def root(request: Request):
     return await embed(request, parsed(TeiEmbedRequest, body))
 
 
+@router.get("/ping", response_class=Response)
+@router.get("/", response_class=Response, include_in_schema=False)
 @router.get(
     "/health",
     response_class=Response,
     responses={200: {"description": "Every served model is serving"}, 503: {"model": TeiError}},
 )
 async def health(request: Request):
-    """200 with an empty body when every served model is serving and the server is not draining; else 503."""
+    """200 with an empty body when every served model is serving and the server is not draining; else 503.
+    Also GET / (TEI's Inference API health) and GET /ping (SageMaker's)."""
     frontend = frontend_of(request)
     if frontend.draining:
         raise NotReady("unhealthy: the server is shutting down")

@@ -1,12 +1,12 @@
 """Writes docs/PERFORMANCE.md, its charts and the README's performance table from the saved results in
-benchmarks/results/:
-`python benchmarks/performance_page.py` (or `make docs`).
+benchmarks/results/: `python benchmarks/performance_page.py` (or `make docs`).
 
 Each results file is one run of the peers harness on one machine (`benchmarks/peers.py --results-file`, or
 recorded from such a run's printed table, as its `source` says): the command, the commit, the CPU, and per system
-and precision its throughput and lowest cosine to sentence-transformers float32. The page is one section per CPU class, newest run first, each with its table, its ratios against
-embedserv and a chart (docs/assets/performance/<file>.png, matplotlib). Nothing on the page is typed by hand:
-tests/unit/test_docs.py fails when the page or the README's table differs from what this script writes.
+and precision its throughput and lowest cosine to sentence-transformers float32. The page is one section per CPU
+class, newest run first, each with its table, its ratios against embedserv and a chart
+(docs/assets/performance/<file>.png, matplotlib). Nothing on the page is typed by hand: tests/unit/test_docs.py
+fails when the page or the README's table differs from what this script writes.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.helpers.client import RPC_TIMEOUT_S
-from tests.helpers.compat_http import pb, stub  # noqa: F401 (fixtures)
+from tests.helpers.compat_http import http, pb, stub  # noqa: F401 (fixtures)
 from tests.helpers.compat_server import CROSS, EMBEDDER
 
 TEXTS = ["Hello World, this is Cohere v2!", "zipfile.is_zipfile checks a ZIP archive", "naïve café ☕"]
@@ -76,3 +76,18 @@ def test_bad_input_is_the_sdks_bad_request(client):
                      embedding_types=["float"])  # fmt: skip
     with pytest.raises(cohere.NotFoundError):
         client.embed(model="nope", texts=TEXTS, input_type="search_query", embedding_types=["float"])
+
+
+def test_errors_are_in_cohere_shape(http):
+    """Cohere's {"message"} with the status the SDK maps: 400 for a bad body or input, 404 for an unknown model."""
+    bodies = [
+        ({"texts": [], "embedding_types": ["float"]}, 400),
+        ({"texts": "a"}, 400),
+        ({"texts": ["a"], "embedding_types": ["float64"]}, 400),
+        ({"model": "nope", "texts": ["a"]}, 404),
+    ]
+    for body, status in bodies:
+        reply = http.post("/v2/embed", json=body)
+        assert reply.status_code == status and set(reply.json()) == {"message"} and reply.json()["message"], body
+    reply = http.post("/v2/rerank", json={"query": "q"})
+    assert reply.status_code == 400 and "documents" in reply.json()["message"]

@@ -205,9 +205,12 @@ def test_the_root_route_serves_the_models_own_task(http):
 
 
 def test_sagemakers_contract_and_the_root_health(http):
-    """SageMaker's POST /invocations is the root route; GET /ping and GET / are /health."""
+    """SageMaker's POST /invocations is the root route (a rerank body reranks, whatever the first model does);
+    GET /ping and GET / are /health."""
     texts = {"inputs": TEXTS}
     assert http.post("/invocations", json=texts).json() == http.post("/embed", json=texts).json()
+    pairs = {"query": TEXTS[1], "texts": TEXTS}
+    assert http.post("/invocations", json=pairs).json() == http.post("/rerank", json=pairs).json()
     for path in ("/ping", "/"):
         reply = http.get(path)
         assert reply.status_code == 200 and reply.content == b"", path

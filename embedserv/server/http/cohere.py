@@ -7,7 +7,8 @@ the model's default prompt); `embedding_types` asks for any of float, int8, uint
 dot products rank as the floats do); `output_dimension` keeps the first N dimensions (Matryoshka); `truncate`
 NONE refuses a text past the model's limit, START cuts its start, END (the default) its end.
 /v2/rerank: `query`, `documents` (texts), `top_n`; documents past the model's limit are cut, as Cohere cuts them.
-Errors come in OpenAI's shape ({"error": {...}}), whose status codes the SDK maps to its own exceptions.
+Errors come in Cohere's shape ({"message": ...}) with the statuses the SDK maps to its exceptions (400, 401, 404,
+429, 503).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """HTTP error answers in the shape each API family's clients parse, with the status they expect.
 
-OpenAI-style routes (/v1/..., Cohere/Jina rerank) answer `{"error": {"message", "type", "param", "code"}}`;
-TEI routes answer `{"error": "...", "error_type": "..."}` with TEI's statuses. Which one a request gets is
-its route's (errors.TEI_PATHS, or `request.state.error_style` set by a route that decides from the body).
+OpenAI-style routes (/v1/..., Cohere v1 / Jina rerank) answer `{"error": {"message", "type", "param", "code"}}`;
+TEI routes answer `{"error": "...", "error_type": "..."}` with TEI's statuses; Cohere's v2 routes answer
+`{"message": "..."}` with OpenAI's statuses. Which one a request gets is its route's (TEI_PATHS, COHERE_PATHS, or
+`request.state.error_style` set by a route that decides from the body).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from starlette.responses import JSONResponse
 
 from embedserv.errors import RETRY_AFTER_S, EmbedservError, InvalidInput, ModelNotFound, NotReady, Overloaded
 
-OPENAI, TEI = "openai", "tei"
+OPENAI, TEI, COHERE = "openai", "tei", "cohere"
 # Routes that answer in TEI's shape (/rerank answers in the shape of the body it was sent).
 TEI_PATHS = frozenset(
     {
@@ -33,6 +34,8 @@ TEI_PATHS = frozenset(
         "/invocations",
     }
 )
+
+COHERE_PATHS = frozenset({"/v2/embed", "/v2/rerank"})
 
 
 class JSON(JSONResponse):
@@ -88,7 +91,8 @@ def error_style(request: Request) -> str:
     style = getattr(request.state, "error_style", None)
     if style is not None:
         return style
-    return TEI if request.url.path in TEI_PATHS else OPENAI
+    path = request.url.path
+    return TEI if path in TEI_PATHS else COHERE if path in COHERE_PATHS else OPENAI
 
 
 def status_of(exc: BaseException, style: str) -> int:
@@ -113,6 +117,8 @@ def error_body(style: str, status: int, message: str, param: str | None = None, 
     openai_type, tei_type = _KINDS.get(status, ("invalid_request_error" if status < 500 else "server_error", "backend"))
     if style == TEI:
         return {"error": message, "error_type": tei_type}
+    if style == COHERE:
+        return {"message": message}
     return {
         "error": {"message": message, "type": openai_type, "param": param, "code": code or _OPENAI_CODES.get(status)}
     }

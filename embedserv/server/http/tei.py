@@ -303,11 +303,14 @@ async def info(request: Request):
 async def root(request: Request):
     """TEI's root route, which huggingface_hub's InferenceClient and LangChain's HuggingFaceEndpointEmbeddings
     call: the task of the header's model, else of the first served model, as TEI serves its one model's: /embed
-    for an embedder (/embed_sparse for a sparse-only one), /predict for a classifier, /rerank for a reranker.
+    for an embedder (/embed_sparse for a sparse-only one), /predict for a classifier, /rerank for a reranker; a
+    body with `query` and `texts` is a rerank whatever the model (the header's, else the first reranker).
     SageMaker's POST /invocations is the same route."""
     request.state.error_style = TEI
-    info = _model_engine(request).info
     body = await json_object(request, "TEI's body for the model's task (inputs; query and texts for a reranker)")
+    if "query" in body and "texts" in body:  # a rerank body, whatever the first model does (TEI's vertex route)
+        return await tei_rerank(request, parsed(TeiRerankRequest, body))
+    info = _model_engine(request).info
     kind = model_kind(info)
     if kind == "reranker":
         return await tei_rerank(request, parsed(TeiRerankRequest, body))

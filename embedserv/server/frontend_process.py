@@ -31,12 +31,14 @@ _LAST_WORDS_MS = 5000
 
 
 def run_frontend(
-    config: ServerConfig, index: int, address: str, shared_in_flight, log_settings: tuple[str, str]
+    config: ServerConfig, index: int, address: str, shared_in_flight, log_settings: tuple[str, str], parent_pid: int
 ) -> None:
-    """The process's target (multiprocessing, spawn)."""
+    """The process's target (multiprocessing, spawn). `parent_pid` is the engine host's pid, taken there: a host
+    killed while this process still imports has it reparented already, and os.getppid() would name the new
+    parent, so the process would outlive the host."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    die_with_parent(os.getppid())
+    die_with_parent(parent_pid)
     level, log_format = log_settings
     logs.configure(
         level, log_format, text_format=f"%(asctime)s %(levelname)s %(name)s [front end {index} pid {os.getpid()}]: "

@@ -146,7 +146,7 @@ class FrontendProcesses:
         log_settings = (logging.getLevelName(logging.getLogger().getEffectiveLevel()), logs.current_format())
         process = multiprocessing.get_context("spawn").Process(
             target=run_frontend, name=f"embedserv-frontend-{index}", daemon=True,
-            args=(self.config, index, self.address, self.in_flight, log_settings),
+            args=(self.config, index, self.address, self.in_flight, log_settings, os.getpid()),
         )  # fmt: skip
         # The child reads its environment when it starts: the variable must be there before prometheus_client
         # is first imported in it, and must not be in this process, whose own counters stay in memory.

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import multiprocessing
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -121,3 +123,36 @@ def test_a_front_end_that_says_hello_after_the_drain_began_is_told_to_drain_too(
 
     first_drains, late_drains = asyncio.run(run())
     assert first_drains == late_drains == [Drain(0.0)]
+
+
+def _spawn_a_front_end_and_die(pids) -> None:
+    """An engine host's side: start front end 0 as the server does, then die before it has finished importing."""
+    from embedserv.server.engine_host import EngineHost
+    from embedserv.server.frontends import FrontendProcesses
+
+    model = ModelConfig(path=str(bundled_model_path()), served_name="m")
+    config = ServerConfig(models=(model,), frontends=2, port=0, http_port=0)
+    frontends = FrontendProcesses(config, EngineHost(config))
+    frontends._spawn(0)
+    pids.put(frontends._processes[0].pid)
+    pids.close()
+    pids.join_thread()  # the pid is sent before this process dies without cleaning up
+    os._exit(0)
+
+
+def test_a_front_end_whose_engine_host_died_while_it_started_exits():
+    """An engine host killed while its front end still imports: the front end, reparented before it could look,
+    must not take its new parent for the host (it would serve on, orphaned, for ever)."""
+    from tests.helpers.processes import is_alive, wait_for
+
+    context = multiprocessing.get_context("spawn")
+    pids = context.Queue()
+    host = context.Process(target=_spawn_a_front_end_and_die, args=(pids,))
+    host.start()
+    frontend = pids.get(timeout=60)
+    host.join(timeout=60)
+    try:
+        wait_for(lambda: not is_alive(frontend), 60, what="the orphaned front end gone")
+    finally:
+        if is_alive(frontend):
+            os.kill(frontend, signal.SIGKILL)

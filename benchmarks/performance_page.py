@@ -137,60 +137,68 @@ def render(runs: list[tuple[str, dict]]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def draw(stem: str, run: dict, directory: Path = CHARTS) -> Path:
-    """A bar per system and precision, embedserv's in a darker shade."""
+def _bar_chart(
+    path: Path,
+    bars: list[tuple[str, float, str, str]],
+    title: str,
+    xlabel: str,
+    size: tuple[float, float],
+    xlim: float,
+    baseline: float | None = None,
+) -> Path:
+    """Horizontal bars (label, value, color, the note written after the bar), first at the bottom, into `path`;
+    `size`: the figure's width and its height besides the bars (inches)."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot
 
-    rows = sorted(run["rows"], key=lambda r: (PRECISIONS.index(r["precision"]), r["tokens_per_s"]))
-    colors = {"fp32": ("#9ecae1", "#2171b5"), "bf16": ("#a1d99b", "#238b45"), "int8": ("#fdae6b", "#d94801")}
-    figure, axes = pyplot.subplots(figsize=(8, 0.45 * len(rows) + 1.2), dpi=100)
-    labels = [f"{r['system']} ({r['precision']})" for r in rows]
-    values = [r["tokens_per_s"] for r in rows]
-    shades = [colors[r["precision"]][r["system"].startswith("embedserv")] for r in rows]
-    axes.barh(labels, values, color=shades)
-    for y, value in enumerate(values):
-        axes.text(value, y, f" {value:,}", va="center", fontsize=8)
-    axes.set_xlabel("tokens/s (higher is better)")
-    axes.set_title(f"{run['title']} — {run['cpu_class']}, {run['date']}", fontsize=10)
-    axes.set_xlim(0, max(values) * 1.18)
+    figure, axes = pyplot.subplots(figsize=(size[0], 0.45 * len(bars) + size[1]), dpi=100)
+    labels, values, colors, notes = zip(*bars, strict=True)
+    axes.barh(labels, values, color=colors)
+    for y, (value, note) in enumerate(zip(values, notes, strict=True)):
+        axes.text(value, y, f" {note}", va="center", fontsize=8)
+    if baseline is not None:
+        axes.axvline(baseline, color="black", linewidth=0.8)
+    axes.set_xlim(0, xlim)
+    axes.set_xlabel(xlabel)
+    axes.set_title(title, fontsize=10)
     axes.spines[["top", "right"]].set_visible(False)
     figure.tight_layout()
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{stem}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
     # No timestamps in the file: the same results draw the same bytes with the same matplotlib.
     figure.savefig(path, metadata={"Software": None})
     pyplot.close(figure)
     return path
 
 
+def draw(stem: str, run: dict, directory: Path = CHARTS) -> Path:
+    """A bar per system and precision, embedserv's in a darker shade."""
+    rows = sorted(run["rows"], key=lambda r: (PRECISIONS.index(r["precision"]), r["tokens_per_s"]))
+    colors = {"fp32": ("#9ecae1", "#2171b5"), "bf16": ("#a1d99b", "#238b45"), "int8": ("#fdae6b", "#d94801")}
+    bars = [(f"{r['system']} ({r['precision']})", r["tokens_per_s"],
+             colors[r["precision"]][r["system"].startswith("embedserv")], f"{r['tokens_per_s']:,}")
+            for r in rows]  # fmt: skip
+    title = f"{run['title']} — {run['cpu_class']}, {run['date']}"
+    xlim = max(r["tokens_per_s"] for r in rows) * 1.18
+    return _bar_chart(directory / f"{stem}.png", bars, title, "tokens/s (higher is better)", (8, 1.2), xlim)
+
+
 def draw_standing(runs: list[tuple[str, dict]], directory: Path = CHARTS) -> Path:
     """One bar per run and precision: embedserv gRPC's throughput over the fastest other system's."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot
-
     rows = standing(runs)[::-1]
     colors = {"fp32": "#2171b5", "bf16": "#238b45", "int8": "#d94801"}
-    figure, axes = pyplot.subplots(figsize=(11, 0.45 * len(rows) + 1.4), dpi=100)
-    labels = [f"{r['model']}, {r['precision']}, {r['cpu_class']}" for r in rows]
-    axes.barh(labels, [r["ratio"] for r in rows], color=[colors[r["precision"]] for r in rows])
-    for y, row in enumerate(rows):
-        axes.text(row["ratio"], y, f" {row['ratio']:.2f}x vs {row['peer']}", va="center", fontsize=8)
-    axes.axvline(1.0, color="black", linewidth=0.8)
-    axes.set_xlim(0, max(r["ratio"] for r in rows) * 2.2)
-    axes.set_xlabel("embedserv gRPC tokens/s over the fastest other system (higher is better)")
-    axes.set_title("Where embedserv stands, per CPU class, model and precision", fontsize=10)
-    axes.spines[["top", "right"]].set_visible(False)
-    figure.tight_layout()
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / "standing.png"
-    figure.savefig(path, metadata={"Software": None})
-    pyplot.close(figure)
-    return path
+    bars = [(f"{r['model']}, {r['precision']}, {r['cpu_class']}", r["ratio"], colors[r["precision"]],
+             f"{r['ratio']:.2f}x vs {r['peer']}") for r in rows]  # fmt: skip
+    return _bar_chart(
+        directory / "standing.png",
+        bars,
+        "Where embedserv stands, per CPU class, model and precision",
+        "embedserv gRPC tokens/s over the fastest other system (higher is better)",
+        (11, 1.4),
+        max(r["ratio"] for r in rows) * 2.2,
+        baseline=1.0,
+    )
 
 
 def main() -> int:

@@ -13,11 +13,9 @@ Errors come in Cohere's shape ({"message": ...}) with the statuses the SDK maps 
 
 from __future__ import annotations
 
-import base64
 from dataclasses import replace
 from typing import Literal
 
-import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import Field, StrictStr
 
@@ -25,6 +23,7 @@ from embedserv.errors import InvalidInput
 from embedserv.server.http.common import Body, call_of, engine_for_task, engine_named, frontend_of
 from embedserv.server.http.error_responses import JSON
 from embedserv.server.http.image_inputs import image_of_url
+from embedserv.server.http.openai import vectors_json
 from embedserv.server.http.scoring import rerank_documents
 from embedserv.types import EmbedParams, Encoding, ImageInput, ModelInfo, RerankParams, Task, TruncationDirection
 
@@ -79,13 +78,6 @@ def _inputs(body: EmbedV2Request) -> tuple[str, list[str | ImageInput]]:
     return "images", [image_of_url(url, f"images[{i}]") for i, url in enumerate(body.images or ())]
 
 
-def _rows(rows: np.ndarray, embedding_type: str) -> list:
-    if embedding_type == "base64":
-        rows = rows.astype("<f4", copy=False)
-        return [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
-    return list(np.ascontiguousarray(rows))
-
-
 @router.post("/v2/embed")
 async def embed(request: Request, body: EmbedV2Request):
     """Cohere v2 embed: every asked encoding of each input's vector, from one forward pass."""
@@ -107,7 +99,7 @@ async def embed(request: Request, body: EmbedV2Request):
             result = floats
             if encoding is not Encoding.FLOAT32:
                 result = await engine.embedding.in_encoding(replace(floats), replace(params, encoding=encoding))
-            embeddings[kind] = _rows(result.embeddings, kind)
+            embeddings[kind] = vectors_json(result.embeddings, "base64" if kind == "base64" else "float")
     call_of(request).answered(len(inputs), floats.prompt_tokens, floats.timing)
     response: dict = {
         "id": f"embed-{call_of(request).request_id}",

@@ -169,9 +169,10 @@ async def embeddings(request: Request, body: EmbeddingsBody):
     answered = result.chunks if result.chunks is not None else result.embeddings
     call_of(request).answered(len(answered), result.prompt_tokens, result.timing)
     if result.chunks is not None:
-        data = chunk_items(result, _vectors(np.concatenate([rows for _, rows in result.chunks]), body.encoding_format))
+        rows = np.concatenate([rows for _, rows in result.chunks])
+        data = chunk_items(result, vectors_json(rows, body.encoding_format))
     else:
-        vectors = _vectors(result.embeddings, body.encoding_format)
+        vectors = vectors_json(result.embeddings, body.encoding_format)
         data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
     usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
     response = {"object": "list", "data": data, "model": engine.info.name, "usage": usage}
@@ -253,7 +254,8 @@ def _slice_of(params: EmbedParams, start: int, stop: int) -> EmbedParams:
     return replace(params, late_chunking=replace(chunking, spans=chunking.spans[start:stop]))
 
 
-def _vectors(rows: np.ndarray, encoding_format: str) -> list:
+def vectors_json(rows: np.ndarray, encoding_format: str) -> list:
+    """Each row as JSON takes it: a list of numbers, or with "base64" the base64 of its little-endian bytes."""
     if encoding_format == "base64":
         rows = rows.astype(rows.dtype.newbyteorder("<"), copy=False)
         return [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]

@@ -308,11 +308,10 @@ async def root(request: Request):
     SageMaker's POST /invocations is the same route."""
     request.state.error_style = TEI
     body = await json_object(request, "TEI's body for the model's task (inputs; query and texts for a reranker)")
-    if "query" in body and "texts" in body:  # a rerank body, whatever the first model does (TEI's vertex route)
-        return await tei_rerank(request, parsed(TeiRerankRequest, body))
     info = _model_engine(request).info
     kind = model_kind(info)
-    if kind == "reranker":
+    # A rerank body reranks whatever the first model does (as TEI's vertex route tells bodies apart).
+    if kind == "reranker" or ("query" in body and "texts" in body):
         return await tei_rerank(request, parsed(TeiRerankRequest, body))
     if kind == "classifier":
         return await predict(request, parsed(TeiPredictRequest, body))

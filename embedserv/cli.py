@@ -229,6 +229,25 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"with --device cuda: how many replicas may share one GPU {_model('replicas_per_device')}",
     )
     serve.add_argument(
+        "--default-priority",
+        type=int,
+        metavar="N",
+        help=f"priority of calls that name none (higher runs sooner) {_model('default_priority')}",
+    )
+    serve.add_argument(
+        "--priority-batch-tokens",
+        type=int,
+        metavar="N",
+        help="tokens of a batch holding lower-priority inputs while higher-priority calls come "
+        "(default: an eighth of --max-batch-tokens)",
+    )
+    serve.add_argument(
+        "--priority-aging",
+        type=float,
+        metavar="SECONDS",
+        help=f"an input waiting this long runs before any priority {_model('priority_aging')}",
+    )
+    serve.add_argument(
         "--pipeline-depth",
         type=int,
         metavar="N",

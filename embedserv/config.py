@@ -8,6 +8,7 @@ from pathlib import Path
 
 from embedserv import cpu_isa
 from embedserv.errors import ConfigError
+from embedserv.scheduler.waiting import PriorityPolicy
 
 MAX_FRONTENDS = 64
 
@@ -128,6 +129,12 @@ class ModelConfig:
     # None picks per device: small batches stay in the CPU caches, a GPU wants big ones.
     max_batch_tokens: int | None = None
     max_batch_requests: int = 512
+    # Priority (scheduler/waiting.py): the priority of calls that name none (an API key's default wins); the
+    # tokens of a step that holds lower-priority sequences while higher-priority calls come (None: an eighth of
+    # the step budget); and the aging bound: a sequence waiting this many seconds runs before any priority.
+    default_priority: int = 0
+    priority_batch_tokens: int | None = None
+    priority_aging: float = 30.0
     # Generating models only: KV cache size (None: the device's default), tokens per block, and whether
     # requests share the cached KV of a common prompt prefix.
     kv_cache_memory: float | None = None
@@ -189,6 +196,10 @@ class ModelConfig:
             raise ConfigError(f"--max-batch-tokens must be at least 1, not {self.max_batch_tokens}")
         if self.max_batch_requests < 1:
             raise ConfigError(f"--max-batch-requests must be at least 1, not {self.max_batch_requests}")
+        if self.priority_batch_tokens is not None and self.priority_batch_tokens < 1:
+            raise ConfigError(f"--priority-batch-tokens must be at least 1, not {self.priority_batch_tokens}")
+        if not self.priority_aging > 0:
+            raise ConfigError(f"--priority-aging must be above 0 seconds, not {self.priority_aging}")
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise ConfigError(f"--kv-cache-memory must be above 0, not {self.kv_cache_memory}")
         if self.kv_block_size is not None and self.kv_block_size < 1:
@@ -240,6 +251,11 @@ class ModelConfig:
         if self.device == "cpu":
             return cpu_isa.cpu_batch_tokens()
         return CUDA_BATCH_TOKENS
+
+    @property
+    def priority_policy(self) -> PriorityPolicy:
+        short = self.priority_batch_tokens or max(1, self.batch_token_budget // 8)
+        return PriorityPolicy(self.default_priority, short, self.priority_aging)
 
     @property
     def kv_cache_memory_or_default(self) -> float:

@@ -1,19 +1,21 @@
 """Continuous batching for generation: one token budget per step shared by decodes and chunked prefills.
 
 Running requests go first, in admission order; when the KV cache is full the latest admitted request
-is preempted and later recomputed from scratch (prompt + outputs so far). An encoder-decoder request's
+is preempted and later recomputed from scratch (prompt + outputs so far); running streams are never preempted
+for priority, only their order in the waiting queue is. An encoder-decoder request's
 encoder runs in its first step after each admission, which writes its cross KV (a fixed block table);
 its decoder tokens are what the budget counts. Waiting requests are admitted
-first-come first-served with whatever budget is left. No torch here.
+in WaitingQueue's order (priority, tenants in turn, aged first) with whatever budget is left. No torch here.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter
 from collections.abc import Mapping
 
 from embedserv.scheduler.kv_cache_manager import KvCacheManager
 from embedserv.scheduler.request import Request, RequestStatus
+from embedserv.scheduler.waiting import WaitingQueue
 from embedserv.steps import OutputKind, ScheduledSequence, StepBatch
 
 
@@ -23,7 +25,10 @@ class GenerationScheduler:
     The engine decides when a request is done (max_tokens, stop tokens, cancel) and calls finish().
     """
 
-    def __init__(self, kv_cache: KvCacheManager, max_batch_tokens: int, max_num_seqs: int) -> None:
+    def __init__(
+        self, kv_cache: KvCacheManager, max_batch_tokens: int, max_num_seqs: int, max_wait_s: float | None = None
+    ) -> None:
+        """`max_wait_s`: the waiting queue's aging bound (WaitingQueue)."""
         if max_batch_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_batch_tokens and max_num_seqs must be at least 1")
         self.kv_cache = kv_cache
@@ -32,7 +37,7 @@ class GenerationScheduler:
         self.num_preemptions = 0
         # Tokens admitted requests did not compute because their prompt's blocks were cached.
         self.num_cached_tokens = 0
-        self._waiting: deque[Request] = deque()
+        self._waiting = WaitingQueue(max_wait_s)
         # Admission order: the last one is the first to be preempted.
         self._running: list[Request] = []
         self._requests: dict[int, Request] = {}
@@ -48,8 +53,16 @@ class GenerationScheduler:
     @property
     def waiting_tokens(self) -> int:
         """Tokens the waiting requests would compute on admission (a preempted one recomputes its outputs too)."""
-        # tuple() copies without running Python code, so another thread may read this while the loop schedules.
-        return sum(r.num_tokens + r.num_encoder_tokens for r in tuple(self._waiting))
+        # Iterating takes a snapshot, so another thread may read this while the loop schedules.
+        return sum(r.num_tokens + r.num_encoder_tokens for r in self._waiting)
+
+    def waiting_counts(self) -> dict[tuple[int, str], int]:
+        """Waiting requests per (priority, tenant) (safe from another thread)."""
+        return self._waiting.counts()
+
+    def running_counts(self) -> Counter[tuple[int, str]]:
+        """Running requests per (priority, tenant) (safe from another thread)."""
+        return Counter((r.priority, r.tenant) for r in tuple(self._running))
 
     def can_ever_fit(self, request: Request, num_tokens: int) -> bool:
         return self.kv_cache.can_ever_fit(request, num_tokens)
@@ -155,13 +168,16 @@ class GenerationScheduler:
         self._waiting.appendleft(request)
 
     def _schedule_waiting(self, chunks: list[ScheduledSequence], budget: int) -> None:
-        """Admits waiting requests first-come first-served while budget, sequences and blocks last."""
-        while self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
-            request = self._waiting[0]
+        """Admits waiting requests in the queue's order (priority, then arrival) while budget, sequences and
+        blocks last."""
+        while budget > 0 and len(self._running) < self.max_num_seqs:
+            request = self._waiting.first()
+            if request is None:
+                return
             num_new = self._admit(request, budget)
             if num_new == 0:
                 return
-            self._waiting.popleft()
+            self._waiting.pop(request)
             self._running.append(request)
             chunks.append(self._make_chunk(request, num_new))
             budget -= num_new

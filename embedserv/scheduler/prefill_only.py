@@ -1,4 +1,4 @@
-"""FIFO batching for prefill-only work (embed, rerank, classify): no KV cache, no preemption; and the counts of
+"""Batching for prefill-only work (embed, rerank, classify): no KV cache, no preemption; and the counts of
 the calls whose sequences wait and run, which routers and autoscalers read (server/load_metrics.py). No torch.
 
 Counted on the engine's event loop where the events happen, and read from the metrics thread at scrape time:
@@ -7,24 +7,42 @@ plain ints, so a scrape never iterates a container the loop is changing.
 
 from __future__ import annotations
 
-from collections import deque
+import time
+from collections.abc import Callable
 
 from embedserv.scheduler.request import Request, RequestStatus
+from embedserv.scheduler.waiting import WaitingQueue
 from embedserv.steps import ScheduledSequence, StepBatch
+
+# How long after a call of some priority arrived lower-priority steps stay short (see PrefillOnlyScheduler).
+PRIORITY_WINDOW_S = 5.0
 
 
 class PrefillOnlyScheduler:
-    """Packs waiting sequences first-come first-served under a token and a sequence budget.
+    """Packs waiting sequences under a token and a sequence budget, in WaitingQueue's order (priority, then
+    tenants in turn, first come first served within each; aged sequences first).
 
-    A sequence longer than the token budget runs alone rather than never.
+    A sequence longer than the token budget runs alone rather than never. While calls of a higher priority have
+    arrived within the last PRIORITY_WINDOW_S, a step that holds lower-priority sequences stops at
+    `priority_batch_tokens`: a query arriving during bulk work then waits for a short step, not a full one.
     """
 
-    def __init__(self, max_batch_tokens: int, max_batch_requests: int) -> None:
+    def __init__(
+        self,
+        max_batch_tokens: int,
+        max_batch_requests: int,
+        priority_batch_tokens: int | None = None,
+        max_wait_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if max_batch_tokens < 1 or max_batch_requests < 1:
             raise ValueError("batch budgets must be at least 1")
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_requests = max_batch_requests
-        self._waiting: deque[Request] = deque()
+        self.priority_batch_tokens = min(priority_batch_tokens or max_batch_tokens, max_batch_tokens)
+        self._waiting = WaitingQueue(max_wait_s, clock)
+        # priority -> when a sequence of it last arrived (a handful of levels).
+        self._last_seen: dict[int, float] = {}
         # Cancelled sequences dropped from the queue without running, since the start.
         self.num_dropped = 0
         # Tokens of the waiting sequences (what a batch would cost them), kept as they come and go.
@@ -32,11 +50,13 @@ class PrefillOnlyScheduler:
 
     def add(self, request: Request) -> None:
         self._waiting.append(request)
+        self._last_seen[request.priority] = request.arrival
         self.waiting_tokens += _cost(request)
 
     def requeue(self, requests: list[Request]) -> None:
-        """Puts sequences back at the front, in their order (their worker died under them)."""
-        self._waiting.extendleft(reversed(requests))
+        """Puts sequences back at the front of their priority, in their order (their worker died under them)."""
+        for request in reversed(requests):
+            self._waiting.appendleft(request)
         for request in requests:
             request.status = RequestStatus.WAITING
             self.waiting_tokens += _cost(request)
@@ -50,8 +70,7 @@ class PrefillOnlyScheduler:
 
     def drain(self) -> list[Request]:
         """Removes and returns every waiting sequence."""
-        waiting = list(self._waiting)
-        self._waiting.clear()
+        waiting = self._waiting.clear()
         self.waiting_tokens = 0
         for request in waiting:
             # Out of the queue: a later cancel() must not take its tokens off again.
@@ -62,6 +81,10 @@ class PrefillOnlyScheduler:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def waiting_counts(self) -> dict[tuple[int, str], int]:
+        """Waiting sequences per (priority, tenant) (the metrics thread reads it)."""
+        return self._waiting.counts()
+
     def schedule(self) -> StepBatch | None:
         """Pops the next batch; cancelled requests are dropped without running. None when idle."""
         picked = self.pick()
@@ -69,18 +92,23 @@ class PrefillOnlyScheduler:
 
     def pick(self) -> list[Request]:
         """The next batch's requests, now RUNNING (schedule() without building the batch)."""
+        now = self._waiting.clock()
+        urgent = self._recent_top_priority(now)
         picked: list[Request] = []
         num_tokens = 0
-        while self._waiting and len(picked) < self.max_batch_requests:
-            request = self._waiting[0]
+        while len(picked) < self.max_batch_requests:
+            request = self._waiting.first(now)
+            if request is None:
+                break
             if request.cancelled:
-                self._waiting.popleft()
+                self._waiting.pop(request)
                 self.num_dropped += 1
                 continue
             cost = _cost(request)
-            if picked and num_tokens + cost > self.max_batch_tokens:
+            budget = self.max_batch_tokens if request.priority >= urgent else self.priority_batch_tokens
+            if picked and num_tokens + cost > budget:
                 break
-            self._waiting.popleft()
+            self._waiting.pop(request)
             request.status = RequestStatus.RUNNING
             self.waiting_tokens -= cost
             num_tokens += cost
@@ -88,6 +116,14 @@ class PrefillOnlyScheduler:
                 request.call.start()
             picked.append(request)
         return picked
+
+    def _recent_top_priority(self, now: float) -> int:
+        """The highest priority that arrived within PRIORITY_WINDOW_S (or waits still)."""
+        for priority, seen in list(self._last_seen.items()):
+            if now - seen > PRIORITY_WINDOW_S:
+                del self._last_seen[priority]
+        top = self._waiting.top_priority()
+        return max((*self._last_seen, *(() if top is None else (top,))), default=0)
 
 
 def batch_of(requests: list[Request]) -> StepBatch:

@@ -65,6 +65,11 @@ class Request:
     # An image input's patch rows and grid (steps.ScheduledSequence.pixels); None for texts.
     pixels: np.ndarray | None = None
     image_grid: tuple[int, ...] = ()
+    # Higher runs sooner (scheduler/waiting.py); the API key's name the call came with ("": none).
+    priority: int = 0
+    tenant: str = ""
+    # The scheduler clock's time when it first queued (aging); 0.0 until then.
+    arrival: float = 0.0
     # Prefill: the caller's asyncio future, given the sequence's output (engine/core/prefill.py).
     future: Any = None
 

@@ -18,6 +18,7 @@ import uuid
 import grpc
 
 from embedserv import metrics, tracing
+from embedserv.call_class import PRIORITY_HEADER, checked_priority, set_priority
 from embedserv.errors import RETRY_AFTER_S
 from embedserv.logs import REQUEST_ID
 from embedserv.server.grpc.status import message_for, status_for
@@ -200,6 +201,24 @@ def _start(rpc: str, context: grpc.aio.ServicerContext) -> Call:
     return call
 
 
+def priority_field(request) -> bool:
+    """Sets the call's priority from a request message's `priority` field; False if it has none set."""
+    if request is None or not hasattr(request, "priority") or not request.HasField("priority"):
+        return False
+    set_priority(checked_priority(request.priority, "priority"))
+    return True
+
+
+def _classify(request, context: grpc.aio.ServicerContext) -> None:
+    """The call's priority (call_class.py): the request's `priority` field where it has one set, else the
+    x-priority metadata (TEI's messages have no such field), else the defaults."""
+    if priority_field(request):
+        return
+    value = metadata_value(context, PRIORITY_HEADER)
+    if value is not None:
+        set_priority(checked_priority(value, f"metadata {PRIORITY_HEADER}"))
+
+
 def _end_ok(call: Call, context: grpc.aio.ServicerContext) -> None:
     """The call's id and its timing (TEI's header names) as trailing metadata, then its end counted."""
     context.set_trailing_metadata(((REQUEST_ID_KEY, call.request_id), *call.timing_fields(time.perf_counter())))
@@ -215,6 +234,7 @@ def unary_call(handler):
         call = _start(self.rpc_prefix + handler.__name__, context)
         self.active_calls.enter()
         try:
+            _classify(request, context)
             response = await handler(self, request, context, call)
         except BaseException as exc:
             await _end_with_error(call, context, exc)
@@ -234,6 +254,7 @@ def stream_call(handler):
         call = _start(self.rpc_prefix + handler.__name__, context)
         self.active_calls.enter()
         try:
+            _classify(request, context)
             async for response in handler(self, request, context, call):
                 yield response
         except BaseException as exc:

@@ -29,6 +29,7 @@ import zmq
 import zmq.asyncio
 
 from embedserv import logs
+from embedserv.call_class import CALL_CLASS, CallClass
 from embedserv.config import ServerConfig
 from embedserv.errors import ConfigError
 from embedserv.logs import REQUEST_ID
@@ -210,6 +211,7 @@ class FrontendProcesses:
 
     async def _infer(self, identity: bytes, call: InferCall) -> None:
         REQUEST_ID.set(call.request_id)  # this task's own context
+        CALL_CLASS.set(CallClass(call.priority, call.tenant))
         try:
             core = self.host.cores[call.model]
             outputs, tokens, timing = await core.infer(call.sequences, call.received, call.wanted, call.use_cache)
@@ -223,6 +225,7 @@ class FrontendProcesses:
 
     async def _generate(self, identity: bytes, call: GenerateCall) -> None:
         REQUEST_ID.set(call.request_id)
+        CALL_CLASS.set(CallClass(call.priority, call.tenant))
         try:
             core = self.host.cores[call.model]
             deltas = core.generate(call.prompt, call.params, call.decoder_prompt, call.add_special_tokens)

@@ -39,6 +39,9 @@ class InferCall:
     request_id: str = ""
     # False: neither read nor fill the model's embedding cache (EmbedParams.bypass_cache).
     use_cache: bool = True
+    # The call's class (call_class.CALL_CLASS): its priority (None: the model's default) and tenant.
+    priority: int | None = None
+    tenant: str = ""
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,8 @@ class GenerateCall:
     decoder_prompt: str = ""
     add_special_tokens: bool = True
     request_id: str = ""
+    priority: int | None = None
+    tenant: str = ""
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,18 @@ def load_families(models: list[tuple[ModelInfo, CoreStats]]):
             labels=["model"],
         ),
     }
+    by_class = {
+        "waiting_by_class": GaugeMetricFamily(
+            "embedserv_sequences_waiting",
+            "Inputs (and generation streams) waiting for a batch, per priority and tenant (API key name)",
+            labels=["model", "priority", "tenant"],
+        ),
+        "running_by_class": GaugeMetricFamily(
+            "embedserv_sequences_running",
+            "Inputs in a batch on a worker (and generation streams stepping), per priority and tenant",
+            labels=["model", "priority", "tenant"],
+        ),
+    }
     waiting = GaugeMetricFamily(
         "vllm:num_requests_waiting", "embedserv_requests_waiting under vLLM's name", labels=["model_name"]
     )
@@ -61,6 +73,9 @@ def load_families(models: list[tuple[ModelInfo, CoreStats]]):
         name = info.name
         for field, family in ours.items():
             family.add_metric([name], getattr(load, field))
+        for field, family in by_class.items():
+            for (priority, tenant), count in getattr(load, field).items():
+                family.add_metric([name, str(priority), tenant], count)
         waiting.add_metric([name], load.requests_waiting)
         running.add_metric([name], load.requests_running)
         usage = stats.kv_cache
@@ -71,4 +86,5 @@ def load_families(models: list[tuple[ModelInfo, CoreStats]]):
         if adapters:
             lora.add_metric([name, str(len(adapters)), ",".join(adapters), ""], time.time())
     yield from ours.values()
+    yield from by_class.values()
     yield from (waiting, running, kv_usage, cache_config, lora)

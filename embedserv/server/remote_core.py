@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import zmq
 import zmq.asyncio
 
+from embedserv.call_class import CALL_CLASS
 from embedserv.engine.inputs.sequence import InputSequence
 from embedserv.engine.inputs.tokenizer import TextTokenizer, TokenizerPool
 from embedserv.engine.ports import CoreStatus, Inferred
@@ -101,7 +102,19 @@ class FrontendLink:
         future = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
         try:
-            await self.send(InferCall(call_id, model, sequences, received, tuple(wanted), REQUEST_ID.get(), use_cache))
+            cls = CALL_CLASS.get()
+            message = InferCall(
+                call_id,
+                model,
+                sequences,
+                received,
+                tuple(wanted),
+                REQUEST_ID.get(),
+                use_cache,
+                cls.priority,
+                cls.tenant,
+            )
+            await self.send(message)
             reply = await future
         except asyncio.CancelledError:
             await self.send(CancelCall(call_id))
@@ -182,8 +195,18 @@ class RemoteCore:
             self.tokenizer.check_token_ids([prompt], False, TruncationDirection.RIGHT)
 
         def call(call_id: int) -> GenerateCall:
-            request_id = REQUEST_ID.get()
-            return GenerateCall(call_id, self.name, prompt, params, decoder_prompt, add_special_tokens, request_id)
+            request_id, cls = REQUEST_ID.get(), CALL_CLASS.get()
+            return GenerateCall(
+                call_id,
+                self.name,
+                prompt,
+                params,
+                decoder_prompt,
+                add_special_tokens,
+                request_id,
+                cls.priority,
+                cls.tenant,
+            )
 
         async with contextlib.aclosing(self.link.generate(call)) as deltas:
             async for delta in deltas:

@@ -48,6 +48,7 @@ SHARED = {
     "config",
     "errors",
     "logs",
+    "call_class",
     "metrics",
     "forward_context",
     "cpu_isa",

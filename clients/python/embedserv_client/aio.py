@@ -47,10 +47,10 @@ class AsyncClient(ClientSettings):
         parallel_requests: int = 4,
         load_balancing: str | None = "round_robin",
         options: Sequence[tuple[str, object]] = (),
+        priority: int | None = None,
     ):
-        super().__init__(
-            target, api_key, tls, model, timeout, retry, batch_size, parallel_requests, load_balancing, options
-        )
+        settings = (timeout, retry, batch_size, parallel_requests, load_balancing, options, priority)
+        super().__init__(target, api_key, tls, model, *settings)
         args = self.channel_args()
         make = grpc.aio.secure_channel if "credentials" in args else grpc.aio.insecure_channel
         self.channel = make(**args)

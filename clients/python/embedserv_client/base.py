@@ -22,6 +22,7 @@ class ClientSettings:
         parallel_requests: int,
         load_balancing: str | None,
         options: Sequence[tuple[str, object]],
+        priority: int | None = None,
     ):
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")
@@ -38,7 +39,8 @@ class ClientSettings:
         self.parallel_requests = parallel_requests
         self.load_balancing = load_balancing
         self.options = list(options)
-        self.metadata = auth_metadata(api_key)
+        # The server's x-priority metadata: every call of this client runs at `priority` (higher sooner).
+        self.metadata = auth_metadata(api_key) + (() if priority is None else (("x-priority", str(priority)),))
         self._limits: Limits | None = None
 
     def __repr__(self) -> str:

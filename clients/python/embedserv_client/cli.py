@@ -37,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
         help="host:port or dns:///name:port (default: env EMBEDSERV_TARGET, else 127.0.0.1:50051)",
     )
     p.add_argument("--api-key", default=os.environ.get("EMBEDSERV_API_KEY"), help="default: env EMBEDSERV_API_KEY")
+    p.add_argument("--priority", type=int, help="the calls' priority, higher runs sooner (default: the server's)")
     p.add_argument("--tls", action="store_true", help="TLS with the system's roots (or --tls-ca)")
     p.add_argument("--tls-ca", metavar="PEM", help="CA certificate that signed the server's (implies --tls)")
     p.add_argument("--tls-cert", metavar="PEM", help="client certificate for mutual TLS (with --tls-key)")
@@ -282,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"embedserv-client: {err}", file=sys.stderr)
         return 2
     try:
-        with Client(args.target, args.api_key, tls, model=args.model, timeout=args.timeout) as client:
+        with Client(
+            args.target, args.api_key, tls, model=args.model, timeout=args.timeout, priority=args.priority
+        ) as client:
             result, code = _run(client, args)
     except EmbedservError as err:
         print(f"embedserv-client: {err}", file=sys.stderr)

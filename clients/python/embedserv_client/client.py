@@ -40,7 +40,7 @@ class Client(ClientSettings):
     limits) once. `parallel_requests`: how many requests of split calls are in flight at once.
     `load_balancing`: the gRPC policy over the addresses the target resolves to (None: gRPC's default,
     pick_first). `options`: more gRPC channel arguments, e.g. ("grpc.dns_min_time_between_resolutions_ms",
-    5000) to look for new replicas sooner than gRPC's 30 s.
+    5000) to look for new replicas sooner than gRPC's 30 s. `priority`: every call's (higher runs sooner).
     """
 
     def __init__(
@@ -56,10 +56,10 @@ class Client(ClientSettings):
         parallel_requests: int = 4,
         load_balancing: str | None = "round_robin",
         options: Sequence[tuple[str, object]] = (),
+        priority: int | None = None,
     ):
-        super().__init__(
-            target, api_key, tls, model, timeout, retry, batch_size, parallel_requests, load_balancing, options
-        )
+        settings = (timeout, retry, batch_size, parallel_requests, load_balancing, options, priority)
+        super().__init__(target, api_key, tls, model, *settings)
         args = self.channel_args()
         make = grpc.secure_channel if "credentials" in args else grpc.insecure_channel
         self.channel = make(**args)

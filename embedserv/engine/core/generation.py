@@ -21,6 +21,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field, replace
 
 from embedserv import metrics
+from embedserv.call_class import stamp
 from embedserv.engine.core.detokenizer import IncrementalDetokenizer
 from embedserv.engine.core.dispatch import Step
 from embedserv.engine.inputs.tokenizer import TextTokenizer, TokenizerPool
@@ -29,6 +30,7 @@ from embedserv.executor.base import Worker, WorkerDied
 from embedserv.scheduler.generation import GenerationScheduler
 from embedserv.scheduler.kv_cache_manager import KvCacheManager
 from embedserv.scheduler.request import Request, RequestStatus
+from embedserv.scheduler.waiting import DEFAULT_POLICY, PriorityPolicy
 from embedserv.steps import OutputKind, StepOutput
 from embedserv.types import FinishReason, GenerationDelta, KvCacheUsage, SamplingParams, TruncationDirection
 
@@ -126,14 +128,16 @@ class GenerationStreams:
         max_num_seqs: int,
         enable_prefix_caching: bool,
         wake: Callable[[], None],
+        policy: PriorityPolicy = DEFAULT_POLICY,
     ) -> None:
-        """`wake`: the dispatcher's, called when there is new work."""
+        """`wake`: the dispatcher's, called when there is new work; `policy`: how queued streams are ordered."""
         self.name = name
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.worker = worker
         self._budgets = (max_batch_tokens, max_num_seqs)
         self._enable_prefix_caching = enable_prefix_caching
+        self._policy = policy
         # Built for each worker process once it is ready (its KV cache), see _reset.
         self.kv_cache: KvCacheManager | None = None
         self.scheduler: GenerationScheduler | None = None
@@ -193,7 +197,7 @@ class GenerationStreams:
         if layout is None:
             raise NotReady(f"worker {self.worker.index} of model {self.name} has no KV cache yet")
         self.kv_cache = KvCacheManager(list(layout.groups), layout.num_blocks, self._enable_prefix_caching)
-        self.scheduler = GenerationScheduler(self.kv_cache, *self._budgets)
+        self.scheduler = GenerationScheduler(self.kv_cache, *self._budgets, self._policy.max_wait_s)
         self._incarnation = self.worker.incarnation
 
     def workers_changed(self) -> None:
@@ -238,6 +242,7 @@ class GenerationStreams:
             sampling=params,
             encoder_token_ids=prompt.encoder_token_ids,
         )
+        stamp(request, self._policy.default_priority)
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self._room(request)

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -52,6 +53,9 @@ class ModelLoad:
     requests_running: int
     waiting_tokens: int
     worker_busy_ratio: float
+    # Sequences (prefill) and streams (generation) waiting and running, per (priority, tenant).
+    waiting_by_class: dict[tuple[int, str], int] = dataclasses.field(default_factory=dict)
+    running_by_class: dict[tuple[int, str], int] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -89,7 +93,9 @@ class LocalCore:
         self.prefill: PrefillWork | None = None
         if served.task.tasks != (Task.GENERATE,):
             output = OutputKind.POOL if served.spec.outputs.outputs else OutputKind.SCORE
-            self.prefill = PrefillWork(name, workers, budget, max_seqs, output, wake, served.task)
+            self.prefill = PrefillWork(
+                name, workers, budget, max_seqs, output, wake, served.task, config.priority_policy
+            )
         # Prefill outputs only: generation streams are not cached.
         self.cache: OutputCache | None = None
         if config.embedding_cache and self.prefill is not None:
@@ -107,6 +113,7 @@ class LocalCore:
                     max_seqs,
                     config.enable_prefix_caching,
                     wake,
+                    config.priority_policy,
                 )
                 for worker in workers
             ]
@@ -172,13 +179,19 @@ class LocalCore:
         """Calls waiting and running, waiting tokens and the workers' recent busy share."""
         waiting, running = self._calls.waiting, self._calls.running
         tokens = self.prefill.scheduler.waiting_tokens if self.prefill is not None else 0
+        by_class: tuple[Counter, Counter] = (Counter(), Counter())
+        if self.prefill is not None:
+            by_class[0].update(self.prefill.scheduler.waiting_counts())
+            by_class[1].update(self.prefill.running_counts())
         for streams in self.generation:
             scheduler = streams.scheduler
             if scheduler is not None:
                 waiting += scheduler.num_waiting
                 running += scheduler.num_running
                 tokens += scheduler.waiting_tokens
-        return ModelLoad(waiting, running, tokens, self.dispatcher.busy_ratio())
+                by_class[0].update(scheduler.waiting_counts())
+                by_class[1].update(scheduler.running_counts())
+        return ModelLoad(waiting, running, tokens, self.dispatcher.busy_ratio(), *map(dict, by_class))
 
     def kv_cache_usage(self) -> KvCacheUsage | None:
         """Blocks in use now, summed over the workers (None for models that do not generate)."""

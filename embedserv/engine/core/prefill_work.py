@@ -12,9 +12,11 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 
 from embedserv import metrics
+from embedserv.call_class import stamp
 from embedserv.engine.core.dispatch import Step
 from embedserv.engine.inputs.sequence import InputSequence
 from embedserv.engine.ports import SequenceOutput
@@ -24,6 +26,7 @@ from embedserv.logs import REQUEST_ID
 from embedserv.models.loading.tasks import TaskSpec
 from embedserv.scheduler.prefill_only import PrefillOnlyScheduler, batch_of
 from embedserv.scheduler.request import Request
+from embedserv.scheduler.waiting import DEFAULT_POLICY, PriorityPolicy
 from embedserv.steps import OutputKind, StepOutput
 from embedserv.types import EmbedOutput
 
@@ -49,15 +52,19 @@ class PrefillWork:
         output: OutputKind,
         wake: Callable[[], None],
         task: TaskSpec | None = None,
+        policy: PriorityPolicy = DEFAULT_POLICY,
     ) -> None:
         """`wake`: the dispatcher's, called when there is new work. `task`: the model's (an encoder-decoder's
-        sequences are its encoder's input)."""
+        sequences are its encoder's input). `policy`: how priorities order the queue."""
         self.name = name
         self.workers = workers
         self.output = output
         self.decoder_start = task.decoder_start_token_id if task is not None else None
         self.decoder_reads_start_only = task is not None and task.prefill_decoder_input == "start"
-        self.scheduler = PrefillOnlyScheduler(max_batch_tokens, max_batch_requests)
+        self.scheduler = PrefillOnlyScheduler(
+            max_batch_tokens, max_batch_requests, policy.short_step_tokens, policy.max_wait_s
+        )
+        self.default_priority = policy.default_priority
         # False until the engine starts, and again once it stops or its dispatcher crashed.
         self.accepting = False
         self._wake = wake
@@ -72,8 +79,9 @@ class PrefillWork:
             # reranker's first step) or the input shifted right behind it (BART's classifier).
             start, ids = self.decoder_start, sequence.ids
             decoder = [start] if self.decoder_reads_start_only else [start, *ids[:-1]]
-            return Request(next(self._ids), decoder, self.output, encoder_token_ids=ids, call_id=REQUEST_ID.get())
-        return Request(
+            request = Request(next(self._ids), decoder, self.output, encoder_token_ids=ids, call_id=REQUEST_ID.get())
+            return stamp(request, self.default_priority)
+        request = Request(
             next(self._ids),
             sequence.ids,
             self.output,
@@ -85,6 +93,11 @@ class PrefillWork:
             pixels=sequence.pixels,
             image_grid=sequence.image_grid,
         )
+        return stamp(request, self.default_priority)
+
+    def running_counts(self) -> Counter[tuple[int, str]]:
+        """Sequences on workers now per (priority, tenant) (the metrics thread reads it)."""
+        return Counter((r.priority, r.tenant) for step in list(self._running) for r in step.requests)
 
     def workers_changed(self) -> None:
         """A worker became ready or died: with none alive, fail what is queued (what is on a worker ends with

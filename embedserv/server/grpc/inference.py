@@ -9,7 +9,7 @@ import grpc
 from embedserv import metrics
 from embedserv.engine.engine import Engine
 from embedserv.errors import InvalidInput
-from embedserv.server.calls import Call, stream_call, unary_call
+from embedserv.server.calls import Call, priority_field, stream_call, unary_call
 from embedserv.server.frontend import Frontend
 from embedserv.server.grpc.messages import (
     call_summary,
@@ -64,8 +64,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     @stream_call
     async def EmbedStream(self, request_iterator, context, call):
-        # Requests start as they arrive (up to the window) and are answered in arrival order.
-        async for response in answer_in_order(request_iterator, lambda request: self._embed(request, call)):
+        # Requests start as they arrive (up to the window) and are answered in arrival order; each its own task,
+        # so a message's priority field is its own.
+        async def embed(request):
+            priority_field(request)
+            return await self._embed(request, call)
+
+        async for response in answer_in_order(request_iterator, embed):
             yield response
 
     @unary_call

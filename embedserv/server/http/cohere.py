@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from pydantic import Field, StrictStr
 
 from embedserv.errors import InvalidInput
-from embedserv.server.http.common import Body, call_of, engine_for_task, engine_named, frontend_of
+from embedserv.server.http.common import RequestBody, call_of, engine_for_task, engine_named, frontend_of
 from embedserv.server.http.error_responses import JSON
 from embedserv.server.http.image_inputs import image_of_url
 from embedserv.server.http.openai import vectors_json
@@ -45,7 +45,7 @@ _PROMPTS = {
 }
 
 
-class EmbedV2Request(Body):
+class EmbedV2Request(RequestBody):
     model: str | None = Field(None, description="A served model name; absent: the first served model.")
     texts: list[StrictStr] | None = Field(None, description="The texts to embed (or images).")
     images: list[StrictStr] | None = Field(None, description="Images as data URIs, for models that take images.")
@@ -55,7 +55,7 @@ class EmbedV2Request(Body):
     truncate: Literal["NONE", "START", "END"] = Field("END", description="NONE refuses texts past the limit.")
 
 
-class RerankV2Request(Body):
+class RerankV2Request(RequestBody):
     model: str | None = Field(None, description="A served model name; absent: the first that reranks.")
     query: StrictStr
     documents: list[StrictStr]

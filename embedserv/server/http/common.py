@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Self, TypeVar
 
 import orjson
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.requests import Request
 
+from embedserv.call_class import MAX_PRIORITY, set_priority
 from embedserv.engine.engine import Engine
 from embedserv.errors import InvalidInput
 from embedserv.server.calls import Call
@@ -22,6 +23,23 @@ class Body(BaseModel):
     """Request bodies: unknown fields are ignored (clients send vendor extras), known ones are checked."""
 
     model_config = ConfigDict(extra="ignore")
+
+
+class RequestBody(Body):
+    """A route's whole body: Body, and the call's priority (call_class.py)."""
+
+    priority: int | None = Field(
+        None,
+        ge=-MAX_PRIORITY,
+        le=MAX_PRIORITY,
+        description="Higher runs sooner; absent: the x-priority header, else the server's default.",
+    )
+
+    @model_validator(mode="after")
+    def _apply_priority(self) -> Self:
+        # Validated in the request's own task, before the route runs: the call's class for what it awaits.
+        set_priority(self.priority)
+        return self
 
 
 def frontend_of(request: Request) -> Frontend:

@@ -17,6 +17,8 @@ import time
 from starlette.requests import Request
 
 from embedserv import tracing
+from embedserv.call_class import PRIORITY_HEADER, checked_priority, set_priority
+from embedserv.errors import InvalidInput
 from embedserv.logs import REQUEST_ID
 from embedserv.server.calls import Call, request_id_or_new
 from embedserv.server.frontend import Frontend
@@ -29,6 +31,7 @@ logger = logging.getLogger("embedserv.server.http")
 HEALTH_PATHS = frozenset({"/health", "/ping", "/metrics"})
 OPEN_PREFIXES = ("/docs", "/openapi.json")
 _REQUEST_ID = b"x-request-id"
+_PRIORITY = PRIORITY_HEADER.encode()
 _EVENT_STREAM = b"text/event-stream"
 
 
@@ -120,6 +123,12 @@ class Edge:
             problem = api_key_problem(_header(scope, b"authorization"), self._key, "header")
             if problem is not None:
                 return style, 401, problem
+        priority = _header(scope, _PRIORITY)
+        if priority is not None and not open_path:
+            try:
+                set_priority(checked_priority(priority, f"header {PRIORITY_HEADER}"))
+            except InvalidInput as exc:
+                return style, 400, str(exc)
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             return style, 413, self._too_large(int(length))

@@ -25,7 +25,7 @@ from pydantic import ConfigDict, Field, StrictBool, StrictInt
 from embedserv.engine.engine import Engine
 from embedserv.errors import InvalidInput
 from embedserv.server.frontend import Frontend
-from embedserv.server.http.common import Body, call_of, engine_named, frontend_of
+from embedserv.server.http.common import Body, RequestBody, call_of, engine_named, frontend_of
 from embedserv.server.http.error_responses import JSON
 from embedserv.server.http.image_inputs import (
     ContentPart,
@@ -46,7 +46,7 @@ _STARTED = int(time.time())
 MAX_INPUTS = 2048
 
 
-class EmbeddingsBody(Body):
+class EmbeddingsBody(RequestBody):
     """Unknown fields are refused, as OpenAI's API does; the fields the openai SDK, LangChain and LlamaIndex send
     (input, model, dimensions, encoding_format, user) are OpenAI's own. Numbers and booleans are strict."""
 

@@ -28,7 +28,7 @@ from starlette.responses import StreamingResponse
 from embedserv import metrics
 from embedserv.engine.engine import Engine
 from embedserv.errors import InvalidInput
-from embedserv.server.http.common import Body, call_of, engine_named, frontend_of, refuse_unsupported
+from embedserv.server.http.common import Body, RequestBody, call_of, engine_named, frontend_of, refuse_unsupported
 from embedserv.server.http.error_responses import JSON, error_body, message_of, status_of
 from embedserv.types import FinishReason, GenerationDelta, SamplingParams
 
@@ -58,7 +58,7 @@ class StreamOptions(Body):
     include_usage: bool = False
 
 
-class SamplingBody(Body):
+class SamplingBody(RequestBody):
     model: str | None = None
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, StrictBool, StrictStr
 
-from embedserv.server.http.common import Body
+from embedserv.server.http.common import Body, RequestBody
 from embedserv.server.http.tei_models import CHUNKING, NON_EMPTY, NonEmptyText, NonNegativeInt
 
 _MODEL = "A served model's name; unset: the x-embedserv-model header's, else the first that serves the task"
@@ -24,7 +24,7 @@ class RerankDocument(Body):
     text: StrictStr
 
 
-class RerankRequest(Body):
+class RerankRequest(RequestBody):
     model: str | None = Field(None, description=_MODEL)
     query: NonEmptyText
     documents: list[StrictStr | RerankDocument] = Field(
@@ -40,14 +40,14 @@ class RerankRequest(Body):
     chunking: Literal["max"] | None = Field(None, description=CHUNKING)
 
 
-class ClassifyRequest(Body):
+class ClassifyRequest(RequestBody):
     model: str | None = Field(None, description=_MODEL)
     input: Texts = Field(json_schema_extra=NON_EMPTY)
     truncate: StrictBool | None = Field(None, description=_TRUNCATE)
     raw_scores: StrictBool = Field(False, description=_RAW)
 
 
-class ScoreRequest(Body):
+class ScoreRequest(RequestBody):
     model: str | None = Field(None, description=_MODEL)
     text_1: NonEmptyText | list[NonEmptyText] = Field(
         description="One text (scored against every text_2) or as many texts as text_2", json_schema_extra=NON_EMPTY

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, StrictBool, StrictStr, WithJsonSchema
 
 from embedserv.errors import InvalidInput
-from embedserv.server.http.common import Body
+from embedserv.server.http.common import RequestBody
 from embedserv.server.http.error_responses import HttpError
 from embedserv.types import TruncationDirection
 
@@ -57,7 +57,7 @@ Sequence = Annotated[
 ]
 
 
-class TeiEmbedAllRequest(Body):
+class TeiEmbedAllRequest(RequestBody):
     """/embed_all's body, and /embed_sparse's; /embed's adds normalize and dimensions."""
 
     inputs: StrictStr | TokenIds | list[StrictStr | TokenIds] = Field(
@@ -77,7 +77,7 @@ class TeiEmbedRequest(TeiEmbedAllRequest):
     dimensions: PositiveInt | None = Field(None, description="Keep the first N dimensions (Matryoshka)")
 
 
-class TeiPredictRequest(Body):
+class TeiPredictRequest(RequestBody):
     inputs: StrictStr | Sequence | list[Sequence] = Field(
         description="A text, a pair [text, text], or a batch of single texts and pairs [[text], [text, text]]",
         json_schema_extra=NON_EMPTY,
@@ -87,7 +87,7 @@ class TeiPredictRequest(Body):
     raw_scores: StrictBool = False
 
 
-class TeiRerankRequest(Body):
+class TeiRerankRequest(RequestBody):
     query: NonEmptyText
     texts: list[StrictStr] = Field(json_schema_extra=NON_EMPTY)
     truncate: StrictBool | None = Field(None, description=_TRUNCATE)
@@ -97,13 +97,13 @@ class TeiRerankRequest(Body):
     chunking: Literal["max"] | None = Field(None, description=CHUNKING)
 
 
-class TeiTokenizeRequest(Body):
+class TeiTokenizeRequest(RequestBody):
     inputs: StrictStr | list[StrictStr] = Field(json_schema_extra=NON_EMPTY)
     add_special_tokens: StrictBool = True
     prompt_name: str | None = None
 
 
-class TeiDecodeRequest(Body):
+class TeiDecodeRequest(RequestBody):
     ids: TokenIds | list[TokenIds] = Field(description="One list of token ids, or a batch of them")
     skip_special_tokens: StrictBool = True
 

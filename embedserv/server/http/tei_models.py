@@ -77,6 +77,29 @@ class TeiEmbedRequest(TeiEmbedAllRequest):
     dimensions: PositiveInt | None = Field(None, description="Keep the first N dimensions (Matryoshka)")
 
 
+class TeiSimilarityInput(Body):
+    source_sentence: StrictStr = Field(
+        description="The text the others are compared with", examples=["What is Deep Learning?"]
+    )
+    sentences: list[StrictStr] = Field(
+        description="The texts compared with source_sentence", json_schema_extra=NON_EMPTY,
+        examples=[["What is Machine Learning?"]],
+    )  # fmt: skip
+
+
+class TeiSimilarityParameters(Body):
+    truncate: StrictBool | None = Field(None, description=_TRUNCATE)
+    truncation_direction: Direction = TruncationDirection.RIGHT
+    prompt_name: str | None = Field(None, description="A prompt of the model's sentence-transformers config")
+
+
+class TeiSimilarityRequest(Body):
+    """/similarity's body (TEI's and huggingface_hub's sentence-similarity input)."""
+
+    inputs: TeiSimilarityInput
+    parameters: TeiSimilarityParameters | None = None
+
+
 class TeiPredictRequest(Body):
     inputs: StrictStr | Sequence | list[Sequence] = Field(
         description="A text, a pair [text, text], or a batch of single texts and pairs [[text], [text, text]]",

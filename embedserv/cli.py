@@ -216,6 +216,17 @@ def build_parser() -> argparse.ArgumentParser:
         f"and gRPC alike); a request's own truncate setting wins {_model('auto_truncate')}",
     )
     serve.add_argument(
+        "--input-type-prompt",
+        action="append",
+        dest="input_types",
+        metavar="TYPE=PROMPT",
+        type=input_type_flag,
+        help="Cohere /v2/embed's input_type TYPE (search_query, search_document, classification, clustering, "
+        "image) embeds with the model's prompt PROMPT; repeatable; a type not given takes the model's prompt of "
+        "its name, else query for search_query and document, passage or corpus for search_document "
+        + _model("input_types"),
+    )
+    serve.add_argument(
         "--data-parallel-size",
         type=int,
         metavar="N",
@@ -347,6 +358,15 @@ def lora_flag(text: str) -> tuple[str, str]:
     return name, path
 
 
+def input_type_flag(text: str) -> tuple[str, str]:
+    input_type, equals, prompt = text.partition("=")
+    if not equals or not input_type or not prompt:
+        raise argparse.ArgumentTypeError(
+            f"--input-type-prompt takes TYPE=PROMPT (a Cohere input_type and one of the model's prompts), not {text!r}"
+        )
+    return input_type, prompt
+
+
 def given_flags(args: argparse.Namespace, keys: tuple[str, ...]) -> dict[str, object]:
     """The config fields among `keys` whose flags were given (argparse leaves the others None)."""
     return {key: getattr(args, key) for key in keys if getattr(args, key) is not None}
@@ -368,6 +388,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                 "--lora serves adapters over one --model; with several models give each its lora: in the --config file"
             )
         model_flags["lora"] = tuple(model_flags["lora"])
+    if "input_types" in model_flags:
+        model_flags["input_types"] = tuple(model_flags["input_types"])
     config_file = read_config_file(args.config) if args.config else None
     return assemble(config_file, model_flags, server_flags, args.model, args.served_model_name)
 

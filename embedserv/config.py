@@ -45,6 +45,8 @@ CUDA_BATCH_TOKENS = 16384
 # KV cache of a generating model: bytes on CPU; on CUDA a fraction of the memory free after loading.
 CPU_KV_CACHE_BYTES = 2**30
 CUDA_KV_CACHE_FRACTION = 0.5
+# Cohere v2's input_type values (server/http/cohere.py), each of which a model may map to one of its prompts.
+COHERE_INPUT_TYPES = ("search_query", "search_document", "classification", "clustering", "image")
 _MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -168,6 +170,10 @@ class ModelConfig:
     # Inputs longer than the model takes are cut to fit (from the right) instead of refused, on every face
     # (OpenAI, TEI, gRPC), unless the request says `truncate` itself (TEI's --auto-truncate).
     auto_truncate: bool = False
+    # Cohere v2's input_type -> the name of the model's prompt it embeds with, (input type, prompt) each
+    # (--input-type-prompt TYPE=PROMPT); types not given keep cohere.py's defaults. The names are checked against
+    # the model's prompts when it loads (spec_reader.py), where they are known.
+    input_types: tuple[tuple[str, str], ...] = ()
     # Image inputs (models that take images): encoded bytes and decoded pixels (width x height) one image may
     # have; checked before decoding, so an image that would decode to more is never decoded.
     max_image_bytes: int = 8 * 2**20
@@ -218,6 +224,21 @@ class ModelConfig:
         if self.embedding_cache < 0:
             raise ConfigError(f"--embedding-cache must be 0 (none) or more bytes, not {self.embedding_cache}")
         self._check_lora()
+        self._check_input_types()
+
+    def _check_input_types(self) -> None:
+        for input_type, prompt in self.input_types:
+            if input_type not in COHERE_INPUT_TYPES:
+                raise ConfigError(
+                    f"--input-type-prompt {input_type}={prompt}: {input_type!r} is no Cohere input_type; give one of "
+                    f"{', '.join(COHERE_INPUT_TYPES)}"
+                )
+            if not prompt:
+                raise ConfigError(f"--input-type-prompt {input_type}: give the name of one of the model's prompts")
+        types = [input_type for input_type, _ in self.input_types]
+        repeated = sorted({t for t in types if types.count(t) > 1})
+        if repeated:
+            raise ConfigError(f"--input-type-prompt maps {', '.join(repeated)} more than once; give each one prompt")
 
     def _check_lora(self) -> None:
         names = [name for name, _ in self.lora]

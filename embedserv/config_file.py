@@ -4,7 +4,8 @@ the flags into the ServerConfig.
     server:    ServerConfig fields but `models`, named as the flags with _ (port, max_concurrent_requests)
     defaults:  ModelConfig fields but path and served_name, applied to every model
     models:    a list; each entry takes `path`, an optional `served_name` and any ModelConfig field
-               (`lora`: a mapping of adapter names to PEFT adapter directories, as --lora NAME=PATH)
+               (`lora`: a mapping of adapter names to PEFT adapter directories, as --lora NAME=PATH;
+               `input_types`: a mapping of Cohere input types to prompt names, as --input-type-prompt TYPE=PROMPT)
 
 A model's options are, lowest first: the dataclass defaults, `defaults:`, the flags given on the command
 line, its own entry. Server settings: the dataclass defaults, `server:`, the flags. Models come either from
@@ -37,6 +38,8 @@ MODEL_OPTION_KEYS = tuple(k for k in MODEL_KEYS if k not in ("path", "served_nam
 _HINTS = {**typing.get_type_hints(ModelConfig), **typing.get_type_hints(ServerConfig)}
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 _FLAG = re.compile(r"--([a-z][a-z0-9-]*)")
+# Flags whose key is not their name with _ (a repeatable flag sets one pair of a mapping key).
+_FLAG_KEYS = {"input_type_prompt": "input_types"}
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,13 @@ def _typed(value: object, key: str, where: str) -> object:
         if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
             raise ConfigError(f"{where}: lora must map adapter names to their directories (NAME: PATH), not {value!r}")
         return tuple((str(name), path) for name, path in value.items())
+    if key == "input_types":
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            raise ConfigError(
+                f"{where}: input_types must map Cohere input types to the model's prompt names "
+                f"(search_query: query), not {value!r}"
+            )
+        return tuple((str(input_type), prompt) for input_type, prompt in value.items())
     hint = _HINTS[key]
     allowed = typing.get_args(hint) or (hint,)
     if value is None and type(None) in allowed:
@@ -183,7 +193,7 @@ def _relabelled(build: typing.Callable, places: dict[str, str], where_unflagged:
         return build()
     except ConfigError as exc:
         text = str(exc)
-        keys = [m.group(1).replace("-", "_") for m in _FLAG.finditer(text)]
+        keys = [_key_of(m.group(1)) for m in _FLAG.finditer(text)]
         placed = [key for key in keys if key in places]
         if placed:
             text = _FLAG.sub(lambda m: _key_if(m, places), text)
@@ -193,8 +203,13 @@ def _relabelled(build: typing.Callable, places: dict[str, str], where_unflagged:
         raise
 
 
+def _key_of(flag: str) -> str:
+    name = flag.replace("-", "_")
+    return _FLAG_KEYS.get(name, name)
+
+
 def _key_if(match: re.Match, places: dict[str, str]) -> str:
-    key = match.group(1).replace("-", "_")
+    key = _key_of(match.group(1))
     return key if key in places else match.group(0)
 
 

@@ -372,6 +372,9 @@ class ModelInfo:
     lora_adapters: tuple[str, ...] = ()
     # --auto-truncate: calls that do not say `truncate` have their too-long inputs cut instead of refused.
     auto_truncate: bool = False
+    # --input-type-prompt: (Cohere input_type, the model's prompt it embeds with) for the types configured, each
+    # a prompt of the model's (checked at start-up); other types take server/http/cohere.py's defaults.
+    input_type_prompts: tuple[tuple[str, str], ...] = ()
     # The inputs it takes: text, image (CLIP / SigLIP dual encoders: either; ColPali / ColQwen2: text queries
     # and page images).
     modalities: tuple[Modality, ...] = (Modality.TEXT,)

@@ -1,18 +1,23 @@
 """Cohere's v2 API (/v2/embed, /v2/rerank) through the cohere SDK's ClientV2 against the session's compat server:
 each embedding type is gRPC Embed's bytes in that encoding, rerank is gRPC Rerank's order and scores, and bad input
-is the SDK's BadRequestError."""
+is the SDK's BadRequestError. A model's input_types pick the prompt an input_type embeds with (a server of its own:
+MiniLM with prompts)."""
 
 from __future__ import annotations
 
 import base64
 
 import cohere
+import httpx
 import numpy as np
 import pytest
 
 from tests.helpers.client import RPC_TIMEOUT_S
 from tests.helpers.compat_http import http, pb, stub  # noqa: F401 (fixtures)
 from tests.helpers.compat_server import CROSS, EMBEDDER
+from tests.helpers.inprocess import in_process_server
+from tests.helpers.prompted_models import prompted_minilm
+from tests.helpers.server import free_port
 
 TEXTS = ["Hello World, this is Cohere v2!", "zipfile.is_zipfile checks a ZIP archive", "naïve café ☕"]
 RAW = {"int8": ("INT8", np.int8), "uint8": ("UINT8", np.uint8), "binary": ("BINARY", np.int8),
@@ -91,3 +96,41 @@ def test_errors_are_in_cohere_shape(http):
         assert reply.status_code == status and set(reply.json()) == {"message"} and reply.json()["message"], body
     reply = http.post("/v2/rerank", json={"query": "q"})
     assert reply.status_code == 400 and "documents" in reply.json()["message"]
+
+
+PROMPTED = "minilm-prompted"
+
+
+@pytest.fixture(scope="module")
+def prompted_http(tmp_path_factory):
+    """A server of MiniLM with query, passage and topic prompts, its --config entry mapping search_query to topic
+    (over the default, the query prompt) and clustering to query (no default)."""
+    root = tmp_path_factory.mktemp("prompted")
+    model = prompted_minilm(root, {"query": "query: ", "passage": "passage: ", "topic": "topic: "})
+    config = root / "embedserv.yaml"
+    config.write_text(
+        f"models:\n  - path: {model}\n    served_name: {PROMPTED}\n"
+        "    input_types: {search_query: topic, clustering: query}\n"
+    )
+    port = free_port()
+    with in_process_server(["--config", str(config), "--dtype", "float32", "--http-port", str(port)]):
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=RPC_TIMEOUT_S) as client:
+            yield client
+
+
+def test_input_type_embeds_with_the_configured_prompt(prompted_http):
+    """Each input_type's vectors are TEI /embed's with its prompt: configured, else the default."""
+
+    def by_input_type(input_type: str) -> np.ndarray:
+        body = {"model": PROMPTED, "texts": TEXTS, "input_type": input_type, "embedding_types": ["float"]}
+        reply = prompted_http.post("/v2/embed", json=body)
+        assert reply.status_code == 200, reply.text
+        return np.array(reply.json()["embeddings"]["float"])
+
+    def by_prompt(prompt: str | None) -> np.ndarray:
+        return np.array(prompted_http.post("/embed", json={"inputs": TEXTS, "prompt_name": prompt}).json())
+
+    expected = {"search_query": "topic", "clustering": "query", "search_document": "passage", "classification": None}
+    for input_type, prompt in expected.items():
+        np.testing.assert_allclose(by_input_type(input_type), by_prompt(prompt), atol=1e-6, err_msg=input_type)
+    assert not np.allclose(by_prompt("topic"), by_prompt("query"), atol=1e-3), "the prompts should change the vectors"

@@ -1,7 +1,6 @@
-"""text-embeddings-inference's HTTP API (/embed, /embed_sparse, /embed_all, /predict, /tokenize, /decode,
-/info, /health) against the
-session's compat server: TEI's request fields and defaults, TEI's answer shapes holding the native gRPC
-API's numbers, and TEI's error shape and statuses."""
+"""text-embeddings-inference's HTTP API (/embed, /embed_sparse, /embed_all, /similarity, /predict, /tokenize,
+/decode, /info, /health) against the session's compat server: TEI's request fields and defaults, TEI's answer
+shapes holding the native gRPC API's numbers, and TEI's error shape and statuses."""
 
 from __future__ import annotations
 
@@ -83,6 +82,55 @@ def test_embed_all_and_embed_sparse_equal_native(stub, http):
     assert "it serves: embed_sparse" in assert_tei_error(
         http.post("/embed_all", json={"inputs": "a"}, headers=model_header(SPARSE)), 422
     )
+
+
+def test_similarity_is_the_cosine_of_embed(http):
+    """TEI's documented example: a list of floats, one per sentence, in order; each the cosine of the source
+    sentence's /embed vector with the sentence's; parameters pass through as /embed's fields do."""
+    body = {"inputs": {"source_sentence": "What is Deep Learning?", "sentences": ["What is Machine Learning?"]}}
+    reply = http.post("/similarity", json=body)
+    assert reply.status_code == 200, reply.text
+    assert len(reply.json()) == 1 and isinstance(reply.json()[0], float)
+    source, sentences = TEXTS[0], [TEXTS[1], TEXTS[0], "naïve café"]
+    vectors = np.asarray(http.post("/embed", json={"inputs": [source, *sentences]}).json())
+    got = http.post("/similarity", json={"inputs": {"source_sentence": source, "sentences": sentences}}).json()
+    np.testing.assert_allclose(got, vectors[1:] @ vectors[0], atol=1e-5)
+    assert got[1] == pytest.approx(1.0, abs=1e-5)
+    long_text = " ".join(["word"] * 600)
+    parameters = {"truncate": True, "truncation_direction": "Left", "prompt_name": None}
+    cut = http.post("/similarity", json={"inputs": {"source_sentence": long_text, "sentences": [TEXTS[1]]},
+                                         "parameters": parameters})  # fmt: skip
+    assert cut.status_code == 200, cut.text
+    left = {"inputs": [long_text, TEXTS[1]], "truncate": True, "truncation_direction": "left"}
+    vectors = np.asarray(http.post("/embed", json=left).json())
+    np.testing.assert_allclose(cut.json(), [vectors[1] @ vectors[0]], atol=1e-5)
+
+
+def test_the_root_route_takes_inference_clients_similarity_body(http):
+    """huggingface_hub's InferenceClient(model=URL).sentence_similarity posts this body to the URL itself (as
+    huggingface_hub 2.4 sends it; the client cannot be used here: HF_HUB_OFFLINE blocks its every request)."""
+    body = {"inputs": {"source_sentence": TEXTS[0], "sentences": TEXTS[1:]}, "parameters": {}}
+    reply = http.post("/", json=body)
+    assert reply.status_code == 200, reply.text
+    assert reply.json() == http.post("/similarity", json=body).json()
+
+
+def test_similarity_errors_in_tei_shape(http):
+    """No sentences is TEI's 400 empty; a body without source_sentence, a long text without truncate, an unknown
+    prompt and a batch past --max-client-batch-size (the source sentence counted) are 422."""
+
+    def inputs(**fields):
+        return {"inputs": {"source_sentence": "a", "sentences": ["b"], **fields}}
+
+    assert "inputs.sentences" in assert_tei_error(http.post("/similarity", json=inputs(sentences=[])), 400, "empty")
+    assert "source_sentence" in assert_tei_error(http.post("/similarity", json={"inputs": {"sentences": ["b"]}}), 422)
+    assert_tei_error(http.post("/similarity", json={"source_sentence": "a", "sentences": ["b"]}), 422)
+    assert_tei_error(http.post("/similarity", json=inputs(sentences="b")), 422)
+    assert_tei_error(http.post("/similarity", json=inputs(source_sentence=" ".join(["word"] * 600))), 422)
+    assert_tei_error(http.post("/similarity", json={**inputs(), "parameters": {"prompt_name": "nope"}}), 422)
+    many = inputs(sentences=["b"] * MAX_CLIENT_BATCH)
+    assert "max-client-batch-size" in assert_tei_error(http.post("/similarity", json=many), 422)
+    assert_tei_error(http.post("/similarity", json=inputs(), headers=model_header(CROSS)), 422)
 
 
 def test_predict_equals_native(stub, http):

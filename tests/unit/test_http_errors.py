@@ -68,6 +68,14 @@ def test_input_of_no_accepted_shape_is_one_sentence(client):
     )
 
 
+def test_a_field_of_an_inputs_object_is_named_not_taken_for_a_shape(client):
+    """/similarity's inputs is an object: its missing field is named, not inputs' shapes of /embed."""
+    reply = client.post("/similarity", json={"inputs": {"sentences": ["b"]}})
+    assert (
+        reply.status_code == 422 and reply.json()["error"] == "invalid request: inputs.source_sentence: Field required"
+    )
+
+
 @pytest.mark.parametrize("field, value", [("dimensions", "64"), ("normalize", "true"), ("truncate", 1)])
 def test_openai_numbers_and_booleans_are_strict(client, field, value):
     reply = client.post("/v1/embeddings", json={"input": "a", field: value})

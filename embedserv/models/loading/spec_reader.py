@@ -291,6 +291,7 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
         task_adapters=tuple(getattr(hf_config, "lora_adaptations", None) or ()),
         lora_adapters=tuple(adapter.name for adapter in lora),
         auto_truncate=config.auto_truncate,
+        input_type_prompts=_input_type_prompts(config, st.prompts),
         modalities=_modalities(family),
     )
     return ModelSpec(
@@ -309,6 +310,19 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
         outputs=outputs,
         lora=lora,
     )
+
+
+def _input_type_prompts(config: ModelConfig, prompts: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """--input-type-prompt's pairs, refused at start-up where the model lacks the prompt: else every Cohere call
+    of that input type would be refused."""
+    for input_type, prompt in config.input_types:
+        if prompt not in prompts:
+            raise ConfigError(
+                f"model {config.served_name} ({config.path}): input type {input_type} is mapped to the prompt "
+                f"{prompt!r} (--input-type-prompt, input_types), which the model does not have; its prompts: "
+                f"{', '.join(sorted(prompts)) or 'none (config_sentence_transformers.json has no prompts)'}"
+            )
+    return tuple((str(input_type), str(prompt)) for input_type, prompt in config.input_types)
 
 
 def _kv_block_size(config: ModelConfig, backend: AttentionBackend, task: TaskSpec, device: torch.device) -> int:

@@ -1,11 +1,12 @@
 """Cohere's v2 API, as the cohere SDK's ClientV2 calls it: POST /v2/embed and POST /v2/rerank.
 
-/v2/embed: `texts` or `images` (data URIs, for models that take images); `input_type` picks the model's prompt of
-that name, else its query prompt for search_query and its document / passage prompt for search_document (none:
-the model's default prompt); `embedding_types` asks for any of float, int8, uint8, binary, ubinary and base64
-(float32 bytes) from one forward pass (int8 / uint8 are the codes of our int8 / uint8 encodings, whose raw integer
-dot products rank as the floats do); `output_dimension` keeps the first N dimensions (Matryoshka); `truncate`
-NONE refuses a text past the model's limit, START cuts its start, END (the default) its end.
+/v2/embed: `texts` or `images` (data URIs, for models that take images); `input_type` picks the model's prompt
+configured for it (--input-type-prompt, the model's input_types key), else its prompt of that name, else its query
+prompt for search_query and its document / passage prompt for search_document (none: the model's default
+prompt); `embedding_types` asks for any of float, int8, uint8, binary, ubinary and base64 (float32 bytes) from one
+forward pass (int8 / uint8 are the codes of our int8 / uint8 encodings, whose raw integer dot products rank as the
+floats do); `output_dimension` keeps the first N dimensions (Matryoshka); `truncate` NONE refuses a text past the
+model's limit, START cuts its start, END (the default) its end.
 /v2/rerank: `query`, `documents` (texts), `top_n`; documents past the model's limit are cut, as Cohere cuts them.
 Errors come in Cohere's shape ({"message": ...}) with the statuses the SDK maps to its exceptions (400, 401, 404,
 429, 503).
@@ -35,7 +36,7 @@ _ENCODINGS = {
     "float": Encoding.FLOAT32, "base64": Encoding.FLOAT32, "int8": Encoding.INT8, "uint8": Encoding.UINT8,
     "binary": Encoding.BINARY, "ubinary": Encoding.UBINARY,
 }  # fmt: skip
-# The model's prompts an input_type takes, in order of preference.
+# The model's prompts an input_type takes, in order of preference, unless its input_types configure one.
 _PROMPTS = {
     "search_query": ("search_query", "query"),
     "search_document": ("search_document", "document", "passage", "corpus"),
@@ -63,7 +64,11 @@ class RerankV2Request(RequestBody):
 
 
 def prompt_for(info: ModelInfo, input_type: str | None) -> str | None:
-    """The model's prompt for `input_type`, or None (its default prompt, if it has one)."""
+    """The model's prompt for `input_type`: the configured one, else the first of _PROMPTS' it has, else None
+    (its default prompt, if it has one)."""
+    configured = dict(info.input_type_prompts)
+    if input_type in configured:
+        return configured[input_type]
     for name in _PROMPTS.get(input_type or "", ()):
         if name in info.prompt_names:
             return name

@@ -24,6 +24,7 @@ TEI_PATHS = frozenset(
         "/embed",
         "/embed_all",
         "/embed_sparse",
+        "/similarity",
         "/predict",
         "/tokenize",
         "/decode",
@@ -171,6 +172,11 @@ def _error_part(error: dict, field: str) -> str:
     return f"{field or 'body'}: {error.get('msg', 'invalid')}" + (f", not {got}" if strict_type else "")
 
 
+def _is_alternative(tag: str) -> bool:
+    """Whether a location part is pydantic's tag of a union's member (str, list[...]), not a field name."""
+    return "[" in tag or tag in ("str", "int", "float", "bool")
+
+
 def validation_message(errors: list[dict], body: object = None) -> tuple[str, str | None]:
     """A pydantic/FastAPI validation error list as one sentence, and the first field it names."""
     if errors and errors[0].get("type") == "json_invalid":
@@ -180,7 +186,8 @@ def validation_message(errors: list[dict], body: object = None) -> tuple[str, st
     for error in errors:
         location = [str(x) for x in error.get("loc", ()) if x != "body"]
         top = location[0] if location else ""
-        if top in _SHAPES and len(location) == 2:  # the union's alternative, e.g. input.list[str]
+        # The union's alternative, e.g. input.list[str]; not a field of an object named inputs (/similarity's).
+        if top in _SHAPES and len(location) == 2 and _is_alternative(location[1]):
             if top not in seen:
                 seen.add(top)
                 parts.append(_SHAPES[top])

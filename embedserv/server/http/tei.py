@@ -1,7 +1,7 @@
 """text-embeddings-inference's HTTP API (router/src/http/server.rs): /embed, /embed_sparse, /embed_all,
-/predict, /tokenize, /decode, /info, /health, the root route (POST /: the model's own task) and SageMaker's
-contract (POST /invocations, GET /ping), with TEI's fields, defaults and answers; TEI's /rerank is served by
-scoring.py.
+/similarity, /predict, /tokenize, /decode, /info, /health, the root route (POST /: the model's own task) and
+SageMaker's contract (POST /invocations, GET /ping), with TEI's fields, defaults and answers; TEI's /rerank is
+served by scoring.py.
 
 TEI serves one model and its bodies name none: each route takes the model the `x-embedserv-model` header
 names, else the first served model that can do the route's task (/tokenize, /decode and /info: the first
@@ -13,7 +13,7 @@ a pair in /predict is scored by a cross-encoder (the first one served, or the he
 classifier; /info's model_id is the served name; /rerank's and pairs' truncation_direction left is refused
 when truncating (a document is cut from its end); /embed_sparse and /embed_all are served by models with the
 sparse and multi-vector outputs (the first such, or the header's; a model without the output is refused
-with what it serves named); /similarity and /vertex are not served.
+with what it serves named); /vertex is not served.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ from embedserv.server.http.tei_models import (
     TeiPredictRequest,
     TeiRank,
     TeiRerankRequest,
+    TeiSimilarityParameters,
+    TeiSimilarityRequest,
     TeiSparseValue,
     TeiToken,
     TeiTokenizeRequest,
@@ -158,6 +160,33 @@ async def embed_all(request: Request, body: TeiEmbedAllRequest):
     params = _text_params(body, EmbedOutput.MULTI_VECTOR)
     count, parts = await _embed_parts(request, Task.EMBED_MULTI_VECTOR, body, params)
     return JSON(_in_input_order(count, parts, lambda result: result.multi_vectors))
+
+
+@router.post("/similarity", response_model=list[float])
+async def similarity(request: Request, body: TeiSimilarityRequest):
+    """The cosine similarity of inputs.source_sentence to each of inputs.sentences, in their order: the
+    source sentence and the sentences embedded in one call (normalized), as TEI batches them, by the
+    header's model, else the first embedder."""
+    parameters = body.parameters or TeiSimilarityParameters()
+    require_some(body.inputs.sentences, "inputs.sentences")
+    engine = engine_for_task(request, Task.EMBED)
+    frontend = frontend_of(request)
+    texts = [body.inputs.source_sentence, *body.inputs.sentences]
+    # The source sentence counts against --max-client-batch-size, as TEI counts it.
+    frontend.check_batch(len(texts), "inputs (source_sentence and sentences together)")
+    frontend.check_chars(texts[0], "inputs.source_sentence")
+    for index, text in enumerate(texts[1:]):
+        frontend.check_chars(text, f"inputs.sentences[{index}]")
+    params = EmbedParams(
+        truncate=parameters.truncate,
+        truncation_direction=parameters.truncation_direction,
+        prompt_name=parameters.prompt_name,
+    )
+    with frontend.limiter.hold(len(texts)):
+        result = await engine.embedding.embed(texts, params)
+    call_of(request).answered(len(texts), result.prompt_tokens, result.timing)
+    vectors = result.embeddings
+    return JSON(vectors[1:] @ vectors[0])
 
 
 def _pair_scorer(request: Request) -> Engine:
@@ -290,12 +319,13 @@ async def info(request: Request):
 @router.post(
     "/",
     response_model=list[list[float]] | list[list[TeiSparseValue]] | list[TeiPrediction] | list[list[TeiPrediction]]
-    | list[TeiRank],
+    | list[TeiRank] | list[float],
     openapi_extra={
         "requestBody": {
             "required": True,
             "content": {"application/json": {"schema": {"oneOf": [
                 inline_schema(TeiEmbedRequest), inline_schema(TeiPredictRequest), inline_schema(TeiRerankRequest),
+                inline_schema(TeiSimilarityRequest),
             ]}}},
         }
     },
@@ -304,8 +334,9 @@ async def root(request: Request):
     """TEI's root route, which huggingface_hub's InferenceClient and LangChain's HuggingFaceEndpointEmbeddings
     call: the task of the header's model, else of the first served model, as TEI serves its one model's: /embed
     for an embedder (/embed_sparse for a sparse-only one), /predict for a classifier, /rerank for a reranker; a
-    body with `query` and `texts` is a rerank whatever the model (the header's, else the first reranker).
-    SageMaker's POST /invocations is the same route."""
+    body with `query` and `texts` is a rerank whatever the model (the header's, else the first reranker), and
+    one whose `inputs` is an object is a /similarity (InferenceClient.sentence_similarity's body). SageMaker's
+    POST /invocations is the same route."""
     request.state.error_style = TEI
     body = await json_object(request, "TEI's body for the model's task (inputs; query and texts for a reranker)")
     info = _model_engine(request).info
@@ -313,6 +344,8 @@ async def root(request: Request):
     # A rerank body reranks whatever the first model does (as TEI's vertex route tells bodies apart).
     if kind == "reranker" or ("query" in body and "texts" in body):
         return await tei_rerank(request, parsed(TeiRerankRequest, body))
+    if isinstance(body.get("inputs"), dict):
+        return await similarity(request, parsed(TeiSimilarityRequest, body))
     if kind == "classifier":
         return await predict(request, parsed(TeiPredictRequest, body))
     if Task.EMBED not in info.tasks and Task.EMBED_SPARSE in info.tasks:

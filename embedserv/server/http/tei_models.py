@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, StrictBool, StrictStr, WithJsonSchema
 
 from embedserv.errors import InvalidInput
-from embedserv.server.http.common import RequestBody
+from embedserv.server.http.common import Body, RequestBody
 from embedserv.server.http.error_responses import HttpError
 from embedserv.types import TruncationDirection
 
@@ -75,6 +75,29 @@ class TeiEmbedSparseRequest(TeiEmbedAllRequest):
 class TeiEmbedRequest(TeiEmbedAllRequest):
     normalize: StrictBool = True
     dimensions: PositiveInt | None = Field(None, description="Keep the first N dimensions (Matryoshka)")
+
+
+class TeiSimilarityInput(Body):
+    source_sentence: StrictStr = Field(
+        description="The text the others are compared with", examples=["What is Deep Learning?"]
+    )
+    sentences: list[StrictStr] = Field(
+        description="The texts compared with source_sentence", json_schema_extra=NON_EMPTY,
+        examples=[["What is Machine Learning?"]],
+    )  # fmt: skip
+
+
+class TeiSimilarityParameters(Body):
+    truncate: StrictBool | None = Field(None, description=_TRUNCATE)
+    truncation_direction: Direction = TruncationDirection.RIGHT
+    prompt_name: str | None = Field(None, description="A prompt of the model's sentence-transformers config")
+
+
+class TeiSimilarityRequest(RequestBody):
+    """/similarity's body (TEI's and huggingface_hub's sentence-similarity input)."""
+
+    inputs: TeiSimilarityInput
+    parameters: TeiSimilarityParameters | None = None
 
 
 class TeiPredictRequest(RequestBody):

@@ -22,8 +22,8 @@ class PrefillOnlyScheduler:
     """Packs waiting sequences under a token and a sequence budget, in WaitingQueue's order (priority, then
     tenants in turn, first come first served within each; aged sequences first).
 
-    A sequence longer than the token budget runs alone rather than never. While calls of a higher priority have
-    arrived within the last PRIORITY_WINDOW_S, a step that holds lower-priority sequences stops at
+    A sequence longer than the token budget runs alone rather than never. A step that holds sequences below the
+    default priority, or below a priority that arrived within the last PRIORITY_WINDOW_S, stops at
     `priority_batch_tokens`: a query arriving during bulk work then waits for a short step, not a full one.
     """
 
@@ -34,6 +34,7 @@ class PrefillOnlyScheduler:
         priority_batch_tokens: int | None = None,
         max_wait_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        default_priority: int | None = None,
     ) -> None:
         if max_batch_tokens < 1 or max_batch_requests < 1:
             raise ValueError("batch budgets must be at least 1")
@@ -43,6 +44,8 @@ class PrefillOnlyScheduler:
         self._waiting = WaitingQueue(max_wait_s, clock)
         # priority -> when a sequence of it last arrived (a handful of levels).
         self._last_seen: dict[int, float] = {}
+        # Sequences below it are background work: always in short steps (None: only while higher ones come).
+        self.default_priority = default_priority
         # Cancelled sequences dropped from the queue without running, since the start.
         self.num_dropped = 0
         # Tokens of the waiting sequences (what a batch would cost them), kept as they come and go.
@@ -118,12 +121,13 @@ class PrefillOnlyScheduler:
         return picked
 
     def _recent_top_priority(self, now: float) -> int:
-        """The highest priority that arrived within PRIORITY_WINDOW_S (or waits still)."""
+        """The highest priority that arrived within PRIORITY_WINDOW_S, waits still, or is the default."""
         for priority, seen in list(self._last_seen.items()):
             if now - seen > PRIORITY_WINDOW_S:
                 del self._last_seen[priority]
         top = self._waiting.top_priority()
-        return max((*self._last_seen, *(() if top is None else (top,))), default=0)
+        floor = () if self.default_priority is None else (self.default_priority,)
+        return max((*self._last_seen, *(() if top is None else (top,)), *floor), default=0)
 
 
 def batch_of(requests: list[Request]) -> StepBatch:

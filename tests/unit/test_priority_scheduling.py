@@ -184,3 +184,16 @@ def test_generation_admits_higher_priority_first_and_never_preempts_for_it():
     s.finish(0)
     batch = s.schedule()
     assert [chunk.request_id for chunk in batch.sequences] == [2]
+
+
+def test_work_below_the_default_priority_always_runs_in_short_steps():
+    clock = Clock()
+    s = PrefillOnlyScheduler(64, 100, priority_batch_tokens=8, clock=clock, default_priority=0)
+    for i in range(8):
+        s.add(_req(i, n=4, priority=-1))
+    # Background work: short steps even with nothing else queued, so a query arriving any time waits little.
+    assert len(_ids(s.schedule())) == 2
+    clock.now += PRIORITY_WINDOW_S + 1
+    assert len(_ids(s.schedule())) == 2
+    s.add(_req(100, n=4))
+    assert _ids(s.schedule()) == [100, 4]

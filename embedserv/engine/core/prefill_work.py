@@ -62,7 +62,11 @@ class PrefillWork:
         self.decoder_start = task.decoder_start_token_id if task is not None else None
         self.decoder_reads_start_only = task is not None and task.prefill_decoder_input == "start"
         self.scheduler = PrefillOnlyScheduler(
-            max_batch_tokens, max_batch_requests, policy.short_step_tokens, policy.max_wait_s
+            max_batch_tokens,
+            max_batch_requests,
+            policy.short_step_tokens,
+            policy.max_wait_s,
+            default_priority=policy.default_priority,
         )
         self.default_priority = policy.default_priority
         # False until the engine starts, and again once it stops or its dispatcher crashed.

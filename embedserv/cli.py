@@ -9,6 +9,7 @@ import os
 import sys
 
 from embedserv import logs
+from embedserv.api_keys import read_api_keys_file
 from embedserv.cli_parser import build_parser
 from embedserv.config import ServerConfig, parse_bytes, parse_memory
 from embedserv.config_file import MODEL_OPTION_KEYS, SERVER_KEYS, assemble, read_config_file
@@ -29,6 +30,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     if "embedding_cache" in model_flags:
         model_flags["embedding_cache"] = parse_bytes(model_flags["embedding_cache"], "--embedding-cache")
     server_flags = given_flags(args, SERVER_KEYS)
+    if "api_keys" in server_flags:
+        server_flags["api_keys"] = read_api_keys_file(str(server_flags["api_keys"]))
     # The environment keeps the key out of `ps`; the flag wins over it, and it over the config file.
     if "api_key" not in server_flags and os.environ.get("EMBEDSERV_API_KEY"):
         server_flags["api_key"] = os.environ["EMBEDSERV_API_KEY"]

@@ -316,6 +316,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="require metadata 'authorization: Bearer KEY' on every RPC but health "
         "(default: env EMBEDSERV_API_KEY, else the config file's; none: no auth)",
     )
+    serve.add_argument(
+        "--api-keys-file",
+        dest="api_keys",
+        metavar="YAML",
+        help="named API keys, each a tenant: a YAML list of {name, key, priority, max_share} (a mounted Secret); "
+        "the config file's server: api_keys takes the same list (default: none)",
+    )
     serve.add_argument("--tls-cert", metavar="PEM", help="TLS certificate chain (with --tls-key)")
     serve.add_argument("--tls-key", metavar="PEM", help="TLS private key")
     serve.add_argument(

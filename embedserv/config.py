@@ -7,6 +7,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 from embedserv import cpu_isa
+from embedserv.api_keys import ApiKey, check_unique
 from embedserv.errors import ConfigError
 from embedserv.scheduler.waiting import PriorityPolicy
 
@@ -324,6 +325,8 @@ class ServerConfig:
     max_connection_age: float | None = None
     # Every RPC but health needs `authorization: Bearer <api_key>` metadata when set.
     api_key: str | None = field(default=None, repr=False)
+    # Named keys (api_keys.py): each a tenant with its default priority and share of --max-concurrent-requests.
+    api_keys: tuple[ApiKey, ...] | None = field(default=None, repr=False)
     # TLS: PEM certificate chain and key; with a client CA, clients must present a certificate it signed.
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -331,6 +334,12 @@ class ServerConfig:
     # OpenTelemetry traces go to this OTLP/gRPC collector (http://host:4317); None: no tracing, nothing sent.
     # The standard OTEL_* environment (OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER, ...) applies.
     otlp_endpoint: str | None = None
+
+    @property
+    def all_api_keys(self) -> tuple[ApiKey, ...]:
+        """--api-key (named "default") and the named keys."""
+        single = (ApiKey("default", self.api_key.strip()),) if self.api_key and self.api_key.strip() else ()
+        return single + (self.api_keys or ())
 
     @property
     def num_frontends(self) -> int:
@@ -376,6 +385,7 @@ class ServerConfig:
             raise ConfigError(f"--max-connection-age must be more than 0 seconds, not {self.max_connection_age}")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("the API key is empty; give a non-empty --api-key (or EMBEDSERV_API_KEY) or none")
+        check_unique(self.all_api_keys, "API keys (--api-key is named default)")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("TLS needs both --tls-cert and --tls-key")
         if self.tls_client_ca is not None and self.tls_cert is None:

@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from embedserv.api_keys import api_keys_of
 from embedserv.config import ModelConfig, ServerConfig, bundled_model_path, parse_bytes, parse_memory
 from embedserv.errors import ConfigError
 
@@ -150,6 +151,8 @@ def _typed(value: object, key: str, where: str) -> object:
         return _relabelled(lambda: parse_memory(value), {key: where})
     if key == "embedding_cache" and isinstance(value, str):
         return _relabelled(lambda: parse_bytes(value, "--embedding-cache"), {key: where})
+    if key == "api_keys":
+        return api_keys_of(value, where)
     if key == "lora":
         if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
             raise ConfigError(f"{where}: lora must map adapter names to their directories (NAME: PATH), not {value!r}")

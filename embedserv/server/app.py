@@ -34,7 +34,7 @@ class OneProcessServer:
     def __init__(self, config: ServerConfig, worker_processes: bool = True) -> None:
         """`worker_processes` False runs each model on a model thread of this process (EngineHost)."""
         self.host = EngineHost(config, worker_processes)
-        self.limiter = InflightLimiter(config.max_concurrent_requests)
+        self.limiter = InflightLimiter.for_config(config)
         self.frontend = FrontendServer(config, self.limiter)
         self.host.on_change = self._status_changed
         self.port: int | None = None
@@ -69,7 +69,7 @@ class MultiFrontendServer:
 
     async def start(self) -> None:
         frontends = self.frontends
-        self.host.serve_metrics(lambda: frontends.in_flight.value, frontends.metrics_dir)
+        self.host.serve_metrics(lambda: frontends.in_flight[0], frontends.metrics_dir)
         # Models load at once, each in its own worker processes, while the front ends start.
         await all_or_none([self.host.start(lambda config, core: None), frontends.start()])
 

@@ -18,7 +18,7 @@ import uuid
 import grpc
 
 from embedserv import metrics, tracing
-from embedserv.call_class import PRIORITY_HEADER, checked_priority, set_priority
+from embedserv.call_class import CALL_CLASS, PRIORITY_HEADER, CallClass, checked_priority, set_priority
 from embedserv.errors import RETRY_AFTER_S
 from embedserv.logs import REQUEST_ID
 from embedserv.server.grpc.status import message_for, status_for
@@ -209,9 +209,15 @@ def priority_field(request) -> bool:
     return True
 
 
-def _classify(request, context: grpc.aio.ServicerContext) -> None:
-    """The call's priority (call_class.py): the request's `priority` field where it has one set, else the
-    x-priority metadata (TEI's messages have no such field), else the defaults."""
+def _classify(servicer, request, context: grpc.aio.ServicerContext) -> None:
+    """The call's class (call_class.py): its API key's tenant and default priority (the interceptor let only
+    known keys through), then the request's `priority` field where it has one set, else the x-priority metadata
+    (TEI's messages have no such field)."""
+    keys = servicer.frontend.keys
+    if keys:
+        key = keys.match(metadata_value(context, "authorization"), "metadata")[0]
+        if key is not None:
+            CALL_CLASS.set(CallClass(key.priority, key.name))
     if priority_field(request):
         return
     value = metadata_value(context, PRIORITY_HEADER)
@@ -234,7 +240,7 @@ def unary_call(handler):
         call = _start(self.rpc_prefix + handler.__name__, context)
         self.active_calls.enter()
         try:
-            _classify(request, context)
+            _classify(self, request, context)
             response = await handler(self, request, context, call)
         except BaseException as exc:
             await _end_with_error(call, context, exc)
@@ -254,7 +260,7 @@ def stream_call(handler):
         call = _start(self.rpc_prefix + handler.__name__, context)
         self.active_calls.enter()
         try:
-            _classify(request, context)
+            _classify(self, request, context)
             async for response in handler(self, request, context, call):
                 yield response
         except BaseException as exc:

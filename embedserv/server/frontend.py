@@ -12,6 +12,8 @@ import socket
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 
+from embedserv.api_keys import KeyTable
+from embedserv.call_class import CALL_CLASS
 from embedserv.config import ServerConfig
 from embedserv.engine.engine import Engine
 from embedserv.errors import AdapterNotFound, InvalidInput, ModelNotFound, NotReady, Overloaded
@@ -83,45 +85,63 @@ class ServedModels:
         return self._lora_engines[name] if name in self.lora_bases else engine
 
 
-class _Count:
-    """The shape of multiprocessing.Value("q") for a count only this process changes."""
-
-    value = 0
-
-
 class InflightLimiter:
-    """Counts inputs (not calls) in flight; refuses at once past the limit rather than queue without bound.
+    """Counts inputs (not calls) in flight; refuses at once past the limit rather than queue without bound, and
+    past a tenant's cap (its API key's share of the limit, api_keys.py) for that tenant's calls.
 
-    With several front-end processes the count is `shared` (a multiprocessing.Value("q") every front end
-    holds), changed under its lock, so the limit holds for the whole server."""
+    With several front-end processes the counts are `shared` (a multiprocessing.Array("q") every front end
+    holds: the total, then one per API key in config order), changed under its lock, so the limits hold for the
+    whole server."""
 
-    def __init__(self, limit: int, shared=None) -> None:
+    def __init__(self, limit: int, shared=None, caps: dict[str, int] | None = None) -> None:
         self.limit = limit
         self.shared = shared
-        self._count = shared if shared is not None else _Count()
+        # tenant -> (its slot in the counts, its cap)
+        self._tenants = {name: (index + 1, cap) for index, (name, cap) in enumerate((caps or {}).items())}
+        self._counts = shared if shared is not None else [0] * (1 + len(self._tenants))
         self._lock = shared.get_lock() if shared is not None else nullcontext()
+
+    @classmethod
+    def for_config(cls, config: ServerConfig, shared=None) -> InflightLimiter:
+        caps = KeyTable(config.all_api_keys, config.max_concurrent_requests).caps
+        return cls(config.max_concurrent_requests, shared, caps)
 
     @property
     def in_flight(self) -> int:
-        return self._count.value
+        return self._counts[0]
 
     @contextmanager
     def hold(self, count: int) -> Iterator[None]:
-        """Admits `count` inputs for the duration of a with-block, or raises Overloaded at once."""
+        """Admits `count` inputs of the current call's tenant for the duration of a with-block, or raises
+        Overloaded at once."""
+        slot, cap = self._tenants.get(CALL_CLASS.get().tenant, (0, 0))
         with self._lock:
-            in_flight = self._count.value
-            if in_flight + count <= self.limit:
-                self._count.value = in_flight + count
-        if in_flight + count > self.limit:
-            raise Overloaded(
-                f"server is at its limit of {self.limit} inputs in flight ({in_flight} now); "
-                "retry with backoff or send fewer inputs per call"
-            )
+            in_flight, held = self._counts[0], self._counts[slot]
+            fits = in_flight + count <= self.limit and (not slot or held + count <= cap)
+            if fits:
+                self._counts[0] = in_flight + count
+                if slot:
+                    self._counts[slot] = held + count
+        if not fits:
+            raise Overloaded(self._refusal(count, in_flight, held if slot else None, cap))
         try:
             yield
         finally:
             with self._lock:
-                self._count.value -= count
+                self._counts[0] -= count
+                if slot:
+                    self._counts[slot] -= count
+
+    def _refusal(self, count: int, in_flight: int, held: int | None, cap: int) -> str:
+        if in_flight + count > self.limit or held is None:
+            return (
+                f"server is at its limit of {self.limit} inputs in flight ({in_flight} now); "
+                "retry with backoff or send fewer inputs per call"
+            )
+        return (
+            f"this API key's calls are at their share of {cap} inputs in flight ({held} now, of the server's "
+            f"{self.limit}); retry with backoff or send fewer inputs per call"
+        )
 
 
 class ActiveCalls:
@@ -151,6 +171,8 @@ class Frontend:
         self.models = models
         self.config = config
         self.limiter = limiter
+        # The server's API keys (none: no authentication), for the gRPC interceptor and the HTTP edge.
+        self.keys = KeyTable(config.all_api_keys, config.max_concurrent_requests)
         # The largest request message (gRPC) and body (HTTP): room for images only where a model takes them.
         self.receive_limit = config.receive_limit(any(takes_images(model) for model in config.models))
         self.active_calls = ActiveCalls()

@@ -52,7 +52,7 @@ class _Frontend:
 
     def __init__(self, config: ServerConfig, index: int, address: str, shared_in_flight) -> None:
         self.index = index
-        self.server = FrontendServer(config, InflightLimiter(config.max_concurrent_requests, shared_in_flight))
+        self.server = FrontendServer(config, InflightLimiter.for_config(config, shared_in_flight))
         self.cores: dict[str, RemoteCore] = {}
         self.drain_grace: float | None = None
         self.draining = asyncio.Event()

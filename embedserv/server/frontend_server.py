@@ -66,7 +66,7 @@ class FrontendServer:
         self.frontend = Frontend(self.models, config, limiter)
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(
-            interceptors=[ApiKeyInterceptor(config.api_key)] if config.api_key else None,
+            interceptors=[ApiKeyInterceptor(self.frontend.keys)] if self.frontend.keys else None,
             options=server_options(config, self.frontend.receive_limit),
         )
         add_services(self.frontend, self.server, self.health)
@@ -115,7 +115,7 @@ class FrontendServer:
                 self.port = self.server.add_insecure_port(address)
         except RuntimeError as exc:
             raise ConfigError(f"cannot listen on {address} ({exc}); is the port in use? pick another --port") from exc
-        if config.api_key and not config.tls_cert:
+        if self.frontend.keys and not config.tls_cert:
             logger.warning("an API key without TLS travels in clear text; use --tls-cert/--tls-key off localhost")
         if config.http_port:
             from embedserv.server.http.app import HttpServer  # FastAPI and uvicorn load only when HTTP is on
@@ -126,8 +126,9 @@ class FrontendServer:
         security = []
         if config.tls_cert:
             security.append("mutual TLS" if config.tls_client_ca else "TLS")
-        if config.api_key:
-            security.append("API key")
+        if self.frontend.keys:
+            count = len(self.frontend.keys.keys)
+            security.append("API key" if count == 1 else f"{count} API keys")
         logger.info(
             "listening on %s:%d%s (NOT_SERVING until the models are warm)",
             config.host,

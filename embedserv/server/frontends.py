@@ -97,8 +97,8 @@ class FrontendProcesses:
         self.config = replace(
             config, port=ports[0], http_port=ports[1] if config.http_port else 0, frontends=config.num_frontends
         )
-        # The inputs in flight over every front end (frontend.InflightLimiter's shared count).
-        self.in_flight = multiprocessing.get_context("spawn").Value("q", 0)
+        # The inputs in flight over every front end, in all and per API key (frontend.InflightLimiter's counts).
+        self.in_flight = multiprocessing.get_context("spawn").Array("q", 1 + len(config.all_api_keys))
         self._dir = tempfile.TemporaryDirectory(prefix="embedserv-frontends-")
         self.address = f"ipc://{self._dir.name}/engine"
         # The front ends count calls in prometheus-client's multiprocess files here; /metrics adds them up.

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import hmac
 import ssl
 from pathlib import Path
 
 import grpc
 
 from embedserv import metrics
+from embedserv.api_keys import KeyTable
 from embedserv.errors import ConfigError
 
 # Kubernetes probes and load balancers call health without credentials.
@@ -16,10 +16,11 @@ _OPEN_PREFIX = "/grpc.health.v1.Health/"
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Every RPC but health needs metadata `authorization: Bearer <key>`; else UNAUTHENTICATED."""
+    """Every RPC but health needs metadata `authorization: Bearer <key>` with one of the server's keys; else
+    UNAUTHENTICATED. (Which key, the call's tenant, is read again where the call starts: server/calls.py.)"""
 
-    def __init__(self, api_key: str) -> None:
-        self._key = api_key.strip().encode()
+    def __init__(self, keys: KeyTable) -> None:
+        self._keys = keys
 
     async def intercept_service(self, continuation, handler_call_details):
         if handler_call_details.method.startswith(_OPEN_PREFIX):
@@ -32,19 +33,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
     def _problem(self, metadata) -> str | None:
         values = [value for key, value in metadata if key == "authorization"]
-        return api_key_problem(values[0] if values else None, self._key, "metadata")
-
-
-def api_key_problem(authorization: str | None, key: bytes, carrier: str) -> str | None:
-    """What is wrong with an `authorization` value (gRPC metadata or HTTP header) for API key `key`, or None."""
-    if authorization is None:
-        return f"this server needs an API key: send {carrier} 'authorization: Bearer <key>'"
-    scheme, _, given = str(authorization).partition(" ")
-    if scheme.lower() != "bearer" or not given:
-        return f"the authorization {carrier} must read 'Bearer <key>'"
-    if not hmac.compare_digest(given.strip().encode(), key):
-        return "the API key is wrong; send the key the server was started with"
-    return None
+        return self._keys.match(values[0] if values else None, "metadata")[1]
 
 
 def _refusing(handler: grpc.RpcMethodHandler, method: str, message: str) -> grpc.RpcMethodHandler:

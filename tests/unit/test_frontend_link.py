@@ -47,7 +47,7 @@ def test_an_unexpected_engine_error_is_internal_and_says_what_it_was():
 
 
 def test_the_shared_count_admits_for_the_whole_server():
-    shared = multiprocessing.get_context("spawn").Value("q", 0)
+    shared = multiprocessing.get_context("spawn").Array("q", 1)
     first, second = InflightLimiter(10, shared), InflightLimiter(10, shared)
     with first.hold(6):
         assert second.in_flight == 6

@@ -50,6 +50,7 @@ SHARED = {
     "errors",
     "logs",
     "call_class",
+    "api_keys",
     "metrics",
     "forward_context",
     "cpu_isa",

@@ -13,6 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from embedserv.api_keys import ApiKey, KeyTable
 from embedserv.errors import ConfigError
 from embedserv.server.security import ApiKeyInterceptor, server_credentials
 from tests.helpers.aio import run_async
@@ -63,7 +64,7 @@ def _echo_handler() -> grpc.GenericRpcHandler:
 @contextlib.asynccontextmanager
 async def _channel_to_server() -> AsyncIterator[grpc.aio.Channel]:
     """An insecure channel to a fresh server with the interceptor; the server stops on exit."""
-    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(KEY)])
+    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(KeyTable((ApiKey("default", KEY),), 10))])
     server.add_generic_rpc_handlers([_echo_handler()])
     health_servicer = health.aio.HealthServicer()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)

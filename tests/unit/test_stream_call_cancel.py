@@ -5,8 +5,10 @@ Generate stream showed in /metrics or not by where the cancel caught it."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 from embedserv import metrics
+from embedserv.api_keys import KeyTable
 from embedserv.server.calls import stream_call
 from embedserv.server.frontend import ActiveCalls
 
@@ -27,6 +29,7 @@ class _Servicer:
 
     def __init__(self) -> None:
         self.active_calls = ActiveCalls()
+        self.frontend = SimpleNamespace(keys=KeyTable((), 1))
 
     @stream_call
     async def Forever(self, request, context, call):

@@ -17,13 +17,12 @@ import time
 from starlette.requests import Request
 
 from embedserv import tracing
-from embedserv.call_class import PRIORITY_HEADER, checked_priority, set_priority
+from embedserv.call_class import CALL_CLASS, PRIORITY_HEADER, CallClass, checked_priority, set_priority
 from embedserv.errors import InvalidInput
 from embedserv.logs import REQUEST_ID
 from embedserv.server.calls import Call, request_id_or_new
 from embedserv.server.frontend import Frontend
 from embedserv.server.http.error_responses import BodyTooLarge, error_response, error_style, exception_response
-from embedserv.server.security import api_key_problem
 
 logger = logging.getLogger("embedserv.server.http")
 
@@ -60,8 +59,7 @@ class Edge:
     def __init__(self, app, frontend: Frontend) -> None:
         self.app = app
         self.frontend = frontend
-        config = frontend.config
-        self._key = config.api_key.strip().encode() if config.api_key else None
+        self._keys = frontend.keys
         self.max_body_bytes = frontend.receive_limit
 
     async def __call__(self, scope, receive, send) -> None:
@@ -119,10 +117,12 @@ class Edge:
         open_path = path in HEALTH_PATHS or path.startswith(OPEN_PREFIXES)
         if self.frontend.draining and path not in HEALTH_PATHS:
             return style, 503, "the server is shutting down; retry on another replica"
-        if self._key is not None and not open_path:
-            problem = api_key_problem(_header(scope, b"authorization"), self._key, "header")
-            if problem is not None:
-                return style, 401, problem
+        if self._keys and not open_path:
+            key, problem = self._keys.match(_header(scope, b"authorization"), "header")
+            if key is None:
+                return style, 401, str(problem)
+            # The key's tenant and default priority; a header or body priority overrides the latter.
+            CALL_CLASS.set(CallClass(key.priority, key.name))
         priority = _header(scope, _PRIORITY)
         if priority is not None and not open_path:
             try:

@@ -52,10 +52,15 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(args.log_level, args.log_format)
     # Models are local directories; never reach for a hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from embedserv.server.app import run
-
     try:
-        asyncio.run(run(server_config(args)))
+        config = server_config(args)
+        if args.command == "batch":
+            from embedserv.batch.command import run as run_batch
+
+            return run_batch(args, config)
+        from embedserv.server.app import run
+
+        asyncio.run(run(config))
     except ConfigError as exc:
         logging.getLogger("embedserv").error("%s", exc)
         return 2

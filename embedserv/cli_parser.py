@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from embedserv import cpu_isa
+from embedserv.batch.flags import add_batch_command
 from embedserv.config import (
     ATTENTION_BACKENDS,
     ATTENTION_KINDS,
@@ -39,11 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="embedserv", description="gRPC inference server for embedding, reranking, classification and generation"
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser(
-        "serve", help="serve models over gRPC",
-        description="Flags given here override the --config file's server: settings and its defaults: for "
-                    "every model; a model's own keys in the file override the flags.",
-    )  # fmt: skip
+    # serve's flags; `embedserv batch` takes the same model flags and --config file (batch_flags.py).
+    serve = argparse.ArgumentParser(add_help=False)
     serve.add_argument(
         "--config",
         default=None,
@@ -346,6 +344,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=LOG_FORMATS,
         help="json: one JSON object per line, the workers' and front ends' too (default: text)",
     )
+    commands.add_parser(
+        "serve", help="serve models over gRPC and HTTP", parents=[serve],
+        description="Flags given here override the --config file's server: settings and its defaults: for "
+                    "every model; a model's own keys in the file override the flags.",
+    )  # fmt: skip
+    add_batch_command(commands, serve)
     return parser
 
 

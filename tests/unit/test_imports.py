@@ -28,8 +28,9 @@ import embedserv
 # Each package may import itself, the packages below it here (transitively) and the SHARED leaves.
 BELOW: dict[str, set[str]] = {
     "__main__": {"cli"},
-    "cli": {"server", "config_file", "cli_parser"},
-    "cli_parser": set(),  # the serve command's flags
+    "cli": {"server", "config_file", "cli_parser", "batch"},
+    "cli_parser": {"batch"},  # the serve and batch commands' flags
+    "batch": {"server", "engine"},  # embedserv batch: the engine in process; OpenAI batch files through the HTTP app
     "config_file": set(),  # the YAML reader of `serve --config`: only the command line reads it
     "server": {"engine", "v1", "tei"},  # server/http: the HTTP APIs are part of the server's edge
     "engine": {"executor"},

@@ -32,9 +32,9 @@ RUN apt-get update \
 
 FROM base-${VARIANT}
 # Bind-mounted, not copied, so the sources stay out of the image. rw: setuptools writes its
-# build metadata into the tree; those writes are discarded.
+# build metadata into the tree; those writes are discarded. The batch extra: `embedserv batch` as a Job.
 RUN --mount=type=bind,target=/src,rw \
-    pip install --no-cache-dir /src /src/clients/python
+    pip install --no-cache-dir "/src[batch]" /src/clients/python
 
 RUN groupadd --gid 10001 embedserv \
     && useradd --uid 10001 --gid 10001 --home-dir /tmp --no-create-home \

@@ -75,8 +75,9 @@ def _load(s: Scrape, model: str) -> tuple[float, ...]:
     return tuple(s.value(name, model=model) for name in LOAD)
 
 
-def _embed(stub, text: str):
-    return stub.Embed(embed_request([text], model=EMBEDDER), timeout=RPC_TIMEOUT_S)
+def _embed(stub, text: str, priority: int | None = None):
+    metadata = () if priority is None else (("x-priority", str(priority)),)
+    return stub.Embed(embed_request([text], model=EMBEDDER), metadata=metadata, timeout=RPC_TIMEOUT_S)
 
 
 def test_idle_server_reads_zero_load_and_lists_its_adapters(server):
@@ -100,7 +101,10 @@ def test_embed_calls_wait_while_the_worker_is_busy_then_drain(server, gate):
     with ThreadPoolExecutor(4) as pool:
         first = pool.submit(_embed, stub, "the first call holds the worker")
         _until(port, lambda s: s.value("embedserv_requests_running", model=EMBEDDER) == 1, "the first call to run")
-        rest = [pool.submit(_embed, stub, f"call {i} waits for the worker with a few words") for i in range(3)]
+        # Two of the three waiting calls at priority 5: the per-priority gauges split them.
+        rest = [
+            pool.submit(_embed, stub, f"call {i} waits for the worker with a few words", i or None) for i in (0, 5, 5)
+        ]
         held = _until(port, lambda s: s.value("embedserv_requests_waiting", model=EMBEDDER) == 3, "three calls waiting")
         assert held.value("embedserv_requests_running", model=EMBEDDER) == 1
         assert held.value("embedserv_waiting_tokens", model=EMBEDDER) >= 3 * 8
@@ -108,6 +112,10 @@ def test_embed_calls_wait_while_the_worker_is_busy_then_drain(server, gate):
         assert held.value("embedserv_worker_busy_ratio", model=GEN) == 0
         assert held.value("vllm:num_requests_waiting", model_name=EMBEDDER) == 3
         assert held.value("vllm:num_requests_running", model_name=EMBEDDER) == 1
+        by_class = dict(model=EMBEDDER, tenant="")
+        assert held.value("embedserv_sequences_waiting", priority="5", **by_class) == 2
+        assert held.value("embedserv_sequences_waiting", priority="0", **by_class) == 1
+        assert held.value("embedserv_sequences_running", priority="0", **by_class) == 1
         gate.set()
         for call in [first, *rest]:
             assert len(call.result(RPC_TIMEOUT_S).embeddings) == 1

@@ -25,10 +25,11 @@ sys.path.insert(0, str(REPO_ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from benchmarks.corpus import stdlib_texts  # noqa: E402
-from embedserv.config import ModelConfig, bundled_model_path, parse_bytes  # noqa: E402
+from embedserv.config import ModelConfig, bundled_model_path  # noqa: E402
 from embedserv.config_file import default_served_name  # noqa: E402
 from embedserv.engine.core.output_cache import OutputCache  # noqa: E402
 from embedserv.engine.sync import SyncEngine  # noqa: E402
+from embedserv.sizes import parse_bytes  # noqa: E402
 from embedserv.types import EmbedParams  # noqa: E402
 
 

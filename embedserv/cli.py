@@ -11,9 +11,10 @@ import sys
 from embedserv import logs
 from embedserv.api_keys import read_api_keys_file
 from embedserv.cli_parser import build_parser
-from embedserv.config import ServerConfig, parse_bytes, parse_memory
+from embedserv.config import ServerConfig
 from embedserv.config_file import MODEL_OPTION_KEYS, SERVER_KEYS, assemble, read_config_file
 from embedserv.errors import ConfigError
+from embedserv.sizes import parse_bytes, parse_memory
 
 __all__ = ["build_parser", "main", "server_config"]
 

@@ -26,8 +26,9 @@ from typing import Any
 import yaml
 
 from embedserv.api_keys import api_keys_of
-from embedserv.config import ModelConfig, ServerConfig, bundled_model_path, parse_bytes, parse_memory
+from embedserv.config import ModelConfig, ServerConfig, bundled_model_path
 from embedserv.errors import ConfigError
+from embedserv.sizes import parse_bytes, parse_memory
 
 # The bundled model's directory is called `model`; serve it under its real name.
 BUNDLED_MODEL_NAME = "all-MiniLM-L6-v2"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -33,15 +33,6 @@ class Manifest:
     next_row: int = 0
     failed_rows: int = 0
     complete: bool = False
-
-    def to_json(self) -> dict:
-        return {
-            "fingerprint": self.fingerprint,
-            "shards": self.shards,
-            "next_row": self.next_row,
-            "failed_rows": self.failed_rows,
-            "complete": self.complete,
-        }
 
 
 class ShardWriter:
@@ -62,8 +53,7 @@ class ShardWriter:
                     f"--output {self.directory} holds a run of another input or other settings; give --overwrite "
                     "to start over, or another --output"
                 )
-            manifest = Manifest(saved["fingerprint"], saved["shards"], saved["next_row"], saved["failed_rows"])
-            manifest.complete = saved.get("complete", False)
+            manifest = Manifest(**saved)
         listed = {name for shard in (manifest.shards if manifest else []) for name in (shard["file"], shard["errors"])}
         for stale in self.directory.glob("part-*"):  # a crash's leftovers, or the run --overwrite replaces
             if stale.name not in listed:
@@ -97,7 +87,7 @@ class ShardWriter:
         self._save(self.manifest)
 
     def _save(self, manifest: Manifest) -> None:
-        text = json.dumps(manifest.to_json(), indent=1) + "\n"
+        text = json.dumps(asdict(manifest), indent=1) + "\n"
         _atomic(self.directory / MANIFEST, lambda path: Path(path).write_text(text))
 
 

@@ -146,7 +146,7 @@ def test_lora_adapters_become_flags(chart):
 
 
 def test_embedding_cache_becomes_the_flag_the_server_parses(chart):
-    from embedserv.config import parse_bytes
+    from embedserv.sizes import parse_bytes
 
     assert "--embedding-cache" not in server(render(chart, {}))["args"]
     for value, expected in (("256MiB", 256 * 2**20), (1073741824, 2**30), (0, 0), ("1GB", 10**9)):

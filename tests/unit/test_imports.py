@@ -55,6 +55,7 @@ SHARED = {
     "metrics",
     "forward_context",
     "cpu_isa",
+    "sizes",
     "start_up",
     "tracing",
 }

@@ -10,33 +10,26 @@ from dataclasses import asdict, replace
 
 import pytest
 
-from embedserv.cli import build_parser, server_config
+from embedserv.cli import build_parser
 from embedserv.config import COHERE_INPUT_TYPES, ModelConfig
 from embedserv.errors import ConfigError
 from embedserv.models.loading.spec_reader import read_model_spec
 from embedserv.server.http import cohere
 from embedserv.types import ModelInfo, Task
+from tests.helpers.configs import serve_config
 from tests.helpers.prompted_models import prompted_minilm
 
 PROMPTS = {"query": "query: ", "passage": "passage: ", "topic": "topic: "}
 
 
-def _config(tmp_path, args: list[str], file: str | None = None):
-    if file is not None:
-        path = tmp_path / "embedserv.yaml"
-        path.write_text(file)
-        args = ["--config", str(path), *args]
-    return server_config(build_parser().parse_args(["serve", *args]))
-
-
 def test_the_flag_and_the_key_give_the_model_its_map(tmp_path):
     args = ["--model", "/m/a", "--input-type-prompt", "search_query=topic", "--input-type-prompt", "clustering=query"]
-    assert _config(tmp_path, args).models[0].input_types == (("search_query", "topic"), ("clustering", "query"))
+    assert serve_config(tmp_path, args).models[0].input_types == (("search_query", "topic"), ("clustering", "query"))
     file = (
         "defaults:\n  input_types: {classification: topic}\n"
         "models:\n  - path: /m/a\n    input_types: {search_query: topic}\n  - path: /m/b\n"
     )
-    first, second = _config(tmp_path, [], file).models
+    first, second = serve_config(tmp_path, [], file).models
     # A model's own mapping replaces defaults:'s, as any key of its entry does.
     assert first.input_types == (("search_query", "topic"),) and second.input_types == (("classification", "topic"),)
 
@@ -74,7 +67,7 @@ def test_cohere_and_the_config_know_the_same_input_types():
 )
 def test_a_bad_map_is_refused(tmp_path, args, file, message):
     with pytest.raises(ConfigError, match=message):
-        _config(tmp_path, args, file)
+        serve_config(tmp_path, args, file)
 
 
 def test_a_flag_without_a_prompt_is_refused(capsys):
@@ -85,10 +78,10 @@ def test_a_flag_without_a_prompt_is_refused(capsys):
 
 def test_a_prompt_the_model_lacks_stops_start_up(tmp_path):
     model = prompted_minilm(tmp_path, PROMPTS)
-    (config,) = _config(tmp_path, ["--model", str(model), "--input-type-prompt", "search_query=question"]).models
+    (config,) = serve_config(tmp_path, ["--model", str(model), "--input-type-prompt", "search_query=question"]).models
     with pytest.raises(ConfigError, match=r"prompt 'question' .*does not have; its prompts: passage, query, topic"):
         read_model_spec(config)
-    (config,) = _config(tmp_path, ["--model", str(model), "--input-type-prompt", "search_query=topic"]).models
+    (config,) = serve_config(tmp_path, ["--model", str(model), "--input-type-prompt", "search_query=topic"]).models
     assert read_model_spec(config).info.input_type_prompts == (("search_query", "topic"),)
     # Worker processes get the ModelConfig as JSON (executor/worker_main.py): pairs come back as lists.
     from_json = ModelConfig(**json.loads(json.dumps(asdict(config))))

@@ -5,26 +5,19 @@ from __future__ import annotations
 
 import pytest
 
-from embedserv.cli import build_parser, server_config
+from embedserv.cli import build_parser
 from embedserv.errors import ConfigError
-
-
-def _config(tmp_path, args: list[str], file: str | None = None):
-    if file is not None:
-        path = tmp_path / "embedserv.yaml"
-        path.write_text(file)
-        args = ["--config", str(path), *args]
-    return server_config(build_parser().parse_args(["serve", *args]))
+from tests.helpers.configs import serve_config
 
 
 def test_the_flag_gives_the_model_its_adapters(tmp_path):
-    config = _config(tmp_path, ["--model", "/m/base", "--lora", "legal=/a/legal", "--lora", "med=/a/med"])
+    config = serve_config(tmp_path, ["--model", "/m/base", "--lora", "legal=/a/legal", "--lora", "med=/a/med"])
     assert config.models[0].lora == (("legal", "/a/legal"), ("med", "/a/med"))
 
 
 def test_a_config_file_entry_maps_names_to_paths(tmp_path):
     file = "models:\n  - path: /m/base\n    lora: {legal: /a/legal}\n  - path: /m/other\n"
-    config = _config(tmp_path, [], file)
+    config = serve_config(tmp_path, [], file)
     assert config.models[0].lora == (("legal", "/a/legal"),) and config.models[1].lora == ()
 
 
@@ -33,9 +26,9 @@ def test_a_bad_flag_or_key_is_refused(tmp_path, capsys):
         build_parser().parse_args(["serve", "--lora", "no-equals-sign"])
     assert "NAME=PATH" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="lora must map adapter names"):
-        _config(tmp_path, [], "models:\n  - path: /m/base\n    lora: [/a/legal]\n")
+        serve_config(tmp_path, [], "models:\n  - path: /m/base\n    lora: [/a/legal]\n")
     with pytest.raises(ConfigError, match="one --model"):
-        _config(tmp_path, ["--model", "/m/a", "--model", "/m/b", "--lora", "x=/a/x"])
+        serve_config(tmp_path, ["--model", "/m/a", "--model", "/m/b", "--lora", "x=/a/x"])
 
 
 @pytest.mark.parametrize(
@@ -49,4 +42,4 @@ def test_a_bad_flag_or_key_is_refused(tmp_path, capsys):
 )
 def test_adapter_names_must_name_one_thing(tmp_path, args, message):
     with pytest.raises(ConfigError, match=message):
-        _config(tmp_path, args)
+        serve_config(tmp_path, args)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Self, TypeVar
+from typing import TypeVar
 
 import orjson
 from fastapi.exceptions import RequestValidationError
@@ -36,7 +36,7 @@ class RequestBody(Body):
     )
 
     @model_validator(mode="after")
-    def _apply_priority(self) -> Self:
+    def _apply_priority(self) -> RequestBody:
         # Validated in the request's own task, before the route runs: the call's class for what it awaits.
         set_priority(self.priority)
         return self

@@ -112,7 +112,8 @@ class Edge:
             call.end(str(status))
 
     def _refusal(self, scope, path: str) -> tuple[str, int, str] | None:
-        """(style, status, message) when the request is refused before its route runs, else None."""
+        """(style, status, message) when the request is refused before its route runs, else None. The checks that
+        read the caller also set the call's class (call_class.py): its key's tenant and priority, then x-priority."""
         style = error_style(Request(scope))
         open_path = path in HEALTH_PATHS or path.startswith(OPEN_PREFIXES)
         if self.frontend.draining and path not in HEALTH_PATHS:

@@ -5,8 +5,8 @@ One per process that answers calls: beside the engine host in a one-process serv
 called directly), or in each front-end process with `--frontends N` (RemoteCores over the link). Either way it
 listens first (health NOT_SERVING), gets its models as they are ready, and follows the engine host's status.
 
-A drain turns health NOT_SERVING, refuses new calls (HTTP: 503), gives calls in flight over either protocol
-(SSE streams included) up to the grace period, then stops the faces.
+A drain turns health NOT_SERVING, refuses new calls (gRPC: UNAVAILABLE, HTTP: 503), gives calls in flight over
+either protocol (SSE streams included) up to the grace period, then stops the faces.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from embedserv.engine.served_model import ServedModel
 from embedserv.errors import ConfigError
 from embedserv.server.frontend import Frontend, InflightLimiter, ServedModels
 from embedserv.server.grpc.services import add_services
+from embedserv.server.grpc.status import DrainInterceptor
 from embedserv.server.security import ApiKeyInterceptor, server_credentials
 
 if TYPE_CHECKING:
@@ -65,8 +66,11 @@ class FrontendServer:
         )
         self.frontend = Frontend(self.models, config, limiter)
         self.health = health.aio.HealthServicer()
+        interceptors: list[grpc.aio.ServerInterceptor] = [DrainInterceptor(self.frontend)]
+        if self.frontend.keys:
+            interceptors.append(ApiKeyInterceptor(self.frontend.keys))
         self.server = grpc.aio.server(
-            interceptors=[ApiKeyInterceptor(self.frontend.keys)] if self.frontend.keys else None,
+            interceptors=interceptors,
             options=server_options(config, self.frontend.receive_limit),
         )
         add_services(self.frontend, self.server, self.health)
@@ -75,6 +79,7 @@ class FrontendServer:
         # Every model loaded and started (the engine host says when).
         self.started = False
         self._health_updates: set[asyncio.Task] = set()
+        self._stopping: asyncio.Task | None = None
 
     def add_model(self, config: ModelConfig, served: ServedModel, core: Core) -> None:
         """A model ready to serve: its Engine (task services) over `core`."""
@@ -139,19 +144,21 @@ class FrontendServer:
     async def drain(self, grace: float | None) -> None:
         """NOT_SERVING, refuse new calls, give those in flight `grace` seconds, then stop the faces.
 
-        Health Watch streams see NOT_SERVING, but the drain does not wait for them (they never end on
-        their own): once the inference calls are done, what is left is cancelled."""
+        Health answers (NOT_SERVING) to the end, and its Watch streams see the change, but the drain does not
+        wait for them (they never end on their own): once the inference calls are done, what is left is
+        cancelled."""
         await self.health.enter_graceful_shutdown()
-        self.frontend.draining = True
-        stopping = asyncio.create_task(self.server.stop(grace))
+        self.frontend.draining = True  # new calls refused: gRPC by DrainInterceptor, HTTP by the edge
         if grace:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.frontend.active_calls.wait_idle(), grace)
-        await self.server.stop(None)
-        await stopping
+        await self.cancel_calls()
         if self.http is not None:
             await self.http.stop()
 
     async def cancel_calls(self) -> None:
-        """Cancels every call still running (a second signal while draining)."""
-        await self.server.stop(None)
+        """Stops gRPC, cancelling every call still running: the drain's end, or a second signal while draining.
+        Both share one stop: a stop racing another can crash grpcio's aio server (SIGSEGV, grpcio 1.85)."""
+        if self._stopping is None:
+            self._stopping = asyncio.create_task(self.server.stop(None))
+        await asyncio.shield(self._stopping)

@@ -7,12 +7,9 @@ from pathlib import Path
 
 import grpc
 
-from embedserv import metrics
 from embedserv.api_keys import KeyTable
 from embedserv.errors import ConfigError
-
-# Kubernetes probes and load balancers call health without credentials.
-_OPEN_PREFIX = "/grpc.health.v1.Health/"
+from embedserv.server.grpc.status import HEALTH_PREFIX, refusing
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
@@ -23,36 +20,17 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         self._keys = keys
 
     async def intercept_service(self, continuation, handler_call_details):
-        if handler_call_details.method.startswith(_OPEN_PREFIX):
+        if handler_call_details.method.startswith(HEALTH_PREFIX):
             return await continuation(handler_call_details)
         problem = self._problem(handler_call_details.invocation_metadata or ())
         handler = await continuation(handler_call_details)
         if problem is None or handler is None:
             return handler
-        return _refusing(handler, handler_call_details.method, problem)
+        return refusing(handler, handler_call_details.method, grpc.StatusCode.UNAUTHENTICATED, problem)
 
     def _problem(self, metadata) -> str | None:
         values = [value for key, value in metadata if key == "authorization"]
         return self._keys.match(values[0] if values else None, "metadata")[1]
-
-
-def _refusing(handler: grpc.RpcMethodHandler, method: str, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that only refuses (and counts the refusal)."""
-    rpc = method.rsplit("/", 1)[-1]
-
-    async def refuse(request_or_iterator, context: grpc.aio.ServicerContext):
-        metrics.REQUESTS.labels("grpc", rpc, "", grpc.StatusCode.UNAUTHENTICATED.name).inc()
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    kinds = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }
-    make = kinds[(bool(handler.request_streaming), bool(handler.response_streaming))]
-    # No request deserializer: the body of a refused call is never parsed.
-    return make(refuse, response_serializer=handler.response_serializer)
 
 
 def _read_pem(path: str, flag: str) -> bytes:

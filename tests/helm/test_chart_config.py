@@ -172,3 +172,27 @@ def test_image_limits_become_the_flags_the_server_parses(chart):
 def _image_flags(args: list[str]) -> list[str]:
     names = ("--max-images-per-request", "--max-image-bytes", "--max-image-pixels")
     return [part for name in names for part in (name, flag(args, name))]
+
+
+def test_named_api_keys_come_from_a_mounted_secret_the_server_reads(chart, tmp_path):
+    values = {"apiKeysFile": {"existingSecret": "tenants"}, "apiKey": {"existingSecret": "es-api-key"}}
+    objects = render(chart, values)
+    spec, container = pod_spec(objects), server(objects)
+    secret = {"secretName": "tenants", "items": [{"key": "api-keys.yaml", "path": "api-keys.yaml"}]}
+    assert {"name": "api-keys", "secret": secret} in spec["volumes"]
+    assert {"name": "api-keys", "mountPath": "/etc/embedserv-api-keys", "readOnly": True} in container["volumeMounts"]
+    args = container["args"]
+    assert args[args.index("--api-keys-file") + 1] == "/etc/embedserv-api-keys/api-keys.yaml"
+    # What the Secret holds, at the path the server is given: two tenants, and the single key named "default".
+    keys = tmp_path / "api-keys.yaml"
+    keys.write_text(
+        "- {name: search, key: sk-search-0123456789, priority: 5}\n- {name: bulk, key: sk-bulk-0123456789}\n"
+    )
+    args[args.index("--api-keys-file") + 1] = str(keys)
+    config = server_config(build_parser().parse_args(["serve", "--api-key", "sk-single-0123456789", *args]))
+    assert sorted((key.name, key.priority) for key in config.all_api_keys) == [
+        ("bulk", None), ("default", None), ("search", 5)
+    ]  # fmt: skip
+    plain = render(chart, {})
+    assert "--api-keys-file" not in server(plain)["args"]
+    assert "api-keys" not in {v["name"] for v in pod_spec(plain)["volumes"]}

@@ -75,6 +75,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 /etc/embedserv
 {{- end }}
 
+{{/* Where the Secret of apiKeysFile is mounted (beside, not inside, the config's directory). */}}
+{{- define "embedserv.apiKeysDir" -}}
+/etc/embedserv-api-keys
+{{- end }}
+
 {{- define "embedserv.configFile" -}}
 {{- printf "%s/config.yaml" (include "embedserv.configDir" .) }}
 {{- end }}
@@ -89,6 +94,9 @@ through int because values arrive as floats and large ones would print as 1e+06.
 {{- $args = concat $args (list "--device" (ternary "cuda" "cpu" .Values.gpu.enabled)) }}
 {{- if .Values.config }}
 {{- $args = concat $args (list "--config" (include "embedserv.configFile" .)) }}
+{{- end }}
+{{- with .Values.apiKeysFile.existingSecret }}
+{{- $args = concat $args (list "--api-keys-file" (printf "%s/%s" (include "embedserv.apiKeysDir" $) $.Values.apiKeysFile.secretKey)) }}
 {{- end }}
 {{- /* config.models lists the models itself; the server refuses --model beside it. */}}
 {{- if not (index .Values.config "models") }}

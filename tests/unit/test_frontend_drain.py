@@ -1,5 +1,6 @@
 """The front end's drain, in process and without a model: gRPC's server is stopped once, new calls are refused
-with UNAVAILABLE while calls in flight finish, and health answers NOT_SERVING until the end.
+with UNAVAILABLE (HTTP: 503 with Retry-After) while calls in flight finish, and health answers NOT_SERVING until
+the end.
 
 grpcio's aio server must be stopped once: a second stop racing the first crashed the process (SIGSEGV) when the
 drain's timeout and gRPC's own grace ran out together (tests/e2e/test_drain.py, 1 run in 12)."""
@@ -10,6 +11,7 @@ import asyncio
 import contextlib
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -17,6 +19,7 @@ from embedserv.server.frontend import InflightLimiter
 from embedserv.server.frontend_server import FrontendServer
 from tests.helpers.client import embed_request, inference_stub
 from tests.helpers.configs import serve_config
+from tests.helpers.server import free_port
 
 
 class _StopSpy:
@@ -38,8 +41,9 @@ class _StopSpy:
         server.server.stop = spied
 
 
-async def _server(tmp_path, bundled_dir) -> FrontendServer:
-    config = serve_config(tmp_path, ["--model", str(bundled_dir), "--port", "0", "--http-port", "0"])
+async def _server(tmp_path, bundled_dir, http_port: int = 0) -> FrontendServer:
+    args = ["--model", str(bundled_dir), "--port", "0", "--http-port", str(http_port)]
+    config = serve_config(tmp_path, args)
     server = FrontendServer(config, InflightLimiter.for_config(config))
     await server.listen()
     return server
@@ -92,7 +96,8 @@ def test_while_draining_new_calls_are_refused_unavailable_and_health_answers(tmp
 
 
 async def _call_while_draining(tmp_path, bundled_dir) -> None:
-    server = await _server(tmp_path, bundled_dir)
+    http_port = free_port()
+    server = await _server(tmp_path, bundled_dir, http_port)
     server.frontend.active_calls.enter()
     drain = asyncio.create_task(server.drain(30))
     try:
@@ -106,6 +111,11 @@ async def _call_while_draining(tmp_path, bundled_dir) -> None:
                 await inference_stub(channel).Embed(embed_request(["late"]), timeout=5)
             assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
             assert "shutting down" in refused.value.details()
+            assert dict(refused.value.trailing_metadata()).get("retry-after") == "1"
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}") as client:
+            reply = await client.post("/v1/embeddings", json={"input": "late"})
+            assert reply.status_code == 503 and "shutting down" in reply.json()["error"]["message"]
+            assert int(reply.headers["retry-after"]) >= 1  # retryable, and a client knows when
         assert not drain.done()  # the call in flight still holds the drain
     finally:
         server.frontend.active_calls.exit()

@@ -1,7 +1,7 @@
 """The HTTP faces' answers to malformed calls, before any model runs (FastAPI's TestClient on build_app): a body
 that is no JSON says where, a body without a JSON content type gets 415 saying which to send, a field of
 several shapes names them in one sentence, /v1/embeddings refuses strings for numbers and booleans and
-unknown fields (not the ones the openai SDK sends), and every 429 carries Retry-After."""
+unknown fields (not the ones the openai SDK sends), and every 429 and 503 carries Retry-After."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from fastapi.testclient import TestClient
 
-from embedserv.errors import Overloaded
+from embedserv.errors import NotReady, Overloaded
 from embedserv.server.http.app import build_app
 
 JSON_TYPE = {"content-type": "application/json"}
@@ -25,6 +25,11 @@ class _Overloaded:
     @property
     def models(self):
         return SimpleNamespace(get=self.engine_for)
+
+
+class _NotReady(_Overloaded):
+    def engine_for(self, *names):
+        raise NotReady("model m is not serving yet; retry shortly")
 
 
 @pytest.fixture(scope="module")
@@ -102,4 +107,12 @@ def test_every_429_says_when_to_retry(path, body):
     client = TestClient(build_app(_Overloaded()), raise_server_exceptions=False)
     reply = client.post(path, json=body)
     assert reply.status_code == 429
+    assert int(reply.headers["retry-after"]) >= 1
+
+
+@pytest.mark.parametrize("path, body", [("/v1/embeddings", {"input": "a"}), ("/embed", {"inputs": "a"})])
+def test_every_503_says_when_to_retry(path, body):
+    client = TestClient(build_app(_NotReady()), raise_server_exceptions=False)
+    reply = client.post(path, json=body)
+    assert reply.status_code == 503
     assert int(reply.headers["retry-after"]) >= 1

@@ -8,7 +8,15 @@ from typing import TYPE_CHECKING
 import grpc
 
 from embedserv import metrics
-from embedserv.errors import AdapterNotFound, EmbedservError, InvalidInput, ModelNotFound, NotReady, Overloaded
+from embedserv.errors import (
+    RETRY_AFTER_S,
+    AdapterNotFound,
+    EmbedservError,
+    InvalidInput,
+    ModelNotFound,
+    NotReady,
+    Overloaded,
+)
 
 if TYPE_CHECKING:
     from embedserv.server.frontend import Frontend
@@ -64,6 +72,8 @@ def refusing(handler: grpc.RpcMethodHandler, method: str, code: grpc.StatusCode,
 
     async def refuse(request_or_iterator, context: grpc.aio.ServicerContext):
         metrics.REQUESTS.labels("grpc", rpc, "", code.name).inc()
+        if code is grpc.StatusCode.UNAVAILABLE:  # retryable: when, as HTTP's Retry-After says it
+            context.set_trailing_metadata((("retry-after", str(RETRY_AFTER_S)),))
         await context.abort(code, message)
 
     kinds = {

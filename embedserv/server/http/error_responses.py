@@ -126,7 +126,8 @@ def error_body(style: str, status: int, message: str, param: str | None = None, 
 
 
 def error_response(style: str, status: int, message: str, param: str | None = None, code: str | None = None) -> JSON:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+    # Both are worth retrying: 429 after a pause, 503 (draining, not ready, a worker lost) on another replica too.
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
     return JSON(error_body(style, status, message, param, code), status_code=status, headers=headers)
 
 

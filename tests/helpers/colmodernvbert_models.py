@@ -1,8 +1,9 @@
 """A small random-weight ColModernVBERT (transformers' ColModernVBertForRetrieval) for tests.
 
 `build_tiny_colmodernvbert` saves a directory transformers loads as the model and its ColModernVBertProcessor:
-config, float32 safetensors, the bundled WordPiece tokenizer (tests/helpers/models.py: [CLS] ... [SEP] around
-every text) with ModernVBERT's added tokens (`<|begin_of_text|>`, `<global-img>`, `<row_r_col_c>`) and the
+config, float32 safetensors, a byte-level BPE tokenizer as ModernBERT's is (BartTokenizer over the trained
+vocabulary, tests/helpers/seq2seq_models.py: <s> ... </s> around every text, "\n" a token of its own) with
+ModernVBERT's added tokens (`<|begin_of_text|>`, `<global-img>`, `<row_r_col_c>`) and the
 processor's own, and Idefics3's image processor in preprocessor_config.json: pages resized to a longest edge of
 96 pixels, cut into 48x48 tiles (2x2, 2x1 or 1x2 and the global image) of 8-pixel patches, each frame's 6x6
 patches pixel-shuffled by 2 into 9 image tokens. The text encoder is tests/helpers/modernbert_models' ModernBERT
@@ -31,7 +32,11 @@ def _config(tokenizer, image_token_id: int, embedding_dim: int):
     from tests.helpers.seq2seq_models import _vocab_size
     from tests.helpers.vision_language_models import tiny_siglip_vision
 
-    text = modernbert_config(_vocab_size(len(tokenizer))).to_dict()
+    ids = dict(
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
+    )
+    ids.update(cls_token_id=tokenizer.cls_token_id, sep_token_id=tokenizer.sep_token_id)
+    text = modernbert_config(_vocab_size(len(tokenizer)), **ids).to_dict()
     vlm = dict(
         model_type="modernvbert",
         text_config=text,
@@ -49,13 +54,13 @@ def build_tiny_colmodernvbert(
     from transformers import ColModernVBertForRetrieval, ColModernVBertProcessor
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
-    from tests.helpers.models import _bundled_tokenizer
+    from tests.helpers.seq2seq_models import save_bart_tokenizer
     from tests.helpers.vision_language_models import save_retriever
 
     out = Path(tmp_dir) / name
     if (out / "config.json").exists():
         return out
-    tokenizer = _bundled_tokenizer(512)
+    tokenizer = save_bart_tokenizer(out, model_max_length=512)
     tokenizer.add_special_tokens({"additional_special_tokens": ADDED_TOKENS})
     images = Idefics3ImageProcessorPil(
         size={"longest_edge": LONGEST_EDGE}, max_image_size={"longest_edge": TILE}, resample=1

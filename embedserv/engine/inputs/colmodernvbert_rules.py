@@ -108,7 +108,10 @@ def read_colmodernvbert_rules(
     vlm = hf_config.vlm_config
     tower = vlm.vision_config
     seq_len = int(saved.get("image_seq_len") or DEFAULT_IMAGE_SEQ_LEN)
-    per_frame = (tower.image_size // tower.patch_size) ** 2 // vlm.pixel_shuffle_factor**2
+    side, factor = tower.image_size // tower.patch_size, vlm.pixel_shuffle_factor
+    if side % factor:
+        raise ConfigError(f"{model_dir}: the vision tower's {side}x{side} patches do not pixel-shuffle by {factor}")
+    per_frame = (side // factor) ** 2
     if seq_len != per_frame:
         raise ConfigError(
             f"{model_dir}: processor_config.json's image_seq_len {seq_len} differs from the {per_frame} features the "

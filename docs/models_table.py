@@ -35,14 +35,15 @@ with the list of served types and, where there is one, the closest served archit
 - **Attention backends**: those that can compute the family's attention. CPU: sdpa (default), flex,
   naive; CUDA adds varlen and flash_attn, which cannot add a score bias.
 - **int8**: `--quantization int8` (CPU, oneDNN) for every task but generation; not for the models that take
-  images (CLIP, SigLIP, SigLIP 2, ColQwen2, ColPali), for which it was not validated.
+  images (CLIP, SigLIP, SigLIP 2, ColQwen2, ColPali, ColModernVBERT), for which it was not validated.
 - **Images**: CLIP, SigLIP and SigLIP 2 take images (PNG, JPEG, WebP bytes; decoded and preprocessed as
   their `preprocessor_config.json` says) as well as texts, into one embedding space; SigLIP 2's
   fixed-resolution checkpoints are SigLIP models, its NaFlex ones (`siglip2`) keep each image's aspect.
   ColQwen2 and ColPali (`ColQwen2ForRetrieval`, `ColPaliForRetrieval`) give one vector per token of a query
   or a page image, as their processors frame them, and rank page images by MaxSim; they follow
   transformers 5.23, which runs ColQwen2 with plain 1-D positions (no M-RoPE) and ColPali's Gemma with
-  bidirectional attention.
+  bidirectional attention. ColModernVBERT (`ColModernVBertForRetrieval`) does the same on ModernBERT, each page
+  cut into the tiles and global image its Idefics3 processor makes, framed by its row/column tokens.
 - **LoRA**: `--lora NAME=PATH` serves PEFT LoRA adapters over the family's embedders, cross-encoders and
   classifiers ([LoRA adapters](operations.md#lora-adapters)); other families refuse them at start-up.
 - **Tested by**: parity tests against transformers / sentence-transformers on random-weight models

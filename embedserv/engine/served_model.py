@@ -14,6 +14,7 @@ from pathlib import Path
 
 from embedserv import cpu_isa
 from embedserv.config import ModelConfig
+from embedserv.engine.inputs import colmodernvbert_rules
 from embedserv.engine.inputs.images import ImageLimits, ImageProcessing, read_image_processing
 from embedserv.engine.inputs.images.processing import processing_from_dict
 from embedserv.engine.inputs.multi_vector_rules import MultiVectorRules
@@ -84,6 +85,8 @@ def token_rules(spec: ModelSpec, tokenizer: TextTokenizer, vision: VisionSpec | 
     heads = registry.head_kind(spec.outputs.head_kind)
     if heads.token_settings is not None:
         return MultiVectorRules(tokenizer, heads.token_settings(spec), spec.max_model_len, str(spec.model_dir))
+    if spec.outputs.head_kind == VISION_RETRIEVAL and spec.info.architecture == colmodernvbert_rules.ARCHITECTURE:
+        return colmodernvbert_rules.read_colmodernvbert_rules(spec.model_dir, spec.hf_config, tokenizer, vision)
     if spec.outputs.head_kind == VISION_RETRIEVAL:
         prompts = read_retrieval_prompts(spec.model_dir, spec.info.architecture, spec.hf_config, tokenizer)
         return VisionRetrievalRules(tokenizer, prompts, vision)

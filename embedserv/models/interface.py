@@ -7,7 +7,8 @@ attributes. Every forward returns [num_rows, hidden]: the step's rows (padding r
 prefill skip's kept rows, those. Positions come already shifted by `position_offset`.
 
 - EncoderModel: attends both ways (unless --attention says otherwise): `forward(input_ids, positions)`, plus
-  `token_type_ids` where it reads token types and `adapter_ids` where it has built-in task adapters.
+  `token_type_ids` where it reads token types, `adapter_ids` where it has built-in task adapters, and
+  `pixel_values` and `image_grids` where it takes images (ColModernVBERT, as a vision-language decoder does).
 - DecoderModel: `forward(input_ids, positions)`, causal unless its config says otherwise; plus
   `prefill_skip_rows` where its last layers share KV, `pixel_values` and `image_grids` where it takes images
   (vision-language models: the features take the image placeholder tokens' places).

@@ -18,6 +18,7 @@ from embedserv.models.families import (
     bart,
     bert,
     clip,
+    colmodernvbert,
     colpali,
     colqwen2,
     deberta_v2,
@@ -62,6 +63,7 @@ FAMILY_MODULES = (
     siglip2,
     colqwen2,
     colpali,
+    colmodernvbert,
 )
 FAMILIES: tuple[Family, ...] = tuple(module.FAMILY for module in FAMILY_MODULES)
 _BY_MODEL_TYPE: dict[str, Family] = {model_type: family for family in FAMILIES for model_type in family.model_types}
@@ -162,7 +164,7 @@ HEAD_KINDS: dict[str, HeadKind] = {
     "splade": HeadKind(sparse_head=lambda spec, allow_pickle: splade.build_splade_head(spec)),
     "multi_vector_encoder": HeadKind(token_head=multi_vector.build_token_head, token_settings=_multi_vector_settings),
     "bge_m3": HeadKind(sparse_head=bge_m3.build_sparse_head, token_head=bge_m3.build_colbert_head, skip_first_tokens=1),
-    # ColQwen2 / ColPali: the projection and L2 norm on every token (queries and page images alike).
+    # ColQwen2 / ColPali / ColModernVBERT: the projection and L2 norm on every token (queries and page images alike).
     "vision_retrieval": HeadKind(token_head=vision_retrieval.build_projection_head),
 }
 _NO_HEADS = HeadKind()

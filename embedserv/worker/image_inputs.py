@@ -1,6 +1,7 @@
 """The image inputs of a step: every image sequence's patch rows (steps.ScheduledSequence.pixels) in the
 step's packed sequence order, in one float32 buffer that crosses to the device in one copy, with their own
-offsets: the vision tower's attention metadata (bidirectional, one sequence per image).
+offsets: the vision tower's attention metadata (bidirectional, one sequence per image, or per frame of an image
+whose grid is (frames, h, w): Qwen2-VL attends each temporal frame alone, ColModernVBERT each tile).
 
 Dual encoders (CLIP, SigLIP) take the rows as the sequences' tokens, so they line up with the token rows
 (padded alike on CPU); vision-language models (ColPali, ColQwen2) run them through the vision tower and place
@@ -30,12 +31,23 @@ class ImageInputs:
     attention: CommonAttentionMetadata
 
 
+def frame_lengths(rows: list[int], grids: list[tuple[int, ...]]) -> np.ndarray:
+    """The vision tower's sequences: each image's `rows`, split into its frames when its grid is (frames, h, w)."""
+    lens: list[int] = []
+    for count, grid in zip(rows, grids, strict=True):
+        frames = grid[0] if len(grid) == 3 else 1
+        if frames < 1 or count % frames:
+            raise ValueError(f"an image of {count} rows does not split into the {frames} frames of its grid {grid}")
+        lens.extend([count // frames] * frames)
+    return np.asarray(lens, dtype=np.int64)
+
+
 class ImagePlan:
     def __init__(
         self, seqs: list[ScheduledSequence], order: np.ndarray, padded: Callable[[int], int], parts: dict
     ) -> None:
         members = [seqs[i] for i in order if seqs[i].pixels is not None]
-        self.lens = np.fromiter((len(s.pixels) for s in members), dtype=np.int64, count=len(members))
+        self.lens = frame_lengths([len(s.pixels) for s in members], [s.image_grid for s in members])
         self.grids = tuple(s.image_grid for s in members)
         rows = np.concatenate([s.pixels for s in members]).astype(np.float32, copy=False)
         padding = padded(len(rows)) - len(rows)

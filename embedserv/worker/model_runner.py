@@ -337,8 +337,11 @@ def _joined(first: StepOutput, second: StepOutput) -> StepOutput:
 
 def _forward_encoder(model: Model, inputs: ModelInputs) -> torch.Tensor:
     """Token types to an encoder that reads them; each token's task adapter to one that has built-in adapters
-    (--lora adapters go through the forward context instead)."""
+    (--lora adapters go through the forward context instead); a vision-language encoder's images (ColModernVBERT)
+    as a decoder's."""
     tokens = inputs.tokens
+    if model.takes_images and inputs.images is not None:
+        return model(tokens.input_ids, tokens.positions, inputs.images.pixel_values, inputs.images.grids)
     if model.has_task_adapters:
         return model(tokens.input_ids, tokens.positions, tokens.token_type_ids, adapter_ids=tokens.adapter_ids)
     if model.reads_token_types:

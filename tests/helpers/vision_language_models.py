@@ -110,7 +110,6 @@ def build_tiny_colqwen2(
 ) -> Path:
     """A random ColQwen2ForRetrieval directory with its ColQwen2Processor (Qwen2VLImageProcessor: 14-pixel
     patches, merge 2, images between 56x56 and 112x112 pixels kept at their size when multiples of 28)."""
-    import torch
     from transformers import ColQwen2ForRetrieval, ColQwen2Processor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -119,16 +118,9 @@ def build_tiny_colqwen2(
         return out
     tokenizer = _qwen_tokenizer(out)
     config = _colqwen2_config(tokenizer, embedding_dim)
-    torch.manual_seed(seed)
-    model = ColQwen2ForRetrieval(config).eval()
-    _perturb(model, seed)
-    model.save_pretrained(str(out), safe_serialization=True)
     images = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112)
-    ColQwen2Processor(image_processor=images, tokenizer=tokenizer).save_pretrained(str(out))
-    # transformers 5 keeps the image processor's settings in processor_config.json; hub models (and our
-    # engine/inputs/images) have them in preprocessor_config.json.
-    images.save_pretrained(str(out))
-    return out
+    processor = ColQwen2Processor(image_processor=images, tokenizer=tokenizer)
+    return save_retriever(out, ColQwen2ForRetrieval, config, seed, processor)
 
 
 GEMMA_SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>")
@@ -155,6 +147,20 @@ def _gemma_tokenizer(out: Path):
     return tokenizer
 
 
+def tiny_siglip_vision(image_size: int, patch_size: int) -> dict:
+    """A SigLIP vision tower's config without its pooling head (PaliGemma's, ModernVBERT's), two small layers."""
+    return dict(
+        model_type="siglip_vision_model",
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=image_size,
+        patch_size=patch_size,
+        vision_use_head=False,
+    )
+
+
 def _colpali_config(tokenizer, embedding_dim: int):
     from transformers import ColPaliConfig
 
@@ -173,16 +179,7 @@ def _colpali_config(tokenizer, embedding_dim: int):
         initializer_range=0.15,
         hidden_activation="gelu_pytorch_tanh",
     )
-    vision = dict(
-        model_type="siglip_vision_model",
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=COLPALI_IMAGE_SIZE,
-        patch_size=14,
-        vision_use_head=False,
-    )
+    vision = tiny_siglip_vision(COLPALI_IMAGE_SIZE, 14)
     vlm = dict(
         model_type="paligemma",
         text_config=text,
@@ -197,7 +194,6 @@ def _colpali_config(tokenizer, embedding_dim: int):
 
 def build_tiny_colpali(tmp_dir: Path | str, name: str = "tiny-colpali", seed: int = 0, embedding_dim: int = 24) -> Path:
     """A random ColPaliForRetrieval directory with its ColPaliProcessor (SiglipImageProcessor at 28x28)."""
-    import torch
     from transformers import ColPaliForRetrieval, ColPaliProcessor
     from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
@@ -211,12 +207,21 @@ def build_tiny_colpali(tmp_dir: Path | str, name: str = "tiny-colpali", seed: in
     processor = ColPaliProcessor(image_processor=images, tokenizer=tokenizer)
     config = _colpali_config(processor.tokenizer, embedding_dim)
     config.vlm_config.image_token_id = processor.image_token_id
+    return save_retriever(out, ColPaliForRetrieval, config, seed, processor)
+
+
+def save_retriever(out: Path, model_class, config, seed: int, processor) -> Path:
+    """Seeded random weights of `model_class(config)`, norms and biases perturbed, saved in `out` with the
+    processor; transformers 5 keeps the image processor's settings in processor_config.json, hub models (and our
+    engine/inputs/images) in preprocessor_config.json: both are written."""
+    import torch
+
     torch.manual_seed(seed)
-    model = ColPaliForRetrieval(config).eval()
+    model = model_class(config).eval()
     _perturb(model, seed)
     model.save_pretrained(str(out), safe_serialization=True)
     processor.save_pretrained(str(out))
-    images.save_pretrained(str(out))
+    processor.image_processor.save_pretrained(str(out))
     return out
 
 
@@ -244,12 +249,14 @@ def load_ours(model_dir: Path):
 
 def packed_vectors(model, head, causal: bool, items, pad_tokens: int = 0, pad_rows: int = 0) -> list:
     """Our token vectors per item (ids, patch rows or None, grid) from one packed pass under the naive backend,
-    with `pad_tokens` / `pad_rows` zero rows after the real ones, as the input builder pads them on CPU."""
+    with `pad_tokens` / `pad_rows` zero rows after the real ones, as the input builder pads them on CPU; the
+    vision tower attends each image's frames apart, as the input builder's image plan makes them."""
     import torch
 
     from embedserv.attention.backends.naive import NaiveBackend
     from embedserv.attention.metadata import build_common_metadata
     from embedserv.forward_context import set_forward_context
+    from embedserv.worker.image_inputs import frame_lengths
     from embedserv.worker.layer_routes import forward_context_for
 
     lens = [len(ids) for ids, _, _ in items]
@@ -260,7 +267,8 @@ def packed_vectors(model, head, causal: bool, items, pad_tokens: int = 0, pad_ro
     if images:
         rows = torch.cat([r for r, _ in images] + [torch.zeros(pad_rows, images[0][0].shape[1])])
         extra = {"pixel_values": rows, "image_grids": tuple(g for _, g in images)}
-        vision = backend.build_metadata(build_common_metadata(np.array([len(r) for r, _ in images]), False))
+        frames = frame_lengths([len(r) for r, _ in images], [g for _, g in images])
+        vision = backend.build_metadata(build_common_metadata(frames, False))
     text = backend.build_metadata(build_common_metadata(np.array(lens), causal))
     context = forward_context_for(model, backend, text, encoder_metadata=vision)
     with torch.inference_mode(), set_forward_context(context):

@@ -1,7 +1,8 @@
-"""ColQwen2 and ColPali through the engine (in process, or in worker processes with --data-parallel-size):
-EmbedMultiVector of page images (encoded PNG/JPEG bytes) and queries in one call equals transformers'
-ColQwen2ForRetrieval / ColPaliForRetrieval on the processors' inputs, Rerank of page images equals the
-processor's score_retrieval, ListModels says what the model takes, and bad inputs are refused naming them."""
+"""ColQwen2, ColPali and ColModernVBERT through the engine (in process, or in worker processes with
+--data-parallel-size): EmbedMultiVector of page images (encoded PNG/JPEG bytes) and queries in one call equals
+transformers' ColQwen2ForRetrieval / ColPaliForRetrieval / ColModernVBertForRetrieval on the processors' inputs,
+Rerank of page images equals the processor's score_retrieval, ListModels says what the model takes, and bad inputs
+are refused naming them."""
 
 from __future__ import annotations
 
@@ -12,14 +13,20 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers.colmodernvbert_models import build_tiny_colmodernvbert
 from tests.helpers.compare import assert_cosine_at_least, assert_unit_norm
 from tests.helpers.vision_language_models import build_tiny_colpali, build_tiny_colqwen2, page_image
 
 QUERIES = ["what is a socket", "how to parse json files", "x"]
 # ColQwen2 keeps sizes that are multiples of 28 and resizes others (300x200 -> 8x6 patches of 28); ColPali
-# resizes every page to 28x28.
+# resizes every page to 28x28; ColModernVBERT to a longest edge of 96, then cuts 48x48 tiles (2x2, 2x1).
 PAGES = (((56, 84), "PNG"), ((84, 112), "JPEG"), ((300, 200), "PNG"), ((56, 56), "JPEG"))
-BUILDERS = {"colqwen2": build_tiny_colqwen2, "colpali": build_tiny_colpali}
+BUILDERS = {"colqwen2": build_tiny_colqwen2, "colpali": build_tiny_colpali, "colmodernvbert": build_tiny_colmodernvbert}
+MODEL_CLASSES = {
+    "colqwen2": "ColQwen2ForRetrieval",
+    "colpali": "ColPaliForRetrieval",
+    "colmodernvbert": "ColModernVBertForRetrieval",
+}
 
 
 def _pages() -> list[bytes]:
@@ -29,7 +36,8 @@ def _pages() -> list[bytes]:
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
 def served(request, tmp_path_factory):
     """(model directory, a started SyncEngine, transformers' model and processor) per family."""
-    from transformers import AutoProcessor, ColPaliForRetrieval, ColQwen2ForRetrieval
+    import transformers
+    from transformers import AutoProcessor
 
     from embedserv.config import ModelConfig
     from embedserv.engine.sync import SyncEngine
@@ -43,7 +51,7 @@ def served(request, tmp_path_factory):
         dtype="float32",
         data_parallel_size=max(workers, 1),
     )
-    model_class = ColQwen2ForRetrieval if request.param == "colqwen2" else ColPaliForRetrieval
+    model_class = getattr(transformers, MODEL_CLASSES[request.param])
     reference = model_class.from_pretrained(str(model_dir)).eval(), AutoProcessor.from_pretrained(str(model_dir))
     with contextlib.ExitStack() as stack:
         engine = stack.enter_context(SyncEngine(config, warm_up=False, worker_processes=workers > 0))
@@ -161,6 +169,11 @@ def test_a_page_past_the_input_limit_is_refused(served):
     rules = engine.engine.embedding.token_rules
     if rules.prompts.image_seq_length:
         pytest.skip("ColPali's pages always make image_seq_length tokens")
+    if engine.info.architecture == MODEL_CLASSES["colmodernvbert"]:
+        # 8x8 tiles and the global image: 65 frames of 9 image tokens, past the 512-token limit.
+        with pytest.raises(InvalidInput, match="more than the model's"):
+            rules.encode_image(np.zeros((65 * 36, 192), dtype=np.float32), (8, 8), _params())
+        return
     side = 2 * int(np.ceil(np.sqrt(engine.info.max_input_tokens)))
     rows = np.zeros((side * side, 1176), dtype=np.float32)
     with pytest.raises(InvalidInput, match="more than the model's"):

@@ -207,6 +207,15 @@ class TextTokenizer:
     def token_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
+    def add_special_tokens(self, tokens: list[str]) -> None:
+        """Special tokens a model's processor adds to its tokenizer when it is built (ColModernVBERT's image
+        tokens), added as it adds them; those the tokenizer has already change nothing. Start-up only."""
+        self.hf_tokenizer.add_special_tokens({"additional_special_tokens": tokens})
+        self.backend = tokenizers.Tokenizer.from_str(self.hf_tokenizer.backend_tokenizer.to_str())
+        self.backend.no_padding()
+        self.backend.no_truncation()
+        self._special_ids = set(self.hf_tokenizer.all_special_ids)
+
     def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A generation prompt with the model's special tokens, as `tokenizer(text)` gives it (without them
         for a chat template's output); the engine checks its length against the model's context."""

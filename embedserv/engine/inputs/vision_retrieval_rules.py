@@ -51,18 +51,28 @@ class RetrievalPrompts:
     merge: int = 0
     # ColPali's fixed count (0: from the grid and merge).
     image_seq_length: int = 0
+    # The query augmentation token ("": the tokenizer's pad token), what ends a query, and whether queries are
+    # tokenized with the tokenizer's special tokens (ColModernVBERT's processor tokenizes them as `tokenizer(text)`).
+    augmentation: str = ""
+    query_suffix: str = "\n"
+    special_tokens: bool = False
 
     def tokens_for(self, grid: tuple[int, ...]) -> int:
         return self.image_seq_length or math.prod(grid) // self.merge**2
 
 
-def read_retrieval_prompts(model_dir: Path, architecture: str, hf_config, tokenizer: TextTokenizer) -> RetrievalPrompts:
-    """The processor's prompts from processor_config.json (else its defaults), for ColQwen2 or ColPali."""
+def saved_processor_config(model_dir: Path) -> dict:
+    """processor_config.json's settings, or none."""
     path = Path(model_dir) / "processor_config.json"
     try:
-        saved = json.loads(path.read_text()) if path.is_file() else {}
+        return json.loads(path.read_text()) if path.is_file() else {}
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read {path}: {exc}") from None
+
+
+def read_retrieval_prompts(model_dir: Path, architecture: str, hf_config, tokenizer: TextTokenizer) -> RetrievalPrompts:
+    """The processor's prompts from processor_config.json (else its defaults), for ColQwen2 or ColPali."""
+    saved = saved_processor_config(model_dir)
     hf = tokenizer.hf_tokenizer
     if architecture == "ColQwen2ForRetrieval":
         image_token = getattr(hf, "image_token", None) or "<|image_pad|>"
@@ -87,9 +97,9 @@ class VisionRetrievalRules(TokenRules):
         self.prompts = prompts
         self.max_input_tokens = tokenizer.max_input_tokens
         hf = tokenizer.hf_tokenizer
-        if hf.pad_token is None:
+        if not prompts.augmentation and hf.pad_token is None:
             raise ConfigError("the tokenizer has no pad token, which queries are augmented with")
-        self._augmentation = hf.pad_token * AUGMENTATION_TOKENS
+        self._augmentation = (prompts.augmentation or hf.pad_token) * AUGMENTATION_TOKENS
         self.image_token_id = tokenizer.token_id(prompts.image_token)
         if self.image_token_id is None:
             raise ConfigError(f"the tokenizer lacks the image token {prompts.image_token!r}")
@@ -113,7 +123,8 @@ class VisionRetrievalRules(TokenRules):
         p = self.prompts
         out = []
         for index, text in enumerate(texts):
-            ids = tokenizer.encode_text(f"{p.query_start}{p.query_prefix}{text}{self._augmentation}\n")
+            query = f"{p.query_start}{p.query_prefix}{text}{self._augmentation}{p.query_suffix}"
+            ids = tokenizer.encode_prompt(query, add_special_tokens=p.special_tokens)
             if self.image_token_id in ids:
                 raise InvalidInput(
                     f"{what.format(index)} holds the image token {p.image_token!r}; send images as images"

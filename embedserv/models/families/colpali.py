@@ -1,11 +1,11 @@
 """ColPali (transformers' ColPaliForRetrieval): a PaliGemma model whose last hidden states, projected and
 L2-normalized (models/heads/vision_retrieval.py), are one vector per token of a query or a page image.
 
-PaliGemma: a SigLIP vision tower without its pooling head (models/vit.py's blocks, families/siglip.py's
-embeddings) and a linear projector make one language-model token per patch; they take the places of the
-`<image>` placeholders (the engine's rules put image_seq_length of them first); the language model is Gemma
-(v1: RMSNorm scaled by 1 + weight, GeLU-gated MLP, embeddings times sqrt(hidden_size)). The image features
-are not scaled (transformers 5 scales only the token embeddings). As transformers runs it:
+PaliGemma: a SigLIP vision tower without its pooling head (families/siglip.SiglipVisionStates) and a linear
+projector make one language-model token per patch; they take the places of the `<image>` placeholders (the
+engine's rules put image_seq_length of them first); the language model is Gemma (v1: RMSNorm scaled by
+1 + weight, GeLU-gated MLP, embeddings times sqrt(hidden_size)). The image features are not scaled
+(transformers 5 scales only the token embeddings). As transformers runs it:
 - attention is bidirectional over the whole sequence, query or page: PaliGemmaConfig sets the text config's
   use_bidirectional_attention (the language config, the model class's text_config, carries it to causality);
 - positions start at 1 (position_offset).
@@ -18,12 +18,11 @@ from torch import nn
 
 from embedserv.models.families.gemma import Gemma3RMSNorm, GemmaMLP, embedding_scale
 from embedserv.models.families.llama import LlamaAttention
-from embedserv.models.families.siglip import SiglipVisionEmbeddings
+from embedserv.models.families.siglip import SiglipVisionStates
 from embedserv.models.interface import DecoderModel
 from embedserv.models.layers import head_dim
 from embedserv.models.loading.family import QKV_GATE_UP, CheckpointNames, Family, FamilyDocs
 from embedserv.models.rotary import RotaryEmbedding
-from embedserv.models.vit import Encoder, num_patches
 
 
 def language_config(config):
@@ -41,22 +40,6 @@ class GemmaDecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         hidden = self.self_attn(self.input_layernorm(hidden), hidden, cos, sin)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
-
-
-class PaliGemmaVision(nn.Module):
-    """SigLIP's embeddings, encoder and post-layernorm: [rows, patch_dim] -> [rows, vision hidden]."""
-
-    def __init__(self, config, first_layer_index: int) -> None:
-        super().__init__()
-        self.num_patches = num_patches(config)
-        self.embeddings = SiglipVisionEmbeddings(config)
-        self.encoder = Encoder(config, first_layer_index)
-        self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-
-    def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        # Every image has num_patches rows, in order; padding rows after them take any position.
-        positions = torch.arange(rows.shape[0], device=rows.device) % self.num_patches
-        return self.post_layernorm(self.encoder(self.embeddings(rows, positions)))
 
 
 class ColPaliModel(nn.Module, DecoderModel):
@@ -77,7 +60,7 @@ class ColPaliModel(nn.Module, DecoderModel):
         self.layers = nn.ModuleList(GemmaDecoderLayer(text, i) for i in range(text.num_hidden_layers))
         self.norm = Gemma3RMSNorm(text.hidden_size, text.rms_norm_eps)
         self.rotary = RotaryEmbedding(text, head_dim(text), self.max_positions + self.position_offset)
-        self.vision_tower = PaliGemmaVision(vlm.vision_config, first_layer_index=text.num_hidden_layers)
+        self.vision_tower = SiglipVisionStates(vlm.vision_config, first_layer_index=text.num_hidden_layers)
         self.multi_modal_projector = nn.Module()
         self.multi_modal_projector.linear = nn.Linear(vlm.vision_config.hidden_size, vlm.vision_config.projection_dim)
 

@@ -115,7 +115,10 @@ class ModernBertModel(nn.Module, EncoderModel):
         return self.config.max_position_embeddings
 
     def forward(self, input_ids, positions) -> torch.Tensor:
-        hidden = self.embeddings(input_ids)
+        return self.run_layers(self.embeddings(input_ids), positions)
+
+    def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The layers and the final norm over normed embeddings (ColModernVBERT's have image features in them)."""
         tables = {kind: rotary(positions) for kind, rotary in self.rotary.items()}
         for layer in self.layers:
             hidden = layer(hidden, *tables[layer.layer_type])

@@ -36,6 +36,23 @@ class SiglipVisionEmbeddings(nn.Module):
         return self.patch_embedding(rows) + self.position_embedding(positions)
 
 
+class SiglipVisionStates(nn.Module):
+    """SigLIP's embeddings, encoder and post-layernorm, without the pooling head (PaliGemma's and ModernVBERT's
+    towers): [rows, patch_dim] -> [rows, vision hidden], every image (or tile) image_size squared."""
+
+    def __init__(self, config, first_layer_index: int) -> None:
+        super().__init__()
+        self.num_patches = num_patches(config)
+        self.embeddings = SiglipVisionEmbeddings(config)
+        self.encoder = Encoder(config, first_layer_index)
+        self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        # Every image has num_patches rows, in order; padding rows after them take any position.
+        positions = torch.arange(rows.shape[0], device=rows.device) % self.num_patches
+        return self.post_layernorm(self.encoder(self.embeddings(rows, positions)))
+
+
 class ProbeAttention(nn.Module):
     """torch's MultiheadAttention for one query per sequence, over each sequence's own rows (flat varlen)."""
 

@@ -1,4 +1,5 @@
-"""The token head of ColPali-style retrievers (transformers' ColQwen2ForRetrieval, ColPaliForRetrieval): every
+"""The token head of ColPali-style retrievers (transformers' ColQwen2ForRetrieval, ColPaliForRetrieval,
+ColModernVBertForRetrieval): every
 token's last hidden state through `embedding_proj_layer`, then L2-normalized."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from embedserv.errors import ConfigError
 from embedserv.models.loading.checkpoint import read_tensors
 
 PROJECTION = "embedding_proj_layer"
-RETRIEVAL_ARCHITECTURES = ("ColQwen2ForRetrieval", "ColPaliForRetrieval")
+RETRIEVAL_ARCHITECTURES = ("ColQwen2ForRetrieval", "ColPaliForRetrieval", "ColModernVBertForRetrieval")
 
 
 def projection_width(hf_config) -> int:

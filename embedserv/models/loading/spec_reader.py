@@ -111,7 +111,7 @@ def _check_quantization(config: ModelConfig, task: TaskSpec, family: Family, mod
     if family.takes_images:
         raise ConfigError(
             f"{model_dir}: --quantization int8 was not validated for text-image dual encoders (CLIP, SigLIP) or "
-            "page-image retrievers (ColQwen2, ColPali); serve this model without it"
+            "page-image retrievers (ColQwen2, ColPali, ColModernVBERT); serve this model without it"
         )
     if not torch.backends.mkldnn.is_available():
         raise ConfigError("--quantization int8 needs torch built with oneDNN (mkldnn), which this torch lacks")

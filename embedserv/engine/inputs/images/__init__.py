@@ -13,7 +13,7 @@ tokenizer/worker pool, never on the event loop.
 
 Processors reproduced (transformers 5.23's PIL backends; a "Fast" type is served as its PIL twin): CLIP, SigLIP
 (also fixed-size SigLIP2 checkpoints, which ship it; PaliGemma / ColPali), SigLIP2's NaFlex processor
-(max_num_patches) and Qwen2-VL (ColQwen2).
+(max_num_patches), Qwen2-VL (ColQwen2) and Idefics3 (ColModernVBERT: tiles and a global image, idefics3.py).
 """
 
 from embedserv.engine.inputs.images.decode import (

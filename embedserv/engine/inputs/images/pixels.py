@@ -12,13 +12,15 @@ import numpy as np
 from PIL import Image
 
 from embedserv.engine.inputs.images.decode import ImageLimits, decode_image, to_rgb
+from embedserv.engine.inputs.images.idefics3 import idefics3_frames
 from embedserv.engine.inputs.images.processing import ImageProcessing
 
 
 def pixel_values(image: Image.Image, processing: ImageProcessing) -> tuple[np.ndarray, tuple[int, ...]]:
     """CLIP/SigLIP: ([3, H, W] float32, (H // patch, W // patch)); Qwen2-VL: ([N, 3 * t * p * p] float32,
     (t, h, w)) as image_grid_thw; SigLIP2: its patches without the padding ([h * w, p * p * 3], the rows of
-    pixel_values[0] where pixel_attention_mask is 1) and (h, w) as spatial_shapes. `image` is normally
+    pixel_values[0] where pixel_attention_mask is 1) and (h, w) as spatial_shapes; Idefics3: [frames, 3, M, M] float32
+    (the tiles and the global image, images/idefics3.py) and the tiles' (rows, cols). `image` is normally
     decode_image's output; another mode is converted as HF does."""
     if image.mode != "RGB":
         image = to_rgb(image)
@@ -26,6 +28,9 @@ def pixel_values(image: Image.Image, processing: ImageProcessing) -> tuple[np.nd
         return _qwen2_vl(image, processing)
     if processing.layout == "siglip2":
         return _siglip2(image, processing)
+    if processing.layout == "idefics3":
+        frames, tiles = idefics3_frames(image, processing)
+        return _rescale_normalize(frames, processing), tiles
     if processing.resize is not None:
         image = _resize(image, _target_size(image.size, processing.resize), processing.resample)
     chw = np.moveaxis(np.asarray(image), -1, 0)
@@ -50,8 +55,11 @@ def prepare_image(
     data: bytes, index: int, processing: ImageProcessing, limits: ImageLimits
 ) -> tuple[np.ndarray, tuple[int, ...]]:
     """Decode and preprocess one input: the rows its vision tower takes ([rows, patch_dim] float32) and its grid
-    (CLIP/SigLIP: conv patch rows, see patch_rows; Qwen2-VL and SigLIP2: the processor's own patch rows)."""
+    (CLIP/SigLIP: conv patch rows, see patch_rows; Qwen2-VL and SigLIP2: the processor's own patch rows; Idefics3:
+    each frame's conv patch rows in turn, and the tiles' (rows, cols))."""
     values, grid = pixel_values(decode_image(data, index, limits), processing)
+    if processing.layout == "idefics3":
+        return np.concatenate([patch_rows(frame, processing.patch_size) for frame in values]), grid
     if processing.layout != "chw":
         return values, grid
     return patch_rows(values, processing.patch_size), grid
@@ -116,6 +124,7 @@ def _resize(image: Image.Image, hw: tuple[int, int], resample: int) -> Image.Ima
 
 
 def _rescale_normalize(chw: np.ndarray, processing: ImageProcessing) -> np.ndarray:
+    """[3, H, W] (or [frames, 3, H, W]) uint8 -> float32."""
     pixels = chw
     if processing.rescale_factor is not None:
         pixels = (pixels.astype(np.float64) * processing.rescale_factor).astype(np.float32)

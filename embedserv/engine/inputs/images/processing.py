@@ -19,6 +19,7 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 HALF = (0.5, 0.5, 0.5)
 QWEN2_VL_MIN_PIXELS = 56 * 56
 QWEN2_VL_MAX_PIXELS = 28 * 28 * 1280
+IDEFICS3_TILE = 364
 # PIL's resampling filters by number: NEAREST, LANCZOS, BILINEAR, BICUBIC, BOX, HAMMING.
 RESAMPLE_FILTERS = range(6)
 
@@ -48,6 +49,14 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "merge_size": 2,
     },
     "siglip2": {"resample": 2, "image_mean": HALF, "image_std": HALF, "patch_size": 16, "max_num_patches": 256},
+    "idefics3": {
+        "size": {"longest_edge": 4 * IDEFICS3_TILE},
+        "max_image_size": {"longest_edge": IDEFICS3_TILE},
+        "resample": 1,
+        "image_mean": HALF,
+        "image_std": HALF,
+        "do_image_splitting": True,
+    },
 }
 _TYPES = {
     "CLIPImageProcessor": "clip",
@@ -55,6 +64,7 @@ _TYPES = {
     "SiglipImageProcessor": "siglip",
     "Qwen2VLImageProcessor": "qwen2_vl",
     "Siglip2ImageProcessor": "siglip2",
+    "Idefics3ImageProcessor": "idefics3",
 }
 # Keys that change nothing in the pixel values of one RGB image.
 _INERT = {
@@ -77,10 +87,11 @@ _INERT = {
 @dataclass(frozen=True)
 class ImageProcessing:
     """One image processor's settings. `layout` is "chw" (CLIP/SigLIP: [3, H, W] then conv patches), "qwen2_vl"
-    (smart_resize, then merge-ordered temporal patches) or "siglip2" (resized to at most max_num_patches, then
-    (row, column, channel) patches). `resize` is ("shortest_edge", n) or ("shortest_longest", short, long) or
-    ("fixed", height, width) or ("pixels", min_pixels, max_pixels); None when do_resize is off or the layout sizes
-    the image itself (SigLIP2). `crop` is (height, width) or None."""
+    (smart_resize, then merge-ordered temporal patches), "siglip2" (resized to at most max_num_patches, then
+    (row, column, channel) patches) or "idefics3" (ColModernVBERT: tiles of tile_size squared and the whole image
+    at that size, images/idefics3.py). `resize` is ("shortest_edge", n) or ("shortest_longest", short, long) or
+    ("fixed", height, width) or ("pixels", min_pixels, max_pixels) or ("longest_edge", n); None when do_resize is
+    off or the layout sizes the image itself (SigLIP2). `crop` is (height, width) or None."""
 
     layout: str
     resize: tuple[str, ...] | None
@@ -93,6 +104,9 @@ class ImageProcessing:
     temporal_patch_size: int = 1
     merge_size: int = 1
     max_num_patches: int = 0
+    # Idefics3: max_image_size's longest_edge (every tile's side), and do_image_splitting.
+    tile_size: int = 0
+    split_tiles: bool = False
 
 
 def read_image_processing(model_dir: Path) -> ImageProcessing | None:
@@ -113,7 +127,8 @@ def processing_from_dict(raw: dict[str, Any], path: Path | str, model_patch: int
     kind = _TYPES[base]
     _refuse_unknown(raw, path, kind)
     get = _Getter(raw, _DEFAULTS[kind], path)
-    if get.flag("do_pad", False) and kind != "qwen2_vl":
+    # Idefics3 pads every image to the batch's largest, and all of its images are tile_size squared.
+    if get.flag("do_pad", False) and kind not in ("qwen2_vl", "idefics3"):
         raise ValueError(f"{path}: do_pad is not supported")
     # do_convert_rgb false (or null) is read but every image is served as RGB: for an RGB input that is the same
     # pixels, and any other mode would give HF a tensor without 3 channels (ColPali's processor forces it on).
@@ -121,6 +136,8 @@ def processing_from_dict(raw: dict[str, Any], path: Path | str, model_patch: int
     patch = get.number("patch_size", model_patch)
     if kind == "qwen2_vl":
         return _qwen2_vl(get, path, patch)
+    if kind == "idefics3":
+        return _idefics3(get, path, patch)
     if kind == "siglip2":
         if not get.flag("do_resize", True):
             raise ValueError(f"{path}: do_resize false is not supported for SigLIP2 (max_num_patches would not hold)")
@@ -162,6 +179,32 @@ def _qwen2_vl(get: _Getter, path: Path | str, patch: int) -> ImageProcessing:
         patch_size=patch,
         temporal_patch_size=get.number("temporal_patch_size"),
         merge_size=get.number("merge_size"),
+    )
+
+
+def _idefics3(get: _Getter, path: Path | str, patch: int) -> ImageProcessing:
+    tile = get.required("max_image_size")
+    if not (isinstance(tile, dict) and set(tile) == {"longest_edge"}):
+        raise ValueError(f"{path}: max_image_size {tile!r} is not supported; give longest_edge")
+    resize = None
+    if get.flag("do_resize", True):
+        size = get.required("size")
+        if isinstance(size, dict) and set(size) == {"longest_edge"}:
+            resize = ("longest_edge", int(size["longest_edge"]))
+        elif isinstance(size, dict) and set(size) == {"height", "width"}:
+            resize = ("fixed", int(size["height"]), int(size["width"]))
+        else:
+            raise ValueError(f"{path}: size {size!r} is not supported for Idefics3; give longest_edge")
+    return ImageProcessing(
+        "idefics3",
+        resize,
+        get.resample(),
+        None,
+        get.rescale(),
+        *get.normalize(),
+        patch_size=patch,
+        tile_size=int(tile["longest_edge"]),
+        split_tiles=get.flag("do_image_splitting", True),
     )
 
 

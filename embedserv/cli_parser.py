@@ -262,6 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"kill and restart a worker whose batch runs longer than this {_model('worker_timeout')}",
     )
     serve.add_argument(
+        "--worker-memory-limit",
+        metavar="SIZE|PERCENT%",
+        help="replace a worker process between steps once its resident memory passes this: a size per worker "
+        "(3GiB), or a share of the container's memory limit split among the model's workers (80%%) "
+        + _model("worker_memory_limit"),
+    )
+    serve.add_argument(
         "--allow-pickle",
         action="store_true",
         default=None,

@@ -6,7 +6,7 @@ import os
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
-from embedserv import cpu_isa
+from embedserv import cpu_isa, memory_ceiling
 from embedserv.api_keys import ApiKey, check_unique
 from embedserv.errors import ConfigError
 from embedserv.scheduler.waiting import PriorityPolicy
@@ -125,6 +125,9 @@ class ModelConfig:
     pipeline_depth: int = 2
     # A worker whose batch runs longer than this many seconds is killed and restarted.
     worker_timeout: float = 120.0
+    # A worker process past this resident memory is replaced between steps (memory_ceiling.py): a size
+    # per worker, or a percentage of the container's memory limit shared by the model's workers; "": none.
+    worker_memory_limit: str = ""
     # Load pickle checkpoints (pytorch_model.bin) when there is no safetensors file; off: pickles can run code.
     allow_pickle: bool = False
     # Bytes of the model's embedding cache (engine/core/output_cache.py): outputs of sequences it already
@@ -188,6 +191,7 @@ class ModelConfig:
                 raise ConfigError(f"{flag} must be at least 1, not {value}")
         if not self.worker_timeout > 0:
             raise ConfigError(f"--worker-timeout must be above 0 seconds, not {self.worker_timeout}")
+        memory_ceiling.check(self.worker_memory_limit)
         if self.max_image_bytes < 1 or self.max_image_pixels < 1:
             raise ConfigError("--max-image-bytes and --max-image-pixels must be at least 1")
         if self.embedding_cache < 0:

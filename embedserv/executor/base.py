@@ -31,6 +31,9 @@ class WorkerStats:
     batches: int
     # Seconds the worker spent running batches (its current process; restarts begin again at 0).
     busy_seconds: float
+    # Of the restarts, those past the memory ceiling (--worker-memory-limit); the last resident size read (0: none).
+    memory_restarts: int = 0
+    rss_bytes: int = 0
 
 
 class Worker(Protocol):
@@ -41,6 +44,10 @@ class Worker(Protocol):
     incarnation: int
     # Called with no arguments whenever `ready` may have changed; set by the engine.
     on_change: Callable[[], None]
+    # Past its memory ceiling, waiting to be replaced: no new prefill steps or generation streams (they wait for
+    # its successor), and steps of streams already on it go on until `idle()` (set by the engine) says none is left.
+    recycling: bool
+    idle: Callable[[], bool]
 
     @property
     def ready(self) -> bool: ...

@@ -31,12 +31,15 @@ from embedserv.worker.model_runner import ModelRunner, PreparedStep
 class LocalWorker:
     index = 0
     incarnation = 1
+    # It has no memory ceiling of its own (it is this process).
+    recycling = False
 
     def __init__(self, runner: ModelRunner, model_thread: ThreadPoolExecutor) -> None:
         self.runner = runner
         self.kv_cache: KvCacheLayout | None = runner.kv_cache_layout()
         # Never called: this worker is always ready.
         self.on_change = lambda: None
+        self.idle = lambda: True
         self._model_thread = model_thread
         self._prepare_thread = ThreadPoolExecutor(1, thread_name_prefix="prepare")
         self._batches = 0

@@ -10,6 +10,11 @@ fails or never gets its answer leaves the process's state unknown: the next one 
 A supervisor task polls the process. When it exits, is killed, or runs one batch past the watchdog limit
 (and is then killed), every batch on it fails with WorkerDied and a new process is started, after a pause
 that doubles while new processes die before becoming ready (0.5 s up to 30 s).
+
+Past its memory ceiling (--worker-memory-limit, memory_ceiling.py) a process is replaced between steps, not
+killed: it is `recycling` (no new prefill steps or generation streams, which wait for its successor), and once
+it has no step in flight and the engine says it is idle (no generation stream left), it is stopped and a new
+one started at once.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
-from embedserv import logs
+from embedserv import logs, memory_ceiling
 from embedserv.config import ModelConfig
 from embedserv.errors import ConfigError, NotReady
 from embedserv.executor.base import WorkerDied, WorkerStats
@@ -46,6 +51,7 @@ logger = logging.getLogger(__name__)
 _POLL_S = 0.1
 _STOP_GRACE_S = 5.0
 _MAX_RESTART_DELAY_S = 30.0
+_MEMORY_CHECK_S = 1.0
 
 
 def cpu_thread_environment(environ) -> dict[str, str]:
@@ -69,6 +75,15 @@ class ProcessWorker:
         self.restarts = 0
         # Called with no arguments whenever `ready` may have changed (the engine sets it).
         self.on_change: Callable[[], None] = lambda: None
+        # Past the memory ceiling (0: none): replaced once it has no step in flight and `idle()` (the engine sets
+        # it for generation: no stream left on this process).
+        self.memory_limit = memory_ceiling.ceiling_bytes(config.worker_memory_limit, config.data_parallel_size)
+        self.recycling = False
+        self.idle: Callable[[], bool] = lambda: True
+        self.memory_restarts = 0
+        self.rss = 0
+        self._next_memory_check = 0.0
+        self._below_model = False
         self._context = zmq.asyncio.Context()
         self._socket_dir = tempfile.mkdtemp(prefix="embedserv-")
         self._proc: subprocess.Popen | None = None
@@ -94,7 +109,10 @@ class ProcessWorker:
         return self._proc.pid if self._proc is not None else 0
 
     def stats(self) -> WorkerStats:
-        return WorkerStats(self.index, self.pid, self.ready, self.restarts, self._batches, self._busy_seconds)
+        return WorkerStats(
+            self.index, self.pid, self.ready, self.restarts, self._batches, self._busy_seconds, self.memory_restarts,
+            self.rss,
+        )  # fmt: skip
 
     async def wait_ready(self) -> None:
         await self._ready.wait()
@@ -237,6 +255,9 @@ class ProcessWorker:
         failures = 0
         while True:
             await self._watch()
+            if self.recycling:
+                await self._replace()
+                continue
             was_ready = self.ready
             code = self._proc.returncode
             if not was_ready:
@@ -258,9 +279,57 @@ class ProcessWorker:
             self._busy_seconds = 0.0
             self._launch()
 
+    async def _replace(self) -> None:
+        """Stops the idle process past its memory ceiling and starts its successor at once."""
+        self._proc.terminate()
+        if not await self._wait_exit(_STOP_GRACE_S):
+            self._proc.kill()
+            await self._wait_exit(_STOP_GRACE_S)
+        await self._reap()
+        self.restarts += 1
+        self.memory_restarts += 1
+        self._batches = 0
+        self._busy_seconds = 0.0
+        self._launch()
+        await self._ready.wait()
+        self.recycling = False
+        self.on_change()
+
+    def _check_memory(self) -> bool:
+        """Whether the process should be replaced now: past its ceiling (read each second) and idle. A process
+        past it before its first step is not replaced: a successor would be too, the ceiling is below the model."""
+        now = time.monotonic()
+        if self.memory_limit and not self.recycling and now >= self._next_memory_check and self.ready:
+            self._next_memory_check = now + _MEMORY_CHECK_S
+            self.rss = memory_ceiling.rss_bytes(self._proc.pid) or 0
+            if self.rss > self.memory_limit:
+                if self._batches == 0:
+                    if not self._below_model:
+                        logger.error(
+                            "worker %s holds %.0f MiB before its first step, past --worker-memory-limit (%.0f MiB): a "
+                            "new process would be too, so it is not replaced; raise the limit",
+                            self.name, self.rss / 2**20, self.memory_limit / 2**20,
+                        )  # fmt: skip
+                    self._below_model = True
+                    return False
+                logger.warning(
+                    "worker %s (pid %d) holds %.0f MiB, past --worker-memory-limit (%.0f MiB): replacing it once its "
+                    "steps in flight end",
+                    self.name,
+                    self._proc.pid,
+                    self.rss / 2**20,
+                    self.memory_limit / 2**20,
+                )
+                self.recycling = True
+                self.on_change()
+        return self.recycling and not self._pending and self.idle()
+
     async def _watch(self) -> None:
-        """Returns once the process has exited; kills it first if a batch has run past the watchdog limit."""
+        """Returns once the process has exited, or is to be replaced (`recycling`, and idle); kills it first if
+        a batch has run past the watchdog limit."""
         while self._proc.poll() is None:
+            if self._check_memory():
+                return
             stalled = time.monotonic() - self._last_progress
             if self._pending and stalled > self.config.worker_timeout:
                 logger.error(

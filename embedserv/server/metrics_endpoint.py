@@ -43,6 +43,16 @@ class ServerCollector(Collector):
         )
         ready = GaugeMetricFamily("embedserv_workers_ready", "Worker processes ready to run", labels=["model"])
         restarts = CounterMetricFamily("embedserv_worker_restarts", "Worker processes replaced", labels=["model"])
+        memory_restarts = CounterMetricFamily(
+            "embedserv_worker_memory_restarts",
+            "Worker processes replaced between steps past --worker-memory-limit",
+            labels=["model"],
+        )
+        rss = GaugeMetricFamily(
+            "embedserv_worker_resident_bytes",
+            "A worker process's resident memory, as last read (with --worker-memory-limit)",
+            labels=["model", "worker"],
+        )
         busy = CounterMetricFamily(
             "embedserv_worker_busy_seconds", "Seconds a worker spent running batches", labels=["model", "worker"]
         )
@@ -62,15 +72,18 @@ class ServerCollector(Collector):
             dropped.add_metric([name], core.num_dropped)
             ready.add_metric([name], sum(s.ready for s in core.workers))
             restarts.add_metric([name], sum(s.restarts for s in core.workers))
+            memory_restarts.add_metric([name], sum(s.memory_restarts for s in core.workers))
             for s in core.workers:
                 busy.add_metric([name, str(s.index)], s.busy_seconds)
+                if s.rss_bytes:
+                    rss.add_metric([name, str(s.index)], s.rss_bytes)
             usage = core.kv_cache
             if usage is not None:
                 kv_usage.add_metric([name], usage.used_blocks / usage.total_blocks if usage.total_blocks else 0.0)
                 kv_blocks.add_metric([name, "used"], usage.used_blocks)
                 kv_blocks.add_metric([name, "total"], usage.total_blocks)
                 preemptions.add_metric([name], usage.preemptions)
-        yield from (queue, dropped, ready, restarts, busy, kv_usage, kv_blocks, preemptions)
+        yield from (queue, dropped, ready, restarts, memory_restarts, rss, busy, kv_usage, kv_blocks, preemptions)
         yield from self._embedding_caches(stats)
         yield from load_families([(core.info, stats[core.info.name]) for core in cores])
 

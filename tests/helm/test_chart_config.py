@@ -196,3 +196,15 @@ def test_named_api_keys_come_from_a_mounted_secret_the_server_reads(chart, tmp_p
     plain = render(chart, {})
     assert "--api-keys-file" not in server(plain)["args"]
     assert "api-keys" not in {v["name"] for v in pod_spec(plain)["volumes"]}
+
+
+def test_the_worker_memory_ceiling_follows_the_pods_memory_limit(chart):
+    args = server(render(chart, {}))["args"]  # the default resources have a memory limit
+    assert args[args.index("--worker-memory-limit") + 1] == "80%"
+    config = server_config(build_parser().parse_args(["serve", *args]))
+    assert {m.worker_memory_limit for m in config.models} == {"80%"}
+    no_limit = server(render(chart, {"resources": {"requests": {"memory": "1Gi"}, "limits": None}}))["args"]
+    assert "--worker-memory-limit" not in no_limit  # a share of no limit: nothing to pass
+    sized = server(render(chart, {"resources": {}, "server": {"workerMemoryLimit": "3GiB"}}))["args"]
+    assert sized[sized.index("--worker-memory-limit") + 1] == "3GiB"
+    assert "--worker-memory-limit" not in server(render(chart, {"server": {"workerMemoryLimit": None}}))["args"]

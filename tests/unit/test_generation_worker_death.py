@@ -46,6 +46,8 @@ class FakeWorker:
         self.kv_cache = KvCacheLayout(num_kv_blocks, (KvGroup(block_size),))
         self.incarnation = 1
         self.on_change = lambda: None
+        self.recycling = False
+        self.idle = lambda: True
         self.behaviours = list(behaviours)
         self.steps = 0
         self._ready = asyncio.Event()

@@ -56,6 +56,7 @@ SHARED = {
     "forward_context",
     "cpu_isa",
     "sizes",
+    "memory_ceiling",
     "start_up",
     "tracing",
 }

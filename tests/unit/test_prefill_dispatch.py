@@ -29,6 +29,8 @@ class FakeWorker:
         self.kv_cache = None
         self.incarnation = 1
         self.on_change = lambda: None
+        self.recycling = False
+        self.idle = lambda: True
         self._ready = ready
         self.behaviours = list(behaviours)
         self.default = default

@@ -64,6 +64,8 @@ class RecordingWorker:
 
     def __init__(self) -> None:
         self.on_change = lambda: None
+        self.recycling = False
+        self.idle = lambda: True
         self.ran: list[int] = []
 
     async def execute(self, batch: StepBatch, generation: bool = False) -> StepOutput:

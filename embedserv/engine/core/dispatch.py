@@ -145,7 +145,11 @@ class Dispatcher:
                     self._launch(slot, step, slot.streams)
                     placed = True
         while self.prefill is not None:
-            free = [slot for slot in self._slots if slot.worker.ready and slot.in_flight < depth]
+            free = [
+                slot
+                for slot in self._slots
+                if slot.worker.ready and not slot.worker.recycling and slot.in_flight < depth
+            ]
             if not free:
                 break
             step = self.prefill.schedule()

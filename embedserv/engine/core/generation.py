@@ -165,12 +165,17 @@ class GenerationStreams:
 
     @property
     def is_accepting(self) -> bool:
-        """Running on a ready worker whose KV cache this scheduler tracks."""
-        return self.running and self.worker.ready and self._incarnation == self.worker.incarnation
+        """Running on a ready worker whose KV cache this scheduler tracks, and which is not to be replaced."""
+        ready = self.worker.ready and not self.worker.recycling
+        return self.running and ready and self._incarnation == self.worker.incarnation
 
     @property
     def num_streams(self) -> int:
         return len(self._streams)
+
+    def is_idle(self) -> bool:
+        """No stream on this worker: it may be replaced (past its memory ceiling) without ending one."""
+        return not self._streams
 
     @property
     def num_waiting(self) -> int:

@@ -117,6 +117,9 @@ class LocalCore:
                 )
                 for worker in workers
             ]
+            for streams in self.generation:
+                # A worker past its memory ceiling is replaced once no stream is left on it.
+                streams.worker.idle = streams.is_idle
         self.dispatcher = Dispatcher(name, workers, self.prefill, list(self.generation), pipeline_depth)
         # Prefill calls in flight, waiting or running (generation streams are counted by their schedulers).
         self._calls = CallCounts()
@@ -156,7 +159,8 @@ class LocalCore:
 
     @property
     def is_serving(self) -> bool:
-        return self.is_running and any(worker.ready for worker in self.workers)
+        # A worker being replaced past its memory ceiling still serves: its calls wait for its successor.
+        return self.is_running and any(worker.ready or worker.recycling for worker in self.workers)
 
     def status(self) -> CoreStatus:
         return CoreStatus(self.is_running, self.is_serving, self.kv_cache_usage())

@@ -106,7 +106,7 @@ class PrefillWork:
     def workers_changed(self) -> None:
         """A worker became ready or died: with none alive, fail what is queued (what is on a worker ends with
         its step)."""
-        if not any(worker.ready for worker in self.workers):
+        if not any(worker.ready or worker.recycling for worker in self.workers):
             error = NotReady(f"no worker of model {self.name} is running (restarting); retry shortly")
             for request in self.scheduler.drain():
                 _fail(request, error)
@@ -115,7 +115,8 @@ class PrefillWork:
         """Each request's output, in order."""
         if not self.accepting:
             raise NotReady(f"model {self.name} is not running; retry shortly")
-        if not any(worker.ready for worker in self.workers):
+        # A worker being replaced past its memory ceiling is back soon: its calls wait for it.
+        if not any(worker.ready or worker.recycling for worker in self.workers):
             raise NotReady(f"no worker of model {self.name} is running (restarting); retry shortly")
         loop = asyncio.get_running_loop()
         for request in requests:

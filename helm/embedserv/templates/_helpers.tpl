@@ -122,6 +122,13 @@ through int because values arrive as floats and large ones would print as 1e+06.
 {{- with index $s "cpuFusion" }}
 {{- $args = concat $args (list "--cpu-fusion" .) }}
 {{- end }}
+{{- /* A share of the pod's memory limit: only where there is one (the server reads it from its cgroup). */}}
+{{- $memoryLimit := index (default (dict) (index (default (dict) .Values.resources) "limits")) "memory" }}
+{{- with index $s "workerMemoryLimit" }}
+{{- if or $memoryLimit (not (hasSuffix "%" .)) }}
+{{- $args = concat $args (list "--worker-memory-limit" .) }}
+{{- end }}
+{{- end }}
 {{- $intFlags := list (list "maxBatchTokens" "--max-batch-tokens") (list "maxConcurrentRequests" "--max-concurrent-requests") (list "maxClientBatchSize" "--max-client-batch-size") (list "dataParallelSize" "--data-parallel-size") (list "frontends" "--frontends") (list "maxConnectionAge" "--max-connection-age") }}
 {{- $intFlags = append $intFlags (list "maxImagesPerRequest" "--max-images-per-request") }}
 {{- $intFlags = append $intFlags (list "maxImageBytes" "--max-image-bytes") }}

@@ -10,6 +10,8 @@ embeddings were just normed.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -154,6 +156,8 @@ FAMILY = Family(
     checkpoint=CHECKPOINT,
     is_encoder=True,
     classifiers={"ModernBertForSequenceClassification": CLASSIFIER},
+    # ModernBertForTokenClassification: the same prediction head and classifier on every token.
+    token_classifiers={"ModernBertForTokenClassification": replace(CLASSIFIER, token="every")},
     lora=True,
 )
 

@@ -16,7 +16,7 @@ from torch import nn
 from embedserv.attention.relative_bias import RelativePositionBias
 from embedserv.models.families.bert import ROBERTA_CLASSIFIER, BertLayer
 from embedserv.models.interface import EncoderModel
-from embedserv.models.loading.family import CheckpointNames, Family, FamilyDocs
+from embedserv.models.loading.family import TOKEN_CLASSIFIER, CheckpointNames, Family, FamilyDocs
 
 # MPNetEmbeddings' fixed padding index: positions start after it.
 _PADDING_IDX = 1
@@ -99,6 +99,7 @@ FAMILY = Family(
     is_encoder=True,
     # MPNetClassificationHead is RoBERTa's: the first token through dense + tanh, then out_proj.
     classifiers={"MPNetForSequenceClassification": ROBERTA_CLASSIFIER},
+    token_classifiers={"MPNetForTokenClassification": TOKEN_CLASSIFIER},
     lora=True,
 )
 

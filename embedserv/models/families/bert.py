@@ -198,6 +198,7 @@ DOCS = FamilyDocs(
             "multi_vector",
             "int8",
             "lora_parity",
+            "token_classify_parity",
         )
     ),
 )

@@ -236,5 +236,9 @@ DOCS = FamilyDocs(
         "MoritzLaurer/DeBERTa-v3-large-mnli-fever-anli-ling-wanli",
         "cross-encoder/nli-deberta-v3-base",
     ),
-    tested_by=("tests/models/test_deberta_parity.py", "tests/attention/test_disentangled.py"),
+    tested_by=(
+        "tests/models/test_deberta_parity.py",
+        "tests/attention/test_disentangled.py",
+        "tests/models/test_token_classify_parity.py",
+    ),
 )

@@ -115,5 +115,5 @@ DOCS = FamilyDocs(
         "sentence-transformers/multi-qa-distilbert-cos-v1",
         "distilbert/distilbert-base-uncased-finetuned-sst-2-english",
     ),
-    tested_by=("tests/models/test_distilbert_parity.py",),
+    tested_by=("tests/models/test_distilbert_parity.py", "tests/models/test_token_classify_parity.py"),
 )

@@ -78,5 +78,5 @@ DOCS = FamilyDocs(
         "cross-encoder/ms-marco-electra-base",
         "google/electra-small-discriminator",
     ),
-    tested_by=("tests/models/test_electra_parity.py",),
+    tested_by=("tests/models/test_electra_parity.py", "tests/models/test_token_classify_parity.py"),
 )

@@ -169,5 +169,9 @@ DOCS = FamilyDocs(
         "Alibaba-NLP/gte-reranker-modernbert-base",
         "nomic-ai/modernbert-embed-base",
     ),
-    tested_by=("tests/models/test_modernbert_parity.py", "tests/models/test_lora_parity.py"),
+    tested_by=(
+        "tests/models/test_modernbert_parity.py",
+        "tests/models/test_lora_parity.py",
+        "tests/models/test_token_classify_parity.py",
+    ),
 )

@@ -109,5 +109,9 @@ DOCS = FamilyDocs(
         "sentence-transformers/multi-qa-mpnet-base-dot-v1",
         "sentence-transformers/paraphrase-mpnet-base-v2",
     ),
-    tested_by=("tests/models/test_mpnet_parity.py", "tests/models/test_lora_parity.py"),
+    tested_by=(
+        "tests/models/test_mpnet_parity.py",
+        "tests/models/test_lora_parity.py",
+        "tests/models/test_token_classify_parity.py",
+    ),
 )

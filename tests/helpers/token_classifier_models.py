@@ -53,13 +53,41 @@ def token_classifier_config(arch: str, vocab_size: int):
     raise ValueError(f"arch must be one of {TOKEN_CLASSIFIER_ARCHS}, not {arch!r}")
 
 
-def build_token_classifier(tmp_dir: Path | str, arch: str, seed: int = 0, max_seq_length: int = 128) -> Path:
-    """A random-weight `arch`ForTokenClassification directory with NER_LABELS; its path."""
+def bpe_tokenizer(max_seq_length: int):
+    """A small BPE tokenizer trained here (no continuing-subword prefix, no decoder): the tokenizers for which
+    the pipeline guesses words from spaces, as it does for RoBERTa's or XLM-R's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from benchmarks.corpus import stdlib_texts
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
+    backend = Tokenizer(models.BPE(unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.train_from_iterator(stdlib_texts(200, seed=3), trainers.BpeTrainer(vocab_size=400, special_tokens=specials))
+    backend.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        pad_token="[PAD]",
+        model_max_length=max_seq_length,
+    )
+
+
+def build_token_classifier(
+    tmp_dir: Path | str, arch: str, seed: int = 0, max_seq_length: int = 128, tokenizer: str = "wordpiece"
+) -> Path:
+    """A random-weight `arch`ForTokenClassification directory with NER_LABELS and the bundled WordPiece
+    tokenizer, or (tokenizer "bpe") bpe_tokenizer's; its path."""
     import torch
     from transformers import AutoModelForTokenClassification
 
-    out = Path(tmp_dir) / f"tiny-token-classifier-{arch}-s{seed}"
-    tokenizer = _bundled_tokenizer(max_seq_length)
+    out = Path(tmp_dir) / f"tiny-token-classifier-{arch}-{tokenizer}-s{seed}"
+    tokenizer = _bundled_tokenizer(max_seq_length) if tokenizer == "wordpiece" else bpe_tokenizer(max_seq_length)
     config = token_classifier_config(arch, len(tokenizer))
     config.num_labels = len(NER_LABELS)
     config.id2label = dict(enumerate(NER_LABELS))

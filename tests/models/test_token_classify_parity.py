@@ -24,12 +24,12 @@ STRATEGIES = ("none", "simple", "first", "average", "max")
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("token-classifiers")
-    cache: dict[str, object] = {}
+    cache: dict[tuple[str, str], object] = {}
 
-    def get(arch: str):
-        if arch not in cache:
-            cache[arch] = build_token_classifier(root, arch)
-        return cache[arch]
+    def get(arch: str, tokenizer: str = "wordpiece"):
+        if (arch, tokenizer) not in cache:
+            cache[arch, tokenizer] = build_token_classifier(root, arch, tokenizer=tokenizer)
+        return cache[arch, tokenizer]
 
     return get
 
@@ -92,17 +92,19 @@ def _assert_same_entities(got: list[dict], expected: list[dict], what: str) -> N
     )
 
 
-@pytest.mark.parametrize("arch", ["bert", "deberta-v2"])
+# WordPiece marks word pieces (`##`); the BPE tokenizer does not, and the pipeline then guesses words by spaces.
+@pytest.mark.parametrize(("arch", "tokenizer"), [("bert", "wordpiece"), ("deberta-v2", "wordpiece"), ("bert", "bpe")])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_entities_equal_the_token_classification_pipeline(arch, strategy, models, engine_for):
+def test_entities_equal_the_token_classification_pipeline(arch, tokenizer, strategy, models, engine_for):
     from embedserv.engine.tasks.entities import Aggregation
 
-    model_dir = models(arch)
+    model_dir = models(arch, tokenizer)
     result = engine_for(model_dir).classify_tokens(NER_TEXTS, _params(aggregation=Aggregation(strategy)))
     expected = pipeline_entities(model_dir, NER_TEXTS, strategy)
     assert sum(map(len, expected)) > 3, "the pipeline must find entities for the comparison to mean something"
     for index, (entities, reference) in enumerate(zip(result.entities, expected, strict=True)):
-        _assert_same_entities(_as_pipeline(entities, strategy), reference, f"{arch}/{strategy}: text {index}")
+        what = f"{arch}/{tokenizer}/{strategy}: text {index}"
+        _assert_same_entities(_as_pipeline(entities, strategy), reference, what)
 
 
 def test_word_strategies_differ_on_these_texts(models, engine_for):

@@ -30,7 +30,8 @@ with the list of served types and, where there is one, the closest served archit
 
 - **Tasks**: what a checkpoint of the family can serve; which one a directory serves follows from its
   files (a `*ForSequenceClassification` architecture reranks / classifies, a sentence-transformers
-  directory embeds, a SPLADE `*ForMaskedLM` directory gives sparse vectors, a decoder generates).
+  directory embeds, a SPLADE `*ForMaskedLM` directory gives sparse vectors, a decoder generates, a
+  `*ForTokenClassification` architecture labels tokens: ClassifyTokens, `/v1/classify_tokens`).
   Zero-shot needs an NLI classifier (entailment label).
 - **Attention backends**: those that can compute the family's attention. CPU: sdpa (default), flex,
   naive; CUDA adds varlen and flash_attn, which cannot add a score bias.
@@ -87,6 +88,8 @@ def _tasks(family: Family) -> list[str]:
     tasks = ["embed", "multi-vector"]
     if family.classifiers:
         tasks += ["rerank", "classify", "zero-shot"]
+    if family.token_classifiers:
+        tasks.append("token classify")
     if family.model_class.kind is ModelKind.ENCODER and family.model_class.mlm_heads:
         tasks.append("sparse")
     if not family.is_encoder:
@@ -125,7 +128,7 @@ def row(family: Family, docs: FamilyDocs) -> str:
             (
                 f"**{family.name}**",
                 _model_types(family),
-                _cell(f"`{a}`" for a in family.classifiers),
+                _cell(f"`{a}`" for a in (*family.classifiers, *family.token_classifiers)),
                 _cell(docs.examples),
                 ", ".join(_tasks(family)),
                 _backends(family),

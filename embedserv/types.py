@@ -41,6 +41,8 @@ class Task(str, Enum):
     # Sparse vectors over the vocabulary (EmbedSparse) and several vectors per input (EmbedMultiVector).
     EMBED_SPARSE = "embed_sparse"
     EMBED_MULTI_VECTOR = "embed_multi_vector"
+    # A label per token, and entities (ClassifyTokens; engine/tasks/token_classification.py).
+    TOKEN_CLASSIFY = "token_classify"
 
 
 class EmbedOutput(ValueEnum):

@@ -18,6 +18,7 @@ from embedserv.engine.served_model import ServedModel
 from embedserv.engine.tasks.classification import Classification
 from embedserv.engine.tasks.embedding import Embedding
 from embedserv.engine.tasks.reranking import Reranking
+from embedserv.engine.tasks.token_classification import TokenClassification
 from embedserv.engine.tasks.tokens import Tokens
 from embedserv.types import EmbedOutput, GenerationDelta, ModelInfo, SamplingParams
 
@@ -33,6 +34,7 @@ class Engine:
         self.embedding = Embedding(core, served, config.allow_pickle)
         self.reranking = Reranking(core, served, self.embedding.token_rules)
         self.classification = Classification(core, served)
+        self.token_classification = TokenClassification(core, served)
         self.tokens = Tokens(core, served)
 
     def for_adapter(self, name: str) -> Engine:

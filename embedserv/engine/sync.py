@@ -11,6 +11,7 @@ from embedserv.config import ModelConfig
 from embedserv.engine.core.local_core import LocalCore
 from embedserv.engine.core.output_cache import CacheStats
 from embedserv.engine.engine import Engine
+from embedserv.engine.tasks.token_classification import TokenClassifyParams, TokenClassifyResult
 from embedserv.executor.base import WorkerStats
 from embedserv.types import (
     ClassifyParams,
@@ -77,6 +78,10 @@ class SyncEngine:
 
     def classify(self, texts: list[str], params: ClassifyParams | None = None) -> ClassifyResult:
         return self._call(self.engine.classification.classify(list(texts), params or ClassifyParams()))
+
+    def classify_tokens(self, texts: list[str], params: TokenClassifyParams | None = None) -> TokenClassifyResult:
+        classify = self.engine.token_classification.classify_tokens
+        return self._call(classify(list(texts), params or TokenClassifyParams()))
 
     async def _embed_many(self, calls: list[list[str]], params: EmbedParams) -> list[EmbedResult]:
         return await asyncio.gather(*(self.engine.embedding.embed(texts, params) for texts in calls))

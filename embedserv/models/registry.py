@@ -37,7 +37,7 @@ from embedserv.models.families import (
     siglip2,
     t5,
 )
-from embedserv.models.heads import bge_m3, multi_vector, splade, vision_retrieval
+from embedserv.models.heads import bge_m3, multi_vector, splade, token_classifier, vision_retrieval
 from embedserv.models.loading.family import Family
 from embedserv.models.loading.multi_vector_files import MultiVectorSettings, read_multi_vector_settings
 
@@ -166,6 +166,8 @@ HEAD_KINDS: dict[str, HeadKind] = {
     "bge_m3": HeadKind(sparse_head=bge_m3.build_sparse_head, token_head=bge_m3.build_colbert_head, skip_first_tokens=1),
     # ColQwen2 / ColPali / ColModernVBERT: the projection and L2 norm on every token (queries and page images alike).
     "vision_retrieval": HeadKind(token_head=vision_retrieval.build_projection_head),
+    # *ForTokenClassification: the classifier on every token; its "token vectors" are per-token logits.
+    "token_classifier": HeadKind(token_head=token_classifier.build_token_classifier_head),
 }
 _NO_HEADS = HeadKind()
 

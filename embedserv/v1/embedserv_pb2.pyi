@@ -42,6 +42,14 @@ class Chunking(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CHUNKING_MEAN: _ClassVar[Chunking]
     CHUNKING_MAX: _ClassVar[Chunking]
 
+class Aggregation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    AGGREGATION_NONE: _ClassVar[Aggregation]
+    AGGREGATION_SIMPLE: _ClassVar[Aggregation]
+    AGGREGATION_FIRST: _ClassVar[Aggregation]
+    AGGREGATION_AVERAGE: _ClassVar[Aggregation]
+    AGGREGATION_MAX: _ClassVar[Aggregation]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -59,6 +67,7 @@ class Task(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TASK_GENERATE: _ClassVar[Task]
     TASK_EMBED_SPARSE: _ClassVar[Task]
     TASK_EMBED_MULTI_VECTOR: _ClassVar[Task]
+    TASK_TOKEN_CLASSIFY: _ClassVar[Task]
 
 class AttentionKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -85,6 +94,11 @@ OUTPUT_MULTI_VECTOR: Output
 CHUNKING_NONE: Chunking
 CHUNKING_MEAN: Chunking
 CHUNKING_MAX: Chunking
+AGGREGATION_NONE: Aggregation
+AGGREGATION_SIMPLE: Aggregation
+AGGREGATION_FIRST: Aggregation
+AGGREGATION_AVERAGE: Aggregation
+AGGREGATION_MAX: Aggregation
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
@@ -97,6 +111,7 @@ TASK_CLASSIFY: Task
 TASK_GENERATE: Task
 TASK_EMBED_SPARSE: Task
 TASK_EMBED_MULTI_VECTOR: Task
+TASK_TOKEN_CLASSIFY: Task
 ATTENTION_KIND_UNSPECIFIED: AttentionKind
 ATTENTION_KIND_BIDIRECTIONAL: AttentionKind
 ATTENTION_KIND_CAUSAL: AttentionKind
@@ -410,6 +425,86 @@ class ClassifyResponse(_message.Message):
     model: str
     timing: Timing
     def __init__(self, classifications: _Optional[_Iterable[_Union[Classification, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., model: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+
+class LabelList(_message.Message):
+    __slots__ = ("labels",)
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, labels: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ClassifyTokensRequest(_message.Message):
+    __slots__ = ("model", "inputs", "truncate", "truncation_direction", "aggregation", "ignore_labels", "all_scores", "priority")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATION_DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATION_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_LABELS_FIELD_NUMBER: _ClassVar[int]
+    ALL_SCORES_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    inputs: _containers.RepeatedScalarFieldContainer[str]
+    truncate: bool
+    truncation_direction: TruncationDirection
+    aggregation: Aggregation
+    ignore_labels: LabelList
+    all_scores: bool
+    priority: int
+    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., truncate: _Optional[bool] = ..., truncation_direction: _Optional[_Union[TruncationDirection, str]] = ..., aggregation: _Optional[_Union[Aggregation, str]] = ..., ignore_labels: _Optional[_Union[LabelList, _Mapping]] = ..., all_scores: _Optional[bool] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class TokenLabel(_message.Message):
+    __slots__ = ("index", "token", "start", "end", "label", "score", "scores")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    token: str
+    start: int
+    end: int
+    label: str
+    score: float
+    scores: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, index: _Optional[int] = ..., token: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., label: _Optional[str] = ..., score: _Optional[float] = ..., scores: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class Entity(_message.Message):
+    __slots__ = ("label", "score", "word", "start", "end", "index")
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    WORD_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    label: str
+    score: float
+    word: str
+    start: int
+    end: int
+    index: int
+    def __init__(self, label: _Optional[str] = ..., score: _Optional[float] = ..., word: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
+
+class TokenClassification(_message.Message):
+    __slots__ = ("tokens", "entities")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENTITIES_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[TokenLabel]
+    entities: _containers.RepeatedCompositeFieldContainer[Entity]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[TokenLabel, _Mapping]]] = ..., entities: _Optional[_Iterable[_Union[Entity, _Mapping]]] = ...) -> None: ...
+
+class ClassifyTokensResponse(_message.Message):
+    __slots__ = ("inputs", "usage", "model", "timing")
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    inputs: _containers.RepeatedCompositeFieldContainer[TokenClassification]
+    usage: Usage
+    model: str
+    timing: Timing
+    def __init__(self, inputs: _Optional[_Iterable[_Union[TokenClassification, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., model: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "decoder_prompt", "priority")

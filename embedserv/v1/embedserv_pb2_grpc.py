@@ -64,6 +64,11 @@ class InferenceStub:
                 request_serializer=embedserv_dot_v1_dot_embedserv__pb2.ClassifyRequest.SerializeToString,
                 response_deserializer=embedserv_dot_v1_dot_embedserv__pb2.ClassifyResponse.FromString,
                 _registered_method=True)
+        self.ClassifyTokens = channel.unary_unary(
+                '/embedserv.v1.Inference/ClassifyTokens',
+                request_serializer=embedserv_dot_v1_dot_embedserv__pb2.ClassifyTokensRequest.SerializeToString,
+                response_deserializer=embedserv_dot_v1_dot_embedserv__pb2.ClassifyTokensResponse.FromString,
+                _registered_method=True)
         self.Generate = channel.unary_stream(
                 '/embedserv.v1.Inference/Generate',
                 request_serializer=embedserv_dot_v1_dot_embedserv__pb2.GenerateRequest.SerializeToString,
@@ -126,6 +131,14 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClassifyTokens(self, request, context):
+        """Labels every token of each input (NER, PII tagging: *ForTokenClassification models), and groups them into
+        entities as transformers' token-classification pipeline does.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Generate(self, request, context):
         """Streams generated text; the last message carries the finish reason.
         """
@@ -179,6 +192,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Classify,
                     request_deserializer=embedserv_dot_v1_dot_embedserv__pb2.ClassifyRequest.FromString,
                     response_serializer=embedserv_dot_v1_dot_embedserv__pb2.ClassifyResponse.SerializeToString,
+            ),
+            'ClassifyTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClassifyTokens,
+                    request_deserializer=embedserv_dot_v1_dot_embedserv__pb2.ClassifyTokensRequest.FromString,
+                    response_serializer=embedserv_dot_v1_dot_embedserv__pb2.ClassifyTokensResponse.SerializeToString,
             ),
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
@@ -358,6 +376,33 @@ class Inference:
             '/embedserv.v1.Inference/Classify',
             embedserv_dot_v1_dot_embedserv__pb2.ClassifyRequest.SerializeToString,
             embedserv_dot_v1_dot_embedserv__pb2.ClassifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClassifyTokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/embedserv.v1.Inference/ClassifyTokens',
+            embedserv_dot_v1_dot_embedserv__pb2.ClassifyTokensRequest.SerializeToString,
+            embedserv_dot_v1_dot_embedserv__pb2.ClassifyTokensResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -71,7 +71,8 @@ def _row_head(config: ModelConfig, spec: ModelSpec):
     if spec.outputs.outputs:
         # Sparse-only and multi-vector-only models have no pooled vector: their heads are the sparse and token heads.
         return None
-    if tasks == (Task.GENERATE,):
+    if tasks in ((Task.GENERATE,), (Task.TOKEN_CLASSIFY,)):
+        # Token classifiers classify in their token head.
         return None
     hidden = spec.hf_config.hidden_size
     if isinstance(spec.task.template, Seq2SeqYesNoTemplate):

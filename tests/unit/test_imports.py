@@ -327,6 +327,8 @@ def _torch_free_modules() -> list[str]:
         *sorted(info.name for info in scheduler),
         "embedserv.engine.inputs.images",
         *sorted(info.name for info in images),
+        # Token classification's entities (the pipeline's aggregation): numpy only.
+        "embedserv.engine.tasks.entities",
     ]
 
 

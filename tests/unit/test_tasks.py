@@ -54,6 +54,17 @@ def test_many_label_classifier_only_classifies(tmp_path):
     assert spec.labels == ("a", "b", "c") and spec.multi_label
 
 
+def test_token_classifier_only_classifies_tokens_and_other_token_heads_are_refused(tmp_path):
+    config = _config("XLMRobertaForTokenClassification", id2label={1: "B-PER", 0: "O"})
+    spec = read_task_spec(tmp_path, config, _family(config), is_causal=False, decoder_reranker=None)
+    assert spec.tasks == (Task.TOKEN_CLASSIFY,) and spec.labels == ("O", "B-PER") and spec.rerank_mode is None
+    # Qwen3ForTokenClassification exists in transformers; the llama family has no token head: refused, not
+    # served as an embedder of its backbone.
+    unserved = _config("Qwen3ForTokenClassification", id2label=_labels("O", "B-PER"))
+    with pytest.raises(ConfigError, match="Qwen3ForTokenClassification is not served .*heads of llama: none"):
+        read_task_spec(tmp_path, unserved, _family(unserved), is_causal=True, decoder_reranker=None)
+
+
 def test_decoder_classifier_strips_trailing_padding_only_when_causal(tmp_path):
     config = _config("Qwen3ForSequenceClassification", id2label=_labels("x"), pad_token_id=7)
     assert (

@@ -12,6 +12,7 @@ from embedserv_client.client import Client
 from embedserv_client.late_chunks import TextChunks
 from embedserv_client.options import NO_RETRY, RetryPolicy, Tls
 from embedserv_client.streams import AsyncTextStream, TextStream
+from embedserv_client.token_classes import Entity, TokenClassification, TokenLabel
 from embedserv_client.types import (
     Classification,
     EmbedOutputs,
@@ -36,6 +37,7 @@ __all__ = [
     "Client",
     "EmbedOutputs",
     "EmbedservError",
+    "Entity",
     "KvCache",
     "KvSharing",
     "Limits",
@@ -47,5 +49,7 @@ __all__ = [
     "TextStream",
     "Tls",
     "Token",
+    "TokenClassification",
+    "TokenLabel",
     "Usage",
 ]

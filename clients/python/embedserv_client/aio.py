@@ -16,6 +16,7 @@ from embedserv_client.base import ClientSettings
 from embedserv_client.images import ImageLike, embed_items_plan, image_batch_size, image_bytes, multi_vector_plan
 from embedserv_client.options import RetryPolicy, Tls, time_left
 from embedserv_client.streams import AsyncTextStream
+from embedserv_client.token_classes import TokenClassification, classify_tokens_plan, token_classify_fields
 from embedserv_client.types import (
     Classification,
     EmbedOutputs,
@@ -214,6 +215,26 @@ class AsyncClient(ClientSettings):
         deadline = self.deadline(timeout)
         size = await self._batch_size(deadline)
         return await self._run(plans.classify_plan(items, size, single, **fields), deadline)
+
+    async def classify_tokens(
+        self,
+        texts: str | Sequence[str],
+        *,
+        aggregation: str = "none",
+        ignore_labels: Sequence[str] | None = None,
+        all_scores: bool = False,
+        truncate: bool | None = None,
+        truncation_direction: str = "right",
+        model: str | None = None,
+        timeout: float | None = None,
+    ) -> TokenClassification | list[TokenClassification]:
+        items, single = plans.as_list(texts, "texts")
+        fields = token_classify_fields(
+            self.model_name(model), aggregation, ignore_labels, all_scores, truncate, truncation_direction
+        )
+        deadline = self.deadline(timeout)
+        size = await self._batch_size(deadline)
+        return await self._run(classify_tokens_plan(items, size, single, **fields), deadline)
 
     async def tokenize(
         self,

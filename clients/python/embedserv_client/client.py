@@ -15,7 +15,8 @@ from embedserv_client import late_chunks, plans
 from embedserv_client.base import ClientSettings
 from embedserv_client.images import ImageLike, embed_items_plan, image_batch_size, image_bytes, multi_vector_plan
 from embedserv_client.options import RetryPolicy, Tls, time_left
-from embedserv_client.streams import TextStream
+from embedserv_client.streams import TextStream, stream_matrices
+from embedserv_client.token_classes import TokenClassification, classify_tokens_plan, token_classify_fields
 from embedserv_client.types import (
     Classification,
     EmbedOutputs,
@@ -100,20 +101,8 @@ class Client(ClientSettings):
         paths) for models whose ModelInfo.modalities include "image": their rows follow the texts' rows, and
         the result is a matrix (or EmbedOutputs) even for one string."""
         items, single = plans.as_list(texts, "texts")
-        fields = plans.embed_fields(
-            self.model_name(model),
-            normalize,
-            truncate,
-            truncation_direction,
-            dimensions,
-            prompt_name,
-            encoding,
-            outputs,
-            chunking,
-            sparse_top_k,
-            task,
-            bypass_cache,
-        )
+        options = (normalize, truncate, truncation_direction, dimensions, prompt_name, encoding, outputs, chunking)
+        fields = plans.embed_fields(self.model_name(model), *options, sparse_top_k, task, bypass_cache)
         deadline = self.deadline(timeout)
         if images is not None:
             plan = embed_items_plan(items, image_bytes(images), *(self._image_sizes(deadline)), **fields)
@@ -249,6 +238,27 @@ class Client(ClientSettings):
         deadline = self.deadline(timeout)
         return self._run(plans.classify_plan(items, self._batch_size(deadline), single, **fields), deadline)
 
+    def classify_tokens(
+        self,
+        texts: str | Sequence[str],
+        *,
+        aggregation: str = "none",
+        ignore_labels: Sequence[str] | None = None,
+        all_scores: bool = False,
+        truncate: bool | None = None,
+        truncation_direction: str = "right",
+        model: str | None = None,
+        timeout: float | None = None,
+    ) -> TokenClassification | list[TokenClassification]:
+        """Each text's tokens and entities (one, not a list, for one string), grouped as transformers'
+        token-classification pipeline's aggregation_strategy `aggregation`; `ignore_labels` None: ["O"]."""
+        items, single = plans.as_list(texts, "texts")
+        fields = token_classify_fields(
+            self.model_name(model), aggregation, ignore_labels, all_scores, truncate, truncation_direction
+        )
+        deadline = self.deadline(timeout)
+        return self._run(classify_tokens_plan(items, self._batch_size(deadline), single, **fields), deadline)
+
     def tokenize(
         self,
         texts: str | Sequence[str],
@@ -305,19 +315,7 @@ class Client(ClientSettings):
         checked = plans.StreamRequests(self.stream_fields(params))
         requests = (checked.request(index, batch) for index, batch in enumerate(batches))
         replies = self._stub.EmbedStream(requests, timeout=time_left(self.deadline(timeout)), metadata=self.metadata)
-        return self._stream_matrices(replies, checked)
-
-    @staticmethod
-    def _stream_matrices(replies, checked: plans.StreamRequests) -> Iterator[np.ndarray]:
-        try:
-            for reply in replies:
-                yield plans.embedding_matrix([reply], checked.fields["encoding"])
-        except grpc.RpcError as err:
-            if checked.error is not None:
-                raise checked.error from None
-            raise error_from(err) from None
-        finally:
-            replies.cancel()
+        return stream_matrices(replies, checked)
 
     def models(self, *, timeout: float | None = None) -> list[ModelInfo]:
         return [ModelInfo.from_proto(m) for m in self._list_models(self.deadline(timeout)).models]

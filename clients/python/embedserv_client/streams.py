@@ -11,7 +11,9 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import grpc
+import numpy as np
 
+from embedserv_client import plans
 from embedserv_client.options import RetryPolicy, time_left
 from embedserv_client.types import FINISH_REASONS, EmbedservError, Usage, error_from
 from embedserv_client.v1 import embedserv_pb2 as pb
@@ -110,3 +112,16 @@ class AsyncTextStream(_Generation):
 
     async def __aexit__(self, *exc) -> None:
         self.cancel()
+
+
+def stream_matrices(replies, checked: plans.StreamRequests) -> Iterator[np.ndarray]:
+    """EmbedStream's matrices, one per reply, from a blocking call (cancelled when the caller stops reading)."""
+    try:
+        for reply in replies:
+            yield plans.embedding_matrix([reply], checked.fields["encoding"])
+    except grpc.RpcError as err:
+        if checked.error is not None:
+            raise checked.error from None
+        raise error_from(err) from None
+    finally:
+        replies.cancel()

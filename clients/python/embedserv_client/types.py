@@ -17,6 +17,7 @@ _TASKS = {
     pb.TASK_GENERATE: "generate",
     pb.TASK_EMBED_SPARSE: "embed_sparse",
     pb.TASK_EMBED_MULTI_VECTOR: "embed_multi_vector",
+    pb.TASK_TOKEN_CLASSIFY: "token_classify",
 }
 # Embed's outputs by the names the client takes and reports.
 OUTPUTS = {"dense": pb.OUTPUT_DENSE, "sparse": pb.OUTPUT_SPARSE, "multi_vector": pb.OUTPUT_MULTI_VECTOR}

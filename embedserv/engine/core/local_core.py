@@ -92,7 +92,9 @@ class LocalCore:
         wake = self._wake
         self.prefill: PrefillWork | None = None
         if served.task.tasks != (Task.GENERATE,):
-            output = OutputKind.POOL if served.spec.outputs.outputs else OutputKind.SCORE
+            # Token classifiers' per-token logits are a POOL sequence's token vectors.
+            per_token = served.spec.outputs.outputs or Task.TOKEN_CLASSIFY in served.task.tasks
+            output = OutputKind.POOL if per_token else OutputKind.SCORE
             self.prefill = PrefillWork(
                 name, workers, budget, max_seqs, output, wake, served.task, config.priority_policy
             )

@@ -137,7 +137,21 @@ class TextTokenizer:
         """Token ids with special tokens; too-long texts are cut (truncate) or refused."""
         prompt = self.resolve_prompt(prompt_name)
         pool_start = self._prompt_pool_start(prompt)
-        prepared = [self.prepare(prompt + t) for t in texts]
+        out = []
+        for encoding in self._encodings([prompt + t for t in texts], truncate, direction):
+            ids = encoding.ids
+            out.append(InputSequence(ids=self._padded(ids) if self._pad_to else ids, pool_start=pool_start))
+        return out
+
+    def encode_with_offsets(
+        self, texts: list[str], truncate: bool, direction: TruncationDirection = TruncationDirection.RIGHT
+    ) -> list[TokenizedText]:
+        """encode_batch's tokens (no prompt) with their text and character offsets, for ClassifyTokens."""
+        return [_tokenized(encoding) for encoding in self._encodings(texts, truncate, direction)]
+
+    def _encodings(self, texts: list[str], truncate: bool, direction: TruncationDirection) -> list[tokenizers.Encoding]:
+        """Each text's encoding with special tokens, cut to the model's limit (truncate) or refused."""
+        prepared = [self.prepare(t) for t in texts]
         room = self.max_input_tokens - self.num_special
         if truncate and direction is TruncationDirection.RIGHT and self._cuts_safely:
             encodings = text_prefix.encode_for_room(self.backend, prepared, room)
@@ -149,9 +163,18 @@ class TextTokenizer:
                 if not truncate:
                     raise self.too_long(f"input {index}", len(encoding.ids) + self.num_special, self.max_input_tokens)
                 encoding.truncate(room, direction=direction)
-            ids = self.backend.post_process(encoding, None, True).ids
-            out.append(InputSequence(ids=self._padded(ids) if self._pad_to else ids, pool_start=pool_start))
+            out.append(self.backend.post_process(encoding, None, True))
         return out
+
+    def tokens_to_string(self, tokens: list[str]) -> str:
+        """transformers' convert_tokens_to_string: the tokenizer's decoder over the tokens."""
+        decoder = self.backend.decoder
+        return decoder.decode(tokens) if decoder is not None else " ".join(tokens)
+
+    @property
+    def is_word_aware(self) -> bool:
+        """Its model marks word-continuing tokens (WordPiece's `##`), as transformers' pipeline asks."""
+        return bool(getattr(self.backend.model, "continuing_subword_prefix", None))
 
     def encode_texts(self, texts: list[str], params: EmbedParams) -> list[InputSequence]:
         """Embed's texts: encode_batch with the call's truncation and prompt."""
@@ -293,15 +316,16 @@ class TextTokenizer:
         prompt = self.resolve_prompt(prompt_name)
         prepared = [self.prepare(prompt + t) for t in texts]
         encodings = self.backend.encode_batch(prepared, add_special_tokens=add_special_tokens)
-        return [
-            TokenizedText(
-                ids=list(e.ids),
-                tokens=list(e.tokens),
-                offsets=[tuple(o) for o in e.offsets],
-                special=[bool(m) for m in e.special_tokens_mask],
-            )
-            for e in encodings
-        ]
+        return [_tokenized(e) for e in encodings]
+
+
+def _tokenized(encoding: tokenizers.Encoding) -> TokenizedText:
+    return TokenizedText(
+        ids=list(encoding.ids),
+        tokens=list(encoding.tokens),
+        offsets=[tuple(o) for o in encoding.offsets],
+        special=[bool(m) for m in encoding.special_tokens_mask],
+    )
 
 
 def split_windows(encoding: tokenizers.Encoding, size: int) -> list[tokenizers.Encoding]:

@@ -13,7 +13,14 @@ from embedserv.attention.layer import Attention
 from embedserv.attention.relative_bias import RelativePositionBias
 from embedserv.models.interface import EncoderModel
 from embedserv.models.layers import Linear, packed_linear
-from embedserv.models.loading.family import CheckpointNames, Classifier, Family, FamilyDocs, MlmHeadNames
+from embedserv.models.loading.family import (
+    TOKEN_CLASSIFIER,
+    CheckpointNames,
+    Classifier,
+    Family,
+    FamilyDocs,
+    MlmHeadNames,
+)
 
 # RoBERTa-style model types, whose positions start after the padding index.
 ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
@@ -162,6 +169,9 @@ FAMILY = Family(
         "XLMRobertaForSequenceClassification": ROBERTA_CLASSIFIER,
         "CamembertForSequenceClassification": ROBERTA_CLASSIFIER,
     },
+    token_classifiers={
+        f"{name}ForTokenClassification": TOKEN_CLASSIFIER for name in ("Bert", "Roberta", "XLMRoberta", "Camembert")
+    },
     lora=True,
 )
 
@@ -188,6 +198,7 @@ DOCS = FamilyDocs(
             "multi_vector",
             "int8",
             "lora_parity",
+            "token_classify_parity",
         )
     ),
 )

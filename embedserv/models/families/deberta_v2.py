@@ -23,7 +23,7 @@ from embedserv.attention.disentangled import DisentangledPositions, PositionProj
 from embedserv.attention.layer import Attention, AttentionKind
 from embedserv.models.interface import EncoderModel
 from embedserv.models.layers import Linear, packed_linear
-from embedserv.models.loading.family import CheckpointNames, Classifier, Family, FamilyDocs
+from embedserv.models.loading.family import TOKEN_CLASSIFIER, CheckpointNames, Classifier, Family, FamilyDocs
 
 _TERMS = ("c2p", "p2c")
 
@@ -225,6 +225,7 @@ FAMILY = Family(
     checkpoint=checkpoint_names,
     is_encoder=True,
     classifiers={"DebertaV2ForSequenceClassification": _CLASSIFIER},
+    token_classifiers={"DebertaV2ForTokenClassification": TOKEN_CLASSIFIER},
 )
 
 DOCS = FamilyDocs(
@@ -235,5 +236,9 @@ DOCS = FamilyDocs(
         "MoritzLaurer/DeBERTa-v3-large-mnli-fever-anli-ling-wanli",
         "cross-encoder/nli-deberta-v3-base",
     ),
-    tested_by=("tests/models/test_deberta_parity.py", "tests/attention/test_disentangled.py"),
+    tested_by=(
+        "tests/models/test_deberta_parity.py",
+        "tests/attention/test_disentangled.py",
+        "tests/models/test_token_classify_parity.py",
+    ),
 )

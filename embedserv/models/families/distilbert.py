@@ -18,7 +18,7 @@ from torch import nn
 
 from embedserv.models.families.bert import BertLayer
 from embedserv.models.interface import EncoderModel
-from embedserv.models.loading.family import CheckpointNames, Classifier, Family, FamilyDocs
+from embedserv.models.loading.family import TOKEN_CLASSIFIER, CheckpointNames, Classifier, Family, FamilyDocs
 
 # transformers hard-codes it for every DistilBERT LayerNorm.
 _LAYER_NORM_EPS = 1e-12
@@ -105,6 +105,7 @@ FAMILY = Family(
     checkpoint=CHECKPOINT,
     is_encoder=True,
     classifiers={"DistilBertForSequenceClassification": _CLASSIFIER},
+    token_classifiers={"DistilBertForTokenClassification": TOKEN_CLASSIFIER},
 )
 
 DOCS = FamilyDocs(
@@ -114,5 +115,5 @@ DOCS = FamilyDocs(
         "sentence-transformers/multi-qa-distilbert-cos-v1",
         "distilbert/distilbert-base-uncased-finetuned-sst-2-english",
     ),
-    tested_by=("tests/models/test_distilbert_parity.py",),
+    tested_by=("tests/models/test_distilbert_parity.py", "tests/models/test_token_classify_parity.py"),
 )

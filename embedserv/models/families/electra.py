@@ -16,7 +16,7 @@ from embedserv.models.families.bert import CHECKPOINT as BERT_CHECKPOINT
 from embedserv.models.families.bert import ROBERTA_CLASSIFIER, BertEmbeddings, BertLayer
 from embedserv.models.interface import EncoderModel
 from embedserv.models.layers import Linear
-from embedserv.models.loading.family import CheckpointNames, Family, FamilyDocs
+from embedserv.models.loading.family import TOKEN_CLASSIFIER, CheckpointNames, Family, FamilyDocs
 
 
 class ElectraModel(nn.Module, EncoderModel):
@@ -70,6 +70,7 @@ FAMILY = Family(
     checkpoint=CHECKPOINT,
     is_encoder=True,
     classifiers={"ElectraForSequenceClassification": _CLASSIFIER},
+    token_classifiers={"ElectraForTokenClassification": TOKEN_CLASSIFIER},
 )
 
 DOCS = FamilyDocs(
@@ -77,5 +78,5 @@ DOCS = FamilyDocs(
         "cross-encoder/ms-marco-electra-base",
         "google/electra-small-discriminator",
     ),
-    tested_by=("tests/models/test_electra_parity.py",),
+    tested_by=("tests/models/test_electra_parity.py", "tests/models/test_token_classify_parity.py"),
 )

@@ -10,6 +10,8 @@ embeddings were just normed.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -157,6 +159,8 @@ FAMILY = Family(
     checkpoint=CHECKPOINT,
     is_encoder=True,
     classifiers={"ModernBertForSequenceClassification": CLASSIFIER},
+    # ModernBertForTokenClassification: the same prediction head and classifier on every token.
+    token_classifiers={"ModernBertForTokenClassification": replace(CLASSIFIER, token="every")},
     lora=True,
 )
 
@@ -168,5 +172,9 @@ DOCS = FamilyDocs(
         "Alibaba-NLP/gte-reranker-modernbert-base",
         "nomic-ai/modernbert-embed-base",
     ),
-    tested_by=("tests/models/test_modernbert_parity.py", "tests/models/test_lora_parity.py"),
+    tested_by=(
+        "tests/models/test_modernbert_parity.py",
+        "tests/models/test_lora_parity.py",
+        "tests/models/test_token_classify_parity.py",
+    ),
 )

@@ -16,7 +16,7 @@ from torch import nn
 from embedserv.attention.relative_bias import RelativePositionBias
 from embedserv.models.families.bert import ROBERTA_CLASSIFIER, BertLayer
 from embedserv.models.interface import EncoderModel
-from embedserv.models.loading.family import CheckpointNames, Family, FamilyDocs
+from embedserv.models.loading.family import TOKEN_CLASSIFIER, CheckpointNames, Family, FamilyDocs
 
 # MPNetEmbeddings' fixed padding index: positions start after it.
 _PADDING_IDX = 1
@@ -99,6 +99,7 @@ FAMILY = Family(
     is_encoder=True,
     # MPNetClassificationHead is RoBERTa's: the first token through dense + tanh, then out_proj.
     classifiers={"MPNetForSequenceClassification": ROBERTA_CLASSIFIER},
+    token_classifiers={"MPNetForTokenClassification": TOKEN_CLASSIFIER},
     lora=True,
 )
 
@@ -108,5 +109,9 @@ DOCS = FamilyDocs(
         "sentence-transformers/multi-qa-mpnet-base-dot-v1",
         "sentence-transformers/paraphrase-mpnet-base-v2",
     ),
-    tested_by=("tests/models/test_mpnet_parity.py", "tests/models/test_lora_parity.py"),
+    tested_by=(
+        "tests/models/test_mpnet_parity.py",
+        "tests/models/test_lora_parity.py",
+        "tests/models/test_token_classify_parity.py",
+    ),
 )

@@ -26,7 +26,7 @@ from embedserv.models.heads.lm import seq2seq_final_logits_bias, seq2seq_head_we
 from embedserv.models.heads.pooling import PoolingInputs, mean_per_sequence, pooled_rows
 from embedserv.models.layers import get_activation
 from embedserv.models.loading.checkpoint import read_first_tensor, read_tensor
-from embedserv.models.loading.family import Family
+from embedserv.models.loading.family import Classifier, Family
 from embedserv.models.loading.tasks import architecture_of
 
 
@@ -40,8 +40,8 @@ class ScoreHead(nn.Module):
     """`forward(hidden, pooling) -> [num_seqs, num_labels]` float32 logits.
 
     token: "first", "last", "mean" (over each sequence's tokens), or "late" (the pooler on every token, then
-    the mean); pooler: a dense layer and `activation` (then a LayerNorm of `norm_eps` when given) before the
-    output layer.
+    the mean), or "every" (TokenClassifierHead's, heads/token_classifier.py); pooler: a dense layer and
+    `activation` (then a LayerNorm of `norm_eps` when given) before the output layer.
     """
 
     def __init__(
@@ -55,8 +55,8 @@ class ScoreHead(nn.Module):
         norm_eps: float | None = None,
     ) -> None:
         super().__init__()
-        if token not in ("first", "last", "mean", "late"):
-            raise ValueError(f"token must be first, last, mean or late, not {token!r}")
+        if token not in ("first", "last", "mean", "late", "every"):
+            raise ValueError(f"token must be first, last, mean, late or every, not {token!r}")
         self.token = token
         self.dense = nn.Linear(hidden_size, hidden_size) if pooler else None
         self.activation = get_activation(activation) if pooler else None
@@ -89,9 +89,6 @@ def build_classifier_head(family: Family, hf_config, num_labels: int, files: lis
     if classifier is None:
         supported = ", ".join(family.classifiers) or "none"
         raise ConfigError(f"architecture {architecture} has no score head; supported for {family.name}: {supported}")
-    norm_eps = None
-    if classifier.norm:
-        norm_eps = getattr(hf_config, "norm_eps", None) or getattr(hf_config, "layer_norm_eps", 1e-12)
     head = ScoreHead(
         hf_config.hidden_size,
         num_labels,
@@ -99,10 +96,22 @@ def build_classifier_head(family: Family, hf_config, num_labels: int, files: lis
         pooler=classifier.pooler,
         bias=classifier.pooler or "out.bias" in classifier.sources,
         activation=classifier.activation_for(hf_config),
-        norm_eps=norm_eps,
+        norm_eps=head_norm_eps(classifier, hf_config),
     )
-    params = dict(head.named_parameters())
-    for ours, param in params.items():
+    load_head(head, classifier, files, num_labels)
+    return head.eval().requires_grad_(False)
+
+
+def head_norm_eps(classifier: Classifier, hf_config) -> float | None:
+    """The epsilon of the LayerNorm after a classifier's pooler; None without one."""
+    if not classifier.norm:
+        return None
+    return getattr(hf_config, "norm_eps", None) or getattr(hf_config, "layer_norm_eps", 1e-12)
+
+
+def load_head(head: nn.Module, classifier: Classifier, files: list[Path], num_labels: int) -> None:
+    """Fills `head`'s parameters from the checkpoint names its Classifier gives; optional ones it lacks stay zero."""
+    for ours, param in head.named_parameters():
         names = classifier.sources.get(ours, ())
         if ours in classifier.optional and all(read_tensor(files, name) is None for name in names):
             param.data.zero_()
@@ -114,7 +123,6 @@ def build_classifier_head(family: Family, hf_config, num_labels: int, files: lis
                 f"the config says {tuple(param.shape)} (num_labels {num_labels})"
             )
         param.data.copy_(tensor)
-    return head.eval().requires_grad_(False)
 
 
 class SoftcappedYesNoHead(ScoreHead):

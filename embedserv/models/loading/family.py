@@ -52,15 +52,16 @@ QKV_GATE_UP = (
 
 @dataclass(frozen=True)
 class Classifier:
-    """A *ForSequenceClassification head (heads/score.py): which token's state it reads, whether a pooler
-    (dense, activation, optionally a LayerNorm) comes before the output layer, and our head parameter ->
-    checkpoint names, the first found wins.
+    """A *ForSequenceClassification head (heads/score.py), or a *ForTokenClassification one (token "every":
+    heads/token_classifier.py): which token's state it reads, whether a pooler (dense, activation, optionally a
+    LayerNorm) comes before the output layer, and our head parameter -> checkpoint names, the first found wins.
 
     Our parameters: `dense.weight`, `dense.bias`, `norm.weight`, `norm.bias`, `out.weight`, `out.bias`.
     """
 
     # "first" (CLS), "last", "mean" (over every token) or "late" (the pooler on every token, then the mean),
-    # or a function of the config giving one (ModernBERT's and EuroBERT's classifier_pooling).
+    # or a function of the config giving one (ModernBERT's and EuroBERT's classifier_pooling); "every": each
+    # token's state (token classification).
     token: str | Callable[[object], str]
     pooler: bool
     sources: Mapping[str, tuple[str, ...]]
@@ -76,6 +77,15 @@ class Classifier:
 
     def activation_for(self, hf_config) -> str:
         return self.activation(hf_config) if callable(self.activation) else self.activation
+
+
+# Token classifiers: `classifier` (dropout aside) on every token's state, in every family that has one but
+# ModernBERT (its prediction head first).
+TOKEN_CLASSIFIER = Classifier(
+    token="every",
+    pooler=False,
+    sources={"out.weight": ("classifier.weight",), "out.bias": ("classifier.bias",)},
+)
 
 
 @dataclass(frozen=True)
@@ -130,6 +140,8 @@ class Family:
     is_encoder: bool
     # Architecture (config.json's first) -> its classification head.
     classifiers: Mapping[str, Classifier] = field(default_factory=dict)
+    # Architecture -> its token classification head (token "every").
+    token_classifiers: Mapping[str, Classifier] = field(default_factory=dict)
     # The token embeddings' checkpoint names: a tied LM head's (and a yes/no reranker's) rows.
     embeddings: tuple[str, ...] = ()
     # PEFT LoRA adapters (--lora) apply to its linears through its checkpoint names (loading/lora_files.py):

@@ -32,6 +32,9 @@ from embedserv.types import EmbedOutput, Task
 
 # bge-m3's head files, by the names FlagEmbedding saves them under (.pt) or a safetensors conversion.
 BGE_M3_HEADS = ("sparse_linear", "colbert_linear")
+# The head kind of *ForTokenClassification models (models/registry.HEAD_KINDS): no Embed output; their per-token
+# logits travel as token vectors.
+TOKEN_CLASSIFIER = "token_classifier"
 SPLADE_POOLING = "splade"
 
 

@@ -29,7 +29,7 @@ from embedserv.models.loading.hf_config import read_hf_config
 from embedserv.models.loading.lora_files import read_lora_adapters
 from embedserv.models.loading.meta import meta_model
 from embedserv.models.loading.model_spec import ModelSpec
-from embedserv.models.loading.outputs import OutputSpec, read_output_spec
+from embedserv.models.loading.outputs import TOKEN_CLASSIFIER, OutputSpec, read_output_spec
 from embedserv.models.loading.st_files import SentenceTransformerFiles, model_root, read_sentence_transformers
 from embedserv.models.loading.tasks import TaskSpec, architecture_of, read_task_spec, with_outputs
 from embedserv.types import EmbedOutput, Modality, ModelInfo, Task
@@ -198,7 +198,7 @@ def _pooling_and_dimension(
     if Task.EMBED in task.tasks:
         dimension = st.dense[-1].out_features if st.dense else hf_config.hidden_size
         return config.pooling or st.pooling or DEFAULT_POOLING, dimension
-    if task.tasks != (Task.GENERATE,):
+    if task.tasks not in ((Task.GENERATE,), (Task.TOKEN_CLASSIFY,)):
         reads_last = (
             task.template is not None
             or task.prefill_decoder_input is not None
@@ -233,6 +233,8 @@ def _output_spec(
 ) -> OutputSpec:
     """What Embed can return and how (models/loading/outputs.py); a dual encoder one vector per input, in the
     joint space (model.pool)."""
+    if Task.TOKEN_CLASSIFY in task.tasks:
+        return OutputSpec((), head_kind=TOKEN_CLASSIFIER)
     outputs = read_output_spec(
         model_dir, hf_config, st, config.pooling, architecture_of(hf_config), embeds=Task.EMBED in task.tasks
     )

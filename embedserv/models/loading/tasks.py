@@ -1,6 +1,8 @@
 """What a served model can do, read from its files: which tasks, and how Rerank and Classify finish scores.
 
 - A *ForSequenceClassification checkpoint classifies; with one label it also reranks (a cross-encoder).
+- A *ForTokenClassification checkpoint of a family that has its head labels tokens (ClassifyTokens), and only
+  that; one of a family without it is refused.
 - A causal LM is a yes/no reranker (Qwen3-Reranker) when `--decoder-reranker` says so, or, without the
   flag, when its path names a reranker (hub snapshots keep the repository name in the path);
   `--no-decoder-reranker` turns that detection off.
@@ -171,6 +173,14 @@ def read_task_spec(
         if (model_dir / "modules.json").exists():
             return TaskSpec(tasks=(Task.EMBED, Task.RERANK, Task.GENERATE), rerank_mode=RerankMode.EMBEDDINGS)
         return TaskSpec(tasks=(Task.GENERATE,))
+    if architecture.endswith("ForTokenClassification"):
+        if architecture not in family.token_classifiers:
+            supported = ", ".join(family.token_classifiers) or "none"
+            raise ConfigError(
+                f"{model_dir}: {architecture} is not served (token classification heads of {family.name}: "
+                f"{supported}); serve a supported architecture, or the base model to embed"
+            )
+        return TaskSpec(tasks=(Task.TOKEN_CLASSIFY,), labels=_labels(hf_config))
     classifier = family.classifiers.get(architecture)
     if classifier is None:
         return TaskSpec(tasks=(Task.EMBED, Task.RERANK), rerank_mode=RerankMode.EMBEDDINGS)

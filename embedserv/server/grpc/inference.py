@@ -24,6 +24,8 @@ from embedserv.server.grpc.messages import (
     sampling_params,
     server_limits,
     sparse_message,
+    token_classifications,
+    token_classify_params,
     truncate_of,
 )
 from embedserv.server.grpc.streams import answer_in_order
@@ -213,6 +215,20 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         ]
         summary = call_summary(result.prompt_tokens, result.timing, engine.info.name, received)
         return pb.ClassifyResponse(classifications=classifications, **summary)
+
+    @unary_call
+    async def ClassifyTokens(self, request, context, call):
+        received = time.perf_counter()
+        engine = self._engine(request.model, call)
+        texts = self.frontend.check_inputs(request.inputs)
+        params = token_classify_params(request)
+        with self.frontend.limiter.hold(len(texts)):
+            result = await engine.token_classification.classify_tokens(texts, params)
+        call.answered(len(texts), result.prompt_tokens, result.timing)
+        return pb.ClassifyTokensResponse(
+            inputs=token_classifications(result, request.all_scores),
+            **call_summary(result.prompt_tokens, result.timing, engine.info.name, received),
+        )
 
     @stream_call
     async def Generate(self, request, context, call):

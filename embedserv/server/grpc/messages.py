@@ -9,7 +9,9 @@ from collections.abc import Callable
 import numpy as np
 
 from embedserv.config import ServerConfig
+from embedserv.engine.tasks.entities import DEFAULT_IGNORE_LABELS, Aggregation, Entity, TokenScores
 from embedserv.engine.tasks.outputs import to_little_endian_bytes
+from embedserv.engine.tasks.token_classification import TokenClassifyParams, TokenClassifyResult
 from embedserv.errors import InvalidInput
 from embedserv.types import (
     ChunkSplitter,
@@ -42,6 +44,14 @@ _TASKS = {
     Task.GENERATE: pb.TASK_GENERATE,
     Task.EMBED_SPARSE: pb.TASK_EMBED_SPARSE,
     Task.EMBED_MULTI_VECTOR: pb.TASK_EMBED_MULTI_VECTOR,
+    Task.TOKEN_CLASSIFY: pb.TASK_TOKEN_CLASSIFY,
+}
+_AGGREGATIONS = {
+    pb.AGGREGATION_NONE: Aggregation.NONE,
+    pb.AGGREGATION_SIMPLE: Aggregation.SIMPLE,
+    pb.AGGREGATION_FIRST: Aggregation.FIRST,
+    pb.AGGREGATION_AVERAGE: Aggregation.AVERAGE,
+    pb.AGGREGATION_MAX: Aggregation.MAX,
 }
 _OUTPUTS = {
     pb.OUTPUT_DENSE: EmbedOutput.DENSE,
@@ -286,3 +296,45 @@ def input_items(request: pb.EmbedRequest) -> list[str | ImageInput] | None:
             raise InvalidInput(f"items[{index}] holds neither a text nor an image; set one of them")
         items.append(item.text if kind == "text" else ImageInput(item.image))
     return items
+
+
+def token_classify_params(request: pb.ClassifyTokensRequest) -> TokenClassifyParams:
+    if request.aggregation not in _AGGREGATIONS:
+        raise InvalidInput(f"unknown aggregation {request.aggregation}; use NONE, SIMPLE, FIRST, AVERAGE or MAX")
+    ignore = tuple(request.ignore_labels.labels) if request.HasField("ignore_labels") else DEFAULT_IGNORE_LABELS
+    return TokenClassifyParams(
+        aggregation=_AGGREGATIONS[request.aggregation],
+        ignore_labels=ignore,
+        truncate=truncate_of(request),
+        truncation_direction=direction(request.truncation_direction),
+    )
+
+
+def token_classifications(result: TokenClassifyResult, all_scores: bool) -> list[pb.TokenClassification]:
+    """One TokenClassification per input: its tokens (every label's probability with all_scores), its entities."""
+    return [
+        pb.TokenClassification(
+            tokens=[_token_label(token, result.labels, all_scores) for token in tokens],
+            entities=[_entity(entity) for entity in entities],
+        )
+        for tokens, entities in zip(result.tokens, result.entities, strict=True)
+    ]
+
+
+def _token_label(token: TokenScores, labels: tuple[str, ...], all_scores: bool) -> pb.TokenLabel:
+    best = token.best
+    return pb.TokenLabel(
+        index=token.index,
+        token=token.word,
+        start=token.start,
+        end=token.end,
+        label=labels[best],
+        score=float(token.scores[best]),
+        scores=token.scores.tolist() if all_scores else (),
+    )
+
+
+def _entity(entity: Entity) -> pb.Entity:
+    return pb.Entity(
+        label=entity.label, score=entity.score, word=entity.word, start=entity.start, end=entity.end, index=entity.index
+    )

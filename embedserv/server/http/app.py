@@ -27,7 +27,7 @@ from starlette.staticfiles import StaticFiles
 import embedserv
 from embedserv.errors import ConfigError, EmbedservError
 from embedserv.server.frontend import Frontend, bound_socket
-from embedserv.server.http import cohere, metrics_route, openai, scoring, tei
+from embedserv.server.http import cohere, metrics_route, openai, scoring, tei, token_classify
 from embedserv.server.http.edge import Edge
 from embedserv.server.http.error_responses import (
     JSON,
@@ -57,7 +57,7 @@ def build_app(frontend: Frontend) -> FastAPI:
         default_response_class=JSON,
     )
     app.state.frontend = frontend
-    for module in (openai, scoring, cohere, tei, metrics_route):
+    for module in (openai, scoring, token_classify, cohere, tei, metrics_route):
         app.include_router(module.router)
     app.mount("/docs/assets", StaticFiles(directory=_swagger_dir()), name="docs-assets")
 

@@ -70,6 +70,20 @@ def usage(prompt_tokens: int, completion: bool = False) -> dict:
     return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, **extra}
 
 
+def list_answer(request: Request, kind: str, model: str, data: list[dict], prompt_tokens: int) -> JSON:
+    """vLLM's list answer: {id: `kind`-<request id>, object: list, created, model, data, usage}."""
+    return JSON(
+        {
+            "id": f"{kind}-{call_of(request).request_id}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": model,
+            "data": data,
+            "usage": usage(prompt_tokens, completion=True),
+        }
+    )
+
+
 async def rerank_documents(request: Request, engine: Engine, query: str, documents: list[str], params: RerankParams):
     """engine.rerank under admission, counted on the request's Call; documents are checked already."""
     frontend = frontend_of(request)
@@ -197,16 +211,7 @@ async def classify(request: Request, body: ClassifyRequest):
             zip(result.scores.tolist(), result.scores.argmax(axis=1).tolist(), strict=True)
         )
     ]
-    return JSON(
-        {
-            "id": f"classify-{call_of(request).request_id}",
-            "object": "list",
-            "created": int(time.time()),
-            "model": engine.info.name,
-            "data": data,
-            "usage": usage(result.prompt_tokens, completion=True),
-        }
-    )
+    return list_answer(request, "classify", engine.info.name, data, result.prompt_tokens)
 
 
 def _pairs(body: ScoreRequest) -> list[tuple[str, str]]:
@@ -239,13 +244,5 @@ async def score(request: Request, body: ScoreRequest):
             engine, pairs, RerankParams(raw_scores=body.raw_scores, truncate=body.truncate)
         )
     call_of(request).answered(len(pairs), tokens, timing)
-    return JSON(
-        {
-            "id": f"score-{call_of(request).request_id}",
-            "object": "list",
-            "created": int(time.time()),
-            "model": engine.info.name,
-            "data": [{"index": index, "object": "score", "score": value} for index, value in enumerate(scores)],
-            "usage": usage(tokens, completion=True),
-        }
-    )
+    data = [{"index": index, "object": "score", "score": value} for index, value in enumerate(scores)]
+    return list_answer(request, "score", engine.info.name, data, tokens)

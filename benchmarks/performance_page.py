@@ -18,6 +18,10 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import reliability_page  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "docs" / "PERFORMANCE.md"
 CHARTS = ROOT / "docs" / "assets" / "performance"
@@ -133,6 +137,7 @@ def render(runs: list[tuple[str, dict]]) -> str:
                 f"From `benchmarks/results/{stem}.json`: {run['source']}.",
                 "",
             ]
+    lines += reliability_page.section()
     lines.append(GPU)
     return "\n".join(lines).rstrip() + "\n"
 

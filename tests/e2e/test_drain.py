@@ -131,8 +131,9 @@ def test_what_outlives_the_drain_is_cancelled_and_the_exit_is_0(bundled_dir, dra
     # it, cannot. (Which call arrives first is not the order they were sent in: concurrent HTTP/2 streams.)
     assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE}, codes
     assert codes.count(grpc.StatusCode.OK) <= 1, codes
-    # The drain (1 s, or until the second signal), then stopping the worker: far less than the work needed.
-    assert took < 8, took
+    # The drain (1 s, or until the second signal), then stopping the worker: not the 120 s drain, nor the work
+    # (the codes above show it was cut short). Loose, so that a loaded machine passes: 8.4 s was seen under load.
+    assert took < 20, took
     assert ("second signal" in log) == second_signal
 
 

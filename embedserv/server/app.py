@@ -97,15 +97,22 @@ async def run(config: ServerConfig) -> None:
         starting = asyncio.create_task(server.start())
         first_signal = asyncio.create_task(signals.get())
         await asyncio.wait((starting, first_signal), return_when=asyncio.FIRST_COMPLETED)
-        if not starting.done():
+        if not starting.done() and not server.host.started:
             # No call can be in flight yet: stop loading and exit rather than finish a long load first.
             logger.info("%s while loading: stopping", signal.Signals(first_signal.result()).name)
             starting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await starting
         else:
-            starting.result()  # a start-up error ends here (exit 2)
-            freeze_start_up_objects()
+            if starting.done():
+                starting.result()  # a start-up error ends here (exit 2)
+                freeze_start_up_objects()
+            else:
+                # The models are up and a front end serves while another still starts (--frontends N): calls
+                # may be in flight, so they drain as usual; the front ends still starting are not waited for.
+                starting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await starting
             logger.info(
                 "%s: draining; refusing new calls, up to %.0f s for those in flight (signal again to cancel them)",
                 signal.Signals(await first_signal).name,

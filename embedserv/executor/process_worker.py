@@ -291,7 +291,9 @@ class ProcessWorker:
         self._batches = 0
         self._busy_seconds = 0.0
         self._launch()
-        await self._ready.wait()
+        # Ready, or dead before it (the supervisor's next watch then handles it as any death).
+        while not self.ready and self._proc.poll() is None:
+            await asyncio.sleep(_POLL_S)
         self.recycling = False
         self.on_change()
 

@@ -326,6 +326,8 @@ def _torch_free_modules() -> list[str]:
         *sorted(info.name for info in scheduler),
         "embedserv.engine.inputs.images",
         *sorted(info.name for info in images),
+        # M-RoPE positions are computed on the host per step: numpy only.
+        "embedserv.models.mrope",
     ]
 
 

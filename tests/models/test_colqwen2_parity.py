@@ -118,6 +118,21 @@ def test_pages_differ_from_the_retrieval_classes_1d_framing_and_queries_do_not(o
     assert_cosine_at_least(got[-1].numpy(), one_d[-1].numpy(), 0.9999)
 
 
+def test_queries_under_mrope_are_plain_rope_bit_for_bit(ours, reference):
+    """A text's three position rows are equal, so M-RoPE gives it the bits 1-D positions give."""
+    items = _inputs(reference[1], [], QUERIES)
+    model = ours[0]
+    mrope = packed_vectors(*ours, items, pad_tokens=3)
+    spec, model.mrope = model.mrope, None
+    try:
+        plain = packed_vectors(*ours, items, pad_tokens=3)
+    finally:
+        model.mrope = spec
+    assert spec is not None
+    for a, b in zip(mrope, plain, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_image_grids_differ_and_tokens_follow_them(reference):
     items = _inputs(reference[1], _images(), [])
     grids = [grid for _, _, grid in items]

@@ -41,10 +41,13 @@ with the list of served types and, where there is one, the closest served archit
   their `preprocessor_config.json` says) as well as texts, into one embedding space; SigLIP 2's
   fixed-resolution checkpoints are SigLIP models, its NaFlex ones (`siglip2`) keep each image's aspect.
   ColQwen2 and ColPali (`ColQwen2ForRetrieval`, `ColPaliForRetrieval`) give one vector per token of a query
-  or a page image, as their processors frame them, and rank page images by MaxSim; they follow
-  transformers 5.23, which runs ColQwen2 with plain 1-D positions (no M-RoPE) and ColPali's Gemma with
-  bidirectional attention. ColModernVBERT (`ColModernVBertForRetrieval`) does the same on ModernBERT, each page
-  cut into the tiles and global image its Idefics3 processor makes, framed by its row/column tokens.
+  or a page image, as their processors frame them, and rank page images by MaxSim. ColQwen2 rotates by
+  Qwen2-VL's M-RoPE (3-D positions from each page's image grid), as colpali-engine, which trained the
+  published checkpoints, runs it; its page vectors therefore differ from transformers' ColQwen2ForRetrieval,
+  which passes its Qwen2-VL model no grid (plain 1-D positions); queries are the same in both. ColPali
+  follows transformers, which runs its Gemma with bidirectional attention. ColModernVBERT
+  (`ColModernVBertForRetrieval`) does the same on ModernBERT, each page cut into the tiles and global image its
+  Idefics3 processor makes, framed by its row/column tokens.
 - **LoRA**: `--lora NAME=PATH` serves PEFT LoRA adapters over the family's embedders, cross-encoders and
   classifiers ([LoRA adapters](operations.md#lora-adapters)); other families refuse them at start-up.
 - **Tested by**: parity tests against transformers / sentence-transformers on random-weight models

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from embedserv.models.mrope import MRopeSpec
+
 _NONE: Mapping = MappingProxyType({})
 
 
@@ -45,6 +47,9 @@ class Model(Protocol):
     # Added to every position (RoBERTa / XLM-R and MPNet count from pad_token_id + 1, BART from 2, PaliGemma
     # from 1); the input builder adds it.
     position_offset: int = 0
+    # M-RoPE (Qwen2-VL's language model): the image token and merge the input builder computes 3-D positions by
+    # (models/mrope.py), so `positions` is [3, num_rows]; None: positions are [num_rows].
+    mrope: MRopeSpec | None = None
     # --kv-sharing-fast-prefill: the first layer after the last one that writes KV; from there on the layers
     # run only the rows whose output is read (worker/prefill_skip.py). None: no layer shares another's KV.
     prefill_skip_layer: int | None = None

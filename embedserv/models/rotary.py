@@ -35,6 +35,9 @@ def rope_parameters(config, layer_type: str | None = None) -> dict:
         if theta is not None:
             params.setdefault("rope_theta", theta)
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    if params["rope_type"] == "mrope":
+        # Qwen2-VL's config.json form: default frequencies, `mrope_section` saying how M-RoPE splits them.
+        params["rope_type"] = "default"
     params.setdefault("rope_theta", DEFAULT_THETA)
     if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
@@ -116,7 +119,8 @@ def _llama3_scaling(params: dict, inv_freq: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """cos/sin of every position up to `max_positions`, looked up by the flat `positions` tensor.
+    """cos/sin of every position up to `max_positions`, looked up by the flat `positions` tensor, or by M-RoPE
+    positions [3, num_tokens] where the config has an `mrope_section` (Qwen2-VL and its kin).
 
     Not an nn.Module with buffers on purpose: models are built on the meta device and then `to_empty`,
     which would leave a buffer made in __init__ uninitialized, and a model-wide `.to(bfloat16)` would
@@ -129,6 +133,13 @@ class RotaryEmbedding:
         self.params = rope_parameters(config, layer_type)
         self.head_dim = head_dim
         self.max_positions = max_positions
+        # M-RoPE: how many of each head's frequencies rotate by the temporal, height and width positions.
+        self.mrope_section = tuple(int(n) for n in self.params.get("mrope_section") or ())
+        if self.mrope_section and (len(self.mrope_section) != 3 or sum(self.mrope_section) != head_dim // 2):
+            raise ValueError(
+                f"mrope_section {list(self.mrope_section)} must be three sizes adding up to half the head size, "
+                f"{head_dim // 2}"
+            )
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
 
@@ -140,10 +151,23 @@ class RotaryEmbedding:
         self._sin = freqs.sin().to(device)
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[num_tokens] -> cos, sin as [num_tokens, 1, head_dim // 2] float32 (broadcast over heads)."""
+        """[num_tokens], or M-RoPE's [3, num_tokens] -> cos, sin as [num_tokens, 1, head_dim // 2] float32
+        (broadcast over heads)."""
         if self._cos is None or self._cos.device != positions.device:
             self._build(positions.device)
-        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+        cos, sin = self._cos[positions], self._sin[positions]
+        if positions.dim() == 2:
+            cos, sin = self._sections(cos), self._sections(sin)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def _sections(self, table: torch.Tensor) -> torch.Tensor:
+        """[3, num_tokens, head_dim // 2] -> [num_tokens, head_dim // 2]: the frequencies of section i from
+        position row i (transformers' Qwen2VLRotaryEmbedding.recomposition_frequencies). Where the three rows
+        are equal (text) this copies the plain table's values: the same bits as 1-D positions."""
+        if not self.mrope_section:
+            raise ValueError("3-D (M-RoPE) positions given to a rotary embedding whose config has no mrope_section")
+        parts = table.split(self.mrope_section, dim=-1)
+        return torch.cat([part[i] for i, part in enumerate(parts)], dim=-1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

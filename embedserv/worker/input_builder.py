@@ -8,6 +8,10 @@ rows; the prefill skip; encoder inputs; images; per KV-cache group the slot of e
 tables [num_seqs, max_blocks]) adds its host arrays to the step's `parts` under names of its own and reads its
 device tensors back by those names, so no plan depends on the order others added theirs.
 
+Models that rotate by M-RoPE (Qwen2-VL's language model: models/mrope.py) get positions [3, padded] instead:
+(temporal, height, width) per token, from each sequence's token ids and image grid, each sequence from its
+own 0 (padding rows: the offset, like 1-D ones).
+
 On CPU the rows are padded to a bounded set of counts (models/layers.py); padding rows come after the
 real ones and belong to no sequence.
 
@@ -30,6 +34,7 @@ from embedserv.attention.metadata import build_common_metadata, cumulative_offse
 from embedserv.models.heads.pooling import PoolingInputs, TokenInputs
 from embedserv.models.layers import pad, padded_rows
 from embedserv.models.lora import adapter_rows
+from embedserv.models.mrope import MRopeSpec, packed_mrope_positions
 from embedserv.steps import OutputKind, ScheduledSequence, StepBatch
 from embedserv.types import EmbedOutput
 from embedserv.worker.encoder_inputs import EncoderPlan
@@ -81,6 +86,7 @@ class InputBuilder:
         lora: bool = False,
         token_types: bool = False,
         task_adapters: bool = False,
+        mrope: MRopeSpec | None = None,
     ) -> None:
         self.device = device
         self.position_offset = position_offset
@@ -100,6 +106,8 @@ class InputBuilder:
         # The model reads token types; it has built-in task adapters (per-token adapter ids).
         self.token_types = token_types
         self.task_adapters = task_adapters
+        # M-RoPE models: 3-D positions from the image token and merge.
+        self.mrope = mrope
 
     def build(self, batch: StepBatch) -> ModelInputs:
         seqs, paged = batch.sequences, batch.uses_kv_cache
@@ -139,9 +147,10 @@ class InputBuilder:
             attention = (build_common_metadata(pack.packed_lens, self.is_causal, cu_seqlens=cu),)
         lora = adapter_rows(np.array([seqs[i].adapter for i in pack.order]), pack.packed_lens) if self.lora else None
         tokens = {kind: plan.inputs(device) for kind, plan in token_plans.items()}
+        positions = device["positions"].view(3, -1) if self.mrope is not None else device["positions"]
         return ModelInputs(
             tokens=StepTokens(
-                device["input_ids"], device["positions"], device.get("token_type_ids"), device.get("adapter_ids"), lora
+                device["input_ids"], positions, device.get("token_type_ids"), device.get("adapter_ids"), lora
             ),
             attention=attention,
             block_tables_cpu=tuple(tables.tables_cpu) if tables is not None else (),
@@ -180,7 +189,12 @@ class InputBuilder:
         padded = self.padded(num_tokens)
         ids = np.fromiter(chain.from_iterable(seqs[i].token_ids for i in order), dtype=np.int64, count=num_tokens)
         parts["input_ids"] = pad(ids, padded)
-        parts["positions"] = pad(positions, padded) + self.position_offset
+        if self.mrope is None:
+            parts["positions"] = pad(positions, padded) + self.position_offset
+        else:
+            # Row by row ([3, padded] flattened): the step's integers cross as one flat buffer.
+            rows = _mrope_positions([seqs[i] for i in order], self.mrope)
+            parts["positions"] = np.concatenate([pad(row, padded) for row in rows]) + self.position_offset
         parts["cu_seqlens"] = cu
         if self.token_types and any(s.token_type_ids is not None for s in seqs):
             parts["token_type_ids"] = pad(_token_types([seqs[i] for i in order], num_tokens), padded)
@@ -194,6 +208,13 @@ class InputBuilder:
         """The prefill skip's plan when it keeps fewer rows than the step has (else every row runs every layer)."""
         skip = SkipPlan(seqs, pack.order, pack.packed_lens, pack.lens_k, self.rows_read_last, paged, self.padded, parts)
         return skip if skip.active else None
+
+
+def _mrope_positions(packed: list[ScheduledSequence], spec: MRopeSpec) -> np.ndarray:
+    """[3, num_tokens]: the packed sequences' M-RoPE positions, an image sequence's from its grid."""
+    return packed_mrope_positions(
+        [(s.token_ids, (s.image_grid,) if s.pixels is not None else (), s.start_position) for s in packed], spec
+    )
 
 
 def _unpadded(num_rows: int) -> int:

@@ -27,7 +27,8 @@ class StepTokens:
 
     # [padded] int64: the step's num_tokens token ids, then padding rows (id 0).
     input_ids: torch.Tensor
-    # [padded] int64, already shifted by the model's position offset (padding rows: the offset).
+    # [padded] int64, already shifted by the model's position offset (padding rows: the offset); M-RoPE models
+    # (models/interface.py's `mrope`): [3, padded], (temporal, height, width) per row.
     positions: torch.Tensor
     # [padded] int64, or None when every token is type 0 or the model reads no token types.
     token_type_ids: torch.Tensor | None = None

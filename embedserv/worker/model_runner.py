@@ -114,6 +114,7 @@ class ModelRunner:
             lora=self.has_lora,
             token_types=model.kind is ModelKind.ENCODER and model.reads_token_types,
             task_adapters=model.kind is ModelKind.ENCODER and model.has_task_adapters,
+            mrope=model.mrope,
         )
 
     def kv_cache_layout(self) -> KvCacheLayout | None:

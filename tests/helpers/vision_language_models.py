@@ -26,8 +26,9 @@ QWEN_SPECIAL_TOKENS = (
     "<|image_pad|>",
     "<|video_pad|>",
 )
-# 56x84 and 84x112 pixels: multiples of Qwen2-VL's 28 (patch 14 x merge 2), so the processor keeps the size.
-COLQWEN2_SIZES = ((56, 84), (84, 112), (56, 56))
+# Heights x widths in pixels, multiples of Qwen2-VL's 28 (patch 14 x merge 2), so the processor keeps the size:
+# wide, square and tall pages of several sizes (their M-RoPE grids differ in rows, columns and which is larger).
+COLQWEN2_SIZES = ((56, 84), (84, 112), (56, 56), (112, 56), (56, 112))
 
 
 def page_image(height: int, width: int, seed: int, fmt: str = "PNG") -> bytes:
@@ -256,12 +257,20 @@ def packed_vectors(model, head, causal: bool, items, pad_tokens: int = 0, pad_ro
     from embedserv.attention.backends.naive import NaiveBackend
     from embedserv.attention.metadata import build_common_metadata
     from embedserv.forward_context import set_forward_context
+    from embedserv.models.mrope import packed_mrope_positions
     from embedserv.worker.image_inputs import frame_lengths
     from embedserv.worker.layer_routes import forward_context_for
 
     lens = [len(ids) for ids, _, _ in items]
     ids = torch.cat([ids for ids, _, _ in items] + [torch.zeros(pad_tokens, dtype=torch.long)])
-    positions = torch.cat([torch.arange(n) for n in lens] + [torch.zeros(pad_tokens, dtype=torch.long)])
+    if model.mrope is None:
+        positions = torch.cat([torch.arange(n) for n in lens] + [torch.zeros(pad_tokens, dtype=torch.long)])
+    else:
+        # M-RoPE (ColQwen2): [3, tokens], each item from its own 0 (as the input builder computes them).
+        packed = packed_mrope_positions(
+            [(i.tolist(), (g,) if r is not None else (), 0) for i, r, g in items], model.mrope
+        )
+        positions = torch.nn.functional.pad(torch.from_numpy(packed), (0, pad_tokens))
     images = [(rows, grid) for _, rows, grid in items if rows is not None]
     backend, vision, extra = NaiveBackend(), None, {}
     if images:
@@ -275,6 +284,26 @@ def packed_vectors(model, head, causal: bool, items, pad_tokens: int = 0, pad_ro
         hidden = model(ids, positions + model.position_offset, **extra)
         vectors = head(hidden[: sum(lens)])
     return list(vectors.split(lens))
+
+
+def colqwen2_reference(model, input_ids, attention_mask, pixel_values=None, image_grid_thw=None):
+    """[batch, tokens, dim] token vectors of a ColQwen2ForRetrieval checkpoint as colpali-engine frames them:
+    the inner Qwen2-VL model (`model.vlm`, a Qwen2VLModel) given the ids, pixels and grids (so it computes
+    M-RoPE positions), then the projection, L2 norm and attention mask, as ColQwen2ForRetrieval finishes. Takes
+    a ColQwen2Processor's batch (pixel rows padded per image)."""
+    import torch
+
+    kwargs = {}
+    if pixel_values is not None:
+        counts = image_grid_thw.prod(dim=-1)
+        rows = pixel_values[torch.arange(pixel_values.shape[1])[None] < counts[:, None]]
+        image_token = model.config.vlm_config.image_token_id
+        types = (input_ids == image_token).int()
+        kwargs = {"pixel_values": rows, "image_grid_thw": image_grid_thw, "mm_token_type_ids": types}
+    with torch.no_grad():
+        hidden = model.vlm(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
+        vectors = model.embedding_proj_layer(hidden)
+    return vectors / vectors.norm(dim=-1, keepdim=True) * attention_mask.unsqueeze(-1)
 
 
 def hub_layout_copy(model_dir: Path, out: Path, rename, extra: dict[str, tuple[int, ...]]) -> Path:

@@ -1,6 +1,9 @@
-"""ColQwen2 against transformers' ColQwen2ForRetrieval on a tiny random model: page-image and query vectors
-(cosine >= 0.9999 per vector, as many vectors), MaxSim against the processor's score_retrieval, a packed pass
-mixing image sizes and queries with padding rows, batch invariance, and the vision tower's parts."""
+"""ColQwen2 on a tiny random model against colpali-engine's framing in transformers: the checkpoint's Qwen2-VL
+model (ColQwen2ForRetrieval.vlm) given the ids, pixels and image grids, so it rotates by M-RoPE, then the
+projection and L2 norm (tests/helpers/vision_language_models.colqwen2_reference). Page-image and query vectors
+(cosine >= 0.9999 per vector, as many vectors) of pages of several sizes and aspect ratios, MaxSim against the
+processor's score_retrieval, a packed pass mixing image sizes and queries with padding rows, queries alone, batch
+invariance, and the vision tower's parts; and that pages differ from ColQwen2ForRetrieval's 1-D framing."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from tests.helpers.compare import assert_cosine_at_least
 from tests.helpers.vision_language_models import (
     COLQWEN2_SIZES,
     build_tiny_colqwen2,
+    colqwen2_reference,
     hub_layout_copy,
     load_ours,
     packed_vectors,
@@ -67,14 +71,20 @@ def _inputs(processor, images, queries):
     return out
 
 
-def _expected(reference, items) -> list[torch.Tensor]:
+def _expected(reference, items, framing=colqwen2_reference) -> list[torch.Tensor]:
+    """Each item's vectors alone; `framing(model, **batch)` -> [1, tokens, dim]."""
     model, _ = reference
     out = []
-    with torch.no_grad():
-        for ids, rows, grid in items:
-            kwargs = {} if rows is None else {"pixel_values": rows[None], "image_grid_thw": torch.tensor([grid])}
-            out.append(model(input_ids=ids[None], attention_mask=torch.ones_like(ids)[None], **kwargs).embeddings[0])
+    for ids, rows, grid in items:
+        kwargs = {} if rows is None else {"pixel_values": rows[None], "image_grid_thw": torch.tensor([grid])}
+        out.append(framing(model, input_ids=ids[None], attention_mask=torch.ones_like(ids)[None], **kwargs)[0])
     return out
+
+
+def _retrieval_model(model, **batch) -> torch.Tensor:
+    """transformers' ColQwen2ForRetrieval itself (1-D positions)."""
+    with torch.no_grad():
+        return model(**batch).embeddings
 
 
 def _assert_vectors_equal(got: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
@@ -89,6 +99,38 @@ def test_page_images_and_queries_in_one_pass_equal_transformers(ours, reference,
     # Longest first, as the scheduler packs them: images and queries interleaved by length.
     items.sort(key=lambda item: -len(item[0]))
     _assert_vectors_equal(packed_vectors(*ours, items, pad_tokens=5, pad_rows=7), _expected(reference, items))
+
+
+def test_queries_alone_equal_transformers(ours, reference):
+    items = _inputs(reference[1], [], QUERIES)
+    _assert_vectors_equal(packed_vectors(*ours, items, pad_tokens=3), _expected(reference, items))
+
+
+def test_pages_differ_from_the_retrieval_classes_1d_framing_and_queries_do_not(ours, reference):
+    """The framing is visible: M-RoPE moves page vectors away from ColQwen2ForRetrieval's (plain positions), while
+    a query's positions are plain in both."""
+    items = _inputs(reference[1], _images(), QUERIES[:1])
+    got = packed_vectors(*ours, items)
+    one_d = _expected(reference, items, framing=_retrieval_model)
+    for page, old in zip(got[:-1], one_d[:-1], strict=True):
+        cosines = torch.nn.functional.cosine_similarity(page, old, dim=-1)
+        assert float(cosines.min()) < 0.999
+    assert_cosine_at_least(got[-1].numpy(), one_d[-1].numpy(), 0.9999)
+
+
+def test_queries_under_mrope_are_plain_rope_bit_for_bit(ours, reference):
+    """A text's three position rows are equal, so M-RoPE gives it the bits 1-D positions give."""
+    items = _inputs(reference[1], [], QUERIES)
+    model = ours[0]
+    mrope = packed_vectors(*ours, items, pad_tokens=3)
+    spec, model.mrope = model.mrope, None
+    try:
+        plain = packed_vectors(*ours, items, pad_tokens=3)
+    finally:
+        model.mrope = spec
+    assert spec is not None
+    for a, b in zip(mrope, plain, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_image_grids_differ_and_tokens_follow_them(reference):

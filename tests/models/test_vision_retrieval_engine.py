@@ -1,8 +1,9 @@
 """ColQwen2, ColPali and ColModernVBERT through the engine (in process, or in worker processes with
 --data-parallel-size): EmbedMultiVector of page images (encoded PNG/JPEG bytes) and queries in one call equals
-transformers' ColQwen2ForRetrieval / ColPaliForRetrieval / ColModernVBertForRetrieval on the processors' inputs,
-Rerank of page images equals the processor's score_retrieval, ListModels says what the model takes, and bad inputs
-are refused naming them."""
+transformers on the processors' inputs (ColPaliForRetrieval, ColModernVBertForRetrieval; for ColQwen2 its Qwen2-VL
+model given the image grids, M-RoPE, as colpali-engine frames it: tests/helpers/vision_language_models.
+colqwen2_reference), Rerank of page images equals the processor's score_retrieval, ListModels says what the model
+takes, and bad inputs are refused naming them."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 from tests.helpers.colmodernvbert_models import build_tiny_colmodernvbert
 from tests.helpers.compare import assert_cosine_at_least, assert_unit_norm
-from tests.helpers.vision_language_models import build_tiny_colpali, build_tiny_colqwen2, page_image
+from tests.helpers.vision_language_models import build_tiny_colpali, build_tiny_colqwen2, colqwen2_reference, page_image
 
 QUERIES = ["what is a socket", "how to parse json files", "x"]
 # ColQwen2 keeps sizes that are multiples of 28 and resizes others (300x200 -> 8x6 patches of 28); ColPali
@@ -64,8 +65,11 @@ def _expected(reference, pages: list[bytes], queries: list[str]) -> list[np.ndar
     model, processor = reference
     batches = [processor.process_images([Image.open(io.BytesIO(data))]) for data in pages]
     batches += [processor.process_queries([query]) for query in queries]
+    inputs = [{k: v for k, v in b.items() if k != "labels"} for b in batches]
+    if model.config.model_type == "colqwen2":
+        return [colqwen2_reference(model, **b)[0].numpy() for b in inputs]
     with torch.no_grad():
-        return [model(**{k: v for k, v in b.items() if k != "labels"}).embeddings[0].numpy() for b in batches]
+        return [model(**b).embeddings[0].numpy() for b in inputs]
 
 
 def _params(**kwargs):

@@ -329,6 +329,8 @@ def _torch_free_modules() -> list[str]:
         *sorted(info.name for info in images),
         # Token classification's entities (the pipeline's aggregation): numpy only.
         "embedserv.engine.tasks.entities",
+        # M-RoPE positions are computed on the host per step: numpy only.
+        "embedserv.models.mrope",
     ]
 
 

@@ -284,8 +284,13 @@ class FrontendProcesses:
         self._drain = Drain(grace or 0.0)
         await self.broadcast(self._drain)
         deadline = time.monotonic() + (grace or 0.0) + 5.0
-        while len(self._drained) < len(self._frontends) and time.monotonic() < deadline:
+        while self._undrained() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+
+    def _undrained(self) -> list[int]:
+        """Front ends alive and not yet drained, those still starting included: one that says Hello after the
+        drain began drains then (`_hello`); stopping without it would leave it serving until killed."""
+        return [i for i, process in self._processes.items() if process.is_alive() and i not in self._drained]
 
     async def cancel_calls(self) -> None:
         await self.broadcast(CancelAll())

@@ -122,3 +122,53 @@ async def _call_while_draining(tmp_path, bundled_dir) -> None:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(drain, 5)
     assert drain.done()
+
+
+class _Alive:
+    def __init__(self) -> None:
+        self.alive = True
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+
+def test_the_engine_host_waits_for_a_front_end_still_starting_to_drain_too():
+    """A SIGTERM just after front end 0 listens, front end 1 still starting: the drain waits for front end 1's
+    Hello and Drained too. It used to end with front end 0's, so front end 1 got no Drain, served on, and the
+    stop waited 5 s for it before killing it."""
+    from embedserv.server.frontends import FrontendProcesses
+    from embedserv.server.link_messages import Drained, Hello
+
+    pool = object.__new__(FrontendProcesses)
+    pool._processes = {0: _Alive(), 1: _Alive()}
+    pool._frontends, pool._started_frontends, pool._drained = {b"fe0": 0}, {}, set()
+    pool._drain, pool._watching = None, True
+    sent: list[tuple[bytes, object]] = []
+
+    async def send(identity, message):
+        sent.append((identity, message))
+        if identity == b"fe0":
+            await pool._drained_one(identity, Drained(0))
+
+    pool._send = send
+    pool.status = lambda: "status"
+
+    async def late_front_end():
+        await asyncio.sleep(0.3)
+        await pool._hello(b"fe1", Hello(1, 1234))
+        await asyncio.sleep(0.1)
+        await pool._drained_one(b"fe1", Drained(1))
+
+    async def run():
+        late = asyncio.create_task(late_front_end())
+        await pool.drain(30)
+        assert late.done()
+        await late
+
+    asyncio.run(run())
+    assert pool._drained == {0, 1}
+    assert [identity for identity, message in sent if type(message).__name__ == "Drain"] == [b"fe0", b"fe1"]
+    # A front end that died while starting is not waited for.
+    pool._processes[2], pool._drained = _Alive(), {0, 1}
+    pool._processes[2].alive = False
+    asyncio.run(asyncio.wait_for(pool.drain(30), 2))

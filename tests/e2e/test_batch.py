@@ -112,12 +112,12 @@ def test_bad_rows_go_to_the_errors_file_and_the_rest_is_written(tmp_path, monkey
 
 
 def test_a_run_killed_anywhere_resumes_with_no_row_lost_or_twice(tmp_path, stub):
-    texts = [f"sentence number {i} about {TEXTS[i % len(TEXTS)][:40]}" for i in range(1200)]
+    texts = [f"sentence number {i} about {TEXTS[i % len(TEXTS)][:40]}" for i in range(480)]
     source = _write_jsonl(tmp_path / "in.jsonl", [{"text": t, "id": str(i)} for i, t in enumerate(texts)])
     out = tmp_path / "out"
     command = [
         sys.executable, "-m", "embedserv", "batch", "--model", str(bundled_model_dir()), "--no-warm-up",
-        "--input", str(source), "--output", str(out), "--id-column", "id", "--shard-rows", "100",
+        "--input", str(source), "--output", str(out), "--id-column", "id", "--shard-rows", "40",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -175,6 +175,28 @@ def test_an_openai_batch_file_is_answered_as_the_server_answers(tmp_path, monkey
     assert [(e["row"], e["id"]) for e in errors] == [(2, "c2"), (3, "c3"), (4, "g")]
 
 
+def test_the_ray_data_stage_embeds_as_the_server_without_ray(stub):
+    """The stage Ray calls (a dict of columns and a DataFrame in, the same with vectors added), called here as
+    map_batches calls each actor: starting a local Ray alone costs about 30 s on 2 cores, so that run is slow."""
+    import pandas as pd
+
+    from embedserv.batch.ray_data import Embedder
+
+    texts = [f"ray row {i}: {TEXTS[i][:60]}" for i in range(20)]
+    stage = Embedder(str(bundled_model_dir()), warm_up=False)
+    try:
+        columns = stage({"text": np.array(texts[:12]), "id": np.arange(12)})
+        frame = stage(pd.DataFrame({"text": texts[12:], "id": range(12, 20)}))
+        empty = stage({"text": np.array([], dtype=object)})
+    finally:
+        stage.engine.close()
+    assert list(columns["id"]) == list(range(12)) and list(frame["id"]) == list(range(12, 20))
+    vectors = np.concatenate([columns["embedding"], np.stack(frame["embedding"].to_list())])
+    np.testing.assert_allclose(vectors, _server_vectors(stub, texts), rtol=0, atol=1e-5)
+    assert len(empty["embedding"]) == 0
+
+
+@pytest.mark.slow
 def test_the_ray_data_stage_embeds_as_the_server_on_a_local_ray(stub):
     """The documented Ray Data example (docs/batch.md) on a local Ray with 2 CPUs."""
     import ray

@@ -75,6 +75,7 @@ class Server:
 
     target: str
     proc: subprocess.Popen
+    frontends: int = 1
     seen: set[int] = field(default_factory=set)
 
     def log(self) -> str:
@@ -108,7 +109,7 @@ def worker_server(model_dir, frontends: int = 1) -> Iterator[Server]:
     server = None
     try:
         with running_server(_args(model_dir, frontends)) as (target, proc):
-            server = Server(target, proc)
+            server = Server(target, proc, frontends)
             server.workers()
             yield server
             if proc.poll() is None:
@@ -168,10 +169,15 @@ def test_two_workers_under_the_server_each_in_its_own_session(server):
     assert health_status(server.target, SERVED) == "SERVING"
 
 
-def test_workers_embed_like_sentence_transformers(baseline, chunks, bundled_reference):
+@pytest.fixture(scope="module")
+def reference_vectors(chunks, bundled_reference) -> np.ndarray:
+    """sentence-transformers' vectors of the chunks, computed once for both servers."""
+    return bundled_reference.encode([t for batch in chunks for t in batch], batch_size=32, convert_to_numpy=True)
+
+
+def test_workers_embed_like_sentence_transformers(baseline, chunks, reference_vectors):
     texts = [t for batch in chunks for t in batch]
-    expected = bundled_reference.encode(texts, batch_size=32, convert_to_numpy=True)
-    assert_cosine_at_least(np.concatenate(baseline), expected, 0.9999, texts)
+    assert_cosine_at_least(np.concatenate(baseline), reference_vectors, 0.9999, texts)
 
 
 @dataclass
@@ -336,47 +342,6 @@ def test_sigkill_of_a_worker_under_load(server, stub, chunks, baseline):
     assert health_status(server.target, SERVED) == "SERVING"
 
 
-# --- a server of its own each -----------------------------------------------------------------------
-
-
-def test_sigterm_stops_the_server_and_its_workers(bundled_dir):
-    """SIGTERM: the server exits with code 0 within SERVER_EXIT_S, and no worker of it runs WORKERS_GONE_S after."""
-    with worker_server(bundled_dir) as server:
-        pids = server.wait_workers(WORKERS)
-        sent = time.monotonic()
-        server.proc.send_signal(signal.SIGTERM)
-        try:
-            code = server.proc.wait(timeout=SERVER_EXIT_S)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the server still runs {SERVER_EXIT_S:g}s after SIGTERM; log tail:\n{server.log()}")
-        assert code == 0, f"the server exited with {code} on SIGTERM; log tail:\n{server.log()}"
-        wait_for(
-            lambda: not survivors(pids),
-            max(0.0, WORKERS_GONE_S - (time.monotonic() - sent)),
-            what=lambda: (
-                f"workers {pids} to end after SIGTERM of the server (still running: {survivors(pids)}); "
-                f"log tail:\n{server.log()}"
-            ),
-        )
-
-
-def test_sigkill_of_the_server_takes_its_workers_down(bundled_dir):
-    """SIGKILL of the server (no chance to clean up): its workers end on their own within WORKERS_GONE_S."""
-    with worker_server(bundled_dir) as server:
-        pids = server.wait_workers(WORKERS)
-        sent = time.monotonic()
-        server.proc.kill()
-        server.proc.wait(timeout=SERVER_EXIT_S)
-        wait_for(
-            lambda: not survivors(pids),
-            max(0.0, WORKERS_GONE_S - (time.monotonic() - sent)),
-            what=lambda: (
-                f"workers {pids} to end after SIGKILL of their server (still running: {survivors(pids)}); "
-                f"log tail:\n{server.log()}"
-            ),
-        )
-
-
 def test_cpu_workers_run_on_tcmalloc_where_it_is_installed(server):
     """--cpu-allocator auto (the default): each CPU worker maps tcmalloc; the server itself does not."""
     from embedserv.worker.allocator import find_tcmalloc
@@ -386,3 +351,45 @@ def test_cpu_workers_run_on_tcmalloc_where_it_is_installed(server):
     for pid in server.wait_workers(WORKERS):
         assert "libtcmalloc" in Path(f"/proc/{pid}/maps").read_text(), f"worker {pid} runs without tcmalloc"
     assert "libtcmalloc" not in Path(f"/proc/{server.proc.pid}/maps").read_text()
+
+
+def _ends_with_its_workers(server: Server, how: str) -> None:
+    """SIGTERM: the server exits with code 0 within SERVER_EXIT_S; SIGKILL (no chance to clean up): it is gone.
+    Either way no worker of it runs WORKERS_GONE_S after."""
+    pids = server.wait_workers(WORKERS)
+    sent = time.monotonic()
+    if how == "SIGTERM":
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            code = server.proc.wait(timeout=SERVER_EXIT_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the server still runs {SERVER_EXIT_S:g}s after SIGTERM; log tail:\n{server.log()}")
+        assert code == 0, f"the server exited with {code} on SIGTERM; log tail:\n{server.log()}"
+    else:
+        server.proc.kill()
+        server.proc.wait(timeout=SERVER_EXIT_S)
+    wait_for(
+        lambda: not survivors(pids),
+        max(0.0, WORKERS_GONE_S - (time.monotonic() - sent)),
+        what=lambda: (
+            f"workers {pids} to end after {how} of their server (still running: {survivors(pids)}); "
+            f"log tail:\n{server.log()}"
+        ),
+    )
+
+
+# --- last: the shared server is stopped ------------------------------------------------------------------
+
+
+def test_sigterm_or_sigkill_of_the_server_takes_its_workers_down(server):
+    """Last in the module on purpose (each server runs its module's tests in file order): the 1-frontend server
+    gets SIGTERM, the 2-frontends one SIGKILL, after the worker kill above replaced one of their workers. Run
+    with --run-slow, each signal also hits a fresh one-frontend server (below)."""
+    _ends_with_its_workers(server, "SIGTERM" if server.frontends == 1 else "SIGKILL")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_a_fresh_servers_workers_end_with_it(bundled_dir, how):
+    with worker_server(bundled_dir) as server:
+        _ends_with_its_workers(server, how)

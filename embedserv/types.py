@@ -31,6 +31,9 @@ class ImageInput:
     end's pool (engine/inputs/images). Never a URL: the faces turn data URLs into bytes and refuse the rest."""
 
     data: bytes
+    # Text in the same input after the image (one image-and-text input: Qwen2-VL embedders, whose token rules
+    # say `takes_image_text`); empty: the image alone.
+    text: str = ""
 
 
 class Task(str, Enum):

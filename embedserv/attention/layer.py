@@ -47,6 +47,9 @@ class Attention(nn.Module):
     KV sharing on KV-free steps (no cache to read): a source layer (one a later layer names as its
     `kv_source_layer`; `is_kv_source`, set by `link_kv_sharing`) puts its step's k and v in the context's
     SharedKv (attention/shared_kv.py), and the sharing layer attends over them.
+
+    `windowed` (encoder layers only): the layer attends within the step's vision windows instead of whole
+    images (Qwen2.5-VL's vision tower: worker/layer_routes.py gives it the window metadata).
     """
 
     def __init__(
@@ -62,6 +65,7 @@ class Attention(nn.Module):
         relative_bias: RelativePositionBias | None = None,
         sliding_window: int | None = None,
         disentangled: DisentangledPositions | None = None,
+        windowed: bool = False,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -84,6 +88,9 @@ class Attention(nn.Module):
         ):
             raise ValueError("disentangled attention serves encoder layers without a window or T5's bias")
         self.disentangled = disentangled
+        if windowed and self.kind is not AttentionKind.ENCODER:
+            raise ValueError(f"a {self.kind.value} attention layer attends within no vision windows")
+        self.windowed = windowed
         self.is_kv_source = False
         # Not a submodule: the stack owns it (one table for all its layers).
         self.__dict__["relative_bias"] = relative_bias

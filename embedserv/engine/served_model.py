@@ -14,7 +14,7 @@ from pathlib import Path
 
 from embedserv import cpu_isa
 from embedserv.config import ModelConfig
-from embedserv.engine.inputs import colmodernvbert_rules
+from embedserv.engine.inputs import colmodernvbert_rules, vl_embed_rules
 from embedserv.engine.inputs.images import ImageLimits, ImageProcessing, read_image_processing
 from embedserv.engine.inputs.images.processing import processing_from_dict
 from embedserv.engine.inputs.multi_vector_rules import MultiVectorRules
@@ -25,6 +25,7 @@ from embedserv.engine.inputs.vision_retrieval_rules import (
     VisionRetrievalRules,
     read_retrieval_prompts,
 )
+from embedserv.engine.inputs.vl_embed_rules import VlEmbedRules
 from embedserv.errors import ConfigError
 from embedserv.models import registry
 from embedserv.models.loading.model_spec import ModelSpec
@@ -90,6 +91,8 @@ def token_rules(spec: ModelSpec, tokenizer: TextTokenizer, vision: VisionSpec | 
     if spec.outputs.head_kind == VISION_RETRIEVAL:
         prompts = read_retrieval_prompts(spec.model_dir, spec.info.architecture, spec.hf_config, tokenizer)
         return VisionRetrievalRules(tokenizer, prompts, vision)
+    if spec.family.name in vl_embed_rules.FAMILIES:
+        return VlEmbedRules(tokenizer, int(spec.hf_config.vision_config.spatial_merge_size), vision)
     return TokenRules(skip_first=heads.skip_first_tokens, vision=vision)
 
 

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     import torch
 
     from embedserv.models.mrope import MRopeSpec
+    from embedserv.models.vision_windows import VisionWindows
 
 _NONE: Mapping = MappingProxyType({})
 
@@ -50,6 +51,9 @@ class Model(Protocol):
     # M-RoPE (Qwen2-VL's language model): the image token and merge the input builder computes 3-D positions by
     # (models/mrope.py), so `positions` is [3, num_rows]; None: positions are [num_rows].
     mrope: MRopeSpec | None = None
+    # A vision tower whose windowed attention layers attend within windows (Qwen2.5-VL's): the input builder
+    # gives them the windows' metadata from the image grids (models/vision_windows.py).
+    vision_windows: VisionWindows | None = None
     # --kv-sharing-fast-prefill: the first layer after the last one that writes KV; from there on the layers
     # run only the rows whose output is read (worker/prefill_skip.py). None: no layer shares another's KV.
     prefill_skip_layer: int | None = None

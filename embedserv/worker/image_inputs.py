@@ -1,7 +1,8 @@
 """The image inputs of a step: every image sequence's patch rows (steps.ScheduledSequence.pixels) in the
 step's packed sequence order, in one float32 buffer that crosses to the device in one copy, with their own
 offsets: the vision tower's attention metadata (bidirectional, one sequence per image, or per frame of an image
-whose grid is (frames, h, w): Qwen2-VL attends each temporal frame alone, ColModernVBERT each tile).
+whose grid is (frames, h, w): Qwen2-VL attends each temporal frame alone, ColModernVBERT each tile), and for a
+tower with windowed attention (Qwen2.5-VL: models/vision_windows.py) the windows' metadata too.
 
 Dual encoders (CLIP, SigLIP) take the rows as the sequences' tokens, so they line up with the token rows
 (padded alike on CPU); vision-language models (ColPali, ColQwen2) run them through the vision tower and place
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from embedserv.attention.metadata import CommonAttentionMetadata, build_common_metadata, cumulative_offsets
+from embedserv.models.vision_windows import VisionWindows
 from embedserv.steps import ScheduledSequence
 
 
@@ -29,6 +31,8 @@ class ImageInputs:
     grids: tuple[tuple[int, ...], ...]
     # The vision tower's metadata.
     attention: CommonAttentionMetadata
+    # Its windowed layers' (one sequence per window, rows in the tower's window order); None: it has none.
+    windows: CommonAttentionMetadata | None = None
 
 
 def frame_lengths(rows: list[int], grids: list[tuple[int, ...]]) -> np.ndarray:
@@ -44,11 +48,19 @@ def frame_lengths(rows: list[int], grids: list[tuple[int, ...]]) -> np.ndarray:
 
 class ImagePlan:
     def __init__(
-        self, seqs: list[ScheduledSequence], order: np.ndarray, padded: Callable[[int], int], parts: dict
+        self,
+        seqs: list[ScheduledSequence],
+        order: np.ndarray,
+        padded: Callable[[int], int],
+        parts: dict,
+        windows: VisionWindows | None = None,
     ) -> None:
         members = [seqs[i] for i in order if seqs[i].pixels is not None]
         self.lens = frame_lengths([len(s.pixels) for s in members], [s.image_grid for s in members])
         self.grids = tuple(s.image_grid for s in members)
+        self.window_lens = windows.lengths(self.grids) if windows is not None else None
+        if self.window_lens is not None:
+            parts["image_window_cu_seqlens"] = cumulative_offsets(self.window_lens)
         rows = np.concatenate([s.pixels for s in members]).astype(np.float32, copy=False)
         padding = padded(len(rows)) - len(rows)
         if padding > 0:
@@ -61,4 +73,8 @@ class ImagePlan:
         host = torch.from_numpy(np.ascontiguousarray(self.rows))
         pixels = host.pin_memory().to(device, non_blocking=True) if device.type != "cpu" else host
         attention = build_common_metadata(self.lens, False, cu_seqlens=device_parts["image_cu_seqlens"])
-        return ImageInputs(pixels, self.grids, attention)
+        windows = None
+        if self.window_lens is not None:
+            cu = device_parts["image_window_cu_seqlens"]
+            windows = build_common_metadata(self.window_lens, False, cu_seqlens=cu)
+        return ImageInputs(pixels, self.grids, attention, windows)

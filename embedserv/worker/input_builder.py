@@ -35,6 +35,7 @@ from embedserv.models.heads.pooling import PoolingInputs, TokenInputs
 from embedserv.models.layers import pad, padded_rows
 from embedserv.models.lora import adapter_rows
 from embedserv.models.mrope import MRopeSpec, packed_mrope_positions
+from embedserv.models.vision_windows import VisionWindows
 from embedserv.steps import OutputKind, ScheduledSequence, StepBatch
 from embedserv.types import EmbedOutput
 from embedserv.worker.encoder_inputs import EncoderPlan
@@ -87,6 +88,7 @@ class InputBuilder:
         token_types: bool = False,
         task_adapters: bool = False,
         mrope: MRopeSpec | None = None,
+        vision_windows: VisionWindows | None = None,
     ) -> None:
         self.device = device
         self.position_offset = position_offset
@@ -108,6 +110,8 @@ class InputBuilder:
         self.task_adapters = task_adapters
         # M-RoPE models: 3-D positions from the image token and merge.
         self.mrope = mrope
+        # A vision tower with windowed attention: its windows' metadata from the image grids.
+        self.vision_windows = vision_windows
 
     def build(self, batch: StepBatch) -> ModelInputs:
         seqs, paged = batch.sequences, batch.uses_kv_cache
@@ -135,7 +139,9 @@ class InputBuilder:
         encoder = None
         if self.is_encoder_decoder:
             encoder = EncoderPlan(seqs, pack.order, self.position_offset, self.padded, parts)
-        images = ImagePlan(seqs, pack.order, self.padded, parts) if any(s.pixels is not None for s in seqs) else None
+        images = None
+        if any(s.pixels is not None for s in seqs):
+            images = ImagePlan(seqs, pack.order, self.padded, parts, self.vision_windows)
         tables = None
         if paged:
             tables = PagedPlan(seqs, pack.order, pack.positions, self.block_size, self.fixed_groups, encoder, parts)

@@ -4,7 +4,7 @@ The forward context (embedserv/forward_context.py) is a plain record by layer_in
 here, decided once per model from its layers' kinds and groups and applied once per step by the model
 runner:
 - encoder layers take the encoder metadata (an encoder-decoder step's encoder inputs), else the first
-  group's, and never a cache;
+  group's, and never a cache; windowed ones (Qwen2.5-VL's vision tower) the step's vision window metadata;
 - cross layers of a KV-free step take the cross metadata (decoder queries over the packed encoder keys);
   with a cache they are a KV-cache group like any other;
 - other layers take their KV-cache group's metadata, or under the prefill skip, from its first layer on,
@@ -33,6 +33,7 @@ class _Route:
     kind: AttentionKind
     kv_group: int
     cache_layer: int | None  # None: the layer never reads a cache (encoder layers)
+    windowed: bool = False
 
 
 class LayerRoutes:
@@ -47,7 +48,7 @@ class LayerRoutes:
         routes: list[_Route | None] = [None] * (max((layer.layer_index for layer in layers), default=-1) + 1)
         for layer in layers:
             cache_layer = None if layer.kind is AttentionKind.ENCODER else layer.cache_layer
-            route = _Route(layer.kind, layer.kv_group, cache_layer)
+            route = _Route(layer.kind, layer.kv_group, cache_layer, layer.windowed)
             if routes[layer.layer_index] not in (None, route):
                 raise ValueError(f"two attention layers with layer_index {layer.layer_index} take different inputs")
             routes[layer.layer_index] = route
@@ -73,13 +74,15 @@ class LayerRoutes:
         encoder_metadata: AttentionMetadata | None = None,
         cross_metadata: AttentionMetadata | None = None,
         skip: PrefillSkip | None = None,
+        window_metadata: AttentionMetadata | None = None,
     ) -> ForwardContext:
         """The step's forward context. `attn_metadata`: one per KV-cache group, or one for all of them (every
-        KV-free step); `layer_kv_caches`: from `kv_caches(...)`, None on KV-free steps."""
+        KV-free step); `layer_kv_caches`: from `kv_caches(...)`, None on KV-free steps; `window_metadata`: the
+        vision windows (worker/image_inputs.py), for windowed encoder layers."""
         groups = self._per_group(attn_metadata)
         kept = self._per_group(skip.attn_metadata) if skip is not None else groups
         encoder = encoder_metadata if encoder_metadata is not None else groups[0]
-        choices = (*groups, *kept, encoder, cross_metadata, None)
+        choices = (*groups, *kept, encoder, cross_metadata, None, window_metadata)
         reads_kv_cache = layer_kv_caches is not None
         kind_of_step = (reads_kv_cache, skip.first_layer if skip is not None else None)
         positions = self._positions.get(kind_of_step)
@@ -101,13 +104,15 @@ class LayerRoutes:
 
     def _layout(self, reads_kv_cache: bool, skip_layer: int | None) -> tuple[int, ...]:
         """Each layer's position in the step's choices: groups 0..G-1, kept rows' groups G..2G-1, then the
-        encoder metadata, the cross metadata and None (no layer at that index)."""
+        encoder metadata, the cross metadata, None (no layer at that index) and the vision windows'."""
         count = self.num_groups
-        encoder, cross, missing = 2 * count, 2 * count + 1, 2 * count + 2
+        encoder, cross, missing, window = 2 * count, 2 * count + 1, 2 * count + 2, 2 * count + 3
         positions = []
         for index, route in enumerate(self._routes):
             if route is None:
                 positions.append(missing)
+            elif route.windowed:
+                positions.append(window)
             elif route.kind is AttentionKind.ENCODER:
                 positions.append(encoder)
             elif route.kind is AttentionKind.CROSS and not reads_kv_cache:
@@ -127,6 +132,7 @@ def forward_context_for(
     encoder_metadata: AttentionMetadata | None = None,
     cross_metadata: AttentionMetadata | None = None,
     skip: PrefillSkip | None = None,
+    window_metadata: AttentionMetadata | None = None,
 ) -> ForwardContext:
     """The context a runner would set for these layers (a model's, or a list), for code that runs layers or a
     model without a runner (tests, benchmarks). `kv_caches`: one per owning layer by layer_index, as
@@ -142,4 +148,5 @@ def forward_context_for(
         encoder_metadata,
         cross_metadata,
         skip,
+        window_metadata,
     )

@@ -115,6 +115,7 @@ class ModelRunner:
             token_types=model.kind is ModelKind.ENCODER and model.reads_token_types,
             task_adapters=model.kind is ModelKind.ENCODER and model.has_task_adapters,
             mrope=model.mrope,
+            vision_windows=model.vision_windows,
         )
 
     def kv_cache_layout(self) -> KvCacheLayout | None:
@@ -180,7 +181,7 @@ class ModelRunner:
     def _context(self, inputs: ModelInputs) -> ForwardContext:
         """Each attention layer's metadata and cache in this step (worker/layer_routes.py)."""
         build = self.backend.build_metadata
-        skip = encoder = cross = None
+        skip = encoder = cross = windows = None
         if inputs.skip is not None:
             kept = tuple(build(common) for common in inputs.skip.attention)
             skip = PrefillSkip(first_layer=self.skip_layer, rows=inputs.skip.rows, attn_metadata=kept)
@@ -190,6 +191,7 @@ class ModelRunner:
         elif inputs.images is not None:
             # The vision tower's layers are encoder layers over the image rows (worker/image_inputs.py).
             encoder = build(inputs.images.attention)
+            windows = build(inputs.images.windows) if inputs.images.windows is not None else None
         context = self.routes.context(
             self.backend,
             tuple(build(common) for common in inputs.attention),
@@ -197,6 +199,7 @@ class ModelRunner:
             encoder_metadata=encoder,
             cross_metadata=cross,
             skip=skip,
+            window_metadata=windows,
         )
         lora = inputs.tokens.adapter_rows
         return context if lora is None else replace(context, lora=lora)
@@ -351,13 +354,11 @@ def _forward_encoder(model: Model, inputs: ModelInputs) -> torch.Tensor:
 
 
 def _forward_decoder(model: Model, inputs: ModelInputs) -> torch.Tensor:
-    """A vision-language model's images (patch rows and their grids, in packed order); with the prefill
-    skip, the rows the layers from the model's `prefill_skip_layer` on run."""
+    """A vision-language model's images (patch rows and grids, packed order); the prefill skip's kept rows."""
     tokens, images = inputs.tokens, inputs.images
     if model.takes_images:
-        if images is None:
-            return model(tokens.input_ids, tokens.positions)
-        return model(tokens.input_ids, tokens.positions, images.pixel_values, images.grids)
+        extra = () if images is None else (images.pixel_values, images.grids)
+        return model(tokens.input_ids, tokens.positions, *extra)
     if inputs.skip is not None:
         return model(tokens.input_ids, tokens.positions, prefill_skip_rows=inputs.skip.rows)
     return model(tokens.input_ids, tokens.positions)

@@ -24,7 +24,7 @@ from embedserv.models.heads.score import (
 from embedserv.models.layers import quantize_linears
 from embedserv.models.loading.lora_files import attach_lora
 from embedserv.models.loading.model_spec import ModelSpec
-from embedserv.models.loading.spec_reader import DEFAULT_POOLING
+from embedserv.models.loading.spec_reader import embedding_pooling
 from embedserv.models.loading.tasks import Seq2SeqYesNoTemplate, architecture_of
 from embedserv.models.loading.weights import build_model, load_dense_weights
 from embedserv.types import Task
@@ -40,8 +40,7 @@ def _embedding_pooler(config: ModelConfig, spec: ModelSpec) -> EmbeddingPooler:
         layer = Dense(dense_spec)
         load_dense_weights(layer, dense_spec.directory, config.allow_pickle)
         dense.append(layer.to(device=spec.device, dtype=spec.dtype))
-    pooling = config.pooling or spec.st.pooling or DEFAULT_POOLING
-    return EmbeddingPooler(pooling, dense).eval().requires_grad_(False)
+    return EmbeddingPooler(embedding_pooling(config, spec.st, spec.family), dense).eval().requires_grad_(False)
 
 
 def _token_ids(spec: ModelSpec, yes: str, no: str) -> tuple[int, int]:

@@ -63,9 +63,8 @@ def _qwen_tokenizer(out: Path):
     return tokenizer
 
 
-def _colqwen2_config(tokenizer, embedding_dim: int, **text_overrides):
-    from transformers import ColQwen2Config
-
+def qwen_text_config(tokenizer, **overrides) -> dict:
+    """A tiny Qwen2-VL language model's config (M-RoPE sections [2, 3, 3] of its 8 rotary frequencies)."""
     text = dict(
         vocab_size=_vocab_size(len(tokenizer)),
         hidden_size=64,
@@ -80,7 +79,26 @@ def _colqwen2_config(tokenizer, embedding_dim: int, **text_overrides):
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
     )
-    text.update(text_overrides)
+    text.update(overrides)
+    return text
+
+
+def qwen_vision_token_ids(tokenizer) -> dict:
+    """A Qwen2-VL config's image, video and vision start/end token ids from the tokenizer."""
+    return {
+        name: tokenizer.convert_tokens_to_ids(token)
+        for name, token in (
+            ("image_token_id", "<|image_pad|>"),
+            ("video_token_id", "<|video_pad|>"),
+            ("vision_start_token_id", "<|vision_start|>"),
+            ("vision_end_token_id", "<|vision_end|>"),
+        )
+    }
+
+
+def _colqwen2_config(tokenizer, embedding_dim: int, **text_overrides):
+    from transformers import ColQwen2Config
+
     vision = dict(
         depth=2,
         embed_dim=32,
@@ -93,16 +111,8 @@ def _colqwen2_config(tokenizer, embedding_dim: int, **text_overrides):
         in_channels=3,
         initializer_range=0.15,
     )
-    ids = {
-        name: tokenizer.convert_tokens_to_ids(token)
-        for name, token in (
-            ("image_token_id", "<|image_pad|>"),
-            ("video_token_id", "<|video_pad|>"),
-            ("vision_start_token_id", "<|vision_start|>"),
-            ("vision_end_token_id", "<|vision_end|>"),
-        )
-    }
-    vlm = dict(model_type="qwen2_vl", text_config=text, vision_config=vision, **ids)
+    text = qwen_text_config(tokenizer, **text_overrides)
+    vlm = dict(model_type="qwen2_vl", text_config=text, vision_config=vision, **qwen_vision_token_ids(tokenizer))
     return ColQwen2Config(vlm_config=vlm, embedding_dim=embedding_dim, initializer_range=0.15)
 
 

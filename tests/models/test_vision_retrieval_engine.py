@@ -153,6 +153,8 @@ def test_bad_inputs_are_refused_naming_them(served):
         engine.embed([ImageInput(good), ImageInput(good[: len(good) // 2])], _params())
     with pytest.raises(InvalidInput, match="prompt_name"):
         engine.embed(["a query"], _params(prompt_name="document"))
+    with pytest.raises(InvalidInput, match="takes an image alone; input 0 has text"):
+        engine.embed([ImageInput(good, text="a caption")], _params())
     with pytest.raises(InvalidInput, match="document 1 is a text"):
         engine.rerank("q", [ImageInput(good), "a text page"], RerankParams())
     with pytest.raises(InvalidInput, match="image token"):

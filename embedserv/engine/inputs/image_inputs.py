@@ -31,6 +31,9 @@ def check_call(served: ServedModel, inputs: list, params: EmbedParams) -> None:
         )
     if not found:
         return
+    with_text = [index for index in found if inputs[index].text]
+    if with_text and not served.token_rules.takes_image_text:
+        raise InvalidInput(f"model {info.name!r} takes an image alone; input {with_text[0]} has text with its image")
     if params.chunking or params.late_chunking is not None:
         raise InvalidInput(f"chunking and late_chunking apply to texts; input {found[0]} is an image")
     if EmbedOutput.SPARSE in params.outputs:
@@ -52,7 +55,7 @@ async def encode_inputs(
         tokenized = await core.tokenize_with(encode_texts, texts, params, chars=sum(map(len, texts)))
         for index, item in zip(text_at, tokenized, strict=True):
             encoded[index] = item
-    images = [(index, inputs[index].data) for index in found]
+    images = [(index, inputs[index]) for index in found]
     # No `chars`: decoding is never cheap enough for the event loop.
     prepared = await core.tokenize_with(_encode_images, rules, served.vision, images, params)
     for index, item in zip(found, prepared, strict=True):
@@ -61,11 +64,13 @@ async def encode_inputs(
 
 
 def _encode_images(
-    rules: TokenRules, vision: VisionSpec, images: list[tuple[int, bytes]], params: EmbedParams
+    rules: TokenRules, vision: VisionSpec, images: list[tuple[int, ImageInput]], params: EmbedParams
 ) -> list[InputSequence]:
-    """Blocking: decode, preprocess and shape each image (an ImageError names the first bad input)."""
+    """Blocking: decode, preprocess and shape each image (an ImageError names the first bad input), with its text
+    where it has one."""
     out = []
-    for index, data in images:
-        rows, grid = prepare_image(data, index, vision.processing, vision.limits)
-        out.append(rules.encode_image(rows, grid, params))
+    for index, image in images:
+        rows, grid = prepare_image(image.data, index, vision.processing, vision.limits)
+        text = (image.text,) if image.text else ()
+        out.append(rules.encode_image(rows, grid, params, *text))
     return out

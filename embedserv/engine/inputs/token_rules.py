@@ -36,6 +36,10 @@ class TokenRules:
 
     skip_first = 0
     vision: VisionSpec | None = None
+    # An image input may carry text (ImageInput.text): encode_image takes it.
+    takes_image_text = False
+    # Vision-language models: the placeholder token an image's features take the places of.
+    image_token_id: int | None = None
 
     def __init__(self, skip_first: int = 0, vision: VisionSpec | None = None) -> None:
         self.skip_first = skip_first
@@ -56,8 +60,16 @@ class TokenRules:
         return InputSequence(ids=[0] * len(rows), pixels=rows, image_grid=tuple(grid))
 
     def check_ids(self, encoded: list[InputSequence]) -> None:
-        """Refuses token-id inputs (used as given) that the model cannot take; every id in the vocabulary can
-        be taken unless a subclass reserves some."""
+        """Refuses token-id inputs (used as given) that the model cannot take: every id in the vocabulary but a
+        vision-language model's image token, which takes an image's features (an input of ids with it but no
+        image would leave the model more placeholders than features in the step)."""
+        if self.image_token_id is None:
+            return
+        for index, item in enumerate(encoded):
+            if self.image_token_id in item.ids:
+                raise InvalidInput(
+                    f"input {index} holds the image token id {self.image_token_id}; send images as images"
+                )
 
     def keep(self, encoded: InputSequence, params: EmbedParams) -> np.ndarray | slice:
         """Which of the sequence's token vectors the caller gets: a boolean mask or a slice."""

@@ -137,15 +137,6 @@ class VisionRetrievalRules(TokenRules):
             out.append(InputSequence(ids=ids))
         return out
 
-    def check_ids(self, encoded: list[InputSequence]) -> None:
-        """The image token takes an image's features: an input of ids with it but no image is refused (the
-        model would find more placeholders than features in the step)."""
-        for index, item in enumerate(encoded):
-            if self.image_token_id in item.ids:
-                raise InvalidInput(
-                    f"input {index} holds the image token id {self.image_token_id}; send images as images"
-                )
-
     def encode_image(self, rows: np.ndarray, grid: tuple[int, ...], params: EmbedParams) -> InputSequence:
         """A page, whatever the call's prompt_name (it names the texts' task)."""
         count = self.prompts.tokens_for(tuple(grid))

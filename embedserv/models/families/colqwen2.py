@@ -21,57 +21,16 @@ reproduce ColQwen2ForRetrieval's vectors bit for bit runs it in transformers; em
 
 from __future__ import annotations
 
-import copy
-
-import torch
-from torch import nn
-
-from embedserv.models.families.llama import LlamaStack
-from embedserv.models.families.qwen2_vision import Qwen2VisionTower
-from embedserv.models.interface import DecoderModel
+from embedserv.models.families.qwen2_vl import Qwen2VLEmbedder
 from embedserv.models.loading.family import QKV_GATE_UP, CheckpointNames, Family, FamilyDocs
-from embedserv.models.mrope import MRopeSpec
-
-# transformers' Qwen2VLRotaryEmbedding's sections where the config names none.
-DEFAULT_MROPE_SECTION = [16, 24, 24]
 
 
-def text_config(config):
-    """The language model's config, read as Qwen2's (q/k/v biases, no output bias: llama._biases), with its M-RoPE
-    sections."""
-    text = copy.copy(config.vlm_config.get_text_config())
-    text.model_type = "qwen2"
-    text.rope_parameters = {"mrope_section": DEFAULT_MROPE_SECTION, **(text.rope_parameters or {})}
-    return text
+class ColQwen2Model(Qwen2VLEmbedder):
+    """Qwen2-VL's model (qwen2_vl.py) under ColQwen2's config, which nests it in `vlm_config`."""
 
-
-class ColQwen2Model(nn.Module, DecoderModel):
-    """`forward(input_ids, positions, pixel_values=None, image_grids=()) -> [num_tokens, hidden]`: image
-    features at the placeholder tokens, in the order of `image_grids` (the packed order); positions [3,
-    num_tokens] (M-RoPE), or [num_tokens] (plain RoPE: all three alike)."""
-
-    takes_images = True
-    text_config = staticmethod(text_config)
-
-    def __init__(self, config) -> None:
-        super().__init__()
-        self.config = config
-        vlm = config.vlm_config
-        self.image_token_id = int(vlm.image_token_id)
-        self.language_model = LlamaStack(text_config(config))
-        self.visual = Qwen2VisionTower(vlm.vision_config, first_layer_index=len(self.language_model.layers))
-        self.mrope = MRopeSpec(self.image_token_id, int(vlm.vision_config.spatial_merge_size))
-
-    @property
-    def max_positions(self) -> int:
-        return self.language_model.max_positions
-
-    def forward(self, input_ids, positions, pixel_values=None, image_grids=()) -> torch.Tensor:
-        hidden = self.language_model.embed_tokens(input_ids)
-        if pixel_values is not None:
-            features = self.visual(pixel_values, tuple(image_grids)).to(hidden.dtype)
-            hidden = hidden.masked_scatter((input_ids == self.image_token_id).unsqueeze(-1), features)
-        return self.language_model.run_layers(hidden, positions)
+    @staticmethod
+    def vlm_config(config):
+        return config.vlm_config
 
 
 CHECKPOINT = CheckpointNames(

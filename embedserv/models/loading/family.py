@@ -149,6 +149,9 @@ class Family:
     lora: bool = False
     # Dual encoders (CLIP, SigLIP): a function of the config giving its image side; None: texts only.
     vision: Callable[[object], VisionTower] | None = None
+    # The pooling of a directory without a sentence-transformers Pooling module (None: mean, as
+    # sentence-transformers picks for a plain model): vision-language embedders (GME, DSE) read the last token.
+    pooling: str | None = None
 
     @property
     def is_encoder_decoder(self) -> bool:

@@ -82,7 +82,8 @@ def read_output_spec(
 ) -> OutputSpec:
     """The outputs of a model that embeds (`embeds`: its task spec says it does), or none."""
     vocab = int(getattr(hf_config, "vocab_size", 0) or 0)
-    hidden = int(getattr(hf_config, "hidden_size", 0) or 0)
+    # Vision-language configs (Qwen2-VL) keep the language model's width in their text config.
+    hidden = int(getattr(hf_config, "hidden_size", 0) or getattr(hf_config.get_text_config(), "hidden_size", 0) or 0)
     if st.model_type == SPARSE_ENCODER or pooling_flag == SPLADE_POOLING:
         if not architecture.endswith("ForMaskedLM") and st.model_type != SPARSE_ENCODER:
             raise ConfigError(

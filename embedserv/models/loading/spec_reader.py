@@ -196,8 +196,8 @@ def _pooling_and_dimension(
     if task.tasks and task.tasks[0] in (Task.EMBED_SPARSE, Task.EMBED_MULTI_VECTOR):
         return ("splade" if task.tasks[0] is Task.EMBED_SPARSE else "", 0)
     if Task.EMBED in task.tasks:
-        dimension = st.dense[-1].out_features if st.dense else hf_config.hidden_size
-        return config.pooling or st.pooling or DEFAULT_POOLING, dimension
+        dimension = st.dense[-1].out_features if st.dense else family.text_config(hf_config).hidden_size
+        return embedding_pooling(config, st, family), dimension
     if task.tasks not in ((Task.GENERATE,), (Task.TOKEN_CLASSIFY,)):
         reads_last = (
             task.template is not None
@@ -206,6 +206,11 @@ def _pooling_and_dimension(
         )
         return "lasttoken" if reads_last else "cls", 0
     return "", 0
+
+
+def embedding_pooling(config: ModelConfig, st: SentenceTransformerFiles, family: Family) -> str:
+    """An embedder's pooling: --pooling, else its sentence-transformers Pooling, else its family's default."""
+    return config.pooling or st.pooling or family.pooling or DEFAULT_POOLING
 
 
 def _classifier_token(family: Family, hf_config) -> str | None:

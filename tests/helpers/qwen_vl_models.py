@@ -1,0 +1,107 @@
+"""Small random-weight Qwen2-VL and Qwen2.5-VL checkpoints (Qwen2VLForConditionalGeneration,
+Qwen2_5_VLForConditionalGeneration) with their processors, for the GME/DSE-style embedder tests, and the
+reference embedding: transformers' Qwen2VLModel / Qwen2_5_VLModel (the checkpoint's `.model`) given input_ids,
+pixel_values and image_grid_thw from the processor, last token's final hidden state, L2-normalized.
+
+The tower is small (depth 3); Qwen2.5-VL's windows are 56 pixels (2 x 2 merge blocks) with block 1 attending
+whole frames, so the test images (tests/helpers/vision_language_models.COLQWEN2_SIZES and larger) hold several
+windows, some cut short.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.helpers.seq2seq_models import _perturb
+from tests.helpers.vision_language_models import _qwen_tokenizer, qwen_text_config, qwen_vision_token_ids
+
+# GME's framing (gme_inference.py), the image part optional; engine/inputs/vl_embed_rules.py makes the same.
+FRAME = (
+    "<|im_start|>system\n{instruction}<|im_end|>\n<|im_start|>user\n{image}{text}<|im_end|>\n"
+    "<|im_start|>assistant\n<|endoftext|>"
+)
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+DEFAULT_INSTRUCTION = "You are a helpful assistant."
+KINDS = ("qwen2_vl", "qwen2_5_vl")
+
+
+def _vision_config(kind: str) -> dict:
+    common = dict(
+        depth=3, num_heads=4, patch_size=14, temporal_patch_size=2, spatial_merge_size=2, initializer_range=0.15
+    )
+    if kind == "qwen2_vl":
+        return dict(common, embed_dim=32, hidden_size=64, mlp_ratio=2)
+    return dict(
+        common, hidden_size=32, intermediate_size=48, out_hidden_size=64, window_size=56, fullatt_block_indexes=[1]
+    )
+
+
+def build_tiny_qwen_vl(tmp_dir: Path | str, kind: str = "qwen2_vl", seed: int = 0) -> Path:
+    """A random *ForConditionalGeneration directory of `kind` (qwen2_vl or qwen2_5_vl) with its processor
+    (Qwen2VLImageProcessor: images between 56x56 and 168x168 pixels kept at their size when multiples of 28)."""
+    import torch
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    out = Path(tmp_dir) / f"tiny-{kind}"
+    if (out / "config.json").exists():
+        return out
+    tokenizer = _qwen_tokenizer(out)
+    prefix = "Qwen2VL" if kind == "qwen2_vl" else "Qwen2_5_VL"
+    config_class = getattr(transformers, f"{prefix}Config")
+    text = qwen_text_config(tokenizer)
+    config = config_class(text_config=text, vision_config=_vision_config(kind), **qwen_vision_token_ids(tokenizer))
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config).eval()
+    _perturb(model, seed)
+    model.save_pretrained(str(out), safe_serialization=True)
+    # The image processor alone: Qwen2VLProcessor also wants a video processor, which needs torchvision.
+    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=168 * 168).save_pretrained(str(out))
+    return out
+
+
+def load_reference(model_dir: Path):
+    """(transformers' model, its tokenizer, its image processor), float32 on CPU."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype="float32").eval()
+    return (
+        model,
+        AutoTokenizer.from_pretrained(str(model_dir)),
+        Qwen2VLImageProcessorPil.from_pretrained(str(model_dir)),
+    )
+
+
+def framed(text: str = "", image: bool = False, instruction: str = DEFAULT_INSTRUCTION) -> str:
+    return FRAME.format(instruction=instruction, image=IMAGE if image else "", text=text)
+
+
+def reference_inputs(reference, text: str = "", image=None, instruction: str = DEFAULT_INSTRUCTION) -> dict:
+    """One framed input as Qwen2VLProcessor makes it: the image processor's pixel rows and grid, the image's one
+    `<|image_pad|>` repeated t * h * w / merge**2 times, the text tokenized whole."""
+    import torch
+
+    _, tokenizer, images = reference
+    prompt, batch = framed(text, image is not None, instruction), {}
+    if image is not None:
+        batch = dict(images(images=[image], return_tensors="pt"))
+        count = int(batch["image_grid_thw"][0].prod()) // images.merge_size**2
+        prompt = prompt.replace("<|image_pad|>", "<|image_pad|>" * count)
+    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    batch.update(input_ids=ids, attention_mask=torch.ones_like(ids))
+    if image is not None:
+        batch["mm_token_type_ids"] = (ids == tokenizer.convert_tokens_to_ids("<|image_pad|>")).int()
+    return batch
+
+
+def reference_embedding(reference, text: str = "", image=None, instruction: str = DEFAULT_INSTRUCTION):
+    """([hidden] float32, its inputs): one framed input through the checkpoint's inner model (Qwen2VLModel /
+    Qwen2_5_VLModel, which computes M-RoPE from the grid), the last token's state, L2-normalized."""
+    import torch
+
+    batch = reference_inputs(reference, text, image, instruction)
+    model = reference[0]
+    with torch.no_grad():
+        hidden = model.model(**batch).last_hidden_state[0, -1]
+    return torch.nn.functional.normalize(hidden, dim=-1), batch

@@ -1,0 +1,122 @@
+"""Qwen2-VL and Qwen2.5-VL embedders through the engine in process (SyncEngine, sdpa backend): one Embed call with
+images (PNG and JPEG bytes, one with text beside it) and texts equals transformers on the same framing
+(tests/helpers/qwen_vl_models.reference_embedding), in the call's order; the token ids our rules frame are the
+reference's; Matryoshka dimensions cut then renormalize; ListModels says what the model takes; the image token in a
+text and text beside an image for a model that takes images alone are refused."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import numpy as np
+import pytest
+
+from tests.helpers.compare import assert_cosine_at_least, assert_unit_norm
+from tests.helpers.qwen_vl_models import KINDS, build_tiny_qwen_vl, load_reference, reference_embedding
+from tests.helpers.vision_language_models import page_image
+
+# (height, width, format, text beside the image): wide, tall, and one the processor resizes (300x200).
+PAGES = ((56, 84, "PNG", "what does it show"), (112, 56, "JPEG", ""), (300, 200, "PNG", ""))
+TEXTS = ["what is a socket", "x"]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def served(request, tmp_path_factory):
+    """(a started SyncEngine, transformers' reference) per kind."""
+    from embedserv.config import ModelConfig
+    from embedserv.engine.sync import SyncEngine
+
+    model_dir = build_tiny_qwen_vl(tmp_path_factory.mktemp(request.param), request.param)
+    config = ModelConfig(path=str(model_dir), served_name=request.param, attention_backend="sdpa", dtype="float32")
+    with contextlib.ExitStack() as stack:
+        engine = stack.enter_context(SyncEngine(config, warm_up=False, worker_processes=False))
+        yield engine, load_reference(model_dir)
+
+
+def _pages() -> list[tuple[bytes, str]]:
+    return [(page_image(h, w, seed=i, fmt=fmt), text) for i, (h, w, fmt, text) in enumerate(PAGES)]
+
+
+def _expected(reference, pages, texts) -> list[np.ndarray]:
+    from PIL import Image
+
+    out = [reference_embedding(reference, text, Image.open(io.BytesIO(data)))[0] for data, text in pages]
+    return [v.numpy() for v in out] + [reference_embedding(reference, text)[0].numpy() for text in texts]
+
+
+def _inputs(pages, texts) -> list:
+    """Texts and images interleaved: text, image, image, text, image."""
+    from embedserv.types import ImageInput
+
+    images = [ImageInput(data, text=text) for data, text in pages]
+    return [texts[0], images[0], images[1], texts[1], images[2]]
+
+
+def test_list_models_says_images_and_last_token_pooling(served):
+    from embedserv.types import Modality, Task
+
+    info = served[0].info
+    assert info.modalities == (Modality.TEXT, Modality.IMAGE)
+    assert info.pooling == "lasttoken" and info.dimension == 64
+    assert Task.EMBED in info.tasks
+
+
+def test_images_texts_and_an_image_with_text_in_one_call_equal_transformers(served):
+    from embedserv.types import EmbedParams
+
+    engine, reference = served
+    pages = _pages()
+    expected = _expected(reference, pages, TEXTS)
+    order = [3, 0, 1, 4, 2]
+    result = engine.embed(_inputs(pages, TEXTS), EmbedParams())
+    assert result.embeddings.shape == (5, 64)
+    for got, index in zip(result.embeddings, order, strict=True):
+        assert_cosine_at_least(got[None], expected[index][None], 0.9999)
+        np.testing.assert_allclose(got, expected[index], rtol=0, atol=2e-4)
+    assert_unit_norm(result.embeddings)
+    # An input alone gives what it gave among the others.
+    alone = engine.embed(_inputs(pages, TEXTS)[1:2], EmbedParams()).embeddings[0]
+    np.testing.assert_allclose(alone, result.embeddings[1], rtol=0, atol=5e-5)
+
+
+def test_our_framing_is_the_references_token_for_token(served):
+    from PIL import Image
+
+    from embedserv.engine.inputs.images import prepare_image
+    from embedserv.types import EmbedParams
+
+    engine, reference = served
+    rules = engine.engine.embedding.token_rules
+    vision = engine.engine.served.vision
+    (data, text), params = _pages()[0], EmbedParams()
+    rows, grid = prepare_image(data, 0, vision.processing, vision.limits)
+    got = rules.encode_image(rows, grid, params, text)
+    _, batch = reference_embedding(reference, text, Image.open(io.BytesIO(data)))
+    assert got.ids == batch["input_ids"][0].tolist()
+    np.testing.assert_allclose(got.pixels, batch["pixel_values"].numpy(), rtol=0, atol=1e-5)
+    assert [s.ids for s in rules.encode_texts(engine.engine.served.tokenizer, TEXTS, params)] == [
+        reference_embedding(reference, t)[1]["input_ids"][0].tolist() for t in TEXTS
+    ]
+
+
+def test_matryoshka_dimensions_cut_then_renormalize(served):
+    from embedserv.types import EmbedParams
+
+    engine, reference = served
+    pages = _pages()
+    full = _expected(reference, pages[:1], [])[0][:16]
+    got = engine.embed(_inputs(pages, TEXTS)[1:2], EmbedParams(dimensions=16)).embeddings[0]
+    np.testing.assert_allclose(got, full / np.linalg.norm(full), rtol=0, atol=2e-4)
+
+
+def test_the_image_token_in_a_text_is_refused(served):
+    from embedserv.errors import InvalidInput
+    from embedserv.types import EmbedParams, ImageInput
+
+    engine, _ = served
+    with pytest.raises(InvalidInput, match="image token"):
+        engine.embed(["look <|image_pad|> here"], EmbedParams())
+    with pytest.raises(InvalidInput, match="image token"):
+        engine.embed([ImageInput(_pages()[0][0], text="and <|image_pad|>")], EmbedParams())
+    assert engine.embed([ImageInput(_pages()[0][0])], EmbedParams()).embeddings.shape == (1, 64)

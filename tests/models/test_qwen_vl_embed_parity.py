@@ -1,0 +1,177 @@
+"""Qwen2-VL and Qwen2.5-VL as GME/DSE-style embedders on tiny random checkpoints, against transformers: the
+checkpoint's inner Qwen2VLModel / Qwen2_5_VLModel given input_ids, pixel_values and image_grid_thw (so it rotates
+by M-RoPE), the last token's final state, L2-normalized (tests/helpers/qwen_vl_models.reference_embedding).
+Images of several sizes and aspect ratios alone and with text, texts alone, all in one packed pass with padding
+rows, texts-only passes, batch invariance; the vision towers (Qwen2.5-VL's windows included) against
+transformers' `visual`; the window order against transformers' get_vision_window_index; and the hub's older
+checkpoint layout (GME's, DSE's) loading the same parameters."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from embedserv.attention.backends.naive import NaiveBackend
+from embedserv.attention.metadata import build_common_metadata
+from embedserv.forward_context import set_forward_context
+from embedserv.models.mrope import packed_mrope_positions
+from embedserv.models.vision_windows import VisionWindows
+from embedserv.worker.image_inputs import frame_lengths
+from embedserv.worker.layer_routes import forward_context_for
+from tests.helpers.compare import assert_cosine_at_least
+from tests.helpers.qwen_vl_models import KINDS, build_tiny_qwen_vl, load_reference, reference_embedding
+from tests.helpers.vision_language_models import COLQWEN2_SIZES, hub_layout_copy, page_image, same_parameters
+
+# The ColQwen2 pages' sizes and a larger one (10 x 12 patches: Qwen2.5-VL windows cut short on both sides).
+SIZES = (*COLQWEN2_SIZES, (140, 168))
+TEXTS = ["what is a socket", "how to parse json files", "x"]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def model_dir(request, tmp_path_factory):
+    return build_tiny_qwen_vl(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return load_reference(model_dir)
+
+
+def _load(model_dir):
+    from embedserv.models import registry
+    from embedserv.models.loading.checkpoint import checkpoint_files
+    from embedserv.models.loading.hf_config import read_hf_config
+    from embedserv.models.loading.weights import build_model
+
+    hf_config = read_hf_config(model_dir)
+    family = registry.lookup(hf_config.model_type)
+    return build_model(family, hf_config, checkpoint_files(model_dir), torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def ours(model_dir):
+    return _load(model_dir)
+
+
+@pytest.fixture(scope="module")
+def cases(reference):
+    """Every test's inputs with transformers' vectors, computed once per model: images (two with text), texts."""
+    return _items(reference, _images(), TEXTS, image_texts=["", "what does it show", "", "a chart of sales"])
+
+
+def _images():
+    from PIL import Image
+
+    return [Image.open(io.BytesIO(page_image(h, w, seed=i))) for i, (h, w) in enumerate(SIZES)]
+
+
+def _items(reference, images, texts, image_texts=()):
+    """(expected vector, (ids, pixel rows or None, grid or ())) per input: each image alone (with the text of
+    `image_texts` at its index, if any), then each text alone."""
+    out = []
+    for index, image in enumerate(images):
+        text = image_texts[index] if index < len(image_texts) else ""
+        expected, batch = reference_embedding(reference, text, image)
+        out.append(
+            (expected, (batch["input_ids"][0], batch["pixel_values"], tuple(batch["image_grid_thw"][0].tolist())))
+        )
+    for text in texts:
+        expected, batch = reference_embedding(reference, text)
+        out.append((expected, (batch["input_ids"][0], None, ())))
+    return out
+
+
+def _vision_metadata(backend, model, images):
+    if not images:
+        return None, None
+    grids = [g for _, g in images]
+    vision = backend.build_metadata(build_common_metadata(frame_lengths([len(r) for r, _ in images], grids), False))
+    windows = None
+    if model.vision_windows is not None:
+        windows = backend.build_metadata(build_common_metadata(model.vision_windows.lengths(grids), False))
+    return vision, windows
+
+
+def _embed(model, items, pad_tokens: int = 0, pad_rows: int = 0) -> list[torch.Tensor]:
+    """Our normalized last-token vectors from one packed pass under the naive backend, padding rows after the
+    real ones as the input builder pads them on CPU."""
+    lens = [len(ids) for ids, _, _ in items]
+    ids = torch.cat([ids for ids, _, _ in items] + [torch.zeros(pad_tokens, dtype=torch.long)])
+    packed = packed_mrope_positions([(i.tolist(), (g,) if r is not None else (), 0) for i, r, g in items], model.mrope)
+    positions = torch.nn.functional.pad(torch.from_numpy(packed), (0, pad_tokens))
+    images = [(rows, grid) for _, rows, grid in items if rows is not None]
+    backend, extra = NaiveBackend(), {}
+    if images:
+        rows = torch.cat([r for r, _ in images] + [torch.zeros(pad_rows, images[0][0].shape[1])])
+        extra = {"pixel_values": rows, "image_grids": tuple(g for _, g in images)}
+    vision, windows = _vision_metadata(backend, model, images)
+    text = backend.build_metadata(build_common_metadata(np.array(lens), True))
+    context = forward_context_for(model, backend, text, encoder_metadata=vision, window_metadata=windows)
+    with torch.inference_mode(), set_forward_context(context):
+        hidden = model(ids, positions, **extra)
+    last = torch.tensor(np.cumsum(lens) - 1)
+    return list(torch.nn.functional.normalize(hidden[last], dim=-1))
+
+
+def _assert_close(got, items) -> None:
+    for vector, (expected, _) in zip(got, items, strict=True):
+        assert_cosine_at_least(vector.numpy()[None], expected.numpy()[None], 0.9999)
+        np.testing.assert_allclose(vector.numpy(), expected.numpy(), rtol=0, atol=2e-4)
+
+
+def test_images_texts_and_images_with_text_in_one_pass_equal_transformers(ours, cases):
+    items = sorted(cases, key=lambda item: -len(item[1][0]))
+    _assert_close(_embed(ours, [i for _, i in items], pad_tokens=5, pad_rows=7), items)
+
+
+def test_texts_alone_equal_transformers(ours, cases):
+    items = cases[len(SIZES) :]
+    _assert_close(_embed(ours, [i for _, i in items], pad_tokens=3), items)
+
+
+def test_an_input_alone_equals_it_packed_with_others(ours, cases):
+    items = [i for _, i in cases]
+    packed = _embed(ours, items)
+    # Alone: a wide image, one with text, a tall one, the largest, a text.
+    for index in (0, 1, 4, len(SIZES) - 1, len(SIZES)):
+        item = items[index]
+        torch.testing.assert_close(_embed(ours, [item])[0], packed[index], rtol=0, atol=2e-5)
+
+
+def test_vision_tower_equals_transformers_visual(ours, reference, cases):
+    images = [(rows, grid) for _, (_, rows, grid) in cases[: len(SIZES)]]
+    backend = NaiveBackend()
+    vision, windows = _vision_metadata(backend, ours, images)
+    text = backend.build_metadata(build_common_metadata(np.array([1]), True))
+    context = forward_context_for(ours, backend, text, encoder_metadata=vision, window_metadata=windows)
+    rows, grids = torch.cat([r for r, _ in images]), tuple(g for _, g in images)
+    with torch.inference_mode(), set_forward_context(context):
+        got = ours.visual(rows, grids)
+    with torch.no_grad():
+        expected = reference[0].model.visual(rows, grid_thw=torch.tensor(grids), return_dict=True).pooler_output
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
+def test_qwen2_5_windows_equal_transformers_window_index():
+    from transformers.vision_utils import get_vision_window_index
+
+    grids = ((1, 4, 6), (1, 10, 12), (2, 6, 4), (1, 8, 8))
+    for window_size in (56, 112):
+        windows = VisionWindows(window_size, 14, 2)
+        index, cu = get_vision_window_index(torch.tensor(grids), 2, window_size, 14)
+        np.testing.assert_array_equal(windows.order(grids), index.numpy())
+        np.testing.assert_array_equal(np.cumsum(windows.lengths(grids)), cu.numpy()[1:])
+
+
+def test_the_hubs_checkpoint_layout_loads_the_same(model_dir, ours, tmp_path):
+    """Checkpoints saved before transformers 5 (GME's, DSE's) keep the language model under `model.` and the
+    tower under `visual.`."""
+
+    def rename(name: str) -> str:
+        return name.replace("model.language_model.", "model.", 1).replace("model.visual.", "visual.", 1)
+
+    copy = hub_layout_copy(model_dir, tmp_path / "hub", rename, {})
+    assert same_parameters(_load(copy), ours)

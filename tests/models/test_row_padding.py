@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,7 +22,7 @@ from embedserv.models.heads.pooling import Dense
 from embedserv.models.layers import Linear, padded_rows, row_counts
 from embedserv.models.loading.st_files import DenseSpec
 from embedserv.steps import OutputKind, ScheduledSequence, StepBatch
-from embedserv.types import SamplingParams
+from embedserv.types import EmbedParams, SamplingParams
 from tests.helpers.models import load_in_process
 
 MAX_STEP_TOKENS = 2048
@@ -159,3 +160,11 @@ def test_memory_stays_flat_over_steps_of_varied_sizes(encoder_runner):
         encoder_runner.execute(step)
     grown = _rss_mib() - before
     assert grown < 48, f"the worker grew by {grown:.0f} MiB over 600 steps"
+
+
+def test_a_warmed_up_engine_answers_bit_for_bit_as_a_cold_one(bundled_dir, engine_for, texts):
+    """The warm-up only builds what first calls would (tests/models run their engines without it)."""
+    params = EmbedParams(truncate=True)
+    cold = engine_for(bundled_dir).embed(texts, params).embeddings
+    warm = engine_for(bundled_dir, warm_up=True).embed(texts, params).embeddings
+    np.testing.assert_array_equal(warm, cold)

@@ -204,15 +204,14 @@ class Frontend:
 
     def check_items(self, engine: Engine, items: list[str | ImageInput], what: str = "inputs") -> list:
         """Texts and images in one list: at least one, no more than a call may carry (an image counts as an
-        input), images only for a model that takes them and within the image limits, texts within the
-        character limit."""
+        input), images only for a model that takes them and within the image limits, texts (and an image's text)
+        within the character limit."""
         if not items:
             raise InvalidInput(f"{what} is empty; send at least one text or image")
         self.check_batch(len(items), what)
         self.check_images(engine, items)
         for index, item in enumerate(items):
-            if not isinstance(item, ImageInput):
-                self.check_chars(item, f"{what}[{index}]")
+            self.check_chars(item.text if isinstance(item, ImageInput) else item, f"{what}[{index}]")
         return items
 
     def check_images(self, engine: Engine, items: list, first_index: int = 0) -> None:

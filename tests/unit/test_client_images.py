@@ -1,4 +1,5 @@
-"""The client's and CLI's images: bytes or file paths, sent in order after the texts, cut into requests within
+"""The client's and CLI's images: bytes or file paths (an (image, text) pair: one item with its image_text), sent in
+order after the texts, cut into requests within
 the server's batch size and --max-images-per-request; page images for multi-vector and rerank; a file that
 cannot be read is named before any call."""
 
@@ -87,6 +88,17 @@ def test_images_follow_the_texts_within_the_server_limits(recording, kind, tmp_p
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
+def test_an_image_with_its_text_is_one_item(recording, kind, tmp_path):
+    servicer, target = recording
+    (tmp_path / "page.png").write_bytes(bytes([7]))
+    images = [(bytes([1]), "what is shown"), bytes([2]), (tmp_path / "page.png", "a page")]
+    vectors = call(kind, target, "embed", ["10"], images=images)
+    np.testing.assert_array_equal(vectors[:, 0], [10, -1, -2, -7])
+    sent = {item.image[0]: item.image_text for r in servicer.requests for item in r.items if item.HasField("image")}
+    assert sent == {1: "what is shown", 2: "", 7: "a page"}
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
 def test_page_images_for_multi_vector_and_rerank(recording, kind):
     servicer, target = recording
     arrays = call(kind, target, "embed_multi_vector", ["3"], images=[bytes([4]), bytes([6]), bytes([8])])
@@ -106,6 +118,8 @@ def test_unreadable_images_and_wrong_types_are_named(recording, tmp_path):
             client.embed(images=[3])
         with pytest.raises(TypeError, match="images must be a sequence of images"):
             client.embed(images=b"one image")
+        with pytest.raises(TypeError, match=r"images\[1\] must be an image or an \(image, text\) pair"):
+            client.embed(images=[b"x", (b"y", 3)])
         with pytest.raises(ValueError, match="give documents or document_images, not both"):
             client.rerank("q", ["d"], document_images=[b"x"])
 

@@ -1,5 +1,6 @@
-"""The OpenAI face's image inputs: data URLs decoded, every other URL refused with a message naming the input,
-and vLLM's messages form (one content part, one embedding)."""
+"""The HTTP faces' image inputs: data URLs decoded, every other URL refused with a message naming the input;
+one input's content parts (a text, an image, or an image then one text part: ImageInput.text), others refused
+saying what to send; vLLM's messages form (one message's content, one embedding)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ import base64
 import pytest
 
 from embedserv.errors import InvalidInput
-from embedserv.server.http.image_inputs import ImagePart, Message, TextPart, image_of_url, input_items, message_item
+from embedserv.server.http.image_inputs import (
+    ImagePart,
+    Message,
+    TextPart,
+    content_item,
+    image_of_url,
+    input_items,
+    message_item,
+)
 from embedserv.types import ImageInput
 
 DATA = b"\x89PNG\r\n\x1a\n some bytes"
@@ -57,12 +66,46 @@ def test_input_items_keep_order_and_name_the_bad_one():
         input_items(["first", _part("http://host/x.png")])
 
 
-def test_the_messages_form_takes_one_part():
-    image = Message.model_validate({"role": "user", "content": [{"type": "image_url", "image_url": {"url": URL}}]})
-    assert message_item([image]) == ImageInput(DATA)
+def _text(text: str) -> TextPart:
+    return TextPart(type="text", text=text)
+
+
+def test_input_items_may_be_an_image_then_its_text():
+    items = input_items(["first", [_part(URL), _text("what is shown")], [_text("alone")], [_part(URL)]])
+    assert items == ["first", ImageInput(DATA, "what is shown"), "alone", ImageInput(DATA)]
+
+
+@pytest.mark.parametrize(
+    ("parts", "says"),
+    [
+        ([], "input 3 holds no content part; send a text part, an image_url part, or both"),
+        ([_part(URL), _part(URL)], "input 3 holds 2 images; one input embeds one image (with its text after it)"),
+        ([_part(URL), _text("a"), _part(URL)], "input 3 holds 2 images"),
+        ([_text("a"), _text("b")], "input 3 holds 2 text parts; join them into one text part"),
+        ([_text("a"), _part(URL)], "the image_url part first, then one text part"),
+        ([_part(URL), _text("a"), _text("b")], "it holds image_url, text, text"),
+    ],
+)
+def test_other_content_is_refused_saying_what_to_send(parts, says):
+    with pytest.raises(InvalidInput) as error:
+        content_item(parts, "input 3")
+    assert says in str(error.value)
+
+
+def _message(*parts, role: str = "user") -> Message:
+    return Message.model_validate({"role": role, "content": [part.model_dump() for part in parts]})
+
+
+def test_the_messages_form_takes_one_messages_content():
+    assert message_item([_message(_part(URL))]) == ImageInput(DATA)
     assert message_item([Message(role="user", content="a photo of a cat")]) == "a photo of a cat"
-    two = Message.model_validate(
-        {"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": URL}}]}
-    )
-    with pytest.raises(InvalidInput, match="messages hold 2 content parts; this form embeds one text or one image"):
-        message_item([two])
+    assert message_item([_message(_part(URL), _text("what is shown"))]) == ImageInput(DATA, "what is shown")
+    # A message with no parts holds nothing to embed, and is passed over.
+    assert message_item([_message(role="system"), _message(_part(URL))]) == ImageInput(DATA)
+    with pytest.raises(InvalidInput, match="input 0 holds 2 images; one input embeds one image"):
+        message_item([_message(_part(URL), _part(URL), _text("x"))])
+    with pytest.raises(InvalidInput, match="input 0: an input with an image holds the image_url part first"):
+        message_item([_message(_text("x"), _part(URL))])
+    spread = [Message(role="system", content="be brief"), _message(_part(URL), _text("x"))]
+    with pytest.raises(InvalidInput, match=r"messages hold content in 2 messages; .*prompt_name picks"):
+        message_item(spread)

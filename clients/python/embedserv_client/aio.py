@@ -62,7 +62,7 @@ class AsyncClient(ClientSettings):
         self,
         texts: str | Sequence[str] = (),
         *,
-        images: Sequence[ImageLike] | None = None,
+        images: Sequence[ImageLike | tuple[ImageLike, str]] | None = None,
         model: str | None = None,
         normalize: bool | None = None,
         truncate: bool | None = None,
@@ -94,7 +94,7 @@ class AsyncClient(ClientSettings):
         )
         deadline = self.deadline(timeout)
         if images is not None:
-            plan = embed_items_plan(items, image_bytes(images), *(await self._image_sizes(deadline)), **fields)
+            plan = embed_items_plan(items, images, *(await self._image_sizes(deadline)), **fields)
             return await self._run(plan, deadline)
         return await self._run(plans.embed_plan(items, await self._batch_size(deadline), single, **fields), deadline)
 

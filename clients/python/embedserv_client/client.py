@@ -74,7 +74,7 @@ class Client(ClientSettings):
         self,
         texts: str | Sequence[str] = (),
         *,
-        images: Sequence[ImageLike] | None = None,
+        images: Sequence[ImageLike | tuple[ImageLike, str]] | None = None,
         model: str | None = None,
         normalize: bool | None = None,
         truncate: bool | None = None,
@@ -98,14 +98,15 @@ class Client(ClientSettings):
         keeps the largest values of the sparse output. `task` picks the model's task adapter (ListModels'
         adapters, e.g. "retrieval.query") and that task's prompt. `bypass_cache` neither reads nor fills the
         server's embedding cache (--embedding-cache). `images` (encoded PNG / JPEG / WebP bytes, or file
-        paths) for models whose ModelInfo.modalities include "image": their rows follow the texts' rows, and
-        the result is a matrix (or EmbedOutputs) even for one string."""
+        paths; an (image, text) pair embeds the image with its text, one vector, on models that take both) for
+        models whose ModelInfo.modalities include "image": their rows follow the texts' rows, and the result is
+        a matrix (or EmbedOutputs) even for one string."""
         items, single = plans.as_list(texts, "texts")
         options = (normalize, truncate, truncation_direction, dimensions, prompt_name, encoding, outputs, chunking)
         fields = plans.embed_fields(self.model_name(model), *options, sparse_top_k, task, bypass_cache)
         deadline = self.deadline(timeout)
         if images is not None:
-            plan = embed_items_plan(items, image_bytes(images), *(self._image_sizes(deadline)), **fields)
+            plan = embed_items_plan(items, images, *(self._image_sizes(deadline)), **fields)
             return self._run(plan, deadline)
         return self._run(plans.embed_plan(items, self._batch_size(deadline), single, **fields), deadline)
 

@@ -17,6 +17,9 @@ from embedserv_client.v1 import embedserv_pb2 as pb
 
 # An image: its encoded bytes (PNG, JPEG, WebP), or the path of a file holding them.
 ImageLike = bytes | bytearray | memoryview | str | os.PathLike
+# An image to embed, or (image, text): the image with text after it, one vector for both (InputItem.image_text; for
+# vision-language embedders such as GME / DSE on Qwen2-VL, others refuse it).
+EmbedImage = ImageLike | tuple[ImageLike, str]
 
 
 def image_bytes(images: Iterable[ImageLike], what: str = "images") -> list[bytes]:
@@ -37,15 +40,30 @@ def image_bytes(images: Iterable[ImageLike], what: str = "images") -> list[bytes
     return result
 
 
+def image_items(images: Iterable[EmbedImage]) -> list[tuple[bytes, str]]:
+    """embed's images as (bytes, text after the image); "" for an image alone."""
+    if isinstance(images, (str, bytes, os.PathLike)):
+        raise TypeError(f"images must be a sequence of images (bytes or file paths), not one {type(images).__name__}")
+    pairs = [image if isinstance(image, tuple) else (image, "") for image in images]
+    for index, pair in enumerate(pairs):
+        if len(pair) != 2 or not isinstance(pair[1], str):
+            raise TypeError(f"images[{index}] must be an image or an (image, text) pair with a str text")
+    return list(zip(image_bytes([image for image, _ in pairs]), [text for _, text in pairs], strict=True))
+
+
 def image_batch_size(size: int, max_images: int) -> int:
     """Images one request may carry: the batch size, within the server's images-per-request limit (0 from a
     server that takes no images: the batch size, and the server says why it refuses them)."""
     return min(size, max_images) if max_images > 0 else size
 
 
-def embed_items_plan(texts: list[str], images: list[bytes], size: int, image_size: int, **fields) -> plans.Plan:
-    """Texts then images as EmbedRequest.items; the result's rows in that order."""
-    items = [pb.InputItem(text=text) for text in texts] + [pb.InputItem(image=data) for data in images]
+def embed_items_plan(
+    texts: list[str], images: Iterable[EmbedImage], size: int, image_size: int, **fields
+) -> plans.Plan:
+    """Texts then images (each with its text after it, if any) as EmbedRequest.items; the result's rows in that
+    order."""
+    items = [pb.InputItem(text=text) for text in texts]
+    items += [pb.InputItem(image=data, image_text=text) for data, text in image_items(images)]
     parts: list[list[pb.InputItem]] = [[]]
     images_in_part = 0
     for item in items:

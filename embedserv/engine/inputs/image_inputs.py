@@ -33,7 +33,10 @@ def check_call(served: ServedModel, inputs: list, params: EmbedParams) -> None:
         return
     with_text = [index for index in found if inputs[index].text]
     if with_text and not served.token_rules.takes_image_text:
-        raise InvalidInput(f"model {info.name!r} takes an image alone; input {with_text[0]} has text with its image")
+        raise InvalidInput(
+            f"model {info.name!r} takes an image alone; input {with_text[0]} has text with its image: send the text "
+            "as an input of its own (its own vector)"
+        )
     if params.chunking or params.late_chunking is not None:
         raise InvalidInput(f"chunking and late_chunking apply to texts; input {found[0]} is an image")
     if EmbedOutput.SPARSE in params.outputs:

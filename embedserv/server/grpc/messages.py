@@ -284,7 +284,8 @@ def model_info(info: ModelInfo, kv_cache: KvCacheUsage | None = None, image_limi
 
 
 def input_items(request: pb.EmbedRequest) -> list[str | ImageInput] | None:
-    """EmbedRequest.items as texts and images in order; None when the call sends `inputs` instead."""
+    """EmbedRequest.items as texts and images (with their image_text) in order; None when the call sends `inputs`
+    instead."""
     if not request.items:
         return None
     if request.inputs:
@@ -294,7 +295,12 @@ def input_items(request: pb.EmbedRequest) -> list[str | ImageInput] | None:
         kind = item.WhichOneof("kind")
         if kind is None:
             raise InvalidInput(f"items[{index}] holds neither a text nor an image; set one of them")
-        items.append(item.text if kind == "text" else ImageInput(item.image))
+        if kind == "text" and item.image_text:
+            raise InvalidInput(
+                f"items[{index}] sets image_text beside a text; image_text is the text after an image in the same "
+                "input: set image with it, or put the whole text in text"
+            )
+        items.append(item.text if kind == "text" else ImageInput(item.image, item.image_text))
     return items
 
 

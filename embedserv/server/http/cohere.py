@@ -1,6 +1,8 @@
 """Cohere's v2 API, as the cohere SDK's ClientV2 calls it: POST /v2/embed and POST /v2/rerank.
 
-/v2/embed: `texts` or `images` (data URIs, for models that take images); `input_type` picks the model's prompt
+/v2/embed: `texts`, `images` (data URIs, for models that take images) or `inputs` (each `{"content": [parts]}`:
+a text part, an image_url part, or an image_url part then a text part, one vector for the image with its text, for
+models that take text with an image; image_inputs.content_item); `input_type` picks the model's prompt
 configured for it (--input-type-prompt, the model's input_types key), else its prompt of that name, else its query
 prompt for search_query and its document / passage prompt for search_document (none: the model's default
 prompt); `embedding_types` asks for any of float, int8, uint8, binary, ubinary and base64 (float32 bytes) from one
@@ -21,9 +23,9 @@ from fastapi import APIRouter, Request
 from pydantic import Field, StrictStr
 
 from embedserv.errors import InvalidInput
-from embedserv.server.http.common import RequestBody, call_of, engine_for_task, engine_named, frontend_of
+from embedserv.server.http.common import Body, RequestBody, call_of, engine_for_task, engine_named, frontend_of
 from embedserv.server.http.error_responses import JSON
-from embedserv.server.http.image_inputs import image_of_url
+from embedserv.server.http.image_inputs import ContentPart, content_item, image_of_url
 from embedserv.server.http.openai import vectors_json
 from embedserv.server.http.scoring import rerank_documents
 from embedserv.types import EmbedParams, Encoding, ImageInput, ModelInfo, RerankParams, Task, TruncationDirection
@@ -46,10 +48,15 @@ _PROMPTS = {
 }
 
 
+class EmbedInput(Body):
+    content: list[ContentPart] = Field(description="A text part, an image_url part, or an image then its text.")
+
+
 class EmbedV2Request(RequestBody):
     model: str | None = Field(None, description="A served model name; absent: the first served model.")
     texts: list[StrictStr] | None = Field(None, description="The texts to embed (or images).")
     images: list[StrictStr] | None = Field(None, description="Images as data URIs, for models that take images.")
+    inputs: list[EmbedInput] | None = Field(None, description="Inputs of content parts (or texts or images).")
     input_type: InputType | None = Field(None, description="Picks the model's prompt for the inputs' role.")
     embedding_types: list[EmbeddingType] = Field(["float"], min_length=1, description="The encodings to return.")
     output_dimension: int | None = Field(None, ge=1, description="Keep the first N dimensions (Matryoshka).")
@@ -76,10 +83,15 @@ def prompt_for(info: ModelInfo, input_type: str | None) -> str | None:
 
 
 def _inputs(body: EmbedV2Request) -> tuple[str, list[str | ImageInput]]:
-    if (body.texts is None) == (body.images is None):
-        raise InvalidInput("send texts or images, one of the two (inputs is not served)")
+    given = [name for name in ("texts", "images", "inputs") if getattr(body, name) is not None]
+    if len(given) != 1:
+        raise InvalidInput(
+            f"send texts, images or inputs, one of the three (the call sends {' and '.join(given) or 'none'})"
+        )
     if body.texts is not None:
         return "texts", list(body.texts)
+    if body.inputs is not None:
+        return "inputs", [content_item(item.content, f"inputs[{i}]") for i, item in enumerate(body.inputs)]
     return "images", [image_of_url(url, f"images[{i}]") for i, url in enumerate(body.images or ())]
 
 

@@ -1,9 +1,11 @@
-"""Images on the OpenAI face: content parts in the shape vLLM's multimodal embeddings take, and data URLs.
+"""Images on the HTTP faces: content parts in the shape vLLM's multimodal embeddings take, and data URLs.
 
 `{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}` and `{"type": "text", "text": ...}`
 come either as `messages` (vLLM's form: one embedding for the message's content) or, as our extension, as
-items of `input` (one embedding per item). Only data URLs are read: an http(s) URL is refused, never fetched,
-so a call cannot make the server reach another host.
+items of `input` (one embedding per item: a part, or a list of parts for an image with its text); Cohere v2's
+`inputs` carry the same parts. One input's parts are a text, an image, or an image then one text part (one
+vector for both, for models that take text with an image: ImageInput.text). Only data URLs are read: an http(s)
+URL is refused, never fetched, so a call cannot make the server reach another host.
 """
 
 from __future__ import annotations
@@ -69,8 +71,11 @@ def image_of_url(url: str, what: str) -> ImageInput:
 
 
 def input_items(inputs: list) -> list[str | ImageInput]:
-    """`input`'s items (texts and content parts) as texts and images, in order."""
-    return [_item(value, f"input {index}") for index, value in enumerate(inputs)]
+    """`input`'s items (texts, content parts, lists of content parts) as texts and images, in order."""
+    return [
+        content_item(value, f"input {index}") if isinstance(value, list) else _item(value, f"input {index}")
+        for index, value in enumerate(inputs)
+    ]
 
 
 def _item(value: str | ImagePart | TextPart, what: str) -> str | ImageInput:
@@ -81,13 +86,45 @@ def _item(value: str | ImagePart | TextPart, what: str) -> str | ImageInput:
     return image_of_url(value.image_url.url, what)
 
 
-def message_item(messages: list[Message]) -> str | ImageInput:
-    """vLLM's messages form: the one text or image its content holds, for a model embedding either one
-    (CLIP / SigLIP); more parts than one are refused rather than silently joined."""
-    parts = [part for m in messages for part in ([m.content] if isinstance(m.content, str) else m.content)]
-    if len(parts) != 1:
+def content_item(parts: list, what: str) -> str | ImageInput:
+    """One input's content parts (plain strings count as text parts) as a text, an image, or an image with the
+    text after it. Anything else is refused rather than joined or reordered: the model reads an image, then its
+    text, so the order of the parts is what it embeds."""
+    images = [index for index, part in enumerate(parts) if isinstance(part, ImagePart)]
+    if not parts:
+        raise InvalidInput(f"{what} holds no content part; send a text part, an image_url part, or both")
+    if len(images) > 1:
         raise InvalidInput(
-            f"messages hold {len(parts)} content parts; this form embeds one text or one image. For one "
-            "embedding each, send them as items of input instead (content parts or texts)"
+            f"{what} holds {len(images)} images; one input embeds one image (with its text after it): send each "
+            "image as an input of its own"
         )
-    return _item(parts[0], "input 0")
+    if len(parts) == 1:
+        return _item(parts[0], what)
+    if not images:
+        raise InvalidInput(f"{what} holds {len(parts)} text parts; join them into one text part")
+    if images[0] != 0 or len(parts) > 2:
+        raise InvalidInput(
+            f"{what}: an input with an image holds the image_url part first, then one text part (the text the model "
+            f"reads after the image); it holds {_kinds(parts)}"
+        )
+    image = image_of_url(parts[0].image_url.url, what)
+    return ImageInput(image.data, parts[1] if isinstance(parts[1], str) else parts[1].text)
+
+
+def _kinds(parts: list) -> str:
+    return ", ".join("image_url" if isinstance(part, ImagePart) else "text" for part in parts)
+
+
+def message_item(messages: list[Message]) -> str | ImageInput:
+    """vLLM's messages form: one message's content (a text, an image, or an image then its text) as one input.
+    Content spread over several messages is refused: the model's own framing supplies the system turn
+    (prompt_name picks its instruction)."""
+    holding = [m for m in messages if isinstance(m.content, str) or m.content]
+    if len(holding) != 1:
+        raise InvalidInput(
+            f"messages hold content in {len(holding)} messages; this form embeds one message's content (a text, an "
+            "image, or an image then its text; prompt_name picks a model's instruction). For one embedding each, "
+            "send them as items of input instead"
+        )
+    content = holding[0].content
+    return content_item([content] if isinstance(content, str) else content, "input 0")

@@ -51,13 +51,16 @@ class EmbeddingsBody(RequestBody):
     (input, model, dimensions, encoding_format, user) are OpenAI's own. Numbers and booleans are strict."""
 
     model_config = ConfigDict(extra="forbid")
-    input: str | list[str] | list[int] | list[list[int]] | list[str | ContentPart] | None = Field(
+    input: str | list[str] | list[int] | list[list[int]] | list[str | ContentPart | list[ContentPart]] | None = Field(
         None,
         description="A text, a list of texts, token ids, or a list of token-id lists (used as given); extension: "
-        "a list whose items may be content parts (image_url data URLs, text) for models that take images.",
+        "a list whose items may be content parts (image_url data URLs, text) for models that take images, or "
+        "lists of parts (an image_url part, then one text part: one vector for the image with its text).",
     )
     messages: list[Message] | None = Field(
-        None, description="vLLM's multimodal form instead of input: one text or image_url part, one embedding."
+        None,
+        description="vLLM's multimodal form instead of input: one message whose content is a text, an image_url "
+        "part, or an image_url part then a text part; one embedding.",
     )
     model: str | None = Field(None, description="A served model name; empty or absent: the first served model.")
     encoding_format: Literal["float", "base64"] = "float"
@@ -187,9 +190,16 @@ def _items_of(body: EmbeddingsBody) -> list[str | ImageInput] | None:
         raise InvalidInput("send input (texts, token ids or content parts) or messages, one of the two")
     if body.messages is not None:
         return [message_item(body.messages)]
-    if isinstance(body.input, list) and any(isinstance(value, (ImagePart, TextPart)) for value in body.input):
+    if isinstance(body.input, list) and any(_is_content(value) for value in body.input):
         return input_items(body.input)
     return None
+
+
+def _is_content(value: object) -> bool:
+    """A content part, or a list of them (token-id lists hold ints)."""
+    if isinstance(value, list):
+        return bool(value) and isinstance(value[0], (ImagePart, TextPart))
+    return isinstance(value, (ImagePart, TextPart))
 
 
 def _check_items(frontend: Frontend, engine: Engine, items: list, params: EmbedParams) -> None:
@@ -200,8 +210,7 @@ def _check_items(frontend: Frontend, engine: Engine, items: list, params: EmbedP
     if has_images and (params.chunking or params.late_chunking is not None):
         raise InvalidInput("chunking and late_chunking apply to texts only; send the images without them")
     for index, item in enumerate(items):
-        if isinstance(item, str):
-            frontend.check_chars(item, f"input[{index}]")
+        frontend.check_chars(item.text if isinstance(item, ImageInput) else item, f"input[{index}]")
 
 
 def _checked_count(inputs: list) -> list:

@@ -173,12 +173,14 @@ class EmbedRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., normalize: _Optional[bool] = ..., truncate: _Optional[bool] = ..., truncation_direction: _Optional[_Union[TruncationDirection, str]] = ..., dimensions: _Optional[int] = ..., prompt_name: _Optional[str] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., chunking: _Optional[_Union[Chunking, str]] = ..., sparse_top_k: _Optional[int] = ..., task: _Optional[str] = ..., late_chunking: _Optional[_Union[LateChunking, _Mapping]] = ..., bypass_cache: _Optional[bool] = ..., items: _Optional[_Iterable[_Union[InputItem, _Mapping]]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class InputItem(_message.Message):
-    __slots__ = ("text", "image")
+    __slots__ = ("text", "image", "image_text")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_TEXT_FIELD_NUMBER: _ClassVar[int]
     text: str
     image: bytes
-    def __init__(self, text: _Optional[str] = ..., image: _Optional[bytes] = ...) -> None: ...
+    image_text: str
+    def __init__(self, text: _Optional[str] = ..., image: _Optional[bytes] = ..., image_text: _Optional[str] = ...) -> None: ...
 
 class CharSpans(_message.Message):
     __slots__ = ("spans",)

@@ -1,0 +1,178 @@
+"""An image with its text as one input over every face of one in-process server serving a tiny random-weight
+Qwen2-VL embedder (tests/helpers/qwen_vl_models.py) beside a tiny CLIP: gRPC items (image + image_text), OpenAI's
+messages form (an image_url part, then a text part) and `input` items that are lists of content parts, Cohere v2
+`inputs` (the cohere SDK's ClientV2) and the Python client's (image, text) pairs all give Engine.embed's vectors for
+ImageInput(data, text), which tests/models/test_qwen_vl_embed_engine.py pins to transformers. The refusals say what to
+change: image_text beside a text, text with an image on CLIP (which embeds an image alone), several images or text
+before the image in one input, an image's text past --max-input-chars."""
+
+from __future__ import annotations
+
+import base64
+
+import cohere
+import grpc
+import httpx
+import numpy as np
+import pytest
+
+from embedserv.types import EmbedParams, ImageInput
+from embedserv_client import Client
+from tests.helpers.client import RPC_TIMEOUT_S, inference_stub, response_matrix
+from tests.helpers.inprocess import in_process_server
+from tests.helpers.qwen_vl_models import build_tiny_qwen_vl
+from tests.helpers.server import free_port
+from tests.helpers.vision_language_models import page_image
+from tests.helpers.vision_models import save_dual_encoder
+
+QWEN, CLIP = "tiny-qwen2-vl", "tiny-clip"
+MAX_CHARS = 500
+ATOL = 1e-5
+WIDE = page_image(56, 84, seed=1)
+TALL = page_image(112, 56, seed=2, fmt="JPEG")
+# Texts and images, some with text after them, as the engine takes them.
+INPUTS = [
+    "what is a socket",
+    ImageInput(WIDE, "what does the chart show"),
+    ImageInput(TALL),
+    ImageInput(TALL, "a receipt"),
+]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    qwen_dir = build_tiny_qwen_vl(tmp_path_factory.mktemp("qwen2_vl"), "qwen2_vl")
+    clip_dir = save_dual_encoder(tmp_path_factory.mktemp("clip") / "clip", "clip")
+    http_port = free_port()
+    args = [
+        "--model", str(qwen_dir), "--served-model-name", QWEN,
+        "--model", str(clip_dir), "--served-model-name", CLIP,
+        "--dtype", "float32", "--device", "cpu", "--http-port", str(http_port), "--max-input-chars", str(MAX_CHARS),
+    ]  # fmt: skip
+    with in_process_server(args) as (target, handle):
+        yield target, f"http://127.0.0.1:{http_port}", handle
+
+
+@pytest.fixture(scope="module")
+def stub(served):
+    with grpc.insecure_channel(served[0]) as channel:
+        yield inference_stub(channel)
+
+
+@pytest.fixture(scope="module")
+def http(served):
+    with httpx.Client(base_url=served[1], timeout=RPC_TIMEOUT_S) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def expected(served) -> np.ndarray:
+    """Engine.embed of INPUTS on the server's own loop: one row per input."""
+    engine = served[2].server.frontend.models.get(QWEN)
+    rows = served[2].call(engine.embedding.embed(INPUTS, EmbedParams()), RPC_TIMEOUT_S).embeddings
+    assert rows.shape == (4, 64)
+    return rows
+
+
+def _pb():
+    from embedserv.v1 import embedserv_pb2
+
+    return embedserv_pb2
+
+
+def _grpc_item(item):
+    pb = _pb()
+    if isinstance(item, str):
+        return pb.InputItem(text=item)
+    return pb.InputItem(image=item.data, image_text=item.text)
+
+
+def _url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def _parts(item) -> list[dict]:
+    """One input as OpenAI / Cohere content parts: the image first, then its text."""
+    if isinstance(item, str):
+        return [{"type": "text", "text": item}]
+    image = {"type": "image_url", "image_url": {"url": _url(item.data)}}
+    return [image, {"type": "text", "text": item.text}] if item.text else [image]
+
+
+def _http_error(reply, key=("error", "message")) -> str:
+    assert reply.status_code == 400, reply.text
+    body = reply.json()
+    return body[key[0]][key[1]] if key[0] == "error" else body[key[0]]
+
+
+def test_the_text_after_an_image_changes_its_vector(expected):
+    assert not np.allclose(expected[2], expected[3], atol=1e-3)
+
+
+def test_grpc_items_with_image_text(stub, expected):
+    pb = _pb()
+    request = pb.EmbedRequest(model=QWEN, items=[_grpc_item(item) for item in INPUTS], encoding=pb.ENCODING_BYTES)
+    got = response_matrix(stub.Embed(request, timeout=RPC_TIMEOUT_S))
+    np.testing.assert_allclose(got, expected, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("index", [1, 2, 3])
+def test_openai_messages_with_an_image_and_its_text(http, expected, index):
+    body = {"model": QWEN, "messages": [{"role": "user", "content": _parts(INPUTS[index])}]}
+    reply = http.post("/v1/embeddings", json=body)
+    assert reply.status_code == 200, reply.text
+    np.testing.assert_allclose(reply.json()["data"][0]["embedding"], expected[index], rtol=0, atol=ATOL)
+
+
+def test_openai_input_items_as_lists_of_parts(http, expected):
+    items = [INPUTS[0], _parts(INPUTS[1]), _parts(INPUTS[2])[0], _parts(INPUTS[3])]
+    reply = http.post("/v1/embeddings", json={"model": QWEN, "input": items})
+    assert reply.status_code == 200, reply.text
+    got = np.array([row["embedding"] for row in reply.json()["data"]])
+    np.testing.assert_allclose(got, expected, rtol=0, atol=ATOL)
+
+
+def test_cohere_v2_inputs_through_the_sdk(served, expected):
+    client = cohere.ClientV2(base_url=served[1], api_key="unused", timeout=RPC_TIMEOUT_S)
+    inputs = [cohere.EmbedInput(content=_parts(item)) for item in INPUTS]
+    reply = client.embed(model=QWEN, input_type="search_document", inputs=inputs, embedding_types=["float"])
+    np.testing.assert_allclose(np.array(reply.embeddings.float_), expected, rtol=0, atol=ATOL)
+
+
+def test_the_client_sends_image_and_text_pairs(served, expected):
+    with Client(served[0], model=QWEN) as client:
+        got = client.embed([INPUTS[0]], images=[(WIDE, INPUTS[1].text), TALL, (TALL, INPUTS[3].text)])
+    np.testing.assert_allclose(got, expected, rtol=0, atol=ATOL)
+
+
+def _grpc_refusal(stub, model: str, items: list) -> str:
+    with pytest.raises(grpc.RpcError) as error:
+        stub.Embed(_pb().EmbedRequest(model=model, items=items), timeout=RPC_TIMEOUT_S)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    return error.value.details()
+
+
+def test_grpc_refusals_say_what_to_change(stub):
+    pb = _pb()
+    beside_text = _grpc_refusal(stub, QWEN, [pb.InputItem(image=WIDE), pb.InputItem(text="x", image_text="y")])
+    assert "items[1] sets image_text beside a text" in beside_text and "set image with it" in beside_text
+    on_clip = _grpc_refusal(stub, CLIP, [pb.InputItem(text="x"), pb.InputItem(image=WIDE, image_text="y")])
+    assert f"model '{CLIP}' takes an image alone; input 1 has text with its image: send the text as an input" in (
+        on_clip
+    )
+    too_long = _grpc_refusal(stub, QWEN, [pb.InputItem(image=WIDE, image_text="x" * (MAX_CHARS + 1))])
+    assert f"items[0] has {MAX_CHARS + 1} characters, more than the server's --max-input-chars" in too_long
+
+
+def test_http_refusals_say_what_to_change(http):
+    image, text = _parts(INPUTS[1])
+    two_images = http.post("/v1/embeddings", json={"model": QWEN, "messages": [{"content": [image, image, text]}]})
+    assert "input 0 holds 2 images; one input embeds one image" in _http_error(two_images)
+    text_first = http.post("/v1/embeddings", json={"model": QWEN, "input": [[text, image]]})
+    assert "input 0: an input with an image holds the image_url part first" in _http_error(text_first)
+    on_clip = http.post("/v2/embed", json={"model": CLIP, "inputs": [{"content": [image, text]}]})
+    assert f"model '{CLIP}' takes an image alone; input 0 has text" in _http_error(on_clip, ("message", ""))
+    both = http.post("/v2/embed", json={"model": QWEN, "texts": ["x"], "inputs": [{"content": [text]}]})
+    assert "send texts, images or inputs, one of the three (the call sends texts and inputs)" in _http_error(
+        both, ("message", "")
+    )

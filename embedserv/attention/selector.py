@@ -37,6 +37,11 @@ class AttentionSpec:
     disentangled: bool = False
 
 
+# Head sizes the cpu_varlen kernel is chosen for (it computes any): where benchmarks/attention_kernels.py
+# measured it.
+CPU_VARLEN_HEAD_SIZES = (32, 128)
+
+
 def _has_module(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None
@@ -115,6 +120,25 @@ def _varlen_reason(spec: AttentionSpec) -> str | None:
     return _flash_kernel_reason(spec, "torch.nn.attention.varlen")
 
 
+def _cpu_varlen_reason(spec: AttentionSpec) -> str | None:
+    if spec.relative_bias:
+        return _relative_bias_reason("cpu_varlen")
+    if spec.disentangled:
+        return _disentangled_reason("cpu_varlen")
+    if spec.device.type != "cpu":
+        return f"cpu_varlen runs on CPU only (device is {spec.device})"
+    if spec.dtype not in (torch.float32, torch.bfloat16):
+        return f"cpu_varlen runs float32 and bfloat16, not {str(spec.dtype).removeprefix('torch.')}"
+    if not CPU_VARLEN_HEAD_SIZES[0] <= spec.head_size <= CPU_VARLEN_HEAD_SIZES[1]:
+        low, high = CPU_VARLEN_HEAD_SIZES
+        return f"cpu_varlen serves head sizes {low} to {high} (measured there), not {spec.head_size}"
+    from embedserv.attention.backends.cpu_varlen_kernel import compiler
+
+    if compiler() is None:
+        return "cpu_varlen is compiled at first use and no C++ compiler is on PATH"
+    return None
+
+
 def _flash_attn_reason(spec: AttentionSpec) -> str | None:
     if spec.relative_bias:
         return _relative_bias_reason("flash-attn")
@@ -130,6 +154,7 @@ def _flash_attn_reason(spec: AttentionSpec) -> str | None:
 _REGISTRY: dict[str, tuple[str, str, Callable[[AttentionSpec], str | None]]] = {
     "flash_attn": ("embedserv.attention.backends.flash_attn", "FlashAttnBackend", _flash_attn_reason),
     "varlen": ("embedserv.attention.backends.varlen", "VarlenBackend", _varlen_reason),
+    "cpu_varlen": ("embedserv.attention.backends.cpu_varlen", "CpuVarlenBackend", _cpu_varlen_reason),
     "sdpa": ("embedserv.attention.backends.sdpa", "SdpaBackend", _sdpa_reason),
     "flex": ("embedserv.attention.backends.flex", "FlexBackend", _flex_reason),
     "naive": ("embedserv.attention.backends.naive", "NaiveBackend", _naive_reason),

@@ -159,6 +159,27 @@ inline void widen(const T* src, float* dst, int n) {
   for (int i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// qt[d][r] = q[r][d] for `rows` rows of q (at stride ld), through at::vec's transpose (16 x 16 blocks on
+// AVX-512); bfloat16 rows are widened into `rows_buf` first.
+inline void load_queries(const float* q, int64_t ld, int rows, int D, float*, float* qt) {
+  at::vec::transpose_mxn<float>(q, ld, qt, QT, rows, D);
+}
+
+inline void load_queries(const at::BFloat16* q, int64_t ld, int rows, int D, float* rows_buf, float* qt) {
+  for (int r = 0; r < rows; ++r) widen(q + r * ld, rows_buf + r * D, D);
+  at::vec::transpose_mxn<float>(rows_buf, D, qt, QT, rows, D);
+}
+
+// out[r][d] = ot[d][r], the inverse of load_queries.
+inline void store_output(const float* ot, int rows, int D, float*, float* out, int64_t ld) {
+  at::vec::transpose_mxn<float>(ot, QT, out, ld, D, rows);
+}
+
+inline void store_output(const float* ot, int rows, int D, float* rows_buf, at::BFloat16* out, int64_t ld) {
+  at::vec::transpose_mxn<float>(ot, QT, rows_buf, D, D, rows);
+  for (int r = 0; r < rows; ++r) at::vec::convert(rows_buf + r * D, out + r * ld, D);
+}
+
 struct Task {
   int64_t seq, head, row0, rows;  // rows [row0, row0 + rows) of the sequence's queries
 };
@@ -176,10 +197,10 @@ struct Problem {
 
 // Per-thread scratch: the task's tiles (queries, outputs, maxima, sums), one block of scores, widened keys.
 struct Scratch {
-  std::vector<float> qt, ot, m, l, s, kbuf, vbuf;
+  std::vector<float> qt, ot, m, l, s, kbuf, vbuf, rows;
   Scratch(int D) :
       qt(MAX_TILES * D * QT), ot(MAX_TILES * D * QT), m(MAX_TILES * QT), l(MAX_TILES * QT), s(KEY_BLOCK * QT),
-      kbuf(KEY_BLOCK * D), vbuf(KEY_BLOCK * D) {}
+      kbuf(KEY_BLOCK * D), vbuf(KEY_BLOCK * D), rows(QT * D) {}
 };
 
 template <typename T>
@@ -193,13 +214,20 @@ void run_task(const Problem<T>& pb, const Task& t, Scratch& sc) {
   const int64_t kv_head = t.head / pb.group;
   const T* k = pb.k + pb.k_start[t.seq] * pb.k_row + kv_head * pb.k_head;
   const T* v = pb.v + pb.k_start[t.seq] * pb.v_row + kv_head * pb.v_head;
-  std::fill(sc.qt.begin(), sc.qt.begin() + tiles * D * QT, 0.f);
-  std::fill(sc.ot.begin(), sc.ot.begin() + tiles * D * QT, 0.f);
   std::fill(sc.m.begin(), sc.m.begin() + tiles * QT, NEG_INF);
   std::fill(sc.l.begin(), sc.l.begin() + tiles * QT, 0.f);
-  for (int64_t r = 0; r < t.rows; ++r) {
-    float* col = sc.qt.data() + (r / QT) * D * QT + r % QT;
-    for (int d = 0; d < D; ++d) col[d * QT] = static_cast<float>(q[r * pb.q_row + d]) * pb.scale;
+  for (int tile = 0; tile < tiles; ++tile) {
+    const int rows = static_cast<int>(std::min<int64_t>(QT, t.rows - tile * QT));
+    const int lanes = (rows + VL - 1) / VL * VL;
+    float* qt = sc.qt.data() + tile * D * QT;
+    load_queries(q + tile * QT * pb.q_row, pb.q_row, rows, D, sc.rows.data(), qt);
+    for (int d = 0; d < D; ++d) {
+      float* lane = qt + d * QT;
+      for (int v = 0; v < lanes; v += VL) (Vec::loadu(lane + v) * Vec(pb.scale)).store(lane + v);
+      // Padding lanes hold zeros: finite scores, never written out.
+      std::fill(lane + rows, lane + lanes, 0.f);
+      std::fill(sc.ot.data() + tile * D * QT + d * QT, sc.ot.data() + tile * D * QT + d * QT + lanes, 0.f);
+    }
   }
   const int64_t first = offset + t.row0, last = first + t.rows - 1;
   const int64_t lo = pb.vis.lo(first), hi = pb.vis.hi(last, len_k);
@@ -237,11 +265,17 @@ void run_task(const Problem<T>& pb, const Task& t, Scratch& sc) {
     }
   }
   T* out = pb.out + (pb.q_start[t.seq] + t.row0) * pb.o_row + t.head * pb.o_head;
-  for (int64_t r = 0; r < t.rows; ++r) {
-    const float* col = sc.ot.data() + (r / QT) * D * QT + r % QT;
-    const float sum = sc.l[(r / QT) * QT + r % QT];
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    for (int d = 0; d < D; ++d) out[r * pb.o_row + d] = static_cast<T>(col[d * QT] * inv);
+  for (int tile = 0; tile < tiles; ++tile) {
+    const int rows = static_cast<int>(std::min<int64_t>(QT, t.rows - tile * QT));
+    float* ot = sc.ot.data() + tile * D * QT;
+    const float* l = sc.l.data() + tile * QT;
+    for (int v = 0; v < rows; v += VL) {
+      const Vec sum = Vec::loadu(l + v);
+      // A query that saw no key (none does: each sees itself or, cross, its encoder) would give 0, not NaN.
+      const Vec inv = Vec::blendv(Vec(1.f) / sum, Vec(0.f), sum == Vec(0.f));
+      for (int d = 0; d < D; ++d) (Vec::loadu(ot + d * QT + v) * inv).store(ot + d * QT + v);
+    }
+    store_output(ot, rows, D, sc.rows.data(), out + tile * QT * pb.o_row, pb.o_row);
   }
 }
 

@@ -40,7 +40,7 @@ CPU_ALLOCATORS = ("auto", "tcmalloc", "glibc")
 POOLING_MODES = ("cls", "mean", "lasttoken", "max", "splade")
 ATTENTION_KINDS = ("causal", "bidirectional")
 # Every attention backend embedserv has; attention/selector.py says where each runs.
-ATTENTION_BACKENDS = ("flash_attn", "varlen", "sdpa", "flex", "naive")
+ATTENTION_BACKENDS = ("flash_attn", "varlen", "cpu_varlen", "sdpa", "flex", "naive")
 # Default token budget of one forward pass on CUDA; on CPU it depends on the ISA (cpu_isa.py).
 CUDA_BATCH_TOKENS = 16384
 # KV cache of a generating model: bytes on CPU; on CUDA a fraction of the memory free after loading.

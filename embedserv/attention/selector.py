@@ -37,6 +37,16 @@ class AttentionSpec:
     disentangled: bool = False
 
 
+# Head sizes cpu_varlen runs when forced (the kernel computes any).
+CPU_VARLEN_HEAD_SIZES = (32, 128)
+# Where the selector picks cpu_varlen by itself: largest head size per dtype where it measured faster than sdpa
+# (benchmarks/attention_kernels.py --packed --cpu-time, AVX-512 + bf16, benchmarks/results/2026-11-28-avx512-
+# attention-cpu_varlen.md): float32 1.09-1.81x at 12 x 32 and 12 x 64; bfloat16 1.00-2.37x at 12 x 32 but
+# 0.76-0.88x at 12 x 64 past 16-token batches (sdpa's native bf16 matmuls; the kernel widens to float32).
+# Larger heads were not measured.
+CPU_VARLEN_PREFERRED_HEAD_SIZE = {torch.float32: 64, torch.bfloat16: 32}
+
+
 def _has_module(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None
@@ -115,6 +125,25 @@ def _varlen_reason(spec: AttentionSpec) -> str | None:
     return _flash_kernel_reason(spec, "torch.nn.attention.varlen")
 
 
+def _cpu_varlen_reason(spec: AttentionSpec) -> str | None:
+    if spec.relative_bias:
+        return _relative_bias_reason("cpu_varlen")
+    if spec.disentangled:
+        return _disentangled_reason("cpu_varlen")
+    if spec.device.type != "cpu":
+        return f"cpu_varlen runs on CPU only (device is {spec.device})"
+    if spec.dtype not in (torch.float32, torch.bfloat16):
+        return f"cpu_varlen runs float32 and bfloat16, not {str(spec.dtype).removeprefix('torch.')}"
+    if not CPU_VARLEN_HEAD_SIZES[0] <= spec.head_size <= CPU_VARLEN_HEAD_SIZES[1]:
+        low, high = CPU_VARLEN_HEAD_SIZES
+        return f"cpu_varlen serves head sizes {low} to {high} (measured there), not {spec.head_size}"
+    from embedserv.attention.backends.cpu_varlen_kernel import compiler
+
+    if compiler() is None:
+        return "cpu_varlen is compiled at first use and no C++ compiler is on PATH"
+    return None
+
+
 def _flash_attn_reason(spec: AttentionSpec) -> str | None:
     if spec.relative_bias:
         return _relative_bias_reason("flash-attn")
@@ -130,17 +159,26 @@ def _flash_attn_reason(spec: AttentionSpec) -> str | None:
 _REGISTRY: dict[str, tuple[str, str, Callable[[AttentionSpec], str | None]]] = {
     "flash_attn": ("embedserv.attention.backends.flash_attn", "FlashAttnBackend", _flash_attn_reason),
     "varlen": ("embedserv.attention.backends.varlen", "VarlenBackend", _varlen_reason),
+    "cpu_varlen": ("embedserv.attention.backends.cpu_varlen", "CpuVarlenBackend", _cpu_varlen_reason),
     "sdpa": ("embedserv.attention.backends.sdpa", "SdpaBackend", _sdpa_reason),
     "flex": ("embedserv.attention.backends.flex", "FlexBackend", _flex_reason),
     "naive": ("embedserv.attention.backends.naive", "NaiveBackend", _naive_reason),
 }
 
-# Fastest first, per device type. On CPU the per-length SDPA calls beat compiled FlexAttention on every
+# Fastest first, per device type. On CPU the cpu_varlen kernel where it measured faster
+# (CPU_VARLEN_PREFERRED_HEAD_SIZE), then the per-length SDPA calls, which beat compiled FlexAttention on every
 # mix measured; on CUDA the flash kernels take the packed batch in one launch.
 PREFERENCE = {
     "cuda": ("flash_attn", "varlen", "sdpa", "flex", "naive"),
-    "cpu": ("sdpa", "flex", "naive"),
+    "cpu": ("cpu_varlen", "sdpa", "flex", "naive"),
 }
+
+
+def _not_preferred_reason(name: str, spec: AttentionSpec) -> str | None:
+    """Why the selector passes over a backend that could run (forced, it runs): measured slower there."""
+    if name == "cpu_varlen" and spec.head_size > CPU_VARLEN_PREFERRED_HEAD_SIZE.get(spec.dtype, 0):
+        return f"cpu_varlen was not measured faster than sdpa at head size {spec.head_size} in {spec.dtype}"
+    return None
 
 
 def unsupported_reason(name: str, spec: AttentionSpec) -> str | None:
@@ -170,7 +208,7 @@ def select_backend(requested: str | None, spec: AttentionSpec) -> AttentionBacke
         return backend_class(requested)()
     reasons = []
     for name in PREFERENCE.get(spec.device.type, ("sdpa", "naive")):
-        reason = unsupported_reason(name, spec)
+        reason = unsupported_reason(name, spec) or _not_preferred_reason(name, spec)
         if reason is None:
             return backend_class(name)()
         reasons.append(f"{name}: {reason}")

@@ -20,7 +20,7 @@ from tests.helpers.matrix import matrix
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # flex-eager: FlexAttention uncompiled, the same mask logic without a compile per shape (fast to test).
-BACKENDS = ["sdpa", "flex-eager", "varlen", "flash_attn"]
+BACKENDS = ["sdpa", "cpu_varlen", "flex-eager", "varlen", "flash_attn"]
 # Lengths chosen to exercise: single tokens, equal lengths, one long among short, many buckets.
 LENGTH_MIXES = [
     [1],

@@ -25,9 +25,9 @@ from embedserv.worker.layer_routes import forward_context_for
 from tests.attention.test_backends import DEVICES, TOLERANCE, make_backend
 from tests.attention.test_paged_backends import _backend, _block_tables, _padded, _slots
 
-BACKENDS = ["sdpa", "flex-eager", "varlen", "flash_attn"]
+BACKENDS = ["sdpa", "cpu_varlen", "flex-eager", "varlen", "flash_attn"]
 # The flash kernels run half precision only: where a test has one dtype, theirs is bfloat16.
-EXACT = ("naive", "sdpa", "flex-eager", "flex")
+EXACT = ("naive", "sdpa", "cpu_varlen", "flex-eager", "flex")
 
 
 def _dtype_for(name):

@@ -30,7 +30,7 @@ MIXES = {
     "mixed": [(0, 7), (20, 1), (15, 9), (0, 1), (40, 1), (16, 16)],
     "chunks": [(32, 20), (5, 60), (63, 1)],
 }
-BACKENDS = ["naive", "sdpa", "flex-eager", "varlen", "flash_attn"]
+BACKENDS = ["naive", "sdpa", "cpu_varlen", "flex-eager", "varlen", "flash_attn"]
 
 
 def _tensors(total_lens, heads, kv_heads, head_size, dtype, device, seed=0):
@@ -224,7 +224,7 @@ def test_shared_layer_reads_what_another_wrote(name, device, mix, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 def test_sequences_sharing_prefix_blocks(name, device):
     """Prefix caching: two sequences of one step list the same first blocks (at the same positions)."""
-    dtype = torch.float32 if name in ("naive", "sdpa", "flex-eager") else torch.bfloat16
+    dtype = torch.float32 if name in ("naive", "sdpa", "cpu_varlen", "flex-eager") else torch.bfloat16
     backend, block_size = _backend(name, device, dtype, 64, 8, 2)
     shared = 2 if block_size <= 16 else 1
     mix = [(2 * block_size + 8, 1), (2 * block_size + 3, 5), (20, 1), (0, 9)]
@@ -240,7 +240,7 @@ def test_a_step_sees_only_its_own_blocks(name, device):
     """Values in blocks no sequence owns (including the padding of the block tables and of the decode
     batch) change nothing."""
     # The flash kernels run half precision only.
-    dtype = torch.float32 if name in ("naive", "sdpa", "flex-eager") else torch.bfloat16
+    dtype = torch.float32 if name in ("naive", "sdpa", "cpu_varlen", "flex-eager") else torch.bfloat16
     backend, block_size = _backend(name, device, dtype, 32, 4, 4)
     clean = Step(MIXES["mixed"], 4, 4, 32, dtype, device, block_size).run(backend)
     noisy = Step(MIXES["mixed"], 4, 4, 32, dtype, device, block_size, unowned_fill=1e4).run(backend)

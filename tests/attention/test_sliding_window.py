@@ -43,11 +43,21 @@ PAGED_MIXES = {
 BACKEND_DTYPES = [
     ("sdpa", torch.float32),
     ("sdpa", torch.bfloat16),
+    ("cpu_varlen", torch.float32),
+    ("cpu_varlen", torch.bfloat16),
     ("flex-eager", torch.float32),
     ("varlen", torch.bfloat16),
     ("flash_attn", torch.bfloat16),
 ]
-BACKEND_IDS = ["sdpa-fp32", "sdpa-bf16", "flex-eager-fp32", "varlen-bf16", "flash_attn-bf16"]
+BACKEND_IDS = [
+    "sdpa-fp32",
+    "sdpa-bf16",
+    "cpu_varlen-fp32",
+    "cpu_varlen-bf16",
+    "flex-eager-fp32",
+    "varlen-bf16",
+    "flash_attn-bf16",
+]
 
 
 def _tolerance(dtype):

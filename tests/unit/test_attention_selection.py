@@ -20,8 +20,34 @@ def test_every_configurable_backend_is_registered():
         assert set(order) <= set(ATTENTION_BACKENDS)
 
 
-def test_cpu_default_is_sdpa():
+def test_cpu_default_is_cpu_varlen_where_it_builds_else_sdpa():
+    expected = "sdpa" if unsupported_reason("cpu_varlen", CPU_FP32) else "cpu_varlen"
+    assert select_backend(None, CPU_FP32).name == expected
+
+
+def test_cpu_default_without_a_compiler_is_sdpa(monkeypatch):
+    from embedserv.attention.backends import cpu_varlen_kernel
+
+    monkeypatch.setattr(cpu_varlen_kernel, "compiler", lambda: None)
+    assert "no C++ compiler" in unsupported_reason("cpu_varlen", CPU_FP32)
     assert select_backend(None, CPU_FP32).name == "sdpa"
+
+
+@pytest.mark.parametrize(
+    ("spec", "reason"),
+    [
+        (AttentionSpec(torch.device("cpu"), torch.float16, 64, 8, 8, False), "float32 and bfloat16"),
+        (AttentionSpec(torch.device("cpu"), torch.float32, 256, 8, 8, False), "head sizes 32 to 128"),
+        (AttentionSpec(torch.device("cpu"), torch.float32, 16, 8, 8, False), "head sizes 32 to 128"),
+        (AttentionSpec(torch.device("cpu"), torch.float32, 64, 8, 8, False, relative_bias=True), "relative position"),
+        (AttentionSpec(torch.device("cpu"), torch.float32, 64, 8, 8, False, disentangled=True), "disentangled"),
+        (AttentionSpec(torch.device("cuda"), torch.float32, 64, 8, 8, False), "CPU only"),
+    ],
+)
+def test_cpu_varlen_says_what_it_cannot_run(spec, reason):
+    assert reason in unsupported_reason("cpu_varlen", spec)
+    if spec.device.type == "cpu" and not (spec.relative_bias or spec.disentangled):
+        assert select_backend(None, spec).name == "sdpa"
 
 
 @pytest.mark.parametrize("name", ATTENTION_BACKENDS)
@@ -73,3 +99,22 @@ def test_attention_kind_must_be_causal_or_bidirectional():
 def test_causality_from_the_config_and_the_override(model_type, config, override, expected):
     entry = registry.lookup(model_type)
     assert registry.is_causal(SimpleNamespace(**config), entry, override) is expected
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_size", "expected"),
+    [
+        (torch.float32, 32, "cpu_varlen"),
+        (torch.float32, 64, "cpu_varlen"),
+        (torch.float32, 128, "sdpa"),
+        (torch.bfloat16, 32, "cpu_varlen"),
+        (torch.bfloat16, 64, "sdpa"),
+    ],
+)
+def test_cpu_varlen_is_picked_only_where_it_measured_faster(dtype, head_size, expected):
+    spec = AttentionSpec(torch.device("cpu"), dtype, head_size, 12, 12, is_causal=False)
+    if unsupported_reason("cpu_varlen", spec) is not None:
+        pytest.skip("cpu_varlen cannot run here (no C++ compiler)")
+    assert select_backend(None, spec).name == expected
+    # Forced, it runs wherever it can.
+    assert select_backend("cpu_varlen", spec).name == "cpu_varlen"

@@ -1,0 +1,144 @@
+"""Builds and loads the C++ varlen attention kernel (cpu_varlen.cpp) once per machine, at first use.
+
+The source is compiled for this CPU's class (at::vec's CPU_CAPABILITY: AVX512, AVX2 or DEFAULT) with the C++
+compiler on PATH, against the installed torch's headers, into a cache directory
+($EMBEDSERV_KERNEL_CACHE, else ~/.cache/embedserv/kernels) under a name keyed by the source, the flags and
+the torch version: later processes load the library without compiling. A build is written to a temporary name
+and renamed, so processes that build at once do not read each other's half-written files. Where no compiler
+is present or the build fails, `attention_op()` returns None and logs why once: the backend then runs
+today's sdpa path (attention/backends/cpu_varlen.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from embedserv import cpu_isa
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_varlen.cpp")
+# Seconds one build may take (a few on a free machine; two busy cores can take a minute).
+_BUILD_TIMEOUT = 600
+# torch's own kernels are built with these per class (cmake/Codegen.cmake); at::vec reads the macros.
+_AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2", "-mf16c")
+_AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
+
+_lock = threading.Lock()
+_loaded: dict[str, Callable | None] = {}
+
+
+def compiler() -> str | None:
+    """The C++ compiler on PATH, if any ($CXX first)."""
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def capability() -> tuple[str, tuple[str, ...]]:
+    """at::vec's CPU_CAPABILITY for this CPU and the compiler flags it needs."""
+    isa = cpu_isa.detect()
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= isa.flags:
+        return "AVX512", _AVX512_FLAGS
+    if {"avx2", "fma"} <= isa.flags:
+        return "AVX2", _AVX2_FLAGS
+    return "DEFAULT", ()
+
+
+def cache_dir() -> Path:
+    configured = os.environ.get("EMBEDSERV_KERNEL_CACHE")
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "embedserv" / "kernels"
+
+
+def build_command(cxx: str, output: Path) -> list[str]:
+    from torch.utils.cpp_extension import include_paths
+
+    level, flags = capability()
+    torch_lib = Path(torch.__file__).parent / "lib"
+    defines = [f"-DCPU_CAPABILITY={level}", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    if level != "DEFAULT":
+        defines.append(f"-DCPU_CAPABILITY_{level}")
+    return [
+        cxx,
+        "-O3",
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        *flags,
+        *defines,
+        *(f"-I{path}" for path in include_paths()),
+        f"-I{sysconfig.get_paths()['include']}",
+        str(SOURCE),
+        "-o",
+        str(output),
+        f"-L{torch_lib}",
+        "-lc10",
+        "-ltorch_cpu",
+        f"-Wl,-rpath,{torch_lib}",
+    ]
+
+
+def library_path(cxx: str) -> Path:
+    """Where this source, built with these flags for this torch, lives in the cache."""
+    key = hashlib.sha256(SOURCE.read_bytes())
+    key.update(" ".join(build_command(cxx, Path("out"))).encode())
+    key.update(f"{torch.__version__} {sys.version_info[:2]}".encode())
+    return cache_dir() / f"cpu_varlen-{key.hexdigest()[:16]}.so"
+
+
+def _build(cxx: str, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+        partial = Path(scratch) / path.name
+        done = subprocess.run(
+            build_command(cxx, partial), capture_output=True, text=True, timeout=_BUILD_TIMEOUT, check=False
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{Path(cxx).name} failed: {(done.stderr.strip().splitlines() or [''])[-1][:300]}")
+        os.replace(partial, path)
+
+
+def _load() -> Callable | None:
+    cxx = compiler()
+    if cxx is None:
+        logger.warning("cpu_varlen attention: compiled kernel unavailable (no C++ compiler on PATH); running sdpa")
+        return None
+    try:
+        path = library_path(cxx)
+        if not path.exists():
+            logger.info("cpu_varlen attention: compiling %s for %s into %s", SOURCE.name, capability()[0], path)
+            _build(cxx, path)
+        torch.ops.load_library(str(path))
+        return torch.ops.embedserv_cpu_varlen.attention
+    except Exception as exc:
+        logger.warning(
+            "cpu_varlen attention: compiled kernel unavailable (%s: %s); running sdpa", type(exc).__name__, exc
+        )
+        return None
+
+
+def attention_op() -> Callable | None:
+    """torch.ops.embedserv_cpu_varlen.attention, built and loaded on first call; None where it cannot be.
+
+    attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window, scale) -> out: q [num_q, heads, d], k and v
+    [num_k, kv_heads, d] (the last dim contiguous), float32 or bfloat16; window 0 for none."""
+    with _lock:
+        if "op" not in _loaded:
+            _loaded["op"] = _load()
+        return _loaded["op"]

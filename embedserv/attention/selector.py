@@ -39,12 +39,6 @@ class AttentionSpec:
 
 # Head sizes cpu_varlen runs when forced (the kernel computes any).
 CPU_VARLEN_HEAD_SIZES = (32, 128)
-# Where the selector picks cpu_varlen by itself: largest head size per dtype where it measured faster than sdpa
-# (benchmarks/attention_kernels.py --packed --cpu-time, AVX-512 + bf16, benchmarks/results/2026-11-28-avx512-
-# attention-cpu_varlen.md): float32 1.09-1.81x at 12 x 32 and 12 x 64; bfloat16 1.00-2.37x at 12 x 32 but
-# 0.76-0.88x at 12 x 64 past 16-token batches (sdpa's native bf16 matmuls; the kernel widens to float32).
-# Larger heads were not measured.
-CPU_VARLEN_PREFERRED_HEAD_SIZE = {torch.float32: 64, torch.bfloat16: 32}
 
 
 def _has_module(name: str) -> bool:
@@ -165,20 +159,16 @@ _REGISTRY: dict[str, tuple[str, str, Callable[[AttentionSpec], str | None]]] = {
     "naive": ("embedserv.attention.backends.naive", "NaiveBackend", _naive_reason),
 }
 
-# Fastest first, per device type. On CPU the cpu_varlen kernel where it measured faster
-# (CPU_VARLEN_PREFERRED_HEAD_SIZE), then the per-length SDPA calls, which beat compiled FlexAttention on every
-# mix measured; on CUDA the flash kernels take the packed batch in one launch.
+# Fastest first, per device type. On CPU the per-length SDPA calls beat compiled FlexAttention on every mix
+# measured; on CUDA the flash kernels take the packed batch in one launch. cpu_varlen (the C++ kernel for short
+# heads) runs when asked for (--attention-backend cpu_varlen): it measured 1.1-1.8x sdpa's attention at float32
+# but 0.76-0.88x at bfloat16 with 64-wide heads, on a loaded AVX-512 machine only, and it compiles for about 30 s
+# at its first use on a machine; it becomes a default once measured end to end on a quiet machine per ISA class
+# (benchmarks/results/2026-11-28-avx512-attention-cpu_varlen.md).
 PREFERENCE = {
     "cuda": ("flash_attn", "varlen", "sdpa", "flex", "naive"),
-    "cpu": ("cpu_varlen", "sdpa", "flex", "naive"),
+    "cpu": ("sdpa", "flex", "naive"),
 }
-
-
-def _not_preferred_reason(name: str, spec: AttentionSpec) -> str | None:
-    """Why the selector passes over a backend that could run (forced, it runs): measured slower there."""
-    if name == "cpu_varlen" and spec.head_size > CPU_VARLEN_PREFERRED_HEAD_SIZE.get(spec.dtype, 0):
-        return f"cpu_varlen was not measured faster than sdpa at head size {spec.head_size} in {spec.dtype}"
-    return None
 
 
 def unsupported_reason(name: str, spec: AttentionSpec) -> str | None:
@@ -208,7 +198,7 @@ def select_backend(requested: str | None, spec: AttentionSpec) -> AttentionBacke
         return backend_class(requested)()
     reasons = []
     for name in PREFERENCE.get(spec.device.type, ("sdpa", "naive")):
-        reason = unsupported_reason(name, spec) or _not_preferred_reason(name, spec)
+        reason = unsupported_reason(name, spec)
         if reason is None:
             return backend_class(name)()
         reasons.append(f"{name}: {reason}")

@@ -135,6 +135,14 @@ _INT8_ACTIVATIONS = {
     "baseline": "float32",
 }
 
+# int8 (weight levels, activation levels) by whether the CPU has VNNI. Without it oneDNN multiplies the
+# unsigned activations by the signed weights with vpmaddubsw, whose 16-bit sums of two products saturate past
+# 32767 (255 * 127 * 2 does). Either operand on 7 bits keeps every product exact; measured on MiniLM under
+# ONEDNN_MAX_CPU_ISA=AVX2 on an AVX-512 EPYC (docs/performance-history.md, issue 56; 200 real texts, lowest /
+# mean cosine to float32): 7-bit weights (63, 255) 0.9953 / 0.9975, 7-bit activations (127, 127)
+# 0.9909 / 0.9972, 8-bit both (127, 255, saturating) 0.9128 / 0.9791. VNNI accumulates in 32 bits: 8 bits both.
+_INT8_LEVELS = {True: (127, 255), False: (63, 255)}
+
 # --cpu-fusion auto: int8's quantize and dequantize steps compiled by inductor into one C++ loop each
 # (models/int8.py), on every class: they are memory-bound passes, whatever the vector width.
 _FUSION = {
@@ -157,11 +165,9 @@ def bf16_matmul_attention(num_seqs: int, length: int) -> bool:
     return length >= long or (length >= short and num_seqs * length >= tokens)
 
 
-def int8_weight_levels() -> int:
-    """int8 weights span [-levels, levels]. Without VNNI, oneDNN multiplies the unsigned 8-bit activations
-    by the signed weights with vpmaddubsw, whose 16-bit sums of two products saturate past 32767
-    (255 * 127 * 2 does): 7-bit weights (63) keep every product exact there; VNNI takes the full 127."""
-    return 127 if detect().vnni else 63
+def int8_levels() -> tuple[int, int]:
+    """(weight levels, activation levels) of int8 linears: weights span [-w, w], activations [0, a]."""
+    return _INT8_LEVELS[detect().vnni]
 
 
 def int8_activation_dtype() -> str:

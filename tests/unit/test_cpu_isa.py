@@ -85,11 +85,11 @@ def test_serving_bfloat16_logs_the_warning_at_start_up(isa, warns, fake_cpu, bun
 
 def test_constants_follow_the_isa(fake_cpu):
     fake_cpu(AVX2_EPYC)
-    assert cpu_isa.int8_weight_levels() == 63
+    assert cpu_isa.int8_levels() == (63, 255)
     assert not cpu_isa.bf16_matmul_attention(1000, 4096)  # emulated: the flash kernel always
     assert ModelConfig(path="m", served_name="m").batch_token_budget == cpu_isa.cpu_batch_tokens()
     fake_cpu(AMX)
-    assert cpu_isa.int8_weight_levels() == 127
+    assert cpu_isa.int8_levels() == (127, 255)
     assert cpu_isa.bf16_matmul_attention(1, 64) and not cpu_isa.bf16_matmul_attention(1, 63)
     # Shorter runs from 32 tokens when they hold 128 tokens or more.
     assert cpu_isa.bf16_matmul_attention(4, 32) and not cpu_isa.bf16_matmul_attention(3, 32)

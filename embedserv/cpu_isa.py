@@ -87,9 +87,39 @@ def _read_cpuinfo(path: Path = Path("/proc/cpuinfo")) -> CpuIsa:
     return CpuIsa(name, frozenset(fields.get("flags", "").split()))
 
 
+# ONEDNN_MAX_CPU_ISA (oneDNN's documented values) -> the flags above that oneDNN may still use. Capped, oneDNN
+# runs the lower ISA's kernels (ONEDNN_VERBOSE names them: `gemm:jit` under AVX2, `brg_matmul:avx512_core`
+# under AVX512_CORE), so the probe must say so too: 8-bit int8 weights would saturate under a cap without
+# VNNI on a VNNI machine. It is also how a test or benchmark runs this machine as a lower class.
+_AVX512 = frozenset({"avx2", "avx512f"})
+_ONEDNN_CAPS = {
+    "SSE41": frozenset(),
+    "AVX": frozenset(),
+    "AVX2": frozenset({"avx2"}),
+    "AVX2_VNNI": frozenset({"avx2", "avx_vnni"}),
+    "AVX2_VNNI_2": frozenset({"avx2", "avx_vnni"}),
+    "AVX512_CORE": _AVX512,
+    "AVX512_CORE_VNNI": _AVX512 | {"avx512_vnni"},
+    "AVX512_CORE_BF16": _AVX512 | {"avx512_vnni", "avx512_bf16"},
+    "AVX512_CORE_FP16": _AVX512 | {"avx512_vnni", "avx512_bf16", "avx512_fp16"},
+    "AVX512_CORE_AMX": _AVX512 | {"avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8"},
+}
+_ONEDNN_CAPS["AVX10_1_512"] = _ONEDNN_CAPS["AVX512_CORE_FP16"]
+_ONEDNN_CAPS["AVX10_1_512_AMX"] = _ONEDNN_CAPS["AVX512_CORE_AMX"]
+
+
+def capped(isa: CpuIsa, cap: str | None) -> CpuIsa:
+    """`isa` as oneDNN sees it under ONEDNN_MAX_CPU_ISA=`cap`: the named flags above the cap dropped, the cap
+    named. No cap, ALL, DEFAULT or a value not listed here (AMX_FP16 and later) leave it as it is."""
+    allowed = _ONEDNN_CAPS.get((cap or "").strip().upper())
+    if allowed is None:
+        return isa
+    return CpuIsa(f"{isa.model_name} (ONEDNN_MAX_CPU_ISA={cap})", isa.flags - (set(_NAMED_FLAGS) - allowed))
+
+
 @functools.cache
 def detect() -> CpuIsa:
-    return _read_cpuinfo()
+    return capped(_read_cpuinfo(), os.environ.get("ONEDNN_MAX_CPU_ISA"))
 
 
 def dtype_warning(dtype: str) -> str | None:

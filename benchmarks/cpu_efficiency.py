@@ -69,7 +69,7 @@ def matmul_rates(shapes: collections.Counter, repeats: int) -> dict[str, float]:
         for (k, n), count in shapes.items():
             weight, x = torch.randn(n, k) * 0.05, torch.randn(ROWS, k)
             if dtype is None:
-                int8 = Int8Weight(weight, None, cpu_isa.int8_weight_levels())
+                int8 = Int8Weight(weight, None, *cpu_isa.int8_levels())
                 run = lambda int8=int8, x=x: int8.matmul(x)  # noqa: E731
             else:
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype))

@@ -3,8 +3,9 @@
     python benchmarks/precisions.py [--model DIR] [--texts 600] [--rounds 3]
         [--precisions float32,bfloat16,int8:float32:eager,int8:float32,int8]
 
-A precision is `float32`, `bfloat16`, or `int8[:ACTIVATIONS[:FUSION]]` (activations float32, bfloat16 or
-auto; fusion auto, compiled or eager, as --dtype and --cpu-fusion take them). Each round starts every
+A precision is `float32`, `bfloat16`, or `int8[:ACTIVATIONS[:FUSION[:W/A]]]` (activations float32, bfloat16 or
+auto; fusion auto, compiled or eager, as --dtype and --cpu-fusion take them; W/A the weight and activation
+levels instead of cpu_isa's choice, e.g. 127/255 or 63/255). Each round starts every
 precision's engine afresh, runs one untimed pass and one timed pass over the same real texts (calls of 32,
 all in flight), and stops it; the best round counts. Interleaving rounds is what makes the ratios hold on a
 machine that drifts by 5-20% between runs (docs/performance-history.md). Prints a markdown table with the CPU.
@@ -34,17 +35,33 @@ def options(precision: str) -> dict[str, str]:
     kind, _, rest = precision.partition(":")
     if kind != "int8":
         return {"dtype": kind}
-    dtype, _, fusion = rest.partition(":")
+    dtype, _, rest = rest.partition(":")
+    fusion = rest.partition(":")[0]
     return {"quantization": "int8", "dtype": dtype or "auto", "cpu_fusion": fusion or "auto"}
+
+
+def int8_levels(precision: str) -> tuple[int, int] | None:
+    """`int8:float32:auto:63/255` -> (63, 255); None where cpu_isa chooses."""
+    levels = precision.split(":")[3:]
+    if not levels:
+        return None
+    weights, _, activations = levels[0].partition("/")
+    return int(weights), int(activations)
 
 
 def one_round(model: str, precision: str, calls: list[list[str]]) -> tuple[float, int]:
     params = EmbedParams(truncate=True)
-    with SyncEngine(ModelConfig(path=model, served_name="bench", **options(precision))) as engine:
-        engine.embed_concurrently(calls, params)
-        start = time.perf_counter()
-        tokens = sum(r.prompt_tokens for r in engine.embed_concurrently(calls, params))
-        return time.perf_counter() - start, tokens
+    forced, chosen = int8_levels(precision), cpu_isa.int8_levels
+    if forced is not None:
+        cpu_isa.int8_levels = lambda: forced  # read once, when the replica quantizes its linears
+    try:
+        with SyncEngine(ModelConfig(path=model, served_name="bench", **options(precision))) as engine:
+            engine.embed_concurrently(calls, params)
+            start = time.perf_counter()
+            tokens = sum(r.prompt_tokens for r in engine.embed_concurrently(calls, params))
+            return time.perf_counter() - start, tokens
+    finally:
+        cpu_isa.int8_levels = chosen
 
 
 def main() -> None:

@@ -87,9 +87,39 @@ def _read_cpuinfo(path: Path = Path("/proc/cpuinfo")) -> CpuIsa:
     return CpuIsa(name, frozenset(fields.get("flags", "").split()))
 
 
+# ONEDNN_MAX_CPU_ISA (oneDNN's documented values) -> the flags above that oneDNN may still use. Capped, oneDNN
+# runs the lower ISA's kernels (ONEDNN_VERBOSE names them: `gemm:jit` under AVX2, `brg_matmul:avx512_core`
+# under AVX512_CORE), so the probe must say so too: 8-bit int8 weights would saturate under a cap without
+# VNNI on a VNNI machine. It is also how a test or benchmark runs this machine as a lower class.
+_AVX512 = frozenset({"avx2", "avx512f"})
+_ONEDNN_CAPS = {
+    "SSE41": frozenset(),
+    "AVX": frozenset(),
+    "AVX2": frozenset({"avx2"}),
+    "AVX2_VNNI": frozenset({"avx2", "avx_vnni"}),
+    "AVX2_VNNI_2": frozenset({"avx2", "avx_vnni"}),
+    "AVX512_CORE": _AVX512,
+    "AVX512_CORE_VNNI": _AVX512 | {"avx512_vnni"},
+    "AVX512_CORE_BF16": _AVX512 | {"avx512_vnni", "avx512_bf16"},
+    "AVX512_CORE_FP16": _AVX512 | {"avx512_vnni", "avx512_bf16", "avx512_fp16"},
+    "AVX512_CORE_AMX": _AVX512 | {"avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8"},
+}
+_ONEDNN_CAPS["AVX10_1_512"] = _ONEDNN_CAPS["AVX512_CORE_FP16"]
+_ONEDNN_CAPS["AVX10_1_512_AMX"] = _ONEDNN_CAPS["AVX512_CORE_AMX"]
+
+
+def capped(isa: CpuIsa, cap: str | None) -> CpuIsa:
+    """`isa` as oneDNN sees it under ONEDNN_MAX_CPU_ISA=`cap`: the named flags above the cap dropped, the cap
+    named. No cap, ALL, DEFAULT or a value not listed here (AMX_FP16 and later) leave it as it is."""
+    allowed = _ONEDNN_CAPS.get((cap or "").strip().upper())
+    if allowed is None:
+        return isa
+    return CpuIsa(f"{isa.model_name} (ONEDNN_MAX_CPU_ISA={cap})", isa.flags - (set(_NAMED_FLAGS) - allowed))
+
+
 @functools.cache
 def detect() -> CpuIsa:
-    return _read_cpuinfo()
+    return capped(_read_cpuinfo(), os.environ.get("ONEDNN_MAX_CPU_ISA"))
 
 
 def dtype_warning(dtype: str) -> str | None:
@@ -135,6 +165,14 @@ _INT8_ACTIVATIONS = {
     "baseline": "float32",
 }
 
+# int8 (weight levels, activation levels) by whether the CPU has VNNI. Without it oneDNN multiplies the
+# unsigned activations by the signed weights with vpmaddubsw, whose 16-bit sums of two products saturate past
+# 32767 (255 * 127 * 2 does). Either operand on 7 bits keeps every product exact; measured on MiniLM under
+# ONEDNN_MAX_CPU_ISA=AVX2 on an AVX-512 EPYC (docs/performance-history.md, issue 56; 200 real texts, lowest /
+# mean cosine to float32): 7-bit weights (63, 255) 0.9953 / 0.9975, 7-bit activations (127, 127)
+# 0.9909 / 0.9972, 8-bit both (127, 255, saturating) 0.9128 / 0.9791. VNNI accumulates in 32 bits: 8 bits both.
+_INT8_LEVELS = {True: (127, 255), False: (63, 255)}
+
 # --cpu-fusion auto: int8's quantize and dequantize steps compiled by inductor into one C++ loop each
 # (models/int8.py), on every class: they are memory-bound passes, whatever the vector width.
 _FUSION = {
@@ -157,11 +195,9 @@ def bf16_matmul_attention(num_seqs: int, length: int) -> bool:
     return length >= long or (length >= short and num_seqs * length >= tokens)
 
 
-def int8_weight_levels() -> int:
-    """int8 weights span [-levels, levels]. Without VNNI, oneDNN multiplies the unsigned 8-bit activations
-    by the signed weights with vpmaddubsw, whose 16-bit sums of two products saturate past 32767
-    (255 * 127 * 2 does): 7-bit weights (63) keep every product exact there; VNNI takes the full 127."""
-    return 127 if detect().vnni else 63
+def int8_levels() -> tuple[int, int]:
+    """(weight levels, activation levels) of int8 linears: weights span [-w, w], activations [0, a]."""
+    return _INT8_LEVELS[detect().vnni]
 
 
 def int8_activation_dtype() -> str:

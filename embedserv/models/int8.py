@@ -8,6 +8,8 @@ A Linear whose weight is quantized (`Linear.quantize_int8`) runs three steps:
    0.985 (symmetric, 7 bits) to 0.995.
 2. oneDNN's int8 matmul of those bytes by the int8 weight (one scale per output channel): exact integer
    products, scaled back by the weight's scales (oneDNN takes one activation scale per call: 1 / 255).
+   Without VNNI the weights get 7 bits (cpu_isa.int8_levels): oneDNN's 16-bit pair sums saturate for 8 bits
+   both. Activations on [0, 127] are the other exact choice (`activation_levels`); it measured lower there.
 3. `dequantize`: `out[i] = spread[i] * out[i] + low[i] * rowsum(W) + bias`, then the linear's activation,
    then its residual, then the activations' dtype (float32, or bfloat16 where cpu_isa says).
 
@@ -32,16 +34,25 @@ logger = logging.getLogger(__name__)
 _TINY = torch.finfo(torch.float32).tiny
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[rows, k] -> (uint8 [rows, k], low [rows, 1], spread [rows, 1]), both float32, with
-    x ~= q / 255 * spread + low."""
+def _quantize_rows(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows = x.float()
     # amin and amax, not aminmax: 8x slower on 1536-wide rows eagerly.
     low = rows.amin(dim=1, keepdim=True)
     spread = (rows.amax(dim=1, keepdim=True) - low).clamp_min(_TINY)
-    inverse = 255 / spread
-    # (x - low) * 255 / spread + 0.5 lies in [0.5, 255.5]: truncating to uint8 rounds it, one pass less.
+    inverse = levels / spread
+    # (x - low) * levels / spread + 0.5 lies in [0.5, levels + 0.5]: truncating to uint8 rounds it, one pass less.
     return torch.addcmul(0.5 - low * inverse, rows, inverse).to(torch.uint8), low, spread
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[rows, k] -> (uint8 [rows, k], low [rows, 1], spread [rows, 1]), both float32, with
+    x ~= q / 255 * spread + low."""
+    return _quantize_rows(x, 255)
+
+
+def quantize_rows_7bit(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_rows onto [0, 127]: x ~= q / 127 * spread + low."""
+    return _quantize_rows(x, 127)
 
 
 def dequantize(
@@ -134,7 +145,10 @@ def _copy(function: types.FunctionType) -> types.FunctionType:
     )
 
 
-_QUANTIZE = Fused("quantize", quantize_rows, quantize_rows)
+_QUANTIZE = {
+    255: Fused("quantize", quantize_rows, quantize_rows),
+    127: Fused("quantize (7 bits)", quantize_rows_7bit, quantize_rows_7bit),
+}
 _DEQUANTIZE = Fused("dequantize", dequantize, _dequantize_eager)
 
 
@@ -146,7 +160,11 @@ def configure(compiled: bool) -> None:
 class Int8Weight:
     """A linear's weight as int8 with one scale per output channel, in oneDNN's packed layout."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, levels: int) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, levels: int, activation_levels: int = 255
+    ) -> None:
+        if activation_levels not in _QUANTIZE:
+            raise ValueError(f"activations are quantized onto 255 or 127 levels, not {activation_levels}")
         weight = weight.float()
         self.scales = (weight.abs().amax(dim=1) / levels).clamp_min(_TINY)
         quantized = torch.round(weight / self.scales[:, None]).clamp_(-levels, levels).to(torch.int8)
@@ -157,13 +175,14 @@ class Int8Weight:
         sums = (quantized.float() * self.scales[:, None]).sum(dim=1)
         bias = bias.detach().float() if bias is not None else torch.zeros_like(sums)
         self.terms = torch.stack([sums, bias])
-        self.levels = levels
+        self.levels, self.activation_levels = levels, activation_levels
+        self._quantize = _QUANTIZE[activation_levels]
 
     def product(self, q: torch.Tensor) -> torch.Tensor:
-        """oneDNN's int8 matmul of quantized rows: float32 `q / 255 @ (int8 W * scales).T`."""
+        """oneDNN's int8 matmul of quantized rows: float32 `q / activation_levels @ (int8 W * scales).T`."""
         return torch.ops.onednn.qlinear_pointwise(
             q,
-            1 / 255,
+            1 / self.activation_levels,
             0,
             self.packed,
             self.scales,
@@ -180,7 +199,7 @@ class Int8Weight:
     def matmul(self, x: torch.Tensor, activation=None, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`activation(x @ W.T + bias) + residual`, in x's dtype."""
         rows = x.reshape(-1, x.shape[-1])
-        q, low, spread = _QUANTIZE(x.dtype, rows)
+        q, low, spread = self._quantize(x.dtype, rows)
         flat_residual = None if residual is None else residual.reshape(-1, residual.shape[-1])
         variant = (activation, residual is None, x.dtype)
         out = _DEQUANTIZE(variant, self.product(q), low, spread, self.terms, activation, flat_residual, x.dtype)

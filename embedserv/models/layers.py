@@ -165,9 +165,10 @@ class Linear(nn.Module):
         if _onednn_can_run(self.weight) and (self.activation is None or self.activation in _ONEDNN_POST_OPS):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
 
-    def quantize_int8(self, levels: int) -> None:
-        """Swaps the float weight for int8 with weights in [-levels, levels] (--quantization int8; models/int8.py)."""
-        self._int8 = Int8Weight(self.weight.detach(), self.bias, levels)
+    def quantize_int8(self, levels: int, activation_levels: int = 255) -> None:
+        """Swaps the float weight for int8 with weights in [-levels, levels] and activations in
+        [0, activation_levels] (--quantization int8; models/int8.py)."""
+        self._int8 = Int8Weight(self.weight.detach(), self.bias, levels, activation_levels)
         self._packed = None
         self.weight = nn.Parameter(torch.empty(0), requires_grad=False)  # the float copy is not kept
 
@@ -270,8 +271,8 @@ def pack_linears(model: nn.Module) -> None:
             module.pack()
 
 
-def quantize_linears(model: nn.Module, levels: int) -> None:
+def quantize_linears(model: nn.Module, levels: int, activation_levels: int = 255) -> None:
     """Every Linear of the model to int8 (--quantization int8); embeddings, norms and heads stay float."""
     for module in model.modules():
         if isinstance(module, Linear):
-            module.quantize_int8(levels)
+            module.quantize_int8(levels, activation_levels)

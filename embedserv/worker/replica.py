@@ -123,7 +123,7 @@ def build_runner(config: ModelConfig, spec: ModelSpec) -> ModelRunner:
     if config.quantization == "int8":
         # Quantized from the float32 weights; what stays float (norms, embeddings) is then cast to dtype.
         model = build_model(spec.family, spec.hf_config, spec.files, spec.device, torch.float32)
-        quantize_linears(model, cpu_isa.int8_weight_levels())
+        quantize_linears(model, *cpu_isa.int8_levels())
         model.to(spec.dtype)
         fused, why = cpu_isa.fusion(config.cpu_fusion)
         int8.configure(fused == "compiled")

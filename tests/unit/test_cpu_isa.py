@@ -60,6 +60,34 @@ def test_levels_and_capabilities(isa, level, bf16, vnni):
     assert isa.model_name in isa.summary() and ("native bf16" in isa.summary()) == bf16
 
 
+ZEN4 = cpu_isa.CpuIsa("AMD EPYC 9B14", frozenset({"fma", "avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"}))
+
+
+@pytest.mark.parametrize(
+    ("cap", "level", "vnni", "bf16"),
+    [
+        ("AVX2", "avx2", False, False),
+        ("avx2", "avx2", False, False),
+        ("AVX512_CORE", "avx512", False, False),
+        ("AVX512_CORE_VNNI", "avx512", True, False),
+        ("AVX512_CORE_BF16", "avx512_bf16", True, True),
+        ("AVX512_CORE_AMX", "avx512_bf16", True, True),  # a cap enables nothing the CPU lacks
+        ("SSE41", "baseline", False, False),
+    ],
+)
+def test_onednn_max_cpu_isa_caps_what_the_probe_reports(cap, level, vnni, bf16):
+    """oneDNN runs the capped ISA's kernels (no VNNI under AVX2 or AVX512_CORE), so int8 must choose as such a
+    CPU would; flags that are not ISA levels stay."""
+    isa = cpu_isa.capped(ZEN4, cap)
+    assert (isa.level, isa.vnni, isa.native_bf16) == (level, vnni, bf16)
+    assert "fma" in isa.flags and f"ONEDNN_MAX_CPU_ISA={cap}" in isa.summary()
+
+
+@pytest.mark.parametrize("cap", [None, "", "ALL", "DEFAULT", "AVX10_2_512"])
+def test_no_cap_or_one_the_probe_does_not_know_leaves_the_cpu_as_it_is(cap):
+    assert cpu_isa.capped(ZEN4, cap) is ZEN4
+
+
 def test_bfloat16_without_native_bf16_warns_with_the_measured_cost(fake_cpu):
     fake_cpu(AVX2_EPYC)
     warning = cpu_isa.dtype_warning("bfloat16")
@@ -85,11 +113,11 @@ def test_serving_bfloat16_logs_the_warning_at_start_up(isa, warns, fake_cpu, bun
 
 def test_constants_follow_the_isa(fake_cpu):
     fake_cpu(AVX2_EPYC)
-    assert cpu_isa.int8_weight_levels() == 63
+    assert cpu_isa.int8_levels() == (63, 255)
     assert not cpu_isa.bf16_matmul_attention(1000, 4096)  # emulated: the flash kernel always
     assert ModelConfig(path="m", served_name="m").batch_token_budget == cpu_isa.cpu_batch_tokens()
     fake_cpu(AMX)
-    assert cpu_isa.int8_weight_levels() == 127
+    assert cpu_isa.int8_levels() == (127, 255)
     assert cpu_isa.bf16_matmul_attention(1, 64) and not cpu_isa.bf16_matmul_attention(1, 63)
     # Shorter runs from 32 tokens when they hold 128 tokens or more.
     assert cpu_isa.bf16_matmul_attention(4, 32) and not cpu_isa.bf16_matmul_attention(3, 32)

@@ -89,8 +89,10 @@ _MINILM = """
 """
 
 
+@pytest.mark.slow
 def test_minilm_int8_without_vnni_stays_within_0_99_of_float32():
-    """The bundled MiniLM on 24 real texts under the AVX2 cap (with the probe blind to the cap: lowest cosine 0.945)."""
+    """The bundled MiniLM on 24 real texts under the AVX2 cap (with the probe blind to the cap: lowest cosine 0.945).
+    Slow (about 34 s, a process of its own): the exact-product tests above fail on the same bug."""
     result, log = _run_capped("AVX2", _MINILM, timeout=600)
     assert "gemm:jit" in log
     assert result["min"] >= 0.99, f"lowest cosine {result['min']:.4f} under ONEDNN_MAX_CPU_ISA=AVX2"

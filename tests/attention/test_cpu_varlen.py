@@ -7,6 +7,7 @@ built once per machine (cached on disk, cpu_varlen_kernel.py) and loaded once pe
 """
 
 import logging
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -150,3 +151,29 @@ def test_the_cache_is_keyed_by_the_source(monkeypatch, tmp_path):
     edited.write_text(cpu_varlen_kernel.SOURCE.read_text() + "\n// edited\n")
     monkeypatch.setattr(cpu_varlen_kernel, "SOURCE", edited)
     assert cpu_varlen_kernel.library_path(cxx) != before
+
+
+def test_processes_that_start_at_once_build_the_kernel_once(monkeypatch, tmp_path):
+    """Data-parallel workers (or test workers) that start together: one builds under the file lock, the others wait
+    for it and load its library (two loaders here, each with its own open lock file, as two processes have)."""
+    import threading
+    import time
+
+    builds, loads = [], []
+
+    def build(cxx, path):
+        builds.append(path)
+        time.sleep(0.3)
+        path.write_bytes(b"built")
+
+    monkeypatch.setenv("EMBEDSERV_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_varlen_kernel, "compiler", lambda: "c++")
+    monkeypatch.setattr(cpu_varlen_kernel, "_build", build)
+    monkeypatch.setattr(torch.ops, "load_library", lambda path: loads.append(path))
+    monkeypatch.setattr(torch.ops, "embedserv_cpu_varlen", SimpleNamespace(attention="op"), raising=False)
+    loaders = [threading.Thread(target=cpu_varlen_kernel._load) for _ in range(2)]
+    for loader in loaders:
+        loader.start()
+    for loader in loaders:
+        loader.join()
+    assert len(builds) == 1 and len(loads) == 2

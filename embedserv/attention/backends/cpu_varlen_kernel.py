@@ -4,13 +4,15 @@ The source is compiled for this CPU's class (at::vec's CPU_CAPABILITY: AVX512, A
 compiler on PATH, against the installed torch's headers, into a cache directory
 ($EMBEDSERV_KERNEL_CACHE, else ~/.cache/embedserv/kernels) under a name keyed by the source, the flags and
 the torch version: later processes load the library without compiling. A build is written to a temporary name
-and renamed, so processes that build at once do not read each other's half-written files. Where no compiler
+and renamed, so no process reads a half-written file, and under a file lock, so processes that start at once
+(data-parallel workers, test workers) build it once: the others wait and load it. Where no compiler
 is present or the build fails, `attention_op()` returns None and logs why once: the backend then runs
 today's sdpa path (attention/backends/cpu_varlen.py).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -122,8 +124,12 @@ def _load() -> Callable | None:
     try:
         path = library_path(cxx)
         if not path.exists():
-            logger.info("cpu_varlen attention: compiling %s for %s into %s", SOURCE.name, capability()[0], path)
-            _build(cxx, path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path.with_suffix(".lock"), "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # another process's build of the same file: wait for it
+                if not path.exists():
+                    logger.info("cpu_varlen attention: compiling %s for %s into %s", SOURCE.name, capability()[0], path)
+                    _build(cxx, path)
         torch.ops.load_library(str(path))
         return torch.ops.embedserv_cpu_varlen.attention
     except Exception as exc:

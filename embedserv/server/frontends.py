@@ -288,9 +288,10 @@ class FrontendProcesses:
             await asyncio.sleep(0.05)
 
     def _undrained(self) -> list[int]:
-        """Front ends alive and not yet drained, those still starting included: one that says Hello after the
-        drain began drains then (`_hello`); stopping without it would leave it serving until killed."""
-        return [i for i, process in self._processes.items() if process.is_alive() and i not in self._drained]
+        """Front ends that said Hello or whose process is alive, not yet drained: one still starting says Hello
+        after the drain began and drains then (`_hello`); stopping without it would leave it serving until killed."""
+        alive = {i for i, process in self._processes.items() if process.is_alive()}
+        return sorted((alive | set(self._frontends.values())) - self._drained)
 
     async def cancel_calls(self) -> None:
         await self.broadcast(CancelAll())

@@ -1,5 +1,10 @@
-"""ColQwen2 (transformers' ColQwen2ForRetrieval): a Qwen2-VL model whose last hidden states, projected and
-L2-normalized (models/heads/vision_retrieval.py), are one vector per token of a query or a page image.
+"""ColQwen2 and ColQwen2.5 (transformers' ColQwen2ForRetrieval): a Qwen2-VL or Qwen2.5-VL model whose last hidden
+states, projected and L2-normalized (models/heads/vision_retrieval.py), are one vector per token of a query or a page
+image.
+
+ColQwen2.5 is the same retriever on Qwen2.5-VL: ColQwen2ForRetrieval's `vlm_config` is a `qwen2_5_vl` config, which
+transformers' AutoModel builds as Qwen2_5_VLModel; we take Qwen2.5-VL's tower (qwen2_5_vision.py: windowed
+attention) and the rest unchanged (its M-RoPE positions for images are Qwen2-VL's).
 
 A page image runs through the vision tower (qwen2_vision.py) and its merged tokens take the places of the
 `<|image_pad|>` placeholders in the language model's input (the engine's rules expand them to the image's
@@ -21,16 +26,34 @@ reproduce ColQwen2ForRetrieval's vectors bit for bit runs it in transformers; em
 
 from __future__ import annotations
 
+from embedserv.errors import ConfigError
+from embedserv.models.families.qwen2_5_vision import Qwen25VisionTower
+from embedserv.models.families.qwen2_vision import Qwen2VisionTower
 from embedserv.models.families.qwen2_vl import Qwen2VLEmbedder
 from embedserv.models.loading.family import QKV_GATE_UP, CheckpointNames, Family, FamilyDocs
 
+# The vision tower of the model ColQwen2ForRetrieval nests (`vlm_config.model_type`, as transformers' AutoModel
+# picks it): ColQwen2 on Qwen2-VL, ColQwen2.5 on Qwen2.5-VL.
+TOWERS = {"qwen2_vl": Qwen2VisionTower, "qwen2_5_vl": Qwen25VisionTower}
+
 
 class ColQwen2Model(Qwen2VLEmbedder):
-    """Qwen2-VL's model (qwen2_vl.py) under ColQwen2's config, which nests it in `vlm_config`."""
+    """Qwen2-VL's or Qwen2.5-VL's model (qwen2_vl.py, qwen2_5_vl.py) under ColQwen2's config, which nests it in
+    `vlm_config`."""
 
     @staticmethod
     def vlm_config(config):
         return config.vlm_config
+
+    @classmethod
+    def tower_for(cls, vlm):
+        model_type = getattr(vlm, "model_type", "qwen2_vl")
+        if model_type not in TOWERS:
+            raise ConfigError(
+                f"ColQwen2 over a {model_type!r} model is not supported; its vlm_config's model_type must be one "
+                f"of {', '.join(sorted(TOWERS))}"
+            )
+        return TOWERS[model_type]
 
 
 CHECKPOINT = CheckpointNames(

@@ -227,3 +227,55 @@ def test_a_nested_model_we_do_not_run_is_refused_naming_it():
 
     with pytest.raises(ConfigError, match="'qwen3_vl'.*qwen2_5_vl, qwen2_vl"):
         ColQwen2Model.tower_for(SimpleNamespace(model_type="qwen3_vl"))
+
+
+def _colpali_engine_copy(model_dir, out, dim):
+    """The directory as colpali-engine saves a (merged) ColQwen2 / ColQwen2.5: the Qwen2(.5)-VL config itself in
+    its pre-5 flat form (text settings at the top), architectures ColQwen2 / ColQwen2_5, the language model under
+    `model.`, the tower under `visual.`, the projection `custom_text_proj`, an unused lm_head."""
+    import json
+
+    def rename(name: str) -> str:
+        name = name.replace("vlm.language_model.", "model.", 1).replace("vlm.visual.", "visual.", 1)
+        return name.replace("embedding_proj_layer.", "custom_text_proj.", 1)
+
+    copy = hub_layout_copy(model_dir, out, rename, {"lm_head.weight": (8, 64)})
+    vlm = json.loads((model_dir / "config.json").read_text())["vlm_config"]
+    raw = {**vlm.pop("text_config"), **vlm}
+    raw["architectures"] = ["ColQwen2_5" if raw["model_type"] == "qwen2_5_vl" else "ColQwen2"]
+    if dim is not None:
+        raw["dim"] = dim
+    (copy / "config.json").write_text(json.dumps(raw))
+    return copy
+
+
+def test_colpali_engines_checkpoint_layout_loads_the_same(model_dir, ours, tmp_path):
+    from embedserv.models.loading.hf_config import read_hf_config
+
+    copy = _colpali_engine_copy(model_dir, tmp_path / "colpali-engine", dim=ours[1].proj.out_features)
+    config = read_hf_config(copy)
+    assert config.model_type == "colqwen2" and config.architectures == ["ColQwen2ForRetrieval"]
+    assert config.vlm_config.model_type == read_hf_config(model_dir).vlm_config.model_type
+    assert config.embedding_dim == ours[1].proj.out_features
+    model, head, causal = load_ours(copy)
+    assert causal and same_parameters(model, ours[0]) and same_parameters(head, ours[1])
+
+
+def test_colpali_engines_width_defaults_to_128_and_other_qwen_vl_configs_stay_theirs():
+    from embedserv.models.families.colqwen2 import colpali_engine_config
+
+    raw = {"model_type": "qwen2_5_vl", "architectures": ["ColQwen2_5"], "hidden_size": 64}
+    assert colpali_engine_config(raw)["embedding_dim"] == 128
+    assert colpali_engine_config(raw)["vlm_config"] == {"model_type": "qwen2_5_vl", "hidden_size": 64}
+    assert colpali_engine_config({**raw, "architectures": ["Qwen2_5_VLForConditionalGeneration"]}) is None
+
+
+def test_an_adapter_directory_is_refused_saying_to_merge_it(tmp_path):
+    import json
+
+    from embedserv.errors import ConfigError
+    from embedserv.models.loading.hf_config import read_hf_config
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "vidore/colqwen2.5-base"}))
+    with pytest.raises(ConfigError, match="PEFT adapter.*over vidore/colqwen2.5-base: merge it"):
+        read_hf_config(tmp_path)

@@ -22,7 +22,9 @@ FRAME = (
 )
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 DEFAULT_INSTRUCTION = "You are a helpful assistant."
-KINDS = ("qwen2_vl", "qwen2_5_vl")
+KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+# transformers' class-name prefix per kind.
+PREFIXES = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}
 
 
 def _vision_config(kind: str) -> dict:
@@ -31,6 +33,17 @@ def _vision_config(kind: str) -> dict:
     )
     if kind == "qwen2_vl":
         return dict(common, embed_dim=32, hidden_size=64, mlp_ratio=2)
+    if kind == "qwen3_vl":
+        # 16-pixel patches, a 4 x 4 learned position grid (resampled to every image), DeepStack from blocks 0 and 1.
+        return dict(
+            common,
+            patch_size=16,
+            hidden_size=32,
+            intermediate_size=48,
+            out_hidden_size=64,
+            num_position_embeddings=16,
+            deepstack_visual_indexes=[0, 1],
+        )
     return dict(
         common, hidden_size=32, intermediate_size=48, out_hidden_size=64, window_size=56, fullatt_block_indexes=[1]
     )
@@ -47,16 +60,24 @@ def build_tiny_qwen_vl(tmp_dir: Path | str, kind: str = "qwen2_vl", seed: int = 
     if (out / "config.json").exists():
         return out
     tokenizer = _qwen_tokenizer(out)
-    prefix = "Qwen2VL" if kind == "qwen2_vl" else "Qwen2_5_VL"
+    prefix = PREFIXES[kind]
     config_class = getattr(transformers, f"{prefix}Config")
-    text = qwen_text_config(tokenizer)
+    # Qwen3-VL: its decoder's head size named (Qwen3's default is 128), one layer past DeepStack's two.
+    text = qwen_text_config(tokenizer, **({"head_dim": 16, "num_hidden_layers": 3} if kind == "qwen3_vl" else {}))
     config = config_class(text_config=text, vision_config=_vision_config(kind), **qwen_vision_token_ids(tokenizer))
     torch.manual_seed(seed)
     model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config).eval()
     _perturb(model, seed)
     model.save_pretrained(str(out), safe_serialization=True)
     # The image processor alone: Qwen2VLProcessor also wants a video processor, which needs torchvision.
-    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=168 * 168).save_pretrained(str(out))
+    if kind == "qwen3_vl":
+        # Qwen3-VL's: 16-pixel patches (32-pixel merge blocks), mean and std 0.5.
+        images = Qwen2VLImageProcessorPil(
+            patch_size=16, min_pixels=64 * 64, max_pixels=192 * 192, image_mean=[0.5] * 3, image_std=[0.5] * 3
+        )
+    else:
+        images = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=168 * 168)
+    images.save_pretrained(str(out))
     return out
 
 

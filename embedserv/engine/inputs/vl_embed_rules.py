@@ -31,7 +31,7 @@ from embedserv.errors import ConfigError, InvalidInput
 from embedserv.types import EmbedParams, TruncationDirection
 
 # The families these rules frame inputs for (models/families/qwen2_vl.py, qwen2_5_vl.py).
-FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 DEFAULT_INSTRUCTION = "You are a helpful assistant."
 _SYSTEM = "<|im_start|>system\n"
 _USER = "<|im_end|>\n<|im_start|>user\n"

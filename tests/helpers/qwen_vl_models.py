@@ -20,8 +20,13 @@ FRAME = (
     "<|im_start|>system\n{instruction}<|im_end|>\n<|im_start|>user\n{image}{text}<|im_end|>\n"
     "<|im_start|>assistant\n<|endoftext|>"
 )
+# Qwen3-VL-Embedding's (its qwen3_vl_embedding.py: the chat template with add_generation_prompt, no <|endoftext|>).
+QWEN3_VL_FRAME = (
+    "<|im_start|>system\n{instruction}<|im_end|>\n<|im_start|>user\n{image}{text}<|im_end|>\n<|im_start|>assistant\n"
+)
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 DEFAULT_INSTRUCTION = "You are a helpful assistant."
+QWEN3_VL_INSTRUCTION = "Represent the user's input."
 KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # transformers' class-name prefix per kind.
 PREFIXES = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}
@@ -94,17 +99,22 @@ def load_reference(model_dir: Path):
     )
 
 
-def framed(text: str = "", image: bool = False, instruction: str = DEFAULT_INSTRUCTION) -> str:
-    return FRAME.format(instruction=instruction, image=IMAGE if image else "", text=text)
+def framed(text: str = "", image: bool = False, instruction: str | None = None, kind: str = "qwen2_vl") -> str:
+    """The kind's frame (GME's; Qwen3-VL-Embedding's for qwen3_vl), its default instruction unless one is given."""
+    if kind == "qwen3_vl":
+        frame, instruction = QWEN3_VL_FRAME, instruction or QWEN3_VL_INSTRUCTION
+    else:
+        frame, instruction = FRAME, instruction or DEFAULT_INSTRUCTION
+    return frame.format(instruction=instruction, image=IMAGE if image else "", text=text)
 
 
-def reference_inputs(reference, text: str = "", image=None, instruction: str = DEFAULT_INSTRUCTION) -> dict:
+def reference_inputs(reference, text: str = "", image=None, instruction: str | None = None) -> dict:
     """One framed input as Qwen2VLProcessor makes it: the image processor's pixel rows and grid, the image's one
     `<|image_pad|>` repeated t * h * w / merge**2 times, the text tokenized whole."""
     import torch
 
-    _, tokenizer, images = reference
-    prompt, batch = framed(text, image is not None, instruction), {}
+    model, tokenizer, images = reference
+    prompt, batch = framed(text, image is not None, instruction, model.config.model_type), {}
     if image is not None:
         batch = dict(images(images=[image], return_tensors="pt"))
         count = int(batch["image_grid_thw"][0].prod()) // images.merge_size**2
@@ -116,7 +126,7 @@ def reference_inputs(reference, text: str = "", image=None, instruction: str = D
     return batch
 
 
-def reference_embedding(reference, text: str = "", image=None, instruction: str = DEFAULT_INSTRUCTION):
+def reference_embedding(reference, text: str = "", image=None, instruction: str | None = None):
     """([hidden] float32, its inputs): one framed input through the checkpoint's inner model (Qwen2VLModel /
     Qwen2_5_VLModel, which computes M-RoPE from the grid), the last token's state, L2-normalized."""
     import torch

@@ -4,7 +4,8 @@ RMSNorm on each head's queries and keys, no q/k/v biases), M-RoPE with the secti
 (rotary.py: t, h, w, t, h, w, ... as transformers' Qwen3VLTextRotaryEmbedding lays them out) and DeepStack: the
 tower's extra features are added to the image tokens' hidden states after each of the first decoder layers
 (one layer per feature), as transformers' Qwen3VLTextModel does. An image's M-RoPE positions are Qwen2-VL's
-(models/mrope.py); the LM head is not used.
+(models/mrope.py); the LM head is not used. Inputs are framed as Qwen3-VL-Embedding frames them
+(engine/inputs/vl_embed_rules.QWEN3_VL_FRAMING).
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ FAMILY = Family(
 )
 
 DOCS = FamilyDocs(
-    # Any Qwen3-VL checkpoint loads; Qwen3-VL-Embedding's own prompt format was not checked against its card.
+    # Qwen3-VL-Embedding's framing follows its repository's qwen3_vl_embedding.py; no published checkpoint's
+    # vectors were compared (no download here).
     examples=(),
     tested_by=(
         "tests/models/test_qwen_vl_embed_parity.py",

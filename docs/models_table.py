@@ -44,7 +44,11 @@ with the list of served types and, where there is one, the closest served archit
   or a page image, as their processors frame them, and rank page images by MaxSim. ColQwen2 rotates by
   Qwen2-VL's M-RoPE (3-D positions from each page's image grid), as colpali-engine, which trained the
   published checkpoints, runs it; its page vectors therefore differ from transformers' ColQwen2ForRetrieval,
-  which passes its Qwen2-VL model no grid (plain 1-D positions); queries are the same in both. ColPali
+  which passes its Qwen2-VL model no grid (plain 1-D positions); queries are the same in both. ColQwen2.5 is
+  `ColQwen2ForRetrieval` whose `vlm_config` is a Qwen2.5-VL one (its windowed vision tower, the same M-RoPE).
+  Both also load as colpali-engine saves them (architectures `ColQwen2` / `ColQwen2_5` on the Qwen2(.5)-VL
+  config, projection `custom_text_proj`); its LoRA releases (`vidore/colqwen2.5-v0.2`) are served once merged
+  into their base (peft's `merge_and_unload`). ColPali
   follows transformers, which runs its Gemma with bidirectional attention. ColModernVBERT
   (`ColModernVBertForRetrieval`) does the same on ModernBERT, each page cut into the tiles and global image its
   Idefics3 processor makes, framed by its row/column tokens.

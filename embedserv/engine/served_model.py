@@ -92,7 +92,8 @@ def token_rules(spec: ModelSpec, tokenizer: TextTokenizer, vision: VisionSpec | 
         prompts = read_retrieval_prompts(spec.model_dir, spec.info.architecture, spec.hf_config, tokenizer)
         return VisionRetrievalRules(tokenizer, prompts, vision)
     if spec.family.name in vl_embed_rules.FAMILIES:
-        return VlEmbedRules(tokenizer, int(spec.hf_config.vision_config.spatial_merge_size), vision)
+        merge = int(spec.hf_config.vision_config.spatial_merge_size)
+        return VlEmbedRules(tokenizer, merge, vision, vl_embed_rules.FRAMINGS[spec.family.name])
     return TokenRules(skip_first=heads.skip_first_tokens, vision=vision)
 
 

@@ -140,6 +140,8 @@ class RotaryEmbedding:
                 f"mrope_section {list(self.mrope_section)} must be three sizes adding up to half the head size, "
                 f"{head_dim // 2}"
             )
+        # Qwen3-VL's layout: the sections' frequencies interleaved (t, h, w, t, h, w, ...) rather than in runs.
+        self.mrope_interleaved = bool(self.params.get("mrope_interleaved"))
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
 
@@ -166,8 +168,22 @@ class RotaryEmbedding:
         are equal (text) this copies the plain table's values: the same bits as 1-D positions."""
         if not self.mrope_section:
             raise ValueError("3-D (M-RoPE) positions given to a rotary embedding whose config has no mrope_section")
+        if self.mrope_interleaved:
+            return self._interleaved(table)
         parts = table.split(self.mrope_section, dim=-1)
         return torch.cat([part[i] for i, part in enumerate(parts)], dim=-1)
+
+    def _interleaved(self, table: torch.Tensor) -> torch.Tensor:
+        """Qwen3-VL's (transformers' Qwen3VLTextRotaryEmbedding.recomposition_frequencies): frequency i takes the
+        height row where i % 3 == 1 and i < 3 * sections[1], the width row where i % 3 == 2 and i < 3 *
+        sections[2], the temporal row elsewhere."""
+        index = torch.arange(table.shape[-1], device=table.device)
+        _, height, width = self.mrope_section
+        out = table[0].clone()
+        for row, (offset, count) in enumerate(((1, height), (2, width)), start=1):
+            columns = index[(index % 3 == offset) & (index < 3 * count)]
+            out[:, columns] = table[row][:, columns]
+        return out
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

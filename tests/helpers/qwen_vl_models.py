@@ -20,9 +20,16 @@ FRAME = (
     "<|im_start|>system\n{instruction}<|im_end|>\n<|im_start|>user\n{image}{text}<|im_end|>\n"
     "<|im_start|>assistant\n<|endoftext|>"
 )
+# Qwen3-VL-Embedding's (its qwen3_vl_embedding.py: the chat template with add_generation_prompt, no <|endoftext|>).
+QWEN3_VL_FRAME = (
+    "<|im_start|>system\n{instruction}<|im_end|>\n<|im_start|>user\n{image}{text}<|im_end|>\n<|im_start|>assistant\n"
+)
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 DEFAULT_INSTRUCTION = "You are a helpful assistant."
-KINDS = ("qwen2_vl", "qwen2_5_vl")
+QWEN3_VL_INSTRUCTION = "Represent the user's input."
+KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+# transformers' class-name prefix per kind.
+PREFIXES = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}
 
 
 def _vision_config(kind: str) -> dict:
@@ -31,6 +38,17 @@ def _vision_config(kind: str) -> dict:
     )
     if kind == "qwen2_vl":
         return dict(common, embed_dim=32, hidden_size=64, mlp_ratio=2)
+    if kind == "qwen3_vl":
+        # 16-pixel patches, a 4 x 4 learned position grid (resampled to every image), DeepStack from blocks 0 and 1.
+        return dict(
+            common,
+            patch_size=16,
+            hidden_size=32,
+            intermediate_size=48,
+            out_hidden_size=64,
+            num_position_embeddings=16,
+            deepstack_visual_indexes=[0, 1],
+        )
     return dict(
         common, hidden_size=32, intermediate_size=48, out_hidden_size=64, window_size=56, fullatt_block_indexes=[1]
     )
@@ -47,16 +65,24 @@ def build_tiny_qwen_vl(tmp_dir: Path | str, kind: str = "qwen2_vl", seed: int = 
     if (out / "config.json").exists():
         return out
     tokenizer = _qwen_tokenizer(out)
-    prefix = "Qwen2VL" if kind == "qwen2_vl" else "Qwen2_5_VL"
+    prefix = PREFIXES[kind]
     config_class = getattr(transformers, f"{prefix}Config")
-    text = qwen_text_config(tokenizer)
+    # Qwen3-VL: its decoder's head size named (Qwen3's default is 128), one layer past DeepStack's two.
+    text = qwen_text_config(tokenizer, **({"head_dim": 16, "num_hidden_layers": 3} if kind == "qwen3_vl" else {}))
     config = config_class(text_config=text, vision_config=_vision_config(kind), **qwen_vision_token_ids(tokenizer))
     torch.manual_seed(seed)
     model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config).eval()
     _perturb(model, seed)
     model.save_pretrained(str(out), safe_serialization=True)
     # The image processor alone: Qwen2VLProcessor also wants a video processor, which needs torchvision.
-    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=168 * 168).save_pretrained(str(out))
+    if kind == "qwen3_vl":
+        # Qwen3-VL's: 16-pixel patches (32-pixel merge blocks), mean and std 0.5.
+        images = Qwen2VLImageProcessorPil(
+            patch_size=16, min_pixels=64 * 64, max_pixels=192 * 192, image_mean=[0.5] * 3, image_std=[0.5] * 3
+        )
+    else:
+        images = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=168 * 168)
+    images.save_pretrained(str(out))
     return out
 
 
@@ -73,17 +99,22 @@ def load_reference(model_dir: Path):
     )
 
 
-def framed(text: str = "", image: bool = False, instruction: str = DEFAULT_INSTRUCTION) -> str:
-    return FRAME.format(instruction=instruction, image=IMAGE if image else "", text=text)
+def framed(text: str = "", image: bool = False, instruction: str | None = None, kind: str = "qwen2_vl") -> str:
+    """The kind's frame (GME's; Qwen3-VL-Embedding's for qwen3_vl), its default instruction unless one is given."""
+    if kind == "qwen3_vl":
+        frame, instruction = QWEN3_VL_FRAME, instruction or QWEN3_VL_INSTRUCTION
+    else:
+        frame, instruction = FRAME, instruction or DEFAULT_INSTRUCTION
+    return frame.format(instruction=instruction, image=IMAGE if image else "", text=text)
 
 
-def reference_inputs(reference, text: str = "", image=None, instruction: str = DEFAULT_INSTRUCTION) -> dict:
+def reference_inputs(reference, text: str = "", image=None, instruction: str | None = None) -> dict:
     """One framed input as Qwen2VLProcessor makes it: the image processor's pixel rows and grid, the image's one
     `<|image_pad|>` repeated t * h * w / merge**2 times, the text tokenized whole."""
     import torch
 
-    _, tokenizer, images = reference
-    prompt, batch = framed(text, image is not None, instruction), {}
+    model, tokenizer, images = reference
+    prompt, batch = framed(text, image is not None, instruction, model.config.model_type), {}
     if image is not None:
         batch = dict(images(images=[image], return_tensors="pt"))
         count = int(batch["image_grid_thw"][0].prod()) // images.merge_size**2
@@ -95,7 +126,7 @@ def reference_inputs(reference, text: str = "", image=None, instruction: str = D
     return batch
 
 
-def reference_embedding(reference, text: str = "", image=None, instruction: str = DEFAULT_INSTRUCTION):
+def reference_embedding(reference, text: str = "", image=None, instruction: str | None = None):
     """([hidden] float32, its inputs): one framed input through the checkpoint's inner model (Qwen2VLModel /
     Qwen2_5_VLModel, which computes M-RoPE from the grid), the last token's state, L2-normalized."""
     import torch

@@ -96,31 +96,40 @@ def qwen_vision_token_ids(tokenizer) -> dict:
     }
 
 
-def _colqwen2_config(tokenizer, embedding_dim: int, **text_overrides):
+# The towers of ColQwen2 (Qwen2-VL's) and ColQwen2.5 (Qwen2.5-VL's: windows of 56 pixels, 2 x 2 merge blocks, so
+# the pages hold several, some cut short; block 1 attends whole frames).
+COLQWEN_VISION = {
+    "qwen2_vl": dict(embed_dim=32, hidden_size=64, mlp_ratio=2),
+    "qwen2_5_vl": dict(
+        hidden_size=32, intermediate_size=48, out_hidden_size=64, window_size=56, fullatt_block_indexes=[1]
+    ),
+}
+
+
+def _colqwen2_config(tokenizer, embedding_dim: int, kind: str = "qwen2_vl", **text_overrides):
     from transformers import ColQwen2Config
 
     vision = dict(
         depth=2,
-        embed_dim=32,
-        hidden_size=64,
         num_heads=4,
-        mlp_ratio=2,
         patch_size=14,
         temporal_patch_size=2,
         spatial_merge_size=2,
         in_channels=3,
         initializer_range=0.15,
+        **COLQWEN_VISION[kind],
     )
     text = qwen_text_config(tokenizer, **text_overrides)
-    vlm = dict(model_type="qwen2_vl", text_config=text, vision_config=vision, **qwen_vision_token_ids(tokenizer))
+    vlm = dict(model_type=kind, text_config=text, vision_config=vision, **qwen_vision_token_ids(tokenizer))
     return ColQwen2Config(vlm_config=vlm, embedding_dim=embedding_dim, initializer_range=0.15)
 
 
 def build_tiny_colqwen2(
-    tmp_dir: Path | str, name: str = "tiny-colqwen2", seed: int = 0, embedding_dim: int = 24
+    tmp_dir: Path | str, name: str = "tiny-colqwen2", seed: int = 0, embedding_dim: int = 24, kind: str = "qwen2_vl"
 ) -> Path:
     """A random ColQwen2ForRetrieval directory with its ColQwen2Processor (Qwen2VLImageProcessor: 14-pixel
-    patches, merge 2, images between 56x56 and 112x112 pixels kept at their size when multiples of 28)."""
+    patches, merge 2, images between 56x56 and 112x112 pixels kept at their size when multiples of 28); `kind`
+    is the model it nests: qwen2_vl (ColQwen2) or qwen2_5_vl (ColQwen2.5)."""
     from transformers import ColQwen2ForRetrieval, ColQwen2Processor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -128,7 +137,7 @@ def build_tiny_colqwen2(
     if (out / "config.json").exists():
         return out
     tokenizer = _qwen_tokenizer(out)
-    config = _colqwen2_config(tokenizer, embedding_dim)
+    config = _colqwen2_config(tokenizer, embedding_dim, kind)
     images = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112)
     processor = ColQwen2Processor(image_processor=images, tokenizer=tokenizer)
     return save_retriever(out, ColQwen2ForRetrieval, config, seed, processor)
@@ -268,7 +277,6 @@ def packed_vectors(model, head, causal: bool, items, pad_tokens: int = 0, pad_ro
     from embedserv.attention.metadata import build_common_metadata
     from embedserv.forward_context import set_forward_context
     from embedserv.models.mrope import packed_mrope_positions
-    from embedserv.worker.image_inputs import frame_lengths
     from embedserv.worker.layer_routes import forward_context_for
 
     lens = [len(ids) for ids, _, _ in items]
@@ -282,18 +290,30 @@ def packed_vectors(model, head, causal: bool, items, pad_tokens: int = 0, pad_ro
         )
         positions = torch.nn.functional.pad(torch.from_numpy(packed), (0, pad_tokens))
     images = [(rows, grid) for _, rows, grid in items if rows is not None]
-    backend, vision, extra = NaiveBackend(), None, {}
+    backend, vision, windows, extra = NaiveBackend(), None, None, {}
     if images:
         rows = torch.cat([r for r, _ in images] + [torch.zeros(pad_rows, images[0][0].shape[1])])
         extra = {"pixel_values": rows, "image_grids": tuple(g for _, g in images)}
-        frames = frame_lengths([len(r) for r, _ in images], [g for _, g in images])
-        vision = backend.build_metadata(build_common_metadata(frames, False))
+        vision, windows = vision_metadata(backend, model, [g for _, g in images], [len(r) for r, _ in images])
     text = backend.build_metadata(build_common_metadata(np.array(lens), causal))
-    context = forward_context_for(model, backend, text, encoder_metadata=vision)
+    context = forward_context_for(model, backend, text, encoder_metadata=vision, window_metadata=windows)
     with torch.inference_mode(), set_forward_context(context):
         hidden = model(ids, positions + model.position_offset, **extra)
         vectors = head(hidden[: sum(lens)])
     return list(vectors.split(lens))
+
+
+def vision_metadata(backend, model, grids, row_counts):
+    """(frames', windows' or None) metadata of a Qwen2-VL-style tower's images, as the input builder's image plan
+    makes them: each frame attended apart, and a windowed tower's (Qwen2.5-VL's) windows."""
+    from embedserv.attention.metadata import build_common_metadata
+    from embedserv.worker.image_inputs import frame_lengths
+
+    vision = backend.build_metadata(build_common_metadata(frame_lengths(row_counts, grids), False))
+    windows = None
+    if getattr(model, "vision_windows", None) is not None:
+        windows = backend.build_metadata(build_common_metadata(model.vision_windows.lengths(grids), False))
+    return vision, windows
 
 
 def colqwen2_reference(model, input_ids, attention_mask, pixel_values=None, image_grid_thw=None):

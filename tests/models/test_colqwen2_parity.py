@@ -1,9 +1,10 @@
-"""ColQwen2 on a tiny random model against colpali-engine's framing in transformers: the checkpoint's Qwen2-VL
-model (ColQwen2ForRetrieval.vlm) given the ids, pixels and image grids, so it rotates by M-RoPE, then the
-projection and L2 norm (tests/helpers/vision_language_models.colqwen2_reference). Page-image and query vectors
-(cosine >= 0.9999 per vector, as many vectors) of pages of several sizes and aspect ratios, MaxSim against the
-processor's score_retrieval, a packed pass mixing image sizes and queries with padding rows, queries alone, batch
-invariance, and the vision tower's parts; and that pages differ from ColQwen2ForRetrieval's 1-D framing."""
+"""ColQwen2 and ColQwen2.5 on tiny random models against colpali-engine's framing in transformers: the checkpoint's
+Qwen2-VL / Qwen2.5-VL model (ColQwen2ForRetrieval.vlm, as its vlm_config names it) given the ids, pixels and image
+grids, so it rotates by M-RoPE, then the projection and L2 norm (tests/helpers/vision_language_models.
+colqwen2_reference). Page-image and query vectors (cosine >= 0.9999 per vector, as many vectors) of pages of several
+sizes and aspect ratios (Qwen2.5-VL's windows cut short on some), MaxSim against the processor's score_retrieval, a
+packed pass mixing image sizes and queries with padding rows, queries alone, batch invariance, and the vision
+tower's parts; and that pages differ from ColQwen2ForRetrieval's 1-D framing."""
 
 from __future__ import annotations
 
@@ -29,14 +30,19 @@ from tests.helpers.vision_language_models import (
     packed_vectors,
     page_image,
     same_parameters,
+    vision_metadata,
 )
 
 QUERIES = ["what is a socket", "how to parse json files", "x"]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_colqwen2(tmp_path_factory.mktemp("colqwen2"))
+# The model ColQwen2ForRetrieval nests: Qwen2-VL (ColQwen2) or Qwen2.5-VL (ColQwen2.5, windowed tower).
+KINDS = ("qwen2_vl", "qwen2_5_vl")
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def model_dir(request, tmp_path_factory):
+    return build_tiny_colqwen2(tmp_path_factory.mktemp(request.param), kind=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -172,9 +178,9 @@ def test_vision_tower_equals_transformers_visual(ours, reference):
     rows = torch.cat([r for _, r, _ in items])
     grids = tuple(g for _, _, g in items)
     backend = NaiveBackend()
-    vision = backend.build_metadata(build_common_metadata(np.array([len(r) for _, r, _ in items]), False))
+    vision, windows = vision_metadata(backend, model, grids, [len(r) for _, r, _ in items])
     text = backend.build_metadata(build_common_metadata(np.array([1]), True))
-    context = forward_context_for(model, backend, text, encoder_metadata=vision)
+    context = forward_context_for(model, backend, text, encoder_metadata=vision, window_metadata=windows)
     with torch.inference_mode(), set_forward_context(context):
         got = model.visual(rows, grids)
     with torch.no_grad():
@@ -201,3 +207,75 @@ def test_the_hubs_checkpoint_layout_loads_the_same(model_dir, ours, tmp_path):
         {"vlm.lm_head.weight": (8, 64)},
     )
     assert same_parameters(load_ours(copy)[0], ours[0])
+
+
+def test_the_tower_is_the_nested_models(ours, reference):
+    """vlm_config's model type picks the tower, as transformers' AutoModel picks the model."""
+    from embedserv.models.families.colqwen2 import TOWERS
+
+    kind = reference[0].vlm.config.model_type
+    assert type(reference[0].vlm).__name__ == {"qwen2_vl": "Qwen2VLModel", "qwen2_5_vl": "Qwen2_5_VLModel"}[kind]
+    assert type(ours[0].visual) is TOWERS[kind]
+    assert (ours[0].vision_windows is not None) == (kind == "qwen2_5_vl")
+
+
+def test_a_nested_model_we_do_not_run_is_refused_naming_it():
+    from types import SimpleNamespace
+
+    from embedserv.errors import ConfigError
+    from embedserv.models.families.colqwen2 import ColQwen2Model
+
+    with pytest.raises(ConfigError, match="'qwen3_vl'.*qwen2_5_vl, qwen2_vl"):
+        ColQwen2Model.tower_for(SimpleNamespace(model_type="qwen3_vl"))
+
+
+def _colpali_engine_copy(model_dir, out, dim):
+    """The directory as colpali-engine saves a (merged) ColQwen2 / ColQwen2.5: the Qwen2(.5)-VL config itself in
+    its pre-5 flat form (text settings at the top), architectures ColQwen2 / ColQwen2_5, the language model under
+    `model.`, the tower under `visual.`, the projection `custom_text_proj`, an unused lm_head."""
+    import json
+
+    def rename(name: str) -> str:
+        name = name.replace("vlm.language_model.", "model.", 1).replace("vlm.visual.", "visual.", 1)
+        return name.replace("embedding_proj_layer.", "custom_text_proj.", 1)
+
+    copy = hub_layout_copy(model_dir, out, rename, {"lm_head.weight": (8, 64)})
+    vlm = json.loads((model_dir / "config.json").read_text())["vlm_config"]
+    raw = {**vlm.pop("text_config"), **vlm}
+    raw["architectures"] = ["ColQwen2_5" if raw["model_type"] == "qwen2_5_vl" else "ColQwen2"]
+    if dim is not None:
+        raw["dim"] = dim
+    (copy / "config.json").write_text(json.dumps(raw))
+    return copy
+
+
+def test_colpali_engines_checkpoint_layout_loads_the_same(model_dir, ours, tmp_path):
+    from embedserv.models.loading.hf_config import read_hf_config
+
+    copy = _colpali_engine_copy(model_dir, tmp_path / "colpali-engine", dim=ours[1].proj.out_features)
+    config = read_hf_config(copy)
+    assert config.model_type == "colqwen2" and config.architectures == ["ColQwen2ForRetrieval"]
+    assert config.vlm_config.model_type == read_hf_config(model_dir).vlm_config.model_type
+    assert config.embedding_dim == ours[1].proj.out_features
+    model, head, causal = load_ours(copy)
+    assert causal and same_parameters(model, ours[0]) and same_parameters(head, ours[1])
+
+
+def test_colpali_engines_width_defaults_to_128_and_other_qwen_vl_configs_stay_theirs():
+    from embedserv.models.families.colqwen2 import colpali_engine_config
+
+    raw = {"model_type": "qwen2_5_vl", "architectures": ["ColQwen2_5"], "hidden_size": 64}
+    assert colpali_engine_config(raw)["embedding_dim"] == 128
+    assert colpali_engine_config(raw)["vlm_config"] == {"model_type": "qwen2_5_vl", "hidden_size": 64}
+    assert colpali_engine_config({**raw, "architectures": ["Qwen2_5_VLForConditionalGeneration"]}) is None
+
+
+def test_an_adapter_directory_is_refused_saying_to_merge_it(tmp_path):
+    import json
+
+    from embedserv.errors import ConfigError
+    from embedserv.models.loading.hf_config import read_hf_config
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "vidore/colqwen2.5-base"}))
+    with pytest.raises(ConfigError, match="PEFT adapter.*over vidore/colqwen2.5-base: merge it"):
+        read_hf_config(tmp_path)

@@ -1,8 +1,9 @@
-"""Qwen2-VL and Qwen2.5-VL embedders through the engine in process (SyncEngine, sdpa backend): one Embed call with
-images (PNG and JPEG bytes, one with text beside it) and texts equals transformers on the same framing
-(tests/helpers/qwen_vl_models.reference_embedding), in the call's order; the token ids our rules frame are the
-reference's; Matryoshka dimensions cut then renormalize; ListModels says what the model takes; the image token in a
-text and text beside an image for a model that takes images alone are refused."""
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL embedders through the engine in process (SyncEngine, sdpa backend): one Embed
+call with images (PNG and JPEG bytes, one with text beside it) and texts equals transformers on the same framing
+(tests/helpers/qwen_vl_models.reference_embedding: GME's, Qwen3-VL-Embedding's for Qwen3-VL), in the call's
+order; the token ids our rules frame are the reference's; Matryoshka dimensions cut then renormalize; ListModels
+says what the model takes; the image token in a text and text beside an image for a model that takes images alone
+are refused."""
 
 from __future__ import annotations
 
@@ -120,3 +121,16 @@ def test_the_image_token_in_a_text_is_refused(served):
     with pytest.raises(InvalidInput, match="image token"):
         engine.embed([ImageInput(_pages()[0][0], text="and <|image_pad|>")], EmbedParams())
     assert engine.embed([ImageInput(_pages()[0][0])], EmbedParams()).embeddings.shape == (1, 64)
+
+
+def test_qwen3_vl_instructions_end_in_punctuation_as_its_embedder_makes_them():
+    """Qwen3-VL-Embedding's format_model_input: the default "Represent the user's input.", an instruction stripped
+    and given a "." unless it ends in punctuation; GME's frame takes instructions as they are."""
+    from embedserv.engine.inputs.vl_embed_rules import FRAMINGS
+
+    qwen3, gme = FRAMINGS["qwen3_vl"], FRAMINGS["qwen2_vl"]
+    assert qwen3.instruction(None) == "Represent the user's input."
+    assert qwen3.instruction("  Find the chart  ") == "Find the chart."
+    assert qwen3.instruction("Which chart?") == "Which chart?"
+    assert gme.instruction(None) == "You are a helpful assistant." and gme.instruction("Find it") == "Find it"
+    assert qwen3.end.endswith("<|im_start|>assistant\n") and gme.end.endswith("<|endoftext|>")

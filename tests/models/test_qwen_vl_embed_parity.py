@@ -1,10 +1,12 @@
-"""Qwen2-VL and Qwen2.5-VL as GME/DSE-style embedders on tiny random checkpoints, against transformers: the
-checkpoint's inner Qwen2VLModel / Qwen2_5_VLModel given input_ids, pixel_values and image_grid_thw (so it rotates
-by M-RoPE), the last token's final state, L2-normalized (tests/helpers/qwen_vl_models.reference_embedding).
-Images of several sizes and aspect ratios alone and with text, texts alone, all in one packed pass with padding
-rows, texts-only passes, batch invariance; the vision towers (Qwen2.5-VL's windows included) against
-transformers' `visual`; the window order against transformers' get_vision_window_index; and the hub's older
-checkpoint layout (GME's, DSE's) loading the same parameters."""
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL as last-token embedders on tiny random checkpoints, against transformers: the
+checkpoint's inner Qwen2VLModel / Qwen2_5_VLModel / Qwen3VLModel (DeepStack, interleaved M-RoPE) given input_ids,
+pixel_values and image_grid_thw (so it rotates by M-RoPE), the last token's final state, L2-normalized
+(tests/helpers/qwen_vl_models.reference_embedding). Images of several sizes and aspect ratios alone and with text,
+texts alone, all in one packed pass with padding rows, texts-only passes, batch invariance; the vision towers
+(Qwen2.5-VL's windows, Qwen3-VL's DeepStack features included) against transformers' `visual`; the window order
+against transformers' get_vision_window_index; Qwen3-VL's position-table taps against transformers'
+get_vision_interpolation_indices_and_weights; and the hub's older checkpoint layout (GME's, DSE's) loading the
+same parameters."""
 
 from __future__ import annotations
 
@@ -151,8 +153,14 @@ def test_vision_tower_equals_transformers_visual(ours, reference, cases):
     with torch.inference_mode(), set_forward_context(context):
         got = ours.visual(rows, grids)
     with torch.no_grad():
-        expected = reference[0].model.visual(rows, grid_thw=torch.tensor(grids), return_dict=True).pooler_output
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+        expected = reference[0].model.visual(rows, grid_thw=torch.tensor(grids), return_dict=True)
+    if isinstance(got, tuple):
+        # Qwen3-VL: the merged tokens and DeepStack's features.
+        got, deepstack = got
+        assert len(deepstack) == len(expected.deepstack_features) > 0
+        for ours_feature, feature in zip(deepstack, expected.deepstack_features, strict=True):
+            torch.testing.assert_close(ours_feature, feature, rtol=0, atol=1e-4)
+    torch.testing.assert_close(got, expected.pooler_output, rtol=0, atol=1e-4)
 
 
 def test_qwen2_5_windows_equal_transformers_window_index():
@@ -164,6 +172,22 @@ def test_qwen2_5_windows_equal_transformers_window_index():
         index, cu = get_vision_window_index(torch.tensor(grids), 2, window_size, 14)
         np.testing.assert_array_equal(windows.order(grids), index.numpy())
         np.testing.assert_array_equal(np.cumsum(windows.lengths(grids)), cu.numpy()[1:])
+
+
+def test_qwen3_vl_position_table_taps_equal_transformers():
+    from transformers.vision_utils import get_vision_interpolation_indices_and_weights
+
+    from embedserv.models.families.qwen3_vision import position_taps
+
+    grids = ((1, 4, 6), (1, 10, 12), (1, 2, 2), (1, 8, 4))
+    for side in (4, 48):
+        indices, weights = get_vision_interpolation_indices_and_weights(
+            torch.tensor(grids), side, mode="bilinear", align_corners=True, spatial_merge_size=2
+        )
+        got_indices, got_weights = position_taps(grids, 2, side, len(indices) + 3)
+        np.testing.assert_array_equal(got_indices[: len(indices)], indices.numpy())
+        np.testing.assert_allclose(got_weights[: len(indices)], weights.numpy(), rtol=0, atol=1e-6)
+        assert not got_weights[len(indices) :].any()
 
 
 def test_the_hubs_checkpoint_layout_loads_the_same(model_dir, ours, tmp_path):

@@ -1,4 +1,4 @@
-"""ColQwen2, ColPali and ColModernVBERT through the engine (in process, or in worker processes with
+"""ColQwen2, ColQwen2.5, ColPali and ColModernVBERT through the engine (in process, or in worker processes with
 --data-parallel-size): EmbedMultiVector of page images (encoded PNG/JPEG bytes) and queries in one call equals
 transformers on the processors' inputs (ColPaliForRetrieval, ColModernVBertForRetrieval; for ColQwen2 its Qwen2-VL
 model given the image grids, M-RoPE, as colpali-engine frames it: tests/helpers/vision_language_models.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+from functools import partial
 
 import numpy as np
 import pytest
@@ -22,9 +23,16 @@ QUERIES = ["what is a socket", "how to parse json files", "x"]
 # ColQwen2 keeps sizes that are multiples of 28 and resizes others (300x200 -> 8x6 patches of 28); ColPali
 # resizes every page to 28x28; ColModernVBERT to a longest edge of 96, then cuts 48x48 tiles (2x2, 2x1).
 PAGES = (((56, 84), "PNG"), ((84, 112), "JPEG"), ((300, 200), "PNG"), ((56, 56), "JPEG"))
-BUILDERS = {"colqwen2": build_tiny_colqwen2, "colpali": build_tiny_colpali, "colmodernvbert": build_tiny_colmodernvbert}
+BUILDERS = {
+    "colqwen2": build_tiny_colqwen2,
+    # ColQwen2ForRetrieval over Qwen2.5-VL (its windowed tower through the worker's image plan).
+    "colqwen2_5": partial(build_tiny_colqwen2, name="tiny-colqwen2_5", kind="qwen2_5_vl"),
+    "colpali": build_tiny_colpali,
+    "colmodernvbert": build_tiny_colmodernvbert,
+}
 MODEL_CLASSES = {
     "colqwen2": "ColQwen2ForRetrieval",
+    "colqwen2_5": "ColQwen2ForRetrieval",
     "colpali": "ColPaliForRetrieval",
     "colmodernvbert": "ColModernVBertForRetrieval",
 }

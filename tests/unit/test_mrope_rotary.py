@@ -1,5 +1,6 @@
 """M-RoPE in models/rotary.py against transformers' Qwen2-VL rotary embedding and apply_rotary_pos_emb: each
-frequency section rotates by its own position row; equal rows (text) give plain RoPE's bits."""
+frequency section rotates by its own position row; equal rows (text) give plain RoPE's bits. Qwen3-VL's
+interleaved layout against Qwen3VLTextRotaryEmbedding."""
 
 from __future__ import annotations
 
@@ -46,6 +47,27 @@ def test_sections_rotate_as_transformers(seed):
     cos_now, _ = ours(positions)
     changed = (cos_moved != cos_now).any(dim=0).any(dim=0)
     assert changed.nonzero().flatten().tolist() == list(range(SECTION[0], SECTION[0] + SECTION[1]))
+
+
+@pytest.mark.parametrize(("head_dim", "section"), [(HEAD_DIM, SECTION), (128, [24, 20, 20]), (16, [2, 3, 3])])
+def test_interleaved_sections_rotate_as_qwen3_vl(head_dim, section):
+    from transformers import Qwen3VLTextConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding, apply_rotary_pos_emb
+
+    rope = {"rope_type": "default", "rope_theta": 5e5, "mrope_section": section, "mrope_interleaved": True}
+    config = Qwen3VLTextConfig(
+        hidden_size=64, num_attention_heads=4, head_dim=head_dim, max_position_embeddings=256, rope_parameters=rope
+    )
+    positions = _positions(5)
+    x = torch.randn(positions.shape[1], 4, head_dim, generator=torch.Generator().manual_seed(11))
+    ours = RotaryEmbedding(config, head_dim, 256)
+    got = apply_rotary(x, *ours(positions))
+    cos, sin = Qwen3VLTextRotaryEmbedding(config)(x, positions[:, None, :])
+    expected, _ = apply_rotary_pos_emb(x.transpose(0, 1)[None], x.transpose(0, 1)[None], cos, sin)
+    torch.testing.assert_close(got, expected[0].transpose(0, 1), rtol=0, atol=1e-5)
+    flat = positions[0]
+    for interleaved, plain in zip(ours(flat.expand(3, -1)), ours(flat), strict=True):
+        assert torch.equal(interleaved, plain)
 
 
 def test_equal_rows_are_plain_rope_bit_for_bit():

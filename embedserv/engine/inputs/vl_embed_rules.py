@@ -15,11 +15,18 @@ else "You are a helpful assistant." (GME's default, used for documents; it takes
 queries). DSE's cards put "Query: " before a query's text and "What is shown in this image?" after a page
 image, and embed a query beside a blank 56x56 placeholder image: a caller sends those as its inputs (an
 ImageInput with text), nothing here adds them.
+
+Qwen3-VL embedders (Qwen3-VL-Embedding: its qwen3_vl_embedding.py) frame the same turns without the
+`<|endoftext|>` (the processor's chat template with add_generation_prompt; the last token is the assistant
+turn's newline), their default instruction "Represent the user's input.", and an instruction not ending in
+punctuation gets a "." (QWEN3_VL_FRAMING).
 """
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -30,13 +37,35 @@ from embedserv.engine.inputs.tokenizer import TextTokenizer
 from embedserv.errors import ConfigError, InvalidInput
 from embedserv.types import EmbedParams, TruncationDirection
 
-# The families these rules frame inputs for (models/families/qwen2_vl.py, qwen2_5_vl.py).
-FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 DEFAULT_INSTRUCTION = "You are a helpful assistant."
 _SYSTEM = "<|im_start|>system\n"
 _USER = "<|im_end|>\n<|im_start|>user\n"
-_END = "<|im_end|>\n<|im_start|>assistant\n<|endoftext|>"
 _IMAGE_START, _IMAGE_PAD, _IMAGE_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+
+
+@dataclass(frozen=True)
+class VlFraming:
+    """What differs between the embedders' frames: the instruction without a prompt, what ends the input, and
+    whether an instruction gets a "." when it ends in no punctuation."""
+
+    default_instruction: str
+    end: str
+    punctuate: bool = False
+
+    def instruction(self, prompt: str | None) -> str:
+        text = (prompt or "").strip() if self.punctuate else prompt
+        if not text:
+            return self.default_instruction
+        if self.punctuate and not unicodedata.category(text[-1]).startswith("P"):
+            return text + "."
+        return text
+
+
+GME_FRAMING = VlFraming(DEFAULT_INSTRUCTION, "<|im_end|>\n<|im_start|>assistant\n<|endoftext|>")
+QWEN3_VL_FRAMING = VlFraming("Represent the user's input.", "<|im_end|>\n<|im_start|>assistant\n", punctuate=True)
+# The families these rules frame inputs for (models/families/qwen2_vl.py, qwen2_5_vl.py, qwen3_vl.py).
+FRAMINGS = {"qwen2_vl": GME_FRAMING, "qwen2_5_vl": GME_FRAMING, "qwen3_vl": QWEN3_VL_FRAMING}
+FAMILIES = tuple(FRAMINGS)
 
 
 class VlEmbedRules(TokenRules):
@@ -44,17 +73,20 @@ class VlEmbedRules(TokenRules):
 
     takes_image_text = True
 
-    def __init__(self, tokenizer: TextTokenizer, merge: int, vision: VisionSpec | None) -> None:
+    def __init__(
+        self, tokenizer: TextTokenizer, merge: int, vision: VisionSpec | None, framing: VlFraming = GME_FRAMING
+    ) -> None:
         super().__init__(vision=vision)
         self.tokenizer = tokenizer
         self.merge = merge
+        self.framing = framing
         ids = {token: tokenizer.token_id(token) for token in (_IMAGE_START, _IMAGE_PAD, _IMAGE_END)}
         missing = [token for token, id_ in ids.items() if id_ is None]
         if missing:
             raise ConfigError(f"the tokenizer lacks the image tokens {', '.join(missing)}")
         self.image_token_id = ids[_IMAGE_PAD]
         self._image_start, self._image_end = ids[_IMAGE_START], ids[_IMAGE_END]
-        self._end = tokenizer.encode_text(_END)
+        self._end = tokenizer.encode_text(framing.end)
         self._heads: dict[str, list[int]] = {}
 
     def text_encoder(self, tokenizer: TextTokenizer) -> Callable[[list[str], EmbedParams], list[InputSequence]]:
@@ -73,7 +105,7 @@ class VlEmbedRules(TokenRules):
 
     def _head(self, params: EmbedParams) -> list[int]:
         """The system turn with the call's instruction and the user turn's opening, tokenized once per instruction."""
-        instruction = self.tokenizer.resolve_prompt(params.prompt_name) or DEFAULT_INSTRUCTION
+        instruction = self.framing.instruction(self.tokenizer.resolve_prompt(params.prompt_name))
         if instruction not in self._heads:
             self._heads[instruction] = self.tokenizer.encode_text(f"{_SYSTEM}{instruction}{_USER}")
         return self._heads[instruction]

@@ -50,6 +50,11 @@ class Qwen2VLEmbedder(nn.Module, DecoderModel):
         return config
 
     @classmethod
+    def tower_for(cls, vlm):
+        """The vision tower's class for the Qwen2-VL-style config `vlm`."""
+        return cls.tower_class
+
+    @classmethod
     def text_config(cls, config):
         return vl_text_config(cls.vlm_config(config))
 
@@ -59,7 +64,7 @@ class Qwen2VLEmbedder(nn.Module, DecoderModel):
         vlm = self.vlm_config(config)
         self.image_token_id = int(vlm.image_token_id)
         self.language_model = LlamaStack(self.text_config(config))
-        self.visual = self.tower_class(vlm.vision_config, first_layer_index=len(self.language_model.layers))
+        self.visual = self.tower_for(vlm)(vlm.vision_config, first_layer_index=len(self.language_model.layers))
         self.vision_windows = self.visual.vision_windows
         self.mrope = MRopeSpec(self.image_token_id, int(vlm.vision_config.spatial_merge_size))
 

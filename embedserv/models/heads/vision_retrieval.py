@@ -11,7 +11,8 @@ from torch import nn
 from embedserv.errors import ConfigError
 from embedserv.models.loading.checkpoint import read_tensors
 
-PROJECTION = "embedding_proj_layer"
+# transformers' name, then colpali-engine's (its ColQwen2 / ColQwen2.5 checkpoints: models/families/colqwen2.py).
+PROJECTIONS = ("embedding_proj_layer", "custom_text_proj")
 RETRIEVAL_ARCHITECTURES = ("ColQwen2ForRetrieval", "ColPaliForRetrieval", "ColModernVBertForRetrieval")
 
 
@@ -35,14 +36,16 @@ class ProjectionHead(nn.Module):
 
 def build_projection_head(spec, allow_pickle: bool) -> nn.Module:
     """The head of a ModelSpec's checkpoint, on its device and in its dtype."""
-    names = {f"{PROJECTION}.weight", f"{PROJECTION}.bias"}
+    names = {f"{name}.{part}" for name in PROJECTIONS for part in ("weight", "bias")}
     tensors = read_tensors(spec.files, names)
-    if f"{PROJECTION}.weight" not in tensors:
-        raise ConfigError(f"checkpoint {spec.model_dir} lacks {PROJECTION}.weight, the retriever's projection")
-    weight = tensors[f"{PROJECTION}.weight"]
+    found = [name for name in PROJECTIONS if f"{name}.weight" in tensors]
+    if not found:
+        raise ConfigError(
+            f"checkpoint {spec.model_dir} lacks the retriever's projection ({' or '.join(PROJECTIONS)}.weight)"
+        )
+    weight, bias = tensors[f"{found[0]}.weight"], tensors.get(f"{found[0]}.bias")
     head = ProjectionHead(weight.shape[1], weight.shape[0])
     with torch.no_grad():
         head.proj.weight.copy_(weight)
-        bias = tensors.get(f"{PROJECTION}.bias")
         head.proj.bias.copy_(bias if bias is not None else torch.zeros(weight.shape[0]))
     return head.to(device=spec.device, dtype=spec.dtype).eval().requires_grad_(False)

@@ -17,6 +17,8 @@ logger = logging.getLogger(__name__)
 
 def read_hf_config(model_dir: Path):
     """config.json through transformers' AutoConfig, never importing code the directory ships."""
+    if not (model_dir / "config.json").exists() and (model_dir / "adapter_config.json").exists():
+        _refuse_adapter(model_dir)
     try:
         raw = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError) as exc:
@@ -69,3 +71,18 @@ def _from_native_dict(model_dir: Path, raw: dict, native: dict):
         model_type,
     )
     return hf_config
+
+
+def _refuse_adapter(model_dir: Path) -> None:
+    """A PEFT adapter directory given as the model (colpali-engine publishes its retrievers so: vidore/colqwen2.5-v0.2
+    over vidore/colqwen2.5-base): says what to serve instead."""
+    try:
+        base = json.loads((model_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    raise ConfigError(
+        f"{model_dir} is a PEFT adapter (adapter_config.json, no config.json)"
+        + (f" over {base}" if base else "")
+        + ": merge it into its base model (peft's merge_and_unload, then save_pretrained with the base's processor "
+        "files) and serve the merged directory, or serve it with --lora over a base model that takes LoRA"
+    )

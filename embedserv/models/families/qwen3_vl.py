@@ -1,0 +1,70 @@
+"""Qwen3-VL (Qwen3VLForConditionalGeneration, Qwen3VLModel) as a last-token embedder (Qwen3-VL-Embedding style):
+Qwen2-VL's embedder (qwen2_vl.py) with Qwen3-VL's vision tower (qwen3_vision.py), the Qwen3 decoder (llama.py:
+RMSNorm on each head's queries and keys, no q/k/v biases), M-RoPE with the sections' frequencies interleaved
+(rotary.py: t, h, w, t, h, w, ... as transformers' Qwen3VLTextRotaryEmbedding lays them out) and DeepStack: the
+tower's extra features are added to the image tokens' hidden states after each of the first decoder layers
+(one layer per feature), as transformers' Qwen3VLTextModel does. An image's M-RoPE positions are Qwen2-VL's
+(models/mrope.py); the LM head is not used. Inputs are framed as Qwen3-VL-Embedding frames them
+(engine/inputs/vl_embed_rules.QWEN3_VL_FRAMING).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from embedserv.models.families.qwen2_vl import CHECKPOINT, DEFAULT_MROPE_SECTION, Qwen2VLEmbedder
+from embedserv.models.families.qwen3_vision import Qwen3VisionTower
+from embedserv.models.loading.family import Family, FamilyDocs
+
+
+class Qwen3VLEmbedder(Qwen2VLEmbedder):
+    tower_class = Qwen3VisionTower
+
+    @classmethod
+    def text_config(cls, config):
+        """The language model read as Qwen3's (q/k norms), its M-RoPE interleaved whatever the config says:
+        transformers' Qwen3-VL always interleaves."""
+        text = copy.copy(cls.vlm_config(config).get_text_config())
+        text.model_type = "qwen3"
+        rope = {"mrope_section": DEFAULT_MROPE_SECTION, **(text.rope_parameters or {})}
+        text.rope_parameters = {**rope, "mrope_interleaved": True}
+        return text
+
+    def forward(self, input_ids, positions, pixel_values=None, image_grids=()) -> torch.Tensor:
+        model = self.language_model
+        hidden = model.embed_tokens(input_ids)
+        deepstack, image_rows = [], None
+        if pixel_values is not None:
+            features, deepstack = self.visual(pixel_values, tuple(image_grids))
+            image_mask = input_ids == self.image_token_id
+            hidden = hidden.masked_scatter(image_mask.unsqueeze(-1), features.to(hidden.dtype))
+            image_rows = image_mask.nonzero().squeeze(1)
+        cos, sin = model.rotary(positions)
+        for index, layer in enumerate(model.layers):
+            hidden = layer(hidden, cos, sin)
+            if index < len(deepstack):
+                hidden = hidden.index_add(0, image_rows, deepstack[index].to(hidden.dtype))
+        return model.norm(hidden)
+
+
+FAMILY = Family(
+    name="qwen3_vl",
+    model_types=("qwen3_vl",),
+    model_class=Qwen3VLEmbedder,
+    checkpoint=CHECKPOINT,
+    is_encoder=False,
+    pooling="lasttoken",
+)
+
+DOCS = FamilyDocs(
+    # Qwen3-VL-Embedding's framing follows its repository's qwen3_vl_embedding.py; no published checkpoint's
+    # vectors were compared (no download here).
+    examples=(),
+    tested_by=(
+        "tests/models/test_qwen_vl_embed_parity.py",
+        "tests/models/test_qwen_vl_embed_engine.py",
+        "tests/unit/test_mrope_rotary.py",
+    ),
+)

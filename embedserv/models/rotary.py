@@ -140,8 +140,9 @@ class RotaryEmbedding:
                 f"mrope_section {list(self.mrope_section)} must be three sizes adding up to half the head size, "
                 f"{head_dim // 2}"
             )
-        # Qwen3-VL's layout: the sections' frequencies interleaved (t, h, w, t, h, w, ...) rather than in runs.
-        self.mrope_interleaved = bool(self.params.get("mrope_interleaved"))
+        # Which position row (temporal 0, height 1, width 2) each frequency rotates by: in runs of the sections'
+        # sizes (Qwen2-VL), or interleaved t, h, w, t, h, w, ... (Qwen3-VL).
+        self._mrope_rows = _mrope_rows(self.mrope_section, bool(self.params.get("mrope_interleaved")))
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
 
@@ -151,6 +152,8 @@ class RotaryEmbedding:
         freqs = positions[:, None] * inv_freq[None, :]
         self._cos = freqs.cos().to(device)
         self._sin = freqs.sin().to(device)
+        if self._mrope_rows is not None:
+            self._mrope_rows = self._mrope_rows.to(device)
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[num_tokens], or M-RoPE's [3, num_tokens] -> cos, sin as [num_tokens, 1, head_dim // 2] float32
@@ -163,27 +166,30 @@ class RotaryEmbedding:
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
     def _sections(self, table: torch.Tensor) -> torch.Tensor:
-        """[3, num_tokens, head_dim // 2] -> [num_tokens, head_dim // 2]: the frequencies of section i from
-        position row i (transformers' Qwen2VLRotaryEmbedding.recomposition_frequencies). Where the three rows
+        """[3, num_tokens, head_dim // 2] -> [num_tokens, head_dim // 2]: each frequency from its position row
+        (transformers' Qwen2VLRotaryEmbedding / Qwen3VLTextRotaryEmbedding recomposition). Where the three rows
         are equal (text) this copies the plain table's values: the same bits as 1-D positions."""
-        if not self.mrope_section:
+        if self._mrope_rows is None:
             raise ValueError("3-D (M-RoPE) positions given to a rotary embedding whose config has no mrope_section")
-        if self.mrope_interleaved:
-            return self._interleaved(table)
-        parts = table.split(self.mrope_section, dim=-1)
-        return torch.cat([part[i] for i, part in enumerate(parts)], dim=-1)
+        rows = self._mrope_rows.expand(1, table.shape[1], -1)
+        return table.gather(0, rows).squeeze(0)
 
-    def _interleaved(self, table: torch.Tensor) -> torch.Tensor:
-        """Qwen3-VL's (transformers' Qwen3VLTextRotaryEmbedding.recomposition_frequencies): frequency i takes the
-        height row where i % 3 == 1 and i < 3 * sections[1], the width row where i % 3 == 2 and i < 3 *
-        sections[2], the temporal row elsewhere."""
-        index = torch.arange(table.shape[-1], device=table.device)
-        _, height, width = self.mrope_section
-        out = table[0].clone()
-        for row, (offset, count) in enumerate(((1, height), (2, width)), start=1):
-            columns = index[(index % 3 == offset) & (index < 3 * count)]
-            out[:, columns] = table[row][:, columns]
-        return out
+
+def _mrope_rows(section: tuple[int, ...], interleaved: bool) -> torch.Tensor | None:
+    """[1, 1, sum(section)] int64 on the CPU (models are built under a meta default device): the position row
+    of each frequency; None without M-RoPE. Interleaved
+    (transformers' Qwen3-VL): frequency i takes height where i % 3 == 1 and i < 3 * section[1], width where
+    i % 3 == 2 and i < 3 * section[2], temporal elsewhere."""
+    if not section:
+        return None
+    if not interleaved:
+        runs = torch.repeat_interleave(torch.arange(3, device="cpu"), torch.tensor(section, device="cpu"))
+        return runs.view(1, 1, -1)
+    index = torch.arange(sum(section), device="cpu")
+    rows = torch.zeros_like(index)
+    for row, count in ((1, section[1]), (2, section[2])):
+        rows[(index % 3 == row) & (index < 3 * count)] = row
+    return rows.view(1, 1, -1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,8 @@ import pytest
 
 from embedserv.types import EmbedParams, ImageInput
 from embedserv_client import Client
-from tests.helpers.client import RPC_TIMEOUT_S, inference_stub, response_matrix
+from tests.helpers.client import RPC_TIMEOUT_S, response_matrix
+from tests.helpers.compat_http import pb as _pb
 from tests.helpers.inprocess import in_process_server
 from tests.helpers.qwen_vl_models import build_tiny_qwen_vl
 from tests.helpers.server import free_port
@@ -54,9 +55,9 @@ def served(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def stub(served):
-    with grpc.insecure_channel(served[0]) as channel:
-        yield inference_stub(channel)
+def target(served) -> str:
+    """The server's gRPC address: e2e/conftest.py's `stub` connects to it."""
+    return served[0]
 
 
 @pytest.fixture(scope="module")
@@ -72,12 +73,6 @@ def expected(served) -> np.ndarray:
     rows = served[2].call(engine.embedding.embed(INPUTS, EmbedParams()), RPC_TIMEOUT_S).embeddings
     assert rows.shape == (4, 64)
     return rows
-
-
-def _pb():
-    from embedserv.v1 import embedserv_pb2
-
-    return embedserv_pb2
 
 
 def _grpc_item(item):

@@ -20,7 +20,8 @@ import pytest
 
 from embedserv.types import EmbedParams, ImageInput
 from embedserv_client import Client, cli
-from tests.helpers.client import RPC_TIMEOUT_S, inference_stub, response_matrix
+from tests.helpers.client import RPC_TIMEOUT_S, response_matrix
+from tests.helpers.compat_http import pb as _pb
 from tests.helpers.images import huge_png_header, jpeg_bytes, png_bytes, random_image, truncated_png, webp_bytes
 from tests.helpers.inprocess import in_process_server
 from tests.helpers.server import free_port
@@ -67,21 +68,15 @@ def served(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def stub(served):
-    with grpc.insecure_channel(served[0]) as channel:
-        yield inference_stub(channel)
+def target(served) -> str:
+    """The server's gRPC address: e2e/conftest.py's `stub` connects to it."""
+    return served[0]
 
 
 @pytest.fixture(scope="module")
 def http(served):
     with httpx.Client(base_url=served[1], timeout=RPC_TIMEOUT_S) as client:
         yield client
-
-
-def _pb():
-    from embedserv.v1 import embedserv_pb2
-
-    return embedserv_pb2
 
 
 def _engine(served):

@@ -27,12 +27,12 @@ from embedserv.models.mrope import MRopeSpec
 DEFAULT_MROPE_SECTION = [16, 24, 24]
 
 
-def vl_text_config(vlm):
-    """A Qwen2-VL-style config's language model, read as Qwen2's (q/k/v biases, no output bias: llama._biases),
-    with its M-RoPE sections."""
+def vl_text_config(vlm, model_type: str = "qwen2", **rope):
+    """A Qwen2-VL-style config's language model, read as `model_type`'s (Qwen2: q/k/v biases, no output bias,
+    llama._biases; Qwen3: q/k norms), with its M-RoPE sections and the `rope` parameters given."""
     text = copy.copy(vlm.get_text_config())
-    text.model_type = "qwen2"
-    text.rope_parameters = {"mrope_section": DEFAULT_MROPE_SECTION, **(text.rope_parameters or {})}
+    text.model_type = model_type
+    text.rope_parameters = {"mrope_section": DEFAULT_MROPE_SECTION, **(text.rope_parameters or {}), **rope}
     return text
 
 

@@ -10,11 +10,9 @@ tower's extra features are added to the image tokens' hidden states after each o
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
-from embedserv.models.families.qwen2_vl import CHECKPOINT, DEFAULT_MROPE_SECTION, Qwen2VLEmbedder
+from embedserv.models.families.qwen2_vl import CHECKPOINT, Qwen2VLEmbedder, vl_text_config
 from embedserv.models.families.qwen3_vision import Qwen3VisionTower
 from embedserv.models.loading.family import Family, FamilyDocs
 
@@ -26,11 +24,7 @@ class Qwen3VLEmbedder(Qwen2VLEmbedder):
     def text_config(cls, config):
         """The language model read as Qwen3's (q/k norms), its M-RoPE interleaved whatever the config says:
         transformers' Qwen3-VL always interleaves."""
-        text = copy.copy(cls.vlm_config(config).get_text_config())
-        text.model_type = "qwen3"
-        rope = {"mrope_section": DEFAULT_MROPE_SECTION, **(text.rope_parameters or {})}
-        text.rope_parameters = {**rope, "mrope_interleaved": True}
-        return text
+        return vl_text_config(cls.vlm_config(config), "qwen3", mrope_interleaved=True)
 
     def forward(self, input_ids, positions, pixel_values=None, image_grids=()) -> torch.Tensor:
         model = self.language_model

@@ -199,3 +199,23 @@ def test_the_hubs_checkpoint_layout_loads_the_same(model_dir, ours, tmp_path):
 
     copy = hub_layout_copy(model_dir, tmp_path / "hub", rename, {})
     assert same_parameters(_load(copy), ours)
+
+
+def test_a_pass_with_images_asks_the_device_nothing(ours, cases):
+    """No op whose output size depends on the data (nonzero, boolean indexing): on a GPU each would wait for the
+    device before the host could queue the next kernel."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as ops:
+        _embed(ours, [i for _, i in cases[:2]])
+    assert "masked_scatter.default" in ops.names  # the images went in
+    assert not {name for name in ops.names if name.startswith(("nonzero", "masked_select", "argwhere"))}

@@ -29,17 +29,19 @@ class Qwen3VLEmbedder(Qwen2VLEmbedder):
     def forward(self, input_ids, positions, pixel_values=None, image_grids=()) -> torch.Tensor:
         model = self.language_model
         hidden = model.embed_tokens(input_ids)
-        deepstack, image_rows = [], None
+        deepstack, image_mask = [], None
         if pixel_values is not None:
             features, deepstack = self.visual(pixel_values, tuple(image_grids))
-            image_mask = input_ids == self.image_token_id
-            hidden = hidden.masked_scatter(image_mask.unsqueeze(-1), features.to(hidden.dtype))
-            image_rows = image_mask.nonzero().squeeze(1)
+            image_mask = (input_ids == self.image_token_id).unsqueeze(-1)
+            hidden = hidden.masked_scatter(image_mask, features.to(hidden.dtype))
         cos, sin = model.rotary(positions)
         for index, layer in enumerate(model.layers):
             hidden = layer(hidden, cos, sin)
             if index < len(deepstack):
-                hidden = hidden.index_add(0, image_rows, deepstack[index].to(hidden.dtype))
+                # Scattered into zeros and added, not indexed by the mask's rows: nonzero() would wait for the
+                # device on every step.
+                extra = torch.zeros_like(hidden).masked_scatter(image_mask, deepstack[index].to(hidden.dtype))
+                hidden = hidden + extra
         return model.norm(hidden)
 
 

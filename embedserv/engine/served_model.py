@@ -109,6 +109,7 @@ def read_vision_spec(config: ModelConfig, spec: ModelSpec) -> VisionSpec | None:
     if tower is None:
         # Vision-language models (ColQwen2, ColPali): images of any size the processor makes; their rules
         # (engine/tasks/vision_retrieval.py) place the features.
+        processing = vl_embed_rules.sized_as_its_library(spec.family.name, processing)
         return VisionSpec(processing=processing, limits=limits, patch_size=processing.patch_size)
     if processing.patch_size != tower.patch_size:
         raise ConfigError(

@@ -28,6 +28,8 @@ IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 DEFAULT_INSTRUCTION = "You are a helpful assistant."
 QWEN3_VL_INSTRUCTION = "Represent the user's input."
 KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+# qwen3_vl_embedding.py's MIN_PIXELS, MAX_PIXELS: the sizes it resizes every image to, whatever the checkpoint says.
+QWEN3_VL_PIXELS = (4 * 32 * 32, 1800 * 32 * 32)
 # transformers' class-name prefix per kind.
 PREFIXES = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}
 
@@ -87,15 +89,20 @@ def build_tiny_qwen_vl(tmp_dir: Path | str, kind: str = "qwen2_vl", seed: int = 
 
 
 def load_reference(model_dir: Path):
-    """(transformers' model, its tokenizer, its image processor), float32 on CPU."""
+    """(transformers' model, its tokenizer, its image processor), float32 on CPU. Qwen3-VL's image processor sizes
+    images as Qwen3-VL-Embedding's library does (qwen_vl_utils' smart_resize between QWEN3_VL_PIXELS, then the
+    processor without resizing: the same as the processor given those bounds), not as the checkpoint's file says."""
     from transformers import AutoModelForImageTextToText, AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype="float32").eval()
+    bounds = {}
+    if model.config.model_type == "qwen3_vl":
+        bounds = dict(zip(("min_pixels", "max_pixels"), QWEN3_VL_PIXELS, strict=True))
     return (
         model,
         AutoTokenizer.from_pretrained(str(model_dir)),
-        Qwen2VLImageProcessorPil.from_pretrained(str(model_dir)),
+        Qwen2VLImageProcessorPil.from_pretrained(str(model_dir), **bounds),
     )
 
 

@@ -17,7 +17,8 @@ from tests.helpers.compare import assert_cosine_at_least, assert_unit_norm
 from tests.helpers.qwen_vl_models import KINDS, build_tiny_qwen_vl, load_reference, reference_embedding
 from tests.helpers.vision_language_models import page_image
 
-# (height, width, format, text beside the image): wide, tall, and one the processor resizes (300x200).
+# (height, width, format, text beside the image): wide, tall, and one the processor resizes (300x200: over the tiny
+# checkpoints' max_pixels; Qwen3-VL-Embedding's own bounds keep it, so it tells the two sizings apart).
 PAGES = ((56, 84, "PNG", "what does it show"), (112, 56, "JPEG", ""), (300, 200, "PNG", ""))
 TEXTS = ["what is a socket", "x"]
 

@@ -19,11 +19,14 @@ ImageInput with text), nothing here adds them.
 Qwen3-VL embedders (Qwen3-VL-Embedding: its qwen3_vl_embedding.py) frame the same turns without the
 `<|endoftext|>` (the processor's chat template with add_generation_prompt; the last token is the assistant
 turn's newline), their default instruction "Represent the user's input.", and an instruction not ending in
-punctuation gets a "." (QWEN3_VL_FRAMING).
+punctuation gets a "." (QWEN3_VL_FRAMING). That library also sizes every image itself, whatever the checkpoint's
+preprocessor_config.json says: qwen_vl_utils resizes it to between 4 and 1,800 blocks of 32 x 32 pixels (merged
+patches), then the processor runs with do_resize off (VlFraming.pixels).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +34,7 @@ from functools import partial
 
 import numpy as np
 
+from embedserv.engine.inputs.images import ImageProcessing
 from embedserv.engine.inputs.sequence import InputSequence
 from embedserv.engine.inputs.token_rules import TokenRules, VisionSpec
 from embedserv.engine.inputs.tokenizer import TextTokenizer
@@ -51,6 +55,9 @@ class VlFraming:
     default_instruction: str
     end: str
     punctuate: bool = False
+    # (min, max) pixels per image, the bounds its library resizes to in place of preprocessor_config.json's; None:
+    # the checkpoint's.
+    pixels: tuple[int, int] | None = None
 
     def instruction(self, prompt: str | None) -> str:
         text = (prompt or "").strip() if self.punctuate else prompt
@@ -62,10 +69,24 @@ class VlFraming:
 
 
 GME_FRAMING = VlFraming(DEFAULT_INSTRUCTION, "<|im_end|>\n<|im_start|>assistant\n<|endoftext|>")
-QWEN3_VL_FRAMING = VlFraming("Represent the user's input.", "<|im_end|>\n<|im_start|>assistant\n", punctuate=True)
+# qwen3_vl_embedding.py's MIN_PIXELS and MAX_PIXELS: 4 and 1,800 merged 32 x 32 blocks.
+QWEN3_VL_FRAMING = VlFraming(
+    "Represent the user's input.",
+    "<|im_end|>\n<|im_start|>assistant\n",
+    punctuate=True,
+    pixels=(4 * 32**2, 1800 * 32**2),
+)
 # The families these rules frame inputs for (models/families/qwen2_vl.py, qwen2_5_vl.py, qwen3_vl.py).
 FRAMINGS = {"qwen2_vl": GME_FRAMING, "qwen2_5_vl": GME_FRAMING, "qwen3_vl": QWEN3_VL_FRAMING}
 FAMILIES = tuple(FRAMINGS)
+
+
+def sized_as_its_library(family: str, processing: ImageProcessing) -> ImageProcessing:
+    """`processing` with the image size bounds of the family's embedding library where it sets its own."""
+    framing = FRAMINGS.get(family)
+    if framing is None or framing.pixels is None:
+        return processing
+    return dataclasses.replace(processing, resize=("pixels", *framing.pixels))
 
 
 class VlEmbedRules(TokenRules):

@@ -135,3 +135,17 @@ def test_qwen3_vl_instructions_end_in_punctuation_as_its_embedder_makes_them():
     assert qwen3.instruction("Which chart?") == "Which chart?"
     assert gme.instruction(None) == "You are a helpful assistant." and gme.instruction("Find it") == "Find it"
     assert qwen3.end.endswith("<|im_start|>assistant\n") and gme.end.endswith("<|endoftext|>")
+
+
+def test_rerank_scores_image_documents_by_the_cosine_of_transformers_vectors(served):
+    """An embedder reranks images, an image with text and texts by the cosine of their vectors with the query's."""
+    from embedserv.types import ImageInput, RerankParams
+
+    engine, reference = served
+    pages, query = _pages()[:2], "what is shown"
+    documents = [ImageInput(data, text=text) for data, text in pages] + [TEXTS[0]]
+    vectors = _expected(reference, pages, [query, TEXTS[0]])
+    expected = np.array([vectors[0], vectors[1], vectors[3]]) @ vectors[2]
+    result = engine.rerank(query, documents, RerankParams())
+    assert [r.index for r in result.results] == list(np.argsort(-expected, kind="stable"))
+    np.testing.assert_allclose([r.score for r in result.results], np.sort(expected)[::-1], rtol=0, atol=2e-4)

@@ -57,7 +57,7 @@ class TokenRules:
             raise InvalidInput("this model takes text only; send texts")
         if self.vision.class_token:
             rows = np.concatenate((np.zeros((1, rows.shape[1]), dtype=np.float32), rows))
-        return InputSequence(ids=[0] * len(rows), pixels=rows, image_grid=tuple(grid))
+        return InputSequence(ids=[0] * len(rows), pixels=rows, image_grids=(tuple(grid),))
 
     def check_ids(self, encoded: list[InputSequence]) -> None:
         """Refuses token-id inputs (used as given) that the model cannot take: every id in the vocabulary but a

@@ -101,7 +101,7 @@ class VlEmbedRules(TokenRules):
         count = int(np.prod(grid)) // self.merge**2
         image = [self._image_start] + [self.image_token_id] * count + [self._image_end]
         ids = self._framed(image, text, params, "an image")
-        return InputSequence(ids=ids, pixels=rows, image_grid=tuple(grid))
+        return InputSequence(ids=ids, pixels=rows, image_grids=(tuple(grid),))
 
     def _head(self, params: EmbedParams) -> list[int]:
         """The system turn with the call's instruction and the user turn's opening, tokenized once per instruction."""

@@ -92,7 +92,10 @@ def _tasks(family: Family) -> list[str]:
         return ["embed (texts and images, one space)", "rerank (texts and images, by cosine)"]
     if family.takes_images and family.pooling is not None:
         # Vision-language embedders (GME, DSE): one pooled vector per input.
-        return ["embed (texts, images, an image with text)", "rerank (texts, images, an image with text, by cosine)"]
+        return [
+            "embed (texts, images, texts and images interleaved)",
+            "rerank (texts, images, an image with text, by cosine)",
+        ]
     if family.takes_images:
         return ["multi-vector (queries and page images)", "rerank (page images, by MaxSim)"]
     tasks = ["embed", "multi-vector"]

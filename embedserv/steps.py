@@ -49,15 +49,17 @@ class ScheduledSequence:
     # The adapter its tokens run with: a task adapter's index in ModelInfo.task_adapters, or a --lora adapter's
     # in ModelInfo.lora_adapters; -1: the base weights.
     adapter: int = -1
-    # An image input: its preprocessed pixels as patch rows [rows, patch_dim] float32, each row one patch
-    # flattened in the patch embedding's weight order (channels, then patch rows, then columns; Qwen2-VL's
-    # processor order for its patches). Dual encoders (CLIP, SigLIP): the rows are the sequence's tokens, one
-    # each (CLIP's class token a row of zeros first), token_ids placeholders. Vision-language models
-    # (ColPali, ColQwen2): the vision tower's input, token_ids the language model's tokens with the image's
-    # placeholder tokens. None: a text.
+    # An input with images: their preprocessed pixels as patch rows [rows, patch_dim] float32, the images' rows
+    # one after another in the input's order, each row one patch flattened in the patch embedding's weight order
+    # (channels, then patch rows, then columns; Qwen2-VL's processor order for its patches). Dual encoders (CLIP,
+    # SigLIP): one image, its rows the sequence's tokens, one each (CLIP's class token a row of zeros first),
+    # token_ids placeholders. Vision-language models (ColPali, ColQwen2, the Qwen2-VL-style embedders): the vision
+    # tower's input, token_ids the language model's tokens with each image's placeholder tokens. None: a text.
     pixels: np.ndarray | None = None
-    # The image's grid in patches as its vision tower needs it: (t, h, w) for Qwen2-VL; (h, w) otherwise.
-    image_grid: tuple[int, ...] = ()
+    # One grid per image, in patches as its vision tower needs it: (t, h, w) for Qwen2-VL's; (h, w) otherwise.
+    # Only the Qwen2-VL-style embedders send several images in one sequence; each then has t * h * w rows of
+    # `pixels` (worker/image_inputs.image_rows).
+    image_grids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)

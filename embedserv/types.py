@@ -31,9 +31,22 @@ class ImageInput:
     end's pool (engine/inputs/images). Never a URL: the faces turn data URLs into bytes and refuse the rest."""
 
     data: bytes
-    # Text in the same input after the image (one image-and-text input: Qwen2-VL embedders, whose token rules
-    # say `takes_image_text`); empty: the image alone.
+    # Text in the same input after the image (one image-and-text input: the Qwen2-VL-style embedders, whose token
+    # rules say `takes_interleaved`); empty: the image alone.
     text: str = ""
+
+
+@dataclass(frozen=True)
+class InterleavedInput:
+    """One input of texts and images in the order the model reads them, one vector for all of it (OpenAI-style
+    content lists: text, image, text, image); only the Qwen2-VL-style embedders (token rules' `takes_interleaved`)
+    take it. A part is a text (str) or an encoded image (bytes, as ImageInput.data)."""
+
+    parts: tuple[str | bytes, ...]
+
+
+# What Embed takes per input (engine/inputs/image_inputs.simplest_input makes the common shapes str / ImageInput).
+EmbedInput = str | ImageInput | InterleavedInput
 
 
 class Task(str, Enum):

@@ -16,6 +16,7 @@ from embedserv.executor.base import WorkerStats
 from embedserv.types import (
     ClassifyParams,
     ClassifyResult,
+    EmbedInput,
     EmbedParams,
     EmbedResult,
     GenerationDelta,
@@ -55,7 +56,7 @@ class SyncEngine:
     def _call(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
-    def embed(self, texts: list[str | ImageInput], params: EmbedParams | None = None) -> EmbedResult:
+    def embed(self, texts: list[EmbedInput], params: EmbedParams | None = None) -> EmbedResult:
         return self._call(self.engine.embedding.embed(list(texts), params or EmbedParams()))
 
     def encoded(self, result: EmbedResult, params: EmbedParams) -> EmbedResult:

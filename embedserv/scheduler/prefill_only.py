@@ -145,7 +145,7 @@ def batch_of(requests: list[Request]) -> StepBatch:
                 outputs=request.outputs,
                 adapter=request.adapter,
                 pixels=request.pixels,
-                image_grid=request.image_grid,
+                image_grids=request.image_grids,
             )
             for request in requests
         )

@@ -62,9 +62,9 @@ class Request:
     adapter: int = -1
     # The call it belongs to (prefill): marked started when the sequence goes into a batch (load metrics).
     call: CallProgress | None = None
-    # An image input's patch rows and grid (steps.ScheduledSequence.pixels); None for texts.
+    # An input's images: their patch rows and one grid per image (steps.ScheduledSequence.pixels); None for texts.
     pixels: np.ndarray | None = None
-    image_grid: tuple[int, ...] = ()
+    image_grids: tuple[tuple[int, ...], ...] = ()
     # Higher runs sooner (scheduler/waiting.py); the API key's name the call came with ("": none).
     priority: int = 0
     tenant: str = ""

@@ -16,9 +16,10 @@ from embedserv.api_keys import KeyTable
 from embedserv.call_class import CALL_CLASS
 from embedserv.config import ServerConfig
 from embedserv.engine.engine import Engine
+from embedserv.engine.inputs.image_inputs import input_images, input_texts
 from embedserv.errors import AdapterNotFound, InvalidInput, ModelNotFound, NotReady, Overloaded
 from embedserv.models.loading.spec_reader import takes_images
-from embedserv.types import ImageInput, Modality, Task
+from embedserv.types import EmbedInput, InterleavedInput, Modality, Task
 
 
 def bound_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
@@ -202,23 +203,33 @@ class Frontend:
             self.check_batch(len(texts), what)
         return self.check_texts(texts, what)
 
-    def check_items(self, engine: Engine, items: list[str | ImageInput], what: str = "inputs") -> list:
+    def check_items(self, engine: Engine, items: list[EmbedInput], what: str = "inputs") -> list:
         """Texts and images in one list: at least one, no more than a call may carry (an image counts as an
-        input), images only for a model that takes them and within the image limits, texts (and an image's text)
-        within the character limit."""
+        input; an interleaved input as one), images only for a model that takes them and within the image limits,
+        texts (and an image's text) within the character limit."""
         if not items:
             raise InvalidInput(f"{what} is empty; send at least one text or image")
         self.check_batch(len(items), what)
         self.check_images(engine, items)
-        for index, item in enumerate(items):
-            self.check_chars(item.text if isinstance(item, ImageInput) else item, f"{what}[{index}]")
+        self.check_item_chars(items, what)
         return items
+
+    def check_item_chars(self, items: list[EmbedInput], what: str) -> None:
+        """Each input's texts within --max-input-chars: a text, an image's text, an interleaved input's texts
+        together (the model reads them as one input)."""
+        for index, item in enumerate(items):
+            self.check_chars(item if isinstance(item, str) else "".join(input_texts(item)), f"{what}[{index}]")
 
     def check_images(self, engine: Engine, items: list, first_index: int = 0) -> None:
         """The images among `items`: a model that takes images, no more of them than --max-images-per-request,
         each within the model's --max-image-bytes (checked before any of it is decoded). Messages name an image
-        as "input N", N its place among the inputs the engine gets (from `first_index`), as the decoder's do."""
-        images = [(first_index + i, item) for i, item in enumerate(items) if isinstance(item, ImageInput)]
+        as "input N", N its place among the inputs the engine gets (from `first_index`), as the decoder's do, and
+        an interleaved input's as "input N (image k)"."""
+        images = [
+            (f"{first_index + i}" + (f" (image {k})" if isinstance(item, InterleavedInput) else ""), data)
+            for i, item in enumerate(items)
+            for k, data in enumerate(input_images(item))
+        ]
         if not images:
             return
         if Modality.IMAGE not in engine.info.modalities:
@@ -227,15 +238,15 @@ class Frontend:
             )
         self.check_image_count(len(images))
         limit = engine.config.max_image_bytes
-        for index, image in images:
-            if len(image.data) > limit:
+        for name, data in images:
+            if len(data) > limit:
                 # Worded for every face (no flag names): an HTTP caller cannot see the server's flags.
                 raise InvalidInput(
-                    f"input {index}: the image has {len(image.data)} bytes, over this server's limit of {limit} "
+                    f"input {name}: the image has {len(data)} bytes, over this server's limit of {limit} "
                     "bytes per image; send a smaller or more compressed image"
                 )
-            if not image.data:
-                raise InvalidInput(f"input {index} is an empty image; send a PNG, JPEG or WebP file's bytes")
+            if not data:
+                raise InvalidInput(f"input {name} is an empty image; send a PNG, JPEG or WebP file's bytes")
 
     def check_image_count(self, count: int) -> None:
         limit = self.config.max_images_per_request

@@ -173,14 +173,24 @@ class EmbedRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[str]] = ..., normalize: _Optional[bool] = ..., truncate: _Optional[bool] = ..., truncation_direction: _Optional[_Union[TruncationDirection, str]] = ..., dimensions: _Optional[int] = ..., prompt_name: _Optional[str] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ..., chunking: _Optional[_Union[Chunking, str]] = ..., sparse_top_k: _Optional[int] = ..., task: _Optional[str] = ..., late_chunking: _Optional[_Union[LateChunking, _Mapping]] = ..., bypass_cache: _Optional[bool] = ..., items: _Optional[_Iterable[_Union[InputItem, _Mapping]]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class InputItem(_message.Message):
-    __slots__ = ("text", "image", "image_text")
+    __slots__ = ("text", "image", "image_text", "parts")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     IMAGE_TEXT_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     text: str
     image: bytes
     image_text: str
-    def __init__(self, text: _Optional[str] = ..., image: _Optional[bytes] = ..., image_text: _Optional[str] = ...) -> None: ...
+    parts: _containers.RepeatedCompositeFieldContainer[InputPart]
+    def __init__(self, text: _Optional[str] = ..., image: _Optional[bytes] = ..., image_text: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[InputPart, _Mapping]]] = ...) -> None: ...
+
+class InputPart(_message.Message):
+    __slots__ = ("text", "image")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    image: bytes
+    def __init__(self, text: _Optional[str] = ..., image: _Optional[bytes] = ...) -> None: ...
 
 class CharSpans(_message.Message):
     __slots__ = ("spans",)

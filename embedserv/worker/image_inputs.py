@@ -1,8 +1,9 @@
 """The image inputs of a step: every image sequence's patch rows (steps.ScheduledSequence.pixels) in the
-step's packed sequence order, in one float32 buffer that crosses to the device in one copy, with their own
-offsets: the vision tower's attention metadata (bidirectional, one sequence per image, or per frame of an image
-whose grid is (frames, h, w): Qwen2-VL attends each temporal frame alone, ColModernVBERT each tile), and for a
-tower with windowed attention (Qwen2.5-VL: models/vision_windows.py) the windows' metadata too.
+step's packed sequence order (a sequence's images in its own order), in one float32 buffer that crosses to the
+device in one copy, with their own offsets: the vision tower's attention metadata (bidirectional, one sequence per
+image, or per frame of an image whose grid is (frames, h, w): Qwen2-VL attends each temporal frame alone,
+ColModernVBERT each tile), and for a tower with windowed attention (Qwen2.5-VL: models/vision_windows.py) the
+windows' metadata too. The grids go to the model flat, one per image, in the same order.
 
 Dual encoders (CLIP, SigLIP) take the rows as the sequences' tokens, so they line up with the token rows
 (padded alike on CPU); vision-language models (ColPali, ColQwen2) run them through the vision tower and place
@@ -35,6 +36,21 @@ class ImageInputs:
     windows: CommonAttentionMetadata | None = None
 
 
+def image_rows(num_rows: int, grids: tuple[tuple[int, ...], ...]) -> list[int]:
+    """How many of a sequence's `num_rows` pixel rows each of its images (`grids`) has: all of them for one image
+    (a dual encoder's class-token row included); for several, each grid's t * h * w
+    (steps.ScheduledSequence.image_grids)."""
+    if len(grids) == 1:
+        return [num_rows]
+    counts = [int(np.prod(grid)) for grid in grids]
+    if any(len(grid) != 3 for grid in grids) or sum(counts) != num_rows:
+        raise ValueError(
+            f"a sequence of {num_rows} pixel rows holds several images whose grids {grids} are not (t, h, w) grids "
+            "of that many rows"
+        )
+    return counts
+
+
 def frame_lengths(rows: list[int], grids: list[tuple[int, ...]]) -> np.ndarray:
     """The vision tower's sequences: each image's `rows`, split into its frames when its grid is (frames, h, w)."""
     lens: list[int] = []
@@ -56,8 +72,10 @@ class ImagePlan:
         windows: VisionWindows | None = None,
     ) -> None:
         members = [seqs[i] for i in order if seqs[i].pixels is not None]
-        self.lens = frame_lengths([len(s.pixels) for s in members], [s.image_grid for s in members])
-        self.grids = tuple(s.image_grid for s in members)
+        self.grids = tuple(grid for s in members for grid in s.image_grids)
+        self.lens = frame_lengths(
+            [n for s in members for n in image_rows(len(s.pixels), s.image_grids)], list(self.grids)
+        )
         self.window_lens = windows.lengths(self.grids) if windows is not None else None
         if self.window_lens is not None:
             parts["image_window_cu_seqlens"] = cumulative_offsets(self.window_lens)

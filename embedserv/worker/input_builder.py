@@ -218,9 +218,7 @@ class InputBuilder:
 
 def _mrope_positions(packed: list[ScheduledSequence], spec: MRopeSpec) -> np.ndarray:
     """[3, num_tokens]: the packed sequences' M-RoPE positions, an image sequence's from its grid."""
-    return packed_mrope_positions(
-        [(s.token_ids, (s.image_grid,) if s.pixels is not None else (), s.start_position) for s in packed], spec
-    )
+    return packed_mrope_positions([(s.token_ids, s.image_grids, s.start_position) for s in packed], spec)
 
 
 def _unpadded(num_rows: int) -> int:

@@ -278,7 +278,7 @@ class ModelRunner:
                             token_ids=(0,) * rows,
                             output=OutputKind.POOL,
                             pixels=blank,
-                            image_grid=grid,
+                            image_grids=(grid,),
                         )
                         for i in range(max(1, size // rows))
                     )

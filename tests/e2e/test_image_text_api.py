@@ -1,10 +1,11 @@
-"""An image with its text as one input over every face of one in-process server serving a tiny random-weight
-Qwen2-VL embedder (tests/helpers/qwen_vl_models.py) beside a tiny CLIP: gRPC items (image + image_text), OpenAI's
-messages form (an image_url part, then a text part) and `input` items that are lists of content parts, Cohere v2
-`inputs` (the cohere SDK's ClientV2) and the Python client's (image, text) pairs all give Engine.embed's vectors for
-ImageInput(data, text), which tests/models/test_qwen_vl_embed_engine.py pins to transformers. The refusals say what to
-change: image_text beside a text, text with an image on CLIP (which embeds an image alone), several images or text
-before the image in one input, an image's text past --max-input-chars."""
+"""An image with its text, and texts and several images interleaved, as one input over every face of one in-process
+server serving a tiny random-weight Qwen2-VL embedder (tests/helpers/qwen_vl_models.py) beside a tiny CLIP: gRPC
+items (image + image_text; parts), OpenAI's messages form (content parts in any order) and `input` items that are
+lists of content parts, Cohere v2 `inputs` (the cohere SDK's ClientV2) and the Python client's (image, text) pairs
+and Interleaved inputs all give Engine.embed's vectors for ImageInput(data, text) and InterleavedInput(parts), which
+tests/models/test_qwen_vl_embed_engine.py pins to transformers. The refusals say what to change: image_text beside a
+text, parts beside a text, text with an image or interleaved parts on CLIP (which embeds an image alone), an image's
+text past --max-input-chars, an interleaved input's images past the call's image limit."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ import httpx
 import numpy as np
 import pytest
 
-from embedserv.types import EmbedParams, ImageInput
-from embedserv_client import Client
+from embedserv.types import EmbedParams, ImageInput, InterleavedInput
+from embedserv_client import Client, Interleaved
 from tests.helpers.client import RPC_TIMEOUT_S, response_matrix
 from tests.helpers.compat_http import pb as _pb
 from tests.helpers.inprocess import in_process_server
@@ -37,6 +38,11 @@ INPUTS = [
     ImageInput(WIDE, "what does the chart show"),
     ImageInput(TALL),
     ImageInput(TALL, "a receipt"),
+]
+# Texts and images interleaved: two images with text between; text first, then three images.
+INTERLEAVED = [
+    InterleavedInput(("compare", WIDE, "with", TALL)),
+    InterleavedInput(("a report:", TALL, WIDE, "and", TALL)),
 ]
 
 
@@ -75,10 +81,19 @@ def expected(served) -> np.ndarray:
     return rows
 
 
+@pytest.fixture(scope="module")
+def expected_interleaved(served) -> np.ndarray:
+    engine = served[2].server.frontend.models.get(QWEN)
+    return served[2].call(engine.embedding.embed(INTERLEAVED, EmbedParams()), RPC_TIMEOUT_S).embeddings
+
+
 def _grpc_item(item):
     pb = _pb()
     if isinstance(item, str):
         return pb.InputItem(text=item)
+    if isinstance(item, InterleavedInput):
+        parts = [pb.InputPart(text=p) if isinstance(p, str) else pb.InputPart(image=p) for p in item.parts]
+        return pb.InputItem(parts=parts)
     return pb.InputItem(image=item.data, image_text=item.text)
 
 
@@ -87,11 +102,15 @@ def _url(data: bytes) -> str:
 
 
 def _parts(item) -> list[dict]:
-    """One input as OpenAI / Cohere content parts: the image first, then its text."""
+    """One input as OpenAI / Cohere content parts, in its order (an ImageInput: the image, then its text)."""
     if isinstance(item, str):
         return [{"type": "text", "text": item}]
-    image = {"type": "image_url", "image_url": {"url": _url(item.data)}}
-    return [image, {"type": "text", "text": item.text}] if item.text else [image]
+    parts = item.parts if isinstance(item, InterleavedInput) else (item.data, item.text)
+    return [
+        {"type": "text", "text": p} if isinstance(p, str) else {"type": "image_url", "image_url": {"url": _url(p)}}
+        for p in parts
+        if p
+    ]
 
 
 def _http_error(reply, key=("error", "message")) -> str:
@@ -140,6 +159,25 @@ def test_the_client_sends_image_and_text_pairs(served, expected):
     np.testing.assert_allclose(got, expected, rtol=0, atol=ATOL)
 
 
+def test_interleaved_inputs_over_grpc_openai_cohere_and_the_client(served, stub, http, expected_interleaved):
+    pb = _pb()
+    request = pb.EmbedRequest(model=QWEN, items=[_grpc_item(item) for item in INTERLEAVED], encoding=pb.ENCODING_BYTES)
+    np.testing.assert_allclose(
+        response_matrix(stub.Embed(request, timeout=RPC_TIMEOUT_S)), expected_interleaved, atol=ATOL
+    )
+    for index, item in enumerate(INTERLEAVED):
+        body = {"model": QWEN, "messages": [{"role": "user", "content": _parts(item)}]}
+        reply = http.post("/v1/embeddings", json=body)
+        assert reply.status_code == 200, reply.text
+        np.testing.assert_allclose(reply.json()["data"][0]["embedding"], expected_interleaved[index], rtol=0, atol=ATOL)
+    reply = http.post("/v2/embed", json={"model": QWEN, "inputs": [{"content": _parts(i)} for i in INTERLEAVED]})
+    assert reply.status_code == 200, reply.text
+    np.testing.assert_allclose(reply.json()["embeddings"]["float"], expected_interleaved, rtol=0, atol=ATOL)
+    with Client(served[0], model=QWEN) as client:
+        got = client.embed(images=[Interleaved(*item.parts) for item in INTERLEAVED])
+    np.testing.assert_allclose(got, expected_interleaved, rtol=0, atol=ATOL)
+
+
 def _grpc_refusal(stub, model: str, items: list) -> str:
     with pytest.raises(grpc.RpcError) as error:
         stub.Embed(_pb().EmbedRequest(model=model, items=items), timeout=RPC_TIMEOUT_S)
@@ -157,14 +195,26 @@ def test_grpc_refusals_say_what_to_change(stub):
     )
     too_long = _grpc_refusal(stub, QWEN, [pb.InputItem(image=WIDE, image_text="x" * (MAX_CHARS + 1))])
     assert f"items[0] has {MAX_CHARS + 1} characters, more than the server's --max-input-chars" in too_long
+    parts = _grpc_item(INTERLEAVED[0]).parts
+    beside = _grpc_refusal(stub, QWEN, [pb.InputItem(text="x", parts=parts)])
+    assert "items[0] sets parts beside text; parts hold the whole input" in beside
+    empty = _grpc_refusal(stub, QWEN, [pb.InputItem(parts=[pb.InputPart(text="x"), pb.InputPart()])])
+    assert "items[0].parts[1] holds neither a text nor an image" in empty
+    interleaved_on_clip = _grpc_refusal(stub, CLIP, [pb.InputItem(text="x"), _grpc_item(INTERLEAVED[0])])
+    assert (
+        f"model '{CLIP}' takes one text or one image per input; input 1 holds texts and images interleaved: send"
+        in (interleaved_on_clip)
+    )
+    many = _grpc_refusal(stub, QWEN, [pb.InputItem(parts=[pb.InputPart(image=WIDE)] * 17)])
+    assert "the call carries 17 images; this server takes at most 16 images per call" in many
 
 
 def test_http_refusals_say_what_to_change(http):
     image, text = _parts(INPUTS[1])
-    two_images = http.post("/v1/embeddings", json={"model": QWEN, "messages": [{"content": [image, image, text]}]})
-    assert "input 0 holds 2 images; one input embeds one image" in _http_error(two_images)
-    text_first = http.post("/v1/embeddings", json={"model": QWEN, "input": [[text, image]]})
-    assert "input 0: an input with an image holds the image_url part first" in _http_error(text_first)
+    two_images = http.post("/v1/embeddings", json={"model": CLIP, "messages": [{"content": [image, image, text]}]})
+    assert f"model '{CLIP}' takes one text or one image per input; input 0 holds texts and images" in _http_error(
+        two_images
+    )
     on_clip = http.post("/v2/embed", json={"model": CLIP, "inputs": [{"content": [image, text]}]})
     assert f"model '{CLIP}' takes an image alone; input 0 has text" in _http_error(on_clip, ("message", ""))
     both = http.post("/v2/embed", json={"model": QWEN, "texts": ["x"], "inputs": [{"content": [text]}]})

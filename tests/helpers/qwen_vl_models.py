@@ -25,6 +25,73 @@ QWEN3_VL_FRAME = (
     "<|im_start|>system\n{instruction}<|im_end|>\n<|im_start|>user\n{image}{text}<|im_end|>\n<|im_start|>assistant\n"
 )
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+# The checkpoints' chat templates, which transformers does not ship (hub repositories' chat_template.json):
+# Qwen2-VL-Instruct's (Qwen2.5-VL's is the same), and Qwen3-VL-Instruct's system, user and assistant branches (its
+# tool branches left out: no message here has tools). A user message's content list renders each image as IMAGE and
+# each text as it is, in order.
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: "
+    "{% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+QWEN3_VL_CHAT_TEMPLATE = """{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].content is string %}
+        {{- messages[0].content }}
+    {%- else %}
+        {%- for content in messages[0].content %}
+            {%- if 'text' in content %}
+                {{- content.text }}
+            {%- endif %}
+        {%- endfor %}
+    {%- endif %}
+    {{- '<|im_end|>\\n' }}
+{%- endif %}
+{%- set image_count = namespace(value=0) %}
+{%- for message in messages %}
+    {%- if message.role == "user" %}
+        {{- '<|im_start|>' + message.role + '\\n' }}
+        {%- if message.content is string %}
+            {{- message.content }}
+        {%- else %}
+            {%- for content in message.content %}
+                {%- if content.type == 'image' or 'image' in content or 'image_url' in content %}
+                    {%- set image_count.value = image_count.value + 1 %}
+                    {%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}
+                    <|vision_start|><|image_pad|><|vision_end|>
+                {%- elif 'text' in content %}
+                    {{- content.text }}
+                {%- endif %}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role + '\\n' }}
+        {%- if message.content is string %}
+            {{- message.content }}
+        {%- else %}
+            {%- for content_item in message.content %}
+                {%- if 'text' in content_item %}
+                    {{- content_item.text }}
+                {%- endif %}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
 DEFAULT_INSTRUCTION = "You are a helpful assistant."
 QWEN3_VL_INSTRUCTION = "Represent the user's input."
 KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
@@ -140,6 +207,51 @@ def reference_embedding(reference, text: str = "", image=None, instruction: str 
 
     batch = reference_inputs(reference, text, image, instruction)
     model = reference[0]
+    with torch.no_grad():
+        hidden = model.model(**batch).last_hidden_state[0, -1]
+    return torch.nn.functional.normalize(hidden, dim=-1), batch
+
+
+def processor(reference):
+    """The checkpoint's processor (Qwen2VLProcessor; Qwen3VLProcessor for qwen3_vl) over the reference's tokenizer and
+    image processor, with the kind's chat template and without a video processor (which needs torchvision)."""
+    import transformers
+
+    model, tokenizer, images = reference
+    qwen3 = model.config.model_type == "qwen3_vl"
+    base = transformers.Qwen3VLProcessor if qwen3 else transformers.Qwen2VLProcessor
+
+    class ImagesOnly(base):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument_name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    template = QWEN3_VL_CHAT_TEMPLATE if qwen3 else QWEN2_VL_CHAT_TEMPLATE
+    return ImagesOnly(image_processor=images, tokenizer=tokenizer, video_processor=None, chat_template=template)
+
+
+def reference_interleaved(reference, parts: list, instruction: str | None = None) -> tuple:
+    """([hidden] float32, its inputs): one input of texts (str) and PIL images in order, as the embedders make it:
+    the processor's chat template over a system message (the kind's instruction) and one user message whose
+    content lists the parts (GME's gme_inference.py and Qwen3-VL-Embedding's qwen3_vl_embedding.py), GME's
+    `<|endoftext|>` after it, then the processor on that text and the images; through the inner model, the last
+    token's state, L2-normalized."""
+    import torch
+
+    model = reference[0]
+    qwen3 = model.config.model_type == "qwen3_vl"
+    content = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image", "image": p} for p in parts]
+    system = instruction or (QWEN3_VL_INSTRUCTION if qwen3 else DEFAULT_INSTRUCTION)
+    messages = [
+        {"role": "system", "content": [{"type": "text", "text": system}]},
+        {"role": "user", "content": content},
+    ]
+    make = processor(reference)
+    text = make.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text += "" if qwen3 else "<|endoftext|>"
+    images = [p for p in parts if not isinstance(p, str)] or None
+    batch = dict(make(text=[text], images=images, return_tensors="pt"))
     with torch.no_grad():
         hidden = model.model(**batch).last_hidden_state[0, -1]
     return torch.nn.functional.normalize(hidden, dim=-1), batch

@@ -69,7 +69,7 @@ def _items(served, pages: list[bytes], queries: list[str]) -> list[tuple]:
     for index, data in enumerate(pages):
         rows, grid = prepare_image(data, index, vision.processing, vision.limits)
         page = rules.encode_image(rows, grid, PARAMS)
-        out.append((torch.tensor(page.ids), torch.from_numpy(page.pixels), page.image_grid))
+        out.append((torch.tensor(page.ids), torch.from_numpy(page.pixels), page.image_grids[0]))
     for query in rules.encode(served.tokenizer, queries, PARAMS):
         out.append((torch.tensor(query.ids), None, ()))
     return out

@@ -1,9 +1,10 @@
 """Qwen2-VL, Qwen2.5-VL and Qwen3-VL embedders through the engine in process (SyncEngine, sdpa backend): one Embed
 call with images (PNG and JPEG bytes, one with text beside it) and texts equals transformers on the same framing
 (tests/helpers/qwen_vl_models.reference_embedding: GME's, Qwen3-VL-Embedding's for Qwen3-VL), in the call's
-order; the token ids our rules frame are the reference's; Matryoshka dimensions cut then renormalize; ListModels
-says what the model takes; the image token in a text and text beside an image for a model that takes images alone
-are refused."""
+order; the token ids our rules frame are the reference's; so are inputs of texts and several images interleaved
+(reference_interleaved: the processor's chat template), their ids and pixels token for token, and truncation cuts
+their texts, never an image; Matryoshka dimensions cut then renormalize; ListModels says what the model takes;
+the image token in a text and text beside an image for a model that takes images alone are refused."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ import numpy as np
 import pytest
 
 from tests.helpers.compare import assert_cosine_at_least, assert_unit_norm
-from tests.helpers.qwen_vl_models import KINDS, build_tiny_qwen_vl, load_reference, reference_embedding
+from tests.helpers.qwen_vl_models import (
+    KINDS,
+    build_tiny_qwen_vl,
+    load_reference,
+    reference_embedding,
+    reference_interleaved,
+)
 from tests.helpers.vision_language_models import page_image
 
 # (height, width, format, text beside the image): wide, tall, and one the processor resizes (300x200: over the tiny
@@ -122,6 +129,86 @@ def test_the_image_token_in_a_text_is_refused(served):
     with pytest.raises(InvalidInput, match="image token"):
         engine.embed([ImageInput(_pages()[0][0], text="and <|image_pad|>")], EmbedParams())
     assert engine.embed([ImageInput(_pages()[0][0])], EmbedParams()).embeddings.shape == (1, 64)
+
+
+def _interleaved(pages) -> list:
+    """Two inputs of texts and images interleaved (two images; three, text first), among an image with text and a
+    text; as engine inputs and as the reference's parts (PIL images)."""
+    from PIL import Image
+
+    from embedserv.types import ImageInput, InterleavedInput
+
+    (wide, text), (tall, _), (large, _) = pages
+    parts = [("compare", wide, "with", tall), ("a chart", large, tall, "and", wide)]
+    inputs = [InterleavedInput(parts[0]), ImageInput(wide, text), InterleavedInput(parts[1]), TEXTS[0]]
+    pil = [[Image.open(io.BytesIO(p)) if isinstance(p, bytes) else p for p in group] for group in parts]
+    references = [pil[0], [Image.open(io.BytesIO(wide)), text], pil[1], [TEXTS[0]]]
+    return inputs, references
+
+
+def test_interleaved_inputs_in_one_call_equal_transformers(served):
+    from embedserv.types import EmbedParams
+
+    engine, reference = served
+    inputs, references = _interleaved(_pages())
+    result = engine.embed(inputs, EmbedParams())
+    for got, parts in zip(result.embeddings, references, strict=True):
+        expected = reference_interleaved(reference, parts)[0].numpy()
+        assert_cosine_at_least(got[None], expected[None], 0.9999)
+        np.testing.assert_allclose(got, expected, rtol=0, atol=2e-4)
+    alone = engine.embed(inputs[2:3], EmbedParams()).embeddings[0]
+    np.testing.assert_allclose(alone, result.embeddings[2], rtol=0, atol=5e-5)
+
+
+def test_interleaved_framing_is_the_processors_chat_template_token_for_token(served):
+    from embedserv.engine.inputs.images import prepare_image
+    from embedserv.types import EmbedParams
+
+    engine, reference = served
+    rules, vision = engine.engine.embedding.token_rules, engine.engine.served.vision
+    inputs, references = _interleaved(_pages())
+    for parts, pil in zip((inputs[0].parts, inputs[2].parts), (references[0], references[2]), strict=True):
+        prepared = [p if isinstance(p, str) else prepare_image(p, 0, vision.processing, vision.limits) for p in parts]
+        got = rules.encode_interleaved(prepared, EmbedParams(), "input 0")
+        _, batch = reference_interleaved(reference, pil)
+        assert got.ids == batch["input_ids"][0].tolist()
+        assert got.image_grids == tuple(map(tuple, batch["image_grid_thw"].tolist()))
+        np.testing.assert_allclose(got.pixels, batch["pixel_values"].numpy(), rtol=0, atol=1e-5)
+
+
+def test_truncate_cuts_texts_never_an_image(served):
+    """RIGHT cuts the last text first, then the one before; LEFT the first text first; without truncate, too long
+    is refused; images that leave no room, and more than an input may hold, are refused either way."""
+    from embedserv.engine.inputs.vl_embed_rules import MAX_IMAGES_PER_INPUT
+    from embedserv.errors import InvalidInput
+    from embedserv.types import EmbedParams, InterleavedInput, TruncationDirection
+
+    engine, _ = served
+    rules = engine.engine.embedding.token_rules
+    tokenizer = rules.tokenizer
+    limit, start = tokenizer.max_input_tokens, tokenizer.token_id("<|vision_start|>")
+    end, short = tokenizer.encode_text(rules.framing.end), "what is shown"
+    image = (np.zeros((16, 4), np.float32), (1, 4, 4))
+    parts, fitting = [short, image, " word" * limit, image, short], [short, image, short, image, short]
+    encode = rules.encode_interleaved
+    with pytest.raises(InvalidInput, match="input 0 has .* tokens, more than the model's limit of"):
+        encode(parts, EmbedParams(truncate=False), "input 0")
+    whole = encode(fitting, EmbedParams(), "input 0").ids
+    right = encode(parts, EmbedParams(truncate=True), "input 0").ids
+    left = encode(parts, EmbedParams(truncate=True, truncation_direction=TruncationDirection.LEFT), "input 0").ids
+    first, tail = whole.index(start), len(tokenizer.encode_text(short)) + len(end)
+    for ids in (right, left):
+        assert len(ids) == limit and ids.count(rules.image_token_id) == whole.count(rules.image_token_id) == 8
+    # RIGHT keeps the head and the first text, and has cut the last text whole (the image's end, then the frame's).
+    assert right[: first + 1] == whole[: first + 1] and right[-len(end) - 1 :] == whole[-tail - 1 : -tail] + end
+    # LEFT has cut the first text whole (the head, then the first image) and keeps the last text.
+    assert left.index(start) == first - (tail - len(end)) and left[-tail:] == whole[-tail:]
+    crowded = (np.zeros((256, 4), np.float32), (1, 16, 16))
+    with pytest.raises(InvalidInput, match="its images and the prompt alone make .* send fewer or smaller images"):
+        encode([crowded] * (limit // 66 + 1) + [short], EmbedParams(truncate=True), "input 0")
+    images = (_pages()[0][0],) * (MAX_IMAGES_PER_INPUT + 1)
+    with pytest.raises(InvalidInput, match=f"input 1 holds {MAX_IMAGES_PER_INPUT + 1} images; one input takes at"):
+        engine.embed(["x", InterleavedInput(images)], EmbedParams())
 
 
 def test_qwen3_vl_instructions_end_in_punctuation_as_its_embedder_makes_them():

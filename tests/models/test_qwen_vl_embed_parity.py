@@ -2,9 +2,10 @@
 checkpoint's inner Qwen2VLModel / Qwen2_5_VLModel / Qwen3VLModel (DeepStack, interleaved M-RoPE) given input_ids,
 pixel_values and image_grid_thw (so it rotates by M-RoPE), the last token's final state, L2-normalized
 (tests/helpers/qwen_vl_models.reference_embedding). Images of several sizes and aspect ratios alone and with text,
-texts alone, all in one packed pass with padding rows, texts-only passes, batch invariance; the vision towers
-(Qwen2.5-VL's windows, Qwen3-VL's DeepStack features included) against transformers' `visual`; the window order
-against transformers' get_vision_window_index; Qwen3-VL's position-table taps against transformers'
+texts alone, all in one packed pass with padding rows, texts-only passes, batch invariance; inputs of two and
+three images interleaved with texts (reference_interleaved: the processor's chat template) packed with those; the
+vision towers (Qwen2.5-VL's windows, Qwen3-VL's DeepStack features included) against transformers' `visual`; the
+window order against transformers' get_vision_window_index; Qwen3-VL's position-table taps against transformers'
 get_vision_interpolation_indices_and_weights; and the hub's older checkpoint layout (GME's, DSE's) loading the
 same parameters."""
 
@@ -21,10 +22,16 @@ from embedserv.attention.metadata import build_common_metadata
 from embedserv.forward_context import set_forward_context
 from embedserv.models.mrope import packed_mrope_positions
 from embedserv.models.vision_windows import VisionWindows
-from embedserv.worker.image_inputs import frame_lengths
+from embedserv.worker.image_inputs import frame_lengths, image_rows
 from embedserv.worker.layer_routes import forward_context_for
 from tests.helpers.compare import assert_cosine_at_least
-from tests.helpers.qwen_vl_models import KINDS, build_tiny_qwen_vl, load_reference, reference_embedding
+from tests.helpers.qwen_vl_models import (
+    KINDS,
+    build_tiny_qwen_vl,
+    load_reference,
+    reference_embedding,
+    reference_interleaved,
+)
 from tests.helpers.vision_language_models import COLQWEN2_SIZES, hub_layout_copy, page_image, same_parameters
 
 # The ColQwen2 pages' sizes and a larger one (10 x 12 patches: Qwen2.5-VL windows cut short on both sides).
@@ -71,26 +78,30 @@ def _images():
 
 
 def _items(reference, images, texts, image_texts=()):
-    """(expected vector, (ids, pixel rows or None, grid or ())) per input: each image alone (with the text of
+    """(expected vector, (ids, pixel rows or None, grids)) per input: each image alone (with the text of
     `image_texts` at its index, if any), then each text alone."""
     out = []
     for index, image in enumerate(images):
         text = image_texts[index] if index < len(image_texts) else ""
-        expected, batch = reference_embedding(reference, text, image)
-        out.append(
-            (expected, (batch["input_ids"][0], batch["pixel_values"], tuple(batch["image_grid_thw"][0].tolist())))
-        )
+        out.append(_item(*reference_embedding(reference, text, image)))
     for text in texts:
-        expected, batch = reference_embedding(reference, text)
-        out.append((expected, (batch["input_ids"][0], None, ())))
+        out.append(_item(*reference_embedding(reference, text)))
     return out
 
 
+def _item(expected, batch) -> tuple:
+    """(expected vector, (ids, pixel rows or None, one grid per image)) of a reference input."""
+    grids = tuple(tuple(grid) for grid in batch["image_grid_thw"].tolist()) if "pixel_values" in batch else ()
+    return expected, (batch["input_ids"][0], batch.get("pixel_values"), grids)
+
+
 def _vision_metadata(backend, model, images):
+    """`images`: (pixel rows, grids) per sequence with images."""
     if not images:
         return None, None
-    grids = [g for _, g in images]
-    vision = backend.build_metadata(build_common_metadata(frame_lengths([len(r) for r, _ in images], grids), False))
+    grids = [grid for _, gs in images for grid in gs]
+    counts = [count for rows, gs in images for count in image_rows(len(rows), gs)]
+    vision = backend.build_metadata(build_common_metadata(frame_lengths(counts, grids), False))
     windows = None
     if model.vision_windows is not None:
         windows = backend.build_metadata(build_common_metadata(model.vision_windows.lengths(grids), False))
@@ -102,13 +113,13 @@ def _embed(model, items, pad_tokens: int = 0, pad_rows: int = 0) -> list[torch.T
     real ones as the input builder pads them on CPU."""
     lens = [len(ids) for ids, _, _ in items]
     ids = torch.cat([ids for ids, _, _ in items] + [torch.zeros(pad_tokens, dtype=torch.long)])
-    packed = packed_mrope_positions([(i.tolist(), (g,) if r is not None else (), 0) for i, r, g in items], model.mrope)
+    packed = packed_mrope_positions([(i.tolist(), g, 0) for i, _, g in items], model.mrope)
     positions = torch.nn.functional.pad(torch.from_numpy(packed), (0, pad_tokens))
-    images = [(rows, grid) for _, rows, grid in items if rows is not None]
+    images = [(rows, grids) for _, rows, grids in items if rows is not None]
     backend, extra = NaiveBackend(), {}
     if images:
         rows = torch.cat([r for r, _ in images] + [torch.zeros(pad_rows, images[0][0].shape[1])])
-        extra = {"pixel_values": rows, "image_grids": tuple(g for _, g in images)}
+        extra = {"pixel_values": rows, "image_grids": tuple(g for _, gs in images for g in gs)}
     vision, windows = _vision_metadata(backend, model, images)
     text = backend.build_metadata(build_common_metadata(np.array(lens), True))
     context = forward_context_for(model, backend, text, encoder_metadata=vision, window_metadata=windows)
@@ -144,12 +155,12 @@ def test_an_input_alone_equals_it_packed_with_others(ours, cases):
 
 
 def test_vision_tower_equals_transformers_visual(ours, reference, cases):
-    images = [(rows, grid) for _, (_, rows, grid) in cases[: len(SIZES)]]
+    images = [(rows, grids) for _, (_, rows, grids) in cases[: len(SIZES)]]
     backend = NaiveBackend()
     vision, windows = _vision_metadata(backend, ours, images)
     text = backend.build_metadata(build_common_metadata(np.array([1]), True))
     context = forward_context_for(ours, backend, text, encoder_metadata=vision, window_metadata=windows)
-    rows, grids = torch.cat([r for r, _ in images]), tuple(g for _, g in images)
+    rows, grids = torch.cat([r for r, _ in images]), tuple(g for _, gs in images for g in gs)
     with torch.inference_mode(), set_forward_context(context):
         got = ours.visual(rows, grids)
     with torch.no_grad():
@@ -161,6 +172,26 @@ def test_vision_tower_equals_transformers_visual(ours, reference, cases):
         for ours_feature, feature in zip(deepstack, expected.deepstack_features, strict=True):
             torch.testing.assert_close(ours_feature, feature, rtol=0, atol=1e-4)
     torch.testing.assert_close(got, expected.pooler_output, rtol=0, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def interleaved(reference):
+    """Texts and images interleaved, one input each, as the processor's chat template frames them, with transformers'
+    vectors: two images (wide, tall), and three (large, portrait, tall) with text between and after."""
+    images = _images()
+    inputs = (["compare", images[0], "with", images[3]], [images[5], "a chart", images[1], images[4], "and a photo"])
+    return [_item(*reference_interleaved(reference, parts)) for parts in inputs]
+
+
+def test_interleaved_inputs_packed_with_single_images_and_texts_equal_transformers(ours, cases, interleaved):
+    """Several images in one sequence: their placeholders take their features in order, positions run on from
+    each image; beside an image with text, an image alone and a text; each alone equals it packed."""
+    assert [len(grids) for _, (_, _, grids) in interleaved] == [2, 3]
+    items = [interleaved[0], cases[1], interleaved[1], cases[2], cases[-1]]
+    packed = _embed(ours, [i for _, i in items], pad_tokens=5, pad_rows=7)
+    _assert_close(packed, items)
+    for index in (0, 2):
+        torch.testing.assert_close(_embed(ours, [items[index][1]])[0], packed[index], rtol=0, atol=2e-5)
 
 
 def test_qwen2_5_windows_equal_transformers_window_index():

@@ -1,7 +1,7 @@
-"""The client's and CLI's images: bytes or file paths (an (image, text) pair: one item with its image_text), sent in
-order after the texts, cut into requests within
-the server's batch size and --max-images-per-request; page images for multi-vector and rerank; a file that
-cannot be read is named before any call."""
+"""The client's and CLI's images: bytes or file paths (an (image, text) pair: one item with its image_text; an
+Interleaved input: one item with its parts, its images counted against the limit), sent in order after the texts,
+cut into requests within the server's batch size and --max-images-per-request; page images for multi-vector and
+rerank; a file that cannot be read is named before any call."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from embedserv_client import Client, cli
+from embedserv_client import Client, Interleaved, cli
 from embedserv_client.v1 import embedserv_pb2 as pb
 from embedserv_client.v1 import embedserv_pb2_grpc as pb_grpc
 from tests.helpers.client import serve_fake_inference
@@ -20,7 +20,9 @@ BATCH, MAX_IMAGES = 4, 2
 
 
 def _value(item: pb.InputItem) -> float:
-    """A text's number, or minus the image's first byte: what the fake embeds each input as."""
+    """A text's number, or minus the (first) image's first byte: what the fake embeds each input as."""
+    if item.parts:
+        return -float(next(part.image for part in item.parts if part.HasField("image"))[0])
     return float(item.text) if item.HasField("text") else -float(item.image[0])
 
 
@@ -107,6 +109,25 @@ def test_page_images_for_multi_vector_and_rerank(recording, kind):
     results = call(kind, target, "rerank", "a query", document_images=[bytes([2]), bytes([9]), bytes([5])])
     assert [(r.index, r.document) for r in results] == [(1, None), (2, None), (0, None)]
     assert not any(r.return_documents for r in servicer.requests if isinstance(r, pb.RerankRequest))
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_an_interleaved_input_is_one_item_of_parts_in_order(recording, kind, tmp_path):
+    servicer, target = recording
+    (tmp_path / "page.png").write_bytes(bytes([7]))
+    images = [Interleaved("a", bytes([3]), tmp_path / "page.png", "b"), bytes([4]), Interleaved(bytes([5]), "x")]
+    vectors = call(kind, target, "embed", ["10"], images=images)
+    np.testing.assert_array_equal(vectors[:, 0], [10, -3, -4, -5])
+    sent = [[p.text or p.image for p in item.parts] for r in servicer.requests for item in r.items if item.parts]
+    assert sorted(sent, key=len) == [[bytes([5]), "x"], ["a", bytes([3]), bytes([7]), "b"]]
+    counts = [
+        sum(int(i.HasField("image")) + sum(p.HasField("image") for p in i.parts) for i in r.items)
+        for r in servicer.requests
+    ]
+    assert max(counts) <= MAX_IMAGES and sum(counts) == 4
+    with Client(target) as client:
+        with pytest.raises(TypeError, match=r"images\[0\].parts\[1\] must be bytes or a file path, not int"):
+            client.embed(images=[Interleaved("a", 3)])
 
 
 def test_unreadable_images_and_wrong_types_are_named(recording, tmp_path):

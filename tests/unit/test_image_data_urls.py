@@ -1,6 +1,7 @@
 """The HTTP faces' image inputs: data URLs decoded, every other URL refused with a message naming the input;
-one input's content parts (a text, an image, or an image then one text part: ImageInput.text), others refused
-saying what to send; vLLM's messages form (one message's content, one embedding)."""
+one input's content parts in their order (a text, an image, an image then its text: ImageInput.text; several
+images, or text before an image: InterleavedInput), no parts refused saying what to send; vLLM's messages form
+(one message's content, one embedding)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from embedserv.server.http.image_inputs import (
     input_items,
     message_item,
 )
-from embedserv.types import ImageInput
+from embedserv.types import ImageInput, InterleavedInput
 
 DATA = b"\x89PNG\r\n\x1a\n some bytes"
 URL = "data:image/png;base64," + base64.b64encode(DATA).decode()
@@ -76,20 +77,25 @@ def test_input_items_may_be_an_image_then_its_text():
 
 
 @pytest.mark.parametrize(
-    ("parts", "says"),
+    ("parts", "item"),
     [
-        ([], "input 3 holds no content part; send a text part, an image_url part, or both"),
-        ([_part(URL), _part(URL)], "input 3 holds 2 images; one input embeds one image (with its text after it)"),
-        ([_part(URL), _text("a"), _part(URL)], "input 3 holds 2 images"),
-        ([_text("a"), _text("b")], "input 3 holds 2 text parts; join them into one text part"),
-        ([_text("a"), _part(URL)], "the image_url part first, then one text part"),
-        ([_part(URL), _text("a"), _text("b")], "it holds image_url, text, text"),
+        ([_part(URL), _part(URL)], InterleavedInput((DATA, DATA))),
+        ([_part(URL), _text("a"), _part(URL)], InterleavedInput((DATA, "a", DATA))),
+        ([_text("a"), _part(URL)], InterleavedInput(("a", DATA))),
+        # Adjacent texts read as one, as the models' chat templates join them.
+        ([_text("a"), _text("b")], "ab"),
+        ([_part(URL), _text("a"), _text("b")], ImageInput(DATA, "ab")),
     ],
 )
-def test_other_content_is_refused_saying_what_to_send(parts, says):
-    with pytest.raises(InvalidInput) as error:
-        content_item(parts, "input 3")
-    assert says in str(error.value)
+def test_parts_in_any_order_are_one_input(parts, item):
+    assert content_item(parts, "input 3") == item
+
+
+def test_no_content_is_refused_saying_what_to_send():
+    with pytest.raises(
+        InvalidInput, match="input 3 holds no content part; send a text part, an image_url part, or both"
+    ):
+        content_item([], "input 3")
 
 
 def _message(*parts, role: str = "user") -> Message:
@@ -102,10 +108,8 @@ def test_the_messages_form_takes_one_messages_content():
     assert message_item([_message(_part(URL), _text("what is shown"))]) == ImageInput(DATA, "what is shown")
     # A message with no parts holds nothing to embed, and is passed over.
     assert message_item([_message(role="system"), _message(_part(URL))]) == ImageInput(DATA)
-    with pytest.raises(InvalidInput, match="input 0 holds 2 images; one input embeds one image"):
-        message_item([_message(_part(URL), _part(URL), _text("x"))])
-    with pytest.raises(InvalidInput, match="input 0: an input with an image holds the image_url part first"):
-        message_item([_message(_text("x"), _part(URL))])
+    assert message_item([_message(_part(URL), _part(URL), _text("x"))]) == InterleavedInput((DATA, DATA, "x"))
+    assert message_item([_message(_text("x"), _part(URL))]) == InterleavedInput(("x", DATA))
     spread = [Message(role="system", content="be brief"), _message(_part(URL), _text("x"))]
     with pytest.raises(InvalidInput, match=r"messages hold content in 2 messages; .*prompt_name picks"):
         message_item(spread)

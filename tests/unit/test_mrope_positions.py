@@ -1,9 +1,11 @@
 """M-RoPE positions (models/mrope.py) against transformers' Qwen2VLModel.get_rope_index: text-only sequences,
 images of several sizes and aspect ratios anywhere in a sequence, several images in one, a padded batch (each
-sequence from its own 0), and the packed form the input builder uses."""
+sequence from its own 0), and the packed form the input builder uses (with an interleaved input's several images
+in one sequence)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 from types import SimpleNamespace
 
@@ -137,7 +139,7 @@ def test_the_input_builder_packs_3d_positions_longest_first_with_padding_rows():
                 token_ids=tuple(ids),
                 output=OutputKind.POOL,
                 pixels=np.zeros((int(np.prod(grids[0])), 4), np.float32) if grids else None,
-                image_grid=tuple(grids[0]) if grids else (),
+                image_grids=tuple(map(tuple, grids)),
             )
             for i, (ids, grids) in enumerate(sequences)
         )
@@ -154,3 +156,33 @@ def test_the_input_builder_packs_3d_positions_longest_first_with_padding_rows():
     assert not positions[:, total:].any()
     assert torch.equal(inputs.tokens.input_ids, plain.tokens.input_ids)
     assert inputs.images.grids == ((1, 12, 6), (1, 4, 10))
+
+
+def test_a_sequence_with_several_images_gives_each_its_own_vision_sequences():
+    """An interleaved input's images in one sequence: their grids reach the tower flat in packed order, its rows
+    split by each grid's t * h * w into one vision sequence per frame; its positions as get_rope_index's."""
+    from embedserv.steps import OutputKind, ScheduledSequence, StepBatch
+    from embedserv.worker.input_builder import InputBuilder
+
+    sequences = [_sequence(2, (1, 4, 10), 3), _sequence(3, (1, 4, 4), 2, (2, 6, 4), 1, (1, 2, 2), 1)]
+    batch = StepBatch(
+        tuple(
+            ScheduledSequence(
+                request_id=i,
+                token_ids=tuple(ids),
+                output=OutputKind.POOL,
+                pixels=np.zeros((sum(int(np.prod(g)) for g in grids), 4), np.float32),
+                image_grids=tuple(grids),
+            )
+            for i, (ids, grids) in enumerate(sequences)
+        )
+    )
+    inputs = InputBuilder(torch.device("cpu"), 0, True, mrope=MRopeSpec(IMAGE, MERGE)).build(batch)
+    assert inputs.images.grids == ((1, 4, 4), (2, 6, 4), (1, 2, 2), (1, 4, 10))
+    assert inputs.images.attention.cu_seqlens_q.tolist() == [0, 16, 40, 64, 68, 108]
+    expected = np.concatenate([_reference([ids], grids)[0] for ids, grids in sequences[::-1]], axis=1)
+    np.testing.assert_array_equal(inputs.tokens.positions.numpy(), expected)
+    with pytest.raises(ValueError, match="holds several images whose grids"):
+        InputBuilder(torch.device("cpu"), 0, True, mrope=MRopeSpec(IMAGE, MERGE)).build(
+            StepBatch((replace(batch.sequences[1], pixels=np.zeros((5, 4), np.float32)),))
+        )

@@ -69,7 +69,7 @@ def test_every_field_of_encoded_changes_the_key():
         "token_type_ids": [0, 1, 1, 1],
         "adapter": 1,
         "pixels": np.zeros((4, 3), dtype=np.float32),
-        "image_grid": (2, 2),
+        "image_grids": ((2, 2),),
     }
     # A field added to InputSequence later must be listed here, so this test says whether it reaches the key.
     assert set(changed) == {f.name for f in dataclasses.fields(InputSequence)}

@@ -9,6 +9,7 @@ AsyncClient has the same calls, awaited. The generated stubs are in embedserv_cl
 
 from embedserv_client.aio import AsyncClient
 from embedserv_client.client import Client
+from embedserv_client.images import Interleaved
 from embedserv_client.late_chunks import TextChunks
 from embedserv_client.options import NO_RETRY, RetryPolicy, Tls
 from embedserv_client.streams import AsyncTextStream, TextStream
@@ -38,6 +39,7 @@ __all__ = [
     "EmbedOutputs",
     "EmbedservError",
     "Entity",
+    "Interleaved",
     "KvCache",
     "KvSharing",
     "Limits",

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from embedserv_client import late_chunks, plans
 from embedserv_client.base import ClientSettings
-from embedserv_client.images import ImageLike, embed_items_plan, image_batch_size, image_bytes, multi_vector_plan
+from embedserv_client.images import EmbedImage, ImageLike, embed_items_plan, image_bytes, multi_vector_plan
 from embedserv_client.options import RetryPolicy, Tls, time_left
 from embedserv_client.streams import AsyncTextStream
 from embedserv_client.token_classes import TokenClassification, classify_tokens_plan, token_classify_fields
@@ -62,7 +62,7 @@ class AsyncClient(ClientSettings):
         self,
         texts: str | Sequence[str] = (),
         *,
-        images: Sequence[ImageLike | tuple[ImageLike, str]] | None = None,
+        images: Sequence[EmbedImage] | None = None,
         model: str | None = None,
         normalize: bool | None = None,
         truncate: bool | None = None,
@@ -353,9 +353,7 @@ class AsyncClient(ClientSettings):
         return self.server_batch_size(await self._known_limits(deadline))
 
     async def _image_sizes(self, deadline: float | None) -> tuple[int, int]:
-        """(inputs, images) one request may carry."""
-        size = await self._batch_size(deadline)
-        return size, image_batch_size(size, (await self._known_limits(deadline)).max_images_per_request)
+        return self.image_sizes(await self._batch_size(deadline), await self._known_limits(deadline))
 
     async def _call(self, method, request, deadline: float | None):
         attempt = 0

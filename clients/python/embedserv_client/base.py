@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from embedserv_client import plans
+from embedserv_client.images import image_batch_size
 from embedserv_client.options import RetryPolicy, Tls, auth_metadata, channel_args, deadline_after
 from embedserv_client.types import Limits
 
@@ -61,6 +62,11 @@ class ClientSettings:
     def server_batch_size(limits: Limits) -> int:
         # An older server sends no limits (0): one request per call, as before splitting existed.
         return limits.max_client_batch_size or 2**31 - 1
+
+    @staticmethod
+    def image_sizes(size: int, limits: Limits) -> tuple[int, int]:
+        """(inputs, images) one request may carry, `size` its inputs."""
+        return size, image_batch_size(size, limits.max_images_per_request)
 
     def stream_fields(self, params: dict) -> dict:
         """embed()'s keyword arguments, for embed_stream(); unknown ones are refused at the call."""

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from embedserv_client import late_chunks, plans
 from embedserv_client.base import ClientSettings
-from embedserv_client.images import ImageLike, embed_items_plan, image_batch_size, image_bytes, multi_vector_plan
+from embedserv_client.images import EmbedImage, ImageLike, embed_items_plan, image_bytes, multi_vector_plan
 from embedserv_client.options import RetryPolicy, Tls, time_left
 from embedserv_client.streams import TextStream, stream_matrices
 from embedserv_client.token_classes import TokenClassification, classify_tokens_plan, token_classify_fields
@@ -74,7 +74,7 @@ class Client(ClientSettings):
         self,
         texts: str | Sequence[str] = (),
         *,
-        images: Sequence[ImageLike | tuple[ImageLike, str]] | None = None,
+        images: Sequence[EmbedImage] | None = None,
         model: str | None = None,
         normalize: bool | None = None,
         truncate: bool | None = None,
@@ -98,9 +98,10 @@ class Client(ClientSettings):
         keeps the largest values of the sparse output. `task` picks the model's task adapter (ListModels'
         adapters, e.g. "retrieval.query") and that task's prompt. `bypass_cache` neither reads nor fills the
         server's embedding cache (--embedding-cache). `images` (encoded PNG / JPEG / WebP bytes, or file
-        paths; an (image, text) pair embeds the image with its text, one vector, on models that take both) for
-        models whose ModelInfo.modalities include "image": their rows follow the texts' rows, and the result is
-        a matrix (or EmbedOutputs) even for one string."""
+        paths; an (image, text) pair embeds the image with its text, one vector, and an Interleaved input texts
+        and images in its order, several images included, on the vision-language embedders) for models whose
+        ModelInfo.modalities include "image": their rows follow the texts' rows, and the result is a matrix (or
+        EmbedOutputs) even for one string."""
         items, single = plans.as_list(texts, "texts")
         options = (normalize, truncate, truncation_direction, dimensions, prompt_name, encoding, outputs, chunking)
         fields = plans.embed_fields(self.model_name(model), *options, sparse_top_k, task, bypass_cache)
@@ -348,9 +349,7 @@ class Client(ClientSettings):
         return self.server_batch_size(self._known_limits(deadline))
 
     def _image_sizes(self, deadline: float | None) -> tuple[int, int]:
-        """(inputs, images) one request may carry."""
-        size = self._batch_size(deadline)
-        return size, image_batch_size(size, self._known_limits(deadline).max_images_per_request)
+        return self.image_sizes(self._batch_size(deadline), self._known_limits(deadline))
 
     def _call(self, method, request, deadline: float | None):
         attempt = 0

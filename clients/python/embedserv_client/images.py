@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -17,38 +18,71 @@ from embedserv_client.v1 import embedserv_pb2 as pb
 
 # An image: its encoded bytes (PNG, JPEG, WebP), or the path of a file holding them.
 ImageLike = bytes | bytearray | memoryview | str | os.PathLike
-# An image to embed, or (image, text): the image with text after it, one vector for both (InputItem.image_text; for
-# vision-language embedders such as GME / DSE on Qwen2-VL, others refuse it).
-EmbedImage = ImageLike | tuple[ImageLike, str]
+
+
+@dataclass(frozen=True, init=False)
+class Interleaved:
+    """One input of texts and images in the order the model reads them, one vector for all of it
+    (InputItem.parts): `Interleaved("compare", chart, "with", photo)`. A str part is a text; bytes (or a bytearray
+    or memoryview) or an os.PathLike (pathlib.Path) part is an image: a path given as a str would read as text,
+    so wrap it in Path. For the vision-language embedders (GME, DSE, Qwen3-VL-Embedding); other models refuse
+    several images in one input, or text before an image."""
+
+    parts: tuple[str | bytes | bytearray | memoryview | os.PathLike, ...]
+
+    def __init__(self, *parts: str | bytes | bytearray | memoryview | os.PathLike) -> None:
+        object.__setattr__(self, "parts", parts)
+
+
+# An image to embed, (image, text): the image with text after it, one vector for both (InputItem.image_text), or
+# an Interleaved input; the last two for vision-language embedders such as GME / DSE on Qwen2-VL, others refuse them.
+EmbedImage = ImageLike | tuple[ImageLike, str] | Interleaved
 
 
 def image_bytes(images: Iterable[ImageLike], what: str = "images") -> list[bytes]:
     """Each image's encoded bytes; a path is read now, and one that cannot be read is named in the error."""
     if isinstance(images, (str, bytes, os.PathLike)):
         raise TypeError(f"{what} must be a sequence of images (bytes or file paths), not one {type(images).__name__}")
-    result = []
-    for index, image in enumerate(images):
-        if isinstance(image, (bytes, bytearray, memoryview)):
-            result.append(bytes(image))
-        elif isinstance(image, (str, os.PathLike)):
-            try:
-                result.append(Path(image).read_bytes())
-            except OSError as exc:
-                raise ValueError(f"{what}[{index}]: cannot read {os.fspath(image)!r}: {exc.strerror or exc}") from exc
-        else:
-            raise TypeError(f"{what}[{index}] must be bytes or a file path, not {type(image).__name__}")
-    return result
+    return [_read(image, f"{what}[{index}]") for index, image in enumerate(images)]
 
 
-def image_items(images: Iterable[EmbedImage]) -> list[tuple[bytes, str]]:
-    """embed's images as (bytes, text after the image); "" for an image alone."""
+def _read(image: ImageLike, what: str) -> bytes:
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        return bytes(image)
+    if isinstance(image, (str, os.PathLike)):
+        try:
+            return Path(image).read_bytes()
+        except OSError as exc:
+            raise ValueError(f"{what}: cannot read {os.fspath(image)!r}: {exc.strerror or exc}") from exc
+    raise TypeError(f"{what} must be bytes or a file path, not {type(image).__name__}")
+
+
+def embed_items(images: Iterable[EmbedImage]) -> list[pb.InputItem]:
+    """embed's images as EmbedRequest.items: an image with its text after it ("" for an image alone), or an
+    Interleaved input's parts in order."""
     if isinstance(images, (str, bytes, os.PathLike)):
         raise TypeError(f"images must be a sequence of images (bytes or file paths), not one {type(images).__name__}")
-    pairs = [image if isinstance(image, tuple) else (image, "") for image in images]
-    for index, pair in enumerate(pairs):
+    items = []
+    for index, image in enumerate(images):
+        if isinstance(image, Interleaved):
+            items.append(pb.InputItem(parts=_parts(image, f"images[{index}]")))
+            continue
+        pair = image if isinstance(image, tuple) else (image, "")
         if len(pair) != 2 or not isinstance(pair[1], str):
-            raise TypeError(f"images[{index}] must be an image or an (image, text) pair with a str text")
-    return list(zip(image_bytes([image for image, _ in pairs]), [text for _, text in pairs], strict=True))
+            raise TypeError(
+                f"images[{index}] must be an image or an (image, text) pair with a str text, or an Interleaved input"
+            )
+        items.append(pb.InputItem(image=_read(pair[0], f"images[{index}]"), image_text=pair[1]))
+    return items
+
+
+def _parts(item: Interleaved, what: str) -> list[pb.InputPart]:
+    if not item.parts:
+        raise ValueError(f"{what} is an Interleaved input without parts; give it texts and images")
+    return [
+        pb.InputPart(text=part) if isinstance(part, str) else pb.InputPart(image=_read(part, f"{what}.parts[{i}]"))
+        for i, part in enumerate(item.parts)
+    ]
 
 
 def image_batch_size(size: int, max_images: int) -> int:
@@ -60,19 +94,19 @@ def image_batch_size(size: int, max_images: int) -> int:
 def embed_items_plan(
     texts: list[str], images: Iterable[EmbedImage], size: int, image_size: int, **fields
 ) -> plans.Plan:
-    """Texts then images (each with its text after it, if any) as EmbedRequest.items; the result's rows in that
-    order."""
-    items = [pb.InputItem(text=text) for text in texts]
-    items += [pb.InputItem(image=data, image_text=text) for data, text in image_items(images)]
+    """Texts then images (each with its text after it, if any; Interleaved inputs with their parts) as
+    EmbedRequest.items, cut into requests within `size` items and `image_size` images (an input whose images
+    alone pass it goes alone, and the server says why it refuses it); the result's rows in that order."""
+    items = [pb.InputItem(text=text) for text in texts] + embed_items(images)
     parts: list[list[pb.InputItem]] = [[]]
     images_in_part = 0
     for item in items:
-        is_image = item.HasField("image")
-        if len(parts[-1]) == size or (is_image and images_in_part == image_size):
+        count = int(item.HasField("image")) + sum(part.HasField("image") for part in item.parts)
+        if parts[-1] and (len(parts[-1]) == size or images_in_part + count > image_size):
             parts.append([])
             images_in_part = 0
         parts[-1].append(item)
-        images_in_part += is_image
+        images_in_part += count
     requests = [pb.EmbedRequest(items=part, **fields) for part in parts]
     return plans.Plan("Embed", requests, plans.embed_merge(fields, single=False), max(len(p) for p in parts))
 

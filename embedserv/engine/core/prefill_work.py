@@ -95,7 +95,7 @@ class PrefillWork:
             outputs=() if wanted == (EmbedOutput.DENSE,) else wanted,
             adapter=sequence.adapter,
             pixels=sequence.pixels,
-            image_grid=sequence.image_grid,
+            image_grids=sequence.image_grids,
         )
         return stamp(request, self.default_priority)
 

@@ -97,7 +97,7 @@ class ColModernVBertRules(VisionRetrievalRules):
                 f"{self.max_input_tokens}; send it with fewer pixels"
             )
         frames = frame_count(tiles)
-        return InputSequence(ids=list(ids), pixels=rows, image_grid=(frames, self.side, self.side))
+        return InputSequence(ids=list(ids), pixels=rows, image_grids=((frames, self.side, self.side),))
 
 
 def read_colmodernvbert_rules(

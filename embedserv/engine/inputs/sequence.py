@@ -1,4 +1,4 @@
-"""One input ready for the scheduler: a text's token ids, or an image's patch rows with its placeholder ids."""
+"""One input ready for the scheduler: a text's token ids, or its images' patch rows with their placeholder ids."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ class InputSequence:
     # The adapter its tokens run with: a task adapter's index in ModelInfo.task_adapters (jina-v3), or a --lora
     # adapter's in ModelInfo.lora_adapters; -1: the base weights.
     adapter: int = -1
-    # An image's patch rows [rows, patch_dim] float32 and grid (steps.ScheduledSequence.pixels); else None.
+    # Its images' patch rows [rows, patch_dim] float32, one image's after another, and one grid per image
+    # (steps.ScheduledSequence.pixels); else None.
     pixels: np.ndarray | None = None
-    image_grid: tuple[int, ...] = ()
+    image_grids: tuple[tuple[int, ...], ...] = ()

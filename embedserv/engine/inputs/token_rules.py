@@ -36,8 +36,9 @@ class TokenRules:
 
     skip_first = 0
     vision: VisionSpec | None = None
-    # An image input may carry text (ImageInput.text): encode_image takes it.
-    takes_image_text = False
+    # An input may hold text with its image (ImageInput.text: encode_image takes it) and texts and images
+    # interleaved (InterleavedInput: encode_interleaved); otherwise an input is a text or an image alone.
+    takes_interleaved = False
     # Vision-language models: the placeholder token an image's features take the places of.
     image_token_id: int | None = None
 
@@ -57,7 +58,14 @@ class TokenRules:
             raise InvalidInput("this model takes text only; send texts")
         if self.vision.class_token:
             rows = np.concatenate((np.zeros((1, rows.shape[1]), dtype=np.float32), rows))
-        return InputSequence(ids=[0] * len(rows), pixels=rows, image_grid=tuple(grid))
+        return InputSequence(ids=[0] * len(rows), pixels=rows, image_grids=(tuple(grid),))
+
+    def encode_interleaved(self, parts: list, params: EmbedParams, what: str) -> InputSequence:
+        """Texts and images interleaved in one input (`parts`: texts, and images' (rows, grid)), for models that
+        say `takes_interleaved`; engine/inputs/image_inputs.check_call refuses them for the rest."""
+        raise InvalidInput(
+            f"{what}: this model takes one text or one image per input; send each as an input of its own"
+        )
 
     def check_ids(self, encoded: list[InputSequence]) -> None:
         """Refuses token-id inputs (used as given) that the model cannot take: every id in the vocabulary but a

@@ -147,7 +147,7 @@ class VisionRetrievalRules(TokenRules):
                 f"an image makes {len(ids)} tokens with the page prompt, more than the model's "
                 f"{self.max_input_tokens}; send it with fewer pixels"
             )
-        return InputSequence(ids=ids, pixels=rows, image_grid=tuple(grid))
+        return InputSequence(ids=ids, pixels=rows, image_grids=(tuple(grid),))
 
     def keep(self, encoded: InputSequence, params: EmbedParams) -> np.ndarray | slice:
         return slice(None)

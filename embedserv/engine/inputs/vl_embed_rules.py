@@ -1,14 +1,17 @@
-"""Qwen2-VL / Qwen2.5-VL embedders (GME, DSE) on the host side: every input, a text, an image or an image with
-text, framed as one user turn of the Qwen2-VL chat template with the assistant's turn opened and
-`<|endoftext|>` after it, the token the model pools (last-token pooling):
+"""Qwen2-VL / Qwen2.5-VL embedders (GME, DSE) on the host side: every input, a text, an image, an image with
+text, or texts and images interleaved in any order, framed as one user turn of the Qwen2-VL chat template with
+the assistant's turn opened and `<|endoftext|>` after it, the token the model pools (last-token pooling):
 
-    <|im_start|>system\\n{instruction}<|im_end|>\\n<|im_start|>user\\n{image}{text}<|im_end|>\\n
+    <|im_start|>system\\n{instruction}<|im_end|>\\n<|im_start|>user\\n{parts}<|im_end|>\\n
     <|im_start|>assistant\\n<|endoftext|>
 
-where {image} is `<|vision_start|>` + one `<|image_pad|>` per merged patch (t * h * w / merge ** 2 for the
-image's grid) + `<|vision_end|>`. This is GME's gme_inference.py framing (Alibaba-NLP/gme-Qwen2-VL-2B-Instruct)
-and DSE's (MrLight/dse-qwen2-2b-mrl-v1: the processor's chat template with add_generation_prompt, then
-"<|endoftext|>"; the template's default system turn is the same "You are a helpful assistant.").
+where {parts} are the input's parts in order, as the chat template renders a user message's content list: a
+text as it is (adjacent texts joined), an image as `<|vision_start|>` + one `<|image_pad|>` per merged patch
+(t * h * w / merge ** 2 for the image's grid) + `<|vision_end|>`. This is GME's gme_inference.py framing
+(Alibaba-NLP/gme-Qwen2-VL-2B-Instruct) and DSE's (MrLight/dse-qwen2-2b-mrl-v1: the processor's chat template with
+add_generation_prompt, then "<|endoftext|>"; the template's default system turn is the same "You are a helpful
+assistant."). An input holds at most MAX_IMAGES_PER_INPUT images; one too long for the model is refused, or with
+truncate its texts are cut (never inside an image's tokens; VlEmbedRules._fit says which).
 
 The instruction: the model's sentence-transformers prompt for the call's prompt_name (or its default prompt),
 else "You are a helpful assistant." (GME's default, used for documents; it takes a task instruction for
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -45,6 +48,11 @@ DEFAULT_INSTRUCTION = "You are a helpful assistant."
 _SYSTEM = "<|im_start|>system\n"
 _USER = "<|im_end|>\n<|im_start|>user\n"
 _IMAGE_START, _IMAGE_PAD, _IMAGE_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+# Images one input may hold (each its own tokens and tower pass; more would crowd out the texts beside them).
+MAX_IMAGES_PER_INPUT = 16
+
+# A part of an input as these rules take it: a text, or an image's (patch rows, grid) (engine/inputs/images).
+Part = str | tuple[np.ndarray, tuple[int, ...]]
 
 
 @dataclass(frozen=True)
@@ -90,9 +98,10 @@ def sized_as_its_library(family: str, processing: ImageProcessing) -> ImageProce
 
 
 class VlEmbedRules(TokenRules):
-    """Texts, images and images with text of a Qwen2-VL-style embedder; `merge`: its tower's spatial merge."""
+    """Texts, images and texts and images interleaved of a Qwen2-VL-style embedder; `merge`: its tower's spatial
+    merge."""
 
-    takes_image_text = True
+    takes_interleaved = True
 
     def __init__(
         self, tokenizer: TextTokenizer, merge: int, vision: VisionSpec | None, framing: VlFraming = GME_FRAMING
@@ -114,15 +123,40 @@ class VlEmbedRules(TokenRules):
         return partial(self.encode_texts, tokenizer)
 
     def encode_texts(self, tokenizer: TextTokenizer, texts: list[str], params: EmbedParams) -> list[InputSequence]:
-        return [InputSequence(ids=self._framed([], text, params, f"input {i}")) for i, text in enumerate(texts)]
+        return [self.encode_interleaved([text], params, f"input {i}") for i, text in enumerate(texts)]
 
     def encode_image(
         self, rows: np.ndarray, grid: tuple[int, ...], params: EmbedParams, text: str = ""
     ) -> InputSequence:
-        count = int(np.prod(grid)) // self.merge**2
-        image = [self._image_start] + [self.image_token_id] * count + [self._image_end]
-        ids = self._framed(image, text, params, "an image")
-        return InputSequence(ids=ids, pixels=rows, image_grid=tuple(grid))
+        return self.encode_interleaved([(rows, grid), text], params, "an image")
+
+    def encode_interleaved(self, parts: Sequence[Part], params: EmbedParams, what: str) -> InputSequence:
+        """One input of texts and images (`what` names it in errors) in the frame: the parts in order, adjacent
+        texts joined as the chat template joins them, the images' rows one after another with a grid each."""
+        images = [part for part in parts if not isinstance(part, str)]
+        if len(images) > MAX_IMAGES_PER_INPUT:
+            raise too_many_images(what, len(images))
+        segments: list[list[int]] = []
+        texts: list[int] = []  # which segments are texts (truncation cuts only those)
+        for part in _joined_texts(parts):
+            if isinstance(part, str):
+                ids = self.tokenizer.encode_text(part)
+                if self.image_token_id in ids:
+                    raise InvalidInput(
+                        f"{what} holds the image token {_IMAGE_PAD!r} in its text; send images as images"
+                    )
+                texts.append(len(segments))
+                segments.append(ids)
+            else:
+                count = int(np.prod(part[1])) // self.merge**2
+                segments.append([self._image_start] + [self.image_token_id] * count + [self._image_end])
+        head = self._head(params)
+        self._fit(segments, texts, len(head) + len(self._end), params, what)
+        ids = head + [token for segment in segments for token in segment] + self._end
+        if not images:
+            return InputSequence(ids=ids)
+        pixels = images[0][0] if len(images) == 1 else np.concatenate([rows for rows, _ in images])
+        return InputSequence(ids=ids, pixels=pixels, image_grids=tuple(tuple(grid) for _, grid in images))
 
     def _head(self, params: EmbedParams) -> list[int]:
         """The system turn with the call's instruction and the user turn's opening, tokenized once per instruction."""
@@ -131,17 +165,49 @@ class VlEmbedRules(TokenRules):
             self._heads[instruction] = self.tokenizer.encode_text(f"{_SYSTEM}{instruction}{_USER}")
         return self._heads[instruction]
 
-    def _framed(self, image: list[int], text: str, params: EmbedParams, what: str) -> list[int]:
-        """The frame around the image's tokens and the text's; a text too long for the model's limit beside the
-        rest is cut (params.truncate) or refused."""
-        head = self._head(params)
-        ids = self.tokenizer.encode_text(text) if text else []
-        if self.image_token_id in ids:
-            raise InvalidInput(f"{what} holds the image token {_IMAGE_PAD!r} in its text; send images as images")
-        room = self.tokenizer.max_input_tokens - len(head) - len(image) - len(self._end)
-        if len(ids) > max(room, 0):
-            if not params.truncate or room <= 0:
-                total = len(head) + len(image) + len(ids) + len(self._end)
-                raise self.tokenizer.too_long(what, total, self.tokenizer.max_input_tokens)
-            ids = ids[-room:] if params.truncation_direction is TruncationDirection.LEFT else ids[:room]
-        return head + image + ids + self._end
+    def _fit(self, segments: list[list[int]], texts: list[int], frame: int, params: EmbedParams, what: str) -> None:
+        """Within the model's limit: an input too long is refused, or with params.truncate its texts are cut, never
+        an image: RIGHT cuts the last text's end first, then the text before it; LEFT the first text's start
+        first. An input whose images and frame alone reach the limit is refused either way."""
+        limit = self.tokenizer.max_input_tokens
+        total = frame + sum(map(len, segments))
+        if total <= limit:
+            return
+        fixed = total - sum(len(segments[i]) for i in texts)
+        if fixed >= limit:
+            if len(segments) == len(texts):
+                raise self.tokenizer.too_long(what, total, limit)
+            raise InvalidInput(
+                f"{what}: its images and the prompt alone make {fixed} tokens, and the model's limit of {limit} "
+                "leaves no room for more; send fewer or smaller images"
+            )
+        if not params.truncate:
+            raise self.tokenizer.too_long(what, total, limit)
+        over = total - limit
+        left = params.truncation_direction is TruncationDirection.LEFT
+        for index in texts if left else reversed(texts):
+            cut = min(over, len(segments[index]))
+            segments[index] = segments[index][cut:] if left else segments[index][: len(segments[index]) - cut]
+            over -= cut
+            if not over:
+                return
+
+
+def too_many_images(what: str, count: int) -> InvalidInput:
+    return InvalidInput(
+        f"{what} holds {count} images; one input takes at most {MAX_IMAGES_PER_INPUT}: send the rest as inputs of "
+        "their own"
+    )
+
+
+def _joined_texts(parts: Sequence[Part]) -> list[Part]:
+    """The parts with adjacent texts joined into one and empty texts dropped."""
+    out: list[Part] = []
+    for part in parts:
+        if isinstance(part, str):
+            if not part:
+                continue
+            if out and isinstance(out[-1], str):
+                part = out.pop() + part
+        out.append(part)
+    return out

@@ -26,11 +26,11 @@ from embedserv.engine.tasks.outputs import finish_embeddings, stack_rows
 from embedserv.engine.tasks.quantize import Encodings
 from embedserv.errors import InvalidInput
 from embedserv.types import (
+    EmbedInput,
     EmbedOutput,
     EmbedParams,
     EmbedResult,
     Encoding,
-    ImageInput,
     ModelInfo,
     SparseVector,
     Task,
@@ -54,10 +54,11 @@ class Embedding:
         # int8 / uint8 ranges, computed once from the built-in calibration texts on first use.
         self.encodings = Encodings(self)
 
-    async def embed(self, inputs: list[str | ImageInput], params: EmbedParams) -> EmbedResult:
+    async def embed(self, inputs: list[EmbedInput], params: EmbedParams) -> EmbedResult:
         """The outputs `params.outputs` names (dense, sparse, token vectors) per input, from one forward pass,
         the dense vectors in the call's encoding. Inputs are texts, or images (encoded bytes) for models whose
-        modalities include IMAGE; one call may mix them."""
+        modalities include IMAGE, or texts and images interleaved for those whose token rules take them; one call
+        may mix them."""
         if params.truncate is None:
             params = replace(params, truncate=self._info.auto_truncate)  # the model's --auto-truncate
         result = await self.embed_floats(inputs, params)
@@ -84,13 +85,13 @@ class Embedding:
         result = await self._pooled(encoded, adapter, params, received)
         return result if params.encoding is Encoding.FLOAT32 else await self.encodings.apply(result, params)
 
-    async def embed_floats(self, inputs: list[str | ImageInput], params: EmbedParams) -> EmbedResult:
+    async def embed_floats(self, inputs: list[EmbedInput], params: EmbedParams) -> EmbedResult:
         """embed() with float32 dense vectors, `truncate` as given (calibration embeds through this)."""
         received = time.perf_counter()
         tokenizer = self._tokenizer
         adapter, prompt_name = task_adapter(self._info, tokenizer, params)
         params = replace(params, prompt_name=prompt_name)
-        has_images = any(isinstance(item, ImageInput) for item in inputs)
+        has_images = bool(image_inputs.image_indices(inputs))
         if has_images or self._served.vision is not None:
             image_inputs.check_call(self._served, inputs, params)
         check_embed(self._info, tokenizer, inputs, params)

@@ -9,12 +9,14 @@ from collections.abc import Callable
 import numpy as np
 
 from embedserv.config import ServerConfig
+from embedserv.engine.inputs.image_inputs import simplest_input
 from embedserv.engine.tasks.entities import DEFAULT_IGNORE_LABELS, Aggregation, Entity, TokenScores
 from embedserv.engine.tasks.outputs import to_little_endian_bytes
 from embedserv.engine.tasks.token_classification import TokenClassifyParams, TokenClassifyResult
 from embedserv.errors import InvalidInput
 from embedserv.types import (
     ChunkSplitter,
+    EmbedInput,
     EmbedOutput,
     EmbedParams,
     EmbedResult,
@@ -283,25 +285,40 @@ def model_info(info: ModelInfo, kv_cache: KvCacheUsage | None = None, image_limi
     )
 
 
-def input_items(request: pb.EmbedRequest) -> list[str | ImageInput] | None:
-    """EmbedRequest.items as texts and images (with their image_text) in order; None when the call sends `inputs`
-    instead."""
+def input_items(request: pb.EmbedRequest) -> list[EmbedInput] | None:
+    """EmbedRequest.items as texts and images (with their image_text, or their parts in order) in order; None when
+    the call sends `inputs` instead."""
     if not request.items:
         return None
     if request.inputs:
         raise InvalidInput("send inputs or items, not both: items holds texts and images in one list")
-    items: list[str | ImageInput] = []
-    for index, item in enumerate(request.items):
-        kind = item.WhichOneof("kind")
-        if kind is None:
-            raise InvalidInput(f"items[{index}] holds neither a text nor an image; set one of them")
-        if kind == "text" and item.image_text:
+    return [_input_item(item, f"items[{index}]") for index, item in enumerate(request.items)]
+
+
+def _input_item(item: pb.InputItem, what: str) -> EmbedInput:
+    kind = item.WhichOneof("kind")
+    if item.parts:
+        if kind is not None or item.image_text:
             raise InvalidInput(
-                f"items[{index}] sets image_text beside a text; image_text is the text after an image in the same "
-                "input: set image with it, or put the whole text in text"
+                f"{what} sets parts beside {kind or 'image_text'}; parts hold the whole input (its texts and images "
+                "in order): put the text or image among them"
             )
-        items.append(item.text if kind == "text" else ImageInput(item.image, item.image_text))
-    return items
+        return simplest_input([_part(part, f"{what}.parts[{index}]") for index, part in enumerate(item.parts)])
+    if kind is None:
+        raise InvalidInput(f"{what} holds neither a text nor an image; set one of them, or parts")
+    if kind == "text" and item.image_text:
+        raise InvalidInput(
+            f"{what} sets image_text beside a text; image_text is the text after an image in the same "
+            "input: set image with it, or put the whole text in text"
+        )
+    return item.text if kind == "text" else ImageInput(item.image, item.image_text)
+
+
+def _part(part: pb.InputPart, what: str) -> str | bytes:
+    kind = part.WhichOneof("kind")
+    if kind is None:
+        raise InvalidInput(f"{what} holds neither a text nor an image; set one of them")
+    return part.text if kind == "text" else part.image
 
 
 def token_classify_params(request: pb.ClassifyTokensRequest) -> TokenClassifyParams:

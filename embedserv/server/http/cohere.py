@@ -28,7 +28,16 @@ from embedserv.server.http.error_responses import JSON
 from embedserv.server.http.image_inputs import ContentPart, content_item, image_of_url
 from embedserv.server.http.openai import vectors_json
 from embedserv.server.http.scoring import rerank_documents
-from embedserv.types import EmbedParams, Encoding, ImageInput, ModelInfo, RerankParams, Task, TruncationDirection
+from embedserv.types import (
+    EmbedParams,
+    Encoding,
+    ImageInput,
+    InterleavedInput,
+    ModelInfo,
+    RerankParams,
+    Task,
+    TruncationDirection,
+)
 
 router = APIRouter(tags=["Cohere v2"])
 
@@ -49,7 +58,7 @@ _PROMPTS = {
 
 
 class EmbedInput(Body):
-    content: list[ContentPart] = Field(description="A text part, an image_url part, or an image then its text.")
+    content: list[ContentPart] = Field(description="Text and image_url parts in the order the model reads them.")
 
 
 class EmbedV2Request(RequestBody):
@@ -82,7 +91,7 @@ def prompt_for(info: ModelInfo, input_type: str | None) -> str | None:
     return None
 
 
-def _inputs(body: EmbedV2Request) -> tuple[str, list[str | ImageInput]]:
+def _inputs(body: EmbedV2Request) -> tuple[str, list[str | ImageInput | InterleavedInput]]:
     given = [name for name in ("texts", "images", "inputs") if getattr(body, name) is not None]
     if len(given) != 1:
         raise InvalidInput(

@@ -2,10 +2,11 @@
 
 `{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}` and `{"type": "text", "text": ...}`
 come either as `messages` (vLLM's form: one embedding for the message's content) or, as our extension, as
-items of `input` (one embedding per item: a part, or a list of parts for an image with its text); Cohere v2's
-`inputs` carry the same parts. One input's parts are a text, an image, or an image then one text part (one
-vector for both, for models that take text with an image: ImageInput.text). Only data URLs are read: an http(s)
-URL is refused, never fetched, so a call cannot make the server reach another host.
+items of `input` (one embedding per item: a part, or a list of parts); Cohere v2's `inputs` carry the same parts.
+One input's parts are read in their order, one vector for all of them: a text, an image, an image then its text
+(ImageInput), or texts and images interleaved, several images included (InterleavedInput, for models that take
+them; engine/inputs/image_inputs.simplest_input picks the type). Only data URLs are read: an http(s) URL is
+refused, never fetched, so a call cannot make the server reach another host.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
+from embedserv.engine.inputs.image_inputs import simplest_input
 from embedserv.errors import InvalidInput
 from embedserv.server.http.common import Body
-from embedserv.types import ImageInput
+from embedserv.types import EmbedInput, ImageInput
 
 # The media types a data URL may name (image/jpg is a common misspelling of image/jpeg).
 IMAGE_TYPES = frozenset({"image/png", "image/jpeg", "image/jpg", "image/webp"})
@@ -70,61 +72,41 @@ def image_of_url(url: str, what: str) -> ImageInput:
         raise InvalidInput(f"{what}: the data URL's payload is not valid base64 ({exc})") from None
 
 
-def input_items(inputs: list) -> list[str | ImageInput]:
+def input_items(inputs: list) -> list[EmbedInput]:
     """`input`'s items (texts, content parts, lists of content parts) as texts and images, in order."""
     return [
-        content_item(value, f"input {index}") if isinstance(value, list) else _item(value, f"input {index}")
+        content_item(value if isinstance(value, list) else [value], f"input {index}")
         for index, value in enumerate(inputs)
     ]
 
 
-def _item(value: str | ImagePart | TextPart, what: str) -> str | ImageInput:
+def content_item(parts: list, what: str) -> EmbedInput:
+    """One input's content parts (plain strings count as text parts) in their order, as the simplest input type
+    that holds them (engine/inputs/image_inputs.simplest_input): whether the model takes several images, or text
+    before an image, is the engine's to say."""
+    if not parts:
+        raise InvalidInput(f"{what} holds no content part; send a text part, an image_url part, or both")
+    return simplest_input([_part(part, what) for part in parts])
+
+
+def _part(value: str | ImagePart | TextPart, what: str) -> str | bytes:
     if isinstance(value, str):
         return value
     if isinstance(value, TextPart):
         return value.text
-    return image_of_url(value.image_url.url, what)
+    return image_of_url(value.image_url.url, what).data
 
 
-def content_item(parts: list, what: str) -> str | ImageInput:
-    """One input's content parts (plain strings count as text parts) as a text, an image, or an image with the
-    text after it. Anything else is refused rather than joined or reordered: the model reads an image, then its
-    text, so the order of the parts is what it embeds."""
-    images = [index for index, part in enumerate(parts) if isinstance(part, ImagePart)]
-    if not parts:
-        raise InvalidInput(f"{what} holds no content part; send a text part, an image_url part, or both")
-    if len(images) > 1:
-        raise InvalidInput(
-            f"{what} holds {len(images)} images; one input embeds one image (with its text after it): send each "
-            "image as an input of its own"
-        )
-    if len(parts) == 1:
-        return _item(parts[0], what)
-    if not images:
-        raise InvalidInput(f"{what} holds {len(parts)} text parts; join them into one text part")
-    if images[0] != 0 or len(parts) > 2:
-        raise InvalidInput(
-            f"{what}: an input with an image holds the image_url part first, then one text part (the text the model "
-            f"reads after the image); it holds {_kinds(parts)}"
-        )
-    image = image_of_url(parts[0].image_url.url, what)
-    return ImageInput(image.data, parts[1] if isinstance(parts[1], str) else parts[1].text)
-
-
-def _kinds(parts: list) -> str:
-    return ", ".join("image_url" if isinstance(part, ImagePart) else "text" for part in parts)
-
-
-def message_item(messages: list[Message]) -> str | ImageInput:
-    """vLLM's messages form: one message's content (a text, an image, or an image then its text) as one input.
-    Content spread over several messages is refused: the model's own framing supplies the system turn
-    (prompt_name picks its instruction)."""
+def message_item(messages: list[Message]) -> EmbedInput:
+    """vLLM's messages form: one message's content (texts and images in any order) as one input. Content spread
+    over several messages is refused: the model's own framing supplies the system turn (prompt_name picks its
+    instruction)."""
     holding = [m for m in messages if isinstance(m.content, str) or m.content]
     if len(holding) != 1:
         raise InvalidInput(
-            f"messages hold content in {len(holding)} messages; this form embeds one message's content (a text, an "
-            "image, or an image then its text; prompt_name picks a model's instruction). For one embedding each, "
-            "send them as items of input instead"
+            f"messages hold content in {len(holding)} messages; this form embeds one message's content (texts and "
+            "images; prompt_name picks a model's instruction). For one embedding each, send them as items of input "
+            "instead"
         )
     content = holding[0].content
     return content_item([content] if isinstance(content, str) else content, "input 0")

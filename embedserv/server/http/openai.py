@@ -37,7 +37,7 @@ from embedserv.server.http.image_inputs import (
 )
 from embedserv.server.http.late_chunking import LateChunkingBody, chunk_items
 from embedserv.server.http.openai_generate import router as generation_router
-from embedserv.types import EmbedParams, EmbedResult, Encoding, ImageInput, ModelInfo, Timing, TruncationDirection
+from embedserv.types import EmbedInput, EmbedParams, EmbedResult, Encoding, ModelInfo, Timing, TruncationDirection
 
 router = APIRouter()
 router.include_router(generation_router)
@@ -55,12 +55,13 @@ class EmbeddingsBody(RequestBody):
         None,
         description="A text, a list of texts, token ids, or a list of token-id lists (used as given); extension: "
         "a list whose items may be content parts (image_url data URLs, text) for models that take images, or "
-        "lists of parts (an image_url part, then one text part: one vector for the image with its text).",
+        "lists of parts in the order the model reads them (one vector each; several images and text before an "
+        "image for the vision-language embedders).",
     )
     messages: list[Message] | None = Field(
         None,
-        description="vLLM's multimodal form instead of input: one message whose content is a text, an image_url "
-        "part, or an image_url part then a text part; one embedding.",
+        description="vLLM's multimodal form instead of input: one message whose content is a text or a list of "
+        "text and image_url parts in the order the model reads them; one embedding.",
     )
     model: str | None = Field(None, description="A served model name; empty or absent: the first served model.")
     encoding_format: Literal["float", "base64"] = "float"
@@ -184,7 +185,7 @@ async def embeddings(request: Request, body: EmbeddingsBody):
     return JSON(response)
 
 
-def _items_of(body: EmbeddingsBody) -> list[str | ImageInput] | None:
+def _items_of(body: EmbeddingsBody) -> list[EmbedInput] | None:
     """The call's texts and images when it sends content parts or messages; None for texts or token ids alone."""
     if (body.input is None) == (body.messages is None):
         raise InvalidInput("send input (texts, token ids or content parts) or messages, one of the two")
@@ -206,11 +207,10 @@ def _check_items(frontend: Frontend, engine: Engine, items: list, params: EmbedP
     """Texts and images: the images within the image limits, the texts within --max-input-chars."""
     _checked_count(items)
     frontend.check_images(engine, items)
-    has_images = any(isinstance(item, ImageInput) for item in items)
+    has_images = any(not isinstance(item, str) for item in items)
     if has_images and (params.chunking or params.late_chunking is not None):
         raise InvalidInput("chunking and late_chunking apply to texts only; send the images without them")
-    for index, item in enumerate(items):
-        frontend.check_chars(item.text if isinstance(item, ImageInput) else item, f"input[{index}]")
+    frontend.check_item_chars(items, "input")
 
 
 def _checked_count(inputs: list) -> list:

@@ -37,8 +37,9 @@ def image_format(data: bytes) -> str | None:
     return None
 
 
-def decode_image(data: bytes, index: int, limits: ImageLimits) -> Image.Image:
-    """The image in `data`, decoded and converted to RGB; ImageError naming input `index` when refused."""
+def decode_image(data: bytes, index: int | str, limits: ImageLimits) -> Image.Image:
+    """The image in `data`, decoded and converted to RGB; ImageError naming input `index` when refused (an input's
+    number, or "N (image k)" for an interleaved input's images)."""
     if ImageFile.LOAD_TRUNCATED_IMAGES:
         raise RuntimeError("PIL.ImageFile.LOAD_TRUNCATED_IMAGES is on: truncated images would decode as grey")
     if len(data) > limits.max_bytes:
@@ -61,7 +62,7 @@ def decode_image(data: bytes, index: int, limits: ImageLimits) -> Image.Image:
         ) from None
 
 
-def _open(data: bytes, index: int, kind: str, limits: ImageLimits) -> Image.Image:
+def _open(data: bytes, index: int | str, kind: str, limits: ImageLimits) -> Image.Image:
     """Reads the header only (Image.open is lazy); the pixels are not decoded yet."""
     try:
         return Image.open(io.BytesIO(data), formats=[kind])
@@ -76,7 +77,7 @@ def _open(data: bytes, index: int, kind: str, limits: ImageLimits) -> Image.Imag
         ) from None
 
 
-def _check_size(size: tuple[int, int], index: int, limits: ImageLimits) -> None:
+def _check_size(size: tuple[int, int], index: int | str, limits: ImageLimits) -> None:
     width, height = size
     # Pillow warns above MAX_IMAGE_PIXELS: that is a refusal here too (a warning cannot be caught thread-safely).
     bomb = Image.MAX_IMAGE_PIXELS or width * height

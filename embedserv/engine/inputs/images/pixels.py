@@ -52,7 +52,7 @@ def patch_rows(pixels_chw: np.ndarray, patch_size: int) -> np.ndarray:
 
 
 def prepare_image(
-    data: bytes, index: int, processing: ImageProcessing, limits: ImageLimits
+    data: bytes, index: int | str, processing: ImageProcessing, limits: ImageLimits
 ) -> tuple[np.ndarray, tuple[int, ...]]:
     """Decode and preprocess one input: the rows its vision tower takes ([rows, patch_dim] float32) and its grid
     (CLIP/SigLIP: conv patch rows, see patch_rows; Qwen2-VL and SigLIP2: the processor's own patch rows; Idefics3:

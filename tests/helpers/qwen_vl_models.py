@@ -56,22 +56,32 @@ def _vision_config(kind: str) -> dict:
     )
 
 
-def build_tiny_qwen_vl(tmp_dir: Path | str, kind: str = "qwen2_vl", seed: int = 0) -> Path:
-    """A random *ForConditionalGeneration directory of `kind` (qwen2_vl or qwen2_5_vl) with its processor
-    (Qwen2VLImageProcessor: images between 56x56 and 168x168 pixels kept at their size when multiples of 28)."""
+def build_tiny_qwen_vl(
+    tmp_dir: Path | str, kind: str = "qwen2_vl", seed: int = 0, name: str = "", tied: bool = False
+) -> Path:
+    """A random *ForConditionalGeneration directory of `kind` (qwen2_vl, qwen2_5_vl or qwen3_vl) with its processor
+    (Qwen2VLImageProcessor: images between 56x56 and 168x168 pixels kept at their size when multiples of 28; Qwen3-VL:
+    64x64 to 192x192, multiples of 32). A `name` containing "reranker" makes a Qwen3-VL-Reranker-style directory
+    (the tokenizer has "yes" and "no"); `tied`: the LM head is the token embeddings (Qwen3-VL-2B's), which the
+    checkpoint then leaves out."""
     import torch
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    out = Path(tmp_dir) / f"tiny-{kind}"
+    out = Path(tmp_dir) / (name or f"tiny-{kind}")
     if (out / "config.json").exists():
         return out
-    tokenizer = _qwen_tokenizer(out)
+    tokenizer = _qwen_tokenizer(out, ("yes", "no") if "reranker" in name else ())
     prefix = PREFIXES[kind]
     config_class = getattr(transformers, f"{prefix}Config")
     # Qwen3-VL: its decoder's head size named (Qwen3's default is 128), one layer past DeepStack's two.
     text = qwen_text_config(tokenizer, **({"head_dim": 16, "num_hidden_layers": 3} if kind == "qwen3_vl" else {}))
-    config = config_class(text_config=text, vision_config=_vision_config(kind), **qwen_vision_token_ids(tokenizer))
+    # Tied as Qwen3-VL-2B's config.json ties: at the top (what transformers reads) and in text_config.
+    ties = {"tie_word_embeddings": True} if tied else {}
+    text.update(ties)
+    config = config_class(
+        text_config=text, vision_config=_vision_config(kind), **ties, **qwen_vision_token_ids(tokenizer)
+    )
     torch.manual_seed(seed)
     model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config).eval()
     _perturb(model, seed)
@@ -118,10 +128,16 @@ def framed(text: str = "", image: bool = False, instruction: str | None = None, 
 def reference_inputs(reference, text: str = "", image=None, instruction: str | None = None) -> dict:
     """One framed input as Qwen2VLProcessor makes it: the image processor's pixel rows and grid, the image's one
     `<|image_pad|>` repeated t * h * w / merge**2 times, the text tokenized whole."""
+    prompt = framed(text, image is not None, instruction, reference[0].config.model_type)
+    return processed_inputs(reference, prompt, image)
+
+
+def processed_inputs(reference, prompt: str, image=None) -> dict:
+    """A rendered prompt holding at most one image (its one `<|image_pad|>`) as the processor makes its inputs."""
     import torch
 
-    model, tokenizer, images = reference
-    prompt, batch = framed(text, image is not None, instruction, model.config.model_type), {}
+    _, tokenizer, images = reference
+    batch: dict = {}
     if image is not None:
         batch = dict(images(images=[image], return_tensors="pt"))
         count = int(batch["image_grid_thw"][0].prod()) // images.merge_size**2

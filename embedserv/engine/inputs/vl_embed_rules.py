@@ -42,9 +42,39 @@ from embedserv.errors import ConfigError, InvalidInput
 from embedserv.types import EmbedParams, TruncationDirection
 
 DEFAULT_INSTRUCTION = "You are a helpful assistant."
-_SYSTEM = "<|im_start|>system\n"
-_USER = "<|im_end|>\n<|im_start|>user\n"
-_IMAGE_START, _IMAGE_PAD, _IMAGE_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+SYSTEM = "<|im_start|>system\n"
+USER = "<|im_end|>\n<|im_start|>user\n"
+IMAGE_START, IMAGE_PAD, IMAGE_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+# An image in a chat template's output, before its one <|image_pad|> becomes one per merged patch.
+IMAGE = IMAGE_START + IMAGE_PAD + IMAGE_END
+
+
+class VlImageTokens:
+    """A Qwen2-VL-style tokenizer's image tokens: an image's placeholder ids (`<|vision_start|>`, one `<|image_pad|>`
+    per merged patch: t * h * w / merge ** 2 for the image's grid, `<|vision_end|>`), and the refusal of a text
+    holding the image token. `merge`: the vision tower's spatial merge."""
+
+    def __init__(self, tokenizer: TextTokenizer, merge: int) -> None:
+        ids = {token: tokenizer.token_id(token) for token in (IMAGE_START, IMAGE_PAD, IMAGE_END)}
+        missing = [token for token, id_ in ids.items() if id_ is None]
+        if missing:
+            raise ConfigError(f"the tokenizer lacks the image tokens {', '.join(missing)}")
+        self.pad_id: int = ids[IMAGE_PAD]
+        self.start_id: int = ids[IMAGE_START]
+        self.end_id: int = ids[IMAGE_END]
+        self.merge = merge
+
+    def count(self, grid: tuple[int, ...]) -> int:
+        """The image's placeholders: its merged patches."""
+        return int(np.prod(grid)) // self.merge**2
+
+    def placeholder(self, grid: tuple[int, ...]) -> list[int]:
+        return [self.start_id] + [self.pad_id] * self.count(grid) + [self.end_id]
+
+    def check_text(self, ids: list[int], what: str, images: int = 0) -> None:
+        """Refuses ids of `what` holding more image tokens than the `images` placed in them (one pad each)."""
+        if ids.count(self.pad_id) > images:
+            raise InvalidInput(f"{what} holds the image token {IMAGE_PAD!r} in its text; send images as images")
 
 
 @dataclass(frozen=True)
@@ -99,14 +129,9 @@ class VlEmbedRules(TokenRules):
     ) -> None:
         super().__init__(vision=vision)
         self.tokenizer = tokenizer
-        self.merge = merge
         self.framing = framing
-        ids = {token: tokenizer.token_id(token) for token in (_IMAGE_START, _IMAGE_PAD, _IMAGE_END)}
-        missing = [token for token, id_ in ids.items() if id_ is None]
-        if missing:
-            raise ConfigError(f"the tokenizer lacks the image tokens {', '.join(missing)}")
-        self.image_token_id = ids[_IMAGE_PAD]
-        self._image_start, self._image_end = ids[_IMAGE_START], ids[_IMAGE_END]
+        self.images = VlImageTokens(tokenizer, merge)
+        self.image_token_id = self.images.pad_id
         self._end = tokenizer.encode_text(framing.end)
         self._heads: dict[str, list[int]] = {}
 
@@ -119,16 +144,14 @@ class VlEmbedRules(TokenRules):
     def encode_image(
         self, rows: np.ndarray, grid: tuple[int, ...], params: EmbedParams, text: str = ""
     ) -> InputSequence:
-        count = int(np.prod(grid)) // self.merge**2
-        image = [self._image_start] + [self.image_token_id] * count + [self._image_end]
-        ids = self._framed(image, text, params, "an image")
+        ids = self._framed(self.images.placeholder(grid), text, params, "an image")
         return InputSequence(ids=ids, pixels=rows, image_grid=tuple(grid))
 
     def _head(self, params: EmbedParams) -> list[int]:
         """The system turn with the call's instruction and the user turn's opening, tokenized once per instruction."""
         instruction = self.framing.instruction(self.tokenizer.resolve_prompt(params.prompt_name))
         if instruction not in self._heads:
-            self._heads[instruction] = self.tokenizer.encode_text(f"{_SYSTEM}{instruction}{_USER}")
+            self._heads[instruction] = self.tokenizer.encode_text(f"{SYSTEM}{instruction}{USER}")
         return self._heads[instruction]
 
     def _framed(self, image: list[int], text: str, params: EmbedParams, what: str) -> list[int]:
@@ -136,8 +159,7 @@ class VlEmbedRules(TokenRules):
         rest is cut (params.truncate) or refused."""
         head = self._head(params)
         ids = self.tokenizer.encode_text(text) if text else []
-        if self.image_token_id in ids:
-            raise InvalidInput(f"{what} holds the image token {_IMAGE_PAD!r} in its text; send images as images")
+        self.images.check_text(ids, what)
         room = self.tokenizer.max_input_tokens - len(head) - len(image) - len(self._end)
         if len(ids) > max(room, 0):
             if not params.truncate or room <= 0:

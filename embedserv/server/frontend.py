@@ -211,31 +211,50 @@ class Frontend:
         self.check_batch(len(items), what)
         self.check_images(engine, items)
         for index, item in enumerate(items):
-            self.check_chars(item.text if isinstance(item, ImageInput) else item, f"{what}[{index}]")
+            self.check_chars(_text(item), f"{what}[{index}]")
         return items
 
     def check_images(self, engine: Engine, items: list, first_index: int = 0) -> None:
         """The images among `items`: a model that takes images, no more of them than --max-images-per-request,
         each within the model's --max-image-bytes (checked before any of it is decoded). Messages name an image
         as "input N", N its place among the inputs the engine gets (from `first_index`), as the decoder's do."""
-        images = [(first_index + i, item) for i, item in enumerate(items) if isinstance(item, ImageInput)]
+        images = [(f"input {first_index + i}", x) for i, x in enumerate(items) if isinstance(x, ImageInput)]
+        self._check_images(engine, images)
+
+    def check_rerank(self, engine: Engine, query: str | ImageInput, documents: list, what: str = "documents") -> list:
+        """A Rerank call's query and documents (texts, or images with their text): at least one document, no more
+        than a call may carry, texts within --max-input-chars, images as check_images checks them (the documents
+        named "input N" by their place in `what`, the query "the query"), the query's counted among the call's."""
+        if not documents:
+            raise InvalidInput(f"{what} is empty; send at least one document")
+        self.check_batch(len(documents), what)
+        images = [(f"input {index}", item) for index, item in enumerate(documents) if isinstance(item, ImageInput)]
+        if isinstance(query, ImageInput):
+            images.insert(0, ("the query", query))
+        self._check_images(engine, images)
+        self.check_chars(_text(query), "query")
+        for index, item in enumerate(documents):
+            self.check_chars(_text(item), f"{what}[{index}]")
+        return documents
+
+    def _check_images(self, engine: Engine, images: list[tuple[str, ImageInput]]) -> None:
         if not images:
             return
         if Modality.IMAGE not in engine.info.modalities:
             raise InvalidInput(
-                f"model {engine.info.name} takes text only (ListModels modalities); input {images[0][0]} is an image"
+                f"model {engine.info.name} takes text only (ListModels modalities); {images[0][0]} is an image"
             )
         self.check_image_count(len(images))
         limit = engine.config.max_image_bytes
-        for index, image in images:
+        for name, image in images:
             if len(image.data) > limit:
                 # Worded for every face (no flag names): an HTTP caller cannot see the server's flags.
                 raise InvalidInput(
-                    f"input {index}: the image has {len(image.data)} bytes, over this server's limit of {limit} "
+                    f"{name}: the image has {len(image.data)} bytes, over this server's limit of {limit} "
                     "bytes per image; send a smaller or more compressed image"
                 )
             if not image.data:
-                raise InvalidInput(f"input {index} is an empty image; send a PNG, JPEG or WebP file's bytes")
+                raise InvalidInput(f"{name} is an empty image; send a PNG, JPEG or WebP file's bytes")
 
     def check_image_count(self, count: int) -> None:
         limit = self.config.max_images_per_request
@@ -287,3 +306,8 @@ class Frontend:
                 f"--max-client-batch-size {self.config.max_client_batch_size}; split the call"
             )
         return pairs
+
+
+def _text(item: str | ImageInput) -> str:
+    """A text input, or an image's text."""
+    return item.text if isinstance(item, ImageInput) else item

@@ -290,18 +290,43 @@ def input_items(request: pb.EmbedRequest) -> list[str | ImageInput] | None:
         return None
     if request.inputs:
         raise InvalidInput("send inputs or items, not both: items holds texts and images in one list")
-    items: list[str | ImageInput] = []
-    for index, item in enumerate(request.items):
-        kind = item.WhichOneof("kind")
-        if kind is None:
-            raise InvalidInput(f"items[{index}] holds neither a text nor an image; set one of them")
-        if kind == "text" and item.image_text:
-            raise InvalidInput(
-                f"items[{index}] sets image_text beside a text; image_text is the text after an image in the same "
-                "input: set image with it, or put the whole text in text"
-            )
-        items.append(item.text if kind == "text" else ImageInput(item.image, item.image_text))
-    return items
+    return [input_item(item, f"items[{index}]") for index, item in enumerate(request.items)]
+
+
+def input_item(item: pb.InputItem, what: str) -> str | ImageInput:
+    """One InputItem as a text, or an image with its image_text."""
+    kind = item.WhichOneof("kind")
+    if kind is None:
+        raise InvalidInput(f"{what} holds neither a text nor an image; set one of them")
+    if kind == "text" and item.image_text:
+        raise InvalidInput(
+            f"{what} sets image_text beside a text; image_text is the text after an image in the same input: set "
+            "image with it, or put the whole text in text"
+        )
+    return item.text if kind == "text" else ImageInput(item.image, item.image_text)
+
+
+def rerank_inputs(request: pb.RerankRequest) -> tuple[str | ImageInput, list[str | ImageInput], str]:
+    """RerankRequest's query (query or query_item) and documents (documents, document_images or document_items),
+    each given one way, and the documents' field name."""
+    query: str | ImageInput = request.query
+    if request.HasField("query_item"):
+        if request.query:
+            raise InvalidInput("send query or query_item, not both: query_item holds the query as a text or an image")
+        query = input_item(request.query_item, "query_item")
+    given = [name for name in ("documents", "document_images", "document_items") if getattr(request, name)]
+    if len(given) > 1:
+        raise InvalidInput(
+            f"send {' or '.join(given)}, not both"
+            if len(given) == 2
+            else "send one of documents, document_images and document_items, not all three"
+        )
+    if request.document_items:
+        items = request.document_items
+        return query, [input_item(item, f"document_items[{index}]") for index, item in enumerate(items)], given[0]
+    if request.document_images:
+        return query, [ImageInput(data) for data in request.document_images], given[0]
+    return query, list(request.documents), "documents"
 
 
 def token_classify_params(request: pb.ClassifyTokensRequest) -> TokenClassifyParams:

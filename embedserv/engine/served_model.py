@@ -114,7 +114,7 @@ def read_vision_spec(config: ModelConfig, spec: ModelSpec) -> VisionSpec | None:
     if tower is None:
         # Vision-language models (ColQwen2, ColPali): images of any size the processor makes; their rules
         # (engine/tasks/vision_retrieval.py) place the features.
-        processing = vl_embed_rules.sized_as_its_library(spec.family.name, processing)
+        processing = vl_embed_rules.sized_as_its_library(processing, _library_pixels(spec))
         return VisionSpec(processing=processing, limits=limits, patch_size=processing.patch_size)
     if processing.patch_size != tower.patch_size:
         raise ConfigError(
@@ -138,6 +138,15 @@ def read_vision_spec(config: ModelConfig, spec: ModelSpec) -> VisionSpec | None:
         patch_size=tower.patch_size,
         class_token=tower.class_token,
     )
+
+
+def _library_pixels(spec: ModelSpec) -> tuple[int, int] | None:
+    """The (min, max) pixels a vision-language model's own library resizes images to, where it sets them: a yes/no
+    reranker's script's (Qwen3-VL-Reranker), else its embedding library's (Qwen3-VL-Embedding)."""
+    if isinstance(spec.task.template, VlYesNoTemplate):
+        return spec.task.template.pixels
+    framing = vl_embed_rules.FRAMINGS.get(spec.family.name)
+    return framing.pixels if framing is not None else None
 
 
 def _image_processing(config: ModelConfig, spec: ModelSpec, patch_size: int | None) -> ImageProcessing:

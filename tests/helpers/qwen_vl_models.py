@@ -98,17 +98,18 @@ def build_tiny_qwen_vl(
     return out
 
 
-def load_reference(model_dir: Path):
+def load_reference(model_dir: Path, pixels: tuple[int, int] = QWEN3_VL_PIXELS):
     """(transformers' model, its tokenizer, its image processor), float32 on CPU. Qwen3-VL's image processor sizes
     images as Qwen3-VL-Embedding's library does (qwen_vl_utils' smart_resize between QWEN3_VL_PIXELS, then the
-    processor without resizing: the same as the processor given those bounds), not as the checkpoint's file says."""
+    processor without resizing: the same as the processor given those bounds), not as the checkpoint's file says;
+    `pixels`: other bounds (Qwen3-VL-Reranker's script's)."""
     from transformers import AutoModelForImageTextToText, AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype="float32").eval()
     bounds = {}
     if model.config.model_type == "qwen3_vl":
-        bounds = dict(zip(("min_pixels", "max_pixels"), QWEN3_VL_PIXELS, strict=True))
+        bounds = dict(zip(("min_pixels", "max_pixels"), pixels, strict=True))
     return (
         model,
         AutoTokenizer.from_pretrained(str(model_dir)),

@@ -2,7 +2,8 @@
 containing "reranker"): its scripts/qwen3_vl_reranker.py's messages for one (query, document) pair, rendered by
 Qwen3-VL's chat template with add_generation_prompt, the image's pixel rows and grid from the image processor (the
 checkpoint's own), then transformers' Qwen3VLForConditionalGeneration: sigmoid(logit("yes") - logit("no")) at the
-last token.
+last token. Images are sized as the script sizes them: qwen_vl_utils' resize between its PIXELS, then the processor
+without resizing (load_reference(model_dir, PIXELS)).
 
 Qwen3-VL's template is its chat_template.json reduced to what these messages reach (a system turn of text, a user
 turn of text and image parts, no tools): each text part as it is, each image as
@@ -20,6 +21,8 @@ SYSTEM = (
     'answer can only be "yes" or "no".'
 )
 DEFAULT_INSTRUCTION = "Given a search query, retrieve relevant candidates that answer the query."
+# qwen3_vl_reranker.py's MIN_PIXELS, MAX_PIXELS: its qwen_vl_utils resize, whatever the checkpoint says.
+PIXELS = (4 * 32 * 32, 1280 * 32 * 32)
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message.role + '\\n' }}"

@@ -2,10 +2,10 @@
 random-weight Qwen3VLForConditionalGeneration whose LM head is tied (Qwen3-VL-2B's: the checkpoint holds no
 lm_head), in a directory whose name says "reranker": each pair's score equals transformers' sigmoid(logit("yes") -
 logit("no")) at the last token of its scripts/qwen3_vl_reranker.py prompt rendered by Qwen3-VL's chat template
-(tests/helpers/qwen_vl_rerank.py), token for token, for text documents, image documents of two aspect ratios, an
-image with text, an empty document ("NULL"), an image query with text documents, a custom instruction and a cut
-document; the ranking follows the scores, raw_scores gives the logit difference. What the model cannot take is
-refused saying what to change."""
+(tests/helpers/qwen_vl_rerank.py), token for token, for text documents, image documents of three sizes (one larger
+than preprocessor_config.json keeps, sized as the script sizes it), an image with text, an empty document
+("NULL"), an image query with text documents, a custom instruction and a cut document; the ranking follows the
+scores, raw_scores gives the logit difference. What the model cannot take is refused saying what to change."""
 
 from __future__ import annotations
 
@@ -19,18 +19,21 @@ import pytest
 from embedserv.errors import ConfigError, InvalidInput
 from embedserv.types import ImageInput, RerankParams
 from tests.helpers.qwen_vl_models import build_tiny_qwen_vl, load_reference
-from tests.helpers.qwen_vl_rerank import DEFAULT_INSTRUCTION, messages, reference_logit
+from tests.helpers.qwen_vl_rerank import DEFAULT_INSTRUCTION, PIXELS, messages, reference_logit
 from tests.helpers.vision_language_models import _qwen_tokenizer, page_image
 
 ATOL = 1e-4
 WIDE = page_image(64, 96, seed=1)
 TALL = page_image(128, 64, seed=2, fmt="JPEG")
 QUERY = "which chart shows the sales"
+# Larger than the checkpoint's preprocessor_config.json lets it stay (192 x 192 at most); within the script's bounds.
+LARGE = page_image(200, 300, seed=3)
 DOCUMENTS = [
     "a socket is one endpoint of a connection",
     ImageInput(WIDE),
     ImageInput(TALL, "a receipt from the shop"),
     "",
+    ImageInput(LARGE),
     "sales by month, as a bar chart",
 ]
 LONG = " ".join(f"line {i} of the sales report" for i in range(120))
@@ -51,7 +54,7 @@ def served(model_dir):
 
     config = ModelConfig(path=str(model_dir), served_name="vl-reranker", attention_backend="sdpa", dtype="float32")
     with SyncEngine(config, warm_up=False, worker_processes=False) as engine:
-        yield engine, load_reference(model_dir)
+        yield engine, load_reference(model_dir, PIXELS)
 
 
 def _pil(item):
@@ -111,6 +114,8 @@ def test_listed_as_a_yes_no_reranker_that_takes_images(served, model_dir):
     info = served[0].info
     assert info.tasks == (Task.RERANK,) and info.pooling == "lasttoken"
     assert info.modalities == (Modality.TEXT, Modality.IMAGE)
+    # Images sized as the script sizes them (4 to 1,280 merged 32 x 32 blocks), not as preprocessor_config.json says.
+    assert served[0].engine.served.vision.processing.resize == ("pixels", *PIXELS)
     # Tied as Qwen3-VL-2B: the yes/no rows come from the token embeddings.
     assert not has_tensor([model_dir / "model.safetensors"], "lm_head.weight")
 

@@ -111,12 +111,10 @@ FRAMINGS = {"qwen2_vl": GME_FRAMING, "qwen2_5_vl": GME_FRAMING, "qwen3_vl": QWEN
 FAMILIES = tuple(FRAMINGS)
 
 
-def sized_as_its_library(family: str, processing: ImageProcessing) -> ImageProcessing:
-    """`processing` with the image size bounds of the family's embedding library where it sets its own."""
-    framing = FRAMINGS.get(family)
-    if framing is None or framing.pixels is None:
-        return processing
-    return dataclasses.replace(processing, resize=("pixels", *framing.pixels))
+def sized_as_its_library(processing: ImageProcessing, pixels: tuple[int, int] | None) -> ImageProcessing:
+    """`processing` with the (min, max) pixels a model's own library resizes images to (an embedder's framing's,
+    a vision-language reranker's template's); None: the checkpoint's bounds."""
+    return processing if pixels is None else dataclasses.replace(processing, resize=("pixels", *pixels))
 
 
 class VlEmbedRules(TokenRules):

@@ -92,6 +92,9 @@ class VlYesNoTemplate:
 
     system: str
     default_instruction: str
+    # (min, max) pixels per image: the bounds its script resizes images to (qwen_vl_utils) before the processor,
+    # which then does not resize, in place of preprocessor_config.json's.
+    pixels: tuple[int, int]
 
 
 QWEN3_VL_RERANKER = VlYesNoTemplate(
@@ -100,6 +103,8 @@ QWEN3_VL_RERANKER = VlYesNoTemplate(
         'that the answer can only be "yes" or "no".'
     ),
     default_instruction="Given a search query, retrieve relevant candidates that answer the query.",
+    # qwen3_vl_reranker.py's MIN_PIXELS and MAX_PIXELS: 4 and 1,280 merged 32 x 32 blocks.
+    pixels=(4 * 32**2, 1280 * 32**2),
 )
 # Vision-language generators that are yes/no rerankers when detected as causal LMs are, and their prompts.
 VL_RERANKERS = {"Qwen3VLForConditionalGeneration": QWEN3_VL_RERANKER}

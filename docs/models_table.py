@@ -13,11 +13,13 @@ from pathlib import Path
 
 import torch
 from transformers import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 from embedserv.attention.layer import attention_layers
 from embedserv.models import registry
 from embedserv.models.interface import ModelKind
 from embedserv.models.loading.family import Family, FamilyDocs
+from embedserv.models.loading.tasks import VL_RERANKERS
 
 DOC = Path(__file__).resolve().parent / "MODELS.md"
 
@@ -91,11 +93,15 @@ def _tasks(family: Family) -> list[str]:
     if family.vision is not None:
         return ["embed (texts and images, one space)", "rerank (texts and images, by cosine)"]
     if family.takes_images and family.pooling is not None:
-        # Vision-language embedders (GME, DSE): one pooled vector per input.
-        return [
+        # Vision-language embedders (GME, DSE): one pooled vector per input; some checkpoints are yes/no rerankers.
+        tasks = [
             "embed (texts, images, texts and images interleaved)",
             "rerank (texts, images, an image with text, by cosine)",
         ]
+        generators = {MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(t) for t in family.model_types}
+        if generators & VL_RERANKERS.keys():
+            tasks.append("rerank (yes/no: texts, images, an image with text)")
+        return tasks
     if family.takes_images:
         return ["multi-vector (queries and page images)", "rerank (page images, by MaxSim)"]
     tasks = ["embed", "multi-vector"]

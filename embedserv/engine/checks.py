@@ -11,6 +11,7 @@ from embedserv.types import (
     ClassifyParams,
     EmbedOutput,
     EmbedParams,
+    ImageInput,
     ModelInfo,
     RerankMode,
     RerankParams,
@@ -54,7 +55,9 @@ def bad_direction(direction: str) -> InvalidInput:
     return InvalidInput(f"truncation_direction must be right or left, not {direction!r}")
 
 
-def check_rerank(info: ModelInfo, task: TaskSpec, query: str, documents: list[str], params: RerankParams) -> None:
+def check_rerank(
+    info: ModelInfo, task: TaskSpec, query: str | ImageInput, documents: list, params: RerankParams
+) -> None:
     if not query:
         raise InvalidInput("query is empty; send the text to rank documents against")
     if not documents:

@@ -26,11 +26,12 @@ from embedserv.engine.inputs.vision_retrieval_rules import (
     read_retrieval_prompts,
 )
 from embedserv.engine.inputs.vl_embed_rules import VlEmbedRules
+from embedserv.engine.inputs.vl_rerank_rules import VlRerankRules
 from embedserv.errors import ConfigError
 from embedserv.models import registry
 from embedserv.models.loading.model_spec import ModelSpec
 from embedserv.models.loading.spec_reader import read_model_spec
-from embedserv.models.loading.tasks import TaskSpec
+from embedserv.models.loading.tasks import TaskSpec, VlYesNoTemplate
 from embedserv.types import ModelInfo, Task
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,8 @@ def read_served_model(config: ModelConfig) -> ServedModel:
 
 
 def token_rules(spec: ModelSpec, tokenizer: TextTokenizer, vision: VisionSpec | None) -> TokenRules:
-    """The rules of the model's head kind (models/registry.HEAD_KINDS), whose heads the worker runs."""
+    """The rules of the model's head kind (models/registry.HEAD_KINDS), whose heads the worker runs; a
+    vision-language yes/no reranker's, whose pairs hold images."""
     heads = registry.head_kind(spec.outputs.head_kind)
     if heads.token_settings is not None:
         return MultiVectorRules(tokenizer, heads.token_settings(spec), spec.max_model_len, str(spec.model_dir))
@@ -91,6 +93,9 @@ def token_rules(spec: ModelSpec, tokenizer: TextTokenizer, vision: VisionSpec | 
     if spec.outputs.head_kind == VISION_RETRIEVAL:
         prompts = read_retrieval_prompts(spec.model_dir, spec.info.architecture, spec.hf_config, tokenizer)
         return VisionRetrievalRules(tokenizer, prompts, vision)
+    if isinstance(spec.task.template, VlYesNoTemplate):
+        merge = int(spec.hf_config.vision_config.spatial_merge_size)
+        return VlRerankRules(tokenizer, merge, vision, spec.task.template)
     if spec.family.name in vl_embed_rules.FAMILIES:
         merge = int(spec.hf_config.vision_config.spatial_merge_size)
         return VlEmbedRules(tokenizer, merge, vision, vl_embed_rules.FRAMINGS[spec.family.name])
@@ -109,7 +114,7 @@ def read_vision_spec(config: ModelConfig, spec: ModelSpec) -> VisionSpec | None:
     if tower is None:
         # Vision-language models (ColQwen2, ColPali): images of any size the processor makes; their rules
         # (engine/tasks/vision_retrieval.py) place the features.
-        processing = vl_embed_rules.sized_as_its_library(spec.family.name, processing)
+        processing = vl_embed_rules.sized_as_its_library(processing, _library_pixels(spec))
         return VisionSpec(processing=processing, limits=limits, patch_size=processing.patch_size)
     if processing.patch_size != tower.patch_size:
         raise ConfigError(
@@ -133,6 +138,15 @@ def read_vision_spec(config: ModelConfig, spec: ModelSpec) -> VisionSpec | None:
         patch_size=tower.patch_size,
         class_token=tower.class_token,
     )
+
+
+def _library_pixels(spec: ModelSpec) -> tuple[int, int] | None:
+    """The (min, max) pixels a vision-language model's own library resizes images to, where it sets them: a yes/no
+    reranker's script's (Qwen3-VL-Reranker), else its embedding library's (Qwen3-VL-Embedding)."""
+    if isinstance(spec.task.template, VlYesNoTemplate):
+        return spec.task.template.pixels
+    framing = vl_embed_rules.FRAMINGS.get(spec.family.name)
+    return framing.pixels if framing is not None else None
 
 
 def _image_processing(config: ModelConfig, spec: ModelSpec, patch_size: int | None) -> ImageProcessing:

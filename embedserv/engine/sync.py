@@ -63,7 +63,9 @@ class SyncEngine:
         """A copy of `result` (float32 vectors) in `params.encoding`, by the step Embedding.embed ends with."""
         return self._call(self.engine.embedding.in_encoding(replace(result), params))
 
-    def rerank(self, query: str, documents: list[str | ImageInput], params: RerankParams | None = None) -> RerankResult:
+    def rerank(
+        self, query: str | ImageInput, documents: list[str | ImageInput], params: RerankParams | None = None
+    ) -> RerankResult:
         return self._call(self.engine.reranking.rerank(query, list(documents), params or RerankParams()))
 
     def rerank_concurrently(

@@ -218,7 +218,7 @@ class Frontend:
         """Each input's texts within --max-input-chars: a text, an image's text, an interleaved input's texts
         together (the model reads them as one input)."""
         for index, item in enumerate(items):
-            self.check_chars(item if isinstance(item, str) else "".join(input_texts(item)), f"{what}[{index}]")
+            self.check_chars(_text(item), f"{what}[{index}]")
 
     def check_images(self, engine: Engine, items: list, first_index: int = 0) -> None:
         """The images among `items`: a model that takes images, no more of them than --max-images-per-request,
@@ -226,15 +226,32 @@ class Frontend:
         as "input N", N its place among the inputs the engine gets (from `first_index`), as the decoder's do, and
         an interleaved input's as "input N (image k)"."""
         images = [
-            (f"{first_index + i}" + (f" (image {k})" if isinstance(item, InterleavedInput) else ""), data)
+            (f"input {first_index + i}" + (f" (image {k})" if isinstance(item, InterleavedInput) else ""), data)
             for i, item in enumerate(items)
             for k, data in enumerate(input_images(item))
         ]
+        self._check_images(engine, images)
+
+    def check_rerank(self, engine: Engine, query: EmbedInput, documents: list, what: str = "documents") -> list:
+        """A Rerank call's query and documents (texts, or images with their text): at least one document, no more
+        than a call may carry, texts within --max-input-chars, images as check_images checks them (the documents
+        named "input N" by their place in `what`, the query "the query"), the query's counted among the call's."""
+        if not documents:
+            raise InvalidInput(f"{what} is empty; send at least one document")
+        self.check_batch(len(documents), what)
+        images = [(f"input {index}", data) for index, item in enumerate(documents) for data in input_images(item)]
+        images[:0] = [("the query", data) for data in input_images(query)]
+        self._check_images(engine, images)
+        self.check_chars(_text(query), "query")
+        self.check_item_chars(documents, what)
+        return documents
+
+    def _check_images(self, engine: Engine, images: list[tuple[str, bytes]]) -> None:
         if not images:
             return
         if Modality.IMAGE not in engine.info.modalities:
             raise InvalidInput(
-                f"model {engine.info.name} takes text only (ListModels modalities); input {images[0][0]} is an image"
+                f"model {engine.info.name} takes text only (ListModels modalities); {images[0][0]} is an image"
             )
         self.check_image_count(len(images))
         limit = engine.config.max_image_bytes
@@ -242,11 +259,11 @@ class Frontend:
             if len(data) > limit:
                 # Worded for every face (no flag names): an HTTP caller cannot see the server's flags.
                 raise InvalidInput(
-                    f"input {name}: the image has {len(data)} bytes, over this server's limit of {limit} "
+                    f"{name}: the image has {len(data)} bytes, over this server's limit of {limit} "
                     "bytes per image; send a smaller or more compressed image"
                 )
             if not data:
-                raise InvalidInput(f"input {name} is an empty image; send a PNG, JPEG or WebP file's bytes")
+                raise InvalidInput(f"{name} is an empty image; send a PNG, JPEG or WebP file's bytes")
 
     def check_image_count(self, count: int) -> None:
         limit = self.config.max_images_per_request
@@ -298,3 +315,9 @@ class Frontend:
                 f"--max-client-batch-size {self.config.max_client_batch_size}; split the call"
             )
         return pairs
+
+
+def _text(item: EmbedInput) -> str:
+    """An input's texts as one (the model reads them as one input): a text, an image's text, an interleaved
+    input's texts."""
+    return item if isinstance(item, str) else "".join(input_texts(item))

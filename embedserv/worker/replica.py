@@ -12,7 +12,7 @@ from embedserv.config import ModelConfig
 from embedserv.errors import ConfigError
 from embedserv.models import int8, registry
 from embedserv.models.heads.adapter_heads import AdapterScoreHeads, adapter_head
-from embedserv.models.heads.lm import build_lm_head, logit_softcap
+from embedserv.models.heads.lm import build_lm_head, is_tied, logit_softcap
 from embedserv.models.heads.pooling import Dense, EmbeddingPooler
 from embedserv.models.heads.score import (
     ScoreHead,
@@ -59,6 +59,13 @@ def _yes_no_tokens(spec: ModelSpec) -> YesNoTokens:
     return YesNoTokens(yes_id=yes_id, no_id=no_id)
 
 
+def _ties_embeddings(spec: ModelSpec) -> bool:
+    """Whether the LM head is the token embeddings: config.json's tie_word_embeddings (true when absent), or a
+    vision-language model's text_config saying so (Qwen3-VL-2B's; its checkpoint then holds no lm_head)."""
+    text = spec.family.text_config(spec.hf_config)
+    return is_tied(spec.hf_config) or (text is not spec.hf_config and bool(getattr(text, "tie_word_embeddings", False)))
+
+
 def _row_head(config: ModelConfig, spec: ModelSpec):
     """The pooler of an embedder, the score head of a classifier or yes/no reranker, or None."""
     tasks = spec.task.tasks
@@ -73,15 +80,15 @@ def _row_head(config: ModelConfig, spec: ModelSpec):
     if tasks in ((Task.GENERATE,), (Task.TOKEN_CLASSIFY,)):
         # Token classifiers classify in their token head.
         return None
-    hidden = spec.hf_config.hidden_size
     if isinstance(spec.task.template, Seq2SeqYesNoTemplate):
         template = spec.task.template
         yes_id, no_id = _token_ids(spec, template.yes_token, template.no_token)
         head = build_seq2seq_yes_no_head(spec.family, spec.hf_config, spec.files, yes_id, no_id)
     elif spec.task.template is not None:
-        tied = bool(getattr(spec.hf_config, "tie_word_embeddings", True))
+        hidden = spec.family.text_config(spec.hf_config).hidden_size
         tokens = _yes_no_tokens(spec)
-        head = build_yes_no_head(spec.family, hidden, tokens, tied, spec.files, logit_softcap(spec.hf_config))
+        softcap = logit_softcap(spec.hf_config)
+        head = build_yes_no_head(spec.family, hidden, tokens, _ties_embeddings(spec), spec.files, softcap)
     else:
         head = build_classifier_head(spec.family, spec.hf_config, len(spec.task.labels), spec.files)
     return head.to(spec.device)

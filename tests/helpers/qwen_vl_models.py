@@ -123,22 +123,32 @@ def _vision_config(kind: str) -> dict:
     )
 
 
-def build_tiny_qwen_vl(tmp_dir: Path | str, kind: str = "qwen2_vl", seed: int = 0) -> Path:
-    """A random *ForConditionalGeneration directory of `kind` (qwen2_vl or qwen2_5_vl) with its processor
-    (Qwen2VLImageProcessor: images between 56x56 and 168x168 pixels kept at their size when multiples of 28)."""
+def build_tiny_qwen_vl(
+    tmp_dir: Path | str, kind: str = "qwen2_vl", seed: int = 0, name: str = "", tied: bool = False
+) -> Path:
+    """A random *ForConditionalGeneration directory of `kind` (qwen2_vl, qwen2_5_vl or qwen3_vl) with its processor
+    (Qwen2VLImageProcessor: images between 56x56 and 168x168 pixels kept at their size when multiples of 28; Qwen3-VL:
+    64x64 to 192x192, multiples of 32). A `name` containing "reranker" makes a Qwen3-VL-Reranker-style directory
+    (the tokenizer has "yes" and "no"); `tied`: the LM head is the token embeddings (Qwen3-VL-2B's), which the
+    checkpoint then leaves out."""
     import torch
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    out = Path(tmp_dir) / f"tiny-{kind}"
+    out = Path(tmp_dir) / (name or f"tiny-{kind}")
     if (out / "config.json").exists():
         return out
-    tokenizer = _qwen_tokenizer(out)
+    tokenizer = _qwen_tokenizer(out, ("yes", "no") if "reranker" in name else ())
     prefix = PREFIXES[kind]
     config_class = getattr(transformers, f"{prefix}Config")
     # Qwen3-VL: its decoder's head size named (Qwen3's default is 128), one layer past DeepStack's two.
     text = qwen_text_config(tokenizer, **({"head_dim": 16, "num_hidden_layers": 3} if kind == "qwen3_vl" else {}))
-    config = config_class(text_config=text, vision_config=_vision_config(kind), **qwen_vision_token_ids(tokenizer))
+    # Tied as Qwen3-VL-2B's config.json ties: at the top (what transformers reads) and in text_config.
+    ties = {"tie_word_embeddings": True} if tied else {}
+    text.update(ties)
+    config = config_class(
+        text_config=text, vision_config=_vision_config(kind), **ties, **qwen_vision_token_ids(tokenizer)
+    )
     torch.manual_seed(seed)
     model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config).eval()
     _perturb(model, seed)
@@ -155,17 +165,18 @@ def build_tiny_qwen_vl(tmp_dir: Path | str, kind: str = "qwen2_vl", seed: int = 
     return out
 
 
-def load_reference(model_dir: Path):
+def load_reference(model_dir: Path, pixels: tuple[int, int] = QWEN3_VL_PIXELS):
     """(transformers' model, its tokenizer, its image processor), float32 on CPU. Qwen3-VL's image processor sizes
     images as Qwen3-VL-Embedding's library does (qwen_vl_utils' smart_resize between QWEN3_VL_PIXELS, then the
-    processor without resizing: the same as the processor given those bounds), not as the checkpoint's file says."""
+    processor without resizing: the same as the processor given those bounds), not as the checkpoint's file says;
+    `pixels`: other bounds (Qwen3-VL-Reranker's script's)."""
     from transformers import AutoModelForImageTextToText, AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype="float32").eval()
     bounds = {}
     if model.config.model_type == "qwen3_vl":
-        bounds = dict(zip(("min_pixels", "max_pixels"), QWEN3_VL_PIXELS, strict=True))
+        bounds = dict(zip(("min_pixels", "max_pixels"), pixels, strict=True))
     return (
         model,
         AutoTokenizer.from_pretrained(str(model_dir)),
@@ -185,17 +196,26 @@ def framed(text: str = "", image: bool = False, instruction: str | None = None, 
 def reference_inputs(reference, text: str = "", image=None, instruction: str | None = None) -> dict:
     """One framed input as Qwen2VLProcessor makes it: the image processor's pixel rows and grid, the image's one
     `<|image_pad|>` repeated t * h * w / merge**2 times, the text tokenized whole."""
+    prompt = framed(text, image is not None, instruction, reference[0].config.model_type)
+    return processed_inputs(reference, prompt, () if image is None else (image,))
+
+
+def processed_inputs(reference, prompt: str, images=()) -> dict:
+    """A rendered prompt holding one `<|image_pad|>` per image of `images`, in order, as the processor makes its
+    inputs: each pad repeated t * h * w / merge**2 times for its image's grid."""
     import torch
 
-    model, tokenizer, images = reference
-    prompt, batch = framed(text, image is not None, instruction, model.config.model_type), {}
-    if image is not None:
-        batch = dict(images(images=[image], return_tensors="pt"))
-        count = int(batch["image_grid_thw"][0].prod()) // images.merge_size**2
-        prompt = prompt.replace("<|image_pad|>", "<|image_pad|>" * count)
+    _, tokenizer, processor = reference
+    batch: dict = {}
+    if images:
+        batch = dict(processor(images=list(images), return_tensors="pt"))
+        pieces = prompt.split("<|image_pad|>")
+        assert len(pieces) == len(images) + 1, "one <|image_pad|> per image"
+        counts = [int(grid.prod()) // processor.merge_size**2 for grid in batch["image_grid_thw"]]
+        prompt = pieces[0] + "".join("<|image_pad|>" * n + piece for n, piece in zip(counts, pieces[1:], strict=True))
     ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
     batch.update(input_ids=ids, attention_mask=torch.ones_like(ids))
-    if image is not None:
+    if images:
         batch["mm_token_type_ids"] = (ids == tokenizer.convert_tokens_to_ids("<|image_pad|>")).int()
     return batch
 

@@ -43,8 +43,9 @@ def page_image(height: int, width: int, seed: int, fmt: str = "PNG") -> bytes:
     return out.getvalue()
 
 
-def _qwen_tokenizer(out: Path):
-    """Qwen2Tokenizer over the trained byte-level BPE, Qwen2-VL's special tokens added; pads with <|endoftext|>."""
+def _qwen_tokenizer(out: Path, tokens: tuple[str, ...] = ()):
+    """Qwen2Tokenizer over the trained byte-level BPE, Qwen2-VL's special tokens added, and `tokens` as ordinary
+    added tokens (the trained vocabulary lacks "yes" and "no"); pads with <|endoftext|>."""
     from transformers import Qwen2Tokenizer
 
     vocab, merges = _bpe_vocab_and_merges()
@@ -59,6 +60,7 @@ def _qwen_tokenizer(out: Path):
         padding_side="right",
     )
     tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL_TOKENS[1:])})
+    tokenizer.add_tokens(list(tokens))
     tokenizer.save_pretrained(str(out))
     return tokenizer
 

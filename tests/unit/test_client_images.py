@@ -1,7 +1,8 @@
 """The client's and CLI's images: bytes or file paths (an (image, text) pair: one item with its image_text; an
 Interleaved input: one item with its parts, its images counted against the limit), sent in order after the texts,
 cut into requests within the server's batch size and --max-images-per-request; page images for multi-vector and
-rerank; a file that cannot be read is named before any call."""
+rerank (with their text, and an image query, for Qwen3-VL rerankers); a file that cannot be read is named before any
+call."""
 
 from __future__ import annotations
 
@@ -57,9 +58,11 @@ class Recording(pb_grpc.InferenceServicer):
         )
 
     def Rerank(self, request, context):
+        """Each document scores minus what the fake embeds it as: an image its first byte."""
         self.requests.append(request)
-        results = [pb.RerankResult(index=i, score=float(data[0])) for i, data in enumerate(request.document_images)]
-        return pb.RerankResponse(results=results)
+        items = list(request.document_items) or [pb.InputItem(image=data) for data in request.document_images]
+        items = items or [pb.InputItem(text=text) for text in request.documents]
+        return pb.RerankResponse(results=[pb.RerankResult(index=i, score=-_value(x)) for i, x in enumerate(items)])
 
 
 @pytest.fixture
@@ -172,3 +175,24 @@ def test_cli_refuses_an_unreadable_image_before_calling(recording, tmp_path, cap
     assert servicer.requests == []
     code = cli.main(["--target", target, "embed", "--image", str(tmp_path)])
     assert code == 2 and "cannot read it (Is a directory)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_rerank_images_with_their_text_and_an_image_query(recording, kind):
+    servicer, target = recording
+    results = call(kind, target, "rerank", "q", document_images=[(bytes([2]), "a chart"), bytes([9]), bytes([5])])
+    assert [r.index for r in results] == [1, 2, 0]
+    sent = [r for r in servicer.requests if isinstance(r, pb.RerankRequest)]
+    assert all(r.document_items and not r.document_images for r in sent)
+    assert {item.image[0]: item.image_text for r in sent for item in r.document_items} == {2: "a chart", 9: "", 5: ""}
+    servicer.requests.clear()
+    # The query's image counts against the server's images per request: one document image beside it.
+    results = call(kind, target, "rerank", "which", document_images=[bytes([3]), bytes([4])], query_image=bytes([7]))
+    assert [r.index for r in results] == [1, 0] and len(servicer.requests) == 2
+    assert all(len(r.document_images) == 1 for r in servicer.requests)
+    queries = {(r.query, r.query_item.image, r.query_item.image_text) for r in servicer.requests}
+    assert queries == {("", bytes([7]), "which")}
+    servicer.requests.clear()
+    results = call(kind, target, "rerank", "which", ["2", "1"], query_image=bytes([7]))
+    assert [r.index for r in results] == [1, 0]
+    assert [list(r.documents) for r in servicer.requests] == [["2", "1"]]

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from embedserv_client import late_chunks, plans
 from embedserv_client.base import ClientSettings
-from embedserv_client.images import EmbedImage, ImageLike, embed_items_plan, image_bytes, multi_vector_plan
+from embedserv_client.images import EmbedImage, ImageLike, embed_items_plan, multi_vector_plan, rerank_images_plan
 from embedserv_client.options import RetryPolicy, Tls, time_left
 from embedserv_client.streams import AsyncTextStream
 from embedserv_client.token_classes import TokenClassification, classify_tokens_plan, token_classify_fields
@@ -133,7 +133,8 @@ class AsyncClient(ClientSettings):
         query: str,
         documents: Sequence[str] = (),
         *,
-        document_images: Sequence[ImageLike] | None = None,
+        document_images: Sequence[ImageLike | tuple[ImageLike, str]] | None = None,
+        query_image: ImageLike | None = None,
         top_n: int | None = None,
         return_documents: bool = False,
         raw_scores: bool = False,
@@ -147,14 +148,9 @@ class AsyncClient(ClientSettings):
         items, _ = plans.as_list(documents, "documents")
         fields = self.rerank_fields(model, return_documents, raw_scores, truncate, instruction, chunking)
         deadline = self.deadline(timeout)
-        if document_images is not None:
-            if items:
-                raise ValueError("give documents or document_images, not both")
-            fields["return_documents"] = False  # images are never echoed
-            size = (await self._image_sizes(deadline))[1]
-            plan = plans.rerank_plan(
-                query, image_bytes(document_images, "document_images"), size, top_n, field="document_images", **fields
-            )
+        if document_images is not None or query_image is not None:
+            sizes = await self._image_sizes(deadline)
+            plan = rerank_images_plan(query, items, document_images, query_image, *sizes, top_n, **fields)
             return await self._run(plan, deadline)
         size = await self._batch_size(deadline)
         return await self._run(plans.rerank_plan(query, items, size, top_n, **fields), deadline)
@@ -190,7 +186,7 @@ class AsyncClient(ClientSettings):
         fields = self.multi_vector_fields(model, truncate, prompt_name)
         deadline = self.deadline(timeout)
         if images is not None:
-            plan = multi_vector_plan(items, image_bytes(images), *(await self._image_sizes(deadline)), **fields)
+            plan = multi_vector_plan(items, images, *(await self._image_sizes(deadline)), **fields)
             return await self._run(plan, deadline)
         size = await self._batch_size(deadline)
         return await self._run(plans.embed_multi_vector_plan(items, size, single, **fields), deadline)

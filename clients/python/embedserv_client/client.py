@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from embedserv_client import late_chunks, plans
 from embedserv_client.base import ClientSettings
-from embedserv_client.images import EmbedImage, ImageLike, embed_items_plan, image_bytes, multi_vector_plan
+from embedserv_client.images import EmbedImage, ImageLike, embed_items_plan, multi_vector_plan, rerank_images_plan
 from embedserv_client.options import RetryPolicy, Tls, time_left
 from embedserv_client.streams import TextStream, stream_matrices
 from embedserv_client.token_classes import TokenClassification, classify_tokens_plan, token_classify_fields
@@ -146,7 +146,8 @@ class Client(ClientSettings):
         query: str,
         documents: Sequence[str] = (),
         *,
-        document_images: Sequence[ImageLike] | None = None,
+        document_images: Sequence[ImageLike | tuple[ImageLike, str]] | None = None,
+        query_image: ImageLike | None = None,
         top_n: int | None = None,
         return_documents: bool = False,
         raw_scores: bool = False,
@@ -158,20 +159,16 @@ class Client(ClientSettings):
     ) -> list[RerankResult]:
         """The documents scored against the query, best first (the best `top_n` if given). `chunking="max"`
         scores a document that does not fit beside the query by its best window. `document_images` (bytes or file
-        paths) instead of `documents`: page images, for ColPali-style and dual-encoder models; results carry
-        no document."""
+        paths; an (image, text) pair for an image with text after it) instead of `documents`: for models that take
+        images (ColPali-style, dual encoders, Qwen3-VL rerankers); results carry no document. `query_image`: the
+        query is this image with `query` as its text after it (Qwen3-VL rerankers, text documents)."""
         plans.string(query, "query")
         items, _ = plans.as_list(documents, "documents")
         fields = self.rerank_fields(model, return_documents, raw_scores, truncate, instruction, chunking)
         deadline = self.deadline(timeout)
-        if document_images is not None:
-            if items:
-                raise ValueError("give documents or document_images, not both")
-            fields["return_documents"] = False  # images are never echoed
-            size = (self._image_sizes(deadline))[1]
-            plan = plans.rerank_plan(
-                query, image_bytes(document_images, "document_images"), size, top_n, field="document_images", **fields
-            )
+        if document_images is not None or query_image is not None:
+            sizes = self._image_sizes(deadline)
+            plan = rerank_images_plan(query, items, document_images, query_image, *sizes, top_n, **fields)
             return self._run(plan, deadline)
         return self._run(plans.rerank_plan(query, items, self._batch_size(deadline), top_n, **fields), deadline)
 
@@ -210,7 +207,7 @@ class Client(ClientSettings):
         fields = self.multi_vector_fields(model, truncate, prompt_name)
         deadline = self.deadline(timeout)
         if images is not None:
-            plan = multi_vector_plan(items, image_bytes(images), *(self._image_sizes(deadline)), **fields)
+            plan = multi_vector_plan(items, images, *(self._image_sizes(deadline)), **fields)
             return self._run(plan, deadline)
         plan = plans.embed_multi_vector_plan(items, self._batch_size(deadline), single, **fields)
         return self._run(plan, deadline)

@@ -37,6 +37,8 @@ class Interleaved:
 # An image to embed, (image, text): the image with text after it, one vector for both (InputItem.image_text), or
 # an Interleaved input; the last two for vision-language embedders such as GME / DSE on Qwen2-VL, others refuse them.
 EmbedImage = ImageLike | tuple[ImageLike, str] | Interleaved
+# A rerank document image: alone, or with text after it (Qwen3-VL rerankers).
+DocumentImage = ImageLike | tuple[ImageLike, str]
 
 
 def image_bytes(images: Iterable[ImageLike], what: str = "images") -> list[bytes]:
@@ -85,6 +87,17 @@ def _parts(item: Interleaved, what: str) -> list[pb.InputPart]:
     ]
 
 
+def image_items(images: Iterable[DocumentImage], what: str = "images") -> list[tuple[bytes, str]]:
+    """embed's images as (bytes, text after the image); "" for an image alone."""
+    if isinstance(images, (str, bytes, os.PathLike)):
+        raise TypeError(f"{what} must be a sequence of images (bytes or file paths), not one {type(images).__name__}")
+    pairs = [image if isinstance(image, tuple) else (image, "") for image in images]
+    for index, pair in enumerate(pairs):
+        if len(pair) != 2 or not isinstance(pair[1], str):
+            raise TypeError(f"{what}[{index}] must be an image or an (image, text) pair with a str text")
+    return [(_read(image, f"{what}[{index}]"), text) for index, (image, text) in enumerate(pairs)]
+
+
 def image_batch_size(size: int, max_images: int) -> int:
     """Images one request may carry: the batch size, within the server's images-per-request limit (0 from a
     server that takes no images: the batch size, and the server says why it refuses them)."""
@@ -111,13 +124,46 @@ def embed_items_plan(
     return plans.Plan("Embed", requests, plans.embed_merge(fields, single=False), max(len(p) for p in parts))
 
 
-def multi_vector_plan(texts: list[str], images: list[bytes], size: int, image_size: int, **fields) -> plans.Plan:
-    """The texts' vectors, then the images' (page images of ColPali-style models)."""
+def multi_vector_plan(
+    texts: list[str], images: Iterable[ImageLike], size: int, image_size: int, **fields
+) -> plans.Plan:
+    """The texts' vectors, then the images' (page images of ColPali-style models; bytes or file paths, read now)."""
+    pages = image_bytes(images)
     text_parts = plans.chunks(texts, size) if texts else []
     requests = [pb.EmbedMultiVectorRequest(inputs=part, **fields) for part in text_parts]
-    requests += [pb.EmbedMultiVectorRequest(images=part, **fields) for part in plans.chunks(images, image_size)]
+    requests += [pb.EmbedMultiVectorRequest(images=part, **fields) for part in plans.chunks(pages, image_size)]
 
     def merge(replies: list[pb.EmbedMultiVectorResponse]) -> list[np.ndarray]:
         return [multi_vector(m) for reply in replies for m in reply.embeddings]
 
-    return plans.Plan("EmbedMultiVector", requests, merge, max(min(size, len(texts)), min(image_size, len(images))))
+    return plans.Plan("EmbedMultiVector", requests, merge, max(min(size, len(texts)), min(image_size, len(pages))))
+
+
+def rerank_images_plan(
+    query: str,
+    texts: list[str],
+    images: Iterable[DocumentImage] | None,
+    query_image: ImageLike | None,
+    size: int,
+    image_size: int,
+    top_n: int | None,
+    **fields,
+) -> plans.Plan:
+    """Rerank with images: the documents' images (document_images; document_items where one has text after it, for
+    models that read both), and/or the query's image with `query` as its text (query_item, for Qwen3-VL rerankers),
+    in requests of at most `size` documents and `image_size` images, the query's among them. Images are never
+    echoed."""
+    asked: str | pb.InputItem = query
+    if query_image is not None:
+        asked = pb.InputItem(image=image_bytes([query_image], "query_image")[0], image_text=query)
+    if images is None:
+        return plans.rerank_plan(asked, texts, size, top_n, **fields)
+    if texts:
+        raise ValueError("give documents or document_images, not both")
+    pairs = image_items(images, "document_images")
+    fields["return_documents"] = False
+    part = max(min(size, image_size - (query_image is not None)), 1)
+    if any(text for _, text in pairs):
+        items = [pb.InputItem(image=data, image_text=text) for data, text in pairs]
+        return plans.rerank_plan(asked, items, part, top_n, field="document_items", **fields)
+    return plans.rerank_plan(asked, [data for data, _ in pairs], part, top_n, field="document_images", **fields)

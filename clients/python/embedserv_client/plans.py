@@ -227,12 +227,15 @@ def embed_multi_vector_plan(texts: list[str], size: int, single: bool, **fields)
     return Plan("EmbedMultiVector", requests, merge, min(size, len(texts)))
 
 
-def rerank_plan(query: str, documents: list, size: int, top_n: int | None, field: str = "documents", **fields) -> Plan:
-    """Each part scores its documents (texts, or images when `field` is document_images) against the same
-    query; scores do not depend on the other documents, so the parts merge by score and the cut to `top_n`
-    happens after the merge."""
+def rerank_plan(
+    query: str | pb.InputItem, documents: list, size: int, top_n: int | None, field: str = "documents", **fields
+) -> Plan:
+    """Each part scores its documents (texts, or images when `field` is document_images or document_items) against
+    the same query (a text, or an InputItem: query_item); scores do not depend on the other documents, so the
+    parts merge by score and the cut to `top_n` happens after the merge."""
     parts = chunks(documents, size)
-    requests = [pb.RerankRequest(query=query, **_named(field, part), **fields) for part in parts]
+    asked = _named("query_item" if isinstance(query, pb.InputItem) else "query", query)
+    requests = [pb.RerankRequest(**asked, **_named(field, part), **fields) for part in parts]
     if len(requests) == 1 and top_n is not None:
         requests[0].top_n = top_n
     offsets = np.cumsum([0] + [len(part) for part in parts[:-1]]).tolist()

@@ -45,9 +45,41 @@ from embedserv.errors import ConfigError, InvalidInput
 from embedserv.types import EmbedParams, TruncationDirection
 
 DEFAULT_INSTRUCTION = "You are a helpful assistant."
-_SYSTEM = "<|im_start|>system\n"
-_USER = "<|im_end|>\n<|im_start|>user\n"
-_IMAGE_START, _IMAGE_PAD, _IMAGE_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+SYSTEM = "<|im_start|>system\n"
+USER = "<|im_end|>\n<|im_start|>user\n"
+IMAGE_START, IMAGE_PAD, IMAGE_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+# An image in a chat template's output, before its one <|image_pad|> becomes one per merged patch.
+IMAGE = IMAGE_START + IMAGE_PAD + IMAGE_END
+
+
+class VlImageTokens:
+    """A Qwen2-VL-style tokenizer's image tokens: an image's placeholder ids (`<|vision_start|>`, one `<|image_pad|>`
+    per merged patch: t * h * w / merge ** 2 for the image's grid, `<|vision_end|>`), and the refusal of a text
+    holding the image token. `merge`: the vision tower's spatial merge."""
+
+    def __init__(self, tokenizer: TextTokenizer, merge: int) -> None:
+        ids = {token: tokenizer.token_id(token) for token in (IMAGE_START, IMAGE_PAD, IMAGE_END)}
+        missing = [token for token, id_ in ids.items() if id_ is None]
+        if missing:
+            raise ConfigError(f"the tokenizer lacks the image tokens {', '.join(missing)}")
+        self.pad_id: int = ids[IMAGE_PAD]
+        self.start_id: int = ids[IMAGE_START]
+        self.end_id: int = ids[IMAGE_END]
+        self.merge = merge
+
+    def count(self, grid: tuple[int, ...]) -> int:
+        """The image's placeholders: its merged patches."""
+        return int(np.prod(grid)) // self.merge**2
+
+    def placeholder(self, grid: tuple[int, ...]) -> list[int]:
+        return [self.start_id] + [self.pad_id] * self.count(grid) + [self.end_id]
+
+    def check_text(self, ids: list[int], what: str, images: int = 0) -> None:
+        """Refuses ids of `what` holding more image tokens than the `images` placed in them (one pad each)."""
+        if ids.count(self.pad_id) > images:
+            raise InvalidInput(f"{what} holds the image token {IMAGE_PAD!r} in its text; send images as images")
+
+
 # Images one input may hold (each its own tokens and tower pass; more would crowd out the texts beside them).
 MAX_IMAGES_PER_INPUT = 16
 
@@ -89,12 +121,10 @@ FRAMINGS = {"qwen2_vl": GME_FRAMING, "qwen2_5_vl": GME_FRAMING, "qwen3_vl": QWEN
 FAMILIES = tuple(FRAMINGS)
 
 
-def sized_as_its_library(family: str, processing: ImageProcessing) -> ImageProcessing:
-    """`processing` with the image size bounds of the family's embedding library where it sets its own."""
-    framing = FRAMINGS.get(family)
-    if framing is None or framing.pixels is None:
-        return processing
-    return dataclasses.replace(processing, resize=("pixels", *framing.pixels))
+def sized_as_its_library(processing: ImageProcessing, pixels: tuple[int, int] | None) -> ImageProcessing:
+    """`processing` with the (min, max) pixels a model's own library resizes images to (an embedder's framing's,
+    a vision-language reranker's template's); None: the checkpoint's bounds."""
+    return processing if pixels is None else dataclasses.replace(processing, resize=("pixels", *pixels))
 
 
 class VlEmbedRules(TokenRules):
@@ -108,14 +138,9 @@ class VlEmbedRules(TokenRules):
     ) -> None:
         super().__init__(vision=vision)
         self.tokenizer = tokenizer
-        self.merge = merge
         self.framing = framing
-        ids = {token: tokenizer.token_id(token) for token in (_IMAGE_START, _IMAGE_PAD, _IMAGE_END)}
-        missing = [token for token, id_ in ids.items() if id_ is None]
-        if missing:
-            raise ConfigError(f"the tokenizer lacks the image tokens {', '.join(missing)}")
-        self.image_token_id = ids[_IMAGE_PAD]
-        self._image_start, self._image_end = ids[_IMAGE_START], ids[_IMAGE_END]
+        self.images = VlImageTokens(tokenizer, merge)
+        self.image_token_id = self.images.pad_id
         self._end = tokenizer.encode_text(framing.end)
         self._heads: dict[str, list[int]] = {}
 
@@ -141,15 +166,11 @@ class VlEmbedRules(TokenRules):
         for part in _joined_texts(parts):
             if isinstance(part, str):
                 ids = self.tokenizer.encode_text(part)
-                if self.image_token_id in ids:
-                    raise InvalidInput(
-                        f"{what} holds the image token {_IMAGE_PAD!r} in its text; send images as images"
-                    )
+                self.images.check_text(ids, what)
                 texts.append(len(segments))
                 segments.append(ids)
             else:
-                count = int(np.prod(part[1])) // self.merge**2
-                segments.append([self._image_start] + [self.image_token_id] * count + [self._image_end])
+                segments.append(self.images.placeholder(part[1]))
         head = self._head(params)
         self._fit(segments, texts, len(head) + len(self._end), params, what)
         ids = head + [token for segment in segments for token in segment] + self._end
@@ -162,7 +183,7 @@ class VlEmbedRules(TokenRules):
         """The system turn with the call's instruction and the user turn's opening, tokenized once per instruction."""
         instruction = self.framing.instruction(self.tokenizer.resolve_prompt(params.prompt_name))
         if instruction not in self._heads:
-            self._heads[instruction] = self.tokenizer.encode_text(f"{_SYSTEM}{instruction}{_USER}")
+            self._heads[instruction] = self.tokenizer.encode_text(f"{SYSTEM}{instruction}{USER}")
         return self._heads[instruction]
 
     def _fit(self, segments: list[list[int]], texts: list[int], frame: int, params: EmbedParams, what: str) -> None:

@@ -89,6 +89,13 @@ CHECKPOINT = CheckpointNames(
     renames=((r"^(embed_tokens|layers|norm)\.", r"language_model.\1."),),
 )
 
+# The token embeddings under each layout CHECKPOINT reads: a tied LM head's rows (a yes/no reranker's, heads/score.py).
+EMBEDDINGS = (
+    "model.language_model.embed_tokens.weight",
+    "model.embed_tokens.weight",
+    "language_model.embed_tokens.weight",
+)
+
 FAMILY = Family(
     name="qwen2_vl",
     model_types=("qwen2_vl",),

@@ -4,15 +4,18 @@ RMSNorm on each head's queries and keys, no q/k/v biases), M-RoPE with the secti
 (rotary.py: t, h, w, t, h, w, ... as transformers' Qwen3VLTextRotaryEmbedding lays them out) and DeepStack: the
 tower's extra features are added to the image tokens' hidden states after each of the first decoder layers
 (one layer per feature), as transformers' Qwen3VLTextModel does. An image's M-RoPE positions are Qwen2-VL's
-(models/mrope.py); the LM head is not used. Inputs are framed as Qwen3-VL-Embedding frames them
-(engine/inputs/vl_embed_rules.QWEN3_VL_FRAMING).
+(models/mrope.py). Inputs are framed as Qwen3-VL-Embedding frames them (engine/inputs/vl_embed_rules.QWEN3_VL_FRAMING).
+
+A Qwen3VLForConditionalGeneration detected as a yes/no reranker (Qwen3-VL-Reranker: models/loading/tasks.py) reads
+the last token's state through the "yes" and "no" rows of its LM head (the token embeddings when tied), framed by
+engine/inputs/vl_rerank_rules.py; the rest of the LM head is never read.
 """
 
 from __future__ import annotations
 
 import torch
 
-from embedserv.models.families.qwen2_vl import CHECKPOINT, Qwen2VLEmbedder, vl_text_config
+from embedserv.models.families.qwen2_vl import CHECKPOINT, EMBEDDINGS, Qwen2VLEmbedder, vl_text_config
 from embedserv.models.families.qwen3_vision import Qwen3VisionTower
 from embedserv.models.loading.family import Family, FamilyDocs
 
@@ -51,6 +54,7 @@ FAMILY = Family(
     model_class=Qwen3VLEmbedder,
     checkpoint=CHECKPOINT,
     is_encoder=False,
+    embeddings=EMBEDDINGS,
     pooling="lasttoken",
 )
 
@@ -61,6 +65,7 @@ DOCS = FamilyDocs(
     tested_by=(
         "tests/models/test_qwen_vl_embed_parity.py",
         "tests/models/test_qwen_vl_embed_engine.py",
+        "tests/models/test_qwen_vl_rerank.py",
         "tests/unit/test_mrope_rotary.py",
     ),
 )

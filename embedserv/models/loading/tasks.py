@@ -5,7 +5,9 @@
   that; one of a family without it is refused.
 - A causal LM is a yes/no reranker (Qwen3-Reranker) when `--decoder-reranker` says so, or, without the
   flag, when its path names a reranker (hub snapshots keep the repository name in the path);
-  `--no-decoder-reranker` turns that detection off.
+  `--no-decoder-reranker` turns that detection off. A vision-language generator of VL_RERANKERS
+  (Qwen3VLForConditionalGeneration: Qwen3-VL-Reranker) is one by the same rule, its prompt framed with images
+  (engine/inputs/vl_rerank_rules.py); otherwise it embeds.
 - A causal LM with an LM head generates. It also embeds (and reranks by cosine) when it comes as a
   sentence-transformers model (modules.json), as decoder embedders do.
 - A seq2seq model (BART, mBART, T5, mT5 *ForConditionalGeneration) generates; it is a monoT5-style
@@ -83,6 +85,32 @@ QWEN3_RERANKER = YesNoTemplate(
 
 
 @dataclass(frozen=True)
+class VlYesNoTemplate:
+    """A vision-language yes/no reranker's prompt (Qwen3-VL-Reranker, its scripts/qwen3_vl_reranker.py): the system
+    turn, then one user turn of the instruction, the query and the document, each side a text, an image or an
+    image then a text; engine/inputs/vl_rerank_rules.py lays it out. Scored as YesNoTemplate's."""
+
+    system: str
+    default_instruction: str
+    # (min, max) pixels per image: the bounds its script resizes images to (qwen_vl_utils) before the processor,
+    # which then does not resize, in place of preprocessor_config.json's.
+    pixels: tuple[int, int]
+
+
+QWEN3_VL_RERANKER = VlYesNoTemplate(
+    system=(
+        "Judge whether the Document meets the requirements based on the Query and the Instruct provided. Note "
+        'that the answer can only be "yes" or "no".'
+    ),
+    default_instruction="Given a search query, retrieve relevant candidates that answer the query.",
+    # qwen3_vl_reranker.py's MIN_PIXELS and MAX_PIXELS: 4 and 1,280 merged 32 x 32 blocks.
+    pixels=(4 * 32**2, 1280 * 32**2),
+)
+# Vision-language generators that are yes/no rerankers when detected as causal LMs are, and their prompts.
+VL_RERANKERS = {"Qwen3VLForConditionalGeneration": QWEN3_VL_RERANKER}
+
+
+@dataclass(frozen=True)
 class TaskSpec:
     tasks: tuple[Task, ...]
     # How Rerank builds its inputs; None: the model does not rerank.
@@ -93,7 +121,7 @@ class TaskSpec:
     multi_label: bool = False
     # sentence-transformers CrossEncoder's activation for rerank scores: sigmoid, identity or tanh.
     rerank_activation: Activation = Activation.SIGMOID
-    template: YesNoTemplate | Seq2SeqYesNoTemplate | None = None
+    template: YesNoTemplate | Seq2SeqYesNoTemplate | VlYesNoTemplate | None = None
     # Decoder classifiers score the last token that is not padding (transformers' rule): trailing
     # padding tokens are dropped before the model runs, which leaves earlier causal states unchanged.
     strip_trailing_pad_id: int | None = None
@@ -111,13 +139,14 @@ def architecture_of(hf_config) -> str:
 def is_decoder_reranker(model_dir: Path, architecture: str, flag: bool | None) -> bool:
     """`--decoder-reranker` (True/False) decides for causal LMs and seq2seq generators; other models are
     never yes/no rerankers, so one flag can serve a list of models of which only some are such models.
-    Without the flag a path naming a reranker (or monoT5, for seq2seq models) decides."""
+    Without the flag a path naming a reranker (or monoT5, for seq2seq models) decides. VL_RERANKERS' architectures
+    count as causal LMs here."""
     if architecture in SEQ2SEQ_GENERATORS:
         if flag is not None:
             return flag
         path = str(model_dir).lower()
         return "monot5" in path or "reranker" in path
-    if not architecture.endswith("ForCausalLM"):
+    if not architecture.endswith("ForCausalLM") and architecture not in VL_RERANKERS:
         if flag:
             logger.warning("%s is %s, not a causal LM: --decoder-reranker does not apply", model_dir, architecture)
         return False
@@ -168,7 +197,8 @@ def read_task_spec(
     if family.is_encoder_decoder:
         return _seq2seq_task_spec(model_dir, hf_config, family, decoder_reranker)
     if is_decoder_reranker(model_dir, architecture, decoder_reranker):
-        return TaskSpec(tasks=(Task.RERANK,), rerank_mode=RerankMode.TEMPLATE, template=QWEN3_RERANKER)
+        template = VL_RERANKERS.get(architecture, QWEN3_RERANKER)
+        return TaskSpec(tasks=(Task.RERANK,), rerank_mode=RerankMode.TEMPLATE, template=template)
     if architecture.endswith("ForCausalLM") and is_causal and has_lm_head:
         if (model_dir / "modules.json").exists():
             return TaskSpec(tasks=(Task.EMBED, Task.RERANK, Task.GENERATE), rerank_mode=RerankMode.EMBEDDINGS)

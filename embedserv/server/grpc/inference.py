@@ -21,6 +21,7 @@ from embedserv.server.grpc.messages import (
     model_info,
     multi_vector_message,
     rerank_chunking,
+    rerank_inputs,
     sampling_params,
     server_limits,
     sparse_message,
@@ -153,8 +154,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Rerank(self, request, context, call):
         received = time.perf_counter()
         engine = self._engine(request.model, call)
-        documents = self._documents(request, engine)
-        self.frontend.check_chars(request.query, "query")
+        query, documents, field = rerank_inputs(request)
+        self.frontend.check_rerank(engine, query, documents, field)
         self.frontend.check_chars(request.instruction, "instruction")
         params = RerankParams(
             top_n=request.top_n if request.HasField("top_n") else None,
@@ -164,7 +165,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             chunking=rerank_chunking(request.chunking),
         )
         with self.frontend.limiter.hold(len(documents)):
-            result = await engine.reranking.rerank(request.query, documents, params)
+            result = await engine.reranking.rerank(query, documents, params)
         call.answered(len(documents), result.prompt_tokens, result.timing)
         results = [
             pb.RerankResult(index=r.index, score=r.score, document=_echo(documents[r.index], request.return_documents))
@@ -172,17 +173,6 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         ]
         summary = call_summary(result.prompt_tokens, result.timing, engine.info.name, received)
         return pb.RerankResponse(results=results, **summary)
-
-    def _documents(self, request: pb.RerankRequest, engine: Engine) -> list:
-        """The documents' texts, or their images (document_images); one or the other."""
-        if not request.document_images:
-            return self.frontend.check_inputs(request.documents, "documents")
-        if request.documents:
-            raise InvalidInput("send documents or document_images, not both")
-        images = [ImageInput(data) for data in request.document_images]
-        self.frontend.check_batch(len(images), "document_images")
-        self.frontend.check_images(engine, images)
-        return images
 
     @unary_call
     async def Classify(self, request, context, call):

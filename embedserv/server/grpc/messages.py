@@ -292,10 +292,11 @@ def input_items(request: pb.EmbedRequest) -> list[EmbedInput] | None:
         return None
     if request.inputs:
         raise InvalidInput("send inputs or items, not both: items holds texts and images in one list")
-    return [_input_item(item, f"items[{index}]") for index, item in enumerate(request.items)]
+    return [input_item(item, f"items[{index}]") for index, item in enumerate(request.items)]
 
 
-def _input_item(item: pb.InputItem, what: str) -> EmbedInput:
+def input_item(item: pb.InputItem, what: str) -> EmbedInput:
+    """One InputItem as a text, an image with its image_text, or its parts (texts and images in order)."""
     kind = item.WhichOneof("kind")
     if item.parts:
         if kind is not None or item.image_text:
@@ -319,6 +320,29 @@ def _part(part: pb.InputPart, what: str) -> str | bytes:
     if kind is None:
         raise InvalidInput(f"{what} holds neither a text nor an image; set one of them")
     return part.text if kind == "text" else part.image
+
+
+def rerank_inputs(request: pb.RerankRequest) -> tuple[EmbedInput, list[EmbedInput], str]:
+    """RerankRequest's query (query or query_item) and documents (documents, document_images or document_items),
+    each given one way, and the documents' field name."""
+    query: EmbedInput = request.query
+    if request.HasField("query_item"):
+        if request.query:
+            raise InvalidInput("send query or query_item, not both: query_item holds the query as a text or an image")
+        query = input_item(request.query_item, "query_item")
+    given = [name for name in ("documents", "document_images", "document_items") if getattr(request, name)]
+    if len(given) > 1:
+        raise InvalidInput(
+            f"send {' or '.join(given)}, not both"
+            if len(given) == 2
+            else "send one of documents, document_images and document_items, not all three"
+        )
+    if request.document_items:
+        items = request.document_items
+        return query, [input_item(item, f"document_items[{index}]") for index, item in enumerate(items)], given[0]
+    if request.document_images:
+        return query, [ImageInput(data) for data in request.document_images], given[0]
+    return query, list(request.documents), "documents"
 
 
 def token_classify_params(request: pb.ClassifyTokensRequest) -> TokenClassifyParams:

@@ -142,7 +142,7 @@ async def embed(request: Request, body: EmbedV2Request):
 async def rerank(request: Request, body: RerankV2Request):
     """Cohere v2 rerank: each document's relevance to the query, best first."""
     engine = engine_for_task(request, Task.RERANK, body.model)
-    frontend_of(request).check_inputs(body.documents, "documents")
+    frontend_of(request).check_rerank(engine, body.query, body.documents)
     params = RerankParams(top_n=body.top_n, truncate=True)
     result = await rerank_documents(request, engine, body.query, body.documents, params)
     return JSON(

@@ -3,7 +3,9 @@
 - POST /v1/rerank: Cohere's, Jina's and vLLM's rerank: `query` + `documents` (texts or {"text"} objects),
   `top_n`, `return_documents` -> {id, model, results: [{index, relevance_score, document?}], usage}, best
   first. Documents are echoed by default, as Jina and vLLM do (Cohere's v1 default is off and v2 has no
-  such field: Cohere clients ignore the extra `document`, or send return_documents=false). An extra
+  such field: Cohere clients ignore the extra `document`, or send return_documents=false). For models that take
+  images, a document (or, for Qwen3-VL rerankers, the query) may be vLLM's multimodal form, {"content": [parts]}:
+  an image_url part (a data URL), then a text part if any (image_inputs.content_item); images are never echoed. An extra
   `chunking: "max"` (here and on TEI's body) scores a document too long to fit beside the query by its best
   window of the model's limit instead of cutting or refusing it.
 - POST /rerank: the same, or TEI's rerank when the body has `texts` instead of `documents` (TEI's body,
@@ -31,17 +33,20 @@ from embedserv.engine.engine import Engine
 from embedserv.errors import InvalidInput
 from embedserv.server.http.common import call_of, engine_for_task, frontend_of, json_object, parsed
 from embedserv.server.http.error_responses import JSON, OPENAI, TEI
+from embedserv.server.http.image_inputs import content_item
 from embedserv.server.http.scoring_models import (
     ClassifyRequest,
     ClassifyResponse,
     OpenAIError,
+    RerankContent,
+    RerankDocument,
     RerankRequest,
     RerankResponse,
     ScoreRequest,
     ScoreResponse,
 )
 from embedserv.server.http.tei_models import TeiError, TeiRank, TeiRerankRequest, check_direction, require_some
-from embedserv.types import ClassifyParams, RerankParams, RerankResult, Task, Timing
+from embedserv.types import ClassifyParams, ImageInput, RerankParams, RerankResult, Task, Timing
 
 OPENAI_ERRORS = {"4XX": {"model": OpenAIError}, "5XX": {"model": OpenAIError}}
 router = APIRouter(tags=["rerank, classify, score"], responses=OPENAI_ERRORS)
@@ -84,10 +89,12 @@ def list_answer(request: Request, kind: str, model: str, data: list[dict], promp
     )
 
 
-async def rerank_documents(request: Request, engine: Engine, query: str, documents: list[str], params: RerankParams):
-    """engine.rerank under admission, counted on the request's Call; documents are checked already."""
+async def rerank_documents(
+    request: Request, engine: Engine, query: str | ImageInput, documents: list, params: RerankParams
+):
+    """engine.rerank under admission, counted on the request's Call; the query and documents are checked already
+    (Frontend.check_rerank)."""
     frontend = frontend_of(request)
-    frontend.check_chars(query, "query")
     with frontend.limiter.hold(len(documents)):
         result = await engine.reranking.rerank(query, documents, params)
     call_of(request).answered(len(documents), result.prompt_tokens, result.timing)
@@ -114,10 +121,19 @@ async def score_pairs(
     return scores, sum(r.prompt_tokens for r in results), Timing.longest([r.timing for r in results])
 
 
+def _rerank_item(value: str | RerankDocument | RerankContent, what: str) -> str | ImageInput:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, RerankDocument):
+        return value.text
+    return content_item(value.content, what)
+
+
 async def _documents_rerank(request: Request, body: RerankRequest) -> JSON:
     engine = engine_for_task(request, Task.RERANK, body.model)
-    documents = [d if isinstance(d, str) else d.text for d in body.documents]
-    frontend_of(request).check_inputs(documents, "documents")
+    query = _rerank_item(body.query, "query")
+    documents = [_rerank_item(d, f"documents[{index}]") for index, d in enumerate(body.documents)]
+    frontend_of(request).check_rerank(engine, query, documents)
     params = RerankParams(
         top_n=body.top_n or None,
         raw_scores=body.raw_scores,
@@ -125,11 +141,11 @@ async def _documents_rerank(request: Request, body: RerankRequest) -> JSON:
         instruction=body.instruction,
         chunking=body.chunking == "max",
     )
-    result = await rerank_documents(request, engine, body.query, documents, params)
+    result = await rerank_documents(request, engine, query, documents, params)
     results = []
     for ranked in result.results:
         item = {"index": ranked.index, "relevance_score": ranked.score}
-        if body.return_documents:
+        if body.return_documents and isinstance(documents[ranked.index], str):
             item["document"] = {"text": documents[ranked.index]}
         results.append(item)
     return JSON(
@@ -145,7 +161,7 @@ async def _documents_rerank(request: Request, body: RerankRequest) -> JSON:
 async def tei_rerank(request: Request, body: TeiRerankRequest) -> JSON:
     engine = engine_for_task(request, Task.RERANK)
     require_some(body.texts, "texts")
-    frontend_of(request).check_inputs(body.texts, "texts")
+    frontend_of(request).check_rerank(engine, body.query, body.texts, "texts")
     truncate = checks.truncates(engine.info, body.truncate)
     check_direction(body.truncation_direction, truncate, "rerank")
     params = RerankParams(raw_scores=body.raw_scores, truncate=truncate, chunking=body.chunking == "max")

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, StrictBool, StrictStr
 
 from embedserv.server.http.common import Body, RequestBody
+from embedserv.server.http.image_inputs import ContentPart
 from embedserv.server.http.tei_models import CHUNKING, NON_EMPTY, NonEmptyText, NonNegativeInt
 
 _MODEL = "A served model's name; unset: the x-embedserv-model header's, else the first that serves the task"
@@ -24,11 +25,21 @@ class RerankDocument(Body):
     text: StrictStr
 
 
+class RerankContent(Body):
+    """vLLM's multimodal score input: a text part, an image_url part, or an image_url part then a text part."""
+
+    content: list[ContentPart]
+
+
 class RerankRequest(RequestBody):
     model: str | None = Field(None, description=_MODEL)
-    query: NonEmptyText
-    documents: list[StrictStr | RerankDocument] = Field(
-        description="Texts, or objects with a `text`", json_schema_extra=NON_EMPTY
+    query: NonEmptyText | RerankContent = Field(
+        description="A text; or {content: [parts]}, an image (then its text) for models that take image queries"
+    )
+    documents: list[StrictStr | RerankDocument | RerankContent] = Field(
+        description="Texts, objects with a `text`, or {content: [parts]} (vLLM's form): an image_url part, then a text "
+        "part if any, for models that take images",
+        json_schema_extra=NON_EMPTY,
     )
     top_n: NonNegativeInt | None = Field(None, description="Keep the best N results; unset or 0: all (vLLM's 0)")
     return_documents: StrictBool = Field(
@@ -70,7 +81,7 @@ class RerankResultDocument(BaseModel):
 class RerankResult(BaseModel):
     index: int
     relevance_score: float
-    document: RerankResultDocument | None = Field(None, description="With return_documents")
+    document: RerankResultDocument | None = Field(None, description="With return_documents; never an image")
 
 
 class RerankResponse(BaseModel):

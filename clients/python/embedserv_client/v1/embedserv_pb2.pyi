@@ -339,7 +339,7 @@ class EmbedMultiVectorResponse(_message.Message):
     def __init__(self, embeddings: _Optional[_Iterable[_Union[MultiVector, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., model: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
 
 class RerankRequest(_message.Message):
-    __slots__ = ("model", "query", "documents", "top_n", "return_documents", "raw_scores", "truncate", "instruction", "chunking", "document_images", "priority")
+    __slots__ = ("model", "query", "documents", "top_n", "return_documents", "raw_scores", "truncate", "instruction", "chunking", "document_images", "priority", "query_item", "document_items")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     QUERY_FIELD_NUMBER: _ClassVar[int]
     DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -351,6 +351,8 @@ class RerankRequest(_message.Message):
     CHUNKING_FIELD_NUMBER: _ClassVar[int]
     DOCUMENT_IMAGES_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    QUERY_ITEM_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENT_ITEMS_FIELD_NUMBER: _ClassVar[int]
     model: str
     query: str
     documents: _containers.RepeatedScalarFieldContainer[str]
@@ -362,7 +364,9 @@ class RerankRequest(_message.Message):
     chunking: Chunking
     document_images: _containers.RepeatedScalarFieldContainer[bytes]
     priority: int
-    def __init__(self, model: _Optional[str] = ..., query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ..., top_n: _Optional[int] = ..., return_documents: _Optional[bool] = ..., raw_scores: _Optional[bool] = ..., truncate: _Optional[bool] = ..., instruction: _Optional[str] = ..., chunking: _Optional[_Union[Chunking, str]] = ..., document_images: _Optional[_Iterable[bytes]] = ..., priority: _Optional[int] = ...) -> None: ...
+    query_item: InputItem
+    document_items: _containers.RepeatedCompositeFieldContainer[InputItem]
+    def __init__(self, model: _Optional[str] = ..., query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ..., top_n: _Optional[int] = ..., return_documents: _Optional[bool] = ..., raw_scores: _Optional[bool] = ..., truncate: _Optional[bool] = ..., instruction: _Optional[str] = ..., chunking: _Optional[_Union[Chunking, str]] = ..., document_images: _Optional[_Iterable[bytes]] = ..., priority: _Optional[int] = ..., query_item: _Optional[_Union[InputItem, _Mapping]] = ..., document_items: _Optional[_Iterable[_Union[InputItem, _Mapping]]] = ...) -> None: ...
 
 class RerankResult(_message.Message):
     __slots__ = ("index", "score", "document")

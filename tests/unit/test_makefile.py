@@ -1,8 +1,10 @@
 """`make -n` (a dry run: nothing runs, nothing installs) shows the variables a newcomer sets reaching the commands:
-TORCH_INDEX_URL for the CPU torch wheel, METRICS_PORT for /metrics, and today's plain install when unset."""
+TORCH_INDEX_URL for the CPU torch wheel, METRICS_PORT for /metrics, and today's plain install when unset; and the
+recipes may write bytecode."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 
@@ -25,12 +27,30 @@ def _dry_run(target: str, *variables: str) -> str:
 
 @pytest.mark.parametrize("target", ["serve", "test"])
 def test_torch_comes_from_the_configured_index_unless_torch_index_url_is_given(target):
-    assert "pip install torch==2.13.0" in _dry_run(target)
+    # --no-compile: Python compiles a module when it is first imported (the Makefile lets it write bytecode).
+    assert "pip install --no-compile torch==2.13.0" in _dry_run(target)
     assert "--index-url" not in _dry_run(target)
-    assert f"pip install --index-url {CPU_INDEX} torch==2.13.0" in _dry_run(target, f"TORCH_INDEX_URL={CPU_INDEX}")
+    with_index = _dry_run(target, f"TORCH_INDEX_URL={CPU_INDEX}")
+    assert f"pip install --no-compile --index-url {CPU_INDEX} torch==2.13.0" in with_index
 
 
 def test_serve_exposes_metrics_on_9090_unless_metrics_port_says_otherwise():
     assert "embedserv serve --host 127.0.0.1 --port 50051 --http-port 8000 --metrics-port 9090" in _dry_run("serve")
     assert "--metrics-port 9555" in _dry_run("serve", "METRICS_PORT=9555")
     assert "--metrics-port" not in _dry_run("serve", "METRICS_PORT=0")
+
+
+def test_recipes_may_write_bytecode_whatever_the_environment_says():
+    """Installed without pip's compilation, modules are compiled by their first import; a PYTHONDONTWRITEBYTECODE
+    from the caller would make every process compile them again."""
+    check = 'bytecode-check: ; @python3 -c "import sys; print(sys.dont_write_bytecode)"'
+    done = subprocess.run(
+        ["make", "-s", f"--eval={check}", "bytecode-check"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

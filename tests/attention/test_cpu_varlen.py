@@ -114,6 +114,14 @@ def test_int64_offsets_and_thread_counts_give_the_same_bits():
     torch.testing.assert_close(alone, first, atol=0, rtol=0)
 
 
+def test_the_library_runs_its_tasks_on_torchs_threads():
+    """ATen's parallel_for, inlined into the kernel, opens an OpenMP parallel region only when the kernel is built
+    with OpenMP: without it every call ran on one thread, however many torch had (2 threads took as long as 1)."""
+    cpu_varlen_kernel.attention_op()  # built and cached
+    library = cpu_varlen_kernel.library_path(cpu_varlen_kernel.compiler())
+    assert b"GOMP_parallel" in library.read_bytes()
+
+
 def test_no_sequences():
     backend = CpuVarlenBackend()
     common = build_common_metadata(np.array([], dtype=np.int64), is_causal=False)

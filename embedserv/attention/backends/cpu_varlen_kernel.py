@@ -79,6 +79,9 @@ def build_command(cxx: str, output: Path) -> list[str]:
     return [
         cxx,
         "-O3",
+        # ATen's parallel_for runs its body on the calling thread alone unless the including source is built with
+        # OpenMP; libgomp.so.1 then resolves to the one torch has loaded already.
+        "-fopenmp",
         "-std=c++17",
         "-shared",
         "-fPIC",

@@ -35,8 +35,10 @@ with the list of served types and, where there is one, the closest served archit
   directory embeds, a SPLADE `*ForMaskedLM` directory gives sparse vectors, a decoder generates, a
   `*ForTokenClassification` architecture labels tokens: ClassifyTokens, `/v1/classify_tokens`).
   Zero-shot needs an NLI classifier (entailment label).
-- **Attention backends**: those that can compute the family's attention. CPU: sdpa (default), flex,
-  naive; CUDA adds varlen and flash_attn, which cannot add a score bias.
+- **Attention backends**: those that can compute the family's attention. CPU: cpu_varlen (a C++ kernel
+  compiled at first use; the default on AVX-512-bf16 CPUs for float32, and for bfloat16 heads up to 32 wide,
+  where it measured faster), sdpa (the default elsewhere), flex, naive; CUDA adds varlen and flash_attn. The
+  flash kernels and cpu_varlen cannot add a score bias.
 - **int8**: `--quantization int8` (CPU, oneDNN) for every task but generation; not for the models that take
   images (CLIP, SigLIP, SigLIP 2, ColQwen2, ColPali, ColModernVBERT), for which it was not validated.
 - **Images**: CLIP, SigLIP and SigLIP 2 take images (PNG, JPEG, WebP bytes; decoded and preprocessed as
@@ -62,8 +64,8 @@ with the list of served types and, where there is one, the closest served archit
 """
 
 # Kernels that take no score bias (attention/selector.py refuses them for such models).
-_BIAS_FREE_KERNELS = ("varlen", "flash_attn")
-_ALL_BACKENDS = ("sdpa", "flex", "naive", "varlen", "flash_attn")
+_BIAS_FREE_KERNELS = ("cpu_varlen", "varlen", "flash_attn")
+_ALL_BACKENDS = ("cpu_varlen", "sdpa", "flex", "naive", "varlen", "flash_attn")
 
 
 def _layers(family: Family):

@@ -185,6 +185,19 @@ _FUSION = {
 FUSIONS = ("auto", "compiled", "eager")
 
 
+# cpu_varlen (attention/backends/cpu_varlen.cpp) as the default attention on CPU: the largest head size it is chosen
+# for, by dtype (absent: sdpa stays the default). Measured on an AVX-512-bf16 EPYC, 2 threads, quiet
+# (docs/performance-history.md, issue 56): end to end on MiniLM's 32-wide heads 1.05-1.06x sdpa at float32 and
+# 1.04-1.12x at bfloat16; one layer's attention at bge-base's 64-wide heads 1.46x at float32 but 0.91x at bfloat16
+# (sdpa's native bf16 matmuls). Not measured on the other classes, so sdpa stays their default.
+_CPU_VARLEN_DEFAULT = {"avx512_bf16": {"float32": 128, "bfloat16": 32}}
+
+
+def cpu_varlen_default(dtype: str, head_size: int) -> bool:
+    """Whether cpu_varlen is the default attention for `dtype` ("float32", "bfloat16") and `head_size` here."""
+    return head_size <= _CPU_VARLEN_DEFAULT.get(detect().level, {}).get(dtype, 0)
+
+
 def cpu_batch_tokens() -> int:
     return _CPU_BATCH_TOKENS[detect().level]
 

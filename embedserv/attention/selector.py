@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from embedserv import cpu_isa
 from embedserv.attention.backends.base import AttentionBackend
 from embedserv.errors import ConfigError
 
@@ -161,14 +162,23 @@ _REGISTRY: dict[str, tuple[str, str, Callable[[AttentionSpec], str | None]]] = {
 
 # Fastest first, per device type. On CPU the per-length SDPA calls beat compiled FlexAttention on every mix
 # measured; on CUDA the flash kernels take the packed batch in one launch. cpu_varlen (the C++ kernel for short
-# heads) runs when asked for (--attention-backend cpu_varlen): it measured 1.1-1.8x sdpa's attention at float32
-# but 0.76-0.88x at bfloat16 with 64-wide heads, on a loaded AVX-512 machine only, and it compiles for about 30 s
-# at its first use on a machine; it becomes a default once measured end to end on a quiet machine per ISA class
-# (benchmarks/results/2026-11-28-avx512-attention-cpu_varlen.md).
+# heads, compiled at its first use on a machine) comes first only on the CPU classes, dtypes and head sizes where it
+# measured faster than sdpa (cpu_isa.cpu_varlen_default); elsewhere it runs when asked for.
 PREFERENCE = {
     "cuda": ("flash_attn", "varlen", "sdpa", "flex", "naive"),
-    "cpu": ("sdpa", "flex", "naive"),
+    "cpu": ("cpu_varlen", "sdpa", "flex", "naive"),
 }
+
+
+def _not_default_reason(name: str, spec: AttentionSpec) -> str | None:
+    """Why a backend that can run `spec` is still not chosen unasked; None: it is."""
+    dtype = str(spec.dtype).removeprefix("torch.")
+    if name == "cpu_varlen" and not cpu_isa.cpu_varlen_default(dtype, spec.head_size):
+        return (
+            f"chosen unasked only where it measured faster than sdpa, not for {dtype} heads of {spec.head_size} on "
+            f"this CPU ({cpu_isa.detect().level})"
+        )
+    return None
 
 
 def unsupported_reason(name: str, spec: AttentionSpec) -> str | None:
@@ -198,7 +208,7 @@ def select_backend(requested: str | None, spec: AttentionSpec) -> AttentionBacke
         return backend_class(requested)()
     reasons = []
     for name in PREFERENCE.get(spec.device.type, ("sdpa", "naive")):
-        reason = unsupported_reason(name, spec)
+        reason = unsupported_reason(name, spec) or _not_default_reason(name, spec)
         if reason is None:
             return backend_class(name)()
         reasons.append(f"{name}: {reason}")

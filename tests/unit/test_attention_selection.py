@@ -5,11 +5,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from embedserv import cpu_isa
 from embedserv.attention import selector
 from embedserv.attention.selector import AttentionSpec, select_backend, unsupported_reason
 from embedserv.config import ATTENTION_BACKENDS, ModelConfig
 from embedserv.errors import ConfigError
 from embedserv.models import registry
+from tests.helpers.attention_default import cpu_default
 
 CPU_FP32 = AttentionSpec(torch.device("cpu"), torch.float32, 64, 8, 2, is_causal=True)
 
@@ -20,8 +22,29 @@ def test_every_configurable_backend_is_registered():
         assert set(order) <= set(ATTENTION_BACKENDS)
 
 
-def test_cpu_default_is_sdpa():
-    assert select_backend(None, CPU_FP32).name == "sdpa"
+def test_cpu_default_is_sdpa_or_where_it_measured_faster_cpu_varlen():
+    assert select_backend(None, CPU_FP32).name == cpu_default(CPU_FP32)
+
+
+@pytest.mark.parametrize(
+    ("level", "dtype", "head_size", "expected"),
+    [
+        ("avx512_bf16", torch.float32, 32, "cpu_varlen"),
+        ("avx512_bf16", torch.float32, 128, "cpu_varlen"),
+        ("avx512_bf16", torch.bfloat16, 32, "cpu_varlen"),
+        ("avx512_bf16", torch.bfloat16, 64, "sdpa"),
+        ("avx512", torch.float32, 32, "sdpa"),
+        ("avx2", torch.float32, 32, "sdpa"),
+        ("amx", torch.bfloat16, 32, "sdpa"),
+    ],
+)
+def test_cpu_varlen_is_the_default_only_where_it_was_measured_faster(monkeypatch, level, dtype, head_size, expected):
+    from embedserv.attention.backends import cpu_varlen_kernel
+
+    monkeypatch.setattr(cpu_varlen_kernel, "compiler", lambda: "c++")
+    monkeypatch.setattr(cpu_isa, "detect", lambda: SimpleNamespace(level=level))
+    spec = AttentionSpec(torch.device("cpu"), dtype, head_size, 12, 12, is_causal=False)
+    assert select_backend(None, spec).name == expected
 
 
 def test_cpu_varlen_without_a_compiler_says_so(monkeypatch):
@@ -104,5 +127,5 @@ def test_cpu_varlen_runs_when_asked_for(dtype, head_size):
     spec = AttentionSpec(torch.device("cpu"), dtype, head_size, 12, 12, is_causal=False)
     if unsupported_reason("cpu_varlen", spec) is not None:
         pytest.skip("cpu_varlen cannot run here (no C++ compiler)")
-    assert select_backend(None, spec).name == "sdpa"
+    assert select_backend(None, spec).name == cpu_default(spec)
     assert select_backend("cpu_varlen", spec).name == "cpu_varlen"

@@ -3,11 +3,15 @@ its reference; each model reports its own attention kind."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import grpc
 import numpy as np
 import pytest
 
 from benchmarks.corpus import stdlib_texts
+from tests.helpers.attention_default import cpu_default
 from tests.helpers.client import RPC_TIMEOUT_S, embed_request, inference_stub, response_matrix
 from tests.helpers.compare import assert_cosine_at_least, assert_unit_norm
 from tests.helpers.inprocess import in_process_server
@@ -66,7 +70,18 @@ def test_empty_model_field_goes_to_the_first_model(stub):
     assert response_matrix(response).shape == (1, 384)
 
 
-def test_list_models_in_order(stub):
+def _default_backend(model_dir) -> str:
+    """The backend this machine picks unasked for the model's float32 heads."""
+    import torch
+
+    from embedserv.attention.selector import AttentionSpec
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return cpu_default(AttentionSpec(torch.device("cpu"), torch.float32, head, 1, 1, False))
+
+
+def test_list_models_in_order(stub, bundled_dir, tiny_dir):
     from embedserv.v1 import embedserv_pb2 as pb
 
     models = stub.ListModels(pb.ListModelsRequest(), timeout=30).models
@@ -75,7 +90,7 @@ def test_list_models_in_order(stub):
         (SECOND, 64, "lasttoken", 128, pb.ATTENTION_KIND_CAUSAL),
     ]
     assert [m.architecture for m in models] == ["BertModel", "Qwen3Model"]
-    assert all(m.attention_backend == "sdpa" for m in models)
+    assert [m.attention_backend for m in models] == [_default_backend(bundled_dir), _default_backend(tiny_dir)]
 
 
 def test_unknown_model_lists_both_names(stub):

@@ -98,15 +98,22 @@ def standing(runs: list[tuple[str, dict]]) -> list[dict]:
 
 
 def readme_block(runs: list[tuple[str, dict]]) -> str:
-    """The README's performance table: where embedserv stands against the fastest peer of each run."""
+    """The README's performance table: where embedserv stands against the fastest peer, per CPU class, model and
+    precision in its newest run (PERFORMANCE.md keeps the older ones)."""
     lines = [
         README_START,
-        "| CPU | model | precision | embedserv gRPC, tokens/s | fastest other | its tokens/s | ratio |",
-        "|---|---|---|---:|---|---:|---:|",
+        "| CPU | model | precision | embedserv gRPC, tokens/s | fastest other | its tokens/s | ratio | run |",
+        "|---|---|---|---:|---|---:|---:|---|",
     ]
+    dates = dict(runs)
+    seen = set()
     for row in standing(runs):
+        key = (row["cpu_class"], row["model"], row["precision"])
+        if key in seen:
+            continue
+        seen.add(key)
         lines.append(f"| {row['cpu_class']} | {row['model']} | {row['precision']} | {row['ours']:,} | {row['peer']} | "
-                     f"{row['theirs']:,} | {row['ratio']:.2f}x |")  # fmt: skip
+                     f"{row['theirs']:,} | {row['ratio']:.2f}x | {dates[row['stem']]['date']} |")  # fmt: skip
     lines.append(README_END)
     return "\n".join(lines)
 

@@ -46,7 +46,7 @@ from embedserv.server.http.scoring_models import (
     ScoreResponse,
 )
 from embedserv.server.http.tei_models import TeiError, TeiRank, TeiRerankRequest, check_direction, require_some
-from embedserv.types import ClassifyParams, ImageInput, RerankParams, RerankResult, Task, Timing
+from embedserv.types import ClassifyParams, EmbedInput, RerankParams, RerankResult, Task, Timing
 
 OPENAI_ERRORS = {"4XX": {"model": OpenAIError}, "5XX": {"model": OpenAIError}}
 router = APIRouter(tags=["rerank, classify, score"], responses=OPENAI_ERRORS)
@@ -89,9 +89,7 @@ def list_answer(request: Request, kind: str, model: str, data: list[dict], promp
     )
 
 
-async def rerank_documents(
-    request: Request, engine: Engine, query: str | ImageInput, documents: list, params: RerankParams
-):
+async def rerank_documents(request: Request, engine: Engine, query: EmbedInput, documents: list, params: RerankParams):
     """engine.rerank under admission, counted on the request's Call; the query and documents are checked already
     (Frontend.check_rerank)."""
     frontend = frontend_of(request)
@@ -121,7 +119,7 @@ async def score_pairs(
     return scores, sum(r.prompt_tokens for r in results), Timing.longest([r.timing for r in results])
 
 
-def _rerank_item(value: str | RerankDocument | RerankContent, what: str) -> str | ImageInput:
+def _rerank_item(value: str | RerankDocument | RerankContent, what: str) -> EmbedInput:
     if isinstance(value, str):
         return value
     if isinstance(value, RerankDocument):

@@ -13,7 +13,6 @@ import base64
 
 import cohere
 import grpc
-import httpx
 import numpy as np
 import pytest
 
@@ -21,9 +20,9 @@ from embedserv.types import EmbedParams, ImageInput, InterleavedInput
 from embedserv_client import Client, Interleaved
 from tests.helpers.client import RPC_TIMEOUT_S, response_matrix
 from tests.helpers.compat_http import pb as _pb
-from tests.helpers.inprocess import in_process_server
+from tests.helpers.inprocess import in_process_http_server
 from tests.helpers.qwen_vl_models import build_tiny_qwen_vl
-from tests.helpers.server import free_port
+from tests.helpers.served_fixtures import http, target  # noqa: F401 (fixtures)
 from tests.helpers.vision_language_models import page_image
 from tests.helpers.vision_models import save_dual_encoder
 
@@ -50,26 +49,13 @@ INTERLEAVED = [
 def served(tmp_path_factory):
     qwen_dir = build_tiny_qwen_vl(tmp_path_factory.mktemp("qwen2_vl"), "qwen2_vl")
     clip_dir = save_dual_encoder(tmp_path_factory.mktemp("clip") / "clip", "clip")
-    http_port = free_port()
     args = [
         "--model", str(qwen_dir), "--served-model-name", QWEN,
         "--model", str(clip_dir), "--served-model-name", CLIP,
-        "--dtype", "float32", "--device", "cpu", "--http-port", str(http_port), "--max-input-chars", str(MAX_CHARS),
+        "--dtype", "float32", "--device", "cpu", "--max-input-chars", str(MAX_CHARS),
     ]  # fmt: skip
-    with in_process_server(args) as (target, handle):
-        yield target, f"http://127.0.0.1:{http_port}", handle
-
-
-@pytest.fixture(scope="module")
-def target(served) -> str:
-    """The server's gRPC address: e2e/conftest.py's `stub` connects to it."""
-    return served[0]
-
-
-@pytest.fixture(scope="module")
-def http(served):
-    with httpx.Client(base_url=served[1], timeout=RPC_TIMEOUT_S) as client:
-        yield client
+    with in_process_http_server(args) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import httpx
 import numpy as np
 import openai
 import pytest
@@ -23,8 +22,8 @@ from embedserv_client import Client, cli
 from tests.helpers.client import RPC_TIMEOUT_S, response_matrix
 from tests.helpers.compat_http import pb as _pb
 from tests.helpers.images import huge_png_header, jpeg_bytes, png_bytes, random_image, truncated_png, webp_bytes
-from tests.helpers.inprocess import in_process_server
-from tests.helpers.server import free_port
+from tests.helpers.inprocess import in_process_http_server
+from tests.helpers.served_fixtures import http, target  # noqa: F401 (fixtures)
 from tests.helpers.vision_models import save_dual_encoder
 
 CLIP = "tiny-clip"
@@ -42,7 +41,6 @@ ITEMS = ["a photo of a cat", PNG, "a page of text", JPEG, WEBP]
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     model_dir = save_dual_encoder(tmp_path_factory.mktemp("clip") / "clip", "clip")
-    http_port = free_port()
     args = [
         "--model",
         str(model_dir),
@@ -52,8 +50,6 @@ def served(tmp_path_factory):
         "float32",
         "--device",
         "cpu",
-        "--http-port",
-        str(http_port),
         "--data-parallel-size",
         str(WORKERS),
         "--max-images-per-request",
@@ -63,20 +59,8 @@ def served(tmp_path_factory):
         "--max-client-batch-size",
         str(MAX_BATCH),
     ]
-    with in_process_server(args, worker_processes=True) as (target, handle):
-        yield target, f"http://127.0.0.1:{http_port}", handle
-
-
-@pytest.fixture(scope="module")
-def target(served) -> str:
-    """The server's gRPC address: e2e/conftest.py's `stub` connects to it."""
-    return served[0]
-
-
-@pytest.fixture(scope="module")
-def http(served):
-    with httpx.Client(base_url=served[1], timeout=RPC_TIMEOUT_S) as client:
-        yield client
+    with in_process_http_server(args, worker_processes=True) as served:
+        yield served
 
 
 def _engine(served):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 
 import grpc
-import httpx
 import numpy as np
 import pytest
 
@@ -18,9 +17,9 @@ from embedserv.types import ImageInput, RerankParams
 from embedserv_client import Client
 from tests.helpers.client import RPC_TIMEOUT_S
 from tests.helpers.compat_http import pb as _pb
-from tests.helpers.inprocess import in_process_server
+from tests.helpers.inprocess import in_process_http_server
 from tests.helpers.qwen_vl_models import build_tiny_qwen_vl
-from tests.helpers.server import free_port
+from tests.helpers.served_fixtures import http, target  # noqa: F401 (fixtures)
 from tests.helpers.vision_language_models import page_image
 
 MODEL = "tiny-vl-reranker"
@@ -37,25 +36,9 @@ TEXTS = ["a socket is one endpoint of a connection", "sales by month, as a bar c
 def served(tmp_path_factory):
     name = "tiny-qwen3-vl-reranker"
     model_dir = build_tiny_qwen_vl(tmp_path_factory.mktemp("vl"), "qwen3_vl", seed=1, name=name, tied=True)
-    http_port = free_port()
-    args = [
-        "--model", str(model_dir), "--served-model-name", MODEL,
-        "--dtype", "float32", "--device", "cpu", "--http-port", str(http_port),
-    ]  # fmt: skip
-    with in_process_server(args) as (target, handle):
-        yield target, f"http://127.0.0.1:{http_port}", handle
-
-
-@pytest.fixture(scope="module")
-def target(served) -> str:
-    """The server's gRPC address: e2e/conftest.py's `stub` connects to it."""
-    return served[0]
-
-
-@pytest.fixture(scope="module")
-def http(served):
-    with httpx.Client(base_url=served[1], timeout=RPC_TIMEOUT_S) as client:
-        yield client
+    args = ["--model", str(model_dir), "--served-model-name", MODEL, "--dtype", "float32", "--device", "cpu"]
+    with in_process_http_server(args) as served:
+        yield served
 
 
 def _engine_scores(served, query, documents) -> np.ndarray:

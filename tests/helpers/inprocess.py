@@ -138,3 +138,15 @@ def serve_main(argv: list[str], monkeypatch, caplog) -> tuple[int, str]:
     with caplog.at_level(logging.INFO, logger="embedserv"):
         code = main(["serve", "--host", "127.0.0.1", "--http-port", "0", *argv])
     return code, caplog.text
+
+
+@contextlib.contextmanager
+def in_process_http_server(
+    args: list[str], worker_processes: bool = False
+) -> Iterator[tuple[str, str, InProcessServer]]:
+    """in_process_server with HTTP on a free port too: yield (gRPC "HOST:PORT", HTTP base URL, handle)."""
+    from tests.helpers.server import free_port
+
+    http_port = free_port()
+    with in_process_server([*args, "--http-port", str(http_port)], worker_processes) as (target, handle):
+        yield target, f"http://127.0.0.1:{http_port}", handle

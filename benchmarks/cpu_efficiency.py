@@ -1,6 +1,7 @@
 """How close the CPU engine comes to this machine's own matmul rate, and where the rest of the time goes.
 
     python benchmarks/cpu_efficiency.py [--model DIR] [--texts 1000] [--repeats 2] [--precisions float32,int8]
+        [--attention sdpa,cpu_varlen]
 
 1. The machine's rate for the model's linear shapes: each distinct (in, out) shape of the model's
    linears at 4096 rows, oneDNN packed float32 (bfloat16 where native), and our int8 path.
@@ -38,6 +39,7 @@ ROWS = 4096
 OPERATOR_GROUPS = {
     "linears": ("mkldnn::_linear_pointwise", "onednn::qlinear_pointwise", "aten::linear", "aten::addmm"),
     "attention": (
+        "embedserv_cpu_varlen::attention",
         "aten::_scaled_dot_product_flash_attention_for_cpu",
         "aten::scaled_dot_product_attention",
         "aten::bmm",
@@ -122,6 +124,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--precisions", default="float32,int8", help="as benchmarks/precisions.py takes them")
     parser.add_argument("--budgets", default="1024,2048,4096,8192", help="token budgets to sweep; empty: none")
+    parser.add_argument(
+        "--attention", default="", help="attention backends to compare, each with every precision; empty: the default"
+    )
     parser.add_argument("--ops", type=int, default=12, help="operators in the per-op profile of each precision")
     args = parser.parse_args()
     texts = stdlib_texts(args.texts)
@@ -131,15 +136,19 @@ def main() -> None:
     )
 
     rows, shapes, linear_flops = [], None, 0
-    for precision in args.precisions.split(","):
+    backends = args.attention.split(",") if args.attention else [None]
+    for precision, backend in ((p, b) for p in args.precisions.split(",") for b in backends):
         options = precision_options(precision)  # int8[:ACTIVATIONS[:FUSION]] as benchmarks/precisions.py takes it
+        if backend:
+            options["attention_backend"] = backend
         seconds, tokens, engine = run_engine(args.model, texts, args.repeats, **options)
         if shapes is None:
             shapes = linear_shapes(engine)
             linear_flops = sum(count * 2 * k * n for (k, n), count in shapes.items())
         groups, operators = profile(engine, texts)
         engine.__exit__(None, None, None)
-        rows.append((precision, tokens / seconds, groups, operators))
+        label = f"{precision} ({backend or engine.core.workers[0].runner.backend.name})"
+        rows.append((precision, label, tokens / seconds, groups, operators))
     rates = matmul_rates(shapes, args.repeats)
 
     print(
@@ -147,18 +156,18 @@ def main() -> None:
         "| attention | int8 steps | other |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for precision, rate, groups, _ in rows:
+    for precision, label, rate, groups, _ in rows:
         achieved = rate * linear_flops / 1e9
         machine = rates.get("int8" if precision.startswith("int8") else precision)
         share = f"{achieved / machine:.0%}" if machine else "n/a"
         print(
-            f"| {precision} | {rate:.0f} | {achieved:.1f} | {machine or float('nan'):.1f} | {share} "
+            f"| {label} | {rate:.0f} | {achieved:.1f} | {machine or float('nan'):.1f} | {share} "
             f"| {groups.get('linears', 0):.0%} | {groups.get('attention', 0):.0%} | {groups.get('int8 steps', 0):.0%} "
             f"| {groups.get('other ops', 0):.0%} |"
         )
 
-    for precision, _, _, operators in rows:
-        print(f"\n| {precision}: operator | share of the model thread |")
+    for _, label, _, _, operators in rows:
+        print(f"\n| {label}: operator | share of the model thread |")
         print("|---|---:|")
         for name, share in list(operators.items())[: args.ops]:
             print(f"| `{name}` | {share:.1%} |")

@@ -185,3 +185,16 @@ def test_processes_that_start_at_once_build_the_kernel_once(monkeypatch, tmp_pat
     for loader in loaders:
         loader.join()
     assert len(builds) == 1 and len(loads) == 2
+
+
+def test_the_cache_is_keyed_by_every_file_of_the_library(monkeypatch, tmp_path):
+    """The paged decode source and the header both sources include count as the source does."""
+    cxx = cpu_varlen_kernel.compiler()
+    before = cpu_varlen_kernel.library_path(cxx)
+    for name in ("_PAGED_DECODE", "_HEADER"):
+        original = getattr(cpu_varlen_kernel, name)
+        edited = tmp_path / original.name
+        edited.write_text(original.read_text() + "\n// edited\n")
+        monkeypatch.setattr(cpu_varlen_kernel, name, edited)
+        assert cpu_varlen_kernel.library_path(cxx) != before, name
+        monkeypatch.setattr(cpu_varlen_kernel, name, original)

@@ -11,20 +11,10 @@
 // Queries are the last len_q of their sequence's len_k positions (self-attention: len_q == len_k); the query at
 // position p sees the key at j when j <= p (causal) and |p - j| < window (window > 0). Accumulation in float32;
 // bfloat16 inputs are widened on load, the output rounded once.
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
-#include <torch/library.h>
-
-#include <algorithm>
-#include <atomic>
-#include <limits>
-#include <vector>
+#include "cpu_kernels.h"
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int VL = Vec::size();
 // Query vectors per tile: keys x vectors accumulators plus the loads fit the vector registers (32 on
 // AVX-512, 16 on AVX2).
 constexpr int MAX_QV = VL >= 16 ? 4 : 3;
@@ -33,7 +23,6 @@ constexpr int KEY_BLOCK = 128;
 constexpr int KR = 4;  // keys per score step
 constexpr int DR = 4;  // head dimensions per output step
 constexpr int MAX_TILES = 4;  // tiles per task when there are enough tasks
-constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 // s[j][v] = sum_d k[j][d] * qt[d][v], NK keys (rows of k at stride ldk) by NV query vectors.
 template <int NK, int NV>
@@ -152,11 +141,6 @@ void block_step(float* s, const float* k, int64_t ldk, const float* val, int64_t
   scores<NV>(k, ldk, nk, qt, D, s);
   softmax_block<NV>(s, nk, key0, masked, vis, first_pos, m, l, ot, D);
   values<NV>(val, ldv, nk, s, D, ot);
-}
-
-template <typename T>
-inline void widen(const T* src, float* dst, int n) {
-  for (int i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
 // qt[d][r] = q[r][d] for `rows` rows of q (at stride ld), through at::vec's transpose (16 x 16 blocks on

@@ -1,13 +1,13 @@
-"""Builds and loads the C++ varlen attention kernel (cpu_varlen.cpp) once per machine, at first use.
+"""Builds and loads the C++ attention kernels (cpu_varlen.cpp, cpu_paged_decode.cpp) once per machine.
 
-The source is compiled for this CPU's class (at::vec's CPU_CAPABILITY: AVX512, AVX2 or DEFAULT) with the C++
-compiler on PATH, against the installed torch's headers, into a cache directory
-($EMBEDSERV_KERNEL_CACHE, else ~/.cache/embedserv/kernels) under a name keyed by the source, the flags and
-the torch version: later processes load the library without compiling. A build is written to a temporary name
-and renamed, so no process reads a half-written file, and under a file lock, so processes that start at once
-(data-parallel workers, test workers) build it once: the others wait and load it. Where no compiler
-is present or the build fails, `attention_op()` returns None and logs why once: the backend then runs
-today's sdpa path (attention/backends/cpu_varlen.py).
+At first use the sources are compiled into one library for this CPU's class (at::vec's CPU_CAPABILITY: AVX512,
+AVX2 or DEFAULT) with the C++ compiler on PATH, against the installed torch's headers, into a cache directory
+($EMBEDSERV_KERNEL_CACHE, else ~/.cache/embedserv/kernels) under a name keyed by the sources (the shared header
+too), the flags and the torch version: later processes load the library without compiling. A build is written
+to a temporary name and renamed, so no process reads a half-written file, and under a file lock, so processes
+that start at once (data-parallel workers, test workers) build it once: the others wait and load it. Where no
+compiler is present or the build fails, `attention_op()` and `paged_decode_op()` return None and the first logs
+why once: the backend then runs today's sdpa path (attention/backends/cpu_varlen.py).
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ from embedserv import cpu_isa
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_varlen.cpp")
+# The library's other files: its second op, and the header both sources include.
+_PAGED_DECODE = Path(__file__).with_name("cpu_paged_decode.cpp")
+_HEADER = Path(__file__).with_name("cpu_kernels.h")
 # Seconds one build may take (a few on a free machine; two busy cores can take a minute).
 _BUILD_TIMEOUT = 600
 # torch's own kernels are built with these per class (cmake/Codegen.cmake); at::vec reads the macros.
@@ -87,9 +90,11 @@ def build_command(cxx: str, output: Path) -> list[str]:
         "-fPIC",
         *flags,
         *defines,
+        f"-I{_HEADER.parent}",
         *(f"-I{path}" for path in include_paths()),
         f"-I{sysconfig.get_paths()['include']}",
         str(SOURCE),
+        str(_PAGED_DECODE),
         "-o",
         str(output),
         f"-L{torch_lib}",
@@ -101,7 +106,7 @@ def build_command(cxx: str, output: Path) -> list[str]:
 
 def library_path(cxx: str) -> Path:
     """Where this source, built with these flags for this torch, lives in the cache."""
-    key = hashlib.sha256(SOURCE.read_bytes())
+    key = hashlib.sha256(b"".join(path.read_bytes() for path in (SOURCE, _PAGED_DECODE, _HEADER)))
     key.update(" ".join(build_command(cxx, Path("out"))).encode())
     key.update(f"{torch.__version__} {sys.version_info[:2]}".encode())
     return cache_dir() / f"cpu_varlen-{key.hexdigest()[:16]}.so"
@@ -151,3 +156,13 @@ def attention_op() -> Callable | None:
         if "op" not in _loaded:
             _loaded["op"] = _load()
         return _loaded["op"]
+
+
+def paged_decode_op() -> Callable | None:
+    """torch.ops.embedserv_cpu_varlen.paged_decode from the same library; None where it cannot be built.
+
+    paged_decode(q, kv_cache, block_tables, positions, window, scale) -> out: q [n, heads, d], one query per
+    sequence at `positions` [n], over kv_cache [2, blocks, block_size, kv_heads, d] through block_tables [n, m]
+    (int32 or int64), of q's dtype (float32 or bfloat16); the query sees keys 0..position (the last `window`
+    of them; 0 for all)."""
+    return None if attention_op() is None else torch.ops.embedserv_cpu_varlen.paged_decode

@@ -111,7 +111,7 @@ class SdpaBackend(PagedBackendBase):
         if kv_cache is not None or meta.common.cross or meta.suffix or meta.is_causal:
             refuse_disentangled(layer, self.name, "paged, cross, suffix or causal attention")
         if kv_cache is not None:
-            return _forward_paged(layer, q, k, v, kv_cache, meta)
+            return forward_paged(layer, q, k, v, kv_cache, meta)
         gqa = q.shape[1] != k.shape[1]
         if meta.common.cross:
             return _concat([_attend_cross(layer, q, k, v, run, gqa) for run in meta.runs])
@@ -313,7 +313,8 @@ def plan_paged(common: CommonAttentionMetadata) -> PagedPlan:
     )
 
 
-def _forward_paged(layer: AttentionLayer, q, k, v, kv_cache, meta: SdpaMetadata) -> torch.Tensor:
+def forward_paged(layer: AttentionLayer, q, k, v, kv_cache, meta: SdpaMetadata, decode_op=None) -> torch.Tensor:
+    """`decode_op`: a kernel for the one-token sequences (cpu_varlen's paged_decode), used where no bias is added."""
     write_kv(k, v, kv_cache, meta.common)
     plan = meta.paged
     gqa = q.shape[1] != kv_cache.shape[-2]
@@ -323,7 +324,13 @@ def _forward_paged(layer: AttentionLayer, q, k, v, kv_cache, meta: SdpaMetadata)
         refuse_biased_window(layer, "sdpa")
     out = torch.empty_like(q)
     if plan.decode_rows is not None:
-        out[plan.decode_rows] = _attend_decodes(layer, q[plan.decode_rows], kv_cache, meta, table, window, gqa)
+        decodes = q[plan.decode_rows]
+        if decode_op is not None and table is None:
+            out[plan.decode_rows] = decode_op(
+                decodes, kv_cache, plan.decode_tables, plan.decode_positions, window or 0, layer.scale
+            )
+        else:
+            out[plan.decode_rows] = _attend_decodes(layer, decodes, kv_cache, meta, table, window, gqa)
     for index, chunk in enumerate(plan.chunks):
         whole = None
         if table is not None:

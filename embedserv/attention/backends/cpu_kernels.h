@@ -1,0 +1,27 @@
+// What cpu_varlen.cpp and cpu_paged_decode.cpp share: at::vec's float vectors for this build's CPU_CAPABILITY,
+// and widening bfloat16 rows to float32 (both kernels accumulate in float32).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int VL = Vec::size();
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+template <typename T>
+inline void widen(const T* src, float* dst, int n) {
+  for (int i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+}  // namespace

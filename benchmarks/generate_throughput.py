@@ -2,6 +2,7 @@
 transformers' generate with the same batch sizes, same run, same prompts.
 
     python benchmarks/generate_throughput.py [--streams 1,8,32] [--max-tokens 64] [--dtypes float32]
+        [--attention sdpa,cpu_varlen]
 
 The model is a random-weight Llama in SmolLM2-135M's shape (30 layers, hidden 576, 9 heads, 3 KV heads,
 tied embeddings) with the bundled tokenizer's 30k vocabulary, built here (nothing downloaded). Prompts are
@@ -66,14 +67,18 @@ def _timed(run, repeats: int) -> dict:
     return min(results, key=lambda r: r["wall_s"])
 
 
-def bench_engine(model: str, streams: int, max_tokens: int, dtype: str, repeats: int, device: str = "cpu") -> dict:
-    """The fastest timed pass; `note` names the attention backend the engine picked."""
+def bench_engine(
+    model: str, streams: int, max_tokens: int, dtype: str, repeats: int, device: str = "cpu", attention=None
+) -> dict:
+    """The fastest timed pass; `note` names the attention backend the engine ran (`attention`, else its pick)."""
     from embedserv.engine.sync import SyncEngine
     from embedserv.types import SamplingParams
 
     texts = prompts(streams)
     params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * streams
-    config = ModelConfig(path=model, served_name="m", device=device, dtype=dtype, kv_cache_memory=2**30)
+    config = ModelConfig(
+        path=model, served_name="m", device=device, dtype=dtype, kv_cache_memory=2**30, attention_backend=attention
+    )
     with SyncEngine(config) as engine:
 
         def run() -> dict:
@@ -143,30 +148,33 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtypes", default="float32")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--attention", default="", help="embedserv's attention backends, a row each; empty: its pick")
     args = parser.parse_args()
+    backends = args.attention.split(",") if args.attention else [None]
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model = str(build_model(Path(tmp) / "smol-llama"))
         for dtype in args.dtypes.split(","):
             for streams in [int(s) for s in args.streams.split(",")]:
-                ours = isolated(bench_engine, model, streams, args.max_tokens, dtype, args.repeats)
                 theirs = isolated(bench_transformers, model, streams, args.max_tokens, dtype, args.repeats)
-                rows.append((dtype, streams, ours, theirs))
+                for backend in backends:
+                    ours = isolated(bench_engine, model, streams, args.max_tokens, dtype, args.repeats, "cpu", backend)
+                    rows.append((dtype, streams, ours, theirs))
                 print(f"done {dtype} x{streams}", file=sys.stderr, flush=True)
 
     print(f"\n{cpu_isa.detect().summary()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"{args.max_tokens} new tokens per stream; best of {args.repeats}\n")
     print(
-        "| dtype | streams | transformers tok/s | embedserv tok/s | speed-up | transformers TTFT ms "
+        "| dtype | streams | attention | transformers tok/s | embedserv tok/s | speed-up | transformers TTFT ms "
         "| embedserv TTFT ms |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
     for dtype, streams, ours, theirs in rows:
         ours_rate, theirs_rate = ours["tokens"] / ours["wall_s"], theirs["tokens"] / theirs["wall_s"]
         print(
-            f"| {dtype} | {streams} | {theirs_rate:.0f} | {ours_rate:.0f} | {ours_rate / theirs_rate:.2f}x "
-            f"| {theirs['ttft_s'] * 1e3:.0f} | {ours['ttft_s'] * 1e3:.0f} |"
+            f"| {dtype} | {streams} | {ours['note']} | {theirs_rate:.0f} | {ours_rate:.0f} "
+            f"| {ours_rate / theirs_rate:.2f}x | {theirs['ttft_s'] * 1e3:.0f} | {ours['ttft_s'] * 1e3:.0f} |"
         )
 
 

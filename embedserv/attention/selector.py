@@ -36,6 +36,8 @@ class AttentionSpec:
     sliding_window: bool = False
     # DeBERTa-v2/v3: a content-dependent relative position bias (attention/disentangled.py).
     disentangled: bool = False
+    # The model generates: its steps decode one token a sequence over the paged KV cache.
+    generates: bool = False
 
 
 # Head sizes cpu_varlen runs when forced (the kernel computes any).
@@ -173,11 +175,10 @@ PREFERENCE = {
 def _not_default_reason(name: str, spec: AttentionSpec) -> str | None:
     """Why a backend that can run `spec` is still not chosen unasked; None: it is."""
     dtype = str(spec.dtype).removeprefix("torch.")
-    if name == "cpu_varlen" and not cpu_isa.cpu_varlen_default(dtype, spec.head_size):
-        return (
-            f"chosen unasked only where it measured faster than sdpa, not for {dtype} heads of {spec.head_size} on "
-            f"this CPU ({cpu_isa.detect().level})"
-        )
+    if name == "cpu_varlen" and not cpu_isa.cpu_varlen_default(dtype, spec.head_size, spec.generates):
+        what = f"a generating model's {dtype}" if spec.generates else f"{dtype} heads of {spec.head_size}"
+        level = cpu_isa.detect().level
+        return f"chosen unasked only where it measured faster than sdpa, not for {what} on this CPU ({level})"
     return None
 
 

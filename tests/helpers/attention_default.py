@@ -9,5 +9,6 @@ from embedserv.attention.selector import AttentionSpec, unsupported_reason
 
 def cpu_default(spec: AttentionSpec) -> str:
     dtype = str(spec.dtype).removeprefix("torch.")
-    chosen = cpu_isa.cpu_varlen_default(dtype, spec.head_size) and unsupported_reason("cpu_varlen", spec) is None
+    chosen = cpu_isa.cpu_varlen_default(dtype, spec.head_size, spec.generates)
+    chosen = chosen and unsupported_reason("cpu_varlen", spec) is None
     return "cpu_varlen" if chosen else "sdpa"

@@ -27,24 +27,39 @@ def test_cpu_default_is_sdpa_or_where_it_measured_faster_cpu_varlen():
 
 
 @pytest.mark.parametrize(
-    ("level", "dtype", "head_size", "expected"),
+    ("level", "dtype", "head_size", "generates", "expected"),
     [
-        ("avx512_bf16", torch.float32, 32, "cpu_varlen"),
-        ("avx512_bf16", torch.float32, 128, "cpu_varlen"),
-        ("avx512_bf16", torch.bfloat16, 32, "cpu_varlen"),
-        ("avx512_bf16", torch.bfloat16, 64, "sdpa"),
-        ("avx512", torch.float32, 32, "sdpa"),
-        ("avx2", torch.float32, 32, "sdpa"),
-        ("amx", torch.bfloat16, 32, "sdpa"),
+        ("avx512_bf16", torch.float32, 32, False, "cpu_varlen"),
+        ("avx512_bf16", torch.float32, 128, False, "cpu_varlen"),
+        ("avx512_bf16", torch.bfloat16, 32, False, "cpu_varlen"),
+        ("avx512_bf16", torch.bfloat16, 64, False, "sdpa"),
+        ("avx512", torch.float32, 32, False, "sdpa"),
+        ("avx2", torch.float32, 32, False, "sdpa"),
+        ("amx", torch.bfloat16, 32, False, "sdpa"),
+        # A model that generates: its decodes decide (cpu_isa: paged_decode against sdpa's decode path), whatever
+        # its prompts' head size, on a class where it was measured.
+        ("avx512_bf16", torch.bfloat16, 64, True, "cpu_varlen"),
+        ("avx512_bf16", torch.bfloat16, 128, True, "cpu_varlen"),
+        ("avx512_bf16", torch.float32, 64, True, "cpu_varlen"),
+        ("avx512", torch.float32, 64, True, "sdpa"),
+        ("avx2", torch.bfloat16, 64, True, "sdpa"),
     ],
 )
-def test_cpu_varlen_is_the_default_only_where_it_was_measured_faster(monkeypatch, level, dtype, head_size, expected):
+def test_cpu_varlen_is_the_default_only_where_it_was_measured_faster(
+    monkeypatch, level, dtype, head_size, generates, expected
+):
     from embedserv.attention.backends import cpu_varlen_kernel
 
     monkeypatch.setattr(cpu_varlen_kernel, "compiler", lambda: "c++")
     monkeypatch.setattr(cpu_isa, "detect", lambda: SimpleNamespace(level=level))
-    spec = AttentionSpec(torch.device("cpu"), dtype, head_size, 12, 12, is_causal=False)
+    spec = AttentionSpec(torch.device("cpu"), dtype, head_size, 12, 4, is_causal=generates, generates=generates)
     assert select_backend(None, spec).name == expected
+    reason = selector._not_default_reason("cpu_varlen", spec)
+    if expected == "cpu_varlen":
+        assert reason is None
+    else:
+        what = "a generating model's " if generates else ""
+        assert f"not for {what}{str(dtype).removeprefix('torch.')}" in reason
 
 
 def test_cpu_varlen_without_a_compiler_says_so(monkeypatch):

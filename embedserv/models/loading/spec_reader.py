@@ -76,7 +76,9 @@ def _attention_config(hf_config, family: Family):
     return text
 
 
-def _attention_spec(hf_config, device: torch.device, dtype: torch.dtype, is_causal: bool, layout) -> AttentionSpec:
+def _attention_spec(
+    hf_config, device: torch.device, dtype: torch.dtype, is_causal: bool, layout, generates: bool
+) -> AttentionSpec:
     return AttentionSpec(
         device=device,
         dtype=dtype,
@@ -87,6 +89,7 @@ def _attention_spec(hf_config, device: torch.device, dtype: torch.dtype, is_caus
         relative_bias=layout.relative_bias,
         sliding_window=layout.sliding_window,
         disentangled=layout.disentangled,
+        generates=generates,
     )
 
 
@@ -265,12 +268,13 @@ def read_model_spec(config: ModelConfig) -> ModelSpec:
     is_causal = registry.is_causal(family.text_config(hf_config), family, config.attention)
     layout = _layout(family.model_class, hf_config, model_dir)
     _check_fast_prefill(config, layout, family)
-    attention = _attention_spec(_attention_config(hf_config, family), device, dtype, is_causal, layout)
-    backend = select_backend(config.attention_backend, attention)
     files = checkpoint_files(model_dir, config.allow_pickle)
     task = read_task_spec(
         model_dir, hf_config, family, is_causal, config.decoder_reranker, has_lm_head(family, hf_config, files)
     )
+    generates = Task.GENERATE in task.tasks
+    attention = _attention_spec(_attention_config(hf_config, family), device, dtype, is_causal, layout, generates)
+    backend = select_backend(config.attention_backend, attention)
     outputs = _output_spec(config, model_dir, hf_config, st, family, task)
     task = with_outputs(task, outputs.tasks)
     _check_quantization(config, task, family, model_dir)

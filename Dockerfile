@@ -13,7 +13,7 @@ ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ENV VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH
 # g++: inductor compiles int8's quantize / dequantize steps into C++ kernels (--cpu-fusion, cached under
 # /tmp); without it they run eagerly, about 1.3-1.6x slower end to end on MiniLM int8. It also builds the
-# cpu_varlen attention kernel, the default on AVX-512-bf16 CPUs, at a container's first start (about 15 s on 2
+# cpu_varlen attention kernels, the default on AVX-512-bf16 CPUs, at a container's first start (about 11 s on 2
 # cores, cached under $HOME); without g++ sdpa runs. tcmalloc: CPU
 # workers preload it (--cpu-allocator auto), 1.05-1.12x over glibc's malloc.
 RUN apt-get update \

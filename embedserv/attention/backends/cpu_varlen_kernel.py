@@ -3,11 +3,12 @@
 At first use the sources are compiled into one library for this CPU's class (at::vec's CPU_CAPABILITY: AVX512,
 AVX2 or DEFAULT) with the C++ compiler on PATH, against the installed torch's headers, into a cache directory
 ($EMBEDSERV_KERNEL_CACHE, else ~/.cache/embedserv/kernels) under a name keyed by the sources (the shared header
-too), the flags and the torch version: later processes load the library without compiling. A build is written
-to a temporary name and renamed, so no process reads a half-written file, and under a file lock, so processes
-that start at once (data-parallel workers, test workers) build it once: the others wait and load it. Where no
-compiler is present or the build fails, `attention_op()` and `paged_decode_op()` return None and the first logs
-why once: the backend then runs today's sdpa path (attention/backends/cpu_varlen.py).
+too), the flags and the torch version: later processes load the library without compiling. The two sources
+compile at once (two cores where there are). A build is written to a temporary name and renamed, so no process
+reads a half-written file, and under a file lock, so processes that start at once (data-parallel workers, test
+workers) build it once: the others wait and load it. Where no compiler is present or the build fails,
+`attention_op()` and `paged_decode_op()` return None and the first logs why once: the backend then runs today's
+sdpa path (attention/backends/cpu_varlen.py).
 """
 
 from __future__ import annotations
@@ -71,56 +72,72 @@ def cache_dir() -> Path:
     return Path(base) / "embedserv" / "kernels"
 
 
-def build_command(cxx: str, output: Path) -> list[str]:
+def compile_flags() -> list[str]:
+    """Flags of every object of the library: this CPU class's, OpenMP's, torch's headers and ABI."""
     from torch.utils.cpp_extension import include_paths
 
     level, flags = capability()
-    torch_lib = Path(torch.__file__).parent / "lib"
     defines = [f"-DCPU_CAPABILITY={level}", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     if level != "DEFAULT":
         defines.append(f"-DCPU_CAPABILITY_{level}")
     return [
-        cxx,
         "-O3",
         # ATen's parallel_for runs its body on the calling thread alone unless the including source is built with
         # OpenMP; libgomp.so.1 then resolves to the one torch has loaded already.
         "-fopenmp",
         "-std=c++17",
-        "-shared",
         "-fPIC",
         *flags,
         *defines,
         f"-I{_HEADER.parent}",
         *(f"-I{path}" for path in include_paths()),
         f"-I{sysconfig.get_paths()['include']}",
-        str(SOURCE),
-        str(_PAGED_DECODE),
-        "-o",
-        str(output),
-        f"-L{torch_lib}",
-        "-lc10",
-        "-ltorch_cpu",
-        f"-Wl,-rpath,{torch_lib}",
     ]
 
 
+def link_command(cxx: str, objects: list[Path], output: Path) -> list[str]:
+    torch_lib = Path(torch.__file__).parent / "lib"
+    return [cxx, "-shared", "-fopenmp", *map(str, objects), "-o", str(output), f"-L{torch_lib}", "-lc10",
+            "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]  # fmt: skip
+
+
 def library_path(cxx: str) -> Path:
-    """Where this source, built with these flags for this torch, lives in the cache."""
+    """Where these sources, built with these flags for this torch, live in the cache."""
     key = hashlib.sha256(b"".join(path.read_bytes() for path in (SOURCE, _PAGED_DECODE, _HEADER)))
-    key.update(" ".join(build_command(cxx, Path("out"))).encode())
+    key.update(" ".join([cxx, *compile_flags(), *link_command(cxx, [], Path("out"))]).encode())
     key.update(f"{torch.__version__} {sys.version_info[:2]}".encode())
     return cache_dir() / f"cpu_varlen-{key.hexdigest()[:16]}.so"
+
+
+def _run(commands: list[list[str]], cxx: str, scratch: Path) -> None:
+    """Runs `commands` at once (each source compiles on a core of its own); raises with the first failure's error."""
+    logs = [scratch / f"command-{i}.log" for i in range(len(commands))]
+    running = []
+    try:
+        for command, log in zip(commands, logs, strict=True):
+            with open(log, "wb") as out:
+                running.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=out))
+        codes = [proc.wait(_BUILD_TIMEOUT) for proc in running]
+    finally:
+        for proc in running:
+            if proc.poll() is None:
+                proc.kill()
+    for code, log in zip(codes, logs, strict=True):
+        if code != 0:
+            error = log.read_text(errors="replace").strip().splitlines() or [""]
+            raise RuntimeError(f"{Path(cxx).name} failed: {error[-1][:300]}")
 
 
 def _build(cxx: str, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+        sources = (SOURCE, _PAGED_DECODE)
+        objects = [Path(scratch) / f"{source.stem}.o" for source in sources]
+        flags = compile_flags()
+        _run([[cxx, *flags, "-c", str(src), "-o", str(obj)] for src, obj in zip(sources, objects, strict=True)],
+             cxx, Path(scratch))  # fmt: skip
         partial = Path(scratch) / path.name
-        done = subprocess.run(
-            build_command(cxx, partial), capture_output=True, text=True, timeout=_BUILD_TIMEOUT, check=False
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{Path(cxx).name} failed: {(done.stderr.strip().splitlines() or [''])[-1][:300]}")
+        _run([link_command(cxx, objects, partial)], cxx, Path(scratch))
         os.replace(partial, path)
 
 

@@ -193,8 +193,8 @@ FUSIONS = ("auto", "compiled", "eager")
 _CPU_VARLEN_DEFAULT = {"avx512_bf16": {"float32": 128, "bfloat16": 32}}
 # For a model that generates, its decodes decide: cpu_varlen's paged_decode read one layer's decodes 1.2-5.2x
 # faster than sdpa's path at float32 and 4-15x at bfloat16 (64- and 128-wide heads), and SmolLM2-135M's shape
-# generated 1.07-1.13x (8 streams) and 1.29-1.35x (32 streams) faster at bfloat16, where sdpa's prompts alone would
-# have kept sdpa; so on a measured class it is the default at every head size it runs.
+# generated 1.07-1.32x (8 streams) and 1.29-1.47x (32 streams) faster at bfloat16 (three runs), where its prompts
+# alone would have kept sdpa; so on a measured class it is the default at every head size it runs.
 
 
 def cpu_varlen_default(dtype: str, head_size: int, generates: bool = False) -> bool:

@@ -26,4 +26,17 @@ inline void widen(const T* src, float* dst, int n) {
   for (int i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// bfloat16 a whole vector at a time: a decode widens every key and value row it reads, and the scalar loop of
+// casts cost more than the products (one sequence of 1,000-2,000 keys, 32 / 8 heads of 64: 1.4x float32's time).
+inline void widen(const at::BFloat16* src, float* dst, int n) {
+  using BVec = at::vec::Vectorized<at::BFloat16>;
+  int i = 0;
+  for (; i + BVec::size() <= n; i += BVec::size()) {
+    auto [lo, hi] = at::vec::convert_bfloat16_float(BVec::loadu(src + i));
+    lo.store(dst + i);
+    hi.store(dst + i + Vec::size());
+  }
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
 }  // namespace

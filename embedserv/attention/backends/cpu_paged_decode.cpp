@@ -56,14 +56,21 @@ void decode_group(const Decode<T>& pb, int64_t seq, int64_t kv_head, std::vector
     const T* qr = pb.q + seq * pb.q_seq + (kv_head * G + g) * pb.q_head;
     for (int d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(qr[d]) * pb.scale;
   }
+  // f(j, offset of key j's row in either half of the cache) for j in [lo, pos], a block at a time (no division
+  // per key).
   const int64_t* table = pb.tables + seq * pb.table_stride;
-  auto slot = [&](int64_t j) {
-    return table[j / pb.block_size] * pb.block_stride + (j % pb.block_size) * pb.slot_stride + kv_head * pb.kv_head_stride;
+  auto each_key = [&](auto&& f) {
+    for (int64_t j = lo; j <= pos;) {
+      const int64_t block = j / pb.block_size, end = std::min(pos + 1, (block + 1) * pb.block_size);
+      int64_t offset = table[block] * pb.block_stride + (j - block * pb.block_size) * pb.slot_stride +
+                       kv_head * pb.kv_head_stride;
+      for (; j < end; ++j, offset += pb.slot_stride) f(j, offset);
+    }
   };
-  for (int64_t j = lo; j <= pos; ++j) {
-    const float* key = as_float(pb.k + slot(j), row, D);
+  each_key([&](int64_t j, int64_t offset) {
+    const float* key = as_float(pb.k + offset, row, D);
     for (int g = 0; g < G; ++g) s[g * padded + (j - lo)] = dot(qf + g * D, key, D);
-  }
+  });
   for (int g = 0; g < G; ++g) {
     float* sg = s.data() + g * padded;
     Vec top(NEG_INF);
@@ -80,10 +87,10 @@ void decode_group(const Decode<T>& pb, int64_t seq, int64_t kv_head, std::vector
     for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
   }
   std::fill(acc, acc + G * D, 0.f);
-  for (int64_t j = lo; j <= pos; ++j) {
-    const float* value = as_float(pb.v + slot(j), row, D);
+  each_key([&](int64_t j, int64_t offset) {
+    const float* value = as_float(pb.v + offset, row, D);
     for (int g = 0; g < G; ++g) axpy(s[g * padded + (j - lo)], value, acc + g * D, D);
-  }
+  });
   for (int g = 0; g < G; ++g) {
     T* out = pb.out + seq * pb.o_seq + (kv_head * G + g) * pb.o_head;
     for (int d = 0; d < D; ++d) out[d] = static_cast<T>(acc[g * D + d]);

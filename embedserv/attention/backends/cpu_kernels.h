@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -37,6 +38,28 @@ inline void widen(const at::BFloat16* src, float* dst, int n) {
     hi.store(dst + i + Vec::size());
   }
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// f(T*{}) with T = float or at::BFloat16, as `dtype` says; any other dtype is refused.
+template <typename F>
+inline void dispatch_float_or_bf16(at::ScalarType dtype, F&& f) {
+  if (dtype == at::kFloat) {
+    f(static_cast<float*>(nullptr));
+  } else {
+    TORCH_CHECK(dtype == at::kBFloat16, "cpu_varlen runs float32 and bfloat16");
+    f(static_cast<at::BFloat16*>(nullptr));
+  }
+}
+
+// task(i, scratch) for every i in [0, n) on torch's threads, each thread taking the next task as it finishes one
+// (tasks differ in length); a thread makes its scratch once, with make_scratch().
+template <typename MakeScratch, typename Task>
+inline void run_tasks(int64_t n, MakeScratch&& make_scratch, Task&& task) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
+    auto scratch = make_scratch();
+    for (int64_t i = next++; i < n; i = next++) task(i, scratch);
+  });
 }
 
 }  // namespace

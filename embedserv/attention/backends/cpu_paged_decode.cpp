@@ -115,20 +115,12 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const a
                  q.stride(1), out.stride(0), out.stride(1), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
                  tables.const_data_ptr<int64_t>(), pos.const_data_ptr<int64_t>(), tables.size(1), kv_cache.size(2),
                  window, static_cast<int>(q.size(2)), static_cast<int>(q.size(1) / kv_heads), static_cast<float>(scale)};
-    // Threads take the next (sequence, KV head) as they finish one: sequences differ in length.
-    std::atomic<int64_t> next{0};
-    const int64_t tasks = n * kv_heads;
-    at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), tasks), 1, [&](int64_t, int64_t) {
-      std::vector<float> s, buf;
-      for (int64_t i = next++; i < tasks; i = next++) decode_group(pb, i / kv_heads, i % kv_heads, s, buf);
-    });
+    // One task per (sequence, KV head); sequences differ in length. Scratch: scores, then queries and sums.
+    run_tasks(
+        n * kv_heads, [] { return std::pair<std::vector<float>, std::vector<float>>(); },
+        [&](int64_t i, auto& scratch) { decode_group(pb, i / kv_heads, i % kv_heads, scratch.first, scratch.second); });
   };
-  if (q.scalar_type() == at::kFloat) {
-    run(static_cast<float*>(nullptr));
-  } else {
-    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "cpu_varlen runs float32 and bfloat16");
-    run(static_cast<at::BFloat16*>(nullptr));
-  }
+  dispatch_float_or_bf16(q.scalar_type(), run);
   return out;
 }
 

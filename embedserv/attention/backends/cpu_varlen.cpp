@@ -284,13 +284,10 @@ void attend(Problem<T>& pb, int64_t heads) {
     for (int64_t h = 0; h < heads; ++h)
       for (int64_t r = 0; r < len_q; r += per_task * QT) tasks.push_back({b, h, r, std::min(per_task * QT, len_q - r)});
   }
-  // Threads take the next task as they finish one: sequences vary in length (longest first as packed).
-  std::atomic<int64_t> next{0};
-  const int64_t n = static_cast<int64_t>(tasks.size());
-  at::parallel_for(0, std::min(threads, n), 1, [&](int64_t, int64_t) {
-    Scratch sc(pb.D);
-    for (int64_t i = next++; i < n; i = next++) run_task(pb, tasks[i], sc);
-  });
+  // Sequences vary in length (longest first as packed): threads take the next task as they finish one.
+  run_tasks(
+      static_cast<int64_t>(tasks.size()), [&] { return Scratch(pb.D); },
+      [&](int64_t i, Scratch& sc) { run_task(pb, tasks[i], sc); });
 }
 
 at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
@@ -311,12 +308,7 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
     TORCH_CHECK(pb.q_start.size() == pb.k_start.size(), "cu_seqlens_q and cu_seqlens_k of one length");
     attend(pb, q.size(1));
   };
-  if (q.scalar_type() == at::kFloat) {
-    fill(static_cast<float*>(nullptr));
-  } else {
-    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "cpu_varlen runs float32 and bfloat16");
-    fill(static_cast<at::BFloat16*>(nullptr));
-  }
+  dispatch_float_or_bf16(q.scalar_type(), fill);
   return out;
 }
 

@@ -7,6 +7,7 @@ built once per machine (cached on disk, cpu_varlen_kernel.py) and loaded once pe
 """
 
 import logging
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -150,6 +151,21 @@ def test_a_failed_build_is_logged_and_not_cached(monkeypatch, caplog, tmp_path):
         assert cpu_varlen_kernel.attention_op() is None
     assert "compiled kernel unavailable (RuntimeError" in caplog.text
     assert not list((tmp_path / "cache").glob("*.so"))
+
+
+def test_a_failing_source_stops_the_other_compile_at_once(monkeypatch, tmp_path):
+    """The sources compile at once; the first failure ends the build with its error and stops the others (a
+    compile still running would hold the build, and the lock every other process waits on, to its end)."""
+    monkeypatch.setattr(cpu_varlen_kernel, "_BUILD_TIMEOUT", 30)
+    pid_file = tmp_path / "pid"
+    still_compiling = ["sh", "-c", f"echo $$ > {pid_file}.part && mv {pid_file}.part {pid_file} && exec sleep 600"]
+    wait_then_fail = f"until [ -f {pid_file} ]; do sleep 0.01; done; echo 'broken.cpp: error: expected' >&2; exit 1"
+    failing = ["sh", "-c", wait_then_fail]
+    with pytest.raises(RuntimeError, match="broken.cpp: error: expected"):
+        cpu_varlen_kernel._run([still_compiling, failing], "c++", tmp_path)
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
 
 
 def test_the_cache_is_keyed_by_the_source(monkeypatch, tmp_path):

@@ -23,6 +23,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -110,20 +111,26 @@ def library_path(cxx: str) -> Path:
 
 
 def _run(commands: list[list[str]], cxx: str, scratch: Path) -> None:
-    """Runs `commands` at once (each source compiles on a core of its own); raises with the first failure's error."""
+    """Runs `commands` at once (each source compiles on a core of its own); the first failure stops the others
+    and raises with its error."""
     logs = [scratch / f"command-{i}.log" for i in range(len(commands))]
-    running = []
+    running: list[subprocess.Popen] = []
+    deadline = time.monotonic() + _BUILD_TIMEOUT
     try:
         for command, log in zip(commands, logs, strict=True):
             with open(log, "wb") as out:
                 running.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=out))
-        codes = [proc.wait(_BUILD_TIMEOUT) for proc in running]
+        while (codes := [proc.poll() for proc in running]).count(None) and not any(codes):
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(commands[codes.index(None)], _BUILD_TIMEOUT)
+            time.sleep(0.05)
     finally:
         for proc in running:
             if proc.poll() is None:
                 proc.kill()
+                proc.wait()
     for code, log in zip(codes, logs, strict=True):
-        if code != 0:
+        if code:
             error = log.read_text(errors="replace").strip().splitlines() or [""]
             raise RuntimeError(f"{Path(cxx).name} failed: {error[-1][:300]}")
 

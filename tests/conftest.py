@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 # Before anything imports transformers / huggingface_hub: nothing is downloaded at test time.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -116,8 +117,6 @@ def _fresh_compile_caches():
     """Each test module starts with empty torch.compile caches. One test process compiles FlexAttention for
     far more models and shapes than a server process ever does, and past dynamo's recompile limit the
     backend fails its steps on purpose (attention/backends/flex.py) rather than fall back to eager."""
-    import sys
-
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is not None:
         dynamo.reset()
@@ -128,8 +127,6 @@ def _fresh_compile_caches():
 def _room_for_flex_compiles():
     """And within a module, before a test, once half the recompile limit is spent: the --run-slow matrices of one
     module compile more FlexAttention entries than the limit (test_backends' alone hit it after 64 cases)."""
-    import sys
-
     flex = sys.modules.get("torch.nn.attention.flex_attention")
     # A private helper of dynamo's (torch 2.1 on); without it, the module-wide reset above is all there is.
     entries = getattr(sys.modules.get("torch._dynamo.eval_frame"), "_debug_get_cache_entry_list", None)

@@ -14,10 +14,21 @@ from pathlib import Path
 
 import pytest
 
+from embedserv import cpu_isa
+
 ROOT = Path(__file__).resolve().parents[2]
 
-# (cap, a kernel oneDNN runs only under it): `gemm:jit` without AVX-512, brgemm without VNNI.
-CAPS = [("AVX2", "gemm:jit"), ("AVX512_CORE", "brg_matmul:avx512_core,")]
+
+def _cap(cap: str, kernel: str):
+    """(cap, a kernel oneDNN runs only under it), skipped where this CPU lacks the cap's ISA: a cap only lowers
+    it, so on an AVX2-only machine AVX512_CORE runs the AVX2 kernels."""
+    missing = cpu_isa._ONEDNN_CAPS[cap] - cpu_isa._read_cpuinfo().flags
+    reason = f"this CPU lacks {', '.join(sorted(missing))}, which ONEDNN_MAX_CPU_ISA={cap} needs"
+    return pytest.param(cap, kernel, marks=pytest.mark.skipif(bool(missing), reason=reason))
+
+
+# `gemm:jit` without AVX-512, brgemm without VNNI.
+CAPS = [_cap("AVX2", "gemm:jit"), _cap("AVX512_CORE", "brg_matmul:avx512_core,")]
 
 
 def _run_capped(cap: str, code: str, timeout: int = 300) -> tuple[dict, str]:

@@ -1,7 +1,7 @@
 """Embedding throughput, latency and correctness of embedserv against its peers, same texts, same machine.
 
     python benchmarks/peers.py --model minilm|bge-base|bge-large|qwen3-0.6b [--peers a,b,...] [--texts 2000]
-        [--repeats 3] [--precision fp32|bf16|int8|all] [--st-python .peers/st/bin/python]
+        [--repeats 3] [--precision fp32|bf16|int8|all|native] [--st-python .peers/st/bin/python]
         [--vllm-python .peers/vllm/bin/python] [--infinity-python .peers/infinity/bin/python] [--out DIR]
 
 Run it with embedserv's venv; the peers run in their own venvs (benchmarks/setup_peers.sh makes them), one
@@ -276,7 +276,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated (default: all): " + ", ".join(PEERS))
     parser.add_argument("--texts", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=3, help="timed passes per peer; the fastest counts")
-    parser.add_argument("--precision", default="fp32", choices=(*PRECISIONS, "all"))
+    parser.add_argument(
+        "--precision",
+        default="fp32",
+        choices=(*PRECISIONS, "all", "native"),
+        help="native: all but bf16 where this CPU emulates it (cpu_isa)",
+    )
     for venv in ("st", "vllm", "infinity"):
         parser.add_argument(f"--{venv}-python", default=str(REPO_ROOT / ".peers" / venv / "bin" / "python"))
     parser.add_argument("--models", default=str(REPO_ROOT / ".peers" / "models"), help="cache of the built models")
@@ -299,6 +304,16 @@ def parse_args() -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown peers {unknown}; choose from {list(PEERS)}")
     return args
+
+
+def chosen_precisions(precision: str) -> tuple[str, ...]:
+    if precision == "all":
+        return PRECISIONS
+    if precision == "native":
+        from embedserv import cpu_isa
+
+        return tuple(p for p in PRECISIONS if p != "bf16" or cpu_isa.detect().native_bf16)
+    return (precision,)
 
 
 def run_rows(bench: Bench, names: list[str], precisions: tuple[str, ...]) -> list[Row]:
@@ -337,7 +352,7 @@ def main() -> None:
         bench = Bench(args.model, model, max_len, pooling_mode(model), pythons, run_dir, Path(scratch),
                       run_dir / "texts.json", run_dir / "calibration.json", args.repeats, args.timeout,
                       args.start_timeout)  # fmt: skip
-        rows = run_rows(bench, args.peers.split(","), PRECISIONS if args.precision == "all" else (args.precision,))
+        rows = run_rows(bench, args.peers.split(","), chosen_precisions(args.precision))
     name, flags = cpu_info()
     facts = dict(model=f"{args.model} ({model})", date=f"{now:%Y-%m-%d %H:%M}", commit=embedserv_commit(), cpu=name,
                  flags=flags, cores=os.cpu_count(), threads=THREADS, texts=len(texts), tokens=tokens,

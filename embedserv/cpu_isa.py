@@ -186,24 +186,27 @@ FUSIONS = ("auto", "compiled", "eager")
 
 
 # cpu_varlen (attention/backends/cpu_varlen.cpp) as the default attention on CPU: the largest head size it is chosen
-# for, by dtype (absent: sdpa stays the default). Measured on an AVX-512-bf16 EPYC, 2 threads, quiet
-# (docs/performance-history.md, issue 56): end to end on MiniLM's 32-wide heads 1.05-1.06x sdpa at float32 and
-# 1.04-1.12x at bfloat16; one layer's attention at bge-base's 64-wide heads 1.46x at float32 but 0.91x at bfloat16
-# (sdpa's native bf16 matmuls). Not measured on the other classes, so sdpa stays their default.
-_CPU_VARLEN_DEFAULT = {"avx512_bf16": {"float32": 128, "bfloat16": 32}}
-# For a model that generates, its decodes decide: cpu_varlen's paged_decode read one layer's decodes 1.2-5.2x
-# faster than sdpa's path at float32 and 4-15x at bfloat16 (64- and 128-wide heads), and SmolLM2-135M's shape
-# generated 1.07-1.32x (8 streams) and 1.29-1.47x (32 streams) faster at bfloat16 (three runs), where its prompts
-# alone would have kept sdpa; so on a measured class it is the default at every head size it runs.
+# for, by dtype (absent: sdpa stays the default). Measured end to end on MiniLM's 32-wide heads, 2 threads
+# (docs/performance-history.md, issue 56): on an AVX-512-bf16 EPYC 1.05-1.06x sdpa at float32 and 1.04-1.12x at
+# bfloat16, and one layer's attention at bge-base's 64-wide heads 1.46x at float32 but 0.91x at bfloat16 (sdpa's
+# native bf16 matmuls); on an AVX2-only EPYC 1.03-1.11x at float32 (four alternating pairs; 64-wide heads not
+# measured there). Not measured on the other classes, so sdpa stays their default.
+_CPU_VARLEN_DEFAULT = {"avx512_bf16": {"float32": 128, "bfloat16": 32}, "avx2": {"float32": 32}}
+# For a model that generates, its decodes decide, by dtype: on the AVX-512-bf16 class cpu_varlen's paged_decode read
+# one layer's decodes 1.2-5.2x faster than sdpa's path at float32 and 4-15x at bfloat16 (64- and 128-wide heads),
+# and SmolLM2-135M's shape generated 1.07-1.32x (8 streams) and 1.29-1.47x (32 streams) faster at bfloat16 (three
+# runs), where its prompts alone would have kept sdpa; so there it is the default at every head size it runs. Under
+# an AVX2 cap on that machine SmolLM2's shape generated 0.88x at 32 streams (its prompts slower): sdpa stays.
+_CPU_VARLEN_GENERATES = {"avx512_bf16": ("float32", "bfloat16")}
 
 
 def cpu_varlen_default(dtype: str, head_size: int, generates: bool = False) -> bool:
     """Whether cpu_varlen is the default attention for `dtype` ("float32", "bfloat16") and `head_size` here, for a
     model that generates (`generates`) or one that only reads its prompts."""
-    measured = _CPU_VARLEN_DEFAULT.get(detect().level, {})
+    level = detect().level
     if generates:
-        return dtype in measured
-    return head_size <= measured.get(dtype, 0)
+        return dtype in _CPU_VARLEN_GENERATES.get(level, ())
+    return head_size <= _CPU_VARLEN_DEFAULT.get(level, {}).get(dtype, 0)
 
 
 def cpu_batch_tokens() -> int:

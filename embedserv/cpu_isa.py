@@ -195,9 +195,11 @@ _CPU_VARLEN_DEFAULT = {"avx512_bf16": {"float32": 128, "bfloat16": 32}, "avx2": 
 # For a model that generates, its decodes decide, by dtype: on the AVX-512-bf16 class cpu_varlen's paged_decode read
 # one layer's decodes 1.2-5.2x faster than sdpa's path at float32 and 4-15x at bfloat16 (64- and 128-wide heads),
 # and SmolLM2-135M's shape generated 1.07-1.32x (8 streams) and 1.29-1.47x (32 streams) faster at bfloat16 (three
-# runs), where its prompts alone would have kept sdpa; so there it is the default at every head size it runs. Under
-# an AVX2 cap on that machine SmolLM2's shape generated 0.88x at 32 streams (its prompts slower): sdpa stays.
-_CPU_VARLEN_GENERATES = {"avx512_bf16": ("float32", "bfloat16")}
+# runs), where its prompts alone would have kept sdpa; so there it is the default at every head size it runs. On an
+# AVX2-only EPYC, float32, behind the server (benchmarks/generate_servers.py, 2-layer Llama, 4 heads of 64) it
+# generated 1.17-1.22x sdpa at 32 streams and 1.27-1.31x at 128; under an AVX2 cap on the AVX-512 machine
+# SmolLM2's shape had measured 0.88x at 32 streams, which the real AVX2 part did not bear out.
+_CPU_VARLEN_GENERATES = {"avx512_bf16": ("float32", "bfloat16"), "avx2": ("float32",)}
 
 
 def cpu_varlen_default(dtype: str, head_size: int, generates: bool = False) -> bool:

@@ -131,7 +131,7 @@ def results_file(rows: list[Row], facts: dict, title: str, command: str, setup: 
     return {
         "title": title,
         "cpu_class": cpu_class(facts["flags"]),
-        "cpu": f"{facts['cpu']}, {facts['cores']} cores",
+        "cpu": f"{facts['cpu']}, {isa_summary(facts['flags'])}, {facts['cores']} cores",
         "date": facts["date"][:10],
         "commit": facts["commit"],
         "command": command,

@@ -173,6 +173,7 @@ def test_a_run_becomes_a_results_file_the_performance_page_renders():
                  date="2026-11-28 02:30", commit="abc1234", texts=100, tokens=8000)  # fmt: skip
     result = results_file(rows, facts, "minilm (all-MiniLM-L6-v2)", "python benchmarks/peers.py --model minilm", "s")
     assert result["cpu_class"] == "AVX-512 + bf16 + VNNI" and result["date"] == "2026-11-28"
+    assert result["cpu"] == "AMD EPYC, avx2 avx512f avx512_bf16 avx512_vnni, 2 cores"
     assert [(r["system"], r["tokens_per_s"]) for r in result["rows"]] == [
         ("sentence-transformers (torch)", 4000), ("embedserv gRPC", 8000)
     ]  # fmt: skip

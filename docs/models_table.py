@@ -36,8 +36,9 @@ with the list of served types and, where there is one, the closest served archit
   `*ForTokenClassification` architecture labels tokens: ClassifyTokens, `/v1/classify_tokens`).
   Zero-shot needs an NLI classifier (entailment label).
 - **Attention backends**: those that can compute the family's attention. CPU: cpu_varlen (a C++ kernel
-  compiled at first use; the default on AVX-512-bf16 CPUs for float32, for bfloat16 heads up to 32 wide and for
-  every model that generates, where it measured faster), sdpa (the default elsewhere), flex, naive; CUDA adds
+  compiled at first use; the default where it measured faster: on AVX-512-bf16 CPUs for float32, for bfloat16 heads
+  up to 32 wide and for every model that generates; on AVX2 CPUs for float32 heads up to 32 wide and for float32
+  generation), sdpa (the default elsewhere), flex, naive; CUDA adds
   varlen and flash_attn. The flash kernels and cpu_varlen cannot add a score bias.
 - **int8**: `--quantization int8` (CPU, oneDNN) for every task but generation; not for the models that take
   images (CLIP, SigLIP, SigLIP 2, ColQwen2, ColPali, ColModernVBERT), for which it was not validated.

@@ -138,9 +138,10 @@ def test_what_outlives_the_drain_is_cancelled_and_the_exit_is_0(bundled_dir, dra
     # it, cannot. (Which call arrives first is not the order they were sent in: concurrent HTTP/2 streams.)
     assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE}, codes
     assert codes.count(grpc.StatusCode.OK) <= 1, codes
-    # The drain (1 s, or until the second signal), then stopping the worker: not the 120 s drain, nor the work
-    # (the codes above show it was cut short). Loose, so that a loaded machine passes: 8.4 s was seen under load.
-    assert took < 20, took
+    # The drain (1 s, or until the second signal), then stopping the worker: not the 120 s drain (the codes above
+    # show the work was cut short). Loose, so that a loaded machine passes: 8.4 s was seen under load on AVX-512,
+    # and CI's machines run the suite up to 3x slower.
+    assert took < 60, took
     assert ("second signal" in log) == second_signal
 
 
@@ -159,9 +160,12 @@ def test_sigterm_while_loading_stops_at_once_and_exits_0(bundled_dir):
         signalled = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
-        # About 1 s here (stopping the loading worker); finishing the load first took 5-6 s.
-        assert time.monotonic() - signalled < 3.5
+        # 1.4-1.7 s on an idle AVX2 EPYC (stopping the loading worker), 1 s on AVX-512; finishing the load
+        # first took 5-6 s there. Loose, so that a loaded CI machine passes: the log below is the sharp check.
+        assert time.monotonic() - signalled < 10
         assert not survivors(workers)
     text = proc.log_path.read_text()
     assert "SIGTERM while loading" in text
+    # The worker was stopped inside its load: it never said it was ready (it does after the warm-up).
+    assert "ready on cpu" not in text, text[-3000:]
     assert "Traceback" not in text and "never retrieved" not in text, text[-3000:]

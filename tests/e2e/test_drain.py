@@ -103,6 +103,10 @@ def test_sigterm_under_load_finishes_in_flight_refuses_new_and_exits_0(bundled_d
     assert seen == {"": ["SERVING", "NOT_SERVING"], SERVED: ["SERVING", "NOT_SERVING"]}
 
 
+# The exit of a drain cut short, at most: well inside the 120 s drain of the second-signal case.
+CUT_SHORT_EXIT_S = 60
+
+
 def _cut_short(bundled_dir, drain_timeout: float, second_signal: bool, frontends: int) -> tuple[list, float, str]:
     """SIGTERM while about 10 s of work runs; with `second_signal`, SIGINT once draining. The calls' codes,
     the seconds from SIGTERM to the exit, and the server's log."""
@@ -115,7 +119,7 @@ def _cut_short(bundled_dir, drain_timeout: float, second_signal: bool, frontends
             if second_signal:
                 _wait_not_serving(target)
                 proc.send_signal(signal.SIGINT)
-            assert proc.wait(timeout=30) == 0
+            assert proc.wait(timeout=CUT_SHORT_EXIT_S) == 0
             took = time.monotonic() - signalled
             codes = [outcome(f) for f in too_long]
     return codes, took, proc.log_path.read_text()
@@ -140,8 +144,8 @@ def test_what_outlives_the_drain_is_cancelled_and_the_exit_is_0(bundled_dir, dra
     assert codes.count(grpc.StatusCode.OK) <= 1, codes
     # The drain (1 s, or until the second signal), then stopping the worker: not the 120 s drain (the codes above
     # show the work was cut short). Loose, so that a loaded machine passes: 8.4 s was seen under load on AVX-512,
-    # and CI's machines run the suite up to 3x slower.
-    assert took < 60, took
+    # and CI's machine ran the suite 2.5x slower than that one (pytest 1,185 s against 469 s).
+    assert took < CUT_SHORT_EXIT_S, took
     assert ("second signal" in log) == second_signal
 
 

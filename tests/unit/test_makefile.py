@@ -34,6 +34,21 @@ def test_torch_comes_from_the_configured_index_unless_torch_index_url_is_given(t
     assert f"pip install --no-compile --index-url {CPU_INDEX} torch==2.13.0" in with_index
 
 
+@pytest.mark.parametrize("target", ["serve", "test"])
+def test_uv_installs_the_project_held_to_the_installed_torch_and_pip_takes_over_where_it_cannot(target):
+    """uv (put into .venv by pip) installs the project and its extras, constrained to the torch build pip installed,
+    so it never fetches another; where uv fails, pip installs the same; INSTALLER=pip leaves uv out."""
+    commands = _dry_run(target)
+    assert "print('torch==' + torch.__version__)\" > .venv/torch-pin.txt" in commands
+    assert ".venv/bin/pip install --no-compile -q uv" in commands
+    extras = "-e '.[test]' -e clients/python" if target == "test" else "-e ."
+    uv = f".venv/bin/uv pip install --python .venv/bin/python --constraint .venv/torch-pin.txt {extras}"
+    assert f"{uv} || {{" in commands and f".venv/bin/pip install --no-compile {extras};" in commands
+    with_pip = _dry_run(target, "INSTALLER=pip")
+    assert "uv" not in with_pip.replace("uvicorn", "")
+    assert f".venv/bin/pip install --no-compile {extras}" in with_pip
+
+
 def test_serve_exposes_metrics_on_9090_unless_metrics_port_says_otherwise():
     assert "embedserv serve --host 127.0.0.1 --port 50051 --http-port 8000 --metrics-port 9090" in _dry_run("serve")
     assert "--metrics-port 9555" in _dry_run("serve", "METRICS_PORT=9555")

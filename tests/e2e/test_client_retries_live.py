@@ -19,7 +19,7 @@ from tests.helpers.metrics import scrape
 from tests.helpers.server import free_port, health_status, launched_server, log_tail
 
 LIMIT = 4  # inputs in flight; each call carries 4, so a second concurrent call is refused
-LONG = " ".join(["a long sentence that keeps the worker busy for a while"] * 20)  # ~230 tokens
+LONG = " ".join(["a long sentence that keeps the worker busy for a while"] * 6)  # ~70 tokens
 STORM = 24
 # Bounded by the call's timeout, not by attempts: on a loaded machine a storm's last call may wait behind
 # all the others for many short backoffs.

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 
 import grpc
 import httpx
 import pytest
 
 from tests.helpers.client import embed_request, inference_stub, response_matrix
+from tests.helpers.inprocess import serve_main
 from tests.helpers.metrics import scrape
 from tests.helpers.models import build_tiny_generator
 from tests.helpers.processes import FRONTEND_MARKER, child_pids, has_marker, is_alive, wait_for
@@ -142,17 +141,16 @@ def test_a_frontend_that_dies_is_started_again(server):
     assert proc.poll() is None
 
 
-def test_a_port_another_server_answers_on_is_refused(server, bundled_dir):
+def test_a_port_another_server_answers_on_is_refused(server, bundled_dir, monkeypatch, caplog):
+    """The second server's engine host refuses the port before it loads a model or starts a front end: its
+    `embedserv serve` runs in this process (cli.main), the first server in its own."""
     target, *_ = server
     port = target.rsplit(":", 1)[1]
-    second = subprocess.run(
-        [sys.executable, "-m", "embedserv", "serve", "--model", str(bundled_dir), "--host", "127.0.0.1",
-         "--port", port, "--http-port", str(free_port()), "--frontends", "2", "--no-warm-up"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert second.returncode == 2, second.stderr[-2000:]
-    assert f"cannot listen on 127.0.0.1:{port}" in second.stderr
-    assert "pick another --port" in second.stderr
+    args = ["--model", str(bundled_dir), "--port", port, "--frontends", "2"]
+    code, log = serve_main(args, monkeypatch, caplog)
+    assert code == 2, log[-2000:]
+    assert f"cannot listen on 127.0.0.1:{port}" in log
+    assert "pick another --port" in log
 
 
 def test_sigkill_of_the_engine_process_takes_its_frontends_down(bundled_dir):

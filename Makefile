@@ -25,10 +25,11 @@ unexport PYTHONDONTWRITEBYTECODE
 # it for another (PyPI's CUDA build). uv reads PyPI or UV_INDEX_URL, not pip's configuration: where it cannot
 # install, pip does. INSTALLER=pip installs with pip alone.
 INSTALLER ?= uv
+USE_UV := $(filter uv,$(INSTALLER))
 TORCH_PIN := $(VENV)/torch-pin.txt
 UV_INSTALL := $(BIN)/uv pip install --python $(BIN)/python --constraint $(TORCH_PIN)
 # $(call install,ARGS): ARGS installed into .venv by INSTALLER.
-install = $(if $(filter uv,$(INSTALLER)),$(UV_INSTALL) $(1) || { echo "uv could not install; pip will"; \
+install = $(if $(USE_UV),$(UV_INSTALL) $(1) || { echo "uv could not install; pip will"; \
 	$(PIP_INSTALL) $(1); },$(PIP_INSTALL) $(1))
 
 .PHONY: serve test test-all lint format proto models-doc docs bench clean
@@ -43,7 +44,7 @@ $(VENV)/.torch: | $(BIN)/python
 # The torch build uv must keep, and uv itself (without it, the installs below fall back to pip).
 $(TORCH_PIN): $(VENV)/.torch
 	$(BIN)/python -c "import torch; print('torch==' + torch.__version__)" > $@
-	$(if $(filter uv,$(INSTALLER)),$(PIP_INSTALL) -q uv || true)
+	$(if $(USE_UV),$(PIP_INSTALL) -q uv || true)
 
 $(VENV)/.installed: pyproject.toml $(TORCH_PIN)
 	$(call install,-e .)

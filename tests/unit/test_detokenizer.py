@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from embedserv.engine.core.detokenizer import IncrementalDetokenizer
+from embedserv.engine.core.detokenizer import IncrementalDetokenizer, _raw_decoder
 from tests.helpers.models import bundled_model_dir
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -304,3 +304,31 @@ def test_each_step_decodes_only_a_few_tokens(byte_level):
     assert len(ids) * 5 > 500 and max(spy.decoded_lengths) <= 16
     detokenizer.flush()
     assert detokenizer.text == _reference(byte_level, ids * 5, ids * 5)
+
+
+def test_the_backends_decode_is_transformers_decode_for_plain_fast_tokenizers(wordpiece, byte_level, metaspace):
+    """The window decodes through the Rust backend directly where transformers' decode is only a wrapper of it."""
+    rng = random.Random(5)
+    for tokenizer in (wordpiece, byte_level, metaspace):
+        decode = _raw_decoder(tokenizer)
+        assert decode.func == tokenizer.backend_tokenizer.decode
+        ids = [token_id for sentence in CORPUS for token_id in _ids(tokenizer, sentence)]
+        for _ in range(200):
+            start = rng.randrange(len(ids))
+            window = ids[start : start + rng.randint(1, 9)]
+            expected = tokenizer.decode(window, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            assert decode(window) == expected
+
+
+class _ShoutingTokenizer(PreTrainedTokenizerFast):
+    """A tokenizer class with a decode of its own (as Whisper's and CodeGen's have)."""
+
+    def _decode(self, token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=None, **kwargs) -> str:
+        return super()._decode(token_ids, skip_special_tokens, clean_up_tokenization_spaces, **kwargs).upper()
+
+
+def test_a_tokenizer_class_with_its_own_decode_streams_through_it(byte_level):
+    shouting = _ShoutingTokenizer(tokenizer_object=byte_level.backend_tokenizer, eos_token="<eos>")
+    prompt, output = _ids(shouting, "Hello world!"), _ids(shouting, " The weather is nice today")
+    deltas, tail, detokenizer = _stream(shouting, prompt, output)
+    assert "".join(deltas) + tail == detokenizer.text == " THE WEATHER IS NICE TODAY"

@@ -78,5 +78,6 @@ class AdapterCore:
         params: SamplingParams,
         decoder_prompt: str = "",
         add_special_tokens: bool = True,
+        stream: bool = True,
     ) -> AsyncIterator[GenerationDelta]:
-        return self.base.generate(prompt, params, decoder_prompt, add_special_tokens)
+        return self.base.generate(prompt, params, decoder_prompt, add_special_tokens, stream)

@@ -83,8 +83,11 @@ class Core(Protocol):
         params: SamplingParams,
         decoder_prompt: str = "",
         add_special_tokens: bool = True,
+        stream: bool = True,
     ) -> AsyncIterator[GenerationDelta]:
-        """Streams the text the model appends to `prompt`; the last delta carries the finish reason.
+        """Streams the text the model appends to `prompt`; the last delta carries the finish reason. With
+        `stream` False there is only that delta, with all the text and tokens: for callers that answer once (at
+        128 streams each step would otherwise wake every caller).
         Encoder-decoder models: `prompt` is the encoder's input, and the decoder starts from its start token
         followed by `decoder_prompt`; decoder-only models refuse a decoder_prompt. A prompt of token ids is
         used as given; a text prompt gets the model's special tokens unless `add_special_tokens` is False

@@ -228,7 +228,7 @@ class FrontendProcesses:
         CALL_CLASS.set(CallClass(call.priority, call.tenant))
         try:
             core = self.host.cores[call.model]
-            deltas = core.generate(call.prompt, call.params, call.decoder_prompt, call.add_special_tokens)
+            deltas = core.generate(call.prompt, call.params, call.decoder_prompt, call.add_special_tokens, call.stream)
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
                     await self._send(identity, GenerateDelta(call.call_id, delta))

@@ -63,6 +63,7 @@ class GenerateCall:
     request_id: str = ""
     priority: int | None = None
     tenant: str = ""
+    stream: bool = True
 
 
 @dataclass(frozen=True)

@@ -189,6 +189,7 @@ class RemoteCore:
         params: SamplingParams,
         decoder_prompt: str = "",
         add_special_tokens: bool = True,
+        stream: bool = True,
     ) -> AsyncIterator[GenerationDelta]:
         if not isinstance(prompt, str):
             # Checked here as the engine checks it: an id past int64 could not even cross the link.
@@ -206,6 +207,7 @@ class RemoteCore:
                 request_id,
                 cls.priority,
                 cls.tenant,
+                stream,
             )
 
         async with contextlib.aclosing(self.link.generate(call)) as deltas:

@@ -83,6 +83,23 @@ def test_two_frontend_processes_serve_generation_token_for_token(server, generat
         assert stream[-1].finish_reason == pb.FINISH_REASON_LENGTH
 
 
+def test_an_unstreamed_completion_through_a_frontend_equals_the_stream(server):
+    """A front end asks the engine for an unstreamed completion whole (stream=False crosses the link): the text
+    is the stream's."""
+    from embedserv.v1 import embedserv_pb2 as pb
+
+    target, _, _, http_port = server
+    with _channel(target) as channel:
+        request = pb.GenerateRequest(model=GEN, prompt=PROMPT, max_tokens=20, ignore_eos=True)
+        streamed = "".join(r.text for r in inference_stub(channel).Generate(request, timeout=RPC_TIMEOUT_S))
+    body = {"model": GEN, "prompt": PROMPT, "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    reply = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", json=body, timeout=RPC_TIMEOUT_S)
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == (streamed, "length")
+    assert reply.json()["usage"]["completion_tokens"] == 20
+
+
 def test_a_stream_cancelled_at_its_frontend_frees_its_blocks_in_the_engine(server):
     from embedserv.v1 import embedserv_pb2 as pb
 

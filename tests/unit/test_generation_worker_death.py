@@ -140,12 +140,14 @@ async def make_loop(pool, worker) -> tuple[GenerationStreams, Loop]:
     return streams, Loop(dispatcher, streams)
 
 
-async def collect(streams, tokens, max_tokens: int, deltas: list | None = None, timeout: float = TIMEOUT) -> list:
+async def collect(
+    streams, tokens, max_tokens: int, deltas: list | None = None, timeout: float = TIMEOUT, whole: bool = False
+) -> list:
     deltas = [] if deltas is None else deltas
 
     async def go():
         prompt = PreparedPrompt(list(tokens), FakeDetokenizer())
-        async for delta in streams.stream(prompt, SamplingParams(max_tokens=max_tokens)):
+        async for delta in streams.stream(prompt, SamplingParams(max_tokens=max_tokens), whole=whole):
             deltas.append(delta)
 
     await asyncio.wait_for(go(), timeout)
@@ -172,6 +174,29 @@ async def test_streams_run_on_a_live_worker(pool):
     assert streams.is_accepting
     assert_complete(await collect(streams, [1, 1, 1], 4), 4, 3)
     assert streams.num_streams == 0 and streams.kv_cache_usage().used_blocks == 0
+    await loop.stop()
+
+
+@run_async
+async def test_a_caller_that_takes_the_generation_whole_gets_one_delta_at_the_end(pool):
+    """stream=False (an unstreamed completion): not woken at each step, one delta with every token and the text."""
+    streams, loop = await make_loop(pool, FakeWorker(16))
+    streamed, whole = await asyncio.gather(collect(streams, [1, 1, 1], 4), collect(streams, [1, 1], 4, whole=True))
+    assert_complete(streamed, 4, 3)
+    assert len(whole) == 1
+    assert whole[0].token_ids == (TOKEN,) * 4 and whole[0].text == f"<{TOKEN}>" * 4
+    assert (whole[0].finish_reason, whole[0].prompt_tokens, whole[0].completion_tokens) == ("length", 2, 4)
+    assert streams.num_streams == 0 and streams.kv_cache_usage().used_blocks == 0
+    await loop.stop()
+
+
+@run_async
+async def test_a_whole_generation_whose_worker_dies_fails_without_its_held_text(pool):
+    streams, loop = await make_loop(pool, FakeWorker(16, ["ok", "ok", "die"]))
+    deltas: list = []
+    with pytest.raises(NotReady):
+        await collect(streams, [1, 1, 1], 8, deltas, whole=True)
+    assert deltas == []
     await loop.stop()
 
 

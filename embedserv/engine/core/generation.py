@@ -46,6 +46,9 @@ class _Stream:
     finished: bool = False
     # An error taken off the queue behind deltas that were joined (see _catch_up): raised next.
     error: Exception | None = None
+    # For a caller that takes the generation whole (stream=False): the deltas so far, joined with the last one
+    # when it comes. None: each delta is queued as it comes.
+    held: list[GenerationDelta] | None = None
 
 
 def check_sampling(params: SamplingParams) -> None:
@@ -236,8 +239,11 @@ class GenerationStreams:
         batch = self._live()[1].schedule()
         return Step(batch, generation=True) if batch is not None else None
 
-    async def stream(self, prompt: PreparedPrompt, params: SamplingParams) -> AsyncGenerator[GenerationDelta, None]:
-        """Runs a tokenized prompt (see prepare_prompt) on this worker; yields its deltas."""
+    async def stream(
+        self, prompt: PreparedPrompt, params: SamplingParams, whole: bool = False
+    ) -> AsyncGenerator[GenerationDelta, None]:
+        """Runs a tokenized prompt (see prepare_prompt) on this worker; yields its deltas. `whole`: one delta
+        at the end, all the text and tokens in it; the caller is not woken at each step."""
         if not self.is_accepting:
             raise NotReady(f"worker {self.worker.index} of model {self.name} is not running; retry shortly")
         request = Request(
@@ -254,7 +260,7 @@ class GenerationStreams:
             params = replace(params, max_tokens=max_tokens)
             request.sampling = params
         self._check_fits(request, max_tokens)
-        stream = _Stream(request, params, prompt.detokenizer)
+        stream = _Stream(request, params, prompt.detokenizer, held=[] if whole else None)
         self._streams[request.request_id] = stream
         self._live()[1].add(request)
         self._wake()
@@ -305,6 +311,8 @@ class GenerationStreams:
 
     def _close(self, stream: _Stream, item) -> None:
         if not stream.finished:
+            if stream.held and isinstance(item, GenerationDelta):
+                item = _joined([*stream.held, item])
             stream.queue.put_nowait(item)
         self._forget(stream)
 
@@ -336,6 +344,8 @@ class GenerationStreams:
                 continue
             if delta.finish_reason is not None:
                 self._close(stream, delta)
+            elif stream.held is not None:
+                stream.held.append(delta)
             else:
                 stream.queue.put_nowait(delta)
 
@@ -380,18 +390,22 @@ class GenerationStreams:
 def _catch_up(stream: _Stream, delta: GenerationDelta) -> GenerationDelta:
     """`delta` joined with the deltas queued behind it: a caller that fell behind (a slow client, a busy event
     loop) gets one message for several steps instead of one per step. An error behind them comes next."""
-    texts, tokens = [delta.text], list(delta.token_ids)
-    while delta.finish_reason is None and not stream.queue.empty():
+    deltas = [delta]
+    while deltas[-1].finish_reason is None and not stream.queue.empty():
         item = stream.queue.get_nowait()
         if isinstance(item, Exception):
             stream.error = item
             break
-        delta = item
-        texts.append(delta.text)
-        tokens.extend(delta.token_ids)
-    if len(texts) == 1:
-        return delta
-    return replace(delta, text="".join(texts), token_ids=tuple(tokens))
+        deltas.append(item)
+    return _joined(deltas)
+
+
+def _joined(deltas: list[GenerationDelta]) -> GenerationDelta:
+    """The last delta with the text and tokens of them all."""
+    if len(deltas) == 1:
+        return deltas[0]
+    text, tokens = "".join(d.text for d in deltas), tuple(t for d in deltas for t in d.token_ids)
+    return replace(deltas[-1], text=text, token_ids=tokens)
 
 
 def _prompt_tokens(request: Request) -> int:

@@ -272,6 +272,7 @@ class LocalCore:
         params: SamplingParams,
         decoder_prompt: str = "",
         add_special_tokens: bool = True,
+        stream: bool = True,
     ) -> AsyncIterator[GenerationDelta]:
         """The tokenized request goes to the ready worker with the fewest streams and stays there (its KV)."""
         checks.require(self.info, Task.GENERATE, "Generate")
@@ -294,7 +295,7 @@ class LocalCore:
             raise NotReady(f"no worker of model {self.info.name} is running (restarting); retry shortly")
         chosen = min(ready, key=lambda streams: streams.num_streams)
         # Closed at once when the caller stops early, so the stream's KV blocks go back now, not at GC.
-        async with aclosing(chosen.stream(prepared, params)) as deltas:
+        async with aclosing(chosen.stream(prepared, params, whole=not stream)) as deltas:
             async for delta in deltas:
                 yield delta
 

@@ -201,7 +201,7 @@ async def _generate(
     admitted = contextlib.ExitStack()
     admitted.enter_context(frontend.limiter.hold(len(prompts)))
     runs = [
-        _Run(i, engine.core.generate(prompt, params, add_special_tokens=add_special_tokens))
+        _Run(i, engine.core.generate(prompt, params, add_special_tokens=add_special_tokens, stream=stream))
         for i, prompt in enumerate(prompts)
     ]
     try:

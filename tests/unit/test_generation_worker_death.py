@@ -4,6 +4,7 @@ start over on the next incarnation with a fresh KV cache, and the counters survi
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import numpy as np
 import pytest
@@ -23,11 +24,15 @@ TOKEN = 5
 
 
 class FakeDetokenizer:
-    """What GenerationStreams calls on an IncrementalDetokenizer: add, flush, stopped."""
+    """What GenerationStreams calls on an IncrementalDetokenizer: add, flush, stopped; `threads`: where add ran."""
 
     stopped = False
 
+    def __init__(self) -> None:
+        self.threads: set[str] = set()
+
     def add(self, token_id: int) -> str:
+        self.threads.add(threading.current_thread().name)
         return f"<{token_id}>"
 
     def flush(self) -> str:
@@ -123,9 +128,11 @@ class Loop:
         self.streams.stop()
 
 
-async def make_loop(pool, worker) -> tuple[GenerationStreams, Loop]:
+async def make_loop(pool, worker, max_batch_tokens: int = 64, max_num_seqs: int = 8) -> tuple[GenerationStreams, Loop]:
     """The worker's streams and the dispatcher, wired as LocalCore wires them (no prefill-only work)."""
-    streams = GenerationStreams("m", worker, pool, frozenset({2}), 100, 64, 8, False, lambda: dispatcher.wake())
+    streams = GenerationStreams(
+        "m", worker, pool, frozenset({2}), 100, max_batch_tokens, max_num_seqs, False, lambda: dispatcher.wake()
+    )
     dispatcher = Dispatcher("m", [worker], None, [streams], 1)
 
     def workers_changed() -> None:
@@ -188,6 +195,24 @@ async def test_a_caller_that_takes_the_generation_whole_gets_one_delta_at_the_en
     assert (whole[0].finish_reason, whole[0].prompt_tokens, whole[0].completion_tokens) == ("length", 2, 4)
     assert streams.num_streams == 0 and streams.kv_cache_usage().used_blocks == 0
     await loop.stop()
+
+
+@run_async
+async def test_a_steps_text_is_made_on_the_loop_up_to_128_streams_and_in_the_tokenizer_thread_beyond(pool):
+    for count, where in ((128, "MainThread"), (129, "tokenize-test_0")):
+        streams, loop = await make_loop(pool, FakeWorker(4 * count, block_size=4), 1024, 256)
+        detokenizers = [FakeDetokenizer() for _ in range(count)]
+
+        async def one(streams: GenerationStreams, detokenizer: FakeDetokenizer) -> list:
+            prompt = PreparedPrompt([1, 1], detokenizer)
+            return [d async for d in streams.stream(prompt, SamplingParams(max_tokens=3))]
+
+        results = await asyncio.wait_for(asyncio.gather(*(one(streams, d) for d in detokenizers)), TIMEOUT)
+        for deltas in results:
+            assert_complete(deltas, 3, 2)
+        # Every stream ran in every step: the whole step's text was made in one place.
+        assert {name for d in detokenizers for name in d.threads} == {where}
+        await loop.stop()
 
 
 @run_async

@@ -1,5 +1,6 @@
 """GenerationStreams and its dispatcher with a fake worker that dies: its streams fail with NotReady, the streams
-start over on the next incarnation with a fresh KV cache, and the counters survive the reset."""
+start over on the next incarnation with a fresh KV cache, and the counters survive the reset. Also: a caller that
+takes the generation whole, and where a step's text is made (on the loop, or the tokenizer thread)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ Three stages, each O(a few tokens or characters) per step:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import partial
+from functools import cache, partial
 
 _REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded before the first generated one, so it decodes in context (its leading space).
@@ -56,6 +56,15 @@ def _owner(cls: type, method: str) -> str:
     return next((klass.__module__ for klass in cls.__mro__ if method in vars(klass)), "")
 
 
+@cache
+def _keeps_transformers_decode(cls: type) -> bool:
+    """Whether a tokenizer class decodes as transformers' fast tokenizers do (once per class, not per stream)."""
+    return _owner(cls, "decode") == "transformers.tokenization_utils_base" and _owner(cls, "_decode") in (
+        "transformers.tokenization_utils_tokenizers",  # transformers 5's TokenizersBackend
+        "transformers.tokenization_utils_fast",  # transformers 4's PreTrainedTokenizerFast
+    )
+
+
 def _raw_decoder(tokenizer) -> Callable[[list[int]], str]:
     """ids -> `tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)`.
 
@@ -64,12 +73,8 @@ def _raw_decoder(tokenizer) -> Callable[[list[int]], str]:
     of each call (11.2 against 7.0 us for a few WordPiece ids on an AVX2 EPYC). A class that overrides either
     method (Whisper's, CodeGen's) keeps its own."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    cls = type(tokenizer)
-    plain = _owner(cls, "decode") == "transformers.tokenization_utils_base" and _owner(cls, "_decode") in (
-        "transformers.tokenization_utils_tokenizers",  # transformers 5's TokenizersBackend
-        "transformers.tokenization_utils_fast",  # transformers 4's PreTrainedTokenizerFast
-    )
-    if backend is not None and plain:
+    cls: type = type(tokenizer)
+    if backend is not None and _keeps_transformers_decode(cls):
         return partial(backend.decode, skip_special_tokens=True)
     return partial(tokenizer.decode, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from embedserv.engine.core.dispatch import Dispatcher
-from embedserv.engine.core.generation import GenerationStreams, PreparedPrompt
+from embedserv.engine.core.generation import GenerationStreams
+from embedserv.engine.core.prompts import PreparedPrompt
 from embedserv.engine.inputs.tokenizer import TokenizerPool
 from embedserv.errors import NotReady
 from embedserv.executor.base import WorkerDied, WorkerStats

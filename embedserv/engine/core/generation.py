@@ -1,7 +1,7 @@
 """The generation side of an Engine, one per worker: continuous batching over that worker's paged KV
 cache, streamed text.
 
-`generate()` checks the request, tokenizes the prompt and queues it here; the dispatcher (dispatch.py,
+`generate()` checks and tokenizes the prompt (prompts.py) and queues it here; the dispatcher (dispatch.py,
 shared with the model's prefill-only work) runs the worker's steps one at a time, and step_done turns
 the sampled tokens into text deltas in the tokenizer pool and decides who is done (max_tokens, a stop
 string, EOS). A stream that ends for any reason, the client's cancel or deadline included, returns its
@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field, replace
 
@@ -24,7 +23,8 @@ from embedserv import metrics
 from embedserv.call_class import stamp
 from embedserv.engine.core.detokenizer import IncrementalDetokenizer
 from embedserv.engine.core.dispatch import Step
-from embedserv.engine.inputs.tokenizer import TextTokenizer, TokenizerPool
+from embedserv.engine.core.prompts import PreparedPrompt
+from embedserv.engine.inputs.tokenizer import TokenizerPool
 from embedserv.errors import InvalidInput, NotReady
 from embedserv.executor.base import Worker, WorkerDied
 from embedserv.scheduler.generation import GenerationScheduler
@@ -32,7 +32,7 @@ from embedserv.scheduler.kv_cache_manager import KvCacheManager
 from embedserv.scheduler.request import Request, RequestStatus
 from embedserv.scheduler.waiting import DEFAULT_POLICY, PriorityPolicy
 from embedserv.steps import OutputKind, StepOutput
-from embedserv.types import FinishReason, GenerationDelta, KvCacheUsage, SamplingParams, TruncationDirection
+from embedserv.types import FinishReason, GenerationDelta, KvCacheUsage, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -55,69 +55,6 @@ class _Stream:
 # AVX2 EPYC, benchmarks/generation_host.py), less than the hand-off to the tokenizer thread and back costs under
 # load in GIL waits and wake-ups, and no prompt being tokenized there holds the step up.
 _INLINE_DETOKENIZE = 128
-
-
-def check_sampling(params: SamplingParams) -> None:
-    if params.max_tokens is not None and params.max_tokens < 1:
-        raise InvalidInput(f"max_tokens must be at least 1, not {params.max_tokens}")
-    if not (params.temperature >= 0 and math.isfinite(params.temperature)):
-        raise InvalidInput(f"temperature must be 0 (greedy) or above, not {params.temperature}")
-    if not 0 < params.top_p <= 1:
-        raise InvalidInput(f"top_p must be in (0, 1], not {params.top_p}")
-    if params.top_k < 0:
-        raise InvalidInput(f"top_k must be 0 (no cut) or above, not {params.top_k}")
-    if any(not s for s in params.stop):
-        raise InvalidInput("stop strings must not be empty")
-
-
-@dataclass(frozen=True)
-class PreparedPrompt:
-    # The decoder's prompt: the whole prompt of a decoder-only model; an encoder-decoder model's decoder
-    # start token and its `decoder_prompt`.
-    token_ids: list[int]
-    detokenizer: IncrementalDetokenizer
-    # An encoder-decoder model's encoder input (the request's prompt); empty for decoder-only models.
-    encoder_token_ids: list[int] = field(default_factory=list)
-
-
-async def prepare_prompt(
-    tokenizer: TextTokenizer,
-    pool: TokenizerPool,
-    prompt: str | list[int],
-    params: SamplingParams,
-    decoder_prompt: str = "",
-    decoder_start_token_id: int | None = None,
-    add_special_tokens: bool = True,
-) -> PreparedPrompt:
-    """Checks a Generate request and tokenizes it in the tokenizer pool (both decode).
-
-    With `decoder_start_token_id` (encoder-decoder models) the prompt, with the model's special tokens,
-    is the encoder's input, and the decoder starts from that token followed by `decoder_prompt`'s tokens
-    (no special tokens), as transformers' generate does with decoder_input_ids."""
-    if not prompt:
-        raise InvalidInput("prompt is empty; send the text to continue")
-    check_sampling(params)
-
-    def prepare() -> PreparedPrompt:
-        if isinstance(prompt, list):
-            (encoded,) = tokenizer.check_token_ids([prompt], truncate=False, direction=TruncationDirection.RIGHT)
-            token_ids = encoded.ids
-        else:
-            token_ids = tokenizer.encode_prompt(prompt, add_special_tokens)
-        if not token_ids:
-            raise InvalidInput("the prompt has no tokens for this model's tokenizer; send some text")
-        if decoder_start_token_id is None:
-            return PreparedPrompt(token_ids, IncrementalDetokenizer(tokenizer.hf_tokenizer, token_ids, params.stop))
-        if len(token_ids) > tokenizer.max_input_tokens:
-            raise InvalidInput(
-                f"the prompt has {len(token_ids)} tokens, more than the model's encoder limit of "
-                f"{tokenizer.max_input_tokens}; shorten it"
-            )
-        decoder_ids = [decoder_start_token_id] + (tokenizer.encode_text(decoder_prompt) if decoder_prompt else [])
-        detokenizer = IncrementalDetokenizer(tokenizer.hf_tokenizer, decoder_ids, params.stop)
-        return PreparedPrompt(decoder_ids, detokenizer, token_ids)
-
-    return await pool.run(prepare, (), None)
 
 
 class GenerationStreams:
@@ -248,7 +185,7 @@ class GenerationStreams:
     async def stream(
         self, prompt: PreparedPrompt, params: SamplingParams, whole: bool = False
     ) -> AsyncGenerator[GenerationDelta, None]:
-        """Runs a tokenized prompt (see prepare_prompt) on this worker; yields its deltas. `whole`: one delta
+        """Runs a tokenized prompt (prompts.py) on this worker; yields its deltas. `whole`: one delta
         at the end, all the text and tokens in it; the caller is not woken at each step."""
         if not self.is_accepting:
             raise NotReady(f"worker {self.worker.index} of model {self.name} is not running; retry shortly")

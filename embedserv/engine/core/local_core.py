@@ -22,9 +22,10 @@ from embedserv.config import ModelConfig
 from embedserv.engine import checks
 from embedserv.engine.core import workers as worker_builders
 from embedserv.engine.core.dispatch import Dispatcher
-from embedserv.engine.core.generation import GenerationStreams, prepare_prompt
+from embedserv.engine.core.generation import GenerationStreams
 from embedserv.engine.core.output_cache import CacheStats, OutputCache, cache_key
 from embedserv.engine.core.prefill_work import PrefillWork
+from embedserv.engine.core.prompts import prepare_prompt
 from embedserv.engine.inputs.sequence import InputSequence
 from embedserv.engine.inputs.tokenizer import TokenizerPool
 from embedserv.engine.ports import CoreStatus, Inferred

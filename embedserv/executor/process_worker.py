@@ -37,11 +37,13 @@ import zmq.asyncio
 from embedserv import logs, memory_ceiling
 from embedserv.config import ModelConfig
 from embedserv.errors import ConfigError, NotReady
+from embedserv.executor import worker_main, zygote
 from embedserv.executor.base import WorkerDied, WorkerStats
 from embedserv.executor.messages import CODEC, LoadFailed, Ready, RunGenerationStep, RunStep, StepDone, StepFailed
 from embedserv.executor.placement import Placement
 from embedserv.executor.step_delta import DeltaEncoder
 from embedserv.executor.worker_main import WorkerArgs
+from embedserv.executor.zygote import ForkedProcess
 from embedserv.scheduler.kv_cache_manager import KvCacheLayout
 from embedserv.steps import StepBatch, StepOutput
 from embedserv.worker import allocator
@@ -62,6 +64,11 @@ def cpu_thread_environment(environ) -> dict[str, str]:
     parallel region of the next step: small steps on 2 cores ran at 3-25x their cost, one-text p99 240 ms
     against 70 ms passive, with no loss on compute-bound steps (docs/performance-history.md, issue 34)."""
     return {} if "OMP_WAIT_POLICY" in environ else {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def cpu_process_environment(cpu_allocator: str) -> dict[str, str]:
+    """This process's environment as a CPU worker gets it, but for its thread counts: its zygote's."""
+    return dict(os.environ) | cpu_thread_environment(os.environ) | allocator.worker_environment(cpu_allocator, "cpu")
 
 
 class ProcessWorker:
@@ -86,7 +93,8 @@ class ProcessWorker:
         self._below_model = False
         self._context = zmq.asyncio.Context()
         self._socket_dir = tempfile.mkdtemp(prefix="embedserv-")
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen | ForkedProcess | None = None
+        self._launching: asyncio.Future | None = None
         self._inbox: zmq.asyncio.Socket | None = None
         self._receiver: asyncio.Task | None = None
         self._supervisor: asyncio.Task | None = None
@@ -119,13 +127,14 @@ class ProcessWorker:
 
     def launch(self) -> None:
         """Starts the first process without waiting for it (start() then waits); on the event loop."""
-        if self._proc is None:
-            self._launch()
+        if self._launching is None:
+            self._launching = asyncio.ensure_future(self._launch())
 
     async def start(self) -> None:
         """Starts the first process (unless launch() did) and returns once it is ready; one that cannot load
         raises ConfigError."""
         self.launch()
+        await self._launching
         while not self.ready:
             if self._proc.poll() is not None:
                 await self._read_failure()
@@ -136,6 +145,9 @@ class ProcessWorker:
         self._supervisor = asyncio.create_task(self._supervise(), name=f"supervise-{self.name}")
 
     async def stop(self) -> None:
+        if self._launching is not None and not self._launching.done():
+            self._launching.cancel()
+            await asyncio.gather(self._launching, return_exceptions=True)
         if self._supervisor is not None:
             self._supervisor.cancel()
             await asyncio.gather(self._supervisor, return_exceptions=True)
@@ -177,7 +189,7 @@ class ProcessWorker:
             raise RuntimeError(reply.message)
         return reply.output
 
-    def _launch(self) -> None:
+    async def _launch(self) -> None:
         self.incarnation += 1
         self._deltas = DeltaEncoder()
         base = f"ipc://{self._socket_dir}/{self.incarnation}"
@@ -196,17 +208,32 @@ class ProcessWorker:
             log_format=logs.current_format(),
         )
         threads = str(self.placement.threads)
-        env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false")
+        own = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
         if self.placement.device == "cpu":
-            env |= cpu_thread_environment(os.environ)
-        env |= allocator.worker_environment(self.config.cpu_allocator, self.placement.device)
-        # Its own session: a terminal's Ctrl-C reaches only the server, which then stops the workers in order.
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "embedserv.executor.worker_main", args.to_json()], env=env, start_new_session=True
-        )
+            env = cpu_process_environment(self.config.cpu_allocator) | own
+        else:
+            env = (
+                dict(os.environ) | own | allocator.worker_environment(self.config.cpu_allocator, self.placement.device)
+            )
+        self._proc = await self._start_process(args, env)
         self._failure = None
         self._receiver = asyncio.create_task(self._receive(outbox), name=f"receive-{self.name}")
         logger.info("started worker %s (pid %d) on %s", self.name, self._proc.pid, self.placement.device)
+
+    async def _start_process(self, args: WorkerArgs, env: dict[str, str]) -> subprocess.Popen | ForkedProcess:
+        """The process, forked by the zygote for `env` where there can be one (executor/zygote.py: it imports while
+        the server reads the model, once for every worker), else started plain. Either way in a session of its own:
+        a terminal's Ctrl-C reaches only the server, which then stops the workers in order."""
+        forks = zygote.for_environment(env) if self.placement.device == "cpu" else None
+        if forks is not None:
+            forked = forks.fork(worker_main.main, ([args.to_json()],), env) if await forks.started() else None
+            if forked is not None:
+                return forked
+            logger.warning("worker %s: the zygote could not fork it (exit code %s); starting it plain", self.name,
+                           forks.proc.poll())  # fmt: skip
+        return subprocess.Popen(
+            [sys.executable, "-m", "embedserv.executor.worker_main", args.to_json()], env=env, start_new_session=True
+        )
 
     async def _receive(self, outbox: zmq.asyncio.Socket) -> None:
         handlers = {
@@ -277,7 +304,7 @@ class ProcessWorker:
             self.restarts += 1
             self._batches = 0
             self._busy_seconds = 0.0
-            self._launch()
+            await self._launch()
 
     async def _replace(self) -> None:
         """Stops the idle process past its memory ceiling and starts its successor at once."""
@@ -290,7 +317,7 @@ class ProcessWorker:
         self.memory_restarts += 1
         self._batches = 0
         self._busy_seconds = 0.0
-        self._launch()
+        await self._launch()
         # Ready, or dead before it (the supervisor's next watch then handles it as any death).
         while not self.ready and self._proc.poll() is None:
             await asyncio.sleep(_POLL_S)

@@ -1,7 +1,8 @@
 """A worker process: one replica of one model, fed steps over zmq by its engine's ProcessWorker.
 
-Started as `python -m embedserv.executor.worker_main '<json WorkerArgs>'`. It sets its allocator up for steps
-(worker/allocator.py), loads and warms the model, says ready, then runs two threads:
+Started as `python -m embedserv.executor.worker_main '<json WorkerArgs>'`, or forked by a zygote (started as
+`python -m embedserv.executor.worker_main --zygote FD SERVER_PID`: executor/zygote.py), which then calls main().
+It sets its allocator up for steps (worker/allocator.py), loads and warms the model, says ready, then runs two threads:
 - the receiver takes each step off the inbox and prepares it (packed inputs already on the device), so
   step k+1 is ready when step k ends; a generation step comes as a delta, which it applies to the running
   batch this process keeps (executor/step_delta.py) first;
@@ -179,4 +180,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--zygote"]:  # executor/zygote.py: the process that forks workers
+        from embedserv.executor import zygote
+
+        zygote.serve(int(sys.argv[2]), int(sys.argv[3]))
     sys.exit(main(sys.argv[1:]))

@@ -90,8 +90,8 @@ class InflightLimiter:
     """Counts inputs (not calls) in flight; refuses at once past the limit rather than queue without bound, and
     past a tenant's cap (its API key's share of the limit, api_keys.py) for that tenant's calls.
 
-    With several front-end processes the counts are `shared` (a multiprocessing.Array("q") every front end
-    holds: the total, then one per API key in config order), changed under its lock, so the limits hold for the
+    With several front-end processes the counts are `shared` (shared_counts.SharedCounts, which every front end
+    maps: the total, then one per API key in config order), changed under its lock, so the limits hold for the
     whole server."""
 
     def __init__(self, limit: int, shared=None, caps: dict[str, int] | None = None) -> None:

@@ -7,10 +7,11 @@ queue per model, and their workers are this process's. This process serves no ca
 left to scheduling. It keeps both ports bound (never listening) from before the front ends start to the end,
 so a port in use fails the start here and no other server takes it meanwhile.
 
-Admission is one count of inputs in flight in shared memory (frontend.InflightLimiter), so the limit is the
-server's, not each front end's. Health follows the host's status: Status goes to every front end when it
-changes and each second. A drain goes to every front end, which drains its own calls and says Drained. A
-front end that dies is started again.
+Admission is one count of inputs in flight in shared memory (frontend.InflightLimiter over shared_counts.py), so
+the limit is the server's, not each front end's. Health follows the host's status: Status goes to every front end
+when it changes and each second. A drain goes to every front end, which drains its own calls and says Drained. A
+front end that dies is started again. Front ends are forked by the CPU workers' zygote (executor/zygote.py) where
+there can be one.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from embedserv import logs
 from embedserv.call_class import CALL_CLASS, CallClass
 from embedserv.config import ServerConfig
 from embedserv.errors import ConfigError
+from embedserv.executor import zygote
+from embedserv.executor.process_worker import cpu_process_environment
+from embedserv.executor.zygote import ForkedProcess
 from embedserv.logs import REQUEST_ID
 from embedserv.server.engine_host import EngineHost
 from embedserv.server.frontend import bound_socket
@@ -50,6 +54,7 @@ from embedserv.server.link_messages import (
     Status,
     failure,
 )
+from embedserv.server.shared_counts import SharedCounts
 
 logger = logging.getLogger(__name__)
 _STATUS_EVERY_S = 1.0
@@ -98,8 +103,8 @@ class FrontendProcesses:
             config, port=ports[0], http_port=ports[1] if config.http_port else 0, frontends=config.num_frontends
         )
         # The inputs in flight over every front end, in all and per API key (frontend.InflightLimiter's counts).
-        self.in_flight = multiprocessing.get_context("spawn").Array("q", 1 + len(config.all_api_keys))
         self._dir = tempfile.TemporaryDirectory(prefix="embedserv-frontends-")
+        self.in_flight = SharedCounts(os.path.join(self._dir.name, "in-flight"), 1 + len(config.all_api_keys))
         self.address = f"ipc://{self._dir.name}/engine"
         # The front ends count calls in prometheus-client's multiprocess files here; /metrics adds them up.
         self.metrics_dir = os.path.join(self._dir.name, "metrics")
@@ -115,7 +120,7 @@ class FrontendProcesses:
         # Set once every front end listens, cleared by a drain: while set, a front end that dies is replaced.
         self._watching = False
         self._calls: dict[tuple[bytes, int], asyncio.Task] = {}
-        self._processes: dict[int, multiprocessing.Process] = {}
+        self._processes: dict[int, multiprocessing.Process | ForkedProcess] = {}
         self._tasks: list[asyncio.Task] = []
         self._broadcasts: set[asyncio.Task] = set()
         self._handlers = {
@@ -128,7 +133,7 @@ class FrontendProcesses:
         self._tasks = [asyncio.create_task(self._receive(), name="frontends-link"),
                        asyncio.create_task(self._status_loop(), name="frontends-status")]  # fmt: skip
         for index in range(self.config.num_frontends):
-            self._spawn(index)
+            await self._spawn(index)
         deadline = time.monotonic() + _START_TIMEOUT_S
         while len(self._started_frontends) < len(self._processes):
             dead = [i for i, p in self._processes.items() if not p.is_alive() and i not in self._started_frontends]
@@ -141,27 +146,41 @@ class FrontendProcesses:
         self._watching = True
         logger.info("%d front ends listening on %s:%d", len(self._processes), self.config.host, self.port)
 
-    def _spawn(self, index: int) -> None:
+    async def _spawn(self, index: int) -> None:
+        """Forks the front end from the CPU workers' zygote (executor/zygote.py), which imported torch and
+        transformers once, where there can be one; else starts it through multiprocessing's spawn."""
         from embedserv.server.frontend_process import run_frontend
 
         log_settings = (logging.getLevelName(logging.getLogger().getEffectiveLevel()), logs.current_format())
-        process = multiprocessing.get_context("spawn").Process(
-            target=run_frontend, name=f"embedserv-frontend-{index}", daemon=True,
-            args=(self.config, index, self.address, self.in_flight, log_settings, os.getpid()),
-        )  # fmt: skip
+        args = (self.config, index, self.address, self.in_flight, log_settings, os.getpid())
         # The child reads its environment when it starts: the variable must be there before prometheus_client
         # is first imported in it, and must not be in this process, whose own counters stay in memory.
-        previous = os.environ.get(_MULTIPROC_DIR)
-        os.environ[_MULTIPROC_DIR] = self.metrics_dir
-        try:
-            process.start()
-        finally:
-            if previous is None:
-                del os.environ[_MULTIPROC_DIR]
-            else:
-                os.environ[_MULTIPROC_DIR] = previous
+        env = dict(os.environ, **{_MULTIPROC_DIR: self.metrics_dir})
+        process = await self._fork(run_frontend, args, env)
+        if process is None:
+            process = multiprocessing.get_context("spawn").Process(
+                target=run_frontend, name=f"embedserv-frontend-{index}", daemon=True, args=args
+            )
+            previous = os.environ.get(_MULTIPROC_DIR)
+            os.environ[_MULTIPROC_DIR] = self.metrics_dir
+            try:
+                process.start()
+            finally:
+                if previous is None:
+                    del os.environ[_MULTIPROC_DIR]
+                else:
+                    os.environ[_MULTIPROC_DIR] = previous
         self._processes[index] = process
         logger.info("started front end %d (pid %d)", index, process.pid)
+
+    async def _fork(self, target, args: tuple, env: dict[str, str]) -> ForkedProcess | None:
+        try:
+            forks = zygote.for_environment(cpu_process_environment(self.config.models[0].cpu_allocator))
+        except ConfigError:  # the workers cannot start either, and say why
+            return None
+        if forks is None or not await forks.started():
+            return None
+        return forks.fork(target, args, env, name=zygote.FRONTEND_NAME)
 
     async def _send(self, identity: bytes, message: object) -> None:
         with contextlib.suppress(zmq.ZMQError):
@@ -258,17 +277,17 @@ class FrontendProcesses:
             await asyncio.sleep(_STATUS_EVERY_S)
             try:
                 await self.broadcast(self.status())
-                self._replace_dead_frontends()
+                await self._replace_dead_frontends()
             except Exception:
                 logger.exception("front-end status update failed")
 
-    def _replace_dead_frontends(self) -> None:
+    async def _replace_dead_frontends(self) -> None:
         for index, process in list(self._processes.items()):
             if self._watching and not process.is_alive():
                 logger.error("front end %d (pid %d) exited with %s; starting it again", index, process.pid,
                              process.exitcode)  # fmt: skip
                 self._forget(index)
-                self._spawn(index)
+                await self._spawn(index)
 
     def _forget(self, index: int) -> None:
         self._started_frontends.pop(index, None)
@@ -311,4 +330,5 @@ class FrontendProcesses:
         self._socket.close(linger=0)
         for sock in self._reserved:
             sock.close()
+        self.in_flight.close()
         self._dir.cleanup()

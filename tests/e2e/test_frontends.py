@@ -20,7 +20,7 @@ from tests.helpers.client import embed_request, inference_stub, response_matrix
 from tests.helpers.inprocess import serve_main
 from tests.helpers.metrics import scrape
 from tests.helpers.models import build_tiny_generator
-from tests.helpers.processes import FRONTEND_MARKER, child_pids, has_marker, is_alive, wait_for
+from tests.helpers.processes import cmdline, frontend_pids, is_alive, session_id, wait_for, worker_pids, zygote_pids
 from tests.helpers.server import free_port, running_server
 
 GEN, EMBEDDER = "tiny-llama", "minilm"
@@ -29,7 +29,7 @@ RPC_TIMEOUT_S = 60.0
 
 
 def _frontends(server_pid: int) -> list[int]:
-    return [pid for pid in child_pids(server_pid) if has_marker(pid, FRONTEND_MARKER)]
+    return frontend_pids(server_pid)
 
 
 def _channel(target: str) -> grpc.Channel:
@@ -143,6 +143,18 @@ def test_every_frontend_relays_the_engine_process_metrics_on_the_http_port(serve
         assert page.status_code == 200, page.text
         assert f'vllm:num_requests_waiting{{model_name="{EMBEDDER}"}}' in page.text
         assert "embedserv_requests_total" in page.text
+
+
+def test_frontends_and_workers_are_forked_by_one_zygote(server):
+    """The front ends import nothing: they, and both models' workers, are forked by the server's zygote
+    (executor/zygote.py), and all are the server's children, each in a session of its own."""
+    _target, proc, *_ = server
+    (zygote,) = zygote_pids(proc.pid)
+    frontends, workers = _frontends(proc.pid), worker_pids(proc.pid)
+    assert len(frontends) == 2 and len(workers) == 2
+    for pid in (*frontends, *workers):
+        assert "--zygote" in cmdline(pid) and session_id(pid) == pid
+        assert cmdline(pid) == cmdline(zygote)
 
 
 def test_a_frontend_that_dies_is_started_again(server):

@@ -14,9 +14,11 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
-# Every worker process is started as `python -m embedserv.executor.worker_main ...`.
+from embedserv.executor import zygote
+
+# Every worker process is started as `python -m embedserv.executor.worker_main ...`, or forked by a zygote started so.
 WORKER_MARKER = "embedserv.executor.worker_main"
-# What the command line of a front-end process (`--frontends N`, started by multiprocessing's spawn) holds.
+# What the command line of a front-end process (`--frontends N`) started by multiprocessing's spawn holds.
 FRONTEND_MARKER = "multiprocessing.spawn"
 
 T = TypeVar("T")
@@ -42,6 +44,12 @@ def state(pid: int) -> str | None:
     """The one-letter state of proc(5) (R, S, D, Z, ...), or None when there is no such process."""
     fields = _stat(pid)
     return fields[2] if fields else None
+
+
+def command_name(pid: int) -> str | None:
+    """The process's name (/proc/PID/comm), or None when there is no such process."""
+    fields = _stat(pid)
+    return fields[1] if fields else None
 
 
 def parent_pid(pid: int) -> int | None:
@@ -88,8 +96,23 @@ def pids_with_cmdline(marker: str) -> list[int]:
 
 
 def worker_pids(server_pid: int) -> list[int]:
-    """The live worker processes of the server `server_pid`: its children started as embedserv.executor.worker_main."""
-    return [pid for pid in child_pids(server_pid) if has_marker(pid)]
+    """The live worker processes of the server `server_pid`: its children started as embedserv.executor.worker_main,
+    or forked by its zygote (which shares that command line, as do the front ends it forks: executor/zygote.py)."""
+    others = (zygote.NAME, zygote.FRONTEND_NAME)
+    return [pid for pid in child_pids(server_pid) if has_marker(pid) and command_name(pid) not in others]
+
+
+def frontend_pids(server_pid: int) -> list[int]:
+    """The live front-end processes of the server `server_pid`: spawned by multiprocessing, or forked by its zygote."""
+    return [
+        pid for pid in child_pids(server_pid)
+        if has_marker(pid, FRONTEND_MARKER) or (has_marker(pid) and command_name(pid) == zygote.FRONTEND_NAME)
+    ]  # fmt: skip
+
+
+def zygote_pids(server_pid: int) -> list[int]:
+    """The live worker zygotes of the server `server_pid`."""
+    return [pid for pid in child_pids(server_pid) if has_marker(pid) and command_name(pid) == zygote.NAME]
 
 
 def survivors(pids: Iterable[int], marker: str = WORKER_MARKER) -> list[int]:

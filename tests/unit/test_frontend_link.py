@@ -84,7 +84,10 @@ def test_a_front_end_that_says_hello_after_the_drain_began_is_told_to_drain_too(
     from embedserv.server.link_messages import Drain, Drained, Hello, Status
     from embedserv.server.remote_core import FrontendLink
 
-    monkeypatch.setattr(FrontendProcesses, "_spawn", lambda self, index: None)  # the front ends are this test's
+    async def no_spawn(self, index: int) -> None:  # the front ends are this test's
+        pass
+
+    monkeypatch.setattr(FrontendProcesses, "_spawn", no_spawn)
 
     def front_end(address: str, index: int, drains: list) -> FrontendLink:
         async def drained() -> None:
@@ -133,17 +136,20 @@ def _spawn_a_front_end_and_die(pids) -> None:
     model = ModelConfig(path=str(bundled_model_path()), served_name="m")
     config = ServerConfig(models=(model,), frontends=2, port=0, http_port=0)
     frontends = FrontendProcesses(config, EngineHost(config))
-    frontends._spawn(0)
+    asyncio.run(frontends._spawn(0))
     pids.put(frontends._processes[0].pid)
     pids.close()
     pids.join_thread()  # the pid is sent before this process dies without cleaning up
     os._exit(0)
 
 
-def test_a_front_end_whose_engine_host_died_while_it_started_exits():
-    """An engine host killed while its front end still imports: the front end, reparented before it could look,
-    must not take its new parent for the host (it would serve on, orphaned, for ever)."""
+@pytest.mark.parametrize("zygote", ["1", "0"], ids=["forked", "spawned"])
+def test_a_front_end_whose_engine_host_died_while_it_started_exits(zygote, monkeypatch):
+    """An engine host killed while its front end still starts (spawned: still imports): the front end, reparented
+    before it could look, must not take its new parent for the host (it would serve on, orphaned, for ever)."""
     from tests.helpers.processes import is_alive, wait_for
+
+    monkeypatch.setenv("EMBEDSERV_WORKER_ZYGOTE", zygote)
 
     context = multiprocessing.get_context("spawn")
     pids = context.Queue()

@@ -33,6 +33,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.peer_runners.servers import free_port, process_group, wait_http  # noqa: E402
+from embedserv.executor import zygote  # noqa: E402
 
 HOOK_DIR = Path(__file__).resolve().parent / "call_path_hook"
 _ORDER = ["server", "front end", "engine host", "worker"]
@@ -61,6 +62,8 @@ def role(record: dict, server_pid: int, frontends: int | None) -> str:
     """server (one process), or engine host and front end (--frontends N above 1), or worker."""
     if record["pid"] == server_pid:
         return "engine host" if (frontends or 1) > 1 else "server"
+    if record.get("name") == zygote.FRONTEND_NAME:  # forked by the zygote, with its argv (executor/zygote.py)
+        return "front end"
     return "worker" if "worker_main" in " ".join(record["argv"]) else "front end"
 
 

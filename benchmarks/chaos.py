@@ -46,7 +46,7 @@ from benchmarks.soak import SERVED_NAMES, header, model_dirs
 from embedserv.v1 import embedserv_pb2 as pb
 from embedserv.v1 import embedserv_pb2_grpc as pb_grpc
 from tests.helpers.client import response_matrix
-from tests.helpers.processes import FRONTEND_MARKER, child_pids, has_marker, worker_pids
+from tests.helpers.processes import frontend_pids, worker_pids
 from tests.helpers.server import free_port, server_env, wait_until_serving
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -226,10 +226,6 @@ async def slot(index: int, faces: dict, pool: Pool, ledger: Ledger, timeout: flo
         ledger.record(
             face, kind, phase, "ok" if same else "wrong", "" if same else "an answer other than the known one"
         )
-
-
-def frontend_pids(server_pid: int) -> list[int]:
-    return [pid for pid in child_pids(server_pid) if has_marker(pid, FRONTEND_MARKER)]
 
 
 async def faults(proc: subprocess.Popen, ledger: Ledger, args, events: list[dict]) -> None:

@@ -24,7 +24,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from tests.helpers.processes import FRONTEND_MARKER, WORKER_MARKER, child_pids, has_marker
+from tests.helpers.processes import child_pids
+from tests.helpers.processes import role as process_role
 
 GRPC_CONNECTIONS = 8
 
@@ -170,9 +171,8 @@ async def _passes(make_client, batches, concurrency: int, repeats: int) -> LoadR
 
 
 def _role(pid: int) -> str:
-    if has_marker(pid, WORKER_MARKER):
-        return "worker"
-    return "front end" if has_marker(pid, FRONTEND_MARKER) else "server"
+    kind = process_role(pid)
+    return "server" if kind == "other" else kind
 
 
 def _tree(pid: int) -> list[int]:

@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-from tests.helpers.processes import child_pids, cmdline
+from tests.helpers.processes import child_pids, cmdline, role
 
 MAX_DISTINCT_ERRORS = 50  # messages that carry ids would grow a counter without bound over a long soak
 
@@ -43,7 +43,7 @@ def sample_processes(server_pid: int) -> dict[str, dict]:
     """{label: {pid, rss_mib, fds, threads}} of the server and its live children (a worker: its WorkerArgs name)."""
     samples: dict[str, dict] = {}
     for pid in [server_pid, *child_pids(server_pid)]:
-        argv, label = cmdline(pid), "server" if pid == server_pid else f"pid {pid}"
+        argv, label = cmdline(pid), "server" if pid == server_pid else f"{role(pid)} {pid}"
         with contextlib.suppress(ValueError, IndexError, KeyError, TypeError):
             label = json.loads(argv[argv.index("embedserv.executor.worker_main") + 1])["name"]
         with contextlib.suppress(OSError, ValueError, KeyError):  # gone, or a zombie (no VmRSS), since listed

@@ -38,7 +38,9 @@ def _stop(signum, frame):
     rows = sorted(_seen)
     path = os.path.join(_DIR, f"{os.getpid()}.json")
     with open(path + ".tmp", "w") as out:
-        json.dump({"pid": os.getpid(), "argv": sys.argv, "functions": rows}, out)
+        with open("/proc/self/comm") as comm:  # a forked front end's argv is its zygote's; its name is its own
+            name = comm.read().strip()
+        json.dump({"pid": os.getpid(), "argv": sys.argv, "name": name, "functions": rows}, out)
     os.replace(path + ".tmp", path)
 
 

@@ -20,7 +20,7 @@ import torch
 from tests.helpers.client import RPC_TIMEOUT_S, inference_stub
 from tests.helpers.inprocess import in_process_server
 from tests.helpers.models import build_tiny_generator
-from tests.helpers.processes import cmdline, wait_for, worker_pids
+from tests.helpers.processes import named_worker_pid, wait_for
 
 GEN, EMBEDDER = "tiny-llama", "minilm"
 PROMPT = "The quick brown fox jumps over the lazy dog"
@@ -222,9 +222,8 @@ def test_unknown_model_is_not_found(server):
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-def _generator_worker(server_pid: int) -> int | None:
-    found = [p for p in worker_pids(server_pid) if f'"name": "{GEN}/0"' in " ".join(cmdline(p))]
-    return found[0] if found else None
+def _generator_worker(proc) -> int | None:
+    return named_worker_pid(proc.pid, proc.log_path, f"{GEN}/0")
 
 
 def test_a_stream_whose_worker_dies_ends_unavailable_and_the_model_comes_back(served, generator_dir):
@@ -232,7 +231,7 @@ def test_a_stream_whose_worker_dies_ends_unavailable_and_the_model_comes_back(se
     new worker replaces the old one, and Generate then answers as before."""
     stub, proc = served
     pb = _pb()
-    victim = _generator_worker(proc.pid)
+    victim = _generator_worker(proc)
     assert victim is not None
     request = pb.GenerateRequest(model=GEN, prompt=PROMPT, max_tokens=480, ignore_eos=True)
     stream = stub.Generate(request, timeout=RPC_TIMEOUT_S)
@@ -242,7 +241,7 @@ def test_a_stream_whose_worker_dies_ends_unavailable_and_the_model_comes_back(se
         for _ in stream:
             pass
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
-    wait_for(lambda: _generator_worker(proc.pid) not in (None, victim), 30, what="a replacement worker")
+    wait_for(lambda: _generator_worker(proc) not in (None, victim), 30, what="a replacement worker")
     deadline = time.monotonic() + 60
     while True:
         try:

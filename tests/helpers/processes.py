@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import TypeVar
 
 from embedserv.executor import zygote
@@ -98,21 +100,34 @@ def pids_with_cmdline(marker: str) -> list[int]:
 def worker_pids(server_pid: int) -> list[int]:
     """The live worker processes of the server `server_pid`: its children started as embedserv.executor.worker_main,
     or forked by its zygote (which shares that command line, as do the front ends it forks: executor/zygote.py)."""
-    others = (zygote.NAME, zygote.FRONTEND_NAME)
-    return [pid for pid in child_pids(server_pid) if has_marker(pid) and command_name(pid) not in others]
+    return [pid for pid in child_pids(server_pid) if role(pid) == "worker"]
 
 
 def frontend_pids(server_pid: int) -> list[int]:
     """The live front-end processes of the server `server_pid`: spawned by multiprocessing, or forked by its zygote."""
-    return [
-        pid for pid in child_pids(server_pid)
-        if has_marker(pid, FRONTEND_MARKER) or (has_marker(pid) and command_name(pid) == zygote.FRONTEND_NAME)
-    ]  # fmt: skip
+    return [pid for pid in child_pids(server_pid) if role(pid) == "front end"]
+
+
+def named_worker_pid(server_pid: int, log_path: Path, name: str) -> int | None:
+    """The live worker `name` (MODEL/INDEX) of the server `server_pid`: the pid its log last said it started it
+    as (a forked worker's command line is its zygote's, which does not name it)."""
+    started = re.findall(rf"started worker {re.escape(name)} \(pid (\d+)\)", log_path.read_text(errors="replace"))
+    return int(started[-1]) if started and int(started[-1]) in worker_pids(server_pid) else None
 
 
 def zygote_pids(server_pid: int) -> list[int]:
     """The live worker zygotes of the server `server_pid`."""
-    return [pid for pid in child_pids(server_pid) if has_marker(pid) and command_name(pid) == zygote.NAME]
+    return [pid for pid in child_pids(server_pid) if role(pid) == "zygote"]
+
+
+def role(pid: int) -> str:
+    """What the process is among a server's: "zygote", "front end", "worker", or "other" (the server itself)."""
+    name, marked = command_name(pid), has_marker(pid)
+    if marked and name == zygote.NAME:
+        return "zygote"
+    if has_marker(pid, FRONTEND_MARKER) or (marked and name == zygote.FRONTEND_NAME):
+        return "front end"
+    return "worker" if marked else "other"
 
 
 def survivors(pids: Iterable[int], marker: str = WORKER_MARKER) -> list[int]:

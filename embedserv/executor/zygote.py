@@ -60,10 +60,6 @@ def supported() -> bool:
     return sys.platform.startswith("linux") and os.environ.get("EMBEDSERV_WORKER_ZYGOTE", "1") != "0"
 
 
-def key(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted((name, value) for name, value in env.items() if name not in _PER_WORKER))
-
-
 class ForkedProcess:
     """A process forked by a zygote and reparented to this one: what ProcessWorker uses of a Popen."""
 
@@ -173,16 +169,17 @@ def for_environment(env: dict[str, str]) -> Zygote | None:
     cannot be forked (not Linux, EMBEDSERV_WORKER_ZYGOTE=0, or this process cannot adopt them)."""
     if not supported():
         return None
+    shared = {name: value for name, value in env.items() if name not in _PER_WORKER}
+    key = tuple(sorted(shared.items()))
     with _zygotes_lock:
-        zygote = _zygotes.get(key(env))
+        zygote = _zygotes.get(key)
         if zygote is None or not zygote.alive():
             if zygote is not None:
                 zygote.close()
             # What a zygote forks becomes this process's child (the middle process exits).
             if not _prctl(_PR_SET_CHILD_SUBREAPER, 1):
                 return None
-            zygote = _zygotes[key(env)] = Zygote({name: value for name, value in env.items()
-                                                  if name not in _PER_WORKER})  # fmt: skip
+            zygote = _zygotes[key] = Zygote(shared)
         return zygote
 
 

@@ -170,7 +170,8 @@ def main(argv: list[str]) -> int:
     except Exception as exc:
         logger.exception("could not load the model")
         outbox.send_multipart(CODEC.encode(LoadFailed(str(exc))))
-        outbox.close(linger=2000)
+        # Waits (up to 2 s) for it to leave: the process's exit would not (a forked worker ends with os._exit).
+        context.destroy(linger=2000)
         return 1
     # The model's objects stay for the process's life: a full collection need not walk them between steps.
     freeze_start_up_objects()

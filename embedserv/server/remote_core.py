@@ -51,7 +51,9 @@ class FrontendLink:
         """`handlers`: what to do with each message the host sends that answers no call (Status, Drain,
         CancelAll), by its type."""
         self.index = index
-        self._socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        # Its own context, which close() ends: that is what waits for the last messages to leave.
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(address)
         self._ids = itertools.count(1)
@@ -67,7 +69,9 @@ class FrontendLink:
         await self._socket.send_multipart(CODEC.encode(message), copy=False)
 
     def close(self, linger_ms: int = 0) -> None:
-        """`linger_ms`: how long the last messages sent (Hello with an error, Drained) may take to go out."""
+        """`linger_ms`: how long the last messages sent (Hello with an error, Drained) may take to go out; this
+        waits for them (up to that long). A process's exit does not: zmq sends from a thread of its own, and a
+        front end forked by the zygote ends with os._exit as soon as it returns (executor/zygote.py)."""
         if self._receiver is not None:
             self._receiver.cancel()
         for waiter in self._calls.values():
@@ -76,6 +80,7 @@ class FrontendLink:
             elif isinstance(waiter, asyncio.Queue):
                 waiter.put_nowait(CallFailed(0, "NotReady", "the engine process went away; retry"))
         self._socket.close(linger=linger_ms)
+        self._context.term()
 
     async def _receive(self) -> None:
         while True:

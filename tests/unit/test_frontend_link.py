@@ -128,6 +128,43 @@ def test_a_front_end_that_says_hello_after_the_drain_began_is_told_to_drain_too(
     assert first_drains == late_drains == [Drain(0.0)]
 
 
+def test_what_a_front_end_says_last_reaches_the_host_though_its_process_ends_at_once(tmp_path):
+    """A forked front end ends with os._exit as soon as it returns (executor/zygote.py), and zmq sends from a thread
+    of its own: Drained was lost now and then, and the host waited out its drain deadline (a second signal's exit
+    took over 60 s in CI). Closing the link waits for what it sent."""
+    import zmq
+
+    from embedserv.server.link_messages import Hello
+    from embedserv.server.remote_core import FrontendLink
+
+    address = f"ipc://{tmp_path}/engine"
+    context = zmq.Context()
+    host = context.socket(zmq.ROUTER)
+    host.bind(address)
+    last_words = "x" * (32 << 20)  # large enough that sending it takes a while
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+
+            async def speak() -> None:
+                link = FrontendLink(address, 0, {})
+                await link.send(Hello(0, os.getpid(), last_words))
+                link.close(linger_ms=20_000)
+
+            asyncio.run(speak())
+            code = 0
+        finally:
+            os._exit(code)
+    try:
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        assert host.poll(10_000), "the front end's last message never arrived"
+        _, *frames = host.recv_multipart()
+        assert CODEC.decode(frames).error == last_words
+    finally:
+        context.destroy(linger=0)
+
+
 def _spawn_a_front_end_and_die(pids) -> None:
     """An engine host's side: start front end 0 as the server does, then die before it has finished importing."""
     from embedserv.server.engine_host import EngineHost

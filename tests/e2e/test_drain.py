@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import subprocess
 import threading
 import time
 
@@ -16,7 +15,7 @@ import pytest
 
 from tests.helpers.client import embed_request, inference_stub, outcome, response_matrix
 from tests.helpers.processes import survivors, wait_for, worker_pids
-from tests.helpers.server import health_status, launched_server, log_tail, running_server
+from tests.helpers.server import exit_code, health_status, launched_server, running_server
 
 SERVED = "minilm"
 LONG_TEXT = "a text long enough to keep two cores busy for a while " * 18
@@ -50,15 +49,6 @@ def _wait_not_serving(target: str, timeout: float = 10.0) -> str:
             return status
         time.sleep(0.02)
     raise AssertionError("health still SERVING after SIGTERM")
-
-
-def _exit_code(proc, timeout: float) -> int:
-    """The server's exit code, or a failure that shows its log's end (where the stop got stuck)."""
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        tail = log_tail(proc.log_path)
-        raise AssertionError(f"still running {timeout:.0f} s after the signal; log tail:\n{tail}") from None
 
 
 def _long_calls(stub, count: int, texts: int) -> list:
@@ -102,7 +92,7 @@ def test_sigterm_under_load_finishes_in_flight_refuses_new_and_exits_0(bundled_d
             assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
             for future in in_flight:  # the unfinished ones among them
                 assert response_matrix(future.result()).shape == (TEXTS_PER_CALL, 384)
-            assert _exit_code(proc, EXIT_BEFORE_DRAIN_TIMEOUT_S) == 0
+            assert exit_code(proc, EXIT_BEFORE_DRAIN_TIMEOUT_S) == 0
             # Open Watch streams did not hold the drain to its timeout: it ended with the inference calls. The
             # calls themselves took 21 s from the signal on a loaded CI machine (2 cores, two test workers), so
             # the bound is the drain timeout less its margin, not a guess at how long the work takes.
@@ -130,7 +120,7 @@ def _cut_short(bundled_dir, drain_timeout: float, second_signal: bool, frontends
             if second_signal:
                 _wait_not_serving(target)
                 proc.send_signal(signal.SIGINT)
-            assert _exit_code(proc, CUT_SHORT_EXIT_S) == 0
+            assert exit_code(proc, CUT_SHORT_EXIT_S) == 0
             took = time.monotonic() - signalled
             codes = [outcome(f) for f in too_long]
     return codes, took, proc.log_path.read_text()
@@ -174,7 +164,7 @@ def test_sigterm_while_loading_stops_at_once_and_exits_0(bundled_dir):
         workers = worker_pids(proc.pid)
         signalled = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        assert _exit_code(proc, 30) == 0
+        assert exit_code(proc, 30) == 0
         # 1.4-1.7 s on an idle AVX2 EPYC (stopping the loading worker), 1 s on AVX-512; finishing the load
         # first took 5-6 s there. Loose, so that a loaded CI machine passes: the log below is the sharp check.
         assert time.monotonic() - signalled < 10

@@ -38,7 +38,7 @@ from tests.helpers.processes import (
     wait_for,
     worker_pids,
 )
-from tests.helpers.server import health_status, log_tail, running_server
+from tests.helpers.server import exit_code, health_status, log_tail, running_server
 
 SERVED = "minilm"
 WORKERS = 2
@@ -360,10 +360,7 @@ def _ends_with_its_workers(server: Server, how: str) -> None:
     sent = time.monotonic()
     if how == "SIGTERM":
         server.proc.send_signal(signal.SIGTERM)
-        try:
-            code = server.proc.wait(timeout=SERVER_EXIT_S)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the server still runs {SERVER_EXIT_S:g}s after SIGTERM; log tail:\n{server.log()}")
+        code = exit_code(server.proc, SERVER_EXIT_S)
         assert code == 0, f"the server exited with {code} on SIGTERM; log tail:\n{server.log()}"
     else:
         server.proc.kill()

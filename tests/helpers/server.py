@@ -70,6 +70,15 @@ def log_tail(log_path: Path, max_chars: int = 6000) -> str:
     return text[-max_chars:]
 
 
+def exit_code(proc: subprocess.Popen, timeout: float) -> int:
+    """The server's exit code once it exits, or a failure that shows its log's end (where its stop got stuck)."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        tail = log_tail(proc.log_path)  # type: ignore[attr-defined]
+        raise AssertionError(f"still running {timeout:g} s after the signal; log tail:\n{tail}") from None
+
+
 def wait_until_serving(
     target: str,
     is_alive: Callable[[], bool],

@@ -10,8 +10,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,11 +22,13 @@ from benchmarks.corpus import stdlib_texts
 from embedserv import logs
 from embedserv.batch.outputs import MANIFEST, read_vectors
 from embedserv.cli import main
+from tests.helpers import server_fork
 from tests.helpers.client import RPC_TIMEOUT_S
 from tests.helpers.compat_http import http, pb, stub  # noqa: F401 - the fixtures
 from tests.helpers.compat_server import EMBEDDER
 from tests.helpers.models import bundled_model_dir
 from tests.helpers.processes import wait_for
+from tests.helpers.server import exit_code, log_tail
 
 REPO = Path(__file__).resolve().parents[2]
 TEXTS = stdlib_texts(90, seed=21)
@@ -116,17 +116,17 @@ def test_a_run_killed_anywhere_resumes_with_no_row_lost_or_twice(tmp_path, stub)
     source = _write_jsonl(tmp_path / "in.jsonl", [{"text": t, "id": str(i)} for i, t in enumerate(texts)])
     out = tmp_path / "out"
     command = [
-        sys.executable, "-m", "embedserv", "batch", "--model", str(bundled_model_dir()), "--no-warm-up",
-        "--input", str(source), "--output", str(out), "--id-column", "id", "--shard-rows", "40",
+        "batch", "--model", str(bundled_model_dir()), "--no-warm-up", "--input", str(source), "--output", str(out),
+        "--id-column", "id", "--shard-rows", "40",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = server_fork.start(command, env, REPO, tmp_path / "killed.log")
     try:
         shards = random.Random().randint(1, 6)
 
         def written() -> int:
             if proc.poll() is not None:
-                raise AssertionError(f"the run ended before the kill: {proc.stderr.read().decode()[-2000:]}")
+                raise AssertionError(f"the run ended before the kill: {log_tail(proc.log_path, 2000)}")
             manifest = out / MANIFEST
             return len(json.loads(manifest.read_text())["shards"]) if manifest.exists() else 0
 
@@ -136,7 +136,11 @@ def test_a_run_killed_anywhere_resumes_with_no_row_lost_or_twice(tmp_path, stub)
     finally:
         proc.kill()
         proc.wait()
-    assert subprocess.run(command, cwd=REPO, env=env, capture_output=True, timeout=300).returncode == 0
+    resumed = server_fork.start(command, env, REPO, tmp_path / "resumed.log")
+    try:
+        assert exit_code(resumed, 300) == 0
+    finally:
+        resumed.kill()  # nothing once it has exited
     rows, ids, vectors = read_vectors(str(out))
     assert rows == list(range(len(texts))) and ids == [str(i) for i in range(len(texts))]
     assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from tests.helpers.client import embed_request, inference_stub, outcome, response_matrix
-from tests.helpers.processes import survivors, wait_for, worker_pids
+from tests.helpers.processes import named_worker_pid, survivors, wait_for, worker_pids, zygote_pids
 from tests.helpers.server import exit_code, health_status, launched_server, running_server
 
 SERVED = "minilm"
@@ -154,14 +154,18 @@ def test_sigterm_while_loading_stops_at_once_and_exits_0(bundled_dir):
     """A pod stopped while its model still loads must not finish the load first (it could take minutes)."""
     # With the warm-up, as a production server loads: long enough to tell stopping at once from loading first.
     with launched_server([*_args(bundled_dir, 60), "--warm-up"]) as (target, proc):
-        # Listening, a worker process started, the model not yet warm.
+        # Listening, the worker process started (its log line: a zygote still importing is not one yet), the model
+        # not yet warm.
         wait_for(
-            lambda: worker_pids(proc.pid) and health_status(target, timeout=1.0) == "NOT_SERVING",
+            lambda: (
+                named_worker_pid(proc.pid, proc.log_path, f"{SERVED}/0")
+                and health_status(target, timeout=1.0) == "NOT_SERVING"
+            ),
             timeout=60,
             interval=0.05,
             what="a worker loading behind a NOT_SERVING server",
         )
-        workers = worker_pids(proc.pid)
+        workers = worker_pids(proc.pid) + zygote_pids(proc.pid)
         signalled = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert exit_code(proc, 30) == 0

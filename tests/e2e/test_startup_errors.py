@@ -10,8 +10,6 @@ workers (a subprocess).
 from __future__ import annotations
 
 import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,7 +19,7 @@ from embedserv.config import ServerConfig
 from embedserv.errors import ConfigError
 from embedserv.models.loading.spec_reader import read_model_spec
 from tests.helpers.inprocess import serve_main
-from tests.helpers.server import REPO_ROOT, free_port, server_env
+from tests.helpers.server import exit_code, free_port, launched_server
 
 
 def _config(*args: str) -> ServerConfig:
@@ -99,10 +97,8 @@ def test_weights_a_worker_cannot_load_stop_the_server_with_the_reason(bundled_di
     missing = next(name for name in weights if name.endswith("attention.self.query.weight"))
     del weights[missing]
     save_file(weights, str(model_dir / "model.safetensors"))
-    cmd = [
-        sys.executable, "-m", "embedserv", "serve", "--host", "127.0.0.1", "--port", str(free_port()),
-        "--no-warm-up", "--model", str(model_dir), "--data-parallel-size", "2",
-    ]  # fmt: skip
-    result = subprocess.run(cmd, cwd=REPO_ROOT, env=server_env(), capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert "could not start" in result.stderr and str(model_dir) in result.stderr, result.stderr[-2000:]
+    with launched_server(["--model", str(model_dir), "--data-parallel-size", "2"]) as (_, proc):
+        code = exit_code(proc, 120)
+        log = proc.log_path.read_text()
+    assert code == 2, log[-2000:]
+    assert "could not start" in log and str(model_dir) in log, log[-2000:]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
 import threading
 import time
 import warnings
@@ -38,7 +37,7 @@ from tests.helpers.processes import (
     wait_for,
     worker_pids,
 )
-from tests.helpers.server import exit_code, health_status, log_tail, running_server
+from tests.helpers.server import ServerProcess, exit_code, health_status, log_tail, running_server
 
 SERVED = "minilm"
 WORKERS = 2
@@ -74,7 +73,7 @@ class Server:
     """A running server; `seen` collects every worker pid it ever showed, for the clean-up."""
 
     target: str
-    proc: subprocess.Popen
+    proc: ServerProcess
     frontends: int = 1
     seen: set[int] = field(default_factory=set)
 

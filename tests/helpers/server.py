@@ -1,4 +1,5 @@
-"""Start a real `embedserv serve` on 127.0.0.1 for a test, wait until it is SERVING, always stop it."""
+"""Start a real `embedserv serve` on 127.0.0.1 for a test (forked: server_fork.py), wait until it is SERVING, always
+stop it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -15,8 +15,12 @@ from pathlib import Path
 
 import grpc
 
+from tests.helpers import server_fork
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STOP_GRACE_S = 10.0
+# A test server: started (Popen) or forked (server_fork.ForkedServer), with `log_path` either way.
+ServerProcess = subprocess.Popen | server_fork.ForkedServer
 
 
 def free_port() -> int:
@@ -70,7 +74,7 @@ def log_tail(log_path: Path, max_chars: int = 6000) -> str:
     return text[-max_chars:]
 
 
-def exit_code(proc: subprocess.Popen, timeout: float) -> int:
+def exit_code(proc: ServerProcess, timeout: float) -> int:
     """The server's exit code once it exits, or a failure that shows its log's end (where its stop got stuck)."""
     try:
         return proc.wait(timeout=timeout)
@@ -103,7 +107,7 @@ def wait_until_serving(
     )
 
 
-def stop_process(proc: subprocess.Popen, group: bool = False) -> None:
+def stop_process(proc: ServerProcess, group: bool = False) -> None:
     """SIGTERM, then SIGKILL after STOP_GRACE_S; with group=True the whole process group is signalled."""
     if proc.poll() is not None:
         return
@@ -134,10 +138,11 @@ def launched_server(
     cwd: Path = REPO_ROOT,
     host: str = "127.0.0.1",
     port: int | None = None,
-) -> Iterator[tuple[str, subprocess.Popen]]:
+) -> Iterator[tuple[str, ServerProcess]]:
     """Start `python -m embedserv serve --host HOST --port P *args` without waiting for it; yield
     ("HOST:P", process) with `process.log_path`, and always stop it. Without --warm-up in `args` it
-    serves with --no-warm-up.
+    serves with --no-warm-up. The process is forked from this checkout's warm parent (server_fork.ForkedServer,
+    what the tests use of a Popen) unless EMBEDSERV_TEST_FORK_SERVERS=0 or `cwd` is another checkout.
 
     `env` overrides the server's environment (None removes a variable); `cwd` is the checkout whose
     embedserv runs (`-m` imports from the working directory first). `host` is a loopback address
@@ -148,7 +153,7 @@ def launched_server(
     http = [] if "--http-port" in args else ["--http-port", "0"]
     # Test servers serve a few calls: the warm-up would cost more than it saves, unless a test asks for it.
     warm = [] if "--warm-up" in args else ["--no-warm-up"]
-    cmd = [sys.executable, "-m", "embedserv", "serve", "--host", host, "--port", str(port), *http, *warm, *args]
+    args = ["serve", "--host", host, "--port", str(port), *http, *warm, *args]
     log_path = Path(tempfile.mkdtemp(prefix="embedserv-test-")) / "server.log"
     proc_env = server_env()
     for name, value in (env or {}).items():
@@ -156,11 +161,7 @@ def launched_server(
             proc_env.pop(name, None)
         else:
             proc_env[name] = value
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cmd, cwd=cwd, env=proc_env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-        )
-    proc.log_path = log_path  # type: ignore[attr-defined]
+    proc = server_fork.start(args, proc_env, cwd, log_path)
     try:
         yield f"{host}:{port}", proc
     finally:
@@ -176,7 +177,7 @@ def running_server(
     cwd: Path = REPO_ROOT,
     host: str = "127.0.0.1",
     port: int | None = None,
-) -> Iterator[tuple[str, subprocess.Popen]]:
+) -> Iterator[tuple[str, ServerProcess]]:
     """launched_server, then wait until health says SERVING; yield ("HOST:P", process).
 
     `credentials` are the channel credentials the readiness health checks use, for a server started

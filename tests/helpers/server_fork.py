@@ -1,8 +1,8 @@
 """A warm parent for the test servers: each pytest worker imports what `embedserv serve` imports once, in a process
 of its own, and forks every server it starts from there.
 
-Started as `python -m embedserv serve`, a test server spent 7.4 CPU-seconds before it was serving on a 2-core AVX2
-EPYC, nearly all of it importing torch, transformers and gRPC; forked, it only reads its model and starts. The
+Started as `python -m embedserv serve`, a test server spent 5.9-7.4 CPU-seconds in its own process before it was
+serving on a 2-core AVX2 EPYC, nearly all of it importing torch, transformers and gRPC; forked, about 1. The
 server is still a process of its own, as the tests need: its own pid, signals, children, log and exit code. What it
 does not go through is the interpreter's start, which `make serve`'s test and the CLI tests still do.
 

@@ -3,6 +3,10 @@
 A real server is kept busy by long calls; short calls queued behind them expire (DEADLINE_EXCEEDED) or
 are cancelled by their client (CANCELLED). /metrics then shows that the sequences that ran are exactly
 those of the calls that succeeded, and that the others were dropped from the queue.
+
+The short calls go at a lower priority than the long ones. So they wait behind them whatever order they reach the
+engine in, and /metrics shows them queued (embedserv_sequences_waiting per priority): the cancel is sent only once
+the call's inputs are in the queue, not while they are on their way there.
 """
 
 from __future__ import annotations
@@ -17,12 +21,15 @@ from tests.helpers.processes import wait_for
 from tests.helpers.server import free_port, running_server
 
 SERVED = "minilm"
-# Three calls of 64 texts near the model's 256-token limit: several seconds of work on 2 CPU cores.
+# Three calls of 24 texts at the model's 256-token limit, in steps of 8 texts: 18 steps, 2-5 s on 2 CPU cores.
 BLOCKING_CALLS = 3
-BLOCKING_TEXTS = 64
+BLOCKING_TEXTS = 24
+STEP_TOKENS = 2048
 EXPIRING_CALLS = 5
 EXPIRY_S = 0.4
 CANCELLED_INPUTS = 3
+# The short calls' priority, below the blockers' (the default, 0).
+BEHIND = -1
 
 
 # In this process; and as `embedserv serve --frontends 2`, whose front ends cancel over their link to the engine
@@ -30,29 +37,21 @@ CANCELLED_INPUTS = 3
 @pytest.fixture(scope="module", params=[1, 2], ids=["in-process", "2-frontends"])
 def server(bundled_dir, request):
     metrics_port = free_port()
-    args = ["--model", str(bundled_dir), "--served-model-name", SERVED, "--metrics-port", str(metrics_port)]
+    args = ["--model", str(bundled_dir), "--served-model-name", SERVED, "--metrics-port", str(metrics_port),
+            "--max-batch-tokens", str(STEP_TOKENS)]  # fmt: skip
     launch = in_process_server if request.param == 1 else running_server
     with launch([*args, "--frontends", str(request.param)]) as (target, proc):
         with grpc.insecure_channel(target) as channel:
             yield inference_stub(channel), metrics_port, proc
 
 
-def _queued_behind_the_blockers(metrics_port: int) -> bool:
-    """More sequences wait than two blocking calls hold: all three are queued, most of their work ahead."""
-    return scrape(metrics_port).value("embedserv_queue_depth", model=SERVED) > (BLOCKING_CALLS - 1) * BLOCKING_TEXTS
-
-
-def _admitted_beyond(metrics_port: int, blockers: list) -> bool:
-    """More inputs are in flight than the unanswered blockers hold: the call sent after them is admitted.
-    (The server releases a call's inputs before its client sees the answer, so the blockers' share can only
-    be overcounted here, never under.)"""
-    held = BLOCKING_TEXTS * sum(not f.done() for f in blockers)
-    return scrape(metrics_port).value("embedserv_inputs_in_flight") > held
+def _waiting(metrics_port: int, priority: int) -> float:
+    return scrape(metrics_port).total("embedserv_sequences_waiting", model=SERVED, priority=str(priority))
 
 
 def test_expired_and_cancelled_calls_are_never_computed(server):
-    """Load-tolerant: each step waits for the server's queue or admission to show what the next one needs,
-    and the strict FIFO queue keeps the short calls behind the blockers however slow the machine is. (An
+    """Load-tolerant: each step waits for the server's queue to show what the next one needs, and the short
+    calls' lower priority keeps them behind the blockers however slow the machine is. (An
     expired call's client resets the stream a little before the server's copy of the deadline ends; the
     server still counts it DEADLINE_EXCEEDED: server/calls.py, _DEADLINE_SKEW_S.)"""
     stub, metrics_port, proc = server
@@ -62,11 +61,13 @@ def test_expired_and_cancelled_calls_are_never_computed(server):
         stub.Embed.future(embed_request([f"{i} {long_text}"] * BLOCKING_TEXTS, truncate=True), timeout=120)
         for i in range(BLOCKING_CALLS)
     ]
-    wait_for(lambda: _queued_behind_the_blockers(metrics_port), 60, interval=0.02, what="the blockers queued")
-    cancelled = stub.Embed.future(embed_request(["cancelled call"] * CANCELLED_INPUTS), timeout=120)
-    wait_for(lambda: _admitted_beyond(metrics_port, blockers), 60, interval=0.02, what="the call to cancel admitted")
+    # Most of their work ahead: 8 steps or more, however fast the machine.
+    wait_for(lambda: _waiting(metrics_port, 0) >= 2 * BLOCKING_TEXTS, 60, interval=0.02, what="the blockers queued")
+    cancelled = stub.Embed.future(embed_request(["cancelled call"] * CANCELLED_INPUTS, priority=BEHIND), timeout=120)
+    wait_for(lambda: _waiting(metrics_port, BEHIND) == CANCELLED_INPUTS, 60, interval=0.02, what="the call queued")
     expiring = [
-        stub.Embed.future(embed_request([f"expiring call {i}"]), timeout=EXPIRY_S) for i in range(EXPIRING_CALLS)
+        stub.Embed.future(embed_request([f"expiring call {i}"], priority=BEHIND), timeout=EXPIRY_S)
+        for i in range(EXPIRING_CALLS)
     ]
     assert cancelled.cancel()
 
@@ -76,7 +77,8 @@ def test_expired_and_cancelled_calls_are_never_computed(server):
         assert response_matrix(future.result()).shape == (BLOCKING_TEXTS, 384)
     # The queue was busy for longer than the expired calls lived: the test measured what it meant to.
     assert all(f.result().timing.total_us > EXPIRY_S * 1e6 for f in blockers[1:])
-    stub.Embed(embed_request(["after"]), timeout=30)
+    # Behind the dropped calls: they leave the queue before it runs.
+    stub.Embed(embed_request(["after"], priority=BEHIND), timeout=30)
     after = scrape(metrics_port)
 
     def grew(name: str, **labels) -> float:

@@ -31,14 +31,20 @@ from embedserv.types import (
 
 class SyncEngine:
     def __init__(
-        self, config: ModelConfig, tokenizer_threads: int = 1, warm_up: bool = True, worker_processes: bool = False
+        self,
+        config: ModelConfig,
+        tokenizer_threads: int = 1,
+        warm_up: bool | None = None,
+        worker_processes: bool = False,
     ) -> None:
         """The model runs in this process, or with `worker_processes` in config.data_parallel_size worker
-        processes, as the server runs it (worker processes warm up unless config.warm_up is off)."""
+        processes, as the server runs it. It warms up as config.warm_up says; `warm_up` overrides that in this
+        process (worker processes follow config.warm_up)."""
         if worker_processes:
             self.core = LocalCore.with_worker_processes(config, tokenizer_threads=tokenizer_threads)
         else:
-            self.core = LocalCore.load(config, tokenizer_threads=tokenizer_threads, warm_up=warm_up)
+            warm = config.warm_up if warm_up is None else warm_up
+            self.core = LocalCore.load(config, tokenizer_threads=tokenizer_threads, warm_up=warm)
         self.engine = Engine(config, self.core.served, self.core)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sync-engine-loop", daemon=True)

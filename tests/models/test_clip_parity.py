@@ -26,7 +26,7 @@ def clip_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def clip(clip_dir):
-    with SyncEngine(ModelConfig(path=str(clip_dir), served_name="clip", warm_up=False), warm_up=False) as engine:
+    with SyncEngine(ModelConfig(path=str(clip_dir), served_name="clip", warm_up=False)) as engine:
         yield engine
 
 
@@ -47,7 +47,7 @@ def test_refusals(clip):
 
 
 def test_text_only_model_refuses_images(bundled_dir):
-    with SyncEngine(ModelConfig(path=str(bundled_dir), served_name="minilm", warm_up=False), warm_up=False) as engine:
+    with SyncEngine(ModelConfig(path=str(bundled_dir), served_name="minilm", warm_up=False)) as engine:
         with pytest.raises(InvalidInput, match="model 'minilm' takes text only; input 2 is an image"):
             engine.embed(["a", "b", ImageInput(image_bytes(32, 32))], EmbedParams())
 
@@ -59,7 +59,7 @@ def test_start_up_refuses_a_model_without_its_image_processor(clip_dir, tmp_path
         if path.name != "preprocessor_config.json":
             (copy / path.name).write_bytes(path.read_bytes())
     with pytest.raises(ConfigError, match="no preprocessor_config.json"):
-        SyncEngine(ModelConfig(path=str(copy), served_name="clip", warm_up=False), warm_up=False)
+        SyncEngine(ModelConfig(path=str(copy), served_name="clip", warm_up=False))
 
 
 def test_two_worker_processes_embed_images_as_one(clip, clip_dir):
@@ -126,7 +126,7 @@ def test_sentence_transformers_directories(clip, clip_dir, tmp_path, layout):
         assert not (root / "preprocessor_config.json").exists()
     inputs = mixed_inputs()
     want = clip.embed(inputs, EmbedParams()).embeddings
-    with SyncEngine(ModelConfig(path=str(root), served_name="st", warm_up=False), warm_up=False) as engine:
+    with SyncEngine(ModelConfig(path=str(root), served_name="st", warm_up=False)) as engine:
         got = engine.embed(inputs, EmbedParams()).embeddings
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     reference = SentenceTransformer(str(root), device="cpu")

@@ -21,7 +21,7 @@ def siglip2_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def siglip2(siglip2_dir):
-    with SyncEngine(ModelConfig(path=str(siglip2_dir), served_name="siglip2", warm_up=False), warm_up=False) as engine:
+    with SyncEngine(ModelConfig(path=str(siglip2_dir), served_name="siglip2", warm_up=False)) as engine:
         yield engine
 
 

@@ -29,7 +29,7 @@ def siglip_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def siglip(siglip_dir):
-    with SyncEngine(ModelConfig(path=str(siglip_dir), served_name="siglip", warm_up=False), warm_up=False) as engine:
+    with SyncEngine(ModelConfig(path=str(siglip_dir), served_name="siglip", warm_up=False)) as engine:
         yield engine
 
 

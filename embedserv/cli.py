@@ -14,6 +14,7 @@ from embedserv.cli_parser import build_parser
 from embedserv.config import ServerConfig
 from embedserv.config_file import MODEL_OPTION_KEYS, SERVER_KEYS, assemble, read_config_file
 from embedserv.errors import ConfigError
+from embedserv.executor import zygote
 from embedserv.sizes import parse_bytes, parse_memory
 
 __all__ = ["build_parser", "main", "server_config"]
@@ -49,18 +50,27 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`embedserv ...`. Without `argv` (the console script, `python -m embedserv`) this process is the server's own;
+    called with `argv` by a program, it leaves that program's process as it is (its environment, no forks)."""
     args = build_parser().parse_args(argv)
     logs.configure(args.log_level, args.log_format)
     # Models are local directories; never reach for a hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    own_process = argv is None and args.command == "serve"
+    if own_process:
+        # The server's own libraries load as its CPU workers' do, so that their zygote can be forked from it.
+        os.environ.update(zygote.cpu_thread_environment(os.environ))
+        zygote.record_load_environment()
     try:
         config = server_config(args)
         if args.command == "batch":
             from embedserv.batch.command import run as run_batch
 
             return run_batch(args, config)
-        from embedserv.server.app import run
+        from embedserv.server.app import fork_worker_zygote, run
 
+        if own_process:
+            fork_worker_zygote(config)
         asyncio.run(run(config))
     except ConfigError as exc:
         logging.getLogger("embedserv").error("%s", exc)

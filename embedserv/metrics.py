@@ -7,7 +7,7 @@ server's collector (server/metrics_endpoint.py), so nothing has to keep a gauge 
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, values
 
 # The *_created series only double what Prometheus scrapes for no use here.
 disable_created_metrics()
@@ -74,3 +74,11 @@ BATCH_TOKENS = Histogram(
     buckets=_TOKENS,
     registry=REGISTRY,
 )
+
+
+def value_class_from_environment() -> None:
+    """Series labelled from now on keep their values as PROMETHEUS_MULTIPROC_DIR now says (in files there, or in
+    memory). prometheus_client reads it when it is imported, and a front end forked by a zygote forked from the
+    server (executor/zygote.py) has it imported from before the variable was set. Every series here has labels, so
+    none was made before."""
+    values.ValueClass = values.get_value_class()

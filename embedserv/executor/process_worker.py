@@ -56,19 +56,10 @@ _MAX_RESTART_DELAY_S = 30.0
 _MEMORY_CHECK_S = 1.0
 
 
-def cpu_thread_environment(environ) -> dict[str, str]:
-    """OpenMP threads that sleep, not spin, between parallel regions (unless the user's environment says).
-
-    A CPU worker's thread team shares the cores with the server's event loop and tokenizer. Spinning
-    teammates take those cores between steps, and a team member the kernel then deschedules stalls every
-    parallel region of the next step: small steps on 2 cores ran at 3-25x their cost, one-text p99 240 ms
-    against 70 ms passive, with no loss on compute-bound steps (docs/performance-history.md, issue 34)."""
-    return {} if "OMP_WAIT_POLICY" in environ else {"OMP_WAIT_POLICY": "PASSIVE"}
-
-
 def cpu_process_environment(cpu_allocator: str) -> dict[str, str]:
     """This process's environment as a CPU worker gets it, but for its thread counts: its zygote's."""
-    return dict(os.environ) | cpu_thread_environment(os.environ) | allocator.worker_environment(cpu_allocator, "cpu")
+    threads = zygote.cpu_thread_environment(os.environ)
+    return dict(os.environ) | threads | allocator.worker_environment(cpu_allocator, "cpu")
 
 
 class ProcessWorker:
@@ -226,7 +217,8 @@ class ProcessWorker:
         a terminal's Ctrl-C reaches only the server, which then stops the workers in order."""
         forks = zygote.for_environment(env) if self.placement.device == "cpu" else None
         if forks is not None:
-            forked = forks.fork(worker_main.main, ([args.to_json()],), env) if await forks.started() else None
+            started = await forks.started()
+            forked = forks.fork(worker_main.main, ([args.to_json()],), env, zygote.WORKER_NAME) if started else None
             if forked is not None:
                 return forked
             logger.warning("worker %s: the zygote could not fork it (exit code %s); starting it plain", self.name,

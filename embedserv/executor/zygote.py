@@ -12,6 +12,10 @@ loaded them under its own environment. The thread counts are the exception: the 
 (torch.set_num_threads), so workers of any size share one zygote. Front ends use the CPU workers' zygote: neither
 setting matters to them.
 
+Where the server's own libraries loaded under the settings its CPU workers need (the same preload, OpenMP's wait
+policy: `embedserv serve` sets the latter for itself before it imports torch), the server forks the zygote from
+itself before it starts a thread (fork_here), and nothing is imported twice; else it starts one plain.
+
 The zygote forks twice per process and the middle one exits at once, so the new process is reparented to the
 server, a child subreaper (prctl): the server is its parent as if it had started it. It reaps it and reads its
 exit code (ForkedProcess: what the server uses of a Popen or a multiprocessing.Process), and the process dies with
@@ -45,9 +49,13 @@ _PR_SET_NAME = 15
 _PR_SET_CHILD_SUBREAPER = 36
 # The worker's own settings, which it applies after the fork: not part of a zygote's environment.
 _PER_WORKER = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM")
-# The zygote's process name (ps, top, /proc/PID/comm), and its front ends' (server/frontends.py). What it forks
-# shares its command line.
+# What the C library, the allocator and OpenMP read as they load (a process forked from another keeps what that
+# one read): a zygote forked from the server must have loaded under the same values of these as its processes'.
+_READ_AT_LOAD = ("LD_", "MALLOC_", "GLIBC_TUNABLES", "TCMALLOC_", "OMP_", "GOMP_", "KMP_")
+# The zygote's process name (ps, top, /proc/PID/comm), its workers' and its front ends' (server/frontends.py).
+# What it forks shares its command line: the server's, where the server forked it.
 NAME = "zygote"
+WORKER_NAME = "worker"
 FRONTEND_NAME = "frontend"
 _FORK_TIMEOUT_S = 30.0
 
@@ -58,6 +66,41 @@ def _prctl(option: int, value) -> bool:
 
 def supported() -> bool:
     return sys.platform.startswith("linux") and os.environ.get("EMBEDSERV_WORKER_ZYGOTE", "1") != "0"
+
+
+def cpu_thread_environment(environ) -> dict[str, str]:
+    """OpenMP threads that sleep, not spin, between parallel regions (unless the user's environment says).
+
+    A CPU worker's thread team shares the cores with the server's event loop and tokenizer. Spinning
+    teammates take those cores between steps, and a team member the kernel then deschedules stalls every
+    parallel region of the next step: small steps on 2 cores ran at 3-25x their cost, one-text p99 240 ms
+    against 70 ms passive, with no loss on compute-bound steps (docs/performance-history.md, issue 34)."""
+    return {} if "OMP_WAIT_POLICY" in environ else {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def _read_at_load(environ) -> dict[str, str]:
+    names = (name for name in environ if name.startswith(_READ_AT_LOAD) and name not in _PER_WORKER)
+    return {name: environ[name] for name in names}
+
+
+# The values of _READ_AT_LOAD this process's libraries loaded under, where record_load_environment said so before
+# torch was imported; else those it started with (/proc/self/environ).
+_load_environment: dict[str, str] | None = None
+
+
+def record_load_environment() -> None:
+    """Notes os.environ as this process's libraries will load under it: call it before anything imports torch."""
+    global _load_environment
+    if "torch" not in sys.modules:
+        _load_environment = _read_at_load(os.environ)
+
+
+def _loaded_under() -> dict[str, str]:
+    if _load_environment is not None:
+        return _load_environment
+    with open("/proc/self/environ", "rb") as environ:
+        pairs = (os.fsdecode(entry).partition("=") for entry in environ.read().split(b"\0") if entry)
+        return _read_at_load({name: value for name, _, value in pairs})
 
 
 class ForkedProcess:
@@ -102,21 +145,48 @@ class ForkedProcess:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
+    def wait(self) -> int | None:
+        self.join()
+        return self.returncode
+
 
 class Zygote:
     """The server's side of one zygote process: starts it, says when it is ready, asks it for processes."""
 
-    def __init__(self, env: dict[str, str]) -> None:
-        self._socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    def __init__(self, proc: subprocess.Popen | ForkedProcess, channel: socket.socket) -> None:
+        self.proc = proc
+        self._socket = channel
         self._lock = threading.Lock()
         self._ready = False
-        self.proc = subprocess.Popen(
+        self._socket.setblocking(False)
+
+    @classmethod
+    def start(cls, env: dict[str, str]) -> Zygote:
+        """A zygote started plain under `env`: it imports what a worker imports first."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        proc = subprocess.Popen(
             [sys.executable, "-m", "embedserv.executor.worker_main", "--zygote", str(theirs.fileno()),
              str(os.getpid())],
             env=env, pass_fds=[theirs.fileno()], start_new_session=True,
         )  # fmt: skip
         theirs.close()
-        self._socket.setblocking(False)
+        return cls(proc, ours)
+
+    @classmethod
+    def fork_here(cls) -> Zygote:
+        """A zygote forked from this process, which has imported what a worker imports and runs no other thread."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        server_pid = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                ours.close()
+                os.setsid()
+                serve(theirs.fileno(), server_pid)  # ends the process
+            finally:
+                os._exit(1)
+        theirs.close()
+        return cls(ForkedProcess(pid), ours)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -169,18 +239,40 @@ def for_environment(env: dict[str, str]) -> Zygote | None:
     cannot be forked (not Linux, EMBEDSERV_WORKER_ZYGOTE=0, or this process cannot adopt them)."""
     if not supported():
         return None
-    shared = {name: value for name, value in env.items() if name not in _PER_WORKER}
-    key = tuple(sorted(shared.items()))
+    shared = _shared(env)
     with _zygotes_lock:
-        zygote = _zygotes.get(key)
+        zygote = _zygotes.get(_key(shared))
         if zygote is None or not zygote.alive():
             if zygote is not None:
                 zygote.close()
             # What a zygote forks becomes this process's child (the middle process exits).
             if not _prctl(_PR_SET_CHILD_SUBREAPER, 1):
                 return None
-            zygote = _zygotes[key] = Zygote(shared)
+            zygote = _zygotes[_key(shared)] = Zygote.start(shared)
         return zygote
+
+
+def fork_here(env: dict[str, str]) -> bool:
+    """Forks this process's zygote for processes under `env` from this process, where it can stand for one started
+    under `env`: this process runs no other thread and loaded its libraries under the same settings (_READ_AT_LOAD).
+    False where it cannot: for_environment then starts one plain when a process is first asked for."""
+    if not supported() or threading.active_count() > 1 or _read_at_load(env) != _loaded_under():
+        return False
+    _import_what_a_worker_imports()  # the server has (it reads models through them): nothing left to do, as a rule
+    shared = _shared(env)
+    with _zygotes_lock:
+        if _key(shared) in _zygotes or not _prctl(_PR_SET_CHILD_SUBREAPER, 1):
+            return False
+        _zygotes[_key(shared)] = Zygote.fork_here()
+    return True
+
+
+def _shared(env: dict[str, str]) -> dict[str, str]:
+    return {name: value for name, value in env.items() if name not in _PER_WORKER}
+
+
+def _key(shared: dict[str, str]) -> tuple:
+    return tuple(sorted(shared.items()))
 
 
 # --- the zygote process ----------------------------------------------------------------------------------------

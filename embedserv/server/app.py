@@ -21,6 +21,9 @@ import signal
 from embedserv import tracing
 from embedserv.config import ModelConfig, ServerConfig
 from embedserv.engine.core.local_core import LocalCore
+from embedserv.errors import ConfigError
+from embedserv.executor import zygote
+from embedserv.executor.process_worker import cpu_process_environment
 from embedserv.server.engine_host import EngineHost, all_or_none
 from embedserv.server.frontend import InflightLimiter
 from embedserv.server.frontend_server import FrontendServer
@@ -80,6 +83,20 @@ class MultiFrontendServer:
 
     async def cancel_calls(self) -> None:
         await self.frontends.cancel_calls()
+
+
+def fork_worker_zygote(config: ServerConfig) -> None:
+    """Forks the zygote of the CPU workers and front ends from this process, before it starts a thread, where their
+    environment lets it (executor/zygote.py, fork_here); else the first of them to start starts one plain."""
+    cpu = [model for model in config.models if model.device == "cpu"]
+    if not cpu and config.num_frontends < 2:
+        return
+    try:
+        env = cpu_process_environment((cpu or list(config.models))[0].cpu_allocator)
+    except ConfigError:  # said where the workers start
+        return
+    if zygote.fork_here(env):
+        logger.debug("forked the worker zygote from the server")
 
 
 def build_server(config: ServerConfig) -> OneProcessServer | MultiFrontendServer:

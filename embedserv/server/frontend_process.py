@@ -14,7 +14,7 @@ import logging
 import os
 import signal
 
-from embedserv import logs, tracing
+from embedserv import logs, metrics, tracing
 from embedserv.config import ServerConfig
 from embedserv.engine.served_model import read_served_model
 from embedserv.errors import ConfigError
@@ -39,6 +39,7 @@ def run_frontend(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     die_with_parent(parent_pid)
+    metrics.value_class_from_environment()
     level, log_format = log_settings
     logs.configure(
         level, log_format, text_format=f"%(asctime)s %(levelname)s %(name)s [front end {index} pid {os.getpid()}]: "

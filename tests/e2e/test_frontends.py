@@ -146,15 +146,16 @@ def test_every_frontend_relays_the_engine_process_metrics_on_the_http_port(serve
 
 
 def test_frontends_and_workers_are_forked_by_one_zygote(server):
-    """The front ends import nothing: they, and both models' workers, are forked by the server's zygote
-    (executor/zygote.py), and all are the server's children, each in a session of its own."""
+    """Nothing imports twice: the server forks its zygote from itself (executor/zygote.py, fork_here), which forks
+    the front ends and both models' workers; all are the server's children, each in a session of its own, and have
+    its command line."""
     _target, proc, *_ = server
     (zygote,) = zygote_pids(proc.pid)
     frontends, workers = _frontends(proc.pid), worker_pids(proc.pid)
     assert len(frontends) == 2 and len(workers) == 2
+    assert cmdline(zygote) == cmdline(proc.pid) and session_id(zygote) == zygote
     for pid in (*frontends, *workers):
-        assert "--zygote" in cmdline(pid) and session_id(pid) == pid
-        assert cmdline(pid) == cmdline(zygote)
+        assert cmdline(pid) == cmdline(zygote) and session_id(pid) == pid
 
 
 def test_a_frontend_that_dies_is_started_again(server):

@@ -18,7 +18,8 @@ from typing import TypeVar
 
 from embedserv.executor import zygote
 
-# Every worker process is started as `python -m embedserv.executor.worker_main ...`, or forked by a zygote started so.
+# A worker process started plain runs `python -m embedserv.executor.worker_main ...`, as does a zygote started plain.
+# What a zygote forks has the zygote's command line (the server's, where the server forked it) and a name of its own.
 WORKER_MARKER = "embedserv.executor.worker_main"
 # What the command line of a front-end process (`--frontends N`) started by multiprocessing's spawn holds.
 FRONTEND_MARKER = "multiprocessing.spawn"
@@ -92,14 +93,9 @@ def has_marker(pid: int, marker: str = WORKER_MARKER) -> bool:
     return marker in " ".join(cmdline(pid))
 
 
-def pids_with_cmdline(marker: str) -> list[int]:
-    """Live processes, anywhere on the machine, whose command line contains `marker`."""
-    return [pid for pid in all_pids() if pid != os.getpid() and has_marker(pid, marker) and is_alive(pid)]
-
-
 def worker_pids(server_pid: int) -> list[int]:
     """The live worker processes of the server `server_pid`: its children started as embedserv.executor.worker_main,
-    or forked by its zygote (which shares that command line, as do the front ends it forks: executor/zygote.py)."""
+    or forked by its zygote and named so (executor/zygote.py)."""
     return [pid for pid in child_pids(server_pid) if role(pid) == "worker"]
 
 
@@ -121,23 +117,29 @@ def zygote_pids(server_pid: int) -> list[int]:
 
 
 def role(pid: int) -> str:
-    """What the process is among a server's: "zygote", "front end", "worker", or "other" (the server itself)."""
-    name, marked = command_name(pid), has_marker(pid)
-    if marked and name == zygote.NAME:
+    """What the process is among a server's: "zygote", "front end", "worker", or "other" (the server itself, or a
+    process that is none of these). By the names the zygote gives, else by the command line a process started plain
+    runs (a zygote started plain has it, not yet its name, while it imports)."""
+    name = command_name(pid)
+    if name == zygote.NAME:
         return "zygote"
-    if has_marker(pid, FRONTEND_MARKER) or (marked and name == zygote.FRONTEND_NAME):
+    if name == zygote.FRONTEND_NAME or has_marker(pid, FRONTEND_MARKER):
         return "front end"
-    return "worker" if marked else "other"
+    if name == zygote.WORKER_NAME:
+        return "worker"
+    if has_marker(pid):
+        return "zygote" if "--zygote" in cmdline(pid) else "worker"
+    return "other"
 
 
-def survivors(pids: Iterable[int], marker: str = WORKER_MARKER) -> list[int]:
-    """Those of `pids` still alive and still running a command line with `marker` (a reused pid is not one)."""
-    return [pid for pid in pids if is_alive(pid) and has_marker(pid, marker)]
+def survivors(pids: Iterable[int]) -> list[int]:
+    """Those of `pids` still alive and still a server's worker, zygote or front end (a reused pid is not one)."""
+    return [pid for pid in pids if is_alive(pid) and role(pid) != "other"]
 
 
-def kill_survivors(pids: Iterable[int], marker: str = WORKER_MARKER) -> list[int]:
+def kill_survivors(pids: Iterable[int]) -> list[int]:
     """SIGKILL those of `pids` that `survivors` still finds (clean-up after a failed test); return them."""
-    left = survivors(pids, marker)
+    left = survivors(pids)
     for pid in left:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)

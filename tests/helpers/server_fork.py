@@ -196,7 +196,7 @@ def _serve_one(sock: socket.socket, request: dict) -> None:
 
     code = 1
     try:
-        code = main(request["args"])
+        code = main()  # from sys.argv, as the console script calls it: the process is the server's own
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if not isinstance(exc.code, int | None):

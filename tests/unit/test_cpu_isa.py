@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from embedserv import cpu_isa
-from embedserv.attention.backends import sdpa
+from embedserv.attention.backends import cpu_varlen_kernel, sdpa
 from embedserv.config import ModelConfig
 from embedserv.engine.served_model import log_spec, read_served_model
 
@@ -23,10 +23,15 @@ AVX512_ONLY = cpu_isa.CpuIsa("Intel Xeon 8175M", frozenset({"avx2", "avx512f"}))
 
 @pytest.fixture
 def fake_cpu(monkeypatch):
+    """Makes cpu_isa.detect() say `isa` for the test. Nothing it runs may load the cpu_varlen kernel: the process
+    keeps the first build it loads (built for the faked CPU's class), and later tests in it would run that build."""
+    loaded = dict(cpu_varlen_kernel._loaded)
+
     def use(isa: cpu_isa.CpuIsa) -> None:
         monkeypatch.setattr(cpu_isa, "detect", lambda: isa)
 
-    return use
+    yield use
+    assert cpu_varlen_kernel._loaded == loaded, "a test with a faked CPU loaded the cpu_varlen kernel"
 
 
 def test_cpuinfo_is_read_for_the_model_name_and_flags(tmp_path):
@@ -102,7 +107,8 @@ def test_bfloat16_without_native_bf16_warns_with_the_measured_cost(fake_cpu):
 @pytest.mark.parametrize(("isa", "warns"), [(AVX2_EPYC, True), (AVX512_BF16, False)])
 def test_serving_bfloat16_logs_the_warning_at_start_up(isa, warns, fake_cpu, bundled_dir, caplog):
     fake_cpu(isa)
-    config = ModelConfig(path=str(bundled_dir), served_name="m", dtype="bfloat16")
+    # sdpa: the default (cpu_varlen) would load its kernel built for the faked CPU into this process.
+    config = ModelConfig(path=str(bundled_dir), served_name="m", dtype="bfloat16", attention_backend="sdpa")
     with caplog.at_level(logging.INFO, logger="embedserv"):
         log_spec(read_served_model(config), config)
 

@@ -14,9 +14,10 @@ from tests.helpers.processes import cmdline, command_name, worker_pids, zygote_p
 from tests.helpers.server import running_server
 
 
-def test_a_load_time_setting_the_server_did_not_load_under_gets_a_zygote_started_plain(bundled_dir):
-    # The test servers are forked from a parent that loaded without it, as a server started under another
-    # environment than its workers' would have.
+def test_a_load_time_setting_the_server_did_not_load_under_gets_a_zygote_started_plain(bundled_dir, monkeypatch):
+    # A forked test server's libraries loaded in its parent (tests/helpers/server_fork.py), without the setting: it
+    # stands for a server whose workers' environment differs from what it loaded under.
+    monkeypatch.setenv("EMBEDSERV_TEST_FORK_SERVERS", "1")
     env = {"MALLOC_ARENA_MAX": "2"}
     with running_server(["--model", str(bundled_dir)], env=env) as (target, proc):
         with grpc.insecure_channel(target) as channel:

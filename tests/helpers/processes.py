@@ -118,18 +118,15 @@ def zygote_pids(server_pid: int) -> list[int]:
 
 def role(pid: int) -> str:
     """What the process is among a server's: "zygote", "front end", "worker", or "other" (the server itself, or a
-    process that is none of these). By the names the zygote gives, else by the command line a process started plain
-    runs (a zygote started plain has it, not yet its name, while it imports)."""
+    process that is none of these). By the names the zygote gives, else by the command line of a process started
+    plain: a worker's, or a zygote's not yet named while it imports (taken for a worker, as are the workers that
+    earlier commits' zygotes forked without a name: benchmarks run those too)."""
     name = command_name(pid)
     if name == zygote.NAME:
         return "zygote"
     if name == zygote.FRONTEND_NAME or has_marker(pid, FRONTEND_MARKER):
         return "front end"
-    if name == zygote.WORKER_NAME:
-        return "worker"
-    if has_marker(pid):
-        return "zygote" if "--zygote" in cmdline(pid) else "worker"
-    return "other"
+    return "worker" if name == zygote.WORKER_NAME or has_marker(pid) else "other"
 
 
 def survivors(pids: Iterable[int]) -> list[int]:

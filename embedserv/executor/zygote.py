@@ -173,7 +173,7 @@ class Zygote:
         return cls(proc, ours)
 
     @classmethod
-    def fork_here(cls) -> Zygote:
+    def forked_from_here(cls) -> Zygote:
         """A zygote forked from this process, which has imported what a worker imports and runs no other thread."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         server_pid = os.getpid()
@@ -263,7 +263,7 @@ def fork_here(env: dict[str, str]) -> bool:
     with _zygotes_lock:
         if _key(shared) in _zygotes or not _prctl(_PR_SET_CHILD_SUBREAPER, 1):
             return False
-        _zygotes[_key(shared)] = Zygote.fork_here()
+        _zygotes[_key(shared)] = Zygote.forked_from_here()
     return True
 
 

@@ -29,7 +29,7 @@ def test_a_different_load_time_setting_or_another_thread_refuses_before_forking(
             return True
 
     forked = Forked()
-    monkeypatch.setattr(zygote.Zygote, "fork_here", classmethod(lambda cls: forks.append(1) or forked))
+    monkeypatch.setattr(zygote.Zygote, "forked_from_here", classmethod(lambda cls: forks.append(1) or forked))
     monkeypatch.setattr(zygote, "_zygotes", {})
     monkeypatch.setattr(zygote, "_prctl", lambda option, value: True)
     monkeypatch.setattr(zygote, "_load_environment", {"OMP_WAIT_POLICY": "PASSIVE"})

@@ -142,16 +142,19 @@ def dtype_warning(dtype: str) -> str | None:
 # --- Constants tuned per ISA class (measured where docs/performance-history.md says; the rest inherit). ---
 
 # Token budget of one CPU forward pass. Past it the activations spill out of cache and the time per token
-# rises. 4096 was measured on an AVX-512-bf16 machine (docs/performance-history.md) and is kept for the other
-# classes until benchmarks/cpu_efficiency.py's sweep on one of them says otherwise.
+# rises. 4096 was measured on an AVX-512-bf16 machine and on an AMX Xeon (float32 MiniLM: 7,028 tokens/s against
+# 6,982 at 2048 and 5,927 at 8192; docs/performance-history.md) and is kept for the other classes until
+# benchmarks/cpu_efficiency.py's sweep on one of them says otherwise.
 _CPU_BATCH_TOKENS = {"amx": 4096, "avx512_bf16": 4096, "avx512": 4096, "avx2": 4096, "baseline": 4096}
 
 # bfloat16 attention on CPU: two batched matmuls beat SDPA's flash kernel from a run length on, and from a
 # shorter length when the run holds enough tokens to pay the matmuls' fixed cost (about 40 us a call):
 # (length, short length, tokens of a run of short sequences). Measured on an AVX-512-bf16 machine
 # (docs/performance-history.md, issue 33: 4 x 57 tokens 186 us against the kernel's 329); where bf16 is emulated
-# the matmuls are as slow as the kernel's own emulated math, so the flash kernel (less memory) stays.
-_BF16_MATMUL_ATTENTION = {"amx": (64, 32, 128), "avx512_bf16": (64, 32, 128)}
+# the matmuls are as slow as the kernel's own emulated math, so the flash kernel (less memory) stays. On an AMX
+# Xeon the flash kernel won end to end (issue 56: MiniLM 15,109 tokens/s against 12,527 with these matmuls,
+# bge-base 3,493 against 3,286; interleaved), so it keeps the flash kernel too.
+_BF16_MATMUL_ATTENTION = {"avx512_bf16": (64, 32, 128)}
 _NEVER = 1 << 30
 
 
@@ -190,16 +193,25 @@ FUSIONS = ("auto", "compiled", "eager")
 # (docs/performance-history.md, issue 56): on an AVX-512-bf16 EPYC 1.05-1.06x sdpa at float32 and 1.04-1.12x at
 # bfloat16, and one layer's attention at bge-base's 64-wide heads 1.46x at float32 but 0.91x at bfloat16 (sdpa's
 # native bf16 matmuls); on an AVX2-only EPYC 1.03-1.11x at float32 (four alternating pairs; 64-wide heads not
-# measured there). Not measured on the other classes, so sdpa stays their default.
-_CPU_VARLEN_DEFAULT = {"avx512_bf16": {"float32": 128, "bfloat16": 32}, "avx2": {"float32": 32}}
+# measured there); on an AMX Xeon, end to end, interleaved, at 32-wide heads 1.07-1.11x sdpa at float32 and 1.08x
+# sdpa's flash kernel at bfloat16, at bge-base's 64-wide heads 0.96x at float32 and 0.85x at bfloat16 (sdpa's flash
+# kernel calls oneDNN's bf16 brgemm ukernel there, ONEDNN_VERBOSE shows). Not measured on the other classes, so
+# sdpa stays their default.
+_CPU_VARLEN_DEFAULT = {
+    "amx": {"float32": 32, "bfloat16": 32},
+    "avx512_bf16": {"float32": 128, "bfloat16": 32},
+    "avx2": {"float32": 32},
+}
 # For a model that generates, its decodes decide, by dtype: on the AVX-512-bf16 class cpu_varlen's paged_decode read
 # one layer's decodes 1.2-5.2x faster than sdpa's path at float32 and 4-15x at bfloat16 (64- and 128-wide heads),
 # and SmolLM2-135M's shape generated 1.07-1.32x (8 streams) and 1.29-1.47x (32 streams) faster at bfloat16 (three
 # runs), where its prompts alone would have kept sdpa; so there it is the default at every head size it runs. On an
 # AVX2-only EPYC, float32, behind the server (benchmarks/generate_servers.py, 2-layer Llama, 4 heads of 64) it
 # generated 1.17-1.22x sdpa at 32 streams and 1.27-1.31x at 128; under an AVX2 cap on the AVX-512 machine
-# SmolLM2's shape had measured 0.88x at 32 streams, which the real AVX2 part did not bear out.
-_CPU_VARLEN_GENERATES = {"avx512_bf16": ("float32", "bfloat16"), "avx2": ("float32",)}
+# SmolLM2's shape had measured 0.88x at 32 streams, which the real AVX2 part did not bear out. On an AMX Xeon, the
+# same benchmark against sdpa: 1.26-1.40x at 128 streams, 0.82-1.03x then 1.15-1.32x at 32 (two runs; the first
+# disturbed: its host ms/step rose too). bfloat16 generation not measured there, so sdpa stays its default.
+_CPU_VARLEN_GENERATES = {"amx": ("float32",), "avx512_bf16": ("float32", "bfloat16"), "avx2": ("float32",)}
 
 
 def cpu_varlen_default(dtype: str, head_size: int, generates: bool = False) -> bool:

@@ -36,7 +36,10 @@ def test_cpu_default_is_sdpa_or_where_it_measured_faster_cpu_varlen():
         ("avx512", torch.float32, 32, False, "sdpa"),
         ("avx2", torch.float32, 32, False, "cpu_varlen"),
         ("avx2", torch.float32, 64, False, "sdpa"),
-        ("amx", torch.bfloat16, 32, False, "sdpa"),
+        ("amx", torch.float32, 32, False, "cpu_varlen"),
+        ("amx", torch.float32, 64, False, "sdpa"),
+        ("amx", torch.bfloat16, 32, False, "cpu_varlen"),
+        ("amx", torch.bfloat16, 64, False, "sdpa"),
         # A model that generates: its decodes decide (cpu_isa: paged_decode against sdpa's decode path), whatever
         # its prompts' head size, on a class where it was measured.
         ("avx512_bf16", torch.bfloat16, 64, True, "cpu_varlen"),
@@ -45,6 +48,8 @@ def test_cpu_default_is_sdpa_or_where_it_measured_faster_cpu_varlen():
         ("avx512", torch.float32, 64, True, "sdpa"),
         ("avx2", torch.bfloat16, 64, True, "sdpa"),
         ("avx2", torch.float32, 64, True, "cpu_varlen"),
+        ("amx", torch.float32, 64, True, "cpu_varlen"),
+        ("amx", torch.bfloat16, 64, True, "sdpa"),
     ],
 )
 def test_cpu_varlen_is_the_default_only_where_it_was_measured_faster(

@@ -124,6 +124,8 @@ def test_constants_follow_the_isa(fake_cpu):
     assert ModelConfig(path="m", served_name="m").batch_token_budget == cpu_isa.cpu_batch_tokens()
     fake_cpu(AMX)
     assert cpu_isa.int8_levels() == (127, 255)
+    assert not cpu_isa.bf16_matmul_attention(1000, 4096)  # the flash kernel measured faster on AMX
+    fake_cpu(AVX512_BF16)
     assert cpu_isa.bf16_matmul_attention(1, 64) and not cpu_isa.bf16_matmul_attention(1, 63)
     # Shorter runs from 32 tokens when they hold 128 tokens or more.
     assert cpu_isa.bf16_matmul_attention(4, 32) and not cpu_isa.bf16_matmul_attention(3, 32)
@@ -131,14 +133,15 @@ def test_constants_follow_the_isa(fake_cpu):
     assert ModelConfig(path="m", served_name="m", max_batch_tokens=100).batch_token_budget == 100
 
 
-@pytest.mark.parametrize("isa", [AVX2_EPYC, AMX])
-def test_bfloat16_attention_on_either_path_matches_float32(isa, fake_cpu):
-    """On a native-bf16 CPU long runs take the two-matmul path, elsewhere SDPA's kernel: both compute the
-    same attention (compared with float32 SDPA, at bfloat16's tolerance)."""
+@pytest.mark.parametrize(("isa", "matmuls"), [(AVX2_EPYC, False), (AVX512_BF16, True), (AMX, False)])
+def test_bfloat16_attention_on_either_path_matches_float32(isa, matmuls, fake_cpu):
+    """On an AVX-512-bf16 CPU long runs take the two-matmul path, elsewhere (bf16 emulated; AMX, where the flash
+    kernel measured faster) SDPA's kernel: both compute the same attention (compared with float32 SDPA, at
+    bfloat16's tolerance)."""
     fake_cpu(isa)
     torch.manual_seed(0)
     q, k, v = (torch.randn(3, 4, 96, 32) for _ in range(3))
-    assert sdpa._uses_matmuls(q.bfloat16(), 96) == isa.native_bf16
+    assert sdpa._uses_matmuls(q.bfloat16(), 96) == matmuls
 
     got = sdpa._attend_batched(32**-0.5, q.bfloat16(), k.bfloat16(), v.bfloat16(), False, False, None)
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v)

@@ -2,7 +2,7 @@
 vLLM's CPU OpenAI server (/v1/completions), same model, same prompts, same run; and embedserv's host time per
 step.
 
-    python benchmarks/generate_servers.py [--streams 32,128] [--max-tokens 64] [--repeats 3]
+    python benchmarks/generate_servers.py [--streams 32,128] [--max-tokens 64] [--repeats 3] [--dtype float32]
         [--base /tmp/wt-gen-base] [--vllm-python .peers/vllm/bin/python] [--servers embedserv,base,vllm]
 
 The model is a random-weight Llama with 2 layers, hidden 256 (4 heads, MLP 1024, tied embeddings) and the
@@ -66,22 +66,22 @@ class Served:
         return (["grpc"] if self.grpc else []) + ["http"]
 
 
-def embedserv_cmd(python: str, model: str) -> tuple[list[str], Served]:
+def embedserv_cmd(python: str, model: str, dtype: str) -> tuple[list[str], Served]:
     port, http_port, metrics_port = free_port(), free_port(), free_port()
     cmd = [python, "-m", "embedserv", "serve", "--model", model, "--served-model-name", NAME, "--host", "127.0.0.1",
            "--port", str(port), "--http-port", str(http_port), "--metrics-port", str(metrics_port), "--device", "cpu",
-           "--dtype", "float32", "--log-level", "warning"]  # fmt: skip
+           "--dtype", dtype, "--log-level", "warning"]  # fmt: skip
     served = Served(
         "", f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}", f"http://127.0.0.1:{metrics_port}/metrics"
     )
     return cmd, served
 
 
-def vllm_cmd(python: str, model: str) -> tuple[list[str], Served]:
+def vllm_cmd(python: str, model: str, dtype: str) -> tuple[list[str], Served]:
     """vLLM's OpenAI server through its module (see peer_runners/servers.py: vllm_server), generate runner."""
     port = free_port()
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--runner", "generate",
-           "--dtype", "float32", "--max-model-len", "2048", "--served-model-name", NAME, "--host", "127.0.0.1",
+           "--dtype", dtype, "--max-model-len", "2048", "--served-model-name", NAME, "--host", "127.0.0.1",
            "--port", str(port), "--seed", "0"]  # fmt: skip
     return cmd, Served("vLLM server", None, f"http://127.0.0.1:{port}", None)
 
@@ -158,16 +158,16 @@ def start_servers(stack: ExitStack, args, model: str, log_dir: Path) -> list[Ser
     wanted = args.servers.split(",")
     specs = []
     if "embedserv" in wanted:
-        cmd, served = embedserv_cmd(python, model)
+        cmd, served = embedserv_cmd(python, model, args.dtype)
         specs.append(
             ("embedserv", cmd, served, peer_env("embedserv", python) | {"PYTHONPATH": str(REPO_ROOT)}, REPO_ROOT)
         )
     if "base" in wanted and args.base:
-        cmd, served = embedserv_cmd(python, model)
+        cmd, served = embedserv_cmd(python, model, args.dtype)
         base = Path(args.base).resolve()
         specs.append(("embedserv base", cmd, served, peer_env("embedserv", python) | {"PYTHONPATH": str(base)}, base))
     if "vllm" in wanted:
-        cmd, served = vllm_cmd(args.vllm_python, model)
+        cmd, served = vllm_cmd(args.vllm_python, model, args.dtype)
         specs.append(("vLLM server", cmd, served, peer_env("vllm", args.vllm_python), REPO_ROOT))
     servers = []
     for label, cmd, served, env, cwd in specs:
@@ -184,6 +184,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", default="32,128")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="float32", help="every server's --dtype (float32 or bfloat16)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--base", default="", help="a worktree of the commit to compare with")
     parser.add_argument("--vllm-python", default=str(REPO_ROOT / ".peers" / "vllm" / "bin" / "python"))
@@ -212,7 +213,8 @@ def main() -> None:
 
 
 def print_table(results: dict, args) -> None:
-    print(f"\n{args.max_tokens} tokens per stream, greedy, EOS ignored; best of {args.repeats} interleaved rounds\n")
+    rounds = f"best of {args.repeats} interleaved rounds"
+    print(f"\n{args.dtype}, {args.max_tokens} tokens per stream, greedy, EOS ignored; {rounds}\n")
     print("| server | protocol | streams | output tok/s | vs vLLM | tokens | steps | model ms/step | host ms/step "
           "| server CPU ms/step |")  # fmt: skip
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -49,7 +49,7 @@ def test_cpu_default_is_sdpa_or_where_it_measured_faster_cpu_varlen():
         ("avx2", torch.bfloat16, 64, True, "sdpa"),
         ("avx2", torch.float32, 64, True, "cpu_varlen"),
         ("amx", torch.float32, 64, True, "cpu_varlen"),
-        ("amx", torch.bfloat16, 64, True, "sdpa"),
+        ("amx", torch.bfloat16, 64, True, "cpu_varlen"),
     ],
 )
 def test_cpu_varlen_is_the_default_only_where_it_was_measured_faster(

@@ -1,7 +1,7 @@
 """How close the CPU engine comes to this machine's own matmul rate, and where the rest of the time goes.
 
     python benchmarks/cpu_efficiency.py [--model DIR] [--texts 1000] [--repeats 2] [--precisions float32,int8]
-        [--attention sdpa,cpu_varlen]
+        [--attention sdpa,cpu_varlen] [--budgets 1024,2048,4096,8192] [--budget-precision float32]
 
 1. The machine's rate for the model's linear shapes: each distinct (in, out) shape of the model's
    linears at 4096 rows, oneDNN packed float32 (bfloat16 where native), and our int8 path.
@@ -124,6 +124,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--precisions", default="float32,int8", help="as benchmarks/precisions.py takes them")
     parser.add_argument("--budgets", default="1024,2048,4096,8192", help="token budgets to sweep; empty: none")
+    parser.add_argument("--budget-precision", default="float32", help="the precision the budgets are swept at")
     parser.add_argument(
         "--attention", default="", help="attention backends to compare, each with every precision; empty: the default"
     )
@@ -181,10 +182,11 @@ def main() -> None:
         engine.__exit__(None, None, None)
         print(f"| {name} | {tokens} | {tokens / seconds:.0f} |")
 
-    print("\n| float32 --max-batch-tokens | tokens/s |")
+    print(f"\n| {args.budget_precision} --max-batch-tokens | tokens/s |")
     print("|---:|---:|")
     for budget in filter(None, args.budgets.split(",")):
-        seconds, tokens, engine = run_engine(args.model, texts, args.repeats, max_batch_tokens=int(budget))
+        options = precision_options(args.budget_precision) | {"max_batch_tokens": int(budget)}
+        seconds, tokens, engine = run_engine(args.model, texts, args.repeats, **options)
         engine.__exit__(None, None, None)
         print(
             f"| {budget}{' (default here)' if int(budget) == cpu_isa.cpu_batch_tokens() else ''} "

@@ -142,9 +142,10 @@ def dtype_warning(dtype: str) -> str | None:
 # --- Constants tuned per ISA class (measured where docs/performance-history.md says; the rest inherit). ---
 
 # Token budget of one CPU forward pass. Past it the activations spill out of cache and the time per token
-# rises. 4096 was measured on an AVX-512-bf16 machine and on an AMX Xeon (float32 MiniLM: 7,028 tokens/s against
-# 6,982 at 2048 and 5,927 at 8192; docs/performance-history.md) and is kept for the other classes until
-# benchmarks/cpu_efficiency.py's sweep on one of them says otherwise.
+# rises. 4096 was measured on an AVX-512-bf16 machine and on an AMX Xeon (MiniLM, float32: 7,028 tokens/s against
+# 6,982 at 2048 and 5,927 at 8192; bfloat16: 19,447-19,917 against 16,666 at 2048 and 19,434 at 8192;
+# docs/performance-history.md) and is kept for the other classes until benchmarks/cpu_efficiency.py's sweep on one
+# of them says otherwise.
 _CPU_BATCH_TOKENS = {"amx": 4096, "avx512_bf16": 4096, "avx512": 4096, "avx2": 4096, "baseline": 4096}
 
 # bfloat16 attention on CPU: two batched matmuls beat SDPA's flash kernel from a run length on, and from a

@@ -210,7 +210,7 @@ _CPU_VARLEN_DEFAULT = {
 # AVX2-only EPYC, float32, behind the server (benchmarks/generate_servers.py, 2-layer Llama, 4 heads of 64) it
 # generated 1.17-1.22x sdpa at 32 streams and 1.27-1.31x at 128; under an AVX2 cap on the AVX-512 machine
 # SmolLM2's shape had measured 0.88x at 32 streams, which the real AVX2 part did not bear out. On an AMX Xeon, the
-# same benchmark against sdpa: 1.26-1.40x at 128 streams, 0.82-1.03x then 1.15-1.32x at 32 (two runs; the first
+# same benchmark against sdpa: 1.26-1.40x at 128 streams, 0.81-1.03x then 1.15-1.32x at 32 (two runs; the first
 # disturbed: its host ms/step rose too); at bfloat16 (--dtype bfloat16) 1.44-1.45x at 32 streams, 3.8-4.1x at 128.
 _CPU_VARLEN_GENERATES = {"amx": ("float32", "bfloat16"), "avx512_bf16": ("float32", "bfloat16"), "avx2": ("float32",)}
 
